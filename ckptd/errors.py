@@ -1,0 +1,293 @@
+"""The typed error tree of ckptd.
+
+Every error has a stable ``code`` (append-only: never renamed or reused) that the
+HTTP API returns in its JSON error body, and the client turns back into the same
+type. ``HTTP_STATUS`` is the one place that maps codes to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class CkptdError(Exception):
+    """Root of every error ckptd raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "detail": self.detail}
+
+
+# -- bad input (4xx) ------------------------------------------------------------------
+
+
+class InvalidRequest(CkptdError, ValueError):
+    code = "invalid_request"
+
+
+class InvalidName(InvalidRequest):
+    """A job name, chunk id, step or rank that does not match its pattern."""
+
+    code = "invalid_name"
+
+
+class InvalidDocument(InvalidRequest):
+    """A manifest or commit record that does not parse or breaks the format."""
+
+    code = "invalid_document"
+
+
+class UnsupportedFormat(InvalidDocument):
+    """A document whose format version this reader does not know."""
+
+    code = "unsupported_format"
+
+
+class UnsupportedValue(InvalidRequest, TypeError):
+    """A state-dict leaf that ckptd cannot store without pickling."""
+
+    code = "unsupported_value"
+
+
+class TooLarge(InvalidRequest):
+    code = "too_large"
+
+
+class Unauthorized(CkptdError, PermissionError):
+    code = "unauthorized"
+
+
+class Forbidden(CkptdError, PermissionError):
+    code = "forbidden"
+
+
+# -- missing things (404) -------------------------------------------------------------
+
+
+class NotFound(CkptdError, KeyError):
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class ChunkNotFound(NotFound):
+    code = "chunk_not_found"
+
+
+class ManifestNotFound(NotFound):
+    code = "manifest_not_found"
+
+
+class CheckpointNotFound(NotFound):
+    """No committed checkpoint for the job (and step) asked for."""
+
+    code = "checkpoint_not_found"
+
+
+class JobNotFound(NotFound):
+    code = "job_not_found"
+
+
+# -- integrity: bytes that are not what their name says ---------------------------------
+
+
+class IntegrityError(CkptdError):
+    code = "integrity"
+
+
+class ChunkHashMismatch(IntegrityError, ValueError):
+    """A chunk's bytes do not hash to its id (on upload, on read, on restore)."""
+
+    code = "chunk_hash_mismatch"
+
+
+class ChunkSizeMismatch(IntegrityError, ValueError):
+    code = "chunk_size_mismatch"
+
+
+class ManifestHashMismatch(IntegrityError, ValueError):
+    code = "manifest_hash_mismatch"
+
+
+# -- cross-rank validation of a step (409: the step cannot commit as it is) -------------
+
+
+class ValidationFailed(CkptdError):
+    """The rank manifests of a step do not form one consistent checkpoint."""
+
+    code = "validation_failed"
+
+
+class JobMismatch(ValidationFailed):
+    code = "job_mismatch"
+
+
+class StepMismatch(ValidationFailed):
+    code = "step_mismatch"
+
+
+class WorldSizeMismatch(ValidationFailed):
+    code = "world_size_mismatch"
+
+
+class DtypeMismatch(ValidationFailed):
+    code = "dtype_mismatch"
+
+
+class ShapeMismatch(ValidationFailed):
+    code = "shape_mismatch"
+
+
+class ShardOutOfBounds(ValidationFailed):
+    code = "shard_out_of_bounds"
+
+
+class TilingGap(ValidationFailed):
+    code = "tiling_gap"
+
+
+class TilingOverlap(ValidationFailed):
+    code = "tiling_overlap"
+
+
+class ReplicaMismatch(ValidationFailed):
+    code = "replica_mismatch"
+
+
+class MissingChunks(ValidationFailed):
+    """A manifest or a step names chunks the store does not hold."""
+
+    code = "missing_chunks"
+
+
+# -- state conflicts (409) --------------------------------------------------------------
+
+
+class Conflict(CkptdError):
+    code = "conflict"
+
+
+class AlreadyCommitted(Conflict):
+    """A step is committed; its manifests can no longer change."""
+
+    code = "already_committed"
+
+
+class RefConflict(Conflict):
+    """A compare-and-swap of a ref lost against a concurrent writer."""
+
+    code = "ref_conflict"
+
+
+class NotCommitted(Conflict):
+    """The step asked for exists but never committed."""
+
+    code = "not_committed"
+
+
+# -- the service and the transport (5xx and client side) ---------------------------------
+
+
+class Unavailable(CkptdError, ConnectionError):
+    """The server or the store could not be reached, after the retries."""
+
+    code = "unavailable"
+
+
+class Timeout(CkptdError, TimeoutError):
+    code = "timeout"
+
+
+class StoreError(CkptdError, OSError):
+    code = "store_error"
+
+
+class SnapshotSkipped(CkptdError):
+    """A save was skipped because one was in flight and the policy says skip."""
+
+    code = "snapshot_skipped"
+
+
+class RestoreError(CkptdError):
+    """A restore could not produce the committed state (named entries or chunks)."""
+
+    code = "restore_failed"
+
+
+HTTP_STATUS: dict[str, int] = {
+    "internal": 500,
+    "invalid_request": 400,
+    "invalid_name": 400,
+    "invalid_document": 400,
+    "unsupported_format": 400,
+    "unsupported_value": 400,
+    "too_large": 413,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "chunk_not_found": 404,
+    "manifest_not_found": 404,
+    "checkpoint_not_found": 404,
+    "job_not_found": 404,
+    "integrity": 422,
+    "chunk_hash_mismatch": 422,
+    "chunk_size_mismatch": 422,
+    "manifest_hash_mismatch": 422,
+    "validation_failed": 409,
+    "job_mismatch": 409,
+    "step_mismatch": 409,
+    "world_size_mismatch": 409,
+    "dtype_mismatch": 409,
+    "shape_mismatch": 409,
+    "shard_out_of_bounds": 409,
+    "tiling_gap": 409,
+    "tiling_overlap": 409,
+    "replica_mismatch": 409,
+    "missing_chunks": 409,
+    "conflict": 409,
+    "already_committed": 409,
+    "ref_conflict": 409,
+    "not_committed": 409,
+    "unavailable": 503,
+    "timeout": 504,
+    "store_error": 500,
+    "snapshot_skipped": 409,
+    "restore_failed": 500,
+}
+
+
+def _all_error_types() -> dict[str, type[CkptdError]]:
+    found: dict[str, type[CkptdError]] = {}
+    pending: list[type[CkptdError]] = [CkptdError]
+    while pending:
+        cls = pending.pop()
+        found[cls.code] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+ERRORS_BY_CODE: dict[str, type[CkptdError]] = _all_error_types()
+
+
+def http_status(code: str) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+def from_json(body: dict[str, Any], fallback_status: int = 500) -> CkptdError:
+    """Rebuild the typed error that a server sent as JSON."""
+    code = str(body.get("code", "internal"))
+    message = str(body.get("message", f"server error (HTTP {fallback_status})"))
+    detail = body.get("detail") or {}
+    cls = ERRORS_BY_CODE.get(code, CkptdError)
+    err = cls(message, **(detail if isinstance(detail, dict) else {"detail": detail}))
+    return err

@@ -1,0 +1,363 @@
+"""The on-store format, version 1: names, keys, and the two documents.
+
+``docs/FORMAT.md`` is the prose of this module; keep them in agreement. Documents
+are JSON in a canonical encoding (sorted keys, no spaces, UTF-8, no NaN), so the
+same content always gives the same bytes and the same blake3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckptd import dtypes
+from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
+from ckptd.hashing import chunk_count, document_hash
+from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
+FORMAT_VERSION = 1
+MANIFEST_FORMAT = "ckptd.rank_manifest"
+COMMIT_FORMAT = "ckptd.commit"
+REF_FORMAT = "ckptd.ref"
+
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_STEP = 10**15
+MAX_WORLD_SIZE = 1 << 20
+MAX_NAME_LEN = 4096
+MAX_TREE_DEPTH = 64
+
+Placement = Literal["replicated", "sharded", "local"]
+
+
+# -- names and keys --------------------------------------------------------------------
+
+
+def check_job(job: str) -> str:
+    if not isinstance(job, str) or not JOB_RE.match(job):
+        raise InvalidName(
+            f"job name {job!r} must match {JOB_RE.pattern} (letters, digits, '.', '_', '-')",
+            job=str(job)[:200],
+        )
+    return job
+
+
+def check_chunk_id(cid: str) -> str:
+    if not isinstance(cid, str) or not CHUNK_ID_RE.match(cid):
+        raise InvalidName(f"chunk id {str(cid)[:80]!r} is not 64 lowercase hex digits")
+    return cid
+
+
+def check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
+        raise InvalidName(f"step {step!r} must be an integer in [0, {MAX_STEP})")
+    return step
+
+
+def check_rank(rank: int, world_size: int) -> int:
+    check_world_size(world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidName(f"rank {rank!r} must be in [0, {world_size})")
+    return rank
+
+
+def check_world_size(world_size: int) -> int:
+    if (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, int)
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+    ):
+        raise InvalidName(f"world size {world_size!r} must be in [1, {MAX_WORLD_SIZE}]")
+    return world_size
+
+
+def chunk_key(cid: str) -> str:
+    check_chunk_id(cid)
+    return f"chunks/{cid[:2]}/{cid}"
+
+
+def job_prefix(job: str) -> str:
+    return f"jobs/{check_job(job)}/"
+
+
+def step_prefix(job: str, step: int) -> str:
+    return f"{job_prefix(job)}steps/{check_step(step)}/"
+
+
+def manifest_key(job: str, step: int, rank: int) -> str:
+    return f"{step_prefix(job, step)}ranks/{rank}.json"
+
+
+def commit_key(job: str, step: int) -> str:
+    return f"{step_prefix(job, step)}commit.json"
+
+
+def latest_key(job: str) -> str:
+    return f"{job_prefix(job)}refs/latest"
+
+
+# -- canonical JSON ---------------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one encoding of a document: sorted keys, no whitespace, UTF-8, no NaN."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _parse_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
+
+
+def _check_header(doc: Any, fmt: str, what: str) -> None:
+    if not isinstance(doc, dict):
+        raise InvalidDocument(f"{what} must be a JSON object")
+    if doc.get("format") != fmt:
+        raise InvalidDocument(f"{what} has format {doc.get('format')!r}, expected {fmt!r}")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormat(
+            f"{what} has format version {version!r}; this ckptd reads version {FORMAT_VERSION}",
+            version=version,
+        )
+
+
+def _pydantic_error(exc: ValidationError, what: str) -> InvalidDocument:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return InvalidDocument(f"{what}: {where}: {first.get('msg')}", errors=exc.error_count())
+
+
+class _Document(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def canonical(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json"))
+
+    def digest(self) -> str:
+        return document_hash(self.canonical())
+
+
+# -- the rank manifest ------------------------------------------------------------------
+
+
+class TensorEntry(_Document):
+    """One tensor (or one shard of a global tensor) held by a rank."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_LEN)
+    dtype: str
+    placement: Placement
+    global_shape: list[int]
+    offsets: list[int]
+    shape: list[int]
+    nbytes: int = Field(ge=0)
+    chunks: list[str]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class RankManifest(_Document):
+    """What one rank holds at one step: its tensors, chunked, and its other leaves."""
+
+    format: Literal["ckptd.rank_manifest"] = MANIFEST_FORMAT
+    version: Literal[1] = FORMAT_VERSION
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    chunk_size: int
+    entries: list[TensorEntry]
+    tree: Any
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, data: bytes) -> RankManifest:
+        doc = _parse_json(data, "rank manifest")
+        _check_header(doc, MANIFEST_FORMAT, "rank manifest")
+        try:
+            manifest = cls.model_validate(doc)
+        except ValidationError as exc:
+            raise _pydantic_error(exc, "rank manifest") from None
+        manifest.check()
+        return manifest
+
+    def check(self) -> None:
+        """Checks what one manifest can say about itself (not across ranks)."""
+        check_job(self.job)
+        check_step(self.step)
+        check_rank(self.rank, self.world_size)
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise InvalidDocument(
+                f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
+            )
+        names: set[str] = set()
+        for entry in self.entries:
+            self._check_entry(entry)
+            if entry.name in names:
+                raise InvalidDocument(f"entry {entry.name!r} appears twice", name=entry.name)
+            names.add(entry.name)
+        referenced: set[str] = set()
+        check_tree(self.tree, referenced)
+        if referenced != names:
+            extra = sorted(names - referenced)[:5] or sorted(referenced - names)[:5]
+            raise InvalidDocument(
+                "the tree and the entries do not name the same tensors", names=extra
+            )
+        try:
+            canonical_json(self.meta)
+        except ValueError as exc:
+            raise InvalidDocument(f"meta is not canonical JSON: {exc}") from None
+
+    def _check_entry(self, e: TensorEntry) -> None:
+        where = f"entry {e.name!r}"
+        size = dtypes.itemsize(e.dtype)
+        if not (len(e.global_shape) == len(e.offsets) == len(e.shape)):
+            raise InvalidDocument(f"{where}: global_shape, offsets and shape differ in rank")
+        if any(d < 0 for d in e.global_shape + e.offsets + e.shape):
+            raise InvalidDocument(f"{where}: negative dimension or offset")
+        if any(o + s > g for o, s, g in zip(e.offsets, e.shape, e.global_shape, strict=True)):
+            raise InvalidDocument(f"{where}: shard reaches outside the global shape")
+        if e.placement != "sharded" and (
+            e.shape != e.global_shape or any(o != 0 for o in e.offsets)
+        ):
+            raise InvalidDocument(f"{where}: a {e.placement} entry must hold the whole tensor")
+        if e.nbytes != e.numel * size:
+            raise InvalidDocument(f"{where}: nbytes {e.nbytes} != {e.numel} x {size}")
+        if len(e.chunks) != chunk_count(e.nbytes, self.chunk_size):
+            raise InvalidDocument(f"{where}: {len(e.chunks)} chunks for {e.nbytes} bytes")
+        for cid in e.chunks:
+            if not CHUNK_ID_RE.match(cid):
+                raise InvalidDocument(f"{where}: bad chunk id {cid[:80]!r}")
+
+    def chunk_ids(self) -> set[str]:
+        return {cid for e in self.entries for cid in e.chunks}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+# The tree is the state dict's shape with its tensors replaced by their names:
+#   {"dict": [[key, node], ...]}  keys are strings or integers, in order
+#   {"list": [node, ...]}   {"tuple": [node, ...]}
+#   {"tensor": name}        {"value": json scalar}   {"float": "nan" | "inf" | "-inf"}
+_TREE_KINDS = {"dict", "list", "tuple", "tensor", "value", "float"}
+
+
+def check_tree(node: Any, tensors: set[str], depth: int = 0) -> None:
+    """Checks a tree node and collects the tensor names it references."""
+    if depth > MAX_TREE_DEPTH:
+        raise InvalidDocument(f"tree nested deeper than {MAX_TREE_DEPTH}")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise InvalidDocument("tree node must be an object with one key")
+    ((kind, body),) = node.items()
+    if kind not in _TREE_KINDS:
+        raise InvalidDocument(f"unknown tree node {kind!r}")
+    if kind == "dict":
+        if not isinstance(body, list):
+            raise InvalidDocument("dict node must hold a list of [key, node] pairs")
+        seen: set[Any] = set()
+        for pair in body:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise InvalidDocument("dict node items must be [key, node] pairs")
+            key = pair[0]
+            if isinstance(key, bool) or not isinstance(key, str | int):
+                raise InvalidDocument(f"dict key {key!r} must be a string or an integer")
+            if (type(key), key) in seen:
+                raise InvalidDocument(f"dict key {key!r} appears twice")
+            seen.add((type(key), key))
+            check_tree(pair[1], tensors, depth + 1)
+    elif kind in ("list", "tuple"):
+        if not isinstance(body, list):
+            raise InvalidDocument(f"{kind} node must hold a list")
+        for child in body:
+            check_tree(child, tensors, depth + 1)
+    elif kind == "tensor":
+        if not isinstance(body, str):
+            raise InvalidDocument("tensor node must hold the entry name")
+        if body in tensors:
+            raise InvalidDocument(f"tensor {body!r} appears twice in the tree")
+        tensors.add(body)
+    elif kind == "float":
+        if body not in ("nan", "inf", "-inf"):
+            raise InvalidDocument("float node holds only 'nan', 'inf' or '-inf'")
+    else:  # value
+        if not (body is None or isinstance(body, bool | int | float | str)):
+            raise InvalidDocument("value node holds only a JSON scalar")
+
+
+# -- the commit record -----------------------------------------------------------------
+
+
+class ManifestRef(_Document):
+    rank: int
+    hash: str
+    size: int
+
+
+class ValidationReport(_Document):
+    """What the cross-rank validation found when a step committed."""
+
+    tensors: int
+    logical_bytes: int
+    chunks: int
+    replicated_entries: int
+    sharded_entries: int
+    local_entries: int
+    warnings: list[str] = Field(default_factory=list)
+
+
+class CommitRecord(_Document):
+    """Names every rank manifest of a committed step. Its existence is the commit."""
+
+    format: Literal["ckptd.commit"] = COMMIT_FORMAT
+    version: Literal[1] = FORMAT_VERSION
+    job: str
+    step: int
+    world_size: int
+    manifests: list[ManifestRef]
+    report: ValidationReport
+    committed_at: float
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, data: bytes) -> CommitRecord:
+        doc = _parse_json(data, "commit record")
+        _check_header(doc, COMMIT_FORMAT, "commit record")
+        try:
+            record = cls.model_validate(doc)
+        except ValidationError as exc:
+            raise _pydantic_error(exc, "commit record") from None
+        check_job(record.job)
+        check_step(record.step)
+        if [m.rank for m in record.manifests] != list(range(record.world_size)):
+            raise InvalidDocument("commit record must name one manifest per rank, in order")
+        return record
+
+
+class Ref(_Document):
+    """A mutable pointer (``latest``): the only kind of object that changes."""
+
+    format: Literal["ckptd.ref"] = REF_FORMAT
+    version: Literal[1] = FORMAT_VERSION
+    step: int
+    commit: str
+
+    @classmethod
+    def parse(cls, data: bytes) -> Ref:
+        doc = _parse_json(data, "ref")
+        _check_header(doc, REF_FORMAT, "ref")
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            raise _pydantic_error(exc, "ref") from None

@@ -1,0 +1,77 @@
+"""Tunables in one place: defaults, ``CKPTD_*`` environment overrides, and
+explicit arguments (which always win, by being passed where these are read)."""
+
+from __future__ import annotations
+
+import os
+
+MiB = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def chunk_size() -> int:
+    """Bytes per chunk of a tensor shard (the last chunk of a shard is shorter)."""
+    return _env_int("CKPTD_CHUNK_SIZE", 4 * MiB)
+
+
+# A chunk can never be larger than this, whatever a manifest says: the server holds
+# at most one chunk body in memory, so this bounds its memory per request.
+MAX_CHUNK_SIZE = 256 * MiB
+MIN_CHUNK_SIZE = 4096
+
+
+def hash_threads_threshold() -> int:
+    """Buffers at least this large are hashed with blake3's own threads."""
+    return _env_int("CKPTD_HASH_THREADS_THRESHOLD", 2 * MiB)
+
+
+def upload_concurrency() -> int:
+    return _env_int("CKPTD_UPLOAD_CONCURRENCY", 8)
+
+
+def request_timeout() -> float:
+    """Seconds for one HTTP request (connect, read, write)."""
+    return _env_float("CKPTD_REQUEST_TIMEOUT", 60.0)
+
+
+def retries() -> int:
+    """Attempts after the first for a request that failed on connection or 5xx."""
+    return _env_int("CKPTD_RETRIES", 4)
+
+
+def retry_backoff() -> float:
+    """Seconds before the first retry; doubles each time."""
+    return _env_float("CKPTD_RETRY_BACKOFF", 0.2)
+
+
+def missing_batch() -> int:
+    """Most chunk ids in one missing-chunks call."""
+    return _env_int("CKPTD_MISSING_BATCH", 50_000)
+
+
+def claim_lease() -> float:
+    """Seconds a missing-chunks call reserves the ids it returns for its caller."""
+    return _env_float("CKPTD_CLAIM_LEASE", 30.0)
+
+
+def max_manifest_bytes() -> int:
+    return _env_int("CKPTD_MAX_MANIFEST_BYTES", 64 * MiB)

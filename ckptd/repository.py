@@ -1,0 +1,447 @@
+"""The repository: the commit protocol over any Store.
+
+Write order is chunks, rank manifests, commit record, ``latest`` ref; reads go
+the other way. A crash anywhere leaves only unreferenced objects, never a torn
+checkpoint: a step exists only once its commit record does, and the record is
+written only after every rank's manifest validated together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptd import knobs
+from ckptd.errors import (
+    AlreadyCommitted,
+    CheckpointNotFound,
+    ChunkHashMismatch,
+    ChunkNotFound,
+    ChunkSizeMismatch,
+    Conflict,
+    InvalidRequest,
+    ManifestHashMismatch,
+    ManifestNotFound,
+    MissingChunks,
+    NotCommitted,
+    NotFound,
+    TooLarge,
+)
+from ckptd.format import (
+    CommitRecord,
+    ManifestRef,
+    RankManifest,
+    Ref,
+    check_chunk_id,
+    check_job,
+    check_step,
+    chunk_key,
+    commit_key,
+    job_prefix,
+    latest_key,
+    manifest_key,
+    step_prefix,
+)
+from ckptd.hashing import chunk_id
+from ckptd.store.base import Store
+from ckptd.validation import ReplicaPolicy, validate_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MissingResult:
+    """Answer to a missing-chunks call: what the caller should send, and what
+    another caller has claimed and is sending now (wait for those)."""
+
+    missing: list[str]
+    in_flight: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitStatus:
+    state: Literal["committed", "pending"]
+    job: str
+    step: int
+    world_size: int | None
+    missing_ranks: list[int]
+    record: CommitRecord | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    step: int
+    committed: bool
+    world_size: int | None
+    ranks_present: int
+    logical_bytes: int | None
+    committed_at: float | None
+    is_latest: bool
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    job: str
+    steps: list[int]
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    bad_chunks: list[str] = field(default_factory=list)
+    missing_chunks: list[str] = field(default_factory=list)
+    bad_manifests: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad_chunks or self.missing_chunks or self.bad_manifests)
+
+
+class _Claims:
+    """Short leases on chunk ids a caller promised to send (soft state)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: dict[str, tuple[str, float]] = {}
+
+    def split(self, ids: Iterable[str], claimer: str, lease: float) -> tuple[list[str], list[str]]:
+        now = time.monotonic()
+        mine: list[str] = []
+        theirs: list[str] = []
+        with self._lock:
+            for cid in ids:
+                held = self._leases.get(cid)
+                if held is None or held[1] <= now or held[0] == claimer:
+                    self._leases[cid] = (claimer, now + lease)
+                    mine.append(cid)
+                else:
+                    theirs.append(cid)
+            if len(self._leases) > 1_000_000:  # drop expired leases now and then
+                self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
+        return mine, theirs
+
+    def release(self, cid: str) -> None:
+        with self._lock:
+            self._leases.pop(cid, None)
+
+
+class Repository:
+    """Checkpoints of many jobs over one Store, with validation on commit."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        replica_mismatch: ReplicaPolicy = "reject",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.replica_mismatch = replica_mismatch
+        self._clock = clock
+        self._claims = _Claims()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    # -- chunks -----------------------------------------------------------------------
+
+    async def missing_chunks(
+        self, ids: list[str], claimer: str | None = None, lease: float | None = None
+    ) -> MissingResult:
+        """Which of ``ids`` the store lacks. With a ``claimer``, the ids returned as
+        missing are leased to it; ids leased to someone else come back in flight."""
+        if len(ids) > knobs.missing_batch():
+            raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
+        unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
+        present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+        absent = [cid for cid, ok in zip(unique, present, strict=True) if not ok]
+        if claimer is None:
+            return MissingResult(missing=absent, in_flight=[])
+        mine, theirs = self._claims.split(absent, claimer, lease or knobs.claim_lease())
+        return MissingResult(missing=mine, in_flight=theirs)
+
+    async def has_chunk(self, cid: str) -> bool:
+        return await self.store.exists(chunk_key(cid))
+
+    async def put_chunk(self, cid: str, data: bytes | memoryview, *, digest: str | None = None) -> bool:
+        """Stores a chunk after checking that ``data`` hashes to ``cid``.
+
+        ``digest`` is the hash the caller already computed while streaming the body
+        in (the server does); it is then trusted instead of hashing twice."""
+        check_chunk_id(cid)
+        if len(data) > knobs.MAX_CHUNK_SIZE:
+            raise ChunkSizeMismatch(f"chunk of {len(data)} bytes exceeds {knobs.MAX_CHUNK_SIZE}")
+        actual = digest if digest is not None else await asyncio.to_thread(chunk_id, data)
+        if actual != cid:
+            raise ChunkHashMismatch(
+                f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
+            )
+        try:
+            return await self.store.put_if_absent(chunk_key(cid), data)
+        finally:
+            self._claims.release(cid)
+
+    async def get_chunk(self, cid: str, *, verify: bool = True) -> bytes:
+        try:
+            data = await self.store.get(chunk_key(cid))
+        except NotFound:
+            raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid) from None
+        if verify:
+            actual = await asyncio.to_thread(chunk_id, data)
+            if actual != cid:
+                raise ChunkHashMismatch(
+                    f"stored chunk {cid} is corrupt (hashes to {actual})", id=cid, actual=actual
+                )
+        return data
+
+    # -- manifests ----------------------------------------------------------------------
+
+    async def put_manifest(self, manifest: RankManifest | bytes) -> str:
+        """Stores a rank manifest once every chunk it names is in the store.
+
+        Manifests are immutable: putting the same one again is a no-op, a different
+        one for the same job, step and rank is a ``Conflict``."""
+        if isinstance(manifest, bytes | bytearray | memoryview):
+            if len(manifest) > knobs.max_manifest_bytes():
+                raise TooLarge(f"manifest of {len(manifest)} bytes")
+            manifest = RankManifest.parse(bytes(manifest))
+        else:
+            manifest.check()
+        data = manifest.canonical()
+        key = manifest_key(manifest.job, manifest.step, manifest.rank)
+        ids = sorted(manifest.chunk_ids())
+        present = await self.store.exists_many([chunk_key(c) for c in ids])
+        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        if lacking:
+            raise MissingChunks(
+                f"manifest of rank {manifest.rank} names {len(lacking)} chunks the store "
+                f"does not hold (first {lacking[0]})",
+                count=len(lacking),
+                ids=lacking[:20],
+            )
+        if await self.store.put_if_absent(key, data):
+            return manifest.digest()
+        existing = await self.store.get(key)
+        if existing == data:
+            return manifest.digest()
+        if await self.store.exists(commit_key(manifest.job, manifest.step)):
+            raise AlreadyCommitted(
+                f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
+                "manifest cannot change"
+            )
+        raise Conflict(
+            f"rank {manifest.rank} already put a different manifest for step {manifest.step} "
+            f"of {manifest.job}; manifests are immutable, save under a new step",
+            job=manifest.job,
+            step=manifest.step,
+            rank=manifest.rank,
+        )
+
+    async def _ranks_present(self, job: str, step: int) -> list[int]:
+        names = await self.store.list_dir(f"{step_prefix(job, step)}ranks/")
+        ranks = []
+        for n in names:
+            if n.endswith(".json") and n[:-5].isdigit():
+                ranks.append(int(n[:-5]))
+        return sorted(ranks)
+
+    async def _read_manifest_raw(self, job: str, step: int, rank: int) -> RankManifest:
+        try:
+            data = await self.store.get(manifest_key(job, step, rank))
+        except NotFound:
+            raise ManifestNotFound(
+                f"no manifest of rank {rank} for step {step} of {job}", rank=rank
+            ) from None
+        return RankManifest.parse(data)
+
+    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
+        """A rank's manifest of a committed step, checked against the commit record."""
+        record = await self.read_commit(job, step)
+        if not 0 <= rank < record.world_size:
+            raise InvalidRequest(f"rank {rank} is outside world size {record.world_size}")
+        manifest = await self._read_manifest_raw(job, step, rank)
+        expected = record.manifests[rank].hash
+        if manifest.digest() != expected:
+            raise ManifestHashMismatch(
+                f"manifest of rank {rank}, step {step} does not match its commit record",
+                rank=rank,
+            )
+        return manifest
+
+    # -- commit ---------------------------------------------------------------------
+
+    async def commit(self, job: str, step: int, *, meta: dict[str, Any] | None = None) -> CommitStatus:
+        """Commits a step if all its ranks' manifests are in and agree.
+
+        Idempotent: any rank may call it after putting its manifest; the call that
+        finds every rank present validates and writes the commit record, the others
+        see ``pending`` (or the record, if it is already there)."""
+        check_job(job)
+        check_step(step)
+        existing = await self._try_read_commit(job, step)
+        if existing is not None:
+            await self._advance_latest(job, existing)
+            return CommitStatus("committed", job, step, existing.world_size, [], existing)
+        ranks = await self._ranks_present(job, step)
+        if not ranks:
+            raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
+        first = await self._read_manifest_raw(job, step, ranks[0])
+        world = first.world_size
+        missing = sorted(set(range(world)) - set(ranks))
+        if missing:
+            return CommitStatus("pending", job, step, world, missing)
+
+        manifests = [first] + list(
+            await asyncio.gather(*(self._read_manifest_raw(job, step, r) for r in ranks[1:world]))
+        )
+        report = validate_step(manifests, replica_mismatch=self.replica_mismatch)
+        ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
+        present = await self.store.exists_many([chunk_key(c) for c in ids])
+        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        if lacking:  # a chunk deleted after its manifest went in
+            raise MissingChunks(
+                f"step {step} references {len(lacking)} chunks the store lacks",
+                ids=lacking[:20],
+            )
+        record = CommitRecord(
+            job=job,
+            step=step,
+            world_size=world,
+            manifests=[
+                ManifestRef(rank=m.rank, hash=m.digest(), size=len(m.canonical()))
+                for m in manifests
+            ],
+            report=report,
+            committed_at=self._clock(),
+            meta=dict(meta or {}),
+        )
+        if not await self.store.put_if_absent(commit_key(job, step), record.canonical()):
+            record = await self.read_commit(job, step)  # a concurrent commit won
+        else:
+            log.info("committed %s step %d (%d ranks)", job, step, world)
+        await self._advance_latest(job, record)
+        return CommitStatus("committed", job, step, world, [], record)
+
+    async def _advance_latest(self, job: str, record: CommitRecord) -> None:
+        """Moves ``latest`` forward to ``record``'s step, never backward."""
+        key = latest_key(job)
+        new = Ref(step=record.step, commit=record.digest()).canonical()
+        for _ in range(1000):
+            try:
+                current = await self.store.get(key)
+            except NotFound:
+                current = None
+            if current is not None and Ref.parse(current).step >= record.step:
+                return
+            if await self.store.compare_and_swap(key, current, new):
+                return
+        raise Conflict(f"could not move latest of {job}: too much contention")
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def _try_read_commit(self, job: str, step: int) -> CommitRecord | None:
+        try:
+            data = await self.store.get(commit_key(job, step))
+        except NotFound:
+            return None
+        return CommitRecord.parse(data)
+
+    async def read_commit(self, job: str, step: int) -> CommitRecord:
+        record = await self._try_read_commit(job, step)
+        if record is not None:
+            return record
+        if await self._ranks_present(job, step):
+            raise NotCommitted(f"step {step} of {job} never committed", job=job, step=step)
+        raise CheckpointNotFound(f"no checkpoint at step {step} of {job}", job=job, step=step)
+
+    async def latest(self, job: str) -> int | None:
+        """The newest committed step of ``job``, or None."""
+        try:
+            data = await self.store.get(latest_key(job))
+        except NotFound:
+            return None
+        return Ref.parse(data).step
+
+    async def resolve_step(self, job: str, step: int | None) -> int:
+        if step is not None:
+            return check_step(step)
+        latest = await self.latest(job)
+        if latest is None:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        return latest
+
+    async def list_jobs(self) -> list[str]:
+        return [j for j in await self.store.list_dir("jobs/")]
+
+    async def list_steps(self, job: str) -> list[StepInfo]:
+        names = await self.store.list_dir(f"{job_prefix(job)}steps/")
+        steps = sorted(int(n) for n in names if n.isdigit())
+        latest = await self.latest(job)
+        infos = []
+        for step in steps:
+            record = await self._try_read_commit(job, step)
+            ranks = await self._ranks_present(job, step)
+            if record is not None:
+                infos.append(
+                    StepInfo(
+                        step, True, record.world_size, len(ranks),
+                        record.report.logical_bytes, record.committed_at, step == latest,
+                    )
+                )
+            else:
+                world = None
+                if ranks:
+                    world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
+                infos.append(StepInfo(step, False, world, len(ranks), None, None, False))
+        return infos
+
+    async def verify(
+        self,
+        job: str,
+        step: int | None = None,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> VerifyReport:
+        """Re-hashes every chunk of one committed step, or of all committed steps."""
+        if step is None:
+            steps = [s.step for s in await self.list_steps(job) if s.committed]
+            if not steps:
+                raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        else:
+            steps = [step]
+        report = VerifyReport(job=job, steps=steps)
+        sizes: dict[str, int] = {}
+        for s in steps:
+            record = await self.read_commit(job, s)
+            for rank in range(record.world_size):
+                try:
+                    manifest = await self.read_manifest(job, s, rank)
+                except (ManifestHashMismatch, ManifestNotFound) as exc:
+                    report.bad_manifests.append(f"step {s} rank {rank}: {exc}")
+                    continue
+                for e in manifest.entries:
+                    for cid in e.chunks:
+                        sizes.setdefault(cid, 0)
+        total = len(sizes)
+        sem = asyncio.Semaphore(4)
+
+        async def check(cid: str) -> None:
+            async with sem:
+                try:
+                    data = await self.get_chunk(cid, verify=True)
+                except ChunkNotFound:
+                    report.missing_chunks.append(cid)
+                except ChunkHashMismatch:
+                    report.bad_chunks.append(cid)
+                else:
+                    report.bytes_checked += len(data)
+                report.chunks_checked += 1
+                if progress is not None:
+                    progress(report.chunks_checked, total)
+
+        await asyncio.gather(*(check(cid) for cid in sizes))
+        report.bad_chunks.sort()
+        report.missing_chunks.sort()
+        return report

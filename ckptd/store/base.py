@@ -1,0 +1,72 @@
+"""The one storage interface every backend implements."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+
+from ckptd.errors import InvalidName
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, '/'-separated, with no empty, '.' or '..' component."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidName(f"bad store key {key[:200]!r}")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidName(f"bad store key {key[:200]!r}")
+    return key
+
+
+class Store(ABC):
+    """A flat, async key-value store of immutable objects plus CAS'd refs.
+
+    Objects are written once with ``put_if_absent``; only refs change, and only
+    through ``compare_and_swap``."""
+
+    #: the backend keeps data after the process ends
+    durable: bool = True
+    #: ``compare_and_swap`` is atomic across processes (not only within one)
+    cross_process_cas: bool = True
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes:
+        """The object's bytes; ``NotFound`` when absent."""
+
+    @abstractmethod
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        """Writes the object unless the key exists. True when this call wrote it."""
+
+    @abstractmethod
+    async def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Removes the object; absent keys are not an error."""
+
+    @abstractmethod
+    def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        """Every key that starts with ``prefix``, in no set order."""
+
+    @abstractmethod
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        """Sets ``key`` to ``new`` if it now holds ``expected`` (None: absent).
+
+        True when this call changed it; False when the current value differs."""
+
+    async def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        return list(await asyncio.gather(*(self.exists(k) for k in keys)))
+
+    async def list_dir(self, prefix: str) -> list[str]:
+        """The distinct names one level below ``prefix`` (which ends with '/')."""
+        names: set[str] = set()
+        async for key in self.list_prefix(prefix):
+            names.add(key[len(prefix) :].split("/", 1)[0])
+        return sorted(names)
+
+    async def close(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,179 @@
+"""A store in a local (or shared) directory.
+
+Writes go to a temporary name, are fsync'd, and then appear atomically: objects by
+``link`` (which fails if the name exists, so create-if-absent holds across
+processes), refs by ``rename`` under an ``flock``. The directory is fsync'd after
+each, so a crash leaves either the old state or the new one, plus temporaries that
+``list_prefix`` ignores."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ckptd.errors import NotFound, StoreError
+from ckptd.store.base import Store, check_key
+
+_TMP = ".tmp-"
+_LOCKS = ".locks"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).resolve()
+        self.fsync = fsync
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store directory {self.root}: {exc}") from exc
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise NotFound(f"no object at {key}", key=key) from None
+        except IsADirectoryError:
+            raise NotFound(f"no object at {key}", key=key) from None
+
+    async def get(self, key: str) -> bytes:
+        return await asyncio.to_thread(self._get, key)
+
+    async def exists(self, key: str) -> bool:
+        return await asyncio.to_thread(self._path(key).is_file)
+
+    async def exists_many(self, keys: object) -> list[bool]:
+        paths = [self._path(k) for k in keys]  # type: ignore[attr-defined]
+        return await asyncio.to_thread(lambda: [p.is_file() for p in paths])
+
+    def _list(self, prefix: str) -> list[str]:
+        # The prefix may end inside a name ("chunks/ab"): walk its directory part.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base if base else self.root
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if d != _LOCKS]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel + "/"
+            for name in filenames:
+                if name.startswith(_TMP):
+                    continue
+                key = rel + name
+                if key.startswith(prefix):
+                    out.append(key)
+        return out
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for key in await asyncio.to_thread(self._list, prefix):
+            yield key
+
+    async def list_dir(self, prefix: str) -> list[str]:
+        def names() -> list[str]:
+            try:
+                return sorted(
+                    n
+                    for n in os.listdir(self.root / prefix.rstrip("/"))
+                    if not n.startswith(_TMP) and n != _LOCKS
+                )
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        if prefix:
+            check_key(prefix.rstrip("/"))
+        return await asyncio.to_thread(names)
+
+    # -- writes ---------------------------------------------------------------------
+
+    def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def _put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        path = self._path(key)
+        if path.is_file():
+            return False
+        try:
+            tmp = self._write_temp(path, data)
+        except OSError as exc:
+            raise StoreError(f"cannot write {key}: {exc}", key=key) from exc
+        try:
+            os.link(tmp, path)  # atomic, and fails if another writer got there first
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot write {key}: {exc}", key=key) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        if self.fsync:
+            _fsync_dir(path.parent)
+        return True
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        return await asyncio.to_thread(self._put_if_absent, key, data)
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EISDIR:
+                raise StoreError(f"cannot delete {key}: {exc}", key=key) from exc
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._delete, key)
+
+    def _cas(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        path = self._path(key)
+        lock_dir = self.root / _LOCKS
+        lock_dir.mkdir(exist_ok=True)
+        lock_path = lock_dir / key.replace("/", "%")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                try:
+                    current: bytes | None = path.read_bytes()
+                except FileNotFoundError:
+                    current = None
+                if current != expected:
+                    return False
+                tmp = self._write_temp(path, new)
+                os.replace(tmp, path)
+                if self.fsync:
+                    _fsync_dir(path.parent)
+                return True
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        try:
+            return await asyncio.to_thread(self._cas, key, expected, new)
+        except OSError as exc:
+            raise StoreError(f"cannot update {key}: {exc}", key=key) from exc
+
+    def describe(self) -> str:
+        return f"file://{self.root}"

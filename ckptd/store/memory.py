@@ -1,0 +1,62 @@
+"""A store in this process's memory, for tests and embedding."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+from ckptd.errors import NotFound
+from ckptd.store.base import Store, check_key
+
+
+class MemoryStore(Store):
+    durable = False
+    cross_process_cas = False
+
+    def __init__(self) -> None:
+        # A thread lock, not an asyncio one: the store may be used from several loops.
+        self._lock = threading.Lock()
+        self._objects: dict[str, bytes] = {}
+
+    async def get(self, key: str) -> bytes:
+        check_key(key)
+        with self._lock:
+            try:
+                return self._objects[key]
+            except KeyError:
+                raise NotFound(f"no object at {key}", key=key) from None
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        check_key(key)
+        with self._lock:
+            if key in self._objects:
+                return False
+            self._objects[key] = bytes(data)
+            return True
+
+    async def exists(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            return key in self._objects
+
+    async def delete(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            self._objects.pop(key, None)
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        with self._lock:
+            keys = [k for k in self._objects if k.startswith(prefix)]
+        for key in keys:
+            yield key
+
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        check_key(key)
+        with self._lock:
+            if self._objects.get(key) != expected:
+                return False
+            self._objects[key] = bytes(new)
+            return True
+
+    def describe(self) -> str:
+        return "memory://"
