@@ -1,0 +1,3 @@
+from ckptd.cli import main
+
+main()
