@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,10 +19,10 @@ from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
 from ckptd.hashing import chunk_count, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
-FORMAT_VERSION = 1
-MANIFEST_FORMAT = "ckptd.rank_manifest"
-COMMIT_FORMAT = "ckptd.commit"
-REF_FORMAT = "ckptd.ref"
+FORMAT_VERSION: Final = 1
+MANIFEST_FORMAT: Final = "ckptd.rank_manifest"
+COMMIT_FORMAT: Final = "ckptd.commit"
+REF_FORMAT: Final = "ckptd.ref"
 
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -38,7 +38,7 @@ Placement = Literal["replicated", "sharded", "local"]
 
 
 def check_job(job: str) -> str:
-    if not isinstance(job, str) or not JOB_RE.match(job):
+    if not isinstance(job, str) or not JOB_RE.fullmatch(job):
         raise InvalidName(
             f"job name {job!r} must match {JOB_RE.pattern} (letters, digits, '.', '_', '-')",
             job=str(job)[:200],
@@ -47,7 +47,7 @@ def check_job(job: str) -> str:
 
 
 def check_chunk_id(cid: str) -> str:
-    if not isinstance(cid, str) or not CHUNK_ID_RE.match(cid):
+    if not isinstance(cid, str) or not CHUNK_ID_RE.fullmatch(cid):
         raise InvalidName(f"chunk id {str(cid)[:80]!r} is not 64 lowercase hex digits")
     return cid
 
@@ -110,9 +110,14 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("utf-8")
 
 
+def _refuse_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity; canonical JSON has no such tokens.
+    raise ValueError(f"{name} is not JSON")
+
+
 def _parse_json(data: bytes, what: str) -> Any:
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
 
@@ -123,7 +128,7 @@ def _check_header(doc: Any, fmt: str, what: str) -> None:
     if doc.get("format") != fmt:
         raise InvalidDocument(f"{what} has format {doc.get('format')!r}, expected {fmt!r}")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:  # true and 1.0 are not 1
         raise UnsupportedFormat(
             f"{what} has format version {version!r}; this ckptd reads version {FORMAT_VERSION}",
             version=version,
@@ -213,10 +218,11 @@ class RankManifest(_Document):
             raise InvalidDocument(
                 "the tree and the entries do not name the same tensors", names=extra
             )
-        try:
-            canonical_json(self.meta)
+        try:  # NaN in meta, a lone surrogate in a name: no canonical bytes to store
+            canonical_json(self.meta)  # (model_dump would quietly turn NaN into null)
+            self.canonical()
         except ValueError as exc:
-            raise InvalidDocument(f"meta is not canonical JSON: {exc}") from None
+            raise InvalidDocument(f"manifest has no canonical JSON encoding: {exc}") from None
 
     def _check_entry(self, e: TensorEntry) -> None:
         where = f"entry {e.name!r}"
@@ -236,7 +242,7 @@ class RankManifest(_Document):
         if len(e.chunks) != chunk_count(e.nbytes, self.chunk_size):
             raise InvalidDocument(f"{where}: {len(e.chunks)} chunks for {e.nbytes} bytes")
         for cid in e.chunks:
-            if not CHUNK_ID_RE.match(cid):
+            if not CHUNK_ID_RE.fullmatch(cid):
                 raise InvalidDocument(f"{where}: bad chunk id {cid[:80]!r}")
 
     def chunk_ids(self) -> set[str]:
@@ -294,6 +300,8 @@ def check_tree(node: Any, tensors: set[str], depth: int = 0) -> None:
     else:  # value
         if not (body is None or isinstance(body, bool | int | float | str)):
             raise InvalidDocument("value node holds only a JSON scalar")
+        if isinstance(body, float) and not math.isfinite(body):
+            raise InvalidDocument("a NaN or infinite float goes in a float node, not a value node")
 
 
 # -- the commit record -----------------------------------------------------------------

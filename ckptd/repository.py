@@ -24,6 +24,7 @@ from ckptd.errors import (
     ChunkNotFound,
     ChunkSizeMismatch,
     Conflict,
+    InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
     ManifestNotFound,
@@ -31,12 +32,14 @@ from ckptd.errors import (
     NotCommitted,
     NotFound,
     TooLarge,
+    WorldSizeMismatch,
 )
 from ckptd.format import (
     CommitRecord,
     ManifestRef,
     RankManifest,
     Ref,
+    canonical_json,
     check_chunk_id,
     check_job,
     check_step,
@@ -47,7 +50,7 @@ from ckptd.format import (
     manifest_key,
     step_prefix,
 )
-from ckptd.hashing import chunk_id
+from ckptd.hashing import chunk_id, document_hash
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
@@ -165,7 +168,9 @@ class Repository:
     async def has_chunk(self, cid: str) -> bool:
         return await self.store.exists(chunk_key(cid))
 
-    async def put_chunk(self, cid: str, data: bytes | memoryview, *, digest: str | None = None) -> bool:
+    async def put_chunk(
+        self, cid: str, data: bytes | memoryview, *, digest: str | None = None
+    ) -> bool:
         """Stores a chunk after checking that ``data`` hashes to ``cid``.
 
         ``digest`` is the hash the caller already computed while streaming the body
@@ -211,6 +216,22 @@ class Repository:
             manifest.check()
         data = manifest.canonical()
         key = manifest_key(manifest.job, manifest.step, manifest.rank)
+        record = await self._try_read_commit(manifest.job, manifest.step)
+        if record is not None:
+            # A committed step is closed: only its own manifests may be put again
+            # (a retry), no new rank may appear in it.
+            digest = manifest.digest()
+            if manifest.rank < record.world_size and (
+                record.manifests[manifest.rank].hash == digest
+            ):
+                return digest
+            raise AlreadyCommitted(
+                f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
+                "manifest cannot change",
+                job=manifest.job,
+                step=manifest.step,
+                rank=manifest.rank,
+            )
         ids = sorted(manifest.chunk_ids())
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
@@ -261,18 +282,27 @@ class Repository:
         record = await self.read_commit(job, step)
         if not 0 <= rank < record.world_size:
             raise InvalidRequest(f"rank {rank} is outside world size {record.world_size}")
-        manifest = await self._read_manifest_raw(job, step, rank)
+        try:
+            data = await self.store.get(manifest_key(job, step, rank))
+        except NotFound:
+            raise ManifestNotFound(
+                f"no manifest of rank {rank} for step {step} of {job}", rank=rank
+            ) from None
+        # Hash the stored bytes before parsing them: bytes that are not the
+        # committed ones are refused whatever they say.
         expected = record.manifests[rank].hash
-        if manifest.digest() != expected:
+        if await asyncio.to_thread(document_hash, data) != expected:
             raise ManifestHashMismatch(
                 f"manifest of rank {rank}, step {step} does not match its commit record",
                 rank=rank,
             )
-        return manifest
+        return RankManifest.parse(data)
 
     # -- commit ---------------------------------------------------------------------
 
-    async def commit(self, job: str, step: int, *, meta: dict[str, Any] | None = None) -> CommitStatus:
+    async def commit(
+        self, job: str, step: int, *, meta: dict[str, Any] | None = None
+    ) -> CommitStatus:
         """Commits a step if all its ranks' manifests are in and agree.
 
         Idempotent: any rank may call it after putting its manifest; the call that
@@ -280,6 +310,10 @@ class Repository:
         see ``pending`` (or the record, if it is already there)."""
         check_job(job)
         check_step(step)
+        try:
+            canonical_json(meta or {})
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
         existing = await self._try_read_commit(job, step)
         if existing is not None:
             await self._advance_latest(job, existing)
@@ -289,6 +323,12 @@ class Repository:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
         first = await self._read_manifest_raw(job, step, ranks[0])
         world = first.world_size
+        if ranks[-1] >= world:  # such a rank said another world size: never committable
+            raise WorldSizeMismatch(
+                f"step {step} of {job} has a manifest of rank {ranks[-1]}, but rank "
+                f"{first.rank} says world size {world}",
+                ranks=[first.rank, ranks[-1]],
+            )
         missing = sorted(set(range(world)) - set(ranks))
         if missing:
             return CommitStatus("pending", job, step, world, missing)
@@ -346,7 +386,13 @@ class Repository:
             data = await self.store.get(commit_key(job, step))
         except NotFound:
             return None
-        return CommitRecord.parse(data)
+        record = CommitRecord.parse(data)
+        if record.job != job or record.step != step:  # a record copied to another key
+            raise InvalidDocument(
+                f"commit record at step {step} of {job} names step {record.step} of "
+                f"{record.job}"
+            )
+        return record
 
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         record = await self._try_read_commit(job, step)
@@ -418,7 +464,7 @@ class Repository:
             for rank in range(record.world_size):
                 try:
                     manifest = await self.read_manifest(job, s, rank)
-                except (ManifestHashMismatch, ManifestNotFound) as exc:
+                except (ManifestHashMismatch, ManifestNotFound, InvalidDocument) as exc:
                     report.bad_manifests.append(f"step {s} rank {rank}: {exc}")
                     continue
                 for e in manifest.entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Literal
 
 from ckptd.dtypes import itemsize
@@ -13,6 +14,7 @@ from ckptd.errors import (
     JobMismatch,
     ReplicaMismatch,
     ShapeMismatch,
+    ShardOutOfBounds,
     StepMismatch,
     TilingGap,
     TilingOverlap,
@@ -106,13 +108,26 @@ def _check_tensor(
     # Identical boxes are replicas of one shard; they must hold identical bytes.
     boxes: dict[Box, tuple[int, TensorEntry]] = {}
     for rank, e in held:
+        # RankManifest.check() refuses these already; the tiling sum below is only
+        # sound for boxes inside the global shape, so do not rely on the caller.
+        if not len(e.offsets) == len(e.shape) == len(e0.global_shape) or any(
+            o < 0 or s < 0 or o + s > g
+            for o, s, g in zip(e.offsets, e.shape, e0.global_shape, strict=False)
+        ):
+            raise ShardOutOfBounds(
+                f"{name!r}: rank {rank}'s shard {e.offsets}+{e.shape} is outside "
+                f"{e0.global_shape}",
+                name=name,
+                ranks=[rank],
+            )
         box = (tuple(e.offsets), tuple(e.shape))
         if box not in boxes:
             boxes[box] = (rank, e)
             continue
         other_rank, other = boxes[box]
         if other.chunks != e.chunks:
-            bad = sum(a != b for a, b in zip(other.chunks, e.chunks, strict=True))
+            # Counts differ only when the ranks used different chunk sizes.
+            bad = sum(a != b for a, b in zip_longest(other.chunks, e.chunks))
             message = (
                 f"{name!r}: replicas on ranks {other_rank} and {rank} differ in {bad} of "
                 f"{len(e.chunks)} chunks (silent corruption or non-determinism)"

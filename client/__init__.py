@@ -1,0 +1,59 @@
+"""ckptd.client: asynchronous, deduplicated, verified checkpoints from inside a
+training process.
+
+    from ckptd.client import Checkpointer
+    ckpt = Checkpointer("http://127.0.0.1:7070", job="llm", rank=r, world_size=n)
+    handle = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    ...
+    ckpt.restore(state)  # fills state in place, bitwise, from the latest commit
+
+Names are imported lazily, so ``ckptd.client.transport`` (used by the CLI) does
+not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, RestoreResult, SaveHandle, Shard
+    from .pipeline import SaveResult
+    from .transport import HttpTransport, LocalTransport, Transport, open_transport
+
+_EXPORTS = {
+    "Checkpointer": "checkpointer",
+    "RestoreResult": "checkpointer",
+    "SaveHandle": "checkpointer",
+    "Shard": "checkpointer",
+    "SaveResult": "pipeline",
+    "Transport": "transport",
+    "HttpTransport": "transport",
+    "LocalTransport": "transport",
+    "open_transport": "transport",
+}
+
+__all__ = [
+    "Checkpointer",
+    "HttpTransport",
+    "LocalTransport",
+    "RestoreResult",
+    "SaveHandle",
+    "SaveResult",
+    "Shard",
+    "Transport",
+    "open_transport",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

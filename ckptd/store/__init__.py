@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlparse
 
 from ckptd.errors import InvalidRequest
 from ckptd.store.base import Store, check_key
 from ckptd.store.local import LocalStore
 from ckptd.store.memory import MemoryStore
 
-__all__ = ["LocalStore", "MemoryStore", "Store", "check_key", "open_store"]
+if TYPE_CHECKING:
+    from ckptd.store.s3 import S3Store
+
+__all__ = ["LocalStore", "MemoryStore", "S3Store", "Store", "check_key", "open_store"]
+
+
+def __getattr__(name: str) -> Any:
+    # S3Store needs the optional aiobotocore (the "s3" extra): import it on first use.
+    if name == "S3Store":
+        from ckptd.store.s3 import S3Store
+
+        return S3Store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_store(url: str) -> Store:
-    """A store from a URL: a path or ``file:///path``, or ``memory://``."""
+    """A store from a URL: a path or ``file:///path``, ``memory://``, or
+    ``s3://bucket/prefix`` (optionally ``?endpoint=http://host:port&region=r``)."""
     if url.startswith("memory://"):
         return MemoryStore()
     if url.startswith("file://"):
         return LocalStore(urlparse(url).path)
+    if url.startswith("s3://"):
+        parsed = urlparse(url)
+        if not parsed.netloc:
+            raise InvalidRequest(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
+        query = parse_qs(parsed.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"endpoint", "region"})
+        if unknown:
+            raise InvalidRequest(
+                f"store URL {url!r}: unknown parameters {unknown} (known: endpoint, region)"
+            )
+        try:
+            from ckptd.store.s3 import S3Store
+        except ImportError as exc:
+            raise InvalidRequest(
+                f"s3:// stores need aiobotocore (pip install 'ckptd[s3]'): {exc}"
+            ) from exc
+        return S3Store(
+            parsed.netloc,
+            parsed.path.strip("/"),
+            endpoint_url=(query.get("endpoint") or [""])[-1] or None,
+            region=(query.get("region") or [""])[-1] or None,
+        )
     if "://" in url:
-        raise InvalidRequest(f"unsupported store URL {url!r} (use a path or file:///path)")
+        raise InvalidRequest(
+            f"unsupported store URL {url!r} (use a path, file:///path or s3://bucket/prefix)"
+        )
     return LocalStore(url)

@@ -19,6 +19,18 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_prefix(prefix: str) -> str:
+    """A listing prefix: empty, or a key's directory part plus the start of a name
+    (``"chunks/"``, ``"chunks/ab"``); its directory part follows the key rules."""
+    if prefix:
+        directory, _, name = prefix.rpartition("/")
+        if directory:
+            check_key(directory)
+        if name in (".", "..") or name.startswith("/") or "\\" in name or "\x00" in name:
+            raise InvalidName(f"bad store prefix {prefix[:200]!r}")
+    return prefix
+
+
 class Store(ABC):
     """A flat, async key-value store of immutable objects plus CAS'd refs.
 
@@ -60,6 +72,7 @@ class Store(ABC):
 
     async def list_dir(self, prefix: str) -> list[str]:
         """The distinct names one level below ``prefix`` (which ends with '/')."""
+        check_prefix(prefix)
         names: set[str] = set()
         async for key in self.list_prefix(prefix):
             names.add(key[len(prefix) :].split("/", 1)[0])

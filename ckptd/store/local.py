@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ckptd.errors import NotFound, StoreError
-from ckptd.store.base import Store, check_key
+from ckptd.store.base import Store, check_key, check_prefix
 
 _TMP = ".tmp-"
 _LOCKS = ".locks"
@@ -49,9 +49,7 @@ class LocalStore(Store):
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
-            raise NotFound(f"no object at {key}", key=key) from None
-        except IsADirectoryError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"no object at {key}", key=key) from None
 
     async def get(self, key: str) -> bytes:
@@ -66,6 +64,7 @@ class LocalStore(Store):
 
     def _list(self, prefix: str) -> list[str]:
         # The prefix may end inside a name ("chunks/ab"): walk its directory part.
+        check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / base if base else self.root
         out: list[str] = []
@@ -86,15 +85,37 @@ class LocalStore(Store):
             yield key
 
     async def list_dir(self, prefix: str) -> list[str]:
-        def names() -> list[str]:
+        def holds_objects(path: str) -> bool:
+            # A directory whose objects were all deleted stays behind on disk; it is
+            # not a name in the store (the memory store would not list it either).
+            # Stops at the first object found, so a full directory costs one read.
             try:
-                return sorted(
-                    n
-                    for n in os.listdir(self.root / prefix.rstrip("/"))
-                    if not n.startswith(_TMP) and n != _LOCKS
-                )
+                with os.scandir(path) as it:
+                    subdirs = []
+                    for e in it:
+                        if e.name.startswith(_TMP):
+                            continue
+                        if e.is_file():
+                            return True
+                        if e.is_dir():
+                            subdirs.append(e.path)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return any(holds_objects(d) for d in subdirs)
+
+        def names() -> list[str]:
+            base = self.root / prefix.rstrip("/")
+            try:
+                with os.scandir(base) as it:
+                    entries = [e for e in it if not e.name.startswith(_TMP)]
             except (FileNotFoundError, NotADirectoryError):
                 return []
+            return sorted(
+                e.name
+                for e in entries
+                if not (base == self.root and e.name == _LOCKS)
+                and (e.is_file() or (e.is_dir() and holds_objects(e.path)))
+            )
 
         if prefix:
             check_key(prefix.rstrip("/"))
@@ -105,11 +126,15 @@ class LocalStore(Store):
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not also leak a temporary
+            raise
         return tmp
 
     def _put_if_absent(self, key: str, data: bytes | memoryview) -> bool:

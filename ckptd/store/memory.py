@@ -6,7 +6,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from ckptd.errors import NotFound
-from ckptd.store.base import Store, check_key
+from ckptd.store.base import Store, check_key, check_prefix
 
 
 class MemoryStore(Store):
@@ -45,6 +45,7 @@ class MemoryStore(Store):
             self._objects.pop(key, None)
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        check_prefix(prefix)
         with self._lock:
             keys = [k for k in self._objects if k.startswith(prefix)]
         for key in keys:

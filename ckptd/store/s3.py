@@ -1,0 +1,364 @@
+"""A store in an S3 bucket (or any S3-compatible object store: MinIO, R2, Ceph).
+
+Objects are created with a conditional ``PutObject`` (``If-None-Match: *``), so
+create-if-absent holds across processes and hosts; refs change by reading the
+object's ETag and writing with ``If-Match: <etag>``, so a compare-and-swap loses
+cleanly (412 or 409) against a concurrent writer instead of overwriting it. Both
+need a service with conditional writes (AWS S3 since 2024, MinIO, recent moto).
+
+Endpoint, region and credentials come from the arguments or from botocore's usual
+sources (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ...)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AsyncExitStack
+from typing import Any
+from urllib.parse import quote
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession, get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ckptd import knobs
+from ckptd.errors import InvalidRequest, NotFound, StoreError
+from ckptd.store.base import Store, check_key, check_prefix
+
+# Error codes S3 (and its look-alikes) return for "no such object". HeadObject has
+# no body, so botocore can only give the status as the code.
+_NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+# A conditional write whose condition did not hold.
+_PRECONDITION_FAILED = frozenset({"PreconditionFailed", "412"})
+# Another conditional write (or a delete) of the same key was in flight; AWS asks
+# the caller to retry.
+_CONFLICT = frozenset({"ConditionalRequestConflict", "OperationAborted", "409"})
+_CONFLICT_ATTEMPTS = 5
+
+
+class _Conflict(Exception):
+    """A conditional PutObject met a concurrent one (409); never leaves this module."""
+
+
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def _new_session() -> AioSession:
+    """A botocore session whose parsed service models are shared with every other
+    store's: parsing S3's model costs a few hundred milliseconds per session."""
+    global _loader
+    session = get_session()
+    with _loader_lock:
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _loader)
+    return session
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+class _LoopClient:
+    """An open S3 client and what closes it; aiohttp binds a client to one loop."""
+
+    def __init__(self, client: Any, stack: AsyncExitStack) -> None:
+        self.client = client
+        self.stack = stack
+
+
+def _opened(task: asyncio.Task[_LoopClient]) -> _LoopClient | None:
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    return None
+
+
+class S3Store(Store):
+    durable = True
+    cross_process_cas = True
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        client_kwargs: dict[str, Any] | None = None,
+        page_size: int = 1000,
+        concurrency: int = 32,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise InvalidRequest(f"bad S3 bucket name {bucket!r}")
+        if not 1 <= page_size <= 1000:
+            raise InvalidRequest(f"page_size {page_size} must be in [1, 1000] (S3's own limit)")
+        if concurrency < 1:
+            raise InvalidRequest(f"concurrency {concurrency} must be at least 1")
+        self.bucket = bucket
+        self.prefix = check_key(prefix.strip("/")) if prefix.strip("/") else ""
+        self._root = f"{self.prefix}/" if self.prefix else ""
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.page_size = page_size
+        self.concurrency = concurrency
+        self._client_kwargs = dict(client_kwargs or {})
+        self._session: AioSession | None = None
+        # One client per event loop: the store may be shared by the server's loop and
+        # a background thread's loop, and an aiohttp session must not cross loops.
+        self._lock = threading.Lock()
+        self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task[_LoopClient]] = {}
+
+    # -- the client ---------------------------------------------------------------------
+
+    def _config(self) -> AioConfig:
+        timeout = knobs.request_timeout()
+        config = AioConfig(
+            connect_timeout=timeout,
+            read_timeout=timeout,
+            retries={"mode": "standard", "total_max_attempts": knobs.retries() + 1},
+            # exists_many runs `concurrency` requests at once; let them all have a socket
+            max_pool_connections=max(10, self.concurrency),
+        )
+        theirs = self._client_kwargs.get("config")
+        return config.merge(theirs) if theirs is not None else config
+
+    async def _open_client(self, loop: asyncio.AbstractEventLoop) -> _LoopClient:
+        with self._lock:
+            if self._session is None:
+                self._session = _new_session()
+            session = self._session
+        kwargs = {k: v for k, v in self._client_kwargs.items() if k != "config"}
+        kwargs.setdefault("endpoint_url", self.endpoint_url)
+        kwargs.setdefault("region_name", self.region)
+        stack = AsyncExitStack()
+        try:
+            client = await stack.enter_async_context(
+                session.create_client("s3", config=self._config(), **kwargs)
+            )
+        except BaseException as exc:
+            await stack.aclose()
+            with self._lock:  # so that the next call tries again
+                if self._clients.get(loop) is asyncio.current_task():
+                    del self._clients[loop]
+            if isinstance(exc, BotoCoreError | ClientError | ValueError):
+                raise StoreError(f"cannot open an S3 client for {self.describe()}: {exc}") from exc
+            raise
+        return _LoopClient(client, stack)
+
+    async def _client(self) -> Any:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            # Clients of loops that ended can not be closed any more; forget them.
+            for dead in [lp for lp in self._clients if lp.is_closed()]:
+                del self._clients[dead]
+            task = self._clients.get(loop)
+            if task is None:
+                # A task, not a lock: concurrent first calls on this loop share one open.
+                task = loop.create_task(self._open_client(loop))
+                self._clients[loop] = task
+        return (await asyncio.shield(task)).client
+
+    async def close(self) -> None:
+        """Closes the clients of this loop and of other loops still running."""
+        here = asyncio.get_running_loop()
+        with self._lock:
+            tasks = list(self._clients.items())
+            self._clients.clear()
+        for loop, task in tasks:
+            if loop is here:
+                with contextlib.suppress(StoreError):  # it never opened
+                    await (await task).stack.aclose()
+            elif loop.is_running() and (opened := _opened(task)) is not None:
+                # Closed by that loop's own thread; waiting here could deadlock with it.
+                asyncio.run_coroutine_threadsafe(opened.stack.aclose(), loop)
+
+    # -- naming and errors ---------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return self._root + check_key(key)
+
+    def _url(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{self._root}{key}"
+
+    def _failed(self, op: str, key: str, exc: Exception) -> StoreError:
+        if isinstance(exc, ClientError):
+            code, status = _code(exc), _status(exc)
+            message = exc.response.get("Error", {}).get("Message", "") or str(exc)
+            hint = ""
+            if code == "NoSuchBucket":
+                hint = f" (bucket {self.bucket!r} does not exist)"
+            elif status == 403:
+                hint = " (check the credentials and the bucket policy)"
+            return StoreError(
+                f"S3 {op} of {self._url(key)} failed: {code or 'error'} "
+                f"(HTTP {status}){hint}: {message}",
+                key=key,
+                s3_code=code,
+                http_status=status,
+            )
+        return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}", key=key)
+
+    async def _put(self, key: str, data: bytes | memoryview, **condition: str) -> bool:
+        """A conditional PutObject; False when the condition failed.
+
+        A retry of a write that did succeed also ends here (its own object now fails
+        the condition): the caller sees False and re-reads, which is safe for
+        write-once objects and for refs that only move forward."""
+        name = self._key(key)
+        body = data if isinstance(data, bytes) else bytes(data)
+        client = await self._client()
+        try:
+            await client.put_object(Bucket=self.bucket, Key=name, Body=body, **condition)
+        except ClientError as exc:
+            if _code(exc) in _PRECONDITION_FAILED or _status(exc) == 412:
+                return False
+            if _code(exc) in _CONFLICT or _status(exc) == 409:
+                raise _Conflict from exc
+            if "IfMatch" in condition and _code(exc) in _NOT_FOUND:
+                return False  # deleted since we read its ETag
+            raise self._failed("PutObject", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed("PutObject", key, exc) from exc
+        return True
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def _get_with_etag(self, key: str) -> tuple[bytes, str]:
+        name = self._key(key)
+        client = await self._client()
+        try:
+            resp = await client.get_object(Bucket=self.bucket, Key=name)
+            async with resp["Body"] as stream:
+                data: bytes = await stream.read()
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                raise NotFound(f"no object at {key}", key=key) from None
+            raise self._failed("GetObject", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed("GetObject", key, exc) from exc
+        return data, str(resp["ETag"])
+
+    async def get(self, key: str) -> bytes:
+        data, _ = await self._get_with_etag(key)
+        return data
+
+    async def exists(self, key: str) -> bool:
+        name = self._key(key)
+        client = await self._client()
+        try:
+            await client.head_object(Bucket=self.bucket, Key=name)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return False
+            raise self._failed("HeadObject", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed("HeadObject", key, exc) from exc
+        return True
+
+    async def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        # One HEAD per key (S3 has no batch HEAD), at most `concurrency` at a time.
+        keys = [check_key(k) for k in keys]
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(key: str) -> bool:
+            async with sem:
+                return await self.exists(key)
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    async def _pages(self, prefix: str, op: str, **extra: str) -> AsyncIterator[dict[str, Any]]:
+        client = await self._client()
+        paginator = client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(
+            Bucket=self.bucket,
+            Prefix=self._root + prefix,
+            PaginationConfig={"PageSize": self.page_size},
+            **extra,
+        )
+        try:
+            async for page in pages:
+                yield page
+        except (BotoCoreError, ClientError) as exc:
+            raise self._failed(op, prefix, exc) from exc
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        # The prefix may end inside a name ("chunks/ab"): S3 prefixes are plain strings.
+        check_prefix(prefix)
+        cut = len(self._root)
+        async for page in self._pages(prefix, "ListObjectsV2"):
+            for obj in page.get("Contents", ()):
+                yield obj["Key"][cut:]
+
+    async def list_dir(self, prefix: str) -> list[str]:
+        if prefix:
+            prefix = check_key(prefix.rstrip("/")) + "/"
+        cut = len(self._root) + len(prefix)
+        names: set[str] = set()
+        async for page in self._pages(prefix, "ListObjectsV2", Delimiter="/"):
+            for common in page.get("CommonPrefixes", ()):
+                names.add(common["Prefix"][cut:].rstrip("/"))
+            for obj in page.get("Contents", ()):
+                names.add(obj["Key"][cut:])
+        names.discard("")  # a "folder" marker object named like the prefix itself
+        return sorted(names)
+
+    # -- writes -------------------------------------------------------------------------
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        # A 409 says another conditional write of the key was in flight, not that the
+        # object exists: that write may still fail. False must mean "it is there", so
+        # look, and write again if it is not.
+        for attempt in range(_CONFLICT_ATTEMPTS):
+            try:
+                return await self._put(key, data, IfNoneMatch="*")
+            except _Conflict:
+                if await self.exists(key):
+                    return False
+                await asyncio.sleep(knobs.retry_backoff() * 2**attempt)
+        raise StoreError(
+            f"S3 PutObject of {self._url(key)} kept conflicting with other writers "
+            f"({_CONFLICT_ATTEMPTS} attempts)",
+            key=key,
+        )
+
+    async def delete(self, key: str) -> None:
+        name = self._key(key)
+        client = await self._client()
+        try:
+            await client.delete_object(Bucket=self.bucket, Key=name)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return
+            raise self._failed("DeleteObject", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed("DeleteObject", key, exc) from exc
+
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        if expected is None:
+            return await self.put_if_absent(key, new)
+        try:
+            current, etag = await self._get_with_etag(key)
+        except NotFound:
+            return False
+        if current != expected:
+            return False
+        # The ETag names the exact version we compared; If-Match makes the write lose
+        # if anyone replaced it in between.
+        try:
+            return await self._put(key, new, IfMatch=etag)
+        except _Conflict:
+            return False  # a concurrent write of the ref: the caller re-reads and retries
+
+    def describe(self) -> str:
+        url = f"s3://{self.bucket}/{self.prefix}"
+        if self.endpoint_url:
+            url += f"?endpoint={quote(self.endpoint_url, safe=':/')}"
+        return url

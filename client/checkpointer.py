@@ -1,0 +1,426 @@
+"""The in-process client: ``Checkpointer.save`` stages and returns at once, a
+background pipeline uploads; ``Checkpointer.restore`` fills a state dict in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ckptd import knobs
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    InvalidRequest,
+    RestoreError,
+    SnapshotSkipped,
+    Timeout,
+    UnsupportedValue,
+)
+from ckptd.format import (
+    Placement,
+    RankManifest,
+    canonical_json,
+    check_job,
+    check_rank,
+    check_step,
+)
+from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
+from .pipeline import (
+    EventLoopThread,
+    SaveResult,
+    Snapshot,
+    fetch_manifest,
+    run_snapshot,
+    wrap_error,
+)
+from .staging import StagingArea
+from .state import TensorSpec, fill, flatten, plan_fill, torch_dtype
+from .transport import Transport, open_transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OnBusy = Literal["wait", "skip"]
+DefaultPlacement = Literal["replicated", "local"]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Where a rank's tensor sits in a global tensor: this rank holds
+    ``global[offsets[0] : offsets[0] + t.shape[0], ...]``."""
+
+    global_shape: Sequence[int]
+    offsets: Sequence[int]
+
+    def __post_init__(self) -> None:
+        g = tuple(int(d) for d in self.global_shape)
+        o = tuple(int(d) for d in self.offsets)
+        if len(g) != len(o):
+            raise InvalidRequest(
+                f"Shard: global_shape {list(g)} and offsets {list(o)} differ in rank"
+            )
+        if any(d < 0 for d in g + o):
+            raise InvalidRequest("Shard: negative dimension or offset")
+        object.__setattr__(self, "global_shape", g)
+        object.__setattr__(self, "offsets", o)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What a restore did: the step, bytes and chunks restored, time, and how many
+    bytes came from each tier (only ``"store"`` for now)."""
+
+    step: int
+    bytes_restored: int
+    chunks: int
+    seconds: float
+    bytes_from: dict[str, int] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """A snapshot in flight. The state may change again as soon as ``save()``
+    returns (on the CPU the staging copy is done by then); ``wait()`` gives the
+    result once the step is uploaded, or raises the typed error that stopped it."""
+
+    def __init__(
+        self,
+        step: int,
+        future: concurrent.futures.Future[SaveResult] | None,
+        *,
+        skipped: bool = False,
+    ) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._future = future
+
+    def __repr__(self) -> str:
+        what = "skipped" if self.skipped else ("done" if self.done() else "in flight")
+        return f"<SaveHandle step={self.step} {what}>"
+
+    def done(self) -> bool:
+        """True once the snapshot finished (or failed, or was skipped)."""
+        return self._future is None or self._future.done()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Returns once the training loop may change its tensors again.
+
+        On the CPU the copy is finished when ``save()`` returns, so this returns at
+        once; it exists for the GPU path, where the copy runs on a side stream."""
+        return None
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Waits for the upload and commit; the ``SaveResult``.
+
+        Raises ``SnapshotSkipped`` for a skipped save, ``Timeout`` when ``timeout``
+        seconds pass first (the snapshot goes on), or the typed ``CkptdError`` that
+        failed the snapshot."""
+        if self._future is None:
+            raise SnapshotSkipped(
+                f"save of step {self.step} was skipped: a snapshot was in flight", step=self.step
+            )
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise Timeout(
+                f"snapshot of step {self.step} still running after {timeout} s", step=self.step
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise CkptdError(
+                f"snapshot of step {self.step} was cancelled", step=self.step
+            ) from None
+        except CkptdError:
+            raise
+        except Exception as exc:
+            raise wrap_error(exc, f"snapshot of step {self.step}") from exc
+
+
+class Checkpointer:
+    """Asynchronous, deduplicated, verified checkpoints of one rank's state.
+
+    ``url`` is ``http://host:port`` (a ckptd server) or ``file:///path`` (a local
+    directory store, no server). One snapshot per rank is in flight at a time: a
+    ``save`` while one is in flight waits for it (``on_busy="wait"``) or is skipped
+    (``on_busy="skip"``). Tensors are ``"replicated"`` across ranks by default (the
+    server checks that replicas agree and dedups them), ``"local"`` when named in
+    ``local`` (rank-private), or ``"sharded"`` when given a ``Shard``. ``timeout``
+    bounds every blocking call that takes no timeout of its own (None: no bound)."""
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        rank: int = 0,
+        world_size: int = 1,
+        token: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        default_placement: DefaultPlacement = "replicated",
+        on_busy: OnBusy = "wait",
+        timeout: float | None = None,
+    ) -> None:
+        self.url = url
+        self.job = check_job(job)
+        self.world_size = world_size
+        self.rank = check_rank(rank, world_size)
+        self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise InvalidRequest(
+                f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
+            )
+        if default_placement not in ("replicated", "local"):
+            raise InvalidRequest(
+                f"default_placement must be 'replicated' or 'local', not {default_placement!r}"
+            )
+        if on_busy not in ("wait", "skip"):
+            raise InvalidRequest(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        self.default_placement: DefaultPlacement = default_placement
+        self.on_busy: OnBusy = on_busy
+        self.timeout = timeout
+        self._transport = open_transport(url, token)
+        self._loop = EventLoopThread(f"ckptd-{job}-{rank}")
+        self._staging = StagingArea()
+        self._inflight: concurrent.futures.Future[SaveResult] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def transport(self) -> Transport:
+        """The transport (it lives on this checkpointer's background loop)."""
+        return self._transport
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer({self._transport.describe()!r}, job={self.job!r}, "
+            f"rank={self.rank}, world_size={self.world_size})"
+        )
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidRequest("this Checkpointer is closed")
+
+    # -- save -----------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        *,
+        shards: Mapping[str, Shard] | None = None,
+        local: Iterable[str] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stages a copy of ``state`` and returns; the upload runs in the background.
+
+        ``state`` is a nested mapping of tensors and plain values (what
+        ``state_dict()`` methods return); tensors are named by their keys joined
+        with ".". ``shards`` maps such names to their ``Shard`` of a global tensor;
+        names in ``local`` are rank-private; ``meta`` (JSON) goes into this rank's
+        manifest and is offered to the commit record. Once this returns the caller
+        may change its tensors: the snapshot holds its own copy. Raises at once for
+        a state that cannot be stored (``UnsupportedValue``, naming the path); errors
+        of the upload come out of ``SaveHandle.wait()``."""
+        started = time.perf_counter()
+        self._check_open()
+        check_step(step)
+        flat = flatten(state)
+        placements = self._placements(flat.tensors, shards or {}, local)
+        meta = dict(meta or {})
+        try:
+            canonical_json(meta)
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedValue(f"meta is not plain JSON: {exc}") from None
+        with self._lock:
+            self._check_open()
+            busy = self._inflight
+            if busy is not None and not busy.done():
+                if self.on_busy == "skip":
+                    log.info("%s/%d: step %d skipped, a snapshot is in flight",
+                             self.job, self.rank, step)
+                    return SaveHandle(step, None, skipped=True)
+                concurrent.futures.wait([busy], self.timeout)
+                if not busy.done():
+                    raise Timeout(
+                        f"save of step {step}: the snapshot in flight did not finish "
+                        f"within {self.timeout} s",
+                        step=step,
+                    )
+            staged = self._staging.stage(flat.tensors)
+            snap = Snapshot(
+                job=self.job,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                chunk_size=self.chunk_size,
+                tree=flat.tree,
+                tensors=staged.tensors,
+                placements=placements,
+                meta=meta,
+                bytes_staged=staged.nbytes,
+                stage_seconds=staged.seconds,
+                started=started,
+            )
+            future = self._loop.submit(run_snapshot(self._transport, snap))
+            self._inflight = future
+        log.debug("%s/%d: step %d staged, %d bytes in %.4f s",
+                  self.job, self.rank, step, staged.nbytes, staged.seconds)
+        return SaveHandle(step, future)
+
+    def _placements(
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        shards: Mapping[str, Shard],
+        local: Iterable[str],
+    ) -> dict[str, tuple[Placement, list[int], list[int]]]:
+        by_name = dict(tensors)
+        local_names = set(local)
+        unknown = sorted((set(shards) | local_names) - by_name.keys())
+        if unknown:
+            raise InvalidRequest(
+                f"shards or local name tensors the state does not hold: {unknown[:10]}",
+                names=unknown[:50],
+            )
+        both = sorted(set(shards) & local_names)
+        if both:
+            raise InvalidRequest(f"tensors both sharded and local: {both[:10]}", names=both[:50])
+        out: dict[str, tuple[Placement, list[int], list[int]]] = {}
+        for name, tensor in tensors:
+            shape = [int(d) for d in tensor.shape]
+            shard = shards.get(name)
+            if shard is not None:
+                g, o = list(shard.global_shape), list(shard.offsets)
+                if len(g) != len(shape) or any(
+                    a + s > d for a, s, d in zip(o, shape, g, strict=True)
+                ):
+                    raise InvalidRequest(
+                        f"shard of {name!r} with shape {shape} at offsets {o} does not fit "
+                        f"in global shape {g}",
+                        name=name,
+                    )
+                out[name] = ("sharded", g, o)
+            elif name in local_names:
+                out[name] = ("local", shape, [0] * len(shape))
+            else:
+                out[name] = (self.default_placement, shape, [0] * len(shape))
+        return out
+
+    # -- restore and queries ----------------------------------------------------------
+
+    def restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> RestoreResult:
+        """Fills ``state`` in place with this rank's tensors and values of a
+        committed step (the latest when ``step`` is None), bitwise.
+
+        Tensors the target holds with the checkpoint's dtype and shape are
+        overwritten with ``copy_`` (so ``model.state_dict()`` restores the model);
+        missing ones (a fresh optimizer's empty ``state``) are created; plain values
+        are set. Every chunk is verified against its id before anything in
+        ``state`` changes: a restore either fills all of it or raises
+        (``CheckpointNotFound``, ``ChunkHashMismatch``, ``RestoreError``, ...)
+        and leaves it as it was."""
+        self._check_open()
+        t0 = time.perf_counter()
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if not isinstance(state, MutableMapping):
+            raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
+        manifest = self._call(self._read_manifest(step), left())
+        if manifest.world_size != self.world_size:
+            sharded = [e.name for e in manifest.entries if e.placement == "sharded"]
+            if sharded:
+                raise RestoreError(
+                    f"step {manifest.step} was saved by {manifest.world_size} ranks, this is "
+                    f"{self.world_size}; sharded entries cannot be resharded yet",
+                    entries=sharded[:50],
+                )
+            log.warning("%s/%d: restoring step %d saved with world size %d into world size %d",
+                        self.job, self.rank, manifest.step, manifest.world_size, self.world_size)
+        specs = {e.name: TensorSpec(torch_dtype(e.dtype), tuple(e.shape)) for e in manifest.entries}
+        plan_fill(state, manifest.tree, specs)
+        fetched = self._call(fetch_manifest(self._transport, manifest), left())
+        fill(state, manifest.tree, fetched.tensors)
+        seconds = time.perf_counter() - t0
+        log.info("%s/%d: restored step %d, %d bytes in %d chunks, %.3f s",
+                 self.job, self.rank, manifest.step, fetched.nbytes, fetched.chunks, seconds)
+        return RestoreResult(
+            step=manifest.step,
+            bytes_restored=fetched.nbytes,
+            chunks=fetched.chunks,
+            seconds=seconds,
+            bytes_from=dict(fetched.bytes_from),
+        )
+
+    async def _read_manifest(self, step: int | None) -> RankManifest:
+        if step is None:
+            step = await self._transport.latest(self.job)
+            if step is None:
+                raise CheckpointNotFound(
+                    f"job {self.job} has no committed checkpoint", job=self.job
+                )
+        return await self._transport.read_manifest(self.job, check_step(step), self.rank)
+
+    def latest(self) -> int | None:
+        """The newest committed step of this job, or None."""
+        self._check_open()
+        return self._call(self._transport.latest(self.job), self.timeout)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Runs ``coro`` on the background loop; errors come out typed."""
+        try:
+            return self._loop.run(coro, timeout)
+        except CkptdError:
+            raise
+        except Exception as exc:
+            raise wrap_error(exc, "request") from exc
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for the snapshot in flight, then closes the transport and the
+        background loop. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            busy = self._inflight
+        timeout = self.timeout if timeout is None else timeout
+        if busy is not None:
+            done, _ = concurrent.futures.wait([busy], timeout)
+            if not done:
+                log.warning("%s/%d: closing with the snapshot of a save still in flight",
+                            self.job, self.rank)
+        try:
+            self._loop.run(self._transport.close(), 10.0)
+        except Exception as exc:  # closing must not fail the caller's shutdown
+            log.warning("%s/%d: closing the transport failed: %s", self.job, self.rank, exc)
+        self._loop.stop()
+        self._staging.clear()

@@ -1,0 +1,425 @@
+"""How the client reaches a repository: HTTP to a ckptd server, or a store in
+process (``file:///path``). Both speak the same small async interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import asdict
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from ckptd import knobs
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    InvalidDocument,
+    InvalidRequest,
+    ManifestHashMismatch,
+    Timeout,
+    Unavailable,
+    from_json,
+)
+from ckptd.format import (
+    CommitRecord,
+    RankManifest,
+    check_chunk_id,
+    check_job,
+    check_step,
+)
+from ckptd.hashing import document_hash
+from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
+from ckptd.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CommitStatus",
+    "HttpTransport",
+    "LocalTransport",
+    "MissingResult",
+    "StepInfo",
+    "Transport",
+    "open_transport",
+]
+
+
+class Transport(ABC):
+    """The repository operations the client needs, wherever the repository is."""
+
+    @abstractmethod
+    async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
+        """Which ids the store lacks; with a claimer, those are leased to it."""
+
+    @abstractmethod
+    async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
+        """Stores one chunk (verified by the repository). True when it was new."""
+
+    @abstractmethod
+    async def get_chunk(self, cid: str) -> bytes:
+        """One chunk's bytes, not yet verified: the caller checks them against ``cid``."""
+
+    @abstractmethod
+    async def put_manifest(self, manifest: RankManifest) -> str:
+        """Stores a rank manifest; returns its hash."""
+
+    @abstractmethod
+    async def commit(self, job: str, step: int, meta: dict[str, Any] | None = None) -> CommitStatus:
+        """Commits the step if every rank is in; else says which ranks are missing."""
+
+    @abstractmethod
+    async def latest(self, job: str) -> int | None:
+        """The newest committed step of ``job``, or None."""
+
+    @abstractmethod
+    async def read_commit(self, job: str, step: int) -> CommitRecord:
+        """The commit record of a committed step."""
+
+    @abstractmethod
+    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
+        """A rank's manifest of a committed step, checked against the commit record."""
+
+    @abstractmethod
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        """Every job as ``{"job": str, "latest": int | None}``."""
+
+    @abstractmethod
+    async def list_steps(self, job: str) -> list[StepInfo]:
+        """Every step of ``job``, committed or pending, oldest first."""
+
+    @abstractmethod
+    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
+        """Re-hashes the chunks of one committed step (or all); the report as a dict
+        with the fields of ``POST /v1/jobs/{job}/verify``."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where this transport goes, for logs."""
+
+
+# -- in process -------------------------------------------------------------------------
+
+
+class LocalTransport(Transport):
+    """A repository over a store in this process (no server)."""
+
+    def __init__(self, repository: Repository) -> None:
+        self.repository = repository
+
+    @classmethod
+    def open(cls, path: str) -> LocalTransport:
+        return cls(Repository(LocalStore(path)))
+
+    async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
+        return await self.repository.missing_chunks(ids, claimer)
+
+    async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
+        return await self.repository.put_chunk(cid, data)
+
+    async def get_chunk(self, cid: str) -> bytes:
+        # The client verifies every chunk on arrival; hashing here too would be twice.
+        return await self.repository.get_chunk(cid, verify=False)
+
+    async def put_manifest(self, manifest: RankManifest) -> str:
+        return await self.repository.put_manifest(manifest)
+
+    async def commit(self, job: str, step: int, meta: dict[str, Any] | None = None) -> CommitStatus:
+        return await self.repository.commit(job, step, meta=meta)
+
+    async def latest(self, job: str) -> int | None:
+        return await self.repository.latest(check_job(job))
+
+    async def read_commit(self, job: str, step: int) -> CommitRecord:
+        return await self.repository.read_commit(job, step)
+
+    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
+        return await self.repository.read_manifest(job, step, rank)
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        jobs = await self.repository.list_jobs()
+        latest = await asyncio.gather(*(self.repository.latest(j) for j in jobs))
+        return [{"job": j, "latest": s} for j, s in zip(jobs, latest, strict=True)]
+
+    async def list_steps(self, job: str) -> list[StepInfo]:
+        return await self.repository.list_steps(check_job(job))
+
+    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
+        report = await self.repository.verify(check_job(job), step)
+        return {**asdict(report), "ok": report.ok}
+
+    async def close(self) -> None:
+        await self.repository.close()
+
+    def describe(self) -> str:
+        return self.repository.store.describe()
+
+
+# -- HTTP -----------------------------------------------------------------------------
+
+
+class HttpTransport(Transport):
+    """A ckptd server over HTTP: one pooled client, bearer token, retries with
+    exponential backoff on connection errors and 5xx, typed errors from JSON bodies."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float | None = None,
+        retries: int | None = None,
+        backoff: float | None = None,
+        concurrency: int | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries = knobs.retries() if retries is None else retries
+        self.backoff = knobs.retry_backoff() if backoff is None else backoff
+        self.timeout = knobs.request_timeout() if timeout is None else timeout
+        pool = max(16, 2 * (concurrency or knobs.upload_concurrency()))
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(self.timeout),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+        )
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One request with retries; a typed error for any answer not in ``ok``."""
+        attempts = self.retries + 1
+        delay = self.backoff
+        last: Exception | None = None
+        extra: dict[str, Any] = {}
+        if timeout is not None:
+            extra["timeout"] = httpx.Timeout(timeout)
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(delay)
+                delay *= 2
+            try:
+                resp = await self._client.request(method, path, **kwargs, **extra)
+            except httpx.TimeoutException as exc:
+                last = exc
+                log.debug("%s %s timed out (attempt %d/%d)", method, path, attempt + 1, attempts)
+                continue
+            except httpx.TransportError as exc:
+                last = exc
+                log.debug("%s %s failed: %s (attempt %d/%d)", method, path, exc, attempt + 1,
+                          attempts)
+                continue
+            if resp.status_code in ok:
+                return resp
+            error = self._error(resp)
+            if resp.status_code >= 500:
+                last = error
+                log.debug("%s %s answered %d (attempt %d/%d)", method, path, resp.status_code,
+                          attempt + 1, attempts)
+                continue
+            raise error
+        if isinstance(last, httpx.TimeoutException):
+            raise Timeout(
+                f"{method} {self.url}{path} timed out {attempts} times", url=self.url
+            ) from last
+        if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
+            raise last
+        raise Unavailable(
+            f"{method} {self.url}{path} failed after {attempts} attempts: {last}", url=self.url
+        ) from last
+
+    @staticmethod
+    def _error(resp: httpx.Response) -> CkptdError:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("code"), str):
+            return from_json(body, resp.status_code)
+        text = resp.text[:200]
+        if resp.status_code >= 500:
+            return _UntypedServerError(f"HTTP {resp.status_code}: {text}")
+        return CkptdError(f"HTTP {resp.status_code} from {resp.request.url}: {text}")
+
+    async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
+        body: dict[str, Any] = {"ids": ids}
+        if claimer is not None:
+            body["claimer"] = claimer
+        resp = await self._request("POST", "/v1/chunks/missing", json=body)
+        doc = resp.json()
+        return MissingResult(missing=list(doc["missing"]), in_flight=list(doc["in_flight"]))
+
+    async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
+        check_chunk_id(cid)
+        resp = await self._request(
+            "PUT",
+            f"/v1/chunks/{cid}",
+            ok=(200, 201),
+            content=bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return resp.status_code == 201
+
+    async def get_chunk(self, cid: str) -> bytes:
+        check_chunk_id(cid)
+        resp = await self._request("GET", f"/v1/chunks/{cid}")
+        return resp.content
+
+    async def put_manifest(self, manifest: RankManifest) -> str:
+        manifest.check()
+        resp = await self._request(
+            "PUT",
+            f"/v1/jobs/{manifest.job}/steps/{manifest.step}/ranks/{manifest.rank}",
+            ok=(200, 201),
+            content=manifest.canonical(),
+            headers={"Content-Type": "application/json"},
+        )
+        digest = str(resp.json()["hash"])
+        if digest != manifest.digest():
+            raise ManifestHashMismatch(
+                f"the server stored rank {manifest.rank}'s manifest under hash {digest}, "
+                f"expected {manifest.digest()}",
+                rank=manifest.rank,
+            )
+        return digest
+
+    async def commit(self, job: str, step: int, meta: dict[str, Any] | None = None) -> CommitStatus:
+        check_job(job)
+        check_step(step)
+        resp = await self._request(
+            "POST", f"/v1/jobs/{job}/steps/{step}/commit", json={"meta": dict(meta or {})}
+        )
+        doc = resp.json()
+        record = doc.get("record")
+        return CommitStatus(
+            state=doc["state"],
+            job=doc["job"],
+            step=int(doc["step"]),
+            world_size=doc.get("world_size"),
+            missing_ranks=list(doc.get("missing_ranks") or []),
+            record=None if record is None else _parse_record(record),
+        )
+
+    async def latest(self, job: str) -> int | None:
+        check_job(job)
+        try:
+            resp = await self._request("GET", f"/v1/jobs/{job}/latest")
+        except CheckpointNotFound:
+            return None
+        return int(resp.json()["step"])
+
+    async def read_commit(self, job: str, step: int) -> CommitRecord:
+        check_job(job)
+        check_step(step)
+        resp = await self._request("GET", f"/v1/jobs/{job}/steps/{step}")
+        return CommitRecord.parse(resp.content)
+
+    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
+        record = await self.read_commit(job, step)
+        if not 0 <= rank < record.world_size:
+            raise InvalidRequest(
+                f"rank {rank} is outside world size {record.world_size} of step {step}"
+            )
+        resp = await self._request("GET", f"/v1/jobs/{job}/steps/{step}/ranks/{rank}")
+        # Hash the bytes as they came, before parsing: only the committed bytes pass.
+        if await asyncio.to_thread(document_hash, resp.content) != record.manifests[rank].hash:
+            raise ManifestHashMismatch(
+                f"manifest of rank {rank}, step {step} of {job} does not match its commit "
+                "record",
+                rank=rank,
+                step=step,
+            )
+        manifest = RankManifest.parse(resp.content)
+        if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
+            raise InvalidDocument(
+                f"asked for rank {rank} of step {step} of {job}, got rank {manifest.rank} of "
+                f"step {manifest.step} of {manifest.job}"
+            )
+        return manifest
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        resp = await self._request("GET", "/v1/jobs")
+        return [{"job": j["job"], "latest": j.get("latest")} for j in resp.json()["jobs"]]
+
+    async def list_steps(self, job: str) -> list[StepInfo]:
+        check_job(job)
+        resp = await self._request("GET", f"/v1/jobs/{job}/steps")
+        return [
+            StepInfo(
+                step=int(s["step"]),
+                committed=bool(s["committed"]),
+                world_size=s.get("world_size"),
+                ranks_present=int(s["ranks_present"]),
+                logical_bytes=s.get("logical_bytes"),
+                committed_at=s.get("committed_at"),
+                is_latest=bool(s.get("is_latest", False)),
+            )
+            for s in resp.json()["steps"]
+        ]
+
+    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
+        check_job(job)
+        params = {} if step is None else {"step": check_step(step)}
+        # Verify re-reads every chunk server side: allow it far longer than a request.
+        resp = await self._request(
+            "POST", f"/v1/jobs/{job}/verify", params=params, timeout=self.timeout * 20
+        )
+        doc: dict[str, Any] = resp.json()
+        return doc
+
+    async def healthz(self) -> dict[str, Any]:
+        """The server's ``/healthz`` answer."""
+        resp = await self._request("GET", "/healthz")
+        doc: dict[str, Any] = resp.json()
+        return doc
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def describe(self) -> str:
+        return self.url
+
+
+class _UntypedServerError(CkptdError):
+    """A 5xx answer without a ckptd error body (a proxy, a crash): retried, then
+    reported as ``Unavailable``."""
+
+
+def _parse_record(doc: Any) -> CommitRecord:
+    try:
+        return CommitRecord.parse(json.dumps(doc).encode("utf-8"))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CkptdError):
+            raise
+        raise InvalidDocument(f"the server sent a commit record that is not JSON: {exc}") from None
+
+
+def open_transport(url: str, token: str | None = None) -> Transport:
+    """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
+    (a local directory store, used in process)."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        if not parsed.netloc:
+            raise InvalidRequest(f"URL {url!r} names no host")
+        return HttpTransport(url, token)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidRequest(f"file URL {url!r} must name a local path (file:///path)")
+        if not parsed.path:
+            raise InvalidRequest(f"file URL {url!r} names no path")
+        return LocalTransport.open(parsed.path)
+    raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port or file:///path")

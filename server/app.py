@@ -1,0 +1,115 @@
+"""The application factory and the uvicorn runner."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
+
+from ckptd import __version__
+from ckptd.repository import Repository
+from ckptd.server.errors import install_error_handlers
+from ckptd.server.routes import chunks, health, jobs, manifests
+from ckptd.server.settings import Settings
+from ckptd.store import open_store
+
+log = logging.getLogger(__name__)
+
+# Seconds that a SIGTERM'd server waits for requests in flight before it stops.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Opens the store and the repository over it; closes them at shutdown."""
+    settings: Settings = app.state.settings
+    store = open_store(settings.store)
+    repository = Repository(store, replica_mismatch=settings.replica_mismatch)
+    app.state.repository = repository
+    log.info("serving store %s", store.describe())
+    try:
+        yield
+    finally:
+        await repository.close()
+        log.info("closed store %s", store.describe())
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """A ckptd server application over ``settings.store`` (read from CKPTD_* when
+    ``settings`` is None)."""
+    app = FastAPI(
+        title="ckptd",
+        summary="Checkpoint service for distributed PyTorch training",
+        version=__version__,
+        lifespan=lifespan,
+        # One schema per model: the manifest PUT refers to RankManifest by name.
+        separate_input_output_schemas=False,
+    )
+    app.state.settings = settings if settings is not None else Settings()
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(chunks.router)
+    app.include_router(manifests.router)
+    app.include_router(jobs.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 answers it adds for parameter errors:
+    this API answers those with 400 (see ckptd.server.errors), and 422 means a
+    chunk whose bytes do not match its id."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                answer = operation.get("responses", {}).get("422", {})
+                ref = answer.get("content", {}).get("application/json", {}).get("schema", {})
+                if ref.get("$ref", "").endswith("/HTTPValidationError"):
+                    del operation["responses"]["422"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _log_config(level: str) -> dict[str, Any]:
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["ckptd"] = {
+        "format": "%(asctime)s %(levelname)s %(name)s: %(message)s",
+    }
+    config["handlers"]["ckptd"] = {
+        "class": "logging.StreamHandler",
+        "formatter": "ckptd",
+        "stream": "ext://sys.stderr",
+    }
+    config["loggers"]["ckptd"] = {
+        "handlers": ["ckptd"],
+        "level": "DEBUG" if level == "trace" else level.upper(),
+        "propagate": False,
+    }
+    return config
+
+
+def run(settings: Settings) -> None:
+    """Serves the application until SIGINT or SIGTERM, then shuts down gracefully:
+    no new connections, requests in flight finish (up to GRACEFUL_SHUTDOWN_S), and
+    the lifespan closes the store."""
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=_log_config(settings.log_level),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    log.info("starting ckptd %s on %s:%d", __version__, settings.host, settings.port)
+    server.run()

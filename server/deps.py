@@ -1,0 +1,58 @@
+"""Dependencies of the routes, as ``Annotated`` aliases.
+
+Names in the URL are checked with ``ckptd.format``'s ``check_*`` functions (an
+``InvalidName``, 400, when they do not match), so the server has no rules of its
+own about what a job, step, rank or chunk id may be."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+
+from ckptd.format import MAX_WORLD_SIZE, check_chunk_id, check_job, check_rank, check_step
+from ckptd.repository import Repository
+from ckptd.server.auth import require_token
+from ckptd.server.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_repository(request: Request) -> Repository:
+    repo: Repository = request.app.state.repository
+    return repo
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RepoDep = Annotated[Repository, Depends(get_repository)]
+AuthDep = Annotated[None, Depends(require_token)]
+
+
+def _job(
+    job: Annotated[str, Path(description="Job name: letters, digits, '.', '_', '-'.")],
+) -> str:
+    return check_job(job)
+
+
+def _step(step: Annotated[int, Path(description="Training step, in [0, 10^15).")]) -> int:
+    return check_step(step)
+
+
+def _rank(rank: Annotated[int, Path(description="Rank, >= 0.")]) -> int:
+    # The world size is the manifest's to say; no world is larger than this.
+    return check_rank(rank, MAX_WORLD_SIZE)
+
+
+def _chunk_id(
+    cid: Annotated[str, Path(alias="id", description="blake3 of the chunk, 64 lowercase hex.")],
+) -> str:
+    return check_chunk_id(cid)
+
+
+JobDep = Annotated[str, Depends(_job)]
+StepDep = Annotated[int, Depends(_step)]
+RankDep = Annotated[int, Depends(_rank)]
+ChunkIdDep = Annotated[str, Depends(_chunk_id)]

@@ -1,0 +1,115 @@
+"""The one place that turns errors into HTTP answers.
+
+Every error answer is ``{"code", "message", "detail"}`` with the status that
+``ckptd.errors.http_status`` gives its code."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ckptd.errors import (
+    CkptdError,
+    Forbidden,
+    InvalidName,
+    InvalidRequest,
+    NotFound,
+    TooLarge,
+    Unauthorized,
+    http_status,
+)
+
+log = logging.getLogger(__name__)
+
+# Starlette's own refusals (no route, wrong method, ...) by status; others are
+# answered as invalid_request (4xx) or internal (5xx), keeping their status.
+_STARLETTE_CODES: dict[int, type[CkptdError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    413: TooLarge,
+}
+
+# Validation errors located only here are about a name in the URL.
+_NAME_LOCATIONS = {"path", "query"}
+
+
+def error_response(
+    err: CkptdError, status: int | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    status = status if status is not None else http_status(err.code)
+    answer_headers = dict(headers or {})
+    if status == 401:
+        answer_headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(err.to_json(), status_code=status, headers=answer_headers)
+
+
+async def _ckptd_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CkptdError)
+    status = http_status(exc.code)
+    if status >= 500:
+        log.error("%s %s: %s", request.method, request.url.path, exc.code, exc_info=exc)
+    else:
+        log.debug("%s %s: %s: %s", request.method, request.url.path, exc.code, exc.message)
+    return error_response(exc, status)
+
+
+def _describe(error: dict[str, Any]) -> dict[str, Any]:
+    # Only where and what: the input can be a whole (large) body and ctx can hold
+    # exception objects that do not encode as JSON.
+    return {
+        "loc": [str(part) for part in error.get("loc", ())],
+        "msg": str(error.get("msg", "")),
+        "type": str(error.get("type", "")),
+    }
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [_describe(e) for e in exc.errors()]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    where = ".".join(first["loc"])
+    if first.get("type") == "json_invalid":
+        message = "the request body is not valid JSON"
+    else:
+        message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    in_url = bool(errors) and all(e["loc"] and e["loc"][0] in _NAME_LOCATIONS for e in errors)
+    cls = InvalidName if in_url else InvalidRequest
+    return error_response(cls(message, errors=errors[:20]))
+
+
+async def _starlette_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    cls = _STARLETTE_CODES.get(exc.status_code)
+    if cls is None:
+        cls = InvalidRequest if exc.status_code < 500 else CkptdError
+    message = exc.detail if isinstance(exc.detail, str) else f"HTTP {exc.status_code}"
+    if exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path[:200]}"
+    return error_response(cls(message), exc.status_code, exc.headers)
+
+
+async def _client_disconnect(request: Request, exc: Exception) -> JSONResponse:
+    # Nobody reads this answer; the upload it cut off stored nothing.
+    log.info("%s %s: client went away mid-request", request.method, request.url.path)
+    return error_response(InvalidRequest("client disconnected"))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(CkptdError("internal server error; see the server log"), 500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(CkptdError, _ckptd_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _starlette_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
+    app.add_exception_handler(Exception, _unexpected)

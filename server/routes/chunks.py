@@ -1,0 +1,98 @@
+"""Chunks: content-addressed blobs, hashed on the way in and on the way out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+
+from ckptd import knobs
+from ckptd.errors import ChunkNotFound
+from ckptd.server.auth import require_token
+from ckptd.server.bodies import read_chunk
+from ckptd.server.deps import ChunkIdDep, RepoDep
+from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
+from ckptd.server.routes import error_responses
+from ckptd.server.routing import ApiRoute
+
+router = APIRouter(
+    prefix="/v1/chunks",
+    tags=["chunks"],
+    route_class=ApiRoute,
+    dependencies=[Depends(require_token)],
+    responses=error_responses(400, 401, 500),
+)
+
+# Large reads: one chunk is in memory anyway, and each piece costs a send.
+READ_PIECE = knobs.MiB
+
+_BINARY: dict[str, Any] = {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+}
+
+
+@router.post(
+    "/missing",
+    response_model=MissingResponse,
+    summary="Which of these chunks the store lacks (and lease them to a claimer)",
+    responses=error_responses(413),
+)
+async def missing_chunks(body: MissingRequest, repo: RepoDep) -> MissingResponse:
+    result = await repo.missing_chunks(body.ids, claimer=body.claimer)
+    return MissingResponse(missing=result.missing, in_flight=result.in_flight)
+
+
+@router.put(
+    "/{id}",
+    status_code=201,
+    response_model=ChunkStored,
+    summary="Store a chunk (its raw bytes); hashed while it streams in",
+    responses={
+        200: {"model": ChunkStored, "description": "The store already held this chunk"},
+        **error_responses(413, 422),
+    },
+    openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+)
+async def put_chunk(
+    cid: ChunkIdDep, request: Request, response: Response, repo: RepoDep
+) -> ChunkStored:
+    body, digest = await read_chunk(request)
+    with memoryview(body) as view:
+        created = await repo.put_chunk(cid, view, digest=digest)
+    if not created:
+        response.status_code = 200
+    return ChunkStored(id=cid, size=len(body), created=created)
+
+
+@router.head(
+    "/{id}",
+    summary="Whether the store holds a chunk",
+    responses={200: {"description": "Stored"}, **error_responses(404)},
+)
+async def has_chunk(cid: ChunkIdDep, repo: RepoDep) -> Response:
+    if not await repo.has_chunk(cid):
+        raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)
+    return Response(status_code=200)
+
+
+@router.get(
+    "/{id}",
+    response_class=StreamingResponse,
+    summary="A chunk's raw bytes, streamed",
+    responses={200: {"content": _BINARY, "description": "The chunk"}, **error_responses(404, 422)},
+)
+async def get_chunk(cid: ChunkIdDep, repo: RepoDep) -> StreamingResponse:
+    data = await repo.get_chunk(cid)
+    return StreamingResponse(
+        _pieces(data),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(len(data))},
+    )
+
+
+async def _pieces(data: bytes) -> AsyncIterator[memoryview]:
+    view = memoryview(data)  # slices of immutable bytes: no copy, nothing to release
+    for start in range(0, len(view), READ_PIECE):
+        yield view[start : start + READ_PIECE]

@@ -1,0 +1,120 @@
+"""Jobs and their steps: commit, list, latest, verify."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Query
+
+from ckptd.format import CommitRecord
+from ckptd.server.auth import require_token
+from ckptd.server.deps import JobDep, RepoDep, StepDep
+from ckptd.server.models import (
+    CommitRequest,
+    CommitResponse,
+    JobList,
+    JobSummary,
+    Latest,
+    StepList,
+    StepSummary,
+    VerifyResult,
+)
+from ckptd.server.routes import error_responses
+from ckptd.server.routing import ApiRoute
+
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    route_class=ApiRoute,
+    dependencies=[Depends(require_token)],
+    responses=error_responses(400, 401, 500),
+)
+
+
+@router.get("", response_model=JobList, summary="Every job and its latest committed step")
+async def list_jobs(repo: RepoDep) -> JobList:
+    names = await repo.list_jobs()
+    latest = await asyncio.gather(*(repo.latest(name) for name in names))
+    return JobList(jobs=[JobSummary(job=n, latest=s) for n, s in zip(names, latest, strict=True)])
+
+
+@router.get("/{job}/steps", response_model=StepList, summary="A job's steps, committed or not")
+async def list_steps(job: JobDep, repo: RepoDep) -> StepList:
+    infos = await repo.list_steps(job)
+    # Taken from the same listing, so "latest" and "is_latest" always agree.
+    latest = next((info.step for info in infos if info.is_latest), None)
+    return StepList(
+        job=job,
+        latest=latest,
+        steps=[StepSummary(**dataclasses.asdict(info)) for info in infos],
+    )
+
+
+@router.get(
+    "/{job}/steps/{step}",
+    response_model=CommitRecord,
+    summary="The commit record of a committed step",
+    responses=error_responses(404, 409),
+)
+async def read_commit(job: JobDep, step: StepDep, repo: RepoDep) -> CommitRecord:
+    record: CommitRecord = await repo.read_commit(job, step)
+    return record
+
+
+@router.post(
+    "/{job}/steps/{step}/commit",
+    response_model=CommitResponse,
+    summary="Commit a step once all its ranks' manifests are in and agree",
+    responses=error_responses(404, 409),
+)
+async def commit(
+    job: JobDep,
+    step: StepDep,
+    repo: RepoDep,
+    body: Annotated[CommitRequest | None, Body()] = None,
+) -> CommitResponse:
+    status = await repo.commit(job, step, meta=body.meta if body is not None else None)
+    return CommitResponse(
+        state=status.state,
+        job=status.job,
+        step=status.step,
+        world_size=status.world_size,
+        missing_ranks=status.missing_ranks,
+        record=status.record,
+    )
+
+
+@router.get(
+    "/{job}/latest",
+    response_model=Latest,
+    summary="The newest committed step of a job",
+    responses=error_responses(404),
+)
+async def latest(job: JobDep, repo: RepoDep) -> Latest:
+    return Latest(job=job, step=await repo.resolve_step(job, None))
+
+
+@router.post(
+    "/{job}/verify",
+    response_model=VerifyResult,
+    summary="Re-hash every chunk of one committed step, or of every committed step",
+    responses=error_responses(404, 409),
+)
+async def verify(
+    job: JobDep,
+    repo: RepoDep,
+    step: Annotated[int | None, Query(description="One step; default every committed one.")] = None,
+) -> VerifyResult:
+    report = await repo.verify(job, step)
+    return VerifyResult(
+        job=report.job,
+        steps=report.steps,
+        chunks_checked=report.chunks_checked,
+        bytes_checked=report.bytes_checked,
+        bad_chunks=report.bad_chunks,
+        missing_chunks=report.missing_chunks,
+        bad_manifests=report.bad_manifests,
+        ok=report.ok,
+    )

@@ -1,0 +1,85 @@
+"""Rank manifests: what one rank holds at one step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from ckptd import knobs
+from ckptd.errors import InvalidRequest
+from ckptd.format import RankManifest
+from ckptd.hashing import document_hash
+from ckptd.server.auth import require_token
+from ckptd.server.bodies import read_body
+from ckptd.server.deps import JobDep, RankDep, RepoDep, StepDep
+from ckptd.server.models import ManifestStored
+from ckptd.server.routes import error_responses
+from ckptd.server.routing import ApiRoute
+
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["manifests"],
+    route_class=ApiRoute,
+    dependencies=[Depends(require_token)],
+    responses=error_responses(400, 401, 500),
+)
+
+MANIFEST_HASH_HEADER = "X-Ckptd-Manifest-Hash"
+
+
+@router.put(
+    "/{job}/steps/{step}/ranks/{rank}",
+    status_code=201,
+    response_model=ManifestStored,
+    summary="Put a rank's manifest, once every chunk it names is stored",
+    responses=error_responses(409, 413),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "A rank manifest (docs/FORMAT.md) whose job, step and rank are "
+            "the path's.",
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/RankManifest"}}
+            },
+        }
+    },
+)
+async def put_manifest(
+    job: JobDep, step: StepDep, rank: RankDep, request: Request, repo: RepoDep
+) -> ManifestStored:
+    data = await read_body(request, knobs.max_manifest_bytes(), "manifest")
+    # Parsing a large manifest is CPU work: keep it off the event loop.
+    manifest = await asyncio.to_thread(RankManifest.parse, data)
+    if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
+        raise InvalidRequest(
+            f"the manifest is of job {manifest.job!r} step {manifest.step} rank "
+            f"{manifest.rank}, the path names job {job!r} step {step} rank {rank}",
+        )
+    return ManifestStored(hash=await repo.put_manifest(manifest))
+
+
+@router.get(
+    "/{job}/steps/{step}/ranks/{rank}",
+    response_class=Response,
+    summary="A rank's manifest of a committed step, in its canonical bytes",
+    responses={
+        200: {
+            "model": RankManifest,
+            "description": "The manifest's canonical JSON",
+            "headers": {
+                MANIFEST_HASH_HEADER: {
+                    "description": "blake3 of the body, as named in the commit record",
+                    "schema": {"type": "string"},
+                }
+            },
+        },
+        **error_responses(404, 409, 422),
+    },
+)
+async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep) -> Response:
+    manifest = await repo.read_manifest(job, step, rank)
+    data = manifest.canonical()
+    return Response(
+        data, media_type="application/json", headers={MANIFEST_HASH_HEADER: document_hash(data)}
+    )

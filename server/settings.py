@@ -1,0 +1,43 @@
+"""Server settings, read from ``CKPTD_*`` variables; explicit arguments win."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class Settings(BaseSettings):
+    """How one ``ckptd serve`` process runs."""
+
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
+
+    store: str = Field(
+        default="./ckptd-store",
+        description="A directory, file:///path, or memory:// (see open_store).",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8470, ge=0, le=65535)
+    # Kept out of repr so that logging the settings never logs the secret.
+    token: str | None = Field(
+        default=None, repr=False, description="Bearer token every route needs."
+    )
+    replica_mismatch: Literal["reject", "warn"] = "reject"
+    log_level: str = "info"
+
+    @field_validator("token")
+    @classmethod
+    def _empty_token_is_none(cls, value: str | None) -> str | None:
+        # CKPTD_TOKEN= (set but empty) means no token, not "the empty token".
+        return value or None
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        level = value.lower()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"log level {value!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level

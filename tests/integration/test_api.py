@@ -1,0 +1,632 @@
+"""The HTTP API (docs/API.md) against a real ``ckptd serve`` process."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from ckptd import knobs
+from ckptd.format import MIN_CHUNK_SIZE, RankManifest, TensorEntry
+from ckptd.hashing import chunk_id, chunk_spans
+
+if TYPE_CHECKING:
+    from tests.conftest import ServerProcess
+
+CHUNK = MIN_CHUNK_SIZE  # small chunks keep every test fast
+COLS = 256  # float32 columns: one row is 1 KiB
+JSON = {"content-type": "application/json"}
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=30.0) as c:
+        yield c
+
+
+def put_chunk(client: httpx.Client, data: bytes) -> str:
+    cid = chunk_id(data)
+    r = client.put(f"/v1/chunks/{cid}", content=data)
+    assert r.status_code in (200, 201), r.text
+    return cid
+
+
+def tensor(
+    client: httpx.Client | None,
+    name: str,
+    *,
+    rows: tuple[int, int],
+    global_rows: int,
+    placement: str = "sharded",
+    dtype: str = "float32",
+    data: bytes | None = None,
+) -> TensorEntry:
+    """A [global_rows, COLS] tensor's shard of rows [start, end), its chunks uploaded
+    (when ``client`` is given)."""
+    start, end = rows
+    nbytes = (end - start) * COLS * 4
+    data = os.urandom(nbytes) if data is None else data
+    assert len(data) == nbytes
+    chunks = []
+    for a, b in chunk_spans(nbytes, CHUNK):
+        piece = data[a:b]
+        chunks.append(put_chunk(client, piece) if client is not None else chunk_id(piece))
+    return TensorEntry(
+        name=name,
+        dtype=dtype,
+        placement=placement,  # type: ignore[arg-type]
+        global_shape=[global_rows, COLS],
+        offsets=[start, 0],
+        shape=[end - start, COLS],
+        nbytes=nbytes,
+        chunks=chunks,
+    )
+
+
+def manifest(
+    job: str, step: int, rank: int, world: int, entries: list[TensorEntry], **extra: Any
+) -> RankManifest:
+    tree = {"dict": [[e.name, {"tensor": e.name}] for e in entries] + [["step", {"value": step}]]}
+    return RankManifest(
+        job=job,
+        step=step,
+        rank=rank,
+        world_size=world,
+        chunk_size=CHUNK,
+        entries=entries,
+        tree=tree,
+        **extra,
+    )
+
+
+def manifest_path(job: str, step: int, rank: int) -> str:
+    return f"/v1/jobs/{job}/steps/{step}/ranks/{rank}"
+
+
+def put_manifest(client: httpx.Client, m: RankManifest) -> httpx.Response:
+    return client.put(manifest_path(m.job, m.step, m.rank), content=m.canonical(), headers=JSON)
+
+
+def commit(client: httpx.Client, job: str, step: int, **body: Any) -> httpx.Response:
+    if body:
+        return client.post(f"/v1/jobs/{job}/steps/{step}/commit", json=body)
+    return client.post(f"/v1/jobs/{job}/steps/{step}/commit")
+
+
+def sharded_step(client: httpx.Client, job: str, step: int, world: int) -> list[RankManifest]:
+    """Puts a step whose one tensor is split by rows over ``world`` ranks."""
+    manifests = []
+    for rank in range(world):
+        e = tensor(client, "w", rows=(rank, rank + 1), global_rows=world)
+        m = manifest(job, step, rank, world, [e])
+        r = put_manifest(client, m)
+        assert r.status_code == 201, r.text
+        manifests.append(m)
+    return manifests
+
+
+def assert_error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["code"] == code, body
+    assert isinstance(body["message"], str) and isinstance(body["detail"], dict)
+    return body
+
+
+def raw(
+    server: ServerProcess,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+) -> tuple[int, bytes]:
+    """One request with the path sent exactly as given (httpx would normalize '..')."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        length = {"Content-Length": str(len(body))} if body is not None else {}
+        for k, v in {**server.headers(), **length, **(headers or {})}.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def chunk_file(server: ServerProcess, cid: str) -> Path:
+    return server.store / "chunks" / cid[:2] / cid
+
+
+def files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+# -- the service ----------------------------------------------------------------------
+
+
+def test_healthz(client: httpx.Client, server: ServerProcess) -> None:
+    r = client.get("/healthz")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["version"]
+    assert str(server.store.name) in body["store"]
+
+
+def test_openapi_document_is_complete(client: httpx.Client) -> None:
+    r = client.get("/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    paths = doc["paths"]
+    expected = {
+        ("/healthz", "get"),
+        ("/v1/chunks/missing", "post"),
+        ("/v1/chunks/{id}", "put"),
+        ("/v1/chunks/{id}", "head"),
+        ("/v1/chunks/{id}", "get"),
+        ("/v1/jobs/{job}/steps/{step}/ranks/{rank}", "put"),
+        ("/v1/jobs/{job}/steps/{step}/ranks/{rank}", "get"),
+        ("/v1/jobs/{job}/steps/{step}/commit", "post"),
+        ("/v1/jobs", "get"),
+        ("/v1/jobs/{job}/steps", "get"),
+        ("/v1/jobs/{job}/steps/{step}", "get"),
+        ("/v1/jobs/{job}/latest", "get"),
+        ("/v1/jobs/{job}/verify", "post"),
+    }
+    assert {(p, m) for p, ops in paths.items() for m in ops} == expected
+    # Every reference resolves, and the manifest PUT documents its body.
+    schemas = doc["components"]["schemas"]
+    for ref in re.findall(r'"\$ref":\s*"#/components/schemas/([^"]+)"', r.text):
+        assert ref in schemas, ref
+    put = paths["/v1/jobs/{job}/steps/{step}/ranks/{rank}"]["put"]
+    body_schema = put["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema == {"$ref": "#/components/schemas/RankManifest"}
+    assert "octet-stream" in str(paths["/v1/chunks/{id}"]["put"]["requestBody"])
+    assert "ErrorBody" in schemas
+
+
+# -- chunks ---------------------------------------------------------------------------
+
+
+def test_chunk_roundtrip_streams_identical_bytes(client: httpx.Client) -> None:
+    data = os.urandom(3 * knobs.MiB + 12345)  # several 1 MiB pieces and a short one
+    cid = chunk_id(data)
+    r = client.put(f"/v1/chunks/{cid}", content=data)
+    assert r.status_code == 201
+    assert r.json() == {"id": cid, "size": len(data), "created": True}
+    r = client.put(f"/v1/chunks/{cid}", content=data)
+    assert r.status_code == 200
+    assert r.json()["created"] is False
+
+    r = client.get(f"/v1/chunks/{cid}")
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert int(r.headers["content-length"]) == len(data)
+    assert r.content == data
+    assert client.head(f"/v1/chunks/{cid}").status_code == 200
+
+
+def test_chunk_upload_streamed_without_length(client: httpx.Client) -> None:
+    data = os.urandom(2 * knobs.MiB + 7)
+    cid = chunk_id(data)
+
+    def pieces() -> Iterator[bytes]:
+        for a in range(0, len(data), 100_000):
+            yield data[a : a + 100_000]
+
+    r = client.put(f"/v1/chunks/{cid}", content=pieces())
+    assert r.status_code == 201, r.text
+    assert client.get(f"/v1/chunks/{cid}").content == data
+
+
+def test_absent_chunk_is_404(client: httpx.Client) -> None:
+    cid = chunk_id(b"never stored")
+    assert client.head(f"/v1/chunks/{cid}").status_code == 404
+    assert_error(client.get(f"/v1/chunks/{cid}"), 404, "chunk_not_found")
+
+
+def test_chunk_whose_bytes_do_not_match_its_id_is_refused(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    data = os.urandom(64 * 1024)
+    claimed = chunk_id(os.urandom(64 * 1024))
+    body = assert_error(
+        client.put(f"/v1/chunks/{claimed}", content=data), 422, "chunk_hash_mismatch"
+    )
+    assert body["detail"]["actual"] == chunk_id(data)
+    assert not chunk_file(server, claimed).exists()
+    assert not chunk_file(server, chunk_id(data)).exists()
+    assert files_under(server.store / "chunks") == set()  # no temporary left either
+    assert client.head(f"/v1/chunks/{claimed}").status_code == 404
+
+
+def test_chunk_declared_over_the_limit_is_refused_before_its_body(
+    server: ServerProcess,
+) -> None:
+    cid = chunk_id(b"x")
+    status, body = raw(
+        server, "PUT", f"/v1/chunks/{cid}", {"Content-Length": str(knobs.MAX_CHUNK_SIZE + 1)}
+    )
+    assert status == 413
+    assert b'"too_large"' in body
+    assert not chunk_file(server, cid).exists()
+
+
+@pytest.mark.slow
+def test_chunk_streamed_past_the_limit_is_refused(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    piece = bytes(knobs.MiB)
+    count = knobs.MAX_CHUNK_SIZE // len(piece)
+    cid = chunk_id(b"whatever")
+
+    def body() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        for _ in range(count):
+            yield piece
+        yield b"!"
+
+    try:
+        r = client.put(f"/v1/chunks/{cid}", content=body())
+    except httpx.TransportError:
+        pytest.fail("the server cut the connection instead of answering 413")
+    assert_error(r, 413, "too_large")
+    assert files_under(server.store / "chunks") == set()
+
+
+# -- missing chunks -------------------------------------------------------------------
+
+
+def test_missing_chunks_without_claimer(client: httpx.Client) -> None:
+    present = put_chunk(client, os.urandom(1000))
+    absent = [chunk_id(os.urandom(16)) for _ in range(3)]
+    r = client.post("/v1/chunks/missing", json={"ids": [present, *absent, absent[0]]})
+    assert r.status_code == 200
+    assert r.json() == {"missing": absent, "in_flight": []}
+    # Without a claimer nothing is leased: asking again gives the same answer.
+    r = client.post("/v1/chunks/missing", json={"ids": absent})
+    assert r.json() == {"missing": absent, "in_flight": []}
+
+
+def test_missing_chunks_with_claimers(client: httpx.Client) -> None:
+    a, b = chunk_id(b"a" * 100), chunk_id(b"b" * 100)
+    r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-0"})
+    assert r.json() == {"missing": [a, b], "in_flight": []}
+    r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-1"})
+    assert r.json() == {"missing": [], "in_flight": [a, b]}
+    # The first claimer asking again still holds them.
+    r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-0"})
+    assert r.json() == {"missing": [a, b], "in_flight": []}
+    # Once a is stored nobody is told to send it, and it is no longer in flight.
+    put_chunk(client, b"a" * 100)
+    r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-1"})
+    assert r.json() == {"missing": [], "in_flight": [b]}
+
+
+def test_missing_chunks_bad_input(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/chunks/missing", json={"ids": ["nothex"]}), 400, "invalid_name")
+    assert_error(client.post("/v1/chunks/missing", json={"ids": "x"}), 400, "invalid_request")
+    assert_error(client.post("/v1/chunks/missing", json={}), 400, "invalid_request")
+    assert_error(
+        client.post("/v1/chunks/missing", content=b"{not json", headers=JSON),
+        400,
+        "invalid_request",
+    )
+    too_many = ["0" * 64] * (knobs.missing_batch() + 1)
+    assert_error(client.post("/v1/chunks/missing", json={"ids": too_many}), 413, "too_large")
+
+
+# -- manifests and commits ------------------------------------------------------------
+
+
+def test_manifest_naming_a_missing_chunk_is_refused(client: httpx.Client) -> None:
+    e = tensor(None, "w", rows=(0, 2), global_rows=2)  # chunks never uploaded
+    body = assert_error(put_manifest(client, manifest("j", 1, 0, 1, [e])), 409, "missing_chunks")
+    assert set(body["detail"]["ids"]) == set(e.chunks)
+    assert_error(commit(client, "j", 1), 404, "manifest_not_found")
+
+
+def test_commit_and_read_back(client: httpx.Client) -> None:
+    job, step, world = "train.run-1", 10, 2
+    shared = os.urandom(2 * COLS * 4)
+    manifests = []
+    for rank in range(world):
+        entries = [
+            tensor(client, "w", rows=(rank * 3, rank * 3 + 3), global_rows=3 * world),
+            tensor(client, "bias", rows=(0, 2), global_rows=2, placement="replicated", data=shared),
+            tensor(client, "rng", rows=(0, 1), global_rows=1, placement="local"),
+        ]
+        m = manifest(job, step, rank, world, entries)
+        r = put_manifest(client, m)
+        assert r.status_code == 201, r.text
+        assert r.json() == {"hash": m.digest()}
+        assert put_manifest(client, m).status_code == 201  # a retry is a no-op
+        manifests.append(m)
+
+    r = commit(client, job, step, meta={"loss": 1.5})
+    assert r.status_code == 200, r.text
+    status = r.json()
+    assert status["state"] == "committed"
+    assert (status["job"], status["step"], status["world_size"]) == (job, step, world)
+    assert status["missing_ranks"] == []
+    record = status["record"]
+    assert [m["hash"] for m in record["manifests"]] == [m.digest() for m in manifests]
+    assert record["meta"] == {"loss": 1.5}
+    assert commit(client, job, step).json()["record"] == record  # idempotent
+
+    assert client.get(f"/v1/jobs/{job}/steps/{step}").json() == record
+    for m in manifests:
+        r = client.get(manifest_path(job, step, m.rank))
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "application/json"
+        assert r.content == m.canonical()
+        assert r.headers["x-ckptd-manifest-hash"] == m.digest()
+    assert client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": step}
+    assert client.get("/v1/jobs").json() == {"jobs": [{"job": job, "latest": step}]}
+    steps = client.get(f"/v1/jobs/{job}/steps").json()
+    assert steps["job"] == job and steps["latest"] == step
+    (info,) = steps["steps"]
+    assert info["step"] == step and info["committed"] and info["is_latest"]
+    assert info["world_size"] == world and info["ranks_present"] == world
+    assert info["logical_bytes"] == record["report"]["logical_bytes"]
+
+    report = client.post(f"/v1/jobs/{job}/verify", params={"step": step}).json()
+    assert report["ok"] is True and report["steps"] == [step]
+    assert report["chunks_checked"] == len({c for m in manifests for c in m.chunk_ids()})
+    assert client.post(f"/v1/jobs/{job}/verify").json()["ok"] is True
+
+    # A committed step is closed to changes.
+    other = manifest(job, step, 0, world, [tensor(client, "w", rows=(0, 3), global_rows=6)])
+    assert_error(put_manifest(client, other), 409, "already_committed")
+
+
+def test_manifest_is_immutable_before_commit(client: httpx.Client) -> None:
+    first = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+    assert put_manifest(client, first).status_code == 201
+    second = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+    assert_error(put_manifest(client, second), 409, "conflict")
+
+
+def test_unfinished_step_stays_pending_across_restart(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    job = "pending-job"
+    sharded_step(client, job, 1, 4)
+    assert commit(client, job, 1).json()["state"] == "committed"
+    for rank in range(3):  # rank 3 of step 2 never sends its manifest
+        e = tensor(client, "w", rows=(rank, rank + 1), global_rows=4)
+        assert put_manifest(client, manifest(job, 2, rank, 4, [e])).status_code == 201
+    r = commit(client, job, 2)
+    assert r.status_code == 200
+    assert r.json() == {
+        "state": "pending",
+        "job": job,
+        "step": 2,
+        "world_size": 4,
+        "missing_ranks": [3],
+        "record": None,
+    }
+
+    def check() -> None:
+        assert client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": 1}
+        steps = {s["step"]: s for s in client.get(f"/v1/jobs/{job}/steps").json()["steps"]}
+        assert steps[1]["committed"] and steps[1]["is_latest"]
+        assert not steps[2]["committed"] and not steps[2]["is_latest"]
+        assert steps[2]["ranks_present"] == 3 and steps[2]["world_size"] == 4
+        assert_error(client.get(f"/v1/jobs/{job}/steps/2"), 409, "not_committed")
+        assert_error(client.get(manifest_path(job, 2, 0)), 409, "not_committed")
+
+    check()
+    server.restart()
+    check()
+    assert "Finished server process" in server.log()  # the SIGTERM shut it down cleanly
+    assert commit(client, job, 2).json()["missing_ranks"] == [3]
+
+
+def _two_ranks(client: httpx.Client, case: str) -> tuple[list[TensorEntry], list[TensorEntry]]:
+    g = 4  # global rows of "w"
+    if case == "tiling_gap":
+        return (
+            [tensor(client, "w", rows=(0, 1), global_rows=g)],
+            [tensor(client, "w", rows=(2, 4), global_rows=g)],
+        )
+    if case == "tiling_overlap":
+        return (
+            [tensor(client, "w", rows=(0, 3), global_rows=g)],
+            [tensor(client, "w", rows=(2, 4), global_rows=g)],
+        )
+    if case == "dtype_mismatch":
+        return (
+            [tensor(client, "w", rows=(0, 2), global_rows=g)],
+            [tensor(client, "w", rows=(2, 4), global_rows=g, dtype="int32")],
+        )
+    if case == "shape_mismatch":
+        return (
+            [tensor(client, "w", rows=(0, 2), global_rows=g)],
+            [tensor(client, "w", rows=(2, 4), global_rows=g + 1)],
+        )
+    assert case == "replica_mismatch"
+    return (
+        [tensor(client, "w", rows=(0, g), global_rows=g, placement="replicated")],
+        [tensor(client, "w", rows=(0, g), global_rows=g, placement="replicated")],
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tiling_gap", "tiling_overlap", "dtype_mismatch", "shape_mismatch", "replica_mismatch"],
+)
+def test_ranks_that_disagree_do_not_commit(client: httpx.Client, case: str) -> None:
+    job = "disagree"
+    sharded_step(client, job, 1, 2)
+    assert commit(client, job, 1).json()["state"] == "committed"
+    rank0, rank1 = _two_ranks(client, case)
+    for rank, entries in enumerate((rank0, rank1)):
+        r = put_manifest(client, manifest(job, 2, rank, 2, entries))
+        assert r.status_code == 201, r.text
+    assert_error(commit(client, job, 2), 409, case)
+    assert_error(commit(client, job, 2), 409, case)  # and again: nothing changed
+    assert client.get(f"/v1/jobs/{job}/latest").json()["step"] == 1
+    assert_error(client.get(f"/v1/jobs/{job}/steps/2"), 409, "not_committed")
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+BAD_NAMES = [
+    ("GET", "/v1/jobs/..%2Fx/steps"),
+    ("GET", "/v1/jobs/../x/steps"),
+    ("GET", "/v1/jobs/%2E%2E/latest"),
+    ("GET", "/v1/jobs/../latest"),
+    ("GET", "/v1/jobs/..%2F..%2F..%2Fetc/latest"),
+    ("GET", "/v1/jobs/.hidden/steps"),
+    ("GET", "/v1/jobs/" + "a" * 200 + "/steps"),
+    ("GET", "/v1/jobs/a%00b/steps"),
+    ("GET", "/v1/jobs/a%20b/steps"),
+    ("PUT", "/v1/jobs/..%2Fx/steps/1/ranks/0"),
+    ("PUT", "/v1/jobs/%2E%2E/steps/1/ranks/0"),
+    ("PUT", "/v1/jobs/" + "a" * 200 + "/steps/1/ranks/0"),
+    ("POST", "/v1/jobs/%2E%2E/steps/1/commit"),
+    ("GET", "/v1/chunks/" + "z" * 64),
+    ("GET", "/v1/chunks/" + "A" * 64),
+    ("GET", "/v1/chunks/" + "a" * 63),
+    ("PUT", "/v1/chunks/..%2F..%2Fescape"),
+    ("PUT", "/v1/chunks/%2E%2E"),
+    ("PUT", "/v1/chunks/" + "g" * 64),
+    ("HEAD", "/v1/chunks/xyz"),
+    ("GET", "/v1/jobs/j/steps/-1"),
+    ("GET", "/v1/jobs/j/steps/1000000000000000"),
+    ("GET", "/v1/jobs/j/steps/" + "9" * 40),
+    ("GET", "/v1/jobs/j/steps/" + "9" * 5000),
+    ("GET", "/v1/jobs/j/steps/1.5"),
+    ("GET", "/v1/jobs/j/steps/abc"),
+    ("PUT", "/v1/jobs/j/steps/-1/ranks/0"),
+    ("GET", "/v1/jobs/j/steps/1/ranks/-1"),
+    ("GET", "/v1/jobs/j/steps/1/ranks/x"),
+    ("POST", "/v1/jobs/j/steps/-3/commit"),
+    ("POST", "/v1/jobs/j/verify?step=-1"),
+    ("POST", "/v1/jobs/j/verify?step=abc"),
+]
+
+
+def test_bad_names_get_a_coded_4xx_and_never_escape(server: ServerProcess, tmp_path: Path) -> None:
+    before = files_under(tmp_path) - {server.log_path}
+    for method, path in BAD_NAMES:
+        body = b'{"x": 1}' if method in ("PUT", "POST") else None
+        status, content = raw(server, method, path, JSON if body else None, body)
+        where = (method, path[:80], status, content[:200])
+        assert status in (400, 404), where
+        if method != "HEAD":
+            code = httpx.Response(status, content=content).json()["code"]
+            assert code == ("invalid_name" if status == 400 else "not_found"), where
+    assert files_under(tmp_path) - {server.log_path} == before
+    assert "Traceback" not in server.log()
+
+
+def test_malformed_manifest_is_400(client: httpx.Client) -> None:
+    cases = [
+        (b"", "invalid_document"),
+        (b"{", "invalid_document"),
+        (b"[]", "invalid_document"),
+        (b"{}", "invalid_document"),
+        (b'{"format": "ckptd.rank_manifest", "version": 99}', "unsupported_format"),
+        (b"\xff\xfe", "invalid_document"),
+        (b'{"format": "ckptd.rank_manifest", "version": 1, "job": 5}', "invalid_document"),
+    ]
+    for body, code in cases:
+        r = client.put(manifest_path("j", 1, 0), content=body, headers=JSON)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["code"] == code, (body, r.text)
+
+
+def test_manifest_must_match_its_path(client: httpx.Client) -> None:
+    m = manifest("j", 1, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+    for path in (manifest_path("k", 1, 0), manifest_path("j", 2, 0), manifest_path("j", 1, 1)):
+        r = client.put(path, content=m.canonical(), headers=JSON)
+        assert_error(r, 400, "invalid_request")
+    assert client.get("/v1/jobs").json() == {"jobs": []}  # nothing was stored
+    evil = m.model_copy(update={"job": "../x"})
+    r = client.put(manifest_path("j", 1, 0), content=evil.canonical(), headers=JSON)
+    assert_error(r, 400, "invalid_name")
+
+
+def test_manifest_over_the_limit_is_413(server: ServerProcess) -> None:
+    limit = knobs.max_manifest_bytes()
+    status, body = raw(
+        server, "PUT", manifest_path("j", 1, 0), {"Content-Length": str(limit + 1), **JSON}
+    )
+    assert status == 413 and b'"too_large"' in body
+
+
+def test_commit_body_is_optional_and_checked(client: httpx.Client) -> None:
+    sharded_step(client, "j", 1, 1)
+    r = client.post("/v1/jobs/j/steps/1/commit", content=b"{oops", headers=JSON)
+    assert_error(r, 400, "invalid_request")
+    assert_error(commit(client, "j", 1, meta=[1, 2]), 400, "invalid_request")
+    r = client.post("/v1/jobs/j/steps/1/commit", content=b'{"meta": {"x": NaN}}', headers=JSON)
+    assert r.status_code == 400, r.text
+    assert client.post("/v1/jobs/j/steps/1/commit", json={}).json()["state"] == "committed"
+
+
+def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
+    assert_error(client.get("/v1/nothing"), 404, "not_found")
+    r = client.delete("/v1/jobs")
+    assert r.status_code == 405 and r.json()["code"] == "invalid_request"
+
+
+# -- auth -----------------------------------------------------------------------------
+
+
+def _every_route(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    values = {"{job}": "j", "{step}": "1", "{rank}": "0", "{id}": chunk_id(b"x")}
+    for path, ops in doc["paths"].items():
+        for method in ops:
+            if path == "/healthz":
+                continue
+            for k, v in values.items():
+                path = path.replace(k, v)
+            yield method.upper(), path
+
+
+def test_token_guards_every_route_but_health(token_server: ServerProcess) -> None:
+    anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
+    doc = anonymous.get("/openapi.json").json()
+    routes = list(_every_route(doc))
+    assert len(routes) == 12
+    for auth in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "s3cret-token"},
+        {"Authorization": "Bearer s3cret-token-and-more"},
+        {"Authorization": "Basic czNjcmV0LXRva2Vu"},
+    ):
+        for method, path in routes:
+            # Bodies that would fail to parse: the token is checked first anyway.
+            r = anonymous.request(
+                method,
+                path,
+                headers={**auth, **JSON},
+                content=b"{not json" if method in ("PUT", "POST") else None,
+            )
+            assert r.status_code == 401, (method, path, auth, r.status_code)
+            assert r.headers["www-authenticate"] == "Bearer"
+            if method != "HEAD":
+                assert r.json()["code"] == "unauthorized"
+
+    assert anonymous.get("/healthz").status_code == 200
+    anonymous.close()
+    with httpx.Client(base_url=token_server.url, headers=token_server.headers()) as client:
+        cid = put_chunk(client, b"hello")
+        assert client.get(f"/v1/chunks/{cid}").content == b"hello"
+        assert client.get("/v1/jobs").status_code == 200
+        r = client.post("/v1/chunks/missing", json={"ids": [cid]})
+        assert r.json() == {"missing": [], "in_flight": []}

@@ -1,0 +1,175 @@
+"""The local directory store against the store contract, and what only it does."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptd.errors import InvalidRequest, StoreError
+from ckptd.hashing import chunk_id
+from ckptd.store import LocalStore, open_store
+from ckptd.store.base import Store
+from ckptd.testing.store_conformance import StoreConformance
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return LocalStore(tmp_path / "store")
+
+
+class TestLocalStoreWithoutFsync(StoreConformance):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return LocalStore(tmp_path / "store", fsync=False)
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".tmp-")]
+
+
+async def listed(store: LocalStore, prefix: str = "") -> list[str]:
+    return sorted([k async for k in store.list_prefix(prefix)])
+
+
+async def test_a_key_is_a_file_at_that_path(tmp_path: Path) -> None:
+    # The format relies on it: `b3sum chunks/ab/ab...` checks a chunk by its name.
+    store = LocalStore(tmp_path)
+    data = b"chunk bytes"
+    cid = chunk_id(data)
+    await store.put_if_absent(f"chunks/{cid[:2]}/{cid}", data)
+    assert (tmp_path / "chunks" / cid[:2] / cid).read_bytes() == data
+
+
+async def test_leftover_temporaries_are_invisible(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    await store.put_if_absent("jobs/j/steps/1/ranks/0.json", b"{}")
+    # what a writer killed between its write and its link leaves behind
+    (tmp_path / "jobs/j/steps/1/ranks/.tmp-deadbeef").write_bytes(b"half")
+    (tmp_path / "jobs/j/steps/2").mkdir(parents=True)
+    (tmp_path / "jobs/j/steps/2/.tmp-cafe").write_bytes(b"half")
+    (tmp_path / ".tmp-top").write_bytes(b"half")
+    assert await listed(store) == ["jobs/j/steps/1/ranks/0.json"]
+    assert await listed(store, "jobs/j/steps/1/ranks/.tmp") == []
+    assert await store.list_dir("jobs/j/steps/1/ranks/") == ["0.json"]
+    assert await store.list_dir("jobs/j/steps/") == ["1"]  # 2 holds only a temporary
+    assert await store.list_dir("") == ["jobs"]
+
+
+async def test_temporaries_never_show_while_writing(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    stop = asyncio.Event()
+    seen: list[str] = []
+
+    async def watch() -> None:
+        while not stop.is_set():
+            seen.extend(k for k in await listed(store, "obj/") if ".tmp-" in k)
+            seen.extend(n for n in await store.list_dir("obj/") if n.startswith(".tmp-"))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    for i in range(200):
+        await store.put_if_absent(f"obj/{i}", os.urandom(64 * 1024))
+        await store.compare_and_swap("obj/ref", None if i == 0 else str(i - 1).encode(),
+                                     str(i).encode())
+    stop.set()
+    await watcher
+    assert seen == []
+    assert tmp_files(tmp_path) == []
+    assert len(await listed(store, "obj/")) == 201
+
+
+async def test_locks_are_not_objects(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    await store.compare_and_swap("jobs/j/refs/latest", None, b"1")
+    assert (tmp_path / ".locks").is_dir()
+    assert await listed(store) == ["jobs/j/refs/latest"]
+    assert await store.list_dir("") == ["jobs"]
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+async def test_fsync_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
+    calls: list[int] = []
+    real = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    store = LocalStore(tmp_path, fsync=fsync)
+    await store.put_if_absent("a/b", b"data")
+    after_put = len(calls)
+    await store.compare_and_swap("a/ref", None, b"1")
+    if fsync:
+        assert after_put >= 2  # the file, then its directory
+        assert len(calls) >= after_put + 2
+    else:
+        assert calls == []
+    assert await store.get("a/b") == b"data"
+
+
+async def test_a_failed_write_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = LocalStore(tmp_path, fsync=True)
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(StoreError) as info:
+        await store.put_if_absent("a/b", b"data")
+    assert isinstance(info.value, OSError)
+    with pytest.raises(StoreError):
+        await store.compare_and_swap("a/ref", None, b"1")
+    monkeypatch.undo()
+    assert tmp_files(tmp_path) == []
+    assert not await store.exists("a/b")
+    assert not await store.exists("a/ref")
+    assert await store.put_if_absent("a/b", b"data") is True
+
+
+async def test_two_stores_on_one_directory_see_each_other(tmp_path: Path) -> None:
+    a, b = LocalStore(tmp_path), LocalStore(tmp_path)
+    assert await a.put_if_absent("k", b"from a") is True
+    assert await b.put_if_absent("k", b"from b") is False
+    assert await b.get("k") == b"from a"
+    assert await a.compare_and_swap("ref", None, b"1") is True
+    assert await b.compare_and_swap("ref", None, b"2") is False
+    assert await b.compare_and_swap("ref", b"1", b"2") is True
+    assert await a.get("ref") == b"2"
+
+
+async def test_concurrent_cas_across_store_objects(tmp_path: Path) -> None:
+    stores = [LocalStore(tmp_path, fsync=False) for _ in range(8)]
+    await stores[0].compare_and_swap("ref", None, b"0")
+    current = b"0"
+    for round_ in range(1, 6):
+        new = [f"{round_}-{i}".encode() for i in range(len(stores))]
+        results = await asyncio.gather(
+            *(s.compare_and_swap("ref", current, n) for s, n in zip(stores, new, strict=True))
+        )
+        assert sum(results) == 1
+        current = new[results.index(True)]
+        assert await stores[-1].get("ref") == current
+
+
+async def test_root_is_created_and_must_be_a_directory(tmp_path: Path) -> None:
+    LocalStore(tmp_path / "deep" / "er" / "store")
+    assert (tmp_path / "deep" / "er" / "store").is_dir()
+    (tmp_path / "plain-file").write_bytes(b"")
+    with pytest.raises(StoreError):
+        LocalStore(tmp_path / "plain-file" / "store")
+
+
+def test_open_store_urls(tmp_path: Path) -> None:
+    assert isinstance(open_store(str(tmp_path)), LocalStore)
+    s = open_store(f"file://{tmp_path}/x")
+    assert isinstance(s, LocalStore) and s.root == (tmp_path / "x").resolve()
+    assert s.describe() == f"file://{(tmp_path / 'x').resolve()}"
+    with pytest.raises(InvalidRequest):
+        open_store("gopher://x")

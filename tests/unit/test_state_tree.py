@@ -1,0 +1,295 @@
+"""State dicts to the manifest's tree and named tensors, and back (ckptd.client.state)."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+from ckptd.client.state import (
+    TensorSpec,
+    byte_view,
+    dtype_name,
+    fill,
+    flatten,
+    plan_fill,
+    torch_dtype,
+    unflatten,
+)
+
+from ckptd.errors import InvalidDocument, RestoreError, UnsupportedValue
+from ckptd.format import canonical_json, check_tree
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """Equal in type and value, tensors bitwise, NaN equal to NaN."""
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (path, a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert bytes(byte_view(a.contiguous())) == bytes(byte_view(b.contiguous())), path
+        return
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def round_trip(state: dict[Any, Any]) -> dict[Any, Any]:
+    """flatten, through canonical JSON like a manifest, and back into a fresh dict."""
+    flat = flatten(state)
+    names: set[str] = set()
+    check_tree(flat.tree, names)
+    assert names == {n for n, _ in flat.tensors}
+    tree = __import__("json").loads(canonical_json(flat.tree))
+    tensors = {n: t.clone() for n, t in flat.tensors}
+    out = unflatten(tree, tensors)
+    assert isinstance(out, dict)
+    return out
+
+
+def test_nested_values_round_trip() -> None:
+    state = {
+        "a": {"b": {"c": 1, "d": [1, 2, (3, 4.5, None)]}},
+        3: "int key",
+        "flags": [True, False, None],
+        "floats": [0.1, -0.0, 1e300, float("nan"), float("inf"), float("-inf")],
+        "big": 2**80,
+        "text": "héllo ∑",
+        "empty": {"d": {}, "l": [], "t": ()},
+    }
+    out = round_trip(state)
+    assert_same(state, out)
+    assert math.copysign(1.0, out["floats"][1]) == -1.0
+    assert isinstance(out["a"]["b"]["d"][2], tuple)
+    assert 3 in out and "3" not in out
+
+
+def test_int_and_str_keys_stay_distinct_when_no_tensor_collides() -> None:
+    state = {1: "int", "1": "str"}
+    assert_same(state, round_trip(state))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64],
+)
+def test_tensor_dtypes_round_trip_bitwise(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(5, 3, generator=g) * 100
+    if dtype == torch.bool:
+        t = base > 0
+    elif dtype == torch.complex64:
+        t = torch.complex(base, -base)
+    else:
+        t = base.to(dtype)
+    if dtype.is_floating_point:
+        t[0, 0] = float("nan")
+        t[0, 1] = float("-inf")
+    state = {"w": t, "scalar": torch.tensor(3, dtype=dtype) if dtype != torch.complex64
+             else torch.tensor(1 + 2j, dtype=dtype)}
+    out = round_trip(state)
+    assert_same(state, out)
+    assert dtype_name(dtype) and torch_dtype(dtype_name(dtype)) == dtype
+
+
+def test_zero_size_and_zero_dim_tensors() -> None:
+    state = {"empty": torch.empty(0, 4), "scalar": torch.tensor(1.5), "e3": torch.zeros(2, 0, 3)}
+    flat = flatten(state)
+    assert [n for n, _ in flat.tensors] == ["empty", "scalar", "e3"]
+    assert len(byte_view(state["empty"])) == 0
+    assert bytes(byte_view(state["scalar"])) == b"\x00\x00\xc0\x3f"
+    assert_same(state, round_trip(state))
+
+
+def test_tensor_names_join_keys_with_dots() -> None:
+    state = {"optim": {"state": {0: {"exp_avg": torch.ones(2)}}, "groups": [{"t": torch.ones(1)}]}}
+    flat = flatten(state)
+    assert [n for n, _ in flat.tensors] == ["optim.state.0.exp_avg", "optim.groups.0.t"]
+    exp_avg = {"dict": [["exp_avg", {"tensor": "optim.state.0.exp_avg"}]]}
+    assert flat.tree == {
+        "dict": [["optim", {"dict": [
+            ["state", {"dict": [[0, exp_avg]]}],
+            ["groups", {"list": [{"dict": [["t", {"tensor": "optim.groups.0.t"}]]}]}],
+        ]}]]
+    }
+
+
+def test_real_state_dicts_round_trip() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    model[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        model[2](model[1](model[0](x)).to(torch.bfloat16)).float().sum().backward()
+        opt.step()
+        sched.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(),
+             "sched": sched.state_dict(), "epoch": 2}
+    out = round_trip(state)
+    assert_same({**state, "model": dict(state["model"])}, {**out, "model": out["model"]})
+    assert isinstance(out["optim"]["param_groups"][0]["betas"], tuple)
+    assert set(out["optim"]["state"]) == {0, 1, 2, 3, 4, 5}
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "path"),
+    [
+        (lambda: {"a": {"b": [1, Opaque()]}}, "state['a']['b'][1]"),
+        (lambda: {"s": {1, 2}}, "state['s']"),
+        (lambda: {"raw": b"bytes"}, "state['raw']"),
+        (lambda: {"x": {(1, 2): 3}}, "state['x']"),
+        (lambda: {"x": {1.5: 3}}, "state['x']"),
+        (lambda: {"x": {True: 3}}, "state['x']"),
+        (lambda: {"fn": len}, "state['fn']"),
+        (lambda: {"nt": namedtuple("P", "a b")(1, 2)}, "state['nt']"),
+        (lambda: {"q": [torch.eye(2).to_sparse()]}, "state['q'][0]"),
+        (lambda: {"m": torch.empty(2, device="meta")}, "state['m']"),
+        (lambda: {"u": "\ud800"}, "state['u']"),
+    ],
+    ids=["object", "set", "bytes", "tuple-key", "float-key", "bool-key", "function",
+         "namedtuple", "sparse", "meta", "surrogate"],
+)
+def test_unsupported_values_are_refused_with_their_path(make: Any, path: str) -> None:
+    with pytest.raises(UnsupportedValue) as info:
+        flatten(make())
+    assert path in str(info.value)
+
+
+def test_unsupported_tensor_dtype_is_refused() -> None:
+    with pytest.raises(UnsupportedValue, match=r"state\['q'\]"):
+        flatten({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})
+
+
+def test_a_state_must_be_a_mapping() -> None:
+    with pytest.raises(UnsupportedValue):
+        flatten([torch.ones(1)])  # type: ignore[arg-type]
+
+
+def test_name_collisions_are_refused() -> None:
+    with pytest.raises(UnsupportedValue, match="'a.b'") as info:
+        flatten({"a": {"b": torch.ones(1)}, "a.b": torch.zeros(1)})
+    assert "state['a']['b']" in str(info.value) and "state['a.b']" in str(info.value)
+    with pytest.raises(UnsupportedValue, match="'x.1'"):
+        flatten({"x": {1: torch.ones(1), "1": torch.ones(1)}})
+    with pytest.raises(UnsupportedValue, match="'l.0'"):
+        flatten({"l": [torch.ones(1)], "l.0": torch.ones(1)})
+
+
+def test_empty_tensor_name_is_refused() -> None:
+    with pytest.raises(UnsupportedValue):
+        flatten({"": torch.ones(1)})
+
+
+def test_too_deep_nesting_is_refused() -> None:
+    deep: dict[str, Any] = {"leaf": 1}
+    for _ in range(70):
+        deep = {"d": deep}
+    with pytest.raises(UnsupportedValue, match="deeper"):
+        flatten(deep)
+
+
+def test_the_deepest_accepted_tree_is_a_valid_tree() -> None:
+    deep: Any = torch.ones(1)
+    for _ in range(64):
+        deep = {"d": deep}
+    flat = flatten(deep)
+    check_tree(flat.tree, set())
+    deeper = {"d": deep}
+    with pytest.raises(UnsupportedValue):
+        flatten(deeper)
+    with pytest.raises(InvalidDocument):  # the format would refuse it too
+        check_tree({"dict": [["d", flat.tree]]}, set())
+
+
+# -- filling a target in place ----------------------------------------------------------
+
+
+def _specs(flat_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, TensorSpec]:
+    return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in flat_tensors}
+
+
+def test_fill_copies_into_existing_tensors_and_creates_missing_ones() -> None:
+    src = {
+        "model": OrderedDict(w=torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), b=torch.ones(3)),
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "m": torch.full((2,), 0.5)}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+        "nan": float("nan"),
+    }
+    flat = flatten(src)
+    tensors = {n: t.clone() for n, t in flat.tensors}
+    w = torch.zeros(2, 3, dtype=torch.bfloat16)
+    target: dict[str, Any] = {
+        "model": OrderedDict(w=w, b=torch.zeros(3), extra=torch.ones(1)),
+        "optim": {"state": {}, "param_groups": [{"lr": 1.0, "betas": (0.0, 0.0), "params": [0]}]},
+        "nan": 0.0,
+    }
+    groups = target["optim"]["param_groups"]
+    plan_fill(target, flat.tree, _specs(flat.tensors))
+    fill(target, flat.tree, tensors)
+    assert target["model"]["w"] is w and torch.equal(w, src["model"]["w"])
+    assert target["model"]["extra"].item() == 1.0  # keys the checkpoint lacks stay
+    assert target["optim"]["param_groups"] is groups
+    assert_same(target["optim"], src["optim"])
+    assert math.isnan(target["nan"])
+
+
+def test_fill_copies_into_leaf_parameters_that_require_grad() -> None:
+    lin = torch.nn.Linear(2, 2)
+    src = {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}
+    flat = flatten(src)
+    target: dict[str, Any] = dict(lin.named_parameters())
+    fill(target, flat.tree, dict(flat.tensors))
+    assert torch.equal(lin.weight.detach(), torch.ones(2, 2))
+    assert target["weight"] is lin.weight
+
+
+def test_fill_resizes_lists_and_replaces_other_types() -> None:
+    src = {"l": [1, 2], "t": (torch.ones(1), 2), "x": {"a": 1}, "v": torch.ones(2)}
+    flat = flatten(src)
+    keep = torch.zeros(1)
+    target: dict[str, Any] = {"l": [9, 9, 9, 9], "t": (keep, 0), "x": None, "v": "old"}
+    lst = target["l"]
+    fill(target, flat.tree, {n: t.clone() for n, t in flat.tensors})
+    assert target["l"] is lst and lst == [1, 2]
+    assert target["t"][0] is keep and torch.equal(keep, torch.ones(1)) and target["t"][1] == 2
+    assert target["x"] == {"a": 1}
+    assert torch.equal(target["v"], torch.ones(2))
+
+
+def test_plan_refuses_mismatched_tensors_and_changes_nothing() -> None:
+    src = {"a": torch.ones(2, 3), "b": torch.ones(4), "c": torch.ones(1)}
+    flat = flatten(src)
+    target: dict[str, Any] = {"a": torch.zeros(3, 2), "b": torch.zeros(4, dtype=torch.float16),
+                              "c": torch.zeros(1)}
+    before = {k: v.clone() for k, v in target.items()}
+    with pytest.raises(RestoreError) as info:
+        plan_fill(target, flat.tree, _specs(flat.tensors))
+    assert "'a'" in str(info.value) and "'b'" in str(info.value)
+    assert info.value.detail["entries"] and len(info.value.detail["entries"]) == 2
+    assert_same(target, before)
+
+
+def test_plan_needs_a_mutable_mapping() -> None:
+    flat = flatten({"a": 1})
+    with pytest.raises(ValueError):
+        plan_fill((1, 2), flat.tree, {})  # type: ignore[arg-type]
