@@ -185,7 +185,9 @@ def ls(
 @app.command()
 def verify(
     job: Annotated[str, typer.Argument(help="Job to verify.")],
-    step: Annotated[int | None, typer.Argument(help="Step (default: every committed step).")] = None,
+    step: Annotated[
+        int | None, typer.Argument(help="Step (default: every committed step).")
+    ] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:

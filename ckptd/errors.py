@@ -164,6 +164,12 @@ class ReplicaMismatch(ValidationFailed):
     code = "replica_mismatch"
 
 
+class ChunkLayoutMismatch(ValidationFailed):
+    """Ranks of one step cut their tensors with different chunk sizes."""
+
+    code = "chunk_layout_mismatch"
+
+
 class MissingChunks(ValidationFailed):
     """A manifest or a step names chunks the store does not hold."""
 
@@ -254,6 +260,7 @@ HTTP_STATUS: dict[str, int] = {
     "tiling_overlap": 409,
     "replica_mismatch": 409,
     "missing_chunks": 409,
+    "chunk_layout_mismatch": 409,
     "conflict": 409,
     "already_committed": 409,
     "ref_conflict": 409,
@@ -289,5 +296,7 @@ def from_json(body: dict[str, Any], fallback_status: int = 500) -> CkptdError:
     message = str(body.get("message", f"server error (HTTP {fallback_status})"))
     detail = body.get("detail") or {}
     cls = ERRORS_BY_CODE.get(code, CkptdError)
-    err = cls(message, **(detail if isinstance(detail, dict) else {"detail": detail}))
+    err = cls(message)
+    # Set, not passed as keywords: a detail key named "message" must not clash.
+    err.detail = dict(detail) if isinstance(detail, dict) else {"detail": detail}
     return err

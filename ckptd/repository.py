@@ -22,7 +22,6 @@ from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     ChunkNotFound,
-    ChunkSizeMismatch,
     Conflict,
     InvalidDocument,
     InvalidRequest,
@@ -35,6 +34,8 @@ from ckptd.errors import (
     WorldSizeMismatch,
 )
 from ckptd.format import (
+    JOB_RE,
+    MAX_STEP,
     CommitRecord,
     ManifestRef,
     RankManifest,
@@ -176,14 +177,18 @@ class Repository:
         ``digest`` is the hash the caller already computed while streaming the body
         in (the server does); it is then trusted instead of hashing twice."""
         check_chunk_id(cid)
-        if len(data) > knobs.MAX_CHUNK_SIZE:
-            raise ChunkSizeMismatch(f"chunk of {len(data)} bytes exceeds {knobs.MAX_CHUNK_SIZE}")
-        actual = digest if digest is not None else await asyncio.to_thread(chunk_id, data)
-        if actual != cid:
-            raise ChunkHashMismatch(
-                f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
-            )
         try:
+            # Whatever happens here, the caller's claim ends: a refused or failed
+            # upload must not leave other replicas waiting out the lease.
+            if len(data) > knobs.MAX_CHUNK_SIZE:
+                raise TooLarge(
+                    f"chunk of {len(data)} bytes exceeds {knobs.MAX_CHUNK_SIZE}", id=cid
+                )
+            actual = digest if digest is not None else await asyncio.to_thread(chunk_id, data)
+            if actual != cid:
+                raise ChunkHashMismatch(
+                    f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
+                )
             return await self.store.put_if_absent(chunk_key(cid), data)
         finally:
             self._claims.release(cid)
@@ -419,29 +424,38 @@ class Repository:
         return latest
 
     async def list_jobs(self) -> list[str]:
-        return [j for j in await self.store.list_dir("jobs/")]
+        jobs = []
+        for name in await self.store.list_dir("jobs/"):
+            if JOB_RE.fullmatch(name):
+                jobs.append(name)
+            else:  # made by hand, or a stray directory: not a job, and not fatal
+                log.warning("ignoring %r under jobs/: not a valid job name", name[:200])
+        return jobs
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
-        steps = sorted(int(n) for n in names if n.isdigit())
+        steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
         latest = await self.latest(job)
-        infos = []
-        for step in steps:
-            record = await self._try_read_commit(job, step)
-            ranks = await self._ranks_present(job, step)
-            if record is not None:
-                infos.append(
-                    StepInfo(
+        sem = asyncio.Semaphore(16)
+
+        async def info(step: int) -> StepInfo:
+            async with sem:
+                record = await self._try_read_commit(job, step)
+                ranks = await self._ranks_present(job, step)
+                if record is not None:
+                    return StepInfo(
                         step, True, record.world_size, len(ranks),
                         record.report.logical_bytes, record.committed_at, step == latest,
                     )
-                )
-            else:
                 world = None
                 if ranks:
-                    world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
-                infos.append(StepInfo(step, False, world, len(ranks), None, None, False))
-        return infos
+                    try:
+                        world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
+                    except InvalidDocument as exc:  # one bad pending manifest hides nothing else
+                        log.warning("%s step %d: unreadable manifest: %s", job, step, exc)
+                return StepInfo(step, False, world, len(ranks), None, None, False)
+
+        return list(await asyncio.gather(*(info(s) for s in steps)))
 
     async def verify(
         self,

@@ -10,6 +10,7 @@ from typing import Literal
 
 from ckptd.dtypes import itemsize
 from ckptd.errors import (
+    ChunkLayoutMismatch,
     DtypeMismatch,
     JobMismatch,
     ReplicaMismatch,
@@ -47,6 +48,14 @@ def validate_step(
             raise WorldSizeMismatch(
                 f"rank {m.rank} says world size {m.world_size}, "
                 f"rank {first.rank} {first.world_size}"
+            )
+    for m in manifests:
+        if m.chunk_size != first.chunk_size:
+            # Replicas are compared by chunk id, and ids depend on where chunks are cut.
+            raise ChunkLayoutMismatch(
+                f"rank {m.rank} cuts chunks of {m.chunk_size} bytes, rank {first.rank} of "
+                f"{first.chunk_size}: every rank of a step must use the same chunk size",
+                ranks=[first.rank, m.rank],
             )
     if ranks != list(range(first.world_size)):
         raise WorldSizeMismatch(

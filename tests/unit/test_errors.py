@@ -112,6 +112,12 @@ def test_the_codes_are_frozen() -> None:
         "world_size_mismatch", "dtype_mismatch", "shape_mismatch", "shard_out_of_bounds",
         "tiling_gap", "tiling_overlap", "replica_mismatch", "missing_chunks", "conflict",
         "already_committed", "ref_conflict", "not_committed", "unavailable", "timeout",
-        "store_error", "snapshot_skipped", "restore_failed",
+        "store_error", "snapshot_skipped", "restore_failed", "chunk_layout_mismatch",
     }
     assert v1 <= set(HTTP_STATUS)
+
+
+def test_from_json_keeps_a_detail_named_message() -> None:
+    err = errors.from_json({"code": "conflict", "message": "m", "detail": {"message": "d"}})
+    assert isinstance(err, errors.Conflict)
+    assert err.message == "m" and err.detail == {"message": "d"}

@@ -13,7 +13,6 @@ from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     ChunkNotFound,
-    ChunkSizeMismatch,
     Conflict,
     InvalidDocument,
     InvalidName,
@@ -97,6 +96,26 @@ async def test_put_chunk_checks_the_hash_and_stores_nothing_when_wrong(repo: Rep
     assert await repo.get_chunk(cid) == data
 
 
+async def test_a_refused_upload_releases_its_claim(repo: Repository) -> None:
+    # Otherwise the other replicas would wait out the whole lease for nothing.
+    data = b"claimed bytes"
+    cid = chunk_id(data)
+    assert (await repo.missing_chunks([cid], claimer="a")).missing == [cid]
+    assert (await repo.missing_chunks([cid], claimer="b")).in_flight == [cid]
+    with pytest.raises(ChunkHashMismatch):
+        await repo.put_chunk(cid, b"not the claimed bytes")
+    assert (await repo.missing_chunks([cid], claimer="b")).missing == [cid]
+
+
+async def test_stray_names_under_jobs_do_not_break_the_listing(
+    repo: Repository, store: Store
+) -> None:
+    await save_step(repo, 1, world=1)
+    await commit_all(repo, 1, world=1)
+    await store.put_if_absent("jobs/-not a job-/steps/1/commit.json", b"{}")
+    assert await repo.list_jobs() == [JOB]
+
+
 async def test_put_chunk_trusts_a_streamed_digest_only_if_it_matches(repo: Repository) -> None:
     data = b"streamed"
     cid = chunk_id(data)
@@ -109,7 +128,7 @@ async def test_put_chunk_trusts_a_streamed_digest_only_if_it_matches(repo: Repos
 async def test_put_chunk_refuses_bad_ids_and_huge_bodies(repo: Repository) -> None:
     with pytest.raises(InvalidName):
         await repo.put_chunk("../../etc/passwd", b"x")
-    with pytest.raises(ChunkSizeMismatch):
+    with pytest.raises(TooLarge):
         await repo.put_chunk("0" * 64, memoryview(bytearray(MAX_CHUNK_SIZE + 1)))
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.errors import (
+    ChunkLayoutMismatch,
     DtypeMismatch,
     JobMismatch,
     ReplicaMismatch,
@@ -184,15 +185,17 @@ def test_replica_mismatch_warns_by_policy() -> None:
     assert "'w'" in report.warnings[0] and "ranks 0 and 1" in report.warnings[0]
 
 
-def test_replicas_chunked_with_different_chunk_sizes_are_a_mismatch_not_a_crash() -> None:
-    # Replicas are compared by chunk ids; different chunk sizes give other ids.
+def test_ranks_with_different_chunk_sizes_are_refused_by_name() -> None:
+    # Replicas are compared by chunk ids; different chunk sizes give other ids, and
+    # calling that "silent corruption" would send the operator the wrong way.
     data = bytes(range(256)) * 64
     a, _ = tensor_entry("w", "uint8", [len(data)], data, chunk_size=4096)
     b, _ = tensor_entry("w", "uint8", [len(data)], data, chunk_size=8192)
     m0 = rank_manifest("j", 1, 0, 2, [a], chunk_size=4096)
     m1 = rank_manifest("j", 1, 1, 2, [b], chunk_size=8192)
-    with pytest.raises(ReplicaMismatch):
+    with pytest.raises(ChunkLayoutMismatch) as info:
         validate_step([m0, m1])
+    assert info.value.detail["ranks"] == [0, 1]
 
 
 def test_local_entries_need_no_agreement() -> None:
