@@ -23,6 +23,11 @@ _TMP = ".tmp-"
 _LOCKS = ".locks"
 
 
+def _reason(exc: OSError) -> str:
+    # The OS message names the absolute temp path; callers see only the key.
+    return exc.strerror or type(exc).__name__
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -144,13 +149,13 @@ class LocalStore(Store):
         try:
             tmp = self._write_temp(path, data)
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {exc.strerror or type(exc).__name__}", key=key) from exc
+            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
         try:
             os.link(tmp, path)  # atomic, and fails if another writer got there first
         except FileExistsError:
             return False
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {exc.strerror or type(exc).__name__}", key=key) from exc
+            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
         finally:
             tmp.unlink(missing_ok=True)
         if self.fsync:
@@ -167,7 +172,7 @@ class LocalStore(Store):
             return
         except OSError as exc:
             if exc.errno != errno.EISDIR:
-                raise StoreError(f"cannot delete {key}: {exc.strerror or type(exc).__name__}", key=key) from exc
+                raise StoreError(f"cannot delete {key}: {_reason(exc)}", key=key) from exc
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._delete, key)
@@ -198,7 +203,7 @@ class LocalStore(Store):
         try:
             return await asyncio.to_thread(self._cas, key, expected, new)
         except OSError as exc:
-            raise StoreError(f"cannot update {key}: {exc.strerror or type(exc).__name__}", key=key) from exc
+            raise StoreError(f"cannot update {key}: {_reason(exc)}", key=key) from exc
 
     def describe(self) -> str:
         return f"file://{self.root}"
