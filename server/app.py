@@ -17,7 +17,7 @@ from ckptd.repository import Repository
 from ckptd.server.errors import install_error_handlers
 from ckptd.server.routes import chunks, health, jobs, manifests
 from ckptd.server.settings import Settings
-from ckptd.store import open_store
+from ckptd.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ GRACEFUL_SHUTDOWN_S = 30
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Opens the store and the repository over it; closes them at shutdown."""
     settings: Settings = app.state.settings
-    store = open_store(settings.store)
+    store = app.state.store_override or open_store(settings.store)
     repository = Repository(store, replica_mismatch=settings.replica_mismatch)
     app.state.repository = repository
     log.info("serving store %s", store.describe())
@@ -40,9 +40,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.info("closed store %s", store.describe())
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
     """A ckptd server application over ``settings.store`` (read from CKPTD_* when
-    ``settings`` is None)."""
+    ``settings`` is None). ``store`` replaces the configured one: tests pass a
+    wrapper store (fault injection, latency) this way."""
     app = FastAPI(
         title="ckptd",
         summary="Checkpoint service for distributed PyTorch training",
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         separate_input_output_schemas=False,
     )
     app.state.settings = settings if settings is not None else Settings()
+    app.state.store_override = store
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)
