@@ -32,11 +32,12 @@ def _free_port() -> int:
 def _start_server(store: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptd", "serve", "--store", str(store), "--port", str(port)],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-    )
+    with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "serve", "--store", str(store), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -63,7 +64,8 @@ def _torchrun(
         args += ["--kill-rank", str(nproc - 1), "--kill-at", str(steps // 2 - 3)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
-        return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+        done = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600)
+    return done.returncode
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -114,7 +116,8 @@ def run_demo(
             console.print(f"[red]reference run failed[/] (exit {rc}); see {logs / 'reference.log'}")
             return False
         console.print(f"   done in {time.monotonic() - t0:.1f}s")
-        console.print(f"2. faulty run: rank {nproc - 1} is killed (SIGKILL) at step {steps // 2 - 3}")
+        kill_at = steps // 2 - 3
+        console.print(f"2. faulty run: rank {nproc - 1} is killed (SIGKILL) at step {kill_at}")
         t0 = time.monotonic()
         rc = _torchrun(url, "faulty", steps, nproc, events, logs / "faulty.log", kill=True)
         if rc != 0:

@@ -26,7 +26,10 @@ def log_event(path: Path, **event: object) -> None:
         f.write(json.dumps(event) + "\n")
 
 
-def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+Trio = tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+
+
+def build(seed: int) -> Trio:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
