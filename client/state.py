@@ -7,20 +7,27 @@ schedulers and plain Python produce into the format's tree (see
 ``plan_fill`` and ``fill`` put a restored tree back into a target state dict in
 place: tensors already there are overwritten with ``copy_`` (bitwise), missing
 ones are created, containers are created as needed.
+
+A ``DTensor`` leaf is stored as its local shard: ``flatten`` puts ``to_local()`` in
+``FlatState.tensors`` and the shard's placement, global shape and offsets (from
+the DTensor's placements, see ``ckptd.client.sharding``) in ``FlatState.layouts``;
+``fill`` copies a restored shard into a DTensor target's local tensor in place.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ckptd.errors import InvalidRequest, RestoreError, UnsupportedValue
-from ckptd.format import MAX_NAME_LEN, MAX_TREE_DEPTH
+from ckptd.format import MAX_NAME_LEN, MAX_TREE_DEPTH, Placement, TensorEntry
+
+from .sharding import check_target_layout, dtensor_layout, fill_dtensor, is_dtensor, local_tensor
 
 # torch dtype <-> the format's stable dtype names (ckptd.dtypes.ITEMSIZE).
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -89,10 +96,14 @@ def _tensor_name(path: Sequence[str | int]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FlatState:
-    """A state dict split into its tree skeleton and its named tensors (in order)."""
+    """A state dict split into its tree skeleton and its named tensors (in order).
+
+    ``layouts`` holds (placement, global shape, offsets) for every tensor that was a
+    DTensor; ``tensors`` holds that DTensor's local shard (contiguous)."""
 
     tree: dict[str, Any]
     tensors: list[tuple[str, torch.Tensor]]
+    layouts: dict[str, tuple[Placement, list[int], list[int]]] = field(default_factory=dict)
 
 
 def flatten(state: Mapping[Any, Any]) -> FlatState:
@@ -105,8 +116,23 @@ def flatten(state: Mapping[Any, Any]) -> FlatState:
         raise UnsupportedValue(f"a state must be a mapping, not {type(state).__name__}")
     tensors: list[tuple[str, torch.Tensor]] = []
     where: dict[str, tuple[str | int, ...]] = {}
-    tree = _flatten_node(state, (), tensors, where)
-    return FlatState(tree=tree, tensors=tensors)
+    layouts: dict[str, tuple[Placement, list[int], list[int]]] = {}
+    tree = _flatten_node(state, (), tensors, where, layouts)
+    return FlatState(tree=tree, tensors=tensors, layouts=layouts)
+
+
+def value_tree(value: Any, where: str) -> dict[str, Any]:
+    """The tree node of a plain value (no tensors): what ``flatten`` makes of it.
+
+    ``unflatten(node, {})`` gives the value back. Raises ``UnsupportedValue``
+    (naming ``where``) for anything the tree cannot hold, tensors included."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    node = _flatten_node(value, (where,), tensors, {}, {})
+    if tensors:
+        raise UnsupportedValue(
+            f"{path_str((where,))} holds tensors inside a plain value", path=path_str((where,))
+        )
+    return node
 
 
 def _flatten_node(
@@ -114,11 +140,18 @@ def _flatten_node(
     path: tuple[str | int, ...],
     tensors: list[tuple[str, torch.Tensor]],
     where: dict[str, tuple[str | int, ...]],
+    layouts: dict[str, tuple[Placement, list[int], list[int]]],
 ) -> dict[str, Any]:
     if len(path) > MAX_TREE_DEPTH:  # the same bound as ckptd.format.check_tree
         raise UnsupportedValue(
             f"{path_str(path)} is nested deeper than {MAX_TREE_DEPTH} levels", path=path_str(path)
         )
+    if is_dtensor(value):
+        # The layout first: a Partial placement is refused before any copy.
+        layout = dtensor_layout(value, path_str(path))
+        name = _add_tensor(local_tensor(value), path, tensors, where)
+        layouts[name] = layout
+        return {"tensor": name}
     if isinstance(value, torch.Tensor):
         return {"tensor": _add_tensor(value, path, tensors, where)}
     if value is None or isinstance(value, bool):
@@ -151,11 +184,15 @@ def _flatten_node(
                     path=path_str(path),
                 )
             key = str.__str__(key) if isinstance(key, str) else int(key)
-            items.append([key, _flatten_node(child, (*path, key), tensors, where)])
+            items.append([key, _flatten_node(child, (*path, key), tensors, where, layouts)])
         return {"dict": items}
     if type(value) is list or type(value) is tuple or type(value) is torch.Size:
         kind = "list" if type(value) is list else "tuple"
-        return {kind: [_flatten_node(c, (*path, i), tensors, where) for i, c in enumerate(value)]}
+        return {
+            kind: [
+                _flatten_node(c, (*path, i), tensors, where, layouts) for i, c in enumerate(value)
+            ]
+        }
     raise UnsupportedValue(
         f"{path_str(path)} holds a {type(value).__module__}.{type(value).__qualname__}, "
         "which ckptd cannot store without pickling (supported: dict, list, tuple, tensor, "
@@ -210,10 +247,24 @@ def _add_tensor(
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """What a restored tensor must look like: its dtype and (this rank's) shape."""
+    """What a restored tensor must look like: its dtype and (this rank's) shape,
+    and, when known, where that box sits in the global tensor (a DTensor target
+    must hold the same box)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+
+
+def tensor_specs(entries: Iterable[TensorEntry]) -> dict[str, TensorSpec]:
+    """The specs of a rank manifest's entries (dtype, box shape, global shape, offsets)."""
+    return {
+        e.name: TensorSpec(
+            torch_dtype(e.dtype), tuple(e.shape), tuple(e.global_shape), tuple(e.offsets)
+        )
+        for e in entries
+    }
 
 
 def unflatten(tree: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -236,7 +287,8 @@ def plan_fill(
     _plan(tree, target, specs, (), bad)
     if bad:
         raise RestoreError(
-            f"{len(bad)} tensors in the target differ from the checkpoint in dtype or shape: "
+            f"{len(bad)} tensors in the target differ from the checkpoint in dtype, shape or "
+            "shard: "
             + "; ".join(bad[:10]),
             entries=bad[:50],
         )
@@ -252,7 +304,18 @@ def _plan(
     ((kind, body),) = node.items()
     if kind == "tensor":
         spec = specs[body]
-        if isinstance(existing, torch.Tensor) and (
+        if is_dtensor(existing):
+            local = existing.to_local()
+            if local.dtype != spec.dtype or tuple(local.shape) != spec.shape:
+                bad.append(
+                    f"{body!r}: target DTensor's local shard {local.dtype}{list(local.shape)}, "
+                    f"checkpoint {spec.dtype}{list(spec.shape)}"
+                )
+            else:
+                why = check_target_layout(existing, body, spec.global_shape, spec.offsets)
+                if why is not None:
+                    bad.append(why)
+        elif isinstance(existing, torch.Tensor) and (
             existing.dtype != spec.dtype or tuple(existing.shape) != spec.shape
         ):
             bad.append(
@@ -297,6 +360,9 @@ def _build(
         return float(body)
     if kind == "tensor":
         restored = tensors[body]
+        if is_dtensor(existing):  # never replaced by a plain tensor: filled in place
+            fill_dtensor(existing, restored, body)
+            return existing
         if (
             isinstance(existing, torch.Tensor)
             and existing.dtype == restored.dtype

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+
 from ckptd.client.state import (
     TensorSpec,
     byte_view,
@@ -15,12 +17,13 @@ from ckptd.client.state import (
     fill,
     flatten,
     plan_fill,
+    tensor_specs,
     torch_dtype,
     unflatten,
+    value_tree,
 )
-
 from ckptd.errors import InvalidDocument, RestoreError, UnsupportedValue
-from ckptd.format import canonical_json, check_tree
+from ckptd.format import TensorEntry, canonical_json, check_tree
 
 
 def assert_same(a: Any, b: Any, path: str = "state") -> None:
@@ -293,3 +296,129 @@ def test_plan_needs_a_mutable_mapping() -> None:
     flat = flatten({"a": 1})
     with pytest.raises(ValueError):
         plan_fill((1, 2), flat.tree, {})  # type: ignore[arg-type]
+
+
+# -- DTensors (a one-rank gloo group; several ranks are in tests/e2e) ------------------
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A one-rank gloo process group on a file store and its 1-D CPU device mesh."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_flatten_to_their_local_shard_and_layout(mesh: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    g = torch.arange(12.0).reshape(4, 3)
+    hsdp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "fsdp"))
+    state = {
+        "model": {
+            "rows": distribute_tensor(g, mesh, [Shard(0)]),
+            "cols": distribute_tensor(g.to(torch.bfloat16), mesh, [Shard(1)]),
+            "rep": distribute_tensor(g, mesh, [Replicate()]),
+            "hsdp": distribute_tensor(g, hsdp_mesh, [Replicate(), Shard(0)]),
+        },
+        "plain": torch.ones(2),
+        "step": 3,
+    }
+    flat = flatten(state)
+    names = ["model.rows", "model.cols", "model.rep", "model.hsdp", "plain"]
+    assert [n for n, _ in flat.tensors] == names
+    for name, t in flat.tensors:
+        assert not isinstance(t, DTensor) and t.is_contiguous(), name
+    assert flat.layouts == {
+        "model.rows": ("sharded", [4, 3], [0, 0]),
+        "model.cols": ("sharded", [4, 3], [0, 0]),
+        "model.rep": ("replicated", [4, 3], [0, 0]),
+        "model.hsdp": ("sharded", [4, 3], [0, 0]),
+    }
+    tensors = dict(flat.tensors)
+    assert tensors["model.cols"].dtype == torch.bfloat16
+    assert torch.equal(tensors["model.rows"], g)
+    # The tree is the same as for plain tensors: a DTensor is just a tensor leaf.
+    assert flatten({"model": {k: v.to_local() for k, v in state["model"].items()},
+                    "plain": state["plain"], "step": 3}).tree == flat.tree
+    assert flatten({"plain": torch.ones(1)}).layouts == {}
+
+
+def test_partial_dtensors_are_refused_with_their_path(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
+    with pytest.raises(UnsupportedValue, match=r"state\['grads'\]\['w'\].*Partial"):
+        flatten({"grads": {"w": partial}})
+
+
+def test_strided_shards_are_refused(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = DTensor.from_local(torch.ones(4, 2), mesh, [_StridedShard(0, split_factor=2)])
+    with pytest.raises(UnsupportedValue, match=r"state\['w'\]"):
+        flatten({"w": strided})
+
+
+def test_fill_copies_into_a_dtensor_targets_local_shard_in_place(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    src = {"w": distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]), "n": 1}
+    flat = flatten(src)
+    manifest_like = [
+        TensorEntry(name=n, dtype=dtype_name(t.dtype), placement=flat.layouts[n][0],
+                    global_shape=flat.layouts[n][1], offsets=flat.layouts[n][2],
+                    shape=list(t.shape), nbytes=t.numel() * t.element_size(), chunks=[])
+        for n, t in flat.tensors
+    ]
+    specs = tensor_specs(manifest_like)
+    target_dt = distribute_tensor(torch.zeros(3, 2), mesh, [Shard(0)])
+    before = target_dt.to_local().data_ptr()
+    target: dict[str, Any] = {"w": target_dt, "n": 0}
+    plan_fill(target, flat.tree, specs)
+    fill(target, flat.tree, {n: t.clone() for n, t in flat.tensors})
+    assert target["w"] is target_dt and isinstance(target["w"], DTensor)
+    assert target_dt.to_local().data_ptr() == before
+    assert torch.equal(target_dt.full_tensor(), torch.arange(6.0).reshape(3, 2))
+    assert target["n"] == 1
+
+
+def test_plan_refuses_dtensor_targets_with_another_shard(mesh: Any) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    flat = flatten({"w": torch.ones(3, 2)})
+    wrong_shape = {"w": distribute_tensor(torch.zeros(2, 2), mesh, [Shard(0)])}
+    with pytest.raises(RestoreError, match="local shard"):
+        plan_fill(wrong_shape, flat.tree, {"w": TensorSpec(torch.float32, (3, 2))})
+    # Same local shape, but the checkpoint's box sits elsewhere in a larger tensor.
+    elsewhere = TensorSpec(torch.float32, (3, 2), global_shape=(6, 2), offsets=(3, 0))
+    target = {"w": distribute_tensor(torch.zeros(3, 2), mesh, [Shard(0)])}
+    with pytest.raises(RestoreError, match=r"\[0, 0\] of \[3, 2\]"):
+        plan_fill(target, flat.tree, {"w": elsewhere})
+    fits = TensorSpec(torch.float32, (3, 2), global_shape=(3, 2), offsets=(0, 0))
+    plan_fill(target, flat.tree, {"w": fits})
+
+
+# -- plain values as tree nodes (the DCP adapter's non-tensor items) ---------------------
+
+
+def test_value_tree_round_trips_plain_values_and_refuses_the_rest() -> None:
+    value = {"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1], 3: None, "best": float("inf")}
+    node = value_tree(value, "optim.param_groups.0")
+    check_tree(node, set())
+    assert_same(unflatten(node, {}), value)
+    assert value_tree(7, "epoch") == {"value": 7}
+    with pytest.raises(UnsupportedValue, match="optim.x"):
+        value_tree({"t": torch.ones(1)}, "optim.x")
+    with pytest.raises(UnsupportedValue, match="obj"):
+        value_tree(Opaque(), "obj")

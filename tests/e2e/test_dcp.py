@@ -1,0 +1,231 @@
+"""torch.distributed.checkpoint on ckptd: dcp.save and dcp.async_save by 4 gloo
+ranks through ``Writer``, dcp.load by 2 ranks through ``Reader``; values equal,
+DCP's metadata and non-tensor values kept as JSON, never pickled. The single
+process tests use DCP's ``no_dist`` mode."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptd.client import Checkpointer
+from ckptd.client.dcp import Reader, Writer, checkpoint_id, parse_checkpoint_id
+from ckptd.errors import (
+    CheckpointNotFound,
+    ChunkHashMismatch,
+    InvalidRequest,
+    UnsupportedValue,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def manifests(store: Path, job: str, step: int) -> list[dict[str, Any]]:
+    ranks = sorted((store / f"jobs/{job}/steps/{step}/ranks").glob("*.json"))
+    return [json.loads(p.read_text()) for p in ranks]
+
+
+def assert_no_pickle(store: Path, job: str, step: int) -> None:
+    """Values sit in the manifests' trees as JSON; chunks hold tensor bytes only."""
+    docs = manifests(store, job, step)
+    referenced: set[str] = set()
+    for doc in docs:
+        assert doc["meta"]["dcp"]["version"] == 1
+        names = {e["name"] for e in doc["entries"]}
+        for fqn, node in doc["tree"]["dict"]:
+            kind = next(iter(node))
+            assert kind in ("tensor", "value", "float", "list", "tuple", "dict"), fqn
+            assert (kind == "tensor") == (fqn in names), fqn
+        referenced |= {cid for e in doc["entries"] for cid in e["chunks"]}
+    stored = {p.name for p in (store / "chunks").glob("*/*")}
+    assert referenced <= stored
+    for path in (store / f"jobs/{job}").rglob("*"):
+        if path.is_file():
+            assert not path.read_bytes().startswith(b"\x80"), path  # no pickle anywhere
+
+
+@pytest.mark.slow
+def test_dcp_save_on_4_ranks_async_save_and_load_on_2_ranks(
+    server: Any, torchrun: Any, tmp_path: Path
+) -> None:
+    saved = torchrun("dcp_save.py", 4, server.url, "dcp", out=tmp_path / "save")
+    assert [r["rank_in_manifest"] for r in saved] == [0, 1, 2, 3]
+    assert all(r["world_size"] == 4 for r in saved)
+    # DCP writes each replicated item (a plain tensor, a Replicate DTensor, a value)
+    # on one rank only: the manifests together hold every item once.
+    docs = manifests(server.store, "dcp", 1)
+    fqns = [fqn for d in docs for fqn, _ in d["tree"]["dict"]]
+    for fqn in set(fqns):
+        sharded = fqn in ("model.w", "model.big", "model.w2", "model.emb",
+                          "optim.state.model.w.exp_avg")
+        assert fqns.count(fqn) == (4 if sharded else 1), fqn
+    by_fqn = {fqn: node for d in docs for fqn, node in d["tree"]["dict"]}
+    assert by_fqn["epoch"] == {"value": 1}
+    assert by_fqn["note"] == {"value": "héllo 1"}
+    assert by_fqn["best"] == {"float": "inf"}
+    assert by_fqn["optim.param_groups.0.betas"] == {"tuple": [{"value": 0.9}, {"value": 0.99}]}
+    boxes = sorted((e["offsets"], e["shape"]) for d in docs for e in d["entries"]
+                   if e["name"] == "model.w")
+    assert boxes == [([0, 0], [3, 6]), ([3, 0], [3, 6]), ([6, 0], [3, 6]), ([9, 0], [1, 6])]
+    for step in (1, 2):
+        commit = json.loads((server.store / f"jobs/dcp/steps/{step}/commit.json").read_text())
+        assert commit["world_size"] == 4 and commit["meta"] == {"producer": "ckptd.client.dcp"}
+        assert_no_pickle(server.store, "dcp", step)
+
+    loaded = torchrun("dcp_load.py", 2, server.url, "dcp", out=tmp_path / "load")
+    total = sum(r["bytes_total"][0] for r in saved)
+    for rank, r in enumerate(loaded):
+        for step in ("1", "2"):
+            got = r[step]
+            assert got["loaded_step"] == int(step)
+            assert all(got["tensors"].values()), (rank, step, got["tensors"])
+            assert {k: v for k, v in got.items() if k not in ("tensors", "loaded_step",
+                                                             "bytes_read")} == {
+                "dtensors_kept": True, "optim_step": True, "epoch": True, "note": True,
+                "best": True, "param_groups": True, "betas_tuple": True}, (rank, step)
+            # A rank reads the chunks that cover its shards, not the whole checkpoint.
+            assert 0 < got["bytes_read"] < total, (rank, step)
+
+
+# -- one process (no_dist) ---------------------------------------------------------------
+
+
+def small_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": seed,
+            "big": torch.randn(64, 64)}
+
+
+def assert_state_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_state_equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.fixture(autouse=True)
+def _quiet_no_dist() -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*single process.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+        yield
+
+
+def test_single_process_round_trip_and_latest(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    for step in (1, 2):
+        dcp.save(small_state(step), storage_writer=Writer(url, "j", step, chunk_size=4096),
+                 no_dist=True)
+    target = small_state(99)
+    reader = Reader(url, "j")
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.loaded_step == 2
+    assert_state_equal(small_state(2), target)
+    earlier = small_state(98)
+    dcp.load(earlier, storage_reader=Reader(url, "j"), checkpoint_id=1, no_dist=True)
+    assert_state_equal(small_state(1), earlier)
+    assert_no_pickle(tmp_path / "store", "j", 2)
+
+
+def test_checkpoint_ids() -> None:
+    assert checkpoint_id("http://h:7070/", "llm", 5) == "http://h:7070/llm/5"
+    assert parse_checkpoint_id("http://h:7070/llm/5") == ("http://h:7070", "llm", 5)
+    assert parse_checkpoint_id("https://h/p/x/llm/latest") == ("https://h/p/x", "llm", None)
+    assert parse_checkpoint_id("file:///tmp/st/llm/0") == ("file:///tmp/st", "llm", 0)
+    for bad in ("/tmp/x/llm/5", "http://h/llm/five", "http://h/5", "s3://b/llm/5",
+                "http://h/../5"):
+        assert not Writer.validate_checkpoint_id(bad), bad
+        with pytest.raises(InvalidRequest):
+            parse_checkpoint_id(bad)
+    assert Reader.validate_checkpoint_id("http://h:1/llm/latest")
+    w = Writer("http://a:1", "one")
+    w.reset("http://b:2/two/7")
+    assert (w.url, w.job, w.step, w.checkpoint_id) == ("http://b:2", "two", 7, "http://b:2/two/7")
+    w.reset(8)
+    assert w.checkpoint_id == "http://b:2/two/8"
+    with pytest.raises(InvalidRequest):
+        w.reset("http://b:2/two/latest")
+
+
+class Opaque:
+    pass
+
+
+def failure(info: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
+    ((exc, _tb),) = info.value.failures.values()
+    return exc
+
+
+def test_values_that_are_not_plain_json_are_refused(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    for bad in (Opaque(), {1, 2}, b"raw"):
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(2), "x": bad}, storage_writer=Writer(url, "j", 1),
+                     no_dist=True)
+        assert isinstance(failure(info), UnsupportedValue), bad
+    assert not (tmp_path / "store" / "jobs" / "j" / "steps" / "1" / "commit.json").exists()
+
+
+def test_a_writer_needs_a_step(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2)}, storage_writer=Writer(f"file://{tmp_path}", "j"),
+                 no_dist=True)
+    assert isinstance(failure(info), InvalidRequest)
+
+
+def test_reading_a_job_without_checkpoints_is_a_typed_error(tmp_path: Path) -> None:
+    reader = Reader(f"file://{tmp_path / 'store'}", "none")
+    with pytest.raises(CheckpointNotFound):
+        reader.read_metadata()
+
+
+def test_a_corrupt_chunk_is_detected_on_load(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    state = {"big": torch.arange(4096, dtype=torch.float32)}
+    dcp.save(state, storage_writer=Writer(url, "j", 1, chunk_size=4096), no_dist=True)
+    (entry,) = manifests(store, "j", 1)[0]["entries"]
+    victim = store / "chunks" / entry["chunks"][2][:2] / entry["chunks"][2]
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    target = {"big": torch.zeros(4096)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=Reader(url, "j"), no_dist=True)
+    assert isinstance(failure(info), ChunkHashMismatch)
+
+
+def test_a_checkpointer_save_loads_through_dcp(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    state = small_state(3)
+    state["sched"] = {"last_epoch": 4, "_last_lr": [0.5], "best": float("nan")}
+    with Checkpointer(url, "ck", chunk_size=4096) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+    target = small_state(50)
+    target["sched"] = {"last_epoch": 0, "_last_lr": [0.0], "best": 0.0}
+    dcp.load(target, storage_reader=Reader(url, "ck"), no_dist=True)
+    nan = target["sched"].pop("best")
+    assert nan != nan
+    state["sched"].pop("best")
+    assert_state_equal(state, target)
+
