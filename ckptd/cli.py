@@ -15,11 +15,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ckptd import __version__
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, InvalidRequest, Unavailable, from_json
+from ckptd.format import check_job
 
 app = typer.Typer(
     name="ckptd",
@@ -63,7 +65,8 @@ def _when(ts: float | None) -> str:
 
 
 def _fail(exc: CkptdError) -> None:
-    err_console.print(f"[bold red]error[/] [{exc.code}] {exc.message}")
+    # Escaped: "[code]" and the message are text, not rich markup.
+    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}")
     raise typer.Exit(code=2)
 
 
@@ -101,8 +104,24 @@ def serve(
         str | None,
         typer.Option(help="'reject' (default) or 'warn' when data-parallel replicas differ."),
     ] = None,
+    heartbeat_interval: Annotated[
+        float | None,
+        typer.Option(help="Seconds between rank heartbeats (2). Env CKPTD_HEARTBEAT_INTERVAL."),
+    ] = None,
+    dead_after: Annotated[
+        int | None,
+        typer.Option(help="Missed heartbeat intervals before a rank is dead (3)."),
+    ] = None,
+    snapshot_lead: Annotated[
+        int | None,
+        typer.Option(help="Steps past the fastest rank a coordinated snapshot is set (2)."),
+    ] = None,
+    snapshot_min_interval: Annotated[
+        float | None,
+        typer.Option(help="Seconds between accepted snapshot requests of a job (30)."),
+    ] = None,
 ) -> None:
-    """Run the checkpoint server over a store."""
+    """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
     from ckptd.server.settings import Settings
 
@@ -114,6 +133,10 @@ def serve(
             "port": port,
             "token": token,
             "replica_mismatch": replica_mismatch,
+            "heartbeat_interval": heartbeat_interval,
+            "dead_after": dead_after,
+            "snapshot_lead": snapshot_lead,
+            "snapshot_min_interval": snapshot_min_interval,
         }.items()
         if v is not None
     }
@@ -222,6 +245,222 @@ def verify(
     if bad or missing or bad_manifests:
         raise typer.Exit(code=1)
     console.print("[green]ok[/]: every chunk matches its id")
+
+
+class _Server:
+    """A few JSON calls to a ckptd server (the commands that need one, not a store)."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        import httpx
+
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0)
+        self._httpx = httpx
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            r = self._http.request(method, path, **kwargs)
+        except self._httpx.HTTPError as exc:
+            raise Unavailable(f"cannot reach {self._http.base_url}: {exc}") from None
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"code": "internal", "message": f"HTTP {r.status_code}: {r.text[:200]}"}
+            raise from_json(body if isinstance(body, dict) else {}, r.status_code)
+        return r.json()
+
+
+_STATE_STYLE = {
+    "alive": "green",
+    "degraded": "yellow",
+    "critical": "bold dark_orange",
+    "dead": "bold red",
+}
+# Probe signals shown in columns (docs/API.md), one reading per instance as
+# name[instance]: the hottest GPU, the sum of uncorrected ECC errors, host memory.
+_TEMP = (("gpu_temperature_c", "gpu_temp_c"), max)
+_ECC = (("gpu_ecc_uncorrected_volatile", "gpu_ecc_errors"), sum)
+_MEM = (("host_memory_percent", "host_mem_pct"), max)
+
+
+def _signal(health: dict[str, Any], which: tuple[tuple[str, ...], Any]) -> Any:
+    names, combine = which
+    numbers: list[float] = []
+    other = None
+    for key, value in (health.get("signals") or {}).items():
+        if key.split("[", 1)[0] not in names or value is None:
+            continue
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            numbers.append(value)
+        elif other is None:
+            other = value  # "unavailable", "nan": shown when there is no number
+    return combine(numbers) if numbers else other
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
+
+
+def _number(value: Any, fmt: str, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:{fmt}}{unit}"
+    return str(value)
+
+
+def status_view(overview: dict[str, Any]) -> Any:
+    """Rich renderables of ``GET /v1/overview``: per job a table of its ranks."""
+    from rich.console import Group
+    from rich.text import Text
+
+    parts: list[Any] = []
+    for job in overview["jobs"]:
+        latest = job["latest"] if job["latest"] is not None else "none"
+        title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
+        if job["snapshot_at"] is not None:
+            reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
+            title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
+        if job["rollback_to"] is not None:
+            title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+        table = Table(title=title, title_justify="left", expand=False)
+        for name in ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC",
+                     "host mem", "rtt"):
+            table.add_column(name, no_wrap=True,
+                             justify="left" if name == "state" else "right")
+        table.add_column("reasons", overflow="fold", min_width=12)
+        for r in job["ranks"]:
+            health = r.get("health") or {}
+            temp = _signal(health, _TEMP)
+            ecc = _signal(health, _ECC)
+            reasons = "; ".join(health.get("reasons") or [])
+            if r["state"] == "dead" and not reasons:
+                reasons = "no heartbeat"
+            style = _STATE_STYLE.get(r["state"], "")
+            table.add_row(
+                str(r["rank"]),
+                f"[{style}]{r['state']}[/]",
+                _number(r["step"], "d"),
+                _number(r["held_step"], "d"),
+                _age(r["age_s"]),
+                ("[yellow]" if isinstance(temp, int | float) and temp >= 85 else "[default]")
+                + _number(temp, ".0f", " °C") + "[/]",
+                ("[red]" if isinstance(ecc, int | float) and ecc > 0 else "[default]")
+                + _number(ecc, "g") + "[/]",
+                _number(_signal(health, _MEM), ".0f", " %"),
+                _number(r["rtt_ms"], ".1f", " ms"),
+                Text(reasons),  # as sent: no markup
+            )
+        if not job["ranks"]:
+            table.caption = "no heartbeats from this job's ranks"
+        parts.append(table)
+        for e in job["events"][-5:]:
+            line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
+            if e["step"] is not None:
+                line.append(f" step {e['step']}", style="dim")
+            if e["rank"] is not None:
+                line.append(f" rank {e['rank']}", style="dim")
+            if e["reason"]:
+                line.append(f": {e['reason']}", style="dim")
+            parts.append(line)
+    if not parts:
+        parts.append(Text("no jobs", style="dim"))
+    return Group(*parts)
+
+
+@app.command()
+def status(
+    job: Annotated[str | None, typer.Argument(help="Only this job.")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            "--watch",
+            help="Keep refreshing for this many seconds (0: until Ctrl-C).",
+            show_default=False,
+        ),
+    ] = None,
+    every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
+) -> None:
+    """Live rank health: state, step, last heartbeat, GPU temperature, ECC, host memory."""
+    import time
+
+    from rich.live import Live
+
+    params: dict[str, Any] = {"steps": 0}
+    try:
+        if job is not None:
+            params["job"] = check_job(job)
+        with _Server(url, token) as server:
+            view = status_view(server.call("GET", "/v1/overview", params=params))
+            if watch is None:
+                console.print(view)
+                return
+            deadline = time.monotonic() + watch if watch > 0 else None
+            with Live(view, console=console, refresh_per_second=4) as live:
+                while deadline is None or time.monotonic() < deadline:
+                    pause = every if deadline is None else min(every, deadline - time.monotonic())
+                    time.sleep(max(0.0, pause))
+                    live.update(status_view(server.call("GET", "/v1/overview", params=params)))
+    except CkptdError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def rollback(
+    job: Annotated[str, typer.Argument(help="The job.")],
+    step: Annotated[
+        int | None, typer.Argument(help="A committed step the job must go back to.")
+    ] = None,
+    clear: Annotated[
+        bool, typer.Option("--clear", help="Clear the job's rollback marker.")
+    ] = False,
+    reason: Annotated[
+        str, typer.Option(help="Why (shown in status and the dashboard).")
+    ] = "manual",
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Tell every rank of a job to go back to a committed step (or --clear that)."""
+    if clear == (step is not None):
+        err_console.print("[bold red]error[/] give a STEP, or --clear (not both)")
+        raise typer.Exit(code=2)
+    try:
+        check_job(job)
+        with _Server(url, token) as server:
+            if clear:
+                server.call("DELETE", f"/v1/jobs/{job}/rollback")
+                console.print(f"rollback of [bold]{job}[/] cleared")
+            else:
+                answer = server.call(
+                    "POST", f"/v1/jobs/{job}/rollback", json={"step": step, "reason": reason}
+                )
+                console.print(
+                    f"[bold]{job}[/]: ranks are told to roll back to step "
+                    f"{answer['rollback_to']} (clear with `ckptd rollback {job} --clear`)"
+                )
+    except CkptdError as exc:
+        _fail(exc)
 
 
 @app.command()

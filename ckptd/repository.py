@@ -505,3 +505,56 @@ class Repository:
         report.bad_chunks.sort()
         report.missing_chunks.sort()
         return report
+
+    # -- rollback marker and step listings (the server's liveness views) -------------
+
+    @staticmethod
+    def _rollback_key(job: str) -> str:
+        return f"{job_prefix(job)}refs/rollback"
+
+    async def read_rollback(self, job: str) -> Ref | None:
+        """The job's rollback marker (a Ref to a committed step), or None."""
+        try:
+            data = await self.store.get(self._rollback_key(job))
+        except NotFound:
+            return None
+        return Ref.parse(data)
+
+    async def set_rollback(self, job: str, step: int) -> Ref:
+        """Marks ``job`` to go back to committed ``step`` (``NotCommitted`` or
+        ``CheckpointNotFound`` otherwise). Replaces any marker there, by CAS."""
+        record = await self.read_commit(job, step)
+        new = Ref(step=step, commit=record.digest())
+        data = new.canonical()
+        key = self._rollback_key(job)
+        for _ in range(100):
+            try:
+                current: bytes | None = await self.store.get(key)
+            except NotFound:
+                current = None
+            if current == data or await self.store.compare_and_swap(key, current, data):
+                log.info("rollback of %s set to step %d", job, step)
+                return new
+        raise Conflict(f"could not set the rollback marker of {job}: too much contention")
+
+    async def clear_rollback(self, job: str) -> bool:
+        """Removes the job's rollback marker; True when there was one."""
+        key = self._rollback_key(check_job(job))
+        if not await self.store.exists(key):
+            return False
+        await self.store.delete(key)
+        log.info("rollback of %s cleared", job)
+        return True
+
+    async def step_numbers(self, job: str) -> list[int]:
+        """Every step of ``job`` that has a directory (committed or pending), ascending."""
+        names = await self.store.list_dir(f"{job_prefix(job)}steps/")
+        return sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
+
+    async def try_read_commit(self, job: str, step: int) -> CommitRecord | None:
+        """The commit record of ``step``, or None when it has not committed."""
+        return await self._try_read_commit(job, step)
+
+    async def ranks_present(self, job: str, step: int) -> list[int]:
+        """The ranks whose manifests of ``step`` are in the store."""
+        return await self._ranks_present(job, step)

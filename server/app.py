@@ -14,8 +14,12 @@ from uvicorn.config import LOGGING_CONFIG
 
 from ckptd import __version__
 from ckptd.repository import Repository
+from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
-from ckptd.server.routes import chunks, health, jobs, manifests
+from ckptd.server.metrics import Metrics
+from ckptd.server.metrics import router as metrics_router
+from ckptd.server.registry import Registry, StoreViews
+from ckptd.server.routes import chunks, coordination, health, jobs, manifests, ranks
 from ckptd.server.settings import Settings
 from ckptd.store import Store, open_store
 
@@ -32,6 +36,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = app.state.store_override or open_store(settings.store)
     repository = Repository(store, replica_mismatch=settings.replica_mismatch)
     app.state.repository = repository
+    # Refs are re-read at most once per heartbeat interval per job.
+    app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
     log.info("serving store %s", store.describe())
     try:
         yield
@@ -52,13 +58,27 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         # One schema per model: the manifest PUT refers to RankManifest by name.
         separate_input_output_schemas=False,
     )
-    app.state.settings = settings if settings is not None else Settings()
+    settings = settings if settings is not None else Settings()
+    app.state.settings = settings
     app.state.store_override = store
+    # Soft state: lives as long as this application, rebuilt by heartbeats.
+    app.state.registry = Registry(
+        interval=settings.heartbeat_interval,
+        dead_after=settings.dead_after,
+        snapshot_lead=settings.snapshot_lead,
+        snapshot_min_interval=settings.snapshot_min_interval,
+        snapshot_timeout=settings.snapshot_timeout,
+    )
+    app.state.metrics = Metrics(app.state.registry)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)
     app.include_router(manifests.router)
     app.include_router(jobs.router)
+    app.include_router(ranks.router)
+    app.include_router(coordination.router)
+    app.include_router(metrics_router)
+    install_dashboard(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -13,6 +13,8 @@ from fastapi import Depends, Path, Request
 from ckptd.format import MAX_WORLD_SIZE, check_chunk_id, check_job, check_rank, check_step
 from ckptd.repository import Repository
 from ckptd.server.auth import require_token
+from ckptd.server.metrics import Metrics
+from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.settings import Settings
 
 
@@ -26,8 +28,26 @@ def get_repository(request: Request) -> Repository:
     return repo
 
 
+def get_registry(request: Request) -> Registry:
+    registry: Registry = request.app.state.registry
+    return registry
+
+
+def get_views(request: Request) -> StoreViews:
+    views: StoreViews = request.app.state.views
+    return views
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RepoDep = Annotated[Repository, Depends(get_repository)]
+RegistryDep = Annotated[Registry, Depends(get_registry)]
+ViewsDep = Annotated[StoreViews, Depends(get_views)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 AuthDep = Annotated[None, Depends(require_token)]
 
 

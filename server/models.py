@@ -5,11 +5,12 @@ models; these are the API's envelopes around them."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ckptd.format import CommitRecord
+from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 
 
 class _Body(BaseModel):
@@ -110,3 +111,181 @@ class VerifyResult(_Body):
     missing_chunks: list[str]
     bad_manifests: list[str]
     ok: bool
+
+
+# -- liveness, restore plans, coordination -------------------------------------------
+
+StepField = Annotated[int, Field(ge=0, lt=MAX_STEP)]
+Reason = Annotated[str, Field(max_length=1024)]
+SignalValue = float | int | Annotated[str, Field(max_length=1024)] | None
+
+
+class HealthReport(_Body):
+    """What a rank's health probe says of it."""
+
+    state: Literal["ok", "degraded", "critical"] = "ok"
+    reasons: list[Reason] = Field(default_factory=list, max_length=64)
+    signals: dict[Annotated[str, Field(max_length=1024)], SignalValue] = Field(
+        default_factory=dict,
+        max_length=1024,
+        description="Probe readings by name, one per instance as name[instance] (e.g. "
+        "gpu_temperature_c[0], gpu_ecc_uncorrected_volatile[0], host_memory_percent). "
+        "A NaN or infinite number is kept as the string 'nan', 'inf' or '-inf'.",
+    )
+
+    @field_validator("signals")
+    @classmethod
+    def _finite(cls, signals: dict[str, SignalValue]) -> dict[str, SignalValue]:
+        # A NaN loss is a real reading, but JSON has no NaN: keep it as text.
+        return {
+            k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in signals.items()
+        }
+
+
+class HeartbeatRequest(_Body):
+    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE)
+    peer_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="Where this rank's peer chunk server answers (http:// or https://).",
+    )
+    step: StepField | None = Field(default=None, description="The loop's current step.")
+    held_step: StepField | None = Field(
+        default=None,
+        description="The committed step whose chunks this rank's shared-memory pool holds "
+        "and serves to peers.",
+    )
+    health: HealthReport = Field(default_factory=HealthReport)
+    rtt_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+
+class HeartbeatReply(_Body):
+    interval_s: float = Field(description="Send the next heartbeat this many seconds from now.")
+    snapshot_at: int | None = Field(
+        description="A coordinated snapshot step: every rank saves when its loop reaches it."
+    )
+    snapshot_reason: str | None
+    rollback_to: int | None = Field(description="A committed step the job must go back to.")
+
+
+class RankStatus(_Body):
+    rank: int
+    state: Literal["alive", "degraded", "critical", "dead"]
+    step: int | None
+    held_step: int | None
+    peer_url: str | None
+    last_heartbeat: float = Field(description="Unix time of the last heartbeat.")
+    age_s: float = Field(description="Seconds since the last heartbeat.")
+    health: HealthReport
+    rtt_ms: float | None
+
+
+class RankList(_Body):
+    job: str
+    world_size: int | None
+    ranks: list[RankStatus]
+    latest: int | None
+    snapshot_at: int | None
+    rollback_to: int | None
+
+
+class RestorePlan(_Body):
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    manifest: RankManifest
+    manifest_hash: str
+    peers: dict[str, list[str]] = Field(
+        description="For every chunk id of the manifest, the peer URLs that hold it, best "
+        "first (possibly none); the store is always the last source."
+    )
+
+
+class SnapshotRequest(_Body):
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
+    reason: Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class SnapshotReply(_Body):
+    snapshot_at: int
+    reason: str
+    accepted: bool = Field(description="False when a target was pending or set too recently.")
+
+
+class RollbackRequest(_Body):
+    step: StepField
+    reason: Reason = "manual"
+
+
+class RollbackReply(_Body):
+    rollback_to: int | None
+
+
+class EventBody(_Body):
+    at: float = Field(description="Unix time.")
+    kind: str = Field(
+        examples=["snapshot_requested"],
+        description="snapshot_requested, snapshot_committed, snapshot_expired, rollback_set, "
+        "rollback_cleared, rank_dead, rank_back",
+    )
+    rank: int | None
+    step: int | None
+    reason: str
+
+
+class EventList(_Body):
+    job: str
+    events: list[EventBody]
+
+
+class StepView(_Body):
+    step: int
+    committed: bool
+    world_size: int | None
+    ranks_present: int
+    logical_bytes: int | None
+    committed_at: float | None
+    is_latest: bool
+    reason: str | None = Field(description="Why it was taken (the commit's meta.reason).")
+    requested_by: int | None
+
+
+class JobView(_Body):
+    job: str
+    latest: int | None
+    world_size: int | None
+    snapshot_at: int | None
+    snapshot_reason: str | None
+    rollback_to: int | None
+    ranks: list[RankStatus]
+    steps: list[StepView] = Field(description="The newest steps, oldest first.")
+    events: list[EventBody] = Field(description="The newest events, oldest first.")
+
+
+class StorageView(_Body):
+    since: float = Field(description="Unix time the server started; the counters start there.")
+    chunks_stored: int
+    bytes_stored: int
+    chunks_offered: int
+    chunks_missing: int
+    dedup_ratio: float | None = Field(
+        description="Chunk ids offered / ids the store lacked (None before any were lacking)."
+    )
+    uploads: int
+    upload_bytes: int
+    restores: int
+    restore_bytes: int
+    commits: int
+    rejected_uploads: int
+
+
+class Overview(_Body):
+    version: str
+    store: str
+    interval_s: float
+    dead_after_s: float
+    storage: StorageView
+    jobs: list[JobView]

@@ -27,6 +27,26 @@ class Settings(BaseSettings):
     )
     replica_mismatch: Literal["reject", "warn"] = "reject"
     log_level: str = "info"
+    heartbeat_interval: float = Field(
+        default=2.0, gt=0, le=3600, description="Seconds between a rank's heartbeats."
+    )
+    dead_after: int = Field(
+        default=3, ge=1, le=1000, description="Missed heartbeat intervals before a rank is dead."
+    )
+    snapshot_lead: int = Field(
+        default=2, ge=1, description="Steps ahead of the fastest live rank a snapshot is set."
+    )
+    snapshot_min_interval: float = Field(
+        default=30.0, ge=0, description="Seconds between accepted snapshot requests of a job."
+    )
+    snapshot_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds a coordinated snapshot target stays pending without a commit.",
+    )
+    metrics_token_required: bool = Field(
+        default=False, description="GET /metrics needs the token too (scrapers must send it)."
+    )
 
     @field_validator("token")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,10 +10,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ckptd import knobs
-from ckptd.errors import ChunkNotFound
+from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.server.auth import require_token
 from ckptd.server.bodies import read_chunk
-from ckptd.server.deps import ChunkIdDep, RepoDep
+from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep
+from ckptd.server.metrics import Metrics
 from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -39,8 +41,11 @@ _BINARY: dict[str, Any] = {
     summary="Which of these chunks the store lacks (and lease them to a claimer)",
     responses=error_responses(413),
 )
-async def missing_chunks(body: MissingRequest, repo: RepoDep) -> MissingResponse:
+async def missing_chunks(
+    body: MissingRequest, repo: RepoDep, metrics: MetricsDep
+) -> MissingResponse:
     result = await repo.missing_chunks(body.ids, claimer=body.claimer)
+    metrics.missing_asked(len(body.ids), len(result.missing))
     return MissingResponse(missing=result.missing, in_flight=result.in_flight)
 
 
@@ -56,11 +61,17 @@ async def missing_chunks(body: MissingRequest, repo: RepoDep) -> MissingResponse
     openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
 )
 async def put_chunk(
-    cid: ChunkIdDep, request: Request, response: Response, repo: RepoDep
+    cid: ChunkIdDep, request: Request, response: Response, repo: RepoDep, metrics: MetricsDep
 ) -> ChunkStored:
-    body, digest = await read_chunk(request)
-    with memoryview(body) as view:
-        created = await repo.put_chunk(cid, view, digest=digest)
+    started = time.perf_counter()
+    try:
+        body, digest = await read_chunk(request)
+        with memoryview(body) as view:
+            created = await repo.put_chunk(cid, view, digest=digest)
+    except CkptdError as exc:
+        metrics.upload_rejected(exc.code)
+        raise
+    metrics.chunk_uploaded(len(body), time.perf_counter() - started, created)
     if not created:
         response.status_code = 200
     return ChunkStored(id=cid, size=len(body), created=created)
@@ -83,16 +94,19 @@ async def has_chunk(cid: ChunkIdDep, repo: RepoDep) -> Response:
     summary="A chunk's raw bytes, streamed",
     responses={200: {"content": _BINARY, "description": "The chunk"}, **error_responses(404, 422)},
 )
-async def get_chunk(cid: ChunkIdDep, repo: RepoDep) -> StreamingResponse:
+async def get_chunk(cid: ChunkIdDep, repo: RepoDep, metrics: MetricsDep) -> StreamingResponse:
+    started = time.perf_counter()
     data = await repo.get_chunk(cid)
     return StreamingResponse(
-        _pieces(data),
+        _pieces(data, metrics, started),
         media_type="application/octet-stream",
         headers={"Content-Length": str(len(data))},
     )
 
 
-async def _pieces(data: bytes) -> AsyncIterator[memoryview]:
+async def _pieces(data: bytes, metrics: Metrics, started: float) -> AsyncIterator[memoryview]:
     view = memoryview(data)  # slices of immutable bytes: no copy, nothing to release
     for start in range(0, len(view), READ_PIECE):
         yield view[start : start + READ_PIECE]
+    # Counted once the last piece went out: a reader that went away mid-chunk is not.
+    metrics.chunk_read(len(data), time.perf_counter() - started)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Depends, Query
 
 from ckptd.format import CommitRecord
 from ckptd.server.auth import require_token
-from ckptd.server.deps import JobDep, RepoDep, StepDep
+from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, StepDep, ViewsDep
 from ckptd.server.models import (
     CommitRequest,
     CommitResponse,
@@ -73,9 +73,18 @@ async def commit(
     job: JobDep,
     step: StepDep,
     repo: RepoDep,
+    registry: RegistryDep,
+    views: ViewsDep,
+    metrics: MetricsDep,
     body: Annotated[CommitRequest | None, Body()] = None,
 ) -> CommitResponse:
     status = await repo.commit(job, step, meta=body.meta if body is not None else None)
+    if status.record is not None:
+        registry.note_commit(job, step)  # a coordinated snapshot at or before it is done
+        views.note_commit(job, step)
+        metrics.committed(
+            job, step, status.record.committed_at, status.record.meta.get("reason")
+        )
     return CommitResponse(
         state=status.state,
         job=status.job,

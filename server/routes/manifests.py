@@ -12,7 +12,7 @@ from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
 from ckptd.server.auth import require_token
 from ckptd.server.bodies import read_body
-from ckptd.server.deps import JobDep, RankDep, RepoDep, StepDep
+from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
 from ckptd.server.models import ManifestStored
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -46,7 +46,8 @@ MANIFEST_HASH_HEADER = "X-Ckptd-Manifest-Hash"
     },
 )
 async def put_manifest(
-    job: JobDep, step: StepDep, rank: RankDep, request: Request, repo: RepoDep
+    job: JobDep, step: StepDep, rank: RankDep, request: Request, repo: RepoDep,
+    metrics: MetricsDep,
 ) -> ManifestStored:
     data = await read_body(request, knobs.max_manifest_bytes(), "manifest")
     # Parsing a large manifest is CPU work: keep it off the event loop.
@@ -56,7 +57,9 @@ async def put_manifest(
             f"the manifest is of job {manifest.job!r} step {manifest.step} rank "
             f"{manifest.rank}, the path names job {job!r} step {step} rank {rank}",
         )
-    return ManifestStored(hash=await repo.put_manifest(manifest))
+    digest = await repo.put_manifest(manifest)
+    metrics.manifest_stored()
+    return ManifestStored(hash=digest)
 
 
 @router.get(

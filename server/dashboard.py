@@ -1,0 +1,190 @@
+"""The dashboard at ``/`` and the JSON view it draws, ``GET /v1/overview``.
+
+The page (a template, a stylesheet and a script; no build step) holds no data, so
+it is served without a token. Its script fetches ``/v1/overview``, which needs the
+token like every ``/v1`` route: when the server has one, the page asks for it and
+keeps it in the tab's sessionStorage. Everything clients sent is drawn as text."""
+
+from __future__ import annotations
+
+import asyncio
+import string
+from functools import cache
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Response
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.types import Scope
+
+from ckptd import __version__
+from ckptd.format import check_job
+from ckptd.repository import Repository
+from ckptd.server.auth import require_token
+from ckptd.server.deps import MetricsDep, RegistryDep, RepoDep, SettingsDep, ViewsDep
+from ckptd.server.models import JobView, Overview, StepView, StorageView
+from ckptd.server.registry import Registry, StoreViews
+from ckptd.server.routes import error_responses
+from ckptd.server.routes.coordination import event_body
+from ckptd.server.routes.ranks import rank_status
+from ckptd.server.routing import ApiRoute
+
+HERE = Path(__file__).parent
+REFRESH_S = 3
+EVENTS_SHOWN = 50
+
+# No inline script or style, nothing from elsewhere, no framing.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+page_router = APIRouter(tags=["dashboard"])
+api_router = APIRouter(
+    prefix="/v1",
+    tags=["dashboard"],
+    route_class=ApiRoute,
+    dependencies=[Depends(require_token)],
+    responses=error_responses(400, 401, 500),
+)
+
+
+@cache
+def _page() -> str:
+    template = string.Template((HERE / "templates" / "dashboard.html").read_text("utf-8"))
+    return template.substitute(
+        version=__version__, refresh_ms=REFRESH_S * 1000, refresh_s=REFRESH_S
+    )
+
+
+@page_router.get("/", response_class=HTMLResponse, summary="The dashboard (HTML)")
+async def dashboard() -> HTMLResponse:
+    return HTMLResponse(_page(), headers={"Cache-Control": "no-cache", **SECURITY_HEADERS})
+
+
+async def job_view(
+    job: str, repo: Repository, registry: Registry, views: StoreViews, steps: int
+) -> JobView:
+    world, ranks = registry.ranks(job)
+    latest = await views.latest(job)
+    target = registry.pending_target(job, latest)
+    rollback = await views.rollback(job)
+    numbers = (await repo.step_numbers(job))[-steps:] if steps else []
+    shown: list[StepView] = []
+    for step in numbers:
+        record = await views.commit(job, step)
+        if record is not None:
+            reason = record.meta.get("reason")
+            by = record.meta.get("requested_by")
+            shown.append(
+                StepView(
+                    step=step,
+                    committed=True,
+                    world_size=record.world_size,
+                    ranks_present=record.world_size,
+                    logical_bytes=record.report.logical_bytes,
+                    committed_at=record.committed_at,
+                    is_latest=step == latest,
+                    reason=str(reason) if reason is not None else "periodic",
+                    requested_by=by if isinstance(by, int) and not isinstance(by, bool) else None,
+                )
+            )
+            world = world if world is not None else record.world_size
+        else:
+            present = await repo.ranks_present(job, step)
+            shown.append(
+                StepView(
+                    step=step,
+                    committed=False,
+                    world_size=world,
+                    ranks_present=len(present),
+                    logical_bytes=None,
+                    committed_at=None,
+                    is_latest=False,
+                    reason=None,
+                    requested_by=None,
+                )
+            )
+    return JobView(
+        job=job,
+        latest=latest,
+        world_size=world,
+        snapshot_at=target.step if target is not None else None,
+        snapshot_reason=target.reason if target is not None else None,
+        rollback_to=rollback.step if rollback is not None else None,
+        ranks=[rank_status(v) for v in ranks],
+        steps=shown,
+        events=[event_body(e) for e in registry.events(job)[-EVENTS_SHOWN:]],
+    )
+
+
+@api_router.get(
+    "/overview",
+    response_model=Overview,
+    summary="Every job with its ranks, newest steps and events, and storage counters",
+)
+async def overview(
+    repo: RepoDep,
+    registry: RegistryDep,
+    views: ViewsDep,
+    metrics: MetricsDep,
+    settings: SettingsDep,
+    job: Annotated[str | None, Query(description="Only this job.")] = None,
+    steps: Annotated[int, Query(ge=0, le=1000, description="Newest steps per job.")] = 20,
+) -> Overview:
+    if job is not None:
+        names = [check_job(job)]
+    else:
+        names = sorted(set(await repo.list_jobs()) | set(registry.jobs()))
+    sem = asyncio.Semaphore(8)
+
+    async def one(name: str) -> JobView:
+        async with sem:
+            return await job_view(name, repo, registry, views, steps)
+
+    jobs = list(await asyncio.gather(*(one(n) for n in names)))
+    t = metrics.totals
+    return Overview(
+        version=__version__,
+        store=repo.store.describe(),
+        interval_s=settings.heartbeat_interval,
+        dead_after_s=settings.heartbeat_interval * settings.dead_after,
+        storage=StorageView(
+            since=t.since,
+            chunks_stored=t.chunks_stored,
+            bytes_stored=t.bytes_stored,
+            chunks_offered=t.chunks_offered,
+            chunks_missing=t.chunks_missing,
+            dedup_ratio=t.dedup_ratio,
+            uploads=t.uploads,
+            upload_bytes=t.upload_bytes,
+            restores=t.restores,
+            restore_bytes=t.restore_bytes,
+            commits=t.commits,
+            rejected_uploads=t.rejected_uploads,
+        ),
+        jobs=jobs,
+    )
+
+
+class _StaticFiles(StaticFiles):
+    """The page's script and stylesheet, with the page's security headers."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
+def install_dashboard(app: FastAPI) -> None:
+    """The page, its static files and the overview route. (No middleware: an HTTP
+    middleware would sit in the path of every chunk upload and download.)"""
+    app.include_router(page_router)
+    app.include_router(api_router)
+    app.mount("/static", _StaticFiles(directory=HERE / "static"), name="static")

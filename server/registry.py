@@ -1,0 +1,480 @@
+"""Soft state: rank heartbeats, liveness, coordinated snapshot targets, events.
+
+Everything here lives in the server's memory and is rebuilt by the clients'
+heartbeats after a restart (within one interval). Durable markers (rollback) are
+refs in the store; ``StoreViews`` keeps short-lived copies of them and of
+immutable documents so that a heartbeat does not cost a store read.
+
+Times: liveness is measured on the registry's monotonic clock (a wall clock that
+jumps must not kill ranks); the unix time of each heartbeat is kept for display.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptd.errors import CkptdError
+from ckptd.format import CommitRecord, Ref
+from ckptd.repository import Repository
+
+log = logging.getLogger(__name__)
+
+RankState = Literal["alive", "degraded", "critical", "dead"]
+HealthState = Literal["ok", "degraded", "critical"]
+
+_FROM_HEALTH: dict[str, RankState] = {"ok": "alive", "degraded": "degraded", "critical": "critical"}
+# Listing order of peers in a restore plan: the healthiest first.
+_PREFERENCE: dict[RankState, int] = {"alive": 0, "degraded": 1, "critical": 2, "dead": 3}
+
+EVENTS_PER_JOB = 200
+
+
+def rank_state(
+    now: float, last_heartbeat: float, health: str, *, interval: float, dead_after: int
+) -> RankState:
+    """A rank's state: ``dead`` once ``dead_after`` intervals passed without a
+    heartbeat, else what its last heartbeat said of its health."""
+    if now - last_heartbeat > interval * dead_after:
+        return "dead"
+    return _FROM_HEALTH.get(health, "alive")
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """The last heartbeat of one rank."""
+
+    rank: int
+    world_size: int
+    peer_url: str | None
+    step: int | None
+    held_step: int | None
+    health: dict[str, Any]
+    rtt_ms: float | None
+    seen: float  # registry clock (monotonic)
+    seen_wall: float  # unix time
+
+    @property
+    def health_state(self) -> str:
+        return str(self.health.get("state", "ok"))
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as the routes show it."""
+
+    rank: int
+    state: RankState
+    step: int | None
+    held_step: int | None
+    peer_url: str | None
+    last_heartbeat: float
+    age_s: float
+    health: dict[str, Any]
+    rtt_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened to a job: why a snapshot was asked for, a rollback."""
+
+    at: float  # unix time
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "kind": self.kind,
+            "rank": self.rank,
+            "step": self.step,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTarget:
+    step: int
+    reason: str
+    requested_by: int | None
+    set_at: float  # registry clock
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotDecision:
+    """Answer to a snapshot request."""
+
+    step: int
+    reason: str
+    accepted: bool
+
+
+@dataclass(slots=True)
+class _Job:
+    world_size: int | None = None
+    ranks: dict[int, Heartbeat] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)  # ranks whose death is in the event log
+    target: SnapshotTarget | None = None
+    last_target: SnapshotTarget | None = None
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_JOB))
+    touched: float = 0.0
+
+
+class Registry:
+    """Heartbeats and coordination of every job this server has heard from."""
+
+    def __init__(
+        self,
+        *,
+        interval: float,
+        dead_after: int,
+        snapshot_lead: int,
+        snapshot_min_interval: float,
+        snapshot_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.interval = interval
+        self.dead_after = dead_after
+        self.snapshot_lead = snapshot_lead
+        self.snapshot_min_interval = snapshot_min_interval
+        self.snapshot_timeout = snapshot_timeout
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._swept = clock()
+        # A rank unheard of this long is forgotten (and a job with nothing left).
+        self.forget_after = max(3600.0, 100 * interval * dead_after)
+
+    @property
+    def dead_window(self) -> float:
+        return self.interval * self.dead_after
+
+    # -- heartbeats ---------------------------------------------------------------
+
+    def heartbeat(
+        self,
+        job: str,
+        rank: int,
+        *,
+        world_size: int,
+        peer_url: str | None = None,
+        step: int | None = None,
+        held_step: int | None = None,
+        health: dict[str, Any] | None = None,
+        rtt_ms: float | None = None,
+    ) -> None:
+        now = self._clock()
+        with self._lock:
+            self._sweep(now)
+            j = self._jobs.setdefault(job, _Job())
+            if j.world_size != world_size:
+                # A restarted job with another world size: ranks past it are gone.
+                j.world_size = world_size
+                for r in [r for r in j.ranks if r >= world_size]:
+                    del j.ranks[r]
+                    j.dead.discard(r)
+            if rank in j.dead:
+                j.dead.discard(rank)
+                j.events.append(Event(self._wall(), "rank_back", rank=rank, step=step))
+            j.ranks[rank] = Heartbeat(
+                rank=rank,
+                world_size=world_size,
+                peer_url=peer_url,
+                step=step,
+                held_step=held_step,
+                health=dict(health or {"state": "ok", "reasons": [], "signals": {}}),
+                rtt_ms=rtt_ms,
+                seen=now,
+                seen_wall=self._wall(),
+            )
+            j.touched = now
+
+    def _state(self, now: float, beat: Heartbeat) -> RankState:
+        return rank_state(
+            now, beat.seen, beat.health_state, interval=self.interval, dead_after=self.dead_after
+        )
+
+    def ranks(self, job: str) -> tuple[int | None, list[RankView]]:
+        """The job's world size (as its ranks last said) and its ranks, by rank."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return None, []
+            views = []
+            for rank in sorted(j.ranks):
+                beat = j.ranks[rank]
+                state = self._state(now, beat)
+                self._note_death(j, beat, state)
+                views.append(
+                    RankView(
+                        rank=rank,
+                        state=state,
+                        step=beat.step,
+                        held_step=beat.held_step,
+                        peer_url=beat.peer_url,
+                        last_heartbeat=beat.seen_wall,
+                        age_s=round(max(0.0, now - beat.seen), 3),
+                        health=beat.health,
+                        rtt_ms=beat.rtt_ms,
+                    )
+                )
+            return j.world_size, views
+
+    def _note_death(self, j: _Job, beat: Heartbeat, state: RankState) -> None:
+        # Deaths are noticed when someone looks (a listing, a scrape, a plan):
+        # the event carries the time the rank went silent past the window.
+        if state == "dead" and beat.rank not in j.dead:
+            j.dead.add(beat.rank)
+            j.events.append(
+                Event(
+                    beat.seen_wall + self.dead_window,
+                    "rank_dead",
+                    rank=beat.rank,
+                    step=beat.step,
+                    reason=f"no heartbeat for {self.dead_after} intervals",
+                )
+            )
+
+    def state_counts(self) -> dict[str, dict[RankState, int]]:
+        """Per job, how many ranks are in each state (for /metrics)."""
+        now = self._clock()
+        counts: dict[str, dict[RankState, int]] = {}
+        with self._lock:
+            for name, j in self._jobs.items():
+                c: dict[RankState, int] = {"alive": 0, "degraded": 0, "critical": 0, "dead": 0}
+                for beat in j.ranks.values():
+                    state = self._state(now, beat)
+                    self._note_death(j, beat, state)
+                    c[state] += 1
+                counts[name] = c
+        return counts
+
+    def peers_holding(self, job: str, step: int, exclude: int) -> list[tuple[int, str]]:
+        """Live ranks other than ``exclude`` that hold ``step`` in their pools and
+        serve it at a peer URL, healthiest first, then in ring order from
+        ``exclude`` (so that restoring ranks spread over the peers)."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return []
+            world = j.world_size or 1
+            found = []
+            for beat in j.ranks.values():
+                if beat.rank == exclude or beat.held_step != step or not beat.peer_url:
+                    continue
+                state = self._state(now, beat)
+                if state == "dead":
+                    continue
+                found.append(
+                    (_PREFERENCE[state], (beat.rank - exclude) % world, beat.rank, beat.peer_url)
+                )
+        found.sort()
+        return [(rank, url) for _, _, rank, url in found]
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
+    # -- coordinated snapshots ------------------------------------------------------
+
+    def request_snapshot(
+        self, job: str, rank: int, reason: str, latest: int | None
+    ) -> SnapshotDecision:
+        """Sets a snapshot target ``snapshot_lead`` steps past the fastest live rank,
+        unless one is pending or one was set less than ``snapshot_min_interval`` ago."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.setdefault(job, _Job(touched=now))
+            j.touched = now
+            self._settle(j, latest, now)
+            if j.target is not None:
+                return SnapshotDecision(j.target.step, j.target.reason, accepted=False)
+            last = j.last_target
+            if last is not None and now - last.set_at < self.snapshot_min_interval:
+                return SnapshotDecision(last.step, last.reason, accepted=False)
+            steps = [
+                b.step
+                for b in j.ranks.values()
+                if b.step is not None and self._state(now, b) != "dead"
+            ]
+            base = max(steps) if steps else (latest if latest is not None else 0)
+            if latest is not None:
+                base = max(base, latest)
+            target = SnapshotTarget(base + self.snapshot_lead, reason, rank, now)
+            j.target = j.last_target = target
+            j.events.append(
+                Event(
+                    self._wall(), "snapshot_requested", rank=rank, step=target.step, reason=reason
+                )
+            )
+            log.info(
+                "%s: snapshot at step %d asked by rank %d (%s)", job, target.step, rank, reason
+            )
+            return SnapshotDecision(target.step, reason, accepted=True)
+
+    def pending_target(self, job: str, latest: int | None) -> SnapshotTarget | None:
+        """The job's snapshot target, unless a commit at or after it exists
+        (``latest`` >= target) or it is older than ``snapshot_timeout``."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return None
+            self._settle(j, latest, now)
+            return j.target
+
+    def has_target(self, job: str) -> bool:
+        with self._lock:
+            j = self._jobs.get(job)
+            return j is not None and j.target is not None
+
+    def note_commit(self, job: str, step: int) -> None:
+        """A step committed (through this server): a target at or before it is done."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is not None:
+                self._settle(j, step, self._clock())
+
+    def _settle(self, j: _Job, latest: int | None, now: float) -> None:
+        target = j.target
+        if target is None:
+            return
+        if latest is not None and latest >= target.step:
+            j.target = None
+            j.events.append(
+                Event(self._wall(), "snapshot_committed", step=latest, reason=target.reason)
+            )
+        elif now - target.set_at > self.snapshot_timeout:
+            j.target = None
+            j.events.append(
+                Event(
+                    self._wall(),
+                    "snapshot_expired",
+                    step=target.step,
+                    reason=f"no commit at or after it within {self.snapshot_timeout:g} s",
+                )
+            )
+
+    # -- events ---------------------------------------------------------------------
+
+    def add_event(
+        self, job: str, kind: str, *, rank: int | None = None, step: int | None = None,
+        reason: str = "",
+    ) -> None:
+        with self._lock:
+            j = self._jobs.setdefault(job, _Job(touched=self._clock()))
+            j.events.append(Event(self._wall(), kind, rank=rank, step=step, reason=reason))
+
+    def events(self, job: str) -> list[Event]:
+        """The job's events, oldest first."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return sorted(j.events, key=lambda e: e.at) if j is not None else []
+
+    # -- housekeeping ---------------------------------------------------------------
+
+    def _sweep(self, now: float) -> None:
+        # Under the lock. Now and then, forget what nobody has said for a long time,
+        # so that memory does not grow with every job ever seen.
+        if now - self._swept < 60.0:
+            return
+        self._swept = now
+        for name in list(self._jobs):
+            j = self._jobs[name]
+            for r in [r for r, b in j.ranks.items() if now - b.seen > self.forget_after]:
+                del j.ranks[r]
+                j.dead.discard(r)
+            if not j.ranks and j.target is None and now - j.touched > self.forget_after:
+                del self._jobs[name]
+
+
+class _Lru(OrderedDict[Any, Any]):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+class StoreViews:
+    """Short-lived copies of the store's refs (``latest``, the rollback marker) and
+    cached immutable documents (commit records, the chunk ids of rank manifests)."""
+
+    def __init__(
+        self, repo: Repository, ttl: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.repo = repo
+        self.ttl = ttl
+        self._clock = clock
+        self._latest: dict[str, tuple[float, int | None]] = {}
+        self._rollback: dict[str, tuple[float, Ref | None]] = {}
+        self._commits: _Lru = _Lru(4096)
+        self._chunk_ids: _Lru = _Lru(8192)
+
+    async def latest(self, job: str, *, fresh: bool = False) -> int | None:
+        now = self._clock()
+        held = self._latest.get(job)
+        if held is not None and not fresh and now - held[0] < self.ttl:
+            return held[1]
+        try:
+            step = await self.repo.latest(job)
+        except CkptdError as exc:  # keep answering heartbeats while the store hiccups
+            log.warning("%s: cannot read latest: %s", job, exc)
+            return held[1] if held is not None else None
+        self._latest[job] = (now, step)
+        return step
+
+    async def rollback(self, job: str, *, fresh: bool = False) -> Ref | None:
+        now = self._clock()
+        held = self._rollback.get(job)
+        if held is not None and not fresh and now - held[0] < self.ttl:
+            return held[1]
+        try:
+            ref = await self.repo.read_rollback(job)
+        except CkptdError as exc:
+            log.warning("%s: cannot read the rollback marker: %s", job, exc)
+            return held[1] if held is not None else None
+        self._rollback[job] = (now, ref)
+        return ref
+
+    def note_commit(self, job: str, step: int) -> None:
+        """A step committed through this server: ``latest`` is at least ``step`` now."""
+        held = self._latest.get(job)
+        if held is not None and (held[1] is None or held[1] < step):
+            self._latest[job] = (held[0], step)
+
+    def set_rollback(self, job: str, ref: Ref | None) -> None:
+        self._rollback[job] = (self._clock(), ref)
+
+    async def commit(self, job: str, step: int) -> CommitRecord | None:
+        """The commit record of ``step`` or None; records are immutable, so kept."""
+        record: CommitRecord | None = self._commits.get((job, step))
+        if record is None:
+            record = await self.repo.try_read_commit(job, step)
+            if record is not None:
+                self._commits.put((job, step), record)
+        return record
+
+    async def chunk_ids(self, job: str, step: int, rank: int) -> frozenset[str]:
+        """The chunk ids of a committed rank manifest (hash-checked when read)."""
+        ids: frozenset[str] | None = self._chunk_ids.get((job, step, rank))
+        if ids is None:
+            manifest = await self.repo.read_manifest(job, step, rank)
+            ids = frozenset(manifest.chunk_ids())
+            self._chunk_ids.put((job, step, rank), ids)
+        return ids

@@ -1,0 +1,190 @@
+"""Ranks: heartbeats, liveness, and restore plans (soft state, see registry.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from ckptd.errors import CkptdError
+from ckptd.format import MAX_WORLD_SIZE, check_rank, check_step
+from ckptd.server.auth import require_token
+from ckptd.server.deps import (
+    JobDep,
+    MetricsDep,
+    RankDep,
+    RegistryDep,
+    RepoDep,
+    SettingsDep,
+    ViewsDep,
+)
+from ckptd.server.models import (
+    HealthReport,
+    HeartbeatReply,
+    HeartbeatRequest,
+    RankList,
+    RankStatus,
+    RestorePlan,
+)
+from ckptd.server.registry import RankView
+from ckptd.server.routes import error_responses
+from ckptd.server.routing import ApiRoute
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["ranks"],
+    route_class=ApiRoute,
+    dependencies=[Depends(require_token)],
+    responses=error_responses(400, 401, 500),
+)
+
+# Peer manifests read at once for one restore plan.
+PLAN_READS = 16
+
+
+def rank_status(view: RankView) -> RankStatus:
+    return RankStatus(
+        rank=view.rank,
+        state=view.state,
+        step=view.step,
+        held_step=view.held_step,
+        peer_url=view.peer_url,
+        last_heartbeat=view.last_heartbeat,
+        age_s=view.age_s,
+        health=HealthReport.model_validate(view.health),
+        rtt_ms=view.rtt_ms,
+    )
+
+
+@router.post(
+    "/{job}/ranks/{rank}/heartbeat",
+    response_model=HeartbeatReply,
+    summary="A rank is alive: its step, held step, peer URL and health",
+)
+async def heartbeat(
+    job: JobDep,
+    rank: RankDep,
+    body: HeartbeatRequest,
+    registry: RegistryDep,
+    views: ViewsDep,
+    metrics: MetricsDep,
+    settings: SettingsDep,
+) -> HeartbeatReply:
+    check_rank(rank, body.world_size)
+    registry.heartbeat(
+        job,
+        rank,
+        world_size=body.world_size,
+        peer_url=body.peer_url,
+        step=body.step,
+        held_step=body.held_step,
+        health=body.health.model_dump(),
+        rtt_ms=body.rtt_ms,
+    )
+    metrics.heartbeat()
+    # The store is read only while a target is pending (to see it committed), and
+    # the rollback marker at most once per interval per job (StoreViews).
+    latest = await views.latest(job) if registry.has_target(job) else None
+    target = registry.pending_target(job, latest)
+    rollback = await views.rollback(job)
+    return HeartbeatReply(
+        interval_s=settings.heartbeat_interval,
+        snapshot_at=target.step if target is not None else None,
+        snapshot_reason=target.reason if target is not None else None,
+        rollback_to=rollback.step if rollback is not None else None,
+    )
+
+
+@router.get(
+    "/{job}/ranks",
+    response_model=RankList,
+    summary="Every rank of a job that has sent heartbeats, with its state",
+)
+async def list_ranks(job: JobDep, registry: RegistryDep, views: ViewsDep) -> RankList:
+    world, ranks = registry.ranks(job)
+    latest = await views.latest(job)
+    target = registry.pending_target(job, latest)
+    rollback = await views.rollback(job)
+    return RankList(
+        job=job,
+        world_size=world,
+        ranks=[rank_status(v) for v in ranks],
+        latest=latest,
+        snapshot_at=target.step if target is not None else None,
+        rollback_to=rollback.step if rollback is not None else None,
+    )
+
+
+@router.get(
+    "/{job}/restore-plan",
+    response_class=Response,
+    summary="Rank R's manifest of a committed step, and the live peers holding its chunks",
+    responses={
+        200: {"model": RestorePlan, "description": "The plan"},
+        **error_responses(404, 409, 422),
+    },
+)
+async def restore_plan(
+    job: JobDep,
+    repo: RepoDep,
+    registry: RegistryDep,
+    views: ViewsDep,
+    rank: Annotated[int, Query(description="The restoring rank.")],
+    step: Annotated[
+        int | None, Query(description="A committed step; default the latest.")
+    ] = None,
+) -> Response:
+    check_rank(rank, MAX_WORLD_SIZE)
+    step = check_step(step) if step is not None else await repo.resolve_step(job, None)
+    record = await views.commit(job, step)
+    if record is None:
+        record = await repo.read_commit(job, step)  # raises not_committed / not found
+    manifest = await repo.read_manifest(job, step, rank)
+    holders = [
+        (peer, url)
+        for peer, url in registry.peers_holding(job, step, exclude=rank)
+        if peer < record.world_size
+    ]
+    sem = asyncio.Semaphore(PLAN_READS)
+
+    async def held_ids(peer: int) -> frozenset[str]:
+        async with sem:
+            try:
+                return await views.chunk_ids(job, step, peer)
+            except CkptdError as exc:  # one bad peer manifest must not sink the plan
+                log.warning("%s step %d: no peer ids of rank %d: %s", job, step, peer, exc)
+                return frozenset()
+
+    held = await asyncio.gather(*(held_ids(peer) for peer, _ in holders))
+    urls = [url for _, url in holders]
+
+    def encode() -> bytes:
+        # Set intersections (C speed) rather than a lookup per chunk and peer: a
+        # world of thousands of ranks has thousands of holders.
+        peers: dict[str, list[str]] = {
+            cid: [] for entry in manifest.entries for cid in entry.chunks
+        }
+        wanted = peers.keys()
+        for url, ids in zip(urls, held, strict=True):
+            for cid in wanted & ids:
+                peers[cid].append(url)
+        plan: dict[str, Any] = {
+            "job": job,
+            "step": step,
+            "rank": rank,
+            "world_size": record.world_size,
+            "manifest": manifest.model_dump(mode="json"),
+            "manifest_hash": record.manifests[rank].hash,
+            "peers": peers,
+        }
+        return json.dumps(plan, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    # A large manifest is CPU work: off the event loop.
+    data = await asyncio.to_thread(encode)
+    return Response(data, media_type="application/json")
