@@ -463,6 +463,25 @@ def rollback(
         _fail(exc)
 
 
+policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("check")
+def policy_check(
+    file: Annotated[str, typer.Argument(help="A policy TOML file.")],
+) -> None:
+    """Validate a policy file and print the effective policy (defaults merged)."""
+    from ckptd.policy import check_command
+
+    code, text = check_command(file)
+    if code == 0:
+        console.print(text, markup=False, highlight=False)
+    else:
+        err_console.print(text, markup=False, highlight=False)
+    raise typer.Exit(code=code)
+
+
 @app.command()
 def demo(
     workdir: Annotated[

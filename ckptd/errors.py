@@ -230,6 +230,55 @@ class RestoreError(CkptdError):
     code = "restore_failed"
 
 
+class InvalidPolicy(InvalidRequest):
+    """A policy file that does not parse or breaks the schema.
+
+    ``line`` (1-based, or None when the file could not be read) and ``reason``
+    name the first problem; ``detail["problems"]`` lists every one found.
+    """
+
+    code = "invalid_policy"
+
+    @property
+    def line(self) -> int | None:
+        line = self.detail.get("line")
+        return line if isinstance(line, int) else None
+
+    @property
+    def reason(self) -> str:
+        return str(self.detail.get("reason", self.message))
+
+
+class RollbackRequested(CkptdError):
+    """The loss went non-finite: the job must go back to its last committed step.
+
+    ``step`` is the step whose loss was non-finite; ``rollback_to`` the committed
+    step to restore, when the raiser knows it.
+    """
+
+    code = "rollback_requested"
+
+    def __init__(
+        self, message: str, *, step: int | None = None, rollback_to: int | None = None,
+        **detail: Any,
+    ) -> None:
+        if step is not None:
+            detail["step"] = step
+        if rollback_to is not None:
+            detail["rollback_to"] = rollback_to
+        super().__init__(message, **detail)
+
+    @property
+    def step(self) -> int | None:
+        step = self.detail.get("step")
+        return step if isinstance(step, int) else None
+
+    @property
+    def rollback_to(self) -> int | None:
+        step = self.detail.get("rollback_to")
+        return step if isinstance(step, int) else None
+
+
 HTTP_STATUS: dict[str, int] = {
     "internal": 500,
     "invalid_request": 400,
@@ -270,6 +319,8 @@ HTTP_STATUS: dict[str, int] = {
     "store_error": 500,
     "snapshot_skipped": 409,
     "restore_failed": 500,
+    "invalid_policy": 400,
+    "rollback_requested": 409,
 }
 
 
