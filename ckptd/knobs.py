@@ -75,3 +75,50 @@ def claim_lease() -> float:
 
 def max_manifest_bytes() -> int:
     return _env_int("CKPTD_MAX_MANIFEST_BYTES", 64 * MiB)
+
+
+# -- restore tiers, peers and heartbeats (ckptd.client.restore, .peer, .heartbeat) -----
+
+
+def restore_concurrency() -> int:
+    """Chunks one restore fetches at once (over all its sources)."""
+    return _env_int("CKPTD_RESTORE_CONCURRENCY", 8)
+
+
+def peer_host() -> str:
+    """Address the peer chunk server binds (127.0.0.1: this host only; 0.0.0.0 for
+    peers on other nodes)."""
+    return os.environ.get("CKPTD_PEER_HOST") or "127.0.0.1"
+
+
+def peer_port() -> int:
+    """Port of the peer chunk server; 0 lets the OS choose."""
+    return _env_int("CKPTD_PEER_PORT", 0)
+
+
+def peer_advertise_host() -> str | None:
+    """Host name peers should use to reach this one (default: the bound address, or
+    this host's name when bound to every interface)."""
+    return os.environ.get("CKPTD_PEER_ADVERTISE_HOST") or None
+
+
+def peer_concurrency() -> int:
+    """Chunk requests the peer chunk server answers at once (more wait, then 503),
+    so that serving peers cannot starve training of CPU and memory bandwidth."""
+    return _env_int("CKPTD_PEER_CONCURRENCY", 4)
+
+
+def peer_timeout() -> float:
+    """Seconds for one chunk request to a peer (connect and each read)."""
+    return _env_float("CKPTD_PEER_TIMEOUT", 10.0)
+
+
+def heartbeat_interval() -> float:
+    """Seconds between heartbeats until the server's reply names its own interval."""
+    return _env_float("CKPTD_HEARTBEAT_INTERVAL", 3.0)
+
+
+def cache_dir() -> str | None:
+    """A local directory store restores read chunks from before peers and the store
+    (what ``ckptd restore --to DIR`` fills)."""
+    return os.environ.get("CKPTD_CACHE_DIR") or None

@@ -1,11 +1,17 @@
 """The in-process client: ``Checkpointer.save`` stages and returns at once, a
 background pipeline uploads; ``Checkpointer.restore`` fills a state dict in place.
+
+Staging (``staging.py``) copies the state into a reusable shared-memory pool;
+the pipeline (``pipeline.py``) hashes, dedups and uploads from that pool. One
+snapshot per rank is in flight at a time, so the pool holds one staged copy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping, MutableMapping, Sequence
@@ -35,15 +41,16 @@ from ckptd.format import (
 )
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
+from .cuda import CopyDone
 from .pipeline import (
     EventLoopThread,
     SaveResult,
     Snapshot,
+    SnapshotUpload,
     fetch_manifest,
-    run_snapshot,
     wrap_error,
 )
-from .staging import StagingArea
+from .staging import PAGE, StagingPool
 from .state import TensorSpec, fill, flatten, plan_fill, torch_dtype
 from .transport import Transport, open_transport
 
@@ -88,9 +95,19 @@ class RestoreResult:
 
 
 class SaveHandle:
-    """A snapshot in flight. The state may change again as soon as ``save()``
-    returns (on the CPU the staging copy is done by then); ``wait()`` gives the
-    result once the step is uploaded, or raises the typed error that stopped it."""
+    """A snapshot in flight.
+
+    When the caller may change its tensors again: on the CPU, as soon as ``save()``
+    returns (the staging copy is done by then); with CUDA tensors, once ``staged()``
+    returned, or, for changes made by kernels on the current stream, once
+    ``block_current_stream()`` was called (``save()`` does that by default).
+    ``wait()`` gives the result once the step is uploaded, or raises the typed
+    error that stopped it.
+
+    ``skipped``: the save was skipped by ``on_busy="skip"`` (nothing staged);
+    ``waited_seconds``: how long ``save()`` waited for the snapshot before it
+    (``on_busy="wait"``); ``stall_seconds``: how long ``save()`` blocked in all;
+    ``pieces``: how many pieces a staging budget split the state into."""
 
     def __init__(
         self,
@@ -98,10 +115,18 @@ class SaveHandle:
         future: concurrent.futures.Future[SaveResult] | None,
         *,
         skipped: bool = False,
+        copy_done: CopyDone | None = None,
+        stall_seconds: float = 0.0,
+        waited_seconds: float = 0.0,
+        pieces: int = 1,
     ) -> None:
         self.step = step
         self.skipped = skipped
+        self.stall_seconds = stall_seconds
+        self.waited_seconds = waited_seconds
+        self.pieces = pieces
         self._future = future
+        self._copy_done = copy_done
 
     def __repr__(self) -> str:
         what = "skipped" if self.skipped else ("done" if self.done() else "in flight")
@@ -111,12 +136,28 @@ class SaveHandle:
         """True once the snapshot finished (or failed, or was skipped)."""
         return self._future is None or self._future.done()
 
+    @property
+    def waited(self) -> bool:
+        """True when ``save()`` waited for the snapshot in flight before it."""
+        return self.waited_seconds > 0.0
+
     def staged(self, timeout: float | None = None) -> None:
         """Returns once the training loop may change its tensors again.
 
         On the CPU the copy is finished when ``save()`` returns, so this returns at
-        once; it exists for the GPU path, where the copy runs on a side stream."""
-        return None
+        once. With CUDA tensors the copies run on a side stream: this blocks the
+        host until they are done (``Timeout`` after ``timeout`` seconds). Call it
+        before changing the tensors, e.g. before ``optimizer.step()``."""
+        if self._copy_done is not None:
+            self._copy_done.synchronize(timeout)
+
+    def block_current_stream(self) -> None:
+        """Makes each device's current CUDA stream wait for the staging copies,
+        without blocking the host: kernels queued on it afterwards (an optimizer
+        step) run after the copies. Changes made from other streams or from the
+        host still need ``staged()``. A no-op on the CPU."""
+        if self._copy_done is not None:
+            self._copy_done.block_streams()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Waits for the upload and commit; the ``SaveResult``.
@@ -152,8 +193,16 @@ class Checkpointer:
     ``save`` while one is in flight waits for it (``on_busy="wait"``) or is skipped
     (``on_busy="skip"``). Tensors are ``"replicated"`` across ranks by default (the
     server checks that replicas agree and dedups them), ``"local"`` when named in
-    ``local`` (rank-private), or ``"sharded"`` when given a ``Shard``. ``timeout``
-    bounds every blocking call that takes no timeout of its own (None: no bound)."""
+    ``local`` (rank-private), or ``"sharded"`` when given a ``Shard`` (or when they
+    are DTensors, whose placements say where their shard sits). ``timeout`` bounds
+    every blocking call that takes no timeout of its own (None: no bound).
+
+    Staging goes to a shared-memory pool under ``shm_dir`` (default
+    ``CKPTD_SHM_DIR`` or ``/dev/shm``) named by job and rank, which a restarted
+    worker can restore from; ``staging_budget`` bounds its bytes (None: one copy of
+    the state). A state larger than the budget is staged and uploaded in pieces
+    inside ``save()``: the stall grows, memory does not. ``close()`` (or leaving
+    the ``with`` block) removes the pool."""
 
     def __init__(
         self,
@@ -167,6 +216,8 @@ class Checkpointer:
         default_placement: DefaultPlacement = "replicated",
         on_busy: OnBusy = "wait",
         timeout: float | None = None,
+        staging_budget: int | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.url = url
         self.job = check_job(job)
@@ -183,13 +234,24 @@ class Checkpointer:
             )
         if on_busy not in ("wait", "skip"):
             raise InvalidRequest(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        if staging_budget is not None and staging_budget < self.chunk_size + PAGE:
+            raise InvalidRequest(
+                f"staging_budget {staging_budget} cannot hold one chunk of {self.chunk_size} "
+                f"bytes; it needs at least {self.chunk_size + PAGE}"
+            )
         self.default_placement: DefaultPlacement = default_placement
         self.on_busy: OnBusy = on_busy
         self.timeout = timeout
         self._transport = open_transport(url, token)
+        try:
+            self._staging = StagingPool(self.job, self.rank, root=shm_dir, budget=staging_budget)
+        except BaseException:
+            asyncio.run(self._transport.close())
+            raise
         self._loop = EventLoopThread(f"ckptd-{job}-{rank}")
-        self._staging = StagingArea()
-        self._inflight: concurrent.futures.Future[SaveResult] | None = None
+        # The future of the last snapshot's work that reads the staging pool: the
+        # pool is overwritten only once it is done.
+        self._inflight: concurrent.futures.Future[Any] | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -197,6 +259,11 @@ class Checkpointer:
     def transport(self) -> Transport:
         """The transport (it lives on this checkpointer's background loop)."""
         return self._transport
+
+    @property
+    def staging(self) -> StagingPool:
+        """The staging pool (its ``stats`` count what it allocated)."""
+        return self._staging
 
     def __repr__(self) -> str:
         return (
@@ -229,22 +296,42 @@ class Checkpointer:
         shards: Mapping[str, Shard] | None = None,
         local: Iterable[str] = (),
         meta: dict[str, Any] | None = None,
+        block_training: bool = True,
     ) -> SaveHandle:
         """Stages a copy of ``state`` and returns; the upload runs in the background.
 
         ``state`` is a nested mapping of tensors and plain values (what
         ``state_dict()`` methods return); tensors are named by their keys joined
         with ".". ``shards`` maps such names to their ``Shard`` of a global tensor;
-        names in ``local`` are rank-private; ``meta`` (JSON) goes into this rank's
-        manifest and is offered to the commit record. Once this returns the caller
-        may change its tensors: the snapshot holds its own copy. Raises at once for
-        a state that cannot be stored (``UnsupportedValue``, naming the path); errors
-        of the upload come out of ``SaveHandle.wait()``."""
+        names in ``local`` are rank-private (both override what a DTensor's
+        placements say); ``meta`` (JSON) goes into this rank's manifest and is
+        offered to the commit record.
+
+        When the caller may change its tensors again: CPU tensors as soon as this
+        returns (the copy is done). CUDA tensors are copied on a side stream that
+        first waits for the work already queued on the current stream; this
+        returns once the copies are queued. By default (``block_training=True``)
+        kernels queued later on the current stream wait for the copies on the GPU,
+        with no host stall, so an optimizer step queued there cannot change a
+        tensor before it is copied: the training stream stalls only for the copy.
+        With ``block_training=False`` the current stream runs on while the copies
+        proceed, and the caller must not change the tensors before
+        ``handle.staged()`` returned (or ``handle.block_current_stream()`` was
+        called); passes that only read them may overlap the copy.
+
+        A snapshot already in flight is waited for (``on_busy="wait"``, at most
+        ``timeout`` seconds, then ``Timeout``) or this save is skipped
+        (``on_busy="skip"``: ``handle.skipped``). Raises at once for a state that
+        cannot be stored (``UnsupportedValue``, naming the path); errors of the
+        upload come out of ``SaveHandle.wait()``."""
         started = time.perf_counter()
         self._check_open()
         check_step(step)
         flat = flatten(state)
-        placements = self._placements(flat.tensors, shards or {}, local)
+        layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
+            getattr(flat, "layouts", None) or {}
+        )
+        placements = self._placements(flat.tensors, shards or {}, local, layouts)
         meta = dict(meta or {})
         try:
             canonical_json(meta)
@@ -252,46 +339,90 @@ class Checkpointer:
             raise UnsupportedValue(f"meta is not plain JSON: {exc}") from None
         with self._lock:
             self._check_open()
+            waited = 0.0
             busy = self._inflight
             if busy is not None and not busy.done():
                 if self.on_busy == "skip":
                     log.info("%s/%d: step %d skipped, a snapshot is in flight",
                              self.job, self.rank, step)
-                    return SaveHandle(step, None, skipped=True)
+                    return SaveHandle(step, None, skipped=True,
+                                      stall_seconds=time.perf_counter() - started)
+                t_wait = time.perf_counter()
                 concurrent.futures.wait([busy], self.timeout)
+                waited = time.perf_counter() - t_wait
                 if not busy.done():
                     raise Timeout(
                         f"save of step {step}: the snapshot in flight did not finish "
                         f"within {self.timeout} s",
                         step=step,
                     )
-            staged = self._staging.stage(flat.tensors)
-            snap = Snapshot(
-                job=self.job,
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                chunk_size=self.chunk_size,
-                tree=flat.tree,
-                tensors=staged.tensors,
-                placements=placements,
-                meta=meta,
-                bytes_staged=staged.nbytes,
-                stage_seconds=staged.seconds,
-                started=started,
-            )
-            future = self._loop.submit(run_snapshot(self._transport, snap))
-            self._inflight = future
-        log.debug("%s/%d: step %d staged, %d bytes in %.4f s",
-                  self.job, self.rank, step, staged.nbytes, staged.seconds)
-        return SaveHandle(step, future)
+            future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
+                                                               placements, meta, started)
+        if block_training and copy_done is not None:
+            copy_done.block_streams()
+        stall = time.perf_counter() - started
+        log.debug("%s/%d: step %d staged in %d piece(s), save() took %.4f s",
+                  self.job, self.rank, step, pieces, stall)
+        return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
+                          waited_seconds=waited, pieces=pieces)
+
+    def _stage_and_submit(
+        self,
+        step: int,
+        tree: dict[str, Any],
+        tensors: list[tuple[str, torch.Tensor]],
+        placements: dict[str, tuple[Placement, list[int], list[int]]],
+        meta: dict[str, Any],
+        started: float,
+    ) -> tuple[concurrent.futures.Future[SaveResult], CopyDone | None, int]:
+        """Stages the state piece by piece and hands each to the pipeline; every
+        piece but the last is uploaded before the next overwrites the pool. Runs
+        under ``self._lock`` with no snapshot in flight."""
+        plan = self._staging.prepare(tensors, self.chunk_size)
+        snap = Snapshot(
+            job=self.job,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            chunk_size=self.chunk_size,
+            tree=tree,
+            tensors=plan.infos,
+            placements=placements,
+            meta=meta,
+            started=started,
+        )
+        upload = SnapshotUpload(self._transport, snap, plan.piece_count)
+        for number in range(plan.piece_count):
+            piece = self._staging.stage(plan, number, step)
+            if piece.last:
+                future = self._loop.submit(upload.finish(piece))
+                self._inflight = future
+                return future, piece.copy_done, plan.piece_count
+            sent = self._loop.submit(upload.send(piece))
+            self._inflight = sent  # it reads the pool: nothing may overwrite it before
+            done, _ = concurrent.futures.wait([sent], self.timeout)
+            if not done:
+                return _failed(Timeout(
+                    f"save of step {step}: piece {number + 1} of {plan.piece_count} was not "
+                    f"uploaded within {self.timeout} s; the snapshot is abandoned",
+                    step=step,
+                )), None, plan.piece_count
+            exc = sent.exception()
+            if exc is not None:
+                return _failed(exc), None, plan.piece_count
+        raise AssertionError("a staging plan has at least one piece")
 
     def _placements(
         self,
         tensors: list[tuple[str, torch.Tensor]],
         shards: Mapping[str, Shard],
         local: Iterable[str],
+        layouts: Mapping[str, tuple[Placement, list[int], list[int]]] | None = None,
     ) -> dict[str, tuple[Placement, list[int], list[int]]]:
+        """Each tensor's (placement, global shape, offsets): an explicit ``shards``
+        or ``local`` entry wins, then the layout a DTensor's placements gave
+        (``layouts``, from ``flatten``), then ``default_placement``."""
+        layouts = layouts or {}
         by_name = dict(tensors)
         local_names = set(local)
         unknown = sorted((set(shards) | local_names) - by_name.keys())
@@ -320,6 +451,18 @@ class Checkpointer:
                 out[name] = ("sharded", g, o)
             elif name in local_names:
                 out[name] = ("local", shape, [0] * len(shape))
+            elif name in layouts:
+                placement, g, o = layouts[name]
+                g, o = [int(d) for d in g], [int(d) for d in o]
+                if len(g) != len(shape) or len(o) != len(shape) or any(
+                    a < 0 or a + s > d for a, s, d in zip(o, shape, g, strict=True)
+                ):
+                    raise InvalidRequest(
+                        f"the layout of {name!r} (global shape {g}, offsets {o}) does not "
+                        f"fit its local shape {shape}",
+                        name=name,
+                    )
+                out[name] = (placement, g, o)
             else:
                 out[name] = (self.default_placement, shape, [0] * len(shape))
         return out
@@ -406,7 +549,8 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for the snapshot in flight, then closes the transport and the
-        background loop. Idempotent."""
+        background loop and removes the staging pool from shared memory.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -423,4 +567,10 @@ class Checkpointer:
         except Exception as exc:  # closing must not fail the caller's shutdown
             log.warning("%s/%d: closing the transport failed: %s", self.job, self.rank, exc)
         self._loop.stop()
-        self._staging.clear()
+        self._staging.close()
+
+
+def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:
+    future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+    future.set_exception(exc)
+    return future

@@ -1,6 +1,11 @@
 """The background side of the client: a thread with its own asyncio loop where the
 transport lives, the snapshot pipeline (hash, ask what is missing, upload, put the
 manifest, commit) and the restore fetch (download, verify, assemble).
+
+The pipeline reads the staging pool in place: chunks are slices of the pool's
+mapping, hashed by blake3 in worker threads (it releases the GIL) and handed to the
+transport as memoryviews. It never cancels work that may still read the pool (see
+``bounded``), so a finished snapshot future means the pool is free to overwrite.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -27,9 +32,9 @@ from ckptd.errors import (
     Timeout,
 )
 from ckptd.format import Placement, RankManifest, TensorEntry
-from ckptd.hashing import chunk_id, chunk_spans
+from ckptd.hashing import chunk_count, chunk_id, chunk_spans
 
-from .staging import StagedTensor
+from .staging import StagedPiece, TensorInfo
 from .state import byte_view, dtype_name, torch_dtype
 from .transport import Transport
 
@@ -75,22 +80,28 @@ class EventLoopThread:
 
 
 async def bounded(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:
-    """Runs ``fn`` over ``items`` with at most ``limit`` at once; on the first error
-    the rest are cancelled and that error is raised."""
+    """Runs ``fn`` over ``items`` with at most ``limit`` at once.
+
+    On the first error no new item starts, the ones running finish, and that error
+    is raised. Nothing is cancelled: a running item may be a thread reading the
+    staging pool (hashing, a store writing a chunk), and the pool is overwritten by
+    the next save as soon as this returns, so it must not return under a reader."""
     it = iter(items)
+    failed: list[BaseException] = []
 
     async def worker() -> None:
         for item in it:  # one shared iterator: each item goes to one worker
-            await fn(item)
+            if failed:
+                return
+            try:
+                await fn(item)
+            except BaseException as exc:
+                failed.append(exc)
+                return
 
-    tasks = [asyncio.create_task(worker()) for _ in range(max(1, limit))]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    await asyncio.gather(*(worker() for _ in range(max(1, limit))))
+    if failed:
+        raise failed[0]
 
 
 # -- save -------------------------------------------------------------------------------
@@ -119,7 +130,7 @@ class SaveResult:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One staged save, ready for the pipeline."""
+    """One save, as the pipeline needs it: what the manifest says besides chunk ids."""
 
     job: str
     step: int
@@ -127,125 +138,199 @@ class Snapshot:
     world_size: int
     chunk_size: int
     tree: dict[str, Any]
-    tensors: Sequence[StagedTensor]
+    tensors: Sequence[TensorInfo]
     placements: dict[str, tuple[Placement, list[int], list[int]]]  # placement, global, offsets
     meta: dict[str, Any]
-    bytes_staged: int
-    stage_seconds: float
     started: float  # time.perf_counter() when save() was called
 
-
-@dataclass(slots=True)
-class _Hashed:
-    entries: list[TensorEntry] = field(default_factory=list)
-    data: dict[str, memoryview] = field(default_factory=dict)  # unique chunk id -> bytes
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
 
 
-def _hash_tensor(staged: StagedTensor, chunk_size: int) -> list[tuple[str, memoryview]]:
-    view = byte_view(staged.buffer)
-    return [
-        (chunk_id(view[a:b]), view[a:b]) for a, b in chunk_spans(len(view), chunk_size)
+_HASH_BATCH_BYTES = 16 << 20  # one worker's share of a span, in whole chunks
+_PLACEHOLDER_ID = "0" * 64
+
+
+def _hash_jobs(piece: StagedPiece, chunk_size: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """(span number, first chunk number in the span, byte ranges) per hashing job."""
+    per_job = max(1, _HASH_BATCH_BYTES // chunk_size)
+    jobs = []
+    for k, span in enumerate(piece.spans):
+        ranges = list(chunk_spans(span.end - span.start, chunk_size))
+        for i in range(0, len(ranges), per_job):
+            jobs.append((k, i, ranges[i : i + per_job]))
+    return jobs
+
+
+async def _hash_piece(piece: StagedPiece, chunk_size: int) -> list[list[str]]:
+    """The chunk ids of every span of a staged piece, hashed in worker threads
+    straight from the pool (slices of its mapping: no copy). Chunks from
+    ``knobs.hash_threads_threshold()`` up also use blake3's own threads."""
+    ids: list[list[str]] = [
+        [""] * len(range(0, s.end - s.start, chunk_size)) for s in piece.spans
     ]
 
+    async def one(job: tuple[int, int, list[tuple[int, int]]]) -> None:
+        k, first, ranges = job
+        data = piece.spans[k].data
 
-async def _hash_snapshot(snap: Snapshot) -> _Hashed:
-    """Chunks and hashes every staged tensor in worker threads (blake3 frees the GIL)."""
-    out = _Hashed()
-    results: dict[str, list[tuple[str, memoryview]]] = {}
+        def run() -> list[str]:
+            return [chunk_id(data[a:b]) for a, b in ranges]
 
-    async def one(staged: StagedTensor) -> None:
-        results[staged.name] = await asyncio.to_thread(_hash_tensor, staged, snap.chunk_size)
+        ids[k][first : first + len(ranges)] = await asyncio.to_thread(run)
 
-    # Big chunks already use blake3's own threads; the workers cover many small tensors.
-    await bounded(snap.tensors, one, min(8, os.cpu_count() or 2))
-    for staged in snap.tensors:
-        chunks = results[staged.name]
-        placement, global_shape, offsets = snap.placements[staged.name]
-        out.entries.append(
-            TensorEntry(
-                name=staged.name,
-                dtype=dtype_name(staged.buffer.dtype),
-                placement=placement,
-                global_shape=global_shape,
-                offsets=offsets,
-                shape=list(staged.buffer.shape),
-                nbytes=staged.nbytes,
-                chunks=[cid for cid, _ in chunks],
+    await bounded(_hash_jobs(piece, chunk_size), one, min(4, os.cpu_count() or 2))
+    return ids
+
+
+class SnapshotUpload:
+    """One snapshot's way to the repository, fed staged pieces in order: each is
+    hashed, the ids it holds are asked for in one batched missing-chunks call
+    (claiming them), only the missing ones are sent, and chunks other replicas
+    claimed are waited for. ``finish`` takes the last piece, then puts the rank
+    manifest and commits.
+
+    When ``send`` returns, nothing reads the piece's buffers any more: the caller
+    may stage the next piece over it."""
+
+    def __init__(
+        self, transport: Transport, snap: Snapshot, pieces: int = 1, poll: float = 0.05
+    ) -> None:
+        self.transport = transport
+        self.snap = snap
+        self.pieces = pieces
+        self.poll = poll
+        self.claimer = f"{snap.job}/{snap.rank}"
+        self._ids: list[list[str]] = [
+            [""] * chunk_count(t.nbytes, snap.chunk_size) for t in snap.tensors
+        ]
+        self._handled: set[str] = set()  # ids sent or found present by an earlier piece
+        self.chunks_sent = 0
+        self.bytes_sent = 0
+        self.stage_seconds = 0.0
+        self._t0: float | None = None
+
+    def _manifest(self) -> RankManifest:
+        snap = self.snap
+        entries = []
+        for t, ids in zip(snap.tensors, self._ids, strict=True):
+            placement, global_shape, offsets = snap.placements[t.name]
+            entries.append(
+                TensorEntry(
+                    name=t.name,
+                    dtype=dtype_name(t.dtype),
+                    placement=placement,
+                    global_shape=global_shape,
+                    offsets=offsets,
+                    shape=list(t.shape),
+                    nbytes=t.nbytes,
+                    chunks=[cid or _PLACEHOLDER_ID for cid in ids],
+                )
             )
+        return RankManifest(
+            job=snap.job,
+            step=snap.step,
+            rank=snap.rank,
+            world_size=snap.world_size,
+            chunk_size=snap.chunk_size,
+            entries=entries,
+            tree=snap.tree,
+            meta=snap.meta,
         )
-        for cid, data in chunks:
-            out.data.setdefault(cid, data)
-    return out
 
+    async def _hash(self, piece: StagedPiece) -> dict[str, memoryview]:
+        """Hashes a piece, records its ids; the chunks no earlier piece handled."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+            if self.pieces > 1:
+                # Chunks go out before the manifest is whole: check what it says about
+                # itself first, so a bad state sends nothing.
+                self._manifest().check()
+        if not piece.copied:
+            await asyncio.to_thread(piece.wait_copied)  # the GPU copy-done event
+        self.stage_seconds += piece.seconds
+        ids = await _hash_piece(piece, self.snap.chunk_size)
+        await asyncio.to_thread(piece.publish, ids)  # the index: a JSON file in the pool
+        data: dict[str, memoryview] = {}
+        cs = self.snap.chunk_size
+        for span, span_ids in zip(piece.spans, ids, strict=True):
+            first = span.start // cs
+            self._ids[span.index][first : first + len(span_ids)] = span_ids
+            for k, cid in enumerate(span_ids):
+                if cid not in self._handled and cid not in data:
+                    data[cid] = span.data[k * cs : (k + 1) * cs]
+        return data
 
-async def run_snapshot(transport: Transport, snap: Snapshot, poll: float = 0.05) -> SaveResult:
-    """Uploads one staged snapshot: hash, ask what is missing (claiming it), send
-    that, wait for what other replicas are sending, put the manifest, commit."""
-    t0 = time.perf_counter()
-    hashed = await _hash_snapshot(snap)
-    manifest = RankManifest(
-        job=snap.job,
-        step=snap.step,
-        rank=snap.rank,
-        world_size=snap.world_size,
-        chunk_size=snap.chunk_size,
-        entries=hashed.entries,
-        tree=snap.tree,
-        meta=snap.meta,
-    )
-    manifest.check()  # a bad manifest fails here, before any byte is sent
-    claimer = f"{snap.job}/{snap.rank}"
-    ids = list(hashed.data)
-    sent = {"chunks": 0, "bytes": 0}
+    async def _upload(self, data: dict[str, memoryview]) -> None:
+        transport = self.transport
 
-    async def upload(cid: str) -> None:
-        data = hashed.data[cid]
-        await transport.put_chunk(cid, data)
-        sent["chunks"] += 1
-        sent["bytes"] += len(data)
+        async def upload(cid: str) -> None:
+            chunk = data[cid]
+            await transport.put_chunk(cid, chunk)
+            self.chunks_sent += 1
+            self.bytes_sent += len(chunk)
 
-    async def ask(batch_ids: list[str]) -> list[str]:
-        """Sends what is missing among ``batch_ids``; returns those in flight elsewhere."""
-        waiting: list[str] = []
-        batch = knobs.missing_batch()
-        for i in range(0, len(batch_ids), batch):
-            answer = await transport.missing_chunks(batch_ids[i : i + batch], claimer)
-            await bounded(answer.missing, upload, knobs.upload_concurrency())
-            waiting.extend(answer.in_flight)
-        return waiting
+        async def ask(batch_ids: list[str]) -> list[str]:
+            """Sends what is missing among ``batch_ids``; returns those in flight elsewhere."""
+            waiting: list[str] = []
+            batch = knobs.missing_batch()
+            for i in range(0, len(batch_ids), batch):
+                answer = await transport.missing_chunks(batch_ids[i : i + batch], self.claimer)
+                await bounded(answer.missing, upload, knobs.upload_concurrency())
+                waiting.extend(answer.in_flight)
+            return waiting
 
-    in_flight = await ask(ids)
-    delay = poll
-    while in_flight:
-        # Another replica claimed these and is sending them. Ask again: sent ones are
-        # gone from the answer, and a claim that lapsed comes back missing, to us.
-        log.debug("%s step %d: waiting for %d chunks another replica sends",
-                  claimer, snap.step, len(in_flight))
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
-        in_flight = await ask(in_flight)
+        in_flight = await ask(list(data))
+        delay = self.poll
+        while in_flight:
+            # Another replica claimed these and is sending them. Ask again: sent ones
+            # are gone from the answer, and a claim that lapsed comes back missing, to
+            # us. The piece's buffers stay ours until then: we may have to send them.
+            log.debug("%s step %d: waiting for %d chunks another replica sends",
+                      self.claimer, self.snap.step, len(in_flight))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            in_flight = await ask(in_flight)
+        self._handled.update(data)
 
-    await transport.put_manifest(manifest)
-    status = await transport.commit(snap.job, snap.step, snap.meta or None)
-    upload_seconds = time.perf_counter() - t0
-    total = time.perf_counter() - snap.started
-    log.info(
-        "%s step %d %s: %d bytes staged, %d sent in %d of %d chunks, %.3f s",
-        claimer, snap.step, status.state, snap.bytes_staged, sent["bytes"], sent["chunks"],
-        len(ids), total,
-    )
-    return SaveResult(
-        step=snap.step,
-        state=status.state,
-        bytes_staged=snap.bytes_staged,
-        bytes_sent=sent["bytes"],
-        bytes_deduplicated=snap.bytes_staged - sent["bytes"],
-        chunks_total=len(ids),
-        chunks_sent=sent["chunks"],
-        stage_seconds=snap.stage_seconds,
-        upload_seconds=upload_seconds,
-        total_seconds=total,
-    )
+    async def send(self, piece: StagedPiece) -> None:
+        """Hashes and uploads one piece that is not the last."""
+        await self._upload(await self._hash(piece))
+
+    async def finish(self, piece: StagedPiece) -> SaveResult:
+        """Hashes and uploads the last piece, puts the manifest, commits."""
+        data = await self._hash(piece)
+        manifest = self._manifest()
+        if self.pieces == 1:
+            manifest.check()  # a bad manifest fails here, before any byte is sent
+        await self._upload(data)
+        if any(not cid for ids in self._ids for cid in ids):
+            raise CkptdError(f"snapshot of step {self.snap.step}: some chunks were never staged")
+        snap = self.snap
+        await self.transport.put_manifest(manifest)
+        status = await self.transport.commit(snap.job, snap.step, snap.meta or None)
+        now = time.perf_counter()
+        upload_seconds = now - (self._t0 if self._t0 is not None else now)
+        total = now - snap.started
+        chunks_total = len({cid for ids in self._ids for cid in ids})
+        log.info(
+            "%s step %d %s: %d bytes staged in %d piece(s), %d sent in %d of %d chunks, "
+            "%.3f s", self.claimer, snap.step, status.state, snap.nbytes, self.pieces,
+            self.bytes_sent, self.chunks_sent, chunks_total, total,
+        )
+        return SaveResult(
+            step=snap.step,
+            state=status.state,
+            bytes_staged=snap.nbytes,
+            bytes_sent=self.bytes_sent,
+            bytes_deduplicated=snap.nbytes - self.bytes_sent,
+            chunks_total=chunks_total,
+            chunks_sent=self.chunks_sent,
+            stage_seconds=self.stage_seconds,
+            upload_seconds=upload_seconds,
+            total_seconds=total,
+        )
 
 
 # -- restore ----------------------------------------------------------------------------

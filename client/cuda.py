@@ -1,0 +1,135 @@
+"""The CUDA side of staging: pinning pool pages, a side stream per device, and the
+events that order the staging copies after the training stream and tell when they
+are done.
+
+Nothing here runs unless the state holds CUDA tensors, so a CPU-only process (or a
+CPU-only state on a GPU machine) never creates a CUDA context: a context on the
+wrong device costs every rank hundreds of MiB of GPU memory on device 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ckptd.errors import Timeout
+
+log = logging.getLogger(__name__)
+
+# cudaHostRegisterPortable: the pinned pages count as pinned for every CUDA context,
+# whichever device a rank's tensors live on.
+_HOST_REGISTER_PORTABLE = 1
+
+
+def available() -> bool:
+    """True when this torch build can reach a CUDA device (initializes nothing)."""
+    return torch.cuda.is_available()
+
+
+def pin(ptr: int, nbytes: int, device: torch.device | None = None) -> bool:
+    """Page-locks ``nbytes`` at ``ptr`` (a pool segment) with cudaHostRegister, so
+    device-to-host copies into it run asynchronously on a stream.
+
+    False (and a warning) when CUDA refuses, e.g. over the locked-memory limit: the
+    copies then still land correctly, but synchronously."""
+    if nbytes == 0:
+        return False
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+    if err != 0:
+        log.warning("staging: cudaHostRegister of %d bytes failed (cudaError %d); copies "
+                    "into this segment will be synchronous", nbytes, err)
+        return False
+    return True
+
+
+def unpin(ptr: int) -> None:
+    """Undoes ``pin``; the caller makes sure no copy into the pages is running."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("staging: cudaHostUnregister failed (cudaError %d)", err)
+
+
+class CopyDone:
+    """The events recorded on the side streams after one stage's copies.
+
+    ``synchronize`` blocks the host until they completed; ``block_streams`` makes the
+    devices' current streams wait for them instead (no host block: later kernels on
+    those streams run after the copies)."""
+
+    def __init__(self, events: list[tuple[torch.device, torch.cuda.Event]]) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        """True once every copy finished."""
+        return all(e.query() for _, e in self.events)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Blocks until every copy finished; ``Timeout`` after ``timeout`` seconds."""
+        if timeout is None:
+            for _, e in self.events:
+                e.synchronize()  # a blocking-sync event: the thread sleeps, no spin
+            return
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while not self.query():
+            if time.monotonic() >= deadline:
+                raise Timeout(f"staging copies still running after {timeout} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def block_streams(self) -> None:
+        """Makes each device's current stream wait for the copies (returns at once)."""
+        for device, e in self.events:
+            torch.cuda.current_stream(device).wait_event(e)
+
+
+class CopyStreams:
+    """One side stream per device for staging copies, kept for the pool's lifetime.
+
+    Use: ``begin(devices)`` orders each side stream after the work already queued
+    on that device's current stream (so the copies see the tensors as they are when
+    ``save`` is called, in stream order), ``on(device)`` while issuing the copies with
+    ``non_blocking=True``, and ``finish()`` for the ``CopyDone`` events."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._active: list[torch.device] = []
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def begin(self, devices: Iterable[torch.device]) -> None:
+        self._active = sorted(set(devices), key=lambda d: d.index or 0)
+        for device in self._active:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            self.stream(device).wait_event(ready)
+
+    @contextmanager
+    def on(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
+        s = self.stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(s):
+            yield s
+
+    def finish(self) -> CopyDone:
+        events = []
+        for device in self._active:
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.stream(device))
+            events.append((device, done))
+        self._active = []
+        return CopyDone(events)
+
+    def synchronize(self) -> None:
+        """Waits for every copy ever issued (before unpinning or unmapping)."""
+        for s in self._streams.values():
+            s.synchronize()
