@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptd.client import Checkpointer
+from ckptd.client.distributed import init_process_group
 
 
 def log_event(path: Path, **event: object) -> None:
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--events", required=True)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     events = Path(args.events)
@@ -101,7 +102,7 @@ def main() -> None:
                 pending.wait(timeout=120)
             pending = ckpt.save(step, state())
             log_event(events, kind="saved", rank=rank, attempt=attempt, step=step,
-                      loss=float(loss))
+                      loss=float(loss.detach()))
     if pending is not None:
         result = pending.wait(timeout=120)
         log_event(events, kind="final", rank=rank, attempt=attempt, step=step,
