@@ -12,6 +12,7 @@ jumps must not kill ranks); the unix time of each heartbeat is kept for display.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -303,15 +304,12 @@ class Registry:
             last = j.last_target
             if last is not None and now - last.set_at < self.snapshot_min_interval:
                 return SnapshotDecision(last.step, last.reason, accepted=False)
-            steps = [
-                b.step
-                for b in j.ranks.values()
-                if b.step is not None and self._state(now, b) != "dead"
-            ]
+            live = [b for b in j.ranks.values() if self._state(now, b) != "dead"]
+            steps = [b.step for b in live if b.step is not None]
             base = max(steps) if steps else (latest if latest is not None else 0)
             if latest is not None:
                 base = max(base, latest)
-            target = SnapshotTarget(base + self.snapshot_lead, reason, rank, now)
+            target = SnapshotTarget(base + self._lead(live), reason, rank, now)
             j.target = j.last_target = target
             j.events.append(
                 Event(
@@ -322,6 +320,22 @@ class Registry:
                 "%s: snapshot at step %d asked by rank %d (%s)", job, target.step, rank, reason
             )
             return SnapshotDecision(target.step, reason, accepted=True)
+
+    def _lead(self, live: list[Heartbeat]) -> int:
+        """Steps between the fastest rank and the target: at least the configured
+        lead, and enough that every rank hears of the target (a heartbeat or two)
+        before its loop gets there, judged by the fastest median step time ranks
+        report."""
+        times = [
+            t
+            for b in live
+            if isinstance(t := b.health.get("signals", {}).get("step_time_median_s"), int | float)
+            and not isinstance(t, bool)
+            and t > 0
+        ]
+        if not times:
+            return self.snapshot_lead
+        return max(self.snapshot_lead, math.ceil(2 * self.interval / min(times)) + 1)
 
     def pending_target(self, job: str, latest: int | None) -> SnapshotTarget | None:
         """The job's snapshot target, unless a commit at or after it exists

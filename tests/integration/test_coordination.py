@@ -231,3 +231,18 @@ def test_rollback_cli_sets_and_clears(client: httpx.Client, srv: ServerProcess) 
 
     out = ckptd("rollback", job, "--url", srv.url)  # neither a step nor --clear
     assert out.returncode == 2
+
+
+def test_the_lead_grows_when_steps_are_fast_against_the_heartbeat() -> None:
+    # 2 s heartbeats and 0.25 s steps: a target only 2 steps ahead would be passed
+    # before any rank heard of it; ceil(2 * 2 / 0.25) + 1 = 17 steps are needed.
+    now = [1000.0]
+    registry = Registry(interval=2.0, dead_after=3, snapshot_lead=2, snapshot_min_interval=0.0,
+                        snapshot_timeout=600.0, clock=lambda: now[0], wall=lambda: now[0])
+    fast = {"state": "ok", "reasons": [], "signals": {"step_time_median_s": 0.25}}
+    slow = {"state": "ok", "reasons": [], "signals": {"step_time_median_s": 30.0}}
+    registry.heartbeat("j", 0, world_size=2, step=100, health=slow)
+    assert registry.request_snapshot("j", 0, "hot", latest=None).step == 102
+    registry.note_commit("j", 102)
+    registry.heartbeat("j", 1, world_size=2, step=103, health=fast)
+    assert registry.request_snapshot("j", 1, "hot", latest=102).step == 103 + 17
