@@ -463,6 +463,39 @@ def rollback(
         _fail(exc)
 
 
+@app.command()
+def restore(
+    job: Annotated[str, typer.Option("--job", help="Job to restore.")],
+    rank: Annotated[int, typer.Option("--rank", help="Rank whose shard to fetch.")],
+    to: Annotated[str, typer.Option("--to", help="Local directory store to fill.")],
+    step: Annotated[
+        int | None, typer.Option("--step", help="Committed step (default: latest).")
+    ] = None,
+    peers: Annotated[bool, typer.Option(help="Fetch from live peers first.")] = True,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Pre-fetch a rank's committed chunks into a local directory (an init container
+    or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
+    from ckptd.client.restore import restore_command
+
+    try:
+        result = restore_command(
+            url, job, rank, to, step=step, token=token, peers=peers, console=console
+        )
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    tiers = ", ".join(f"{tier} {_human(n)}" for tier, n in result.bytes_from.items() if n)
+    console.print(
+        f"[green]ok[/]: step {result.step} of {job} rank {rank}: {result.chunks} chunks, "
+        f"{_human(result.bytes)} in {result.seconds:.1f}s into {result.directory}"
+        + (f" ({tiers})" if tiers else "")
+    )
+    for problem in result.problems:
+        console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
+
+
 policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
 

@@ -57,3 +57,27 @@ def test_ls_and_verify_over_a_store_directory(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["verify", "cli", "--url", url])
     assert bad.exit_code == 1
     assert chunk.name in bad.output
+
+
+def test_restore_prefetches_a_rank_into_a_directory_store(tmp_path: Path) -> None:
+    import torch
+
+    from ckptd.client import Checkpointer
+
+    url = f"file://{tmp_path / 'store'}"
+    state = {"w": torch.randn(300, 300), "step": 4}
+    with Checkpointer(url, job="pre", chunk_size=64 * 1024) as ckpt:
+        ckpt.save(4, state).wait(timeout=60)
+    target = tmp_path / "node-cache"
+    result = runner.invoke(
+        app, ["restore", "--job", "pre", "--rank", "0", "--to", str(target), "--url", url,
+              "--no-peers"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "step 4" in result.output
+    # The directory is a store of its own now: a restore reads it with no other source.
+    with Checkpointer(f"file://{target}", job="pre") as local:
+        restored: dict[str, object] = {}
+        local.restore(restored)
+    assert torch.equal(restored["w"], state["w"])  # type: ignore[arg-type]
+    assert restored["step"] == 4
