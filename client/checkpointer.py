@@ -4,18 +4,24 @@ background pipeline uploads; ``Checkpointer.restore`` fills a state dict in plac
 Staging (``staging.py``) copies the state into a reusable shared-memory pool;
 the pipeline (``pipeline.py``) hashes, dedups and uploads from that pool. One
 snapshot per rank is in flight at a time, so the pool holds one staged copy.
+
+Failover (with a server): the checkpointer serves its pool's committed chunks to
+peers (``peer.py``) and heartbeats (``heartbeat.py``); ``restore`` takes each chunk
+from the first tier that has it right (``restore.py``): this node's pool, a local
+cache directory, peers, the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -26,14 +32,12 @@ from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
     InvalidRequest,
-    RestoreError,
     SnapshotSkipped,
     Timeout,
     UnsupportedValue,
 )
 from ckptd.format import (
     Placement,
-    RankManifest,
     canonical_json,
     check_job,
     check_rank,
@@ -42,17 +46,19 @@ from ckptd.format import (
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
 from .cuda import CopyDone
+from .heartbeat import HealthFn, Heartbeat, HeartbeatReply
+from .peer import PeerIndex, PeerServer, PeerService
 from .pipeline import (
     EventLoopThread,
     SaveResult,
     Snapshot,
     SnapshotUpload,
-    fetch_manifest,
     wrap_error,
 )
-from .staging import PAGE, StagingPool
-from .state import TensorSpec, fill, flatten, plan_fill, torch_dtype
-from .transport import Transport, open_transport
+from .restore import TIERS, RestoreOptions, RestoreResult, adopt_pool, restore_into
+from .staging import PAGE, StagedPiece, StagingPool
+from .state import flatten
+from .transport import HttpTransport, Transport, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +86,6 @@ class Shard:
             raise InvalidRequest("Shard: negative dimension or offset")
         object.__setattr__(self, "global_shape", g)
         object.__setattr__(self, "offsets", o)
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreResult:
-    """What a restore did: the step, bytes and chunks restored, time, and how many
-    bytes came from each tier (only ``"store"`` for now)."""
-
-    step: int
-    bytes_restored: int
-    chunks: int
-    seconds: float
-    bytes_from: dict[str, int] = field(default_factory=dict)
 
 
 class SaveHandle:
@@ -202,7 +196,18 @@ class Checkpointer:
     worker can restore from; ``staging_budget`` bounds its bytes (None: one copy of
     the state). A state larger than the budget is staged and uploaded in pieces
     inside ``save()``: the stall grows, memory does not. ``close()`` (or leaving
-    the ``with`` block) removes the pool."""
+    the ``with`` block) removes the pool.
+
+    With an ``http://`` server the checkpointer also takes part in failover: it
+    serves the chunks of the committed step its pool holds to peers
+    (``serve_peers``, default on; ``peer_host`` / ``peer_port``, default
+    ``CKPTD_PEER_HOST`` / ``CKPTD_PEER_PORT``, 127.0.0.1 and a port the OS picks;
+    the job's ``token`` guards it) and heartbeats to the server every
+    ``heartbeat_interval`` seconds (the server's interval once it answered) with
+    its peer address, the loop's step (``note_step``), the committed step it
+    holds and ``health()`` (default: ok). ``cache_dir`` (default
+    ``CKPTD_CACHE_DIR``) is a local directory store that ``restore`` reads before
+    peers, e.g. what ``ckptd restore --to DIR`` filled."""
 
     def __init__(
         self,
@@ -218,6 +223,12 @@ class Checkpointer:
         timeout: float | None = None,
         staging_budget: int | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
+        serve_peers: bool | None = None,
+        peer_host: str | None = None,
+        peer_port: int | None = None,
+        heartbeat_interval: float | None = None,
+        health: HealthFn | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.url = url
         self.job = check_job(job)
@@ -254,6 +265,38 @@ class Checkpointer:
         self._inflight: concurrent.futures.Future[Any] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._token = token
+        self.cache_dir = cache_dir
+        try:
+            self._service = self._start_service(serve_peers, peer_host, peer_port,
+                                                heartbeat_interval, health)
+        except BaseException:
+            self._loop.run(self._transport.close(), 10.0)
+            self._loop.stop()
+            self._staging.close()
+            raise
+
+    def _start_service(
+        self,
+        serve_peers: bool | None,
+        host: str | None,
+        port: int | None,
+        interval: float | None,
+        health: HealthFn | None,
+    ) -> PeerService:
+        """The peer server and heartbeats: with an HTTP server only (a ``file://``
+        store has nobody to register with, so peers could not find this one)."""
+        if not isinstance(self._transport, HttpTransport):
+            return PeerService(None, None)
+        server = None
+        if serve_peers is None or serve_peers:
+            server = PeerServer(host=host, port=port, token=self._token, job=self.job,
+                                rank=self.rank).start()
+        heartbeat = Heartbeat(self._transport.url, self.job, self.rank, self.world_size,
+                              self._token, interval=interval, health=health)
+        service = PeerService(server, heartbeat)
+        service.start()
+        return service
 
     @property
     def transport(self) -> Transport:
@@ -264,6 +307,26 @@ class Checkpointer:
     def staging(self) -> StagingPool:
         """The staging pool (its ``stats`` count what it allocated)."""
         return self._staging
+
+    @property
+    def peer_server(self) -> PeerServer | None:
+        """The peer chunk server (None with a ``file://`` store or ``serve_peers=False``)."""
+        return self._service.server
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        """The heartbeat sender (None with a ``file://`` store)."""
+        return self._service.heartbeat
+
+    @property
+    def last_heartbeat_reply(self) -> HeartbeatReply | None:
+        """The server's last answer to a heartbeat (``snapshot_at``, ``rollback_to``)."""
+        hb = self._service.heartbeat
+        return hb.last_reply if hb is not None else None
+
+    def note_step(self, step: int) -> None:
+        """Tells heartbeats the training loop's current step (``save`` does too)."""
+        self._service.note_step(step)
 
     def __repr__(self) -> str:
         return (
@@ -327,6 +390,7 @@ class Checkpointer:
         started = time.perf_counter()
         self._check_open()
         check_step(step)
+        self._service.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
             getattr(flat, "layouts", None) or {}
@@ -392,10 +456,13 @@ class Checkpointer:
             started=started,
         )
         upload = SnapshotUpload(self._transport, snap, plan.piece_count)
+        self._service.staging()  # what peers were served is about to be overwritten
         for number in range(plan.piece_count):
             piece = self._staging.stage(plan, number, step)
             if piece.last:
                 future = self._loop.submit(upload.finish(piece))
+                future.add_done_callback(functools.partial(self._uploaded, upload=upload,
+                                                           piece=piece))
                 self._inflight = future
                 return future, piece.copy_done, plan.piece_count
             sent = self._loop.submit(upload.send(piece))
@@ -411,6 +478,30 @@ class Checkpointer:
             if exc is not None:
                 return _failed(exc), None, plan.piece_count
         raise AssertionError("a staging plan has at least one piece")
+
+    def _uploaded(
+        self,
+        future: concurrent.futures.Future[SaveResult],
+        *,
+        upload: SnapshotUpload,
+        piece: StagedPiece,
+    ) -> None:
+        """Once a snapshot is in: its last piece is what the pool holds; serve it to
+        peers when the step is committed, while the pool still holds it."""
+        if future.cancelled() or future.exception() is not None or self._closed:
+            return
+        result = future.result()
+        pool, generation = self._staging, piece.generation
+        index = PeerIndex(step=result.step, chunks=upload.chunks_of(piece),
+                          valid=lambda: pool.generation == generation)
+        try:
+            if result.state == "committed":
+                self._service.committed(index)
+            else:
+                self._service.pending(index)
+        except Exception as exc:  # serving peers is best effort; the save succeeded
+            log.warning("%s/%d: cannot serve step %d to peers: %s", self.job, self.rank,
+                        result.step, exc)
 
     def _placements(
         self,
@@ -474,62 +565,104 @@ class Checkpointer:
         state: MutableMapping[Any, Any],
         step: int | None = None,
         *,
+        shards: Mapping[str, Shard] | None = None,
+        tiers: Iterable[str] | None = None,
+        atomic: bool = True,
         timeout: float | None = None,
     ) -> RestoreResult:
         """Fills ``state`` in place with this rank's tensors and values of a
         committed step (the latest when ``step`` is None), bitwise.
 
+        Each chunk comes from the first tier that has it right: this node's
+        staging pool (what a crashed worker left in shared memory), the local
+        cache directory, live peers (in parallel), the store; ``tiers`` limits
+        them (names from ``TIERS``). Every chunk is hashed on arrival; a bad or
+        missing one is taken from the next source and reported in
+        ``RestoreResult.problems``; ``bytes_from`` says how many bytes each tier
+        gave.
+
         Tensors the target holds with the checkpoint's dtype and shape are
-        overwritten with ``copy_`` (so ``model.state_dict()`` restores the model);
+        overwritten in place (so ``model.state_dict()`` restores the model);
         missing ones (a fresh optimizer's empty ``state``) are created; plain values
-        are set. Every chunk is verified against its id before anything in
-        ``state`` changes: a restore either fills all of it or raises
-        (``CheckpointNotFound``, ``ChunkHashMismatch``, ``RestoreError``, ...)
-        and leaves it as it was."""
+        are set. Where the target needs another box of a global tensor than this
+        rank saved (another world size: ``shards`` gives the new ``Shard`` of a
+        tensor, or the target holds a DTensor, or a plain tensor of the global
+        shape), the box is cut from the chunks of every rank that overlap it.
+        Every chunk is verified before anything in ``state`` changes: a restore
+        either fills all of it or raises (``CheckpointNotFound``, ``NotCommitted``
+        for a step that never committed, ``ChunkHashMismatch``, ``RestoreError``
+        naming the entries and chunk ids no source had) and leaves it as it was.
+        That takes memory for every chunk fetched from peers or the store until
+        the end. ``atomic=False`` writes those straight into the target's own
+        tensors as each verifies (no extra memory, one copy less); then a chunk
+        no source has leaves the target partly restored (the error's detail says
+        ``partial``). The bytes restored are the committed ones either way.
+
+        The pool's chunks that verified are then served to peers (with a server)."""
         self._check_open()
-        t0 = time.perf_counter()
+        if not isinstance(state, MutableMapping):
+            raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
+        use = set(TIERS if tiers is None else tiers)
+        unknown = sorted(use - set(TIERS))
+        if unknown or not use:
+            raise InvalidRequest(f"tiers must be a non-empty subset of {list(TIERS)}, "
+                                 f"not {sorted(use)}")
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
 
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
+        def call(coro: Coroutine[Any, Any, T]) -> T:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._call(coro, left)
 
-        if not isinstance(state, MutableMapping):
-            raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
-        manifest = self._call(self._read_manifest(step), left())
-        if manifest.world_size != self.world_size:
-            sharded = [e.name for e in manifest.entries if e.placement == "sharded"]
-            if sharded:
-                raise RestoreError(
-                    f"step {manifest.step} was saved by {manifest.world_size} ranks, this is "
-                    f"{self.world_size}; sharded entries cannot be resharded yet",
-                    entries=sharded[:50],
-                )
-            log.warning("%s/%d: restoring step %d saved with world size %d into world size %d",
-                        self.job, self.rank, manifest.step, manifest.world_size, self.world_size)
-        specs = {e.name: TensorSpec(torch_dtype(e.dtype), tuple(e.shape)) for e in manifest.entries}
-        plan_fill(state, manifest.tree, specs)
-        fetched = self._call(fetch_manifest(self._transport, manifest), left())
-        fill(state, manifest.tree, fetched.tensors)
-        seconds = time.perf_counter() - t0
-        log.info("%s/%d: restored step %d, %d bytes in %d chunks, %.3f s",
-                 self.job, self.rank, manifest.step, fetched.nbytes, fetched.chunks, seconds)
-        return RestoreResult(
-            step=manifest.step,
-            bytes_restored=fetched.nbytes,
-            chunks=fetched.chunks,
-            seconds=seconds,
-            bytes_from=dict(fetched.bytes_from),
+        cache = self.cache_dir if self.cache_dir is not None else knobs.cache_dir()
+        opts = RestoreOptions(
+            local="local" in use,
+            pool_root=self._staging.root,
+            cache_dir=cache if "cache" in use else "",
+            peers="peer" in use,
+            store="store" in use,
+            exclude_peers=tuple(u for u in (self._service.url,) if u),
+            token=self._token,
+            atomic=atomic,
         )
+        # No save stages into the pool while a restore may read it.
+        with self._lock:
+            self._check_open()
+            result, fetched = restore_into(
+                call, self._transport, state, job=self.job, rank=self.rank,
+                world_size=self.world_size, step=step, shards=shards, opts=opts,
+            )
+        if fetched.adopted is not None and fetched.pool is not None:
+            if self._service.server is not None:
+                self._service.adopted(fetched.adopted, fetched.pool, beat=False)
+            else:
+                fetched.pool.close()
+        return result
 
-    async def _read_manifest(self, step: int | None) -> RankManifest:
-        if step is None:
-            step = await self._transport.latest(self.job)
-            if step is None:
-                raise CheckpointNotFound(
-                    f"job {self.job} has no committed checkpoint", job=self.job
+    def adopt(self, step: int | None = None, *, timeout: float | None = None) -> int | None:
+        """Re-adopts this node's staging pool: checks each chunk it holds against
+        this rank's manifest of a committed step (the latest when None), serves the
+        ones that match to peers and says so in a heartbeat sent now. Returns that
+        step, or None when the pool holds none of its chunks (or there is no pool,
+        or no commit). ``restore`` does this by itself; calling it first on every
+        rank (then a barrier) lets a rank that lost its node find its peers."""
+        self._check_open()
+        timeout = self.timeout if timeout is None else timeout
+        with self._lock:
+            try:
+                held, index, pool = self._call(
+                    adopt_pool(self._transport, self.job, self.rank, step, self._staging.root),
+                    timeout,
                 )
-        return await self._transport.read_manifest(self.job, check_step(step), self.rank)
+            except CheckpointNotFound:
+                return None
+        if index is None or pool is None:
+            return None
+        if self._service.server is not None:
+            self._service.adopted(index, pool, beat=True)
+        else:
+            pool.close()
+        return held
 
     def latest(self) -> int | None:
         """The newest committed step of this job, or None."""
@@ -562,6 +695,11 @@ class Checkpointer:
             if not done:
                 log.warning("%s/%d: closing with the snapshot of a save still in flight",
                             self.job, self.rank)
+        try:
+            self._service.close()
+        except Exception as exc:  # closing must not fail the caller's shutdown
+            log.warning("%s/%d: stopping heartbeats and the peer server failed: %s",
+                        self.job, self.rank, exc)
         try:
             self._loop.run(self._transport.close(), 10.0)
         except Exception as exc:  # closing must not fail the caller's shutdown

@@ -1,6 +1,6 @@
 """The background side of the client: a thread with its own asyncio loop where the
-transport lives, the snapshot pipeline (hash, ask what is missing, upload, put the
-manifest, commit) and the restore fetch (download, verify, assemble).
+transport lives, and the snapshot pipeline (hash, ask what is missing, upload, put
+the manifest, commit). Restores run on the same loop (``restore.py``).
 
 The pipeline reads the staging pool in place: chunks are slices of the pool's
 mapping, hashed by blake3 in worker threads (it releases the GIL) and handed to the
@@ -20,22 +20,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import torch
-
 from ckptd import knobs
 from ckptd.errors import (
-    ChunkHashMismatch,
-    ChunkNotFound,
-    ChunkSizeMismatch,
     CkptdError,
-    RestoreError,
     Timeout,
 )
 from ckptd.format import Placement, RankManifest, TensorEntry
 from ckptd.hashing import chunk_count, chunk_id, chunk_spans
 
 from .staging import StagedPiece, TensorInfo
-from .state import byte_view, dtype_name, torch_dtype
+from .state import dtype_name
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -294,6 +288,19 @@ class SnapshotUpload:
             in_flight = await ask(in_flight)
         self._handled.update(data)
 
+    def chunks_of(self, piece: StagedPiece) -> dict[str, memoryview]:
+        """Chunk id -> its bytes in the pool, for every chunk of a hashed piece:
+        what a peer server may serve while the pool still holds them."""
+        cs = self.snap.chunk_size
+        out: dict[str, memoryview] = {}
+        for span in piece.spans:
+            first = span.start // cs
+            n = chunk_count(span.end - span.start, cs)
+            for k, cid in enumerate(self._ids[span.index][first : first + n]):
+                if cid:
+                    out.setdefault(cid, span.data[k * cs : (k + 1) * cs])
+        return out
+
     async def send(self, piece: StagedPiece) -> None:
         """Hashes and uploads one piece that is not the last."""
         await self._upload(await self._hash(piece))
@@ -331,76 +338,6 @@ class SnapshotUpload:
             upload_seconds=upload_seconds,
             total_seconds=total,
         )
-
-
-# -- restore ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """Every tensor of a rank manifest, assembled from verified chunks."""
-
-    tensors: dict[str, torch.Tensor]
-    nbytes: int
-    chunks: int
-    bytes_from: dict[str, int]
-
-
-async def fetch_manifest(
-    transport: Transport, manifest: RankManifest, concurrency: int | None = None
-) -> Fetched:
-    """Downloads every chunk a manifest names, verifies each against its id on
-    arrival, and assembles the tensors into fresh CPU buffers.
-
-    Nothing is returned unless every chunk verified: ``ChunkHashMismatch`` for bytes
-    that do not hash to their id, ``ChunkSizeMismatch`` for a chunk of the wrong
-    length, ``RestoreError`` for chunks the store lacks; each names the entries."""
-    tensors: dict[str, torch.Tensor] = {}
-    # chunk id -> every (entry name, destination view) it fills
-    targets: dict[str, list[tuple[str, memoryview]]] = {}
-    for e in manifest.entries:
-        buf = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
-        tensors[e.name] = buf
-        view = byte_view(buf)
-        if len(view) != e.nbytes:
-            raise RestoreError(f"entry {e.name!r}: {len(view)} bytes, manifest says {e.nbytes}")
-        spans = list(chunk_spans(e.nbytes, manifest.chunk_size))
-        for cid, (a, b) in zip(e.chunks, spans, strict=True):
-            targets.setdefault(cid, []).append((e.name, view[a:b]))
-    received = {"bytes": 0}
-
-    async def fetch(cid: str) -> None:
-        names = sorted({name for name, _ in targets[cid]})
-        try:
-            data = await transport.get_chunk(cid)
-        except ChunkNotFound as exc:
-            raise RestoreError(
-                f"chunk {cid} of {', '.join(map(repr, names[:5]))} is not in the store",
-                id=cid, entries=names[:50],
-            ) from exc
-        actual = await asyncio.to_thread(chunk_id, data)
-        if actual != cid:
-            raise ChunkHashMismatch(
-                f"chunk {cid} of {', '.join(map(repr, names[:5]))} arrived corrupt "
-                f"(hashes to {actual})",
-                id=cid, actual=actual, entries=names[:50],
-            )
-        for name, dest in targets[cid]:
-            if len(dest) != len(data):
-                raise ChunkSizeMismatch(
-                    f"chunk {cid} of {name!r} has {len(data)} bytes, expected {len(dest)}",
-                    id=cid, entries=[name],
-                )
-            dest[:] = data
-        received["bytes"] += len(data)
-
-    await bounded(list(targets), fetch, concurrency or knobs.upload_concurrency())
-    return Fetched(
-        tensors=tensors,
-        nbytes=manifest.nbytes,
-        chunks=len(targets),
-        bytes_from={"store": received["bytes"]},
-    )
 
 
 def wrap_error(exc: BaseException, what: str) -> CkptdError:

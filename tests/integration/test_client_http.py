@@ -166,8 +166,12 @@ def test_corrupt_chunk_in_the_servers_store_is_caught(server: Any) -> None:
         victim.write_bytes(bytes(data))
         target = {"w": torch.zeros(5000), "b": torch.zeros(3)}
         with pytest.raises(ChunkHashMismatch):
-            ckpt.restore(target)
+            ckpt.restore(target, tiers=["store"])
         assert not target["w"].any() and not target["b"].any()
+        # This rank's pool still holds the step: the restore takes it from there.
+        result = ckpt.restore(target)
+        assert result.bytes_from["local"] > 0 and result.bytes_from.get("store", 0) == 0
+        assert target["w"].any()
 
 
 def test_no_checkpoint_over_http(server: Any) -> None:

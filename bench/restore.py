@@ -1,0 +1,247 @@
+"""Restore benchmark: one rank restores its state from local shared memory, from
+peers, from the server's store, and ``torch.load``s the same state from local
+disk, side by side in one run.
+
+    python -m bench.restore                 # 1 GiB, 3 rounds
+    python -m bench.restore --size 256M --rounds 2
+    python -m bench.restore --markdown out.md
+
+Set-up: a ``ckptd serve`` process over a local directory store; three
+data-parallel ranks save the same state (rank 0 in this process, ranks 1 and 2 in
+two peer processes that then keep serving their staging pools). Each round then
+restores rank 0's state into a target that already holds tensors of the right
+shapes (a constructed model and optimizer), with a fresh ``Checkpointer`` and one
+tier allowed at a time:
+
+- ``local shm``: rank 0's staging pool in /dev/shm (what a restarted worker finds),
+- ``peers``: ranks 1 and 2's pools over loopback HTTP, in parallel (atomic, and
+  with ``atomic=False``: straight into the target),
+- ``store``: the server (chunks read from its directory store over HTTP),
+- ``torch.load``: the same state ``torch.save``d to the scratch directory, loaded
+  back (page cache warm: its best case), and the same plus the copy into the
+  target that ``load_state_dict`` would do.
+
+Every ckptd restore hash-checks every chunk; ``torch.load`` checks nothing. The
+order of the systems rotates from round to round; the table shows medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from bench.common import (
+    GiB,
+    Samples,
+    Server,
+    Table,
+    fmt_gbps,
+    fmt_s,
+    fmt_x,
+    fsync_dir,
+    human_bytes,
+    machine,
+    make_state,
+    parse_size,
+    quiesce,
+    ratio,
+    release_free_memory,
+    rotated,
+    scratch_dir,
+    size_label,
+    state_nbytes,
+    tensors_of,
+)
+
+JOB = "bench-restore"
+STEP = 1
+WORLD = 3
+CHUNK = 4 << 20
+
+
+def zeros_like(state: Any) -> Any:
+    """A target shaped like ``state``, every page touched (a constructed model)."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like(v) for v in state]
+    return state
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(
+        x.dtype == y.dtype and x.shape == y.shape
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        for x, y in zip(ta, tb, strict=True)
+    )
+
+
+def peer_main(url: str, rank: int, size: int) -> None:
+    """A peer rank: saves the state, drops its own copy, serves its pool."""
+    from ckptd.client import Checkpointer
+
+    state = make_state(size)
+    ckpt = Checkpointer(url, JOB, rank=rank, world_size=WORLD, chunk_size=CHUNK,
+                        heartbeat_interval=0.5)
+    ckpt.save(STEP, state).wait(timeout=600)
+    del state
+    release_free_memory()
+    print("READY", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def wait_peers(url: str, ranks: list[int], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = httpx.get(f"{url}/v1/jobs/{JOB}/ranks", timeout=10)
+        if resp.status_code == 200:
+            held = {r["rank"]: r["held_step"] for r in resp.json()["ranks"]}
+            if all(held.get(r) == STEP for r in ranks):
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"peers {ranks} never held step {STEP}")
+
+
+def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[str, str]]]:
+    from ckptd.client import Checkpointer
+
+    with scratch_dir(parent) as scratch:
+        info = machine(scratch)
+        os.environ.setdefault("CKPTD_HEARTBEAT_INTERVAL", "0.5")
+        with Server(scratch / "store", scratch / "server.log") as server:
+            state = make_state(size)
+            nbytes = state_nbytes(state)
+            peers = [subprocess.Popen(
+                [sys.executable, "-m", "bench.restore", "--peer", server.url, str(r),
+                 str(size)], stdout=subprocess.PIPE, text=True) for r in (1, 2)]
+            try:
+                owner = Checkpointer(server.url, JOB, rank=0, world_size=WORLD, chunk_size=CHUNK,
+                                     serve_peers=False)
+                owner.save(STEP, state).wait(timeout=600)
+                for p in peers:
+                    assert p.stdout is not None
+                    line = p.stdout.readline()
+                    if not line.startswith("READY"):
+                        raise RuntimeError("a peer process failed to start")
+                wait_peers(server.url, [1, 2])
+                path = scratch / "state.pt"
+                torch.save(state, path)
+                with open(path, "rb+") as f:
+                    os.fsync(f.fileno())
+                fsync_dir(scratch)
+                target = zeros_like(state)
+                samples = Samples()
+                tiers: dict[str, dict[str, int]] = {}
+
+                def restore(system: str) -> float:
+                    tier, _, mode = system.partition(" ")
+                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                                      serve_peers=False) as ckpt:
+                        t0 = time.perf_counter()
+                        result = ckpt.restore(target, tiers=(tier,), atomic=mode != "in-place")
+                        seconds = time.perf_counter() - t0
+                    tiers[tier] = result.bytes_from
+                    assert result.bytes_from.get(tier, 0) == result.bytes_fetched, result
+                    assert same_bits(target, state), tier
+                    for t in tensors_of(target):  # the next round must restore for real
+                        t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
+                    return seconds
+
+                def load() -> tuple[float, float]:
+                    t0 = time.perf_counter()
+                    loaded = torch.load(path)
+                    t1 = time.perf_counter()
+                    for dst, src in zip(tensors_of(target), tensors_of(loaded), strict=True):
+                        dst.copy_(src)
+                    t2 = time.perf_counter()
+                    assert same_bits(target, state)
+                    del loaded
+                    return t1 - t0, t2 - t0
+
+                systems = ["local", "peer", "peer in-place", "store", "torch.load"]
+                for rnd in range(rounds):
+                    for system in rotated(systems, rnd):
+                        quiesce()
+                        release_free_memory()
+                        if system == "torch.load":
+                            plain, copied = load()
+                            samples.add("torch.load", "s", plain)
+                            samples.add("torch.load + copy", "s", copied)
+                        else:
+                            samples.add(system, "s", restore(system))
+                    print(f"round {rnd + 1}/{rounds}: " + ", ".join(
+                        f"{k} {fmt_s(samples.values[k]['s'][-1])}" for k in samples.values),
+                        flush=True)
+                owner.close()
+            finally:
+                for p in peers:
+                    p.kill()
+                    p.wait()
+                # Killed peers leave their pools in /dev/shm, as a crash would.
+                from ckptd.client.staging import remove_stale_pools
+
+                remove_stale_pools(job=JOB)
+
+    base = samples.median("torch.load", "s")
+    base_copy = samples.median("torch.load + copy", "s")
+    table = Table(
+        f"Restore of {size_label(size)} ({human_bytes(nbytes)}) into an existing state, one rank, "
+        f"median of {rounds}",
+        ["source", "time", "GB/s", "vs torch.load", "vs torch.load + copy", "range"],
+    )
+    names = {"local": "ckptd, local shared memory", "peer": "ckptd, 2 peers (loopback HTTP)",
+             "peer in-place": "ckptd, 2 peers, atomic=False",
+             "store": "ckptd, server store (HTTP)", "torch.load": "torch.load, local disk",
+             "torch.load + copy": "torch.load + copy into the state"}
+    for system in ("local", "peer", "peer in-place", "store", "torch.load",
+                   "torch.load + copy"):
+        t = samples.median(system, "s")
+        table.add(names[system], fmt_s(t), fmt_gbps(nbytes, t), fmt_x(ratio(t, base)),
+                  fmt_x(ratio(t, base_copy)), samples.spread(system, "s"))
+    table.note("ckptd hash-checks every chunk (blake3) and fills the state in place; "
+               "torch.load checks nothing and allocates fresh tensors. Ratios below 1 are "
+               "faster than torch.load. Page cache warm for torch.load and the store. "
+               "atomic=False: chunks from peers land in the state's tensors as they verify "
+               "(no landing memory, no second copy; a failed restore leaves the state "
+               "partly restored). The peers are two processes on the same cores as the "
+               "restoring rank: their serving CPU competes with it here, not across nodes.")
+    return table, info
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--peer":
+        peer_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1G", help="state size (default 1G)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scratch", default=None, help="parent of the scratch directory")
+    parser.add_argument("--markdown", default=None, help="write the tables to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    gc.collect()
+    size = parse_size(args.size)
+    if size > 8 * GiB:
+        parser.error("sizes above 8 GiB need more memory than this benchmark plans for")
+    table, info = run(size, args.rounds, args.scratch)
+    table.print()
+    if args.markdown:
+        lines = ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in info]
+        Path(args.markdown).write_text(table.markdown() + "\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

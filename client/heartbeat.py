@@ -1,0 +1,300 @@
+"""Heartbeats: a rank tells the server, every few seconds, that it is alive, where
+its peer chunk server is, the step its loop is at, the committed step whose
+chunks it holds, and its health (``POST /v1/jobs/{job}/ranks/{rank}/heartbeat``).
+
+The server keeps these as soft state, so a heartbeat is simply sent again until one
+gets through: errors are logged (once per kind of trouble, then at debug) and
+retried at the next interval, never raised into training. The reply's
+``interval_s`` sets the next interval; the reply itself (a coordinated
+``snapshot_at``, a ``rollback_to``) is kept in ``last_reply`` for the health probe.
+
+A step this rank saved whose commit was still pending when its own upload finished
+(other ranks were not in yet) is checked once per beat until it committed; then
+``on_committed`` runs (the checkpointer publishes the pool's chunks to peers) and it
+becomes the ``held_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ckptd import knobs
+from ckptd.format import check_job, check_step
+
+log = logging.getLogger(__name__)
+
+HealthFn = Callable[[], dict[str, Any]]
+
+_MIN_INTERVAL = 0.05
+_MAX_INTERVAL = 3600.0
+
+
+def default_health() -> dict[str, Any]:
+    return {"state": "ok", "reasons": [], "signals": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """The server's answer to one heartbeat."""
+
+    interval_s: float
+    snapshot_at: int | None
+    snapshot_reason: str | None
+    rollback_to: int | None
+    received_at: float  # time.time() when it arrived
+    rtt_ms: float
+
+    @classmethod
+    def parse(cls, doc: Any, rtt_ms: float, fallback_interval: float) -> HeartbeatReply:
+        if not isinstance(doc, dict):
+            doc = {}
+
+        def opt_int(key: str) -> int | None:
+            v = doc.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        interval = doc.get("interval_s")
+        if not isinstance(interval, int | float) or isinstance(interval, bool) or not (
+            math.isfinite(interval) and interval > 0
+        ):
+            interval = fallback_interval
+        reason = doc.get("snapshot_reason")
+        return cls(
+            interval_s=float(interval),
+            snapshot_at=opt_int("snapshot_at"),
+            snapshot_reason=reason if isinstance(reason, str) else None,
+            rollback_to=opt_int("rollback_to"),
+            received_at=time.time(),
+            rtt_ms=rtt_ms,
+        )
+
+
+class Heartbeat:
+    """Sends this rank's heartbeats on a daemon thread (``start``), or one now
+    (``beat_now``). Setters (``note_step``, ``set_held_step``, ...) only record; the
+    next beat carries them."""
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        rank: int,
+        world_size: int,
+        token: str | None = None,
+        *,
+        interval: float | None = None,
+        peer_url: str | None = None,
+        health: HealthFn | None = None,
+        timeout: float | None = None,
+        on_beat: Callable[[HeartbeatReply | None, float | None], None] | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.job = check_job(job)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.interval = knobs.heartbeat_interval() if interval is None else float(interval)
+        self._fixed_interval = interval is not None
+        self.peer_url = peer_url
+        self.health: HealthFn = health or default_health
+        # Called after every beat with the reply (None: it failed) and its round trip
+        # in ms (None when no answer came): the health probe's round-trip signal.
+        self.on_beat = on_beat
+        timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers,
+                                    timeout=httpx.Timeout(timeout))
+        self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
+        self._step: int | None = None
+        self._held_step: int | None = None
+        self._pending: tuple[int, Callable[[int], None] | None] | None = None
+        self._rtt_ms: float | None = None
+        self._last_reply: HeartbeatReply | None = None
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._complained: set[str] = set()
+        self.beats = 0  # heartbeats the server accepted
+        self.failures = 0  # heartbeats that did not get through
+
+    def __repr__(self) -> str:
+        return (f"<Heartbeat {self.url} {self.job}/{self.rank} every {self.interval:g} s, "
+                f"{self.beats} sent, {self.failures} failed>")
+
+    # -- what the next beat says -------------------------------------------------------
+
+    def note_step(self, step: int) -> None:
+        """The training loop's current step."""
+        self._step = check_step(step)
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def set_held_step(self, step: int | None, *, wake: bool = True) -> None:
+        """The committed step whose chunks this rank's pool holds and serves (None:
+        none). ``wake`` sends the news at once instead of at the next interval."""
+        self._held_step = None if step is None else check_step(step)
+        if self._pending is not None and step is not None and self._pending[0] <= step:
+            self._pending = None
+        if wake:
+            self._wake.set()
+
+    @property
+    def held_step(self) -> int | None:
+        return self._held_step
+
+    def hold_when_committed(self, step: int, on_committed: Callable[[int], None] | None) -> None:
+        """``step`` is staged and uploaded but not yet committed: each beat checks,
+        and once it committed ``on_committed(step)`` runs and it is the held step."""
+        self._pending = (check_step(step), on_committed)
+        self._wake.set()
+
+    def set_peer_url(self, url: str | None) -> None:
+        self.peer_url = url
+        self._wake.set()
+
+    @property
+    def last_reply(self) -> HeartbeatReply | None:
+        """The server's last answer (``snapshot_at``, ``rollback_to``, ...)."""
+        return self._last_reply
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """Round trip of the last heartbeat, in milliseconds."""
+        return self._rtt_ms
+
+    # -- sending -------------------------------------------------------------------------
+
+    def body(self) -> dict[str, Any]:
+        try:
+            health = self.health()
+        except Exception as exc:  # a broken probe must not stop heartbeats
+            self._complain("health", "health callback failed: %s", exc)
+            health = default_health()
+        return {
+            "world_size": self.world_size,
+            "peer_url": self.peer_url,
+            "step": self._step,
+            "held_step": self._held_step,
+            "health": health,
+            "rtt_ms": None if self._rtt_ms is None else round(self._rtt_ms, 3),
+        }
+
+    def beat_now(self) -> HeartbeatReply | None:
+        """Sends one heartbeat from the calling thread; the reply, or None when it
+        did not get through (logged) or the heartbeat is stopped."""
+        with self._send_lock:
+            if self._stop.is_set():
+                return None
+            self._check_pending()
+            t0 = time.perf_counter()
+            try:
+                resp = self._client.post(self._path, json=self.body())
+            except httpx.HTTPError as exc:
+                self.failures += 1
+                self._complain(type(exc).__name__, "heartbeat to %s failed: %s", self.url, exc)
+                self._notify(None, None)
+                return None
+            rtt = (time.perf_counter() - t0) * 1000.0
+            self._rtt_ms = rtt
+            if resp.status_code != 200:
+                self.failures += 1
+                self._complain(f"http{resp.status_code}", "heartbeat to %s answered %d: %s",
+                               self.url, resp.status_code, resp.text[:200])
+                self._notify(None, rtt)
+                return None
+            try:
+                doc = resp.json()
+            except ValueError:
+                doc = None
+            reply = HeartbeatReply.parse(doc, rtt, self.interval)
+            self._last_reply = reply
+            if not self._fixed_interval:
+                self.interval = min(_MAX_INTERVAL, max(_MIN_INTERVAL, reply.interval_s))
+            self.beats += 1
+            if self._complained:
+                log.info("heartbeats to %s get through again", self.url)
+                self._complained.clear()
+            self._notify(reply, rtt)
+            return reply
+
+    def _notify(self, reply: HeartbeatReply | None, rtt: float | None) -> None:
+        if self.on_beat is None:
+            return
+        try:
+            self.on_beat(reply, rtt)
+        except Exception as exc:  # a listener must not stop heartbeats
+            self._complain("listener", "heartbeat listener failed: %s", exc)
+
+    def _check_pending(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        step, callback = pending
+        try:
+            resp = self._client.get(f"/v1/jobs/{self.job}/steps/{step}")
+        except httpx.HTTPError as exc:
+            self._complain("pending", "cannot ask whether step %d committed: %s", step, exc)
+            return
+        if resp.status_code != 200:
+            return  # 409 not_committed: ask again next time
+        if self._pending != pending:
+            return  # replaced meanwhile (a newer save)
+        try:
+            if callback is not None:
+                callback(step)
+        except Exception as exc:
+            log.warning("%s/%d: publishing step %d to peers failed: %s", self.job, self.rank,
+                        step, exc)
+            self._pending = None
+            return
+        self._pending = None
+        self._held_step = step
+
+    def _complain(self, kind: str, msg: str, *args: Any) -> None:
+        if kind in self._complained:
+            log.debug(msg, *args)
+        else:
+            self._complained.add(kind)
+            log.warning(msg, *args)
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def start(self) -> Heartbeat:
+        """Starts the heartbeat thread (the first beat goes at once). Idempotent."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-"
+                                            f"{self.job}-{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat_now()
+            except Exception as exc:  # never let the thread die
+                self._complain("internal", "heartbeat failed unexpectedly: %s", exc)
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the thread and closes the connection. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+        with self._send_lock:
+            self._client.close()
+
+
+__all__ = ["Heartbeat", "HeartbeatReply", "default_health"]

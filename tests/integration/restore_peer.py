@@ -1,0 +1,79 @@
+"""A rank in its own process, for the restore tests: it saves a deterministic
+state as one rank of a job and then serves its pool to peers until it is killed
+(optionally killing itself with SIGKILL after serving a given number of chunks:
+a peer that dies in the middle of someone's restore).
+
+Usage: restore_peer.py URL JOB RANK WORLD STEP SEED NBYTES CHUNK DIE_AFTER [stage-only]
+
+Prints ``READY <peer url>`` once its save is done. ``stage-only`` saves and then
+SIGKILLs itself at once (a crashed worker whose pool stays in shared memory).
+Reads the token from ``CKPTD_TEST_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+def make_state(seed: int, nbytes: int) -> dict[str, Any]:
+    """A training-like state of about ``nbytes`` bytes, the same for every seed."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, nbytes // 4 // 4)
+    return {
+        "model": {
+            "embed.weight": torch.randn(n, generator=g),
+            "mlp.weight": torch.randn(2 * n, generator=g).to(torch.bfloat16),
+            "norm.weight": torch.ones(64),
+        },
+        "optim": {"state": {0: {"exp_avg": torch.randn(n, generator=g),
+                                "step": torch.tensor(5.0)}},
+                  "param_groups": [{"lr": 0.001, "params": [0]}]},
+        "step": 5,
+    }
+
+
+def main() -> None:
+    url, job = sys.argv[1], sys.argv[2]
+    rank, world, step, seed = (int(a) for a in sys.argv[3:7])
+    nbytes, chunk, die_after = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
+    stage_only = len(sys.argv) > 10 and sys.argv[10] == "stage-only"
+    token = os.environ.get("CKPTD_TEST_TOKEN") or None
+
+    from ckptd.client import Checkpointer
+    from ckptd.client.peer import PeerServer
+
+    if die_after > 0:
+        served = {"n": 0}
+        lock = threading.Lock()
+        original = PeerServer.serve_chunk
+
+        def serve_then_die(self: PeerServer, handler: Any, cid: str) -> None:
+            original(self, handler, cid)
+            with lock:
+                served["n"] += 1
+                if served["n"] >= die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        PeerServer.serve_chunk = serve_then_die  # type: ignore[method-assign]
+
+    ckpt = Checkpointer(url, job, rank=rank, world_size=world, token=token, chunk_size=chunk,
+                        heartbeat_interval=0.2)
+    handle = ckpt.save(step, make_state(seed, nbytes))
+    handle.wait(timeout=120)
+    if stage_only:
+        os.kill(os.getpid(), signal.SIGKILL)
+    peer = ckpt.peer_server
+    print(f"READY {peer.url if peer is not None else '-'}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
