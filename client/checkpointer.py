@@ -23,7 +23,7 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -59,6 +59,12 @@ from .restore import TIERS, RestoreOptions, RestoreResult, adopt_pool, restore_i
 from .staging import PAGE, StagedPiece, StagingPool
 from .state import flatten
 from .transport import HttpTransport, Transport, open_transport
+
+if TYPE_CHECKING:
+    from ckptd.policy import Policy
+
+    from .health import HealthAgent
+    from .probe import ReadingSource
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +235,8 @@ class Checkpointer:
         heartbeat_interval: float | None = None,
         health: HealthFn | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        health_policy: Policy | str | os.PathLike[str] | None = None,
+        health_sources: Iterable[ReadingSource] | None = None,
     ) -> None:
         self.url = url
         self.job = check_job(job)
@@ -267,6 +275,11 @@ class Checkpointer:
         self._closed = False
         self._token = token
         self.cache_dir = cache_dir
+        # The health agent (probe, coordinated snapshots, rollback) starts with the
+        # first step() call, so checkpointers that never report steps run no probe.
+        self._health_policy = health_policy
+        self._health_sources = health_sources
+        self._health: HealthAgent | None = None
         try:
             self._service = self._start_service(serve_peers, peer_host, peer_port,
                                                 heartbeat_interval, health)
@@ -637,7 +650,62 @@ class Checkpointer:
                 self._service.adopted(fetched.adopted, fetched.pool, beat=False)
             else:
                 fetched.pool.close()
+        if self._health is not None:
+            self._health.acknowledge_rollback(result.step)
         return result
+
+    # -- the training loop's health ---------------------------------------------------
+
+    def step(
+        self,
+        step: int,
+        loss: float | None = None,
+        state: Mapping[Any, Any] | None = None,
+        **save_kwargs: Any,
+    ) -> SaveHandle | None:
+        """Reports that the loop finished ``step`` (with its loss) to the health probe.
+
+        Saves ``state`` and returns the handle when a coordinated snapshot is due
+        at this step (asked for by a degraded rank of the job; the commit records
+        the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
+        rollback) when this rank's loss went non-finite or the job was marked for
+        rollback: restore ``e.rollback_to`` and carry on. A poisoned step is never
+        snapshotted."""
+        self._check_open()
+        agent = self._health_agent()
+        self._service.note_step(step)
+        decision = agent.step(step, loss)
+        if not decision.snapshot:
+            return None
+        if state is None:
+            log.warning("%s/%d: coordinated snapshot due at step %d, but step() got no state",
+                        self.job, self.rank, step)
+            return None
+        return self.save(step, state, meta=decision.meta, **save_kwargs)
+
+    @property
+    def rollback_to(self) -> int | None:
+        """The committed step the job must go back to (not yet acted on), or None."""
+        return self._health_agent().rollback_to
+
+    def acknowledge_rollback(self, step: int) -> None:
+        """The loop restored ``step`` by other means than ``restore()``."""
+        self._health_agent().acknowledge_rollback(step)
+
+    def _health_agent(self) -> HealthAgent:
+        with self._lock:
+            if self._health is None:
+                from .health import HealthAgent
+
+                self._health = HealthAgent(
+                    self.url, self.job, self.rank, self.world_size, self._token,
+                    policy=self._health_policy, sources=self._health_sources,
+                    heartbeat=self._service.heartbeat, latest=self.latest,
+                    disk_paths=[str(self._staging.root), *([self.cache_dir] if self.cache_dir
+                                                           else [])],
+                    timeout=self.timeout or 10.0,
+                ).start()
+            return self._health
 
     def adopt(self, step: int | None = None, *, timeout: float | None = None) -> int | None:
         """Re-adopts this node's staging pool: checks each chunk it holds against
@@ -695,6 +763,12 @@ class Checkpointer:
             if not done:
                 log.warning("%s/%d: closing with the snapshot of a save still in flight",
                             self.job, self.rank)
+        if self._health is not None:
+            try:
+                self._health.close()
+            except Exception as exc:  # closing must not fail the caller's shutdown
+                log.warning("%s/%d: stopping the health probe failed: %s",
+                            self.job, self.rank, exc)
         try:
             self._service.close()
         except Exception as exc:  # closing must not fail the caller's shutdown
