@@ -218,6 +218,12 @@ class StoreError(CkptdError, OSError):
     code = "store_error"
 
 
+class StagingError(StoreError):
+    """The staging pool could not be created or grown (no memory left to map)."""
+
+    code = "staging_failed"
+
+
 class SnapshotSkipped(CkptdError):
     """A save was skipped because one was in flight and the policy says skip."""
 
@@ -320,6 +326,7 @@ HTTP_STATUS: dict[str, int] = {
     "snapshot_skipped": 409,
     "restore_failed": 500,
     "invalid_policy": 400,
+    "staging_failed": 507,
     "rollback_requested": 409,
 }
 

@@ -4,6 +4,8 @@ explicit arguments (which always win, by being passed where these are read)."""
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 MiB = 1 << 20
 
@@ -122,3 +124,13 @@ def cache_dir() -> str | None:
     """A local directory store restores read chunks from before peers and the store
     (what ``ckptd restore --to DIR`` fills)."""
     return os.environ.get("CKPTD_CACHE_DIR") or None
+
+
+def shm_dir() -> Path:
+    """Where staging pools live: ``CKPTD_SHM_DIR``, else ``/dev/shm``, else the
+    temporary directory."""
+    raw = os.environ.get("CKPTD_SHM_DIR")
+    if raw:
+        return Path(raw)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())

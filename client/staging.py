@@ -110,7 +110,6 @@ import secrets
 import shutil
 import struct
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -121,7 +120,8 @@ from typing import Any
 
 import torch
 
-from ckptd.errors import InvalidRequest, StoreError
+from ckptd.errors import InvalidRequest, StagingError
+from ckptd.knobs import shm_dir
 
 from . import cuda
 from .state import dtype_name
@@ -141,22 +141,6 @@ _GEN_AT = 8
 _PID_AT = 16
 _BOUNCE = 16 * 1024 * 1024  # bytes of a non-contiguous tensor gathered at once
 _KEEP_FACTOR = 1.5  # rebuild the pool when it is this much larger than the state
-
-
-class StagingError(StoreError):
-    """The staging pool could not be created or grown (no memory left to map).
-
-    TODO(errors.py): move to ``ckptd.errors`` with its own code."""
-
-
-def shm_dir() -> Path:
-    """Where staging pools live: ``CKPTD_SHM_DIR``, else ``/dev/shm``, else the
-    temporary directory. (Belongs in ``ckptd.knobs`` as ``shm_dir()``.)"""
-    raw = os.environ.get("CKPTD_SHM_DIR")
-    if raw:
-        return Path(raw)
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
 def _user_root(root: Path | None) -> Path:
