@@ -79,6 +79,7 @@ from ckptd.format import RankManifest, TensorEntry, canonical_json, check_job, c
 from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MiB
 
+from .pipeline import upload_missing
 from .state import byte_view, dtype_name, torch_dtype, unflatten, value_tree
 from .transport import Transport, open_transport
 
@@ -374,7 +375,7 @@ class Writer(StorageWriter):
         claimer = f"{self.job}/{info.rank}"
 
         async def work(transport: Transport) -> tuple[int, int]:
-            sent = await _upload_chunks(transport, data, claimer)
+            sent = await upload_missing(transport, data, claimer)
             await transport.put_manifest(manifest)
             return sent
 
@@ -496,36 +497,6 @@ def _hash_tensors(
             )
         )
     return entries, data
-
-
-async def _upload_chunks(
-    transport: Transport, data: dict[str, memoryview], claimer: str, poll: float = 0.05
-) -> tuple[int, int]:
-    """Sends the chunks the store lacks (claiming them), waits for those another
-    caller claimed; (chunks sent, bytes sent)."""
-    sent = [0, 0]
-
-    async def put(cid: str) -> None:
-        await transport.put_chunk(cid, data[cid])
-        sent[0] += 1
-        sent[1] += len(data[cid])
-
-    async def ask(ids: list[str]) -> list[str]:
-        waiting: list[str] = []
-        batch = knobs.missing_batch()
-        for i in range(0, len(ids), batch):
-            answer = await transport.missing_chunks(ids[i : i + batch], claimer)
-            await _each(answer.missing, put, knobs.upload_concurrency())
-            waiting.extend(answer.in_flight)
-        return waiting
-
-    in_flight = await ask(list(data))
-    delay = poll
-    while in_flight:  # another caller sends these; a lapsed claim comes back to us
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
-        in_flight = await ask(in_flight)
-    return sent[0], sent[1]
 
 
 # -- the reader ---------------------------------------------------------------------------

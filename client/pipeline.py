@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -157,6 +157,50 @@ def _hash_jobs(piece: StagedPiece, chunk_size: int) -> list[tuple[int, int, list
     return jobs
 
 
+async def upload_missing(
+    transport: Transport,
+    data: Mapping[str, memoryview],
+    claimer: str,
+    *,
+    poll: float = 0.05,
+    what: str = "",
+) -> tuple[int, int]:
+    """Sends the chunks of ``data`` the store lacks (claiming them for ``claimer``)
+    and waits for those another replica claimed; returns (chunks, bytes) sent.
+
+    The buffers in ``data`` stay the caller's until this returns: a claim that
+    lapses comes back missing, to us, and then we send it."""
+    sent = [0, 0]
+
+    async def upload(cid: str) -> None:
+        chunk = data[cid]
+        await transport.put_chunk(cid, chunk)
+        sent[0] += 1
+        sent[1] += len(chunk)
+
+    async def ask(ids: list[str]) -> list[str]:
+        """Sends what is missing among ``ids``; returns those in flight elsewhere."""
+        waiting: list[str] = []
+        batch = knobs.missing_batch()
+        for i in range(0, len(ids), batch):
+            answer = await transport.missing_chunks(ids[i : i + batch], claimer)
+            await bounded(answer.missing, upload, knobs.upload_concurrency())
+            waiting.extend(answer.in_flight)
+        return waiting
+
+    in_flight = await ask(list(data))
+    delay = poll
+    while in_flight:
+        # Another replica claimed these and is sending them. Ask again: sent ones
+        # are gone from the answer, and a claim that lapsed comes back missing.
+        log.debug("%s %s: waiting for %d chunks another replica sends",
+                  claimer, what, len(in_flight))
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+        in_flight = await ask(in_flight)
+    return sent[0], sent[1]
+
+
 async def _hash_piece(piece: StagedPiece, chunk_size: int) -> list[list[str]]:
     """The chunk ids of every span of a staged piece, hashed in worker threads
     straight from the pool (slices of its mapping: no copy). Chunks from
@@ -257,35 +301,11 @@ class SnapshotUpload:
         return data
 
     async def _upload(self, data: dict[str, memoryview]) -> None:
-        transport = self.transport
-
-        async def upload(cid: str) -> None:
-            chunk = data[cid]
-            await transport.put_chunk(cid, chunk)
-            self.chunks_sent += 1
-            self.bytes_sent += len(chunk)
-
-        async def ask(batch_ids: list[str]) -> list[str]:
-            """Sends what is missing among ``batch_ids``; returns those in flight elsewhere."""
-            waiting: list[str] = []
-            batch = knobs.missing_batch()
-            for i in range(0, len(batch_ids), batch):
-                answer = await transport.missing_chunks(batch_ids[i : i + batch], self.claimer)
-                await bounded(answer.missing, upload, knobs.upload_concurrency())
-                waiting.extend(answer.in_flight)
-            return waiting
-
-        in_flight = await ask(list(data))
-        delay = self.poll
-        while in_flight:
-            # Another replica claimed these and is sending them. Ask again: sent ones
-            # are gone from the answer, and a claim that lapsed comes back missing, to
-            # us. The piece's buffers stay ours until then: we may have to send them.
-            log.debug("%s step %d: waiting for %d chunks another replica sends",
-                      self.claimer, self.snap.step, len(in_flight))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            in_flight = await ask(in_flight)
+        sent, nbytes = await upload_missing(
+            self.transport, data, self.claimer, poll=self.poll, what=f"step {self.snap.step}"
+        )
+        self.chunks_sent += sent
+        self.bytes_sent += nbytes
         self._handled.update(data)
 
     def chunks_of(self, piece: StagedPiece) -> dict[str, memoryview]:
