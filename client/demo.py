@@ -117,7 +117,10 @@ def run_demo(
             return False
         console.print(f"   done in {time.monotonic() - t0:.1f}s")
         kill_at = steps // 2 - 3
-        console.print(f"2. faulty run: rank {nproc - 1} is killed (SIGKILL) at step {kill_at}")
+        console.print(
+            f"2. faulty run: rank {nproc - 1} is killed (SIGKILL) at step {kill_at} "
+            "(or later, once a checkpoint has committed)"
+        )
         t0 = time.monotonic()
         rc = _torchrun(url, "faulty", steps, nproc, events, logs / "faulty.log", kill=True)
         if rc != 0:

@@ -87,7 +87,11 @@ def main() -> None:
 
     pending = None
     while step < args.steps:
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_at:
+        # Die at the planned step, or later if no checkpoint has committed yet (a
+        # loaded machine may still be uploading the first one): a failure with
+        # nothing to restore would show nothing.
+        if (attempt == 0 and rank == args.kill_rank and step >= args.kill_at
+                and ckpt.latest() is not None):
             log_event(events, kind="killed", rank=rank, step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(step, rank)
