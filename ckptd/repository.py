@@ -104,18 +104,40 @@ class VerifyReport:
 
 
 class _Claims:
-    """Short leases on chunk ids a caller promised to send (soft state)."""
+    """Short leases on chunk ids a caller promised to send (soft state).
+
+    A missing-chunks call checks the store, then takes leases: two steps, with
+    awaits between them. A replica that finishes a chunk in that gap releases its
+    lease before the late caller looks, so the late caller would see the chunk
+    absent and unclaimed and send it again. Each call therefore opens a window
+    (``begin``) before it checks the store, and ``split`` treats an id stored
+    since its window opened as present. Stored ids are remembered only while a
+    window older than them is still open."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, tuple[str, float]] = {}
+        self._seq = 0
+        self._open: dict[int, int] = {}  # window start -> calls open since then
+        self._stored: dict[str, int] = {}  # id -> seq at which it was stored
 
-    def split(self, ids: Iterable[str], claimer: str, lease: float) -> tuple[list[str], list[str]]:
+    def begin(self) -> int:
+        with self._lock:
+            self._open[self._seq] = self._open.get(self._seq, 0) + 1
+            return self._seq
+
+    def split(
+        self, ids: Iterable[str], claimer: str, lease: float, since: int
+    ) -> tuple[list[str], list[str]]:
+        """(ids now leased to ``claimer``, ids another claimer holds). Ids stored
+        after window ``since`` opened are in neither."""
         now = time.monotonic()
         mine: list[str] = []
         theirs: list[str] = []
         with self._lock:
             for cid in ids:
+                if self._stored.get(cid, -1) >= since:
+                    continue  # stored while the caller was checking the store
                 held = self._leases.get(cid)
                 if held is None or held[1] <= now or held[0] == claimer:
                     self._leases[cid] = (claimer, now + lease)
@@ -126,9 +148,23 @@ class _Claims:
                 self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
         return mine, theirs
 
-    def release(self, cid: str) -> None:
+    def end(self, since: int) -> None:
+        with self._lock:
+            left = self._open.pop(since) - 1
+            if left:
+                self._open[since] = left
+            oldest = min(self._open, default=self._seq + 1)
+            if self._stored and oldest > self._seq:
+                self._stored.clear()
+            elif len(self._stored) > 4096:
+                self._stored = {k: v for k, v in self._stored.items() if v >= oldest}
+
+    def release(self, cid: str, *, stored: bool) -> None:
         with self._lock:
             self._leases.pop(cid, None)
+            if stored and self._open:
+                self._stored[cid] = self._seq
+                self._seq += 1
 
 
 class Repository:
@@ -159,11 +195,21 @@ class Repository:
         if len(ids) > knobs.missing_batch():
             raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
         unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
-        present = await self.store.exists_many([chunk_key(cid) for cid in unique])
-        absent = [cid for cid, ok in zip(unique, present, strict=True) if not ok]
         if claimer is None:
-            return MissingResult(missing=absent, in_flight=[])
-        mine, theirs = self._claims.split(absent, claimer, lease or knobs.claim_lease())
+            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            return MissingResult(
+                missing=[cid for cid, ok in zip(unique, present, strict=True) if not ok],
+                in_flight=[],
+            )
+        since = self._claims.begin()
+        try:
+            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            absent = [cid for cid, ok in zip(unique, present, strict=True) if not ok]
+            mine, theirs = self._claims.split(
+                absent, claimer, lease or knobs.claim_lease(), since
+            )
+        finally:
+            self._claims.end(since)
         return MissingResult(missing=mine, in_flight=theirs)
 
     async def has_chunk(self, cid: str) -> bool:
@@ -177,6 +223,7 @@ class Repository:
         ``digest`` is the hash the caller already computed while streaming the body
         in (the server does); it is then trusted instead of hashing twice."""
         check_chunk_id(cid)
+        stored = False
         try:
             # Whatever happens here, the caller's claim ends: a refused or failed
             # upload must not leave other replicas waiting out the lease.
@@ -189,9 +236,11 @@ class Repository:
                 raise ChunkHashMismatch(
                     f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
                 )
-            return await self.store.put_if_absent(chunk_key(cid), data)
+            created = await self.store.put_if_absent(chunk_key(cid), data)
+            stored = True
+            return created
         finally:
-            self._claims.release(cid)
+            self._claims.release(cid, stored=stored)
 
     async def get_chunk(self, cid: str, *, verify: bool = True) -> bytes:
         try:

@@ -170,6 +170,50 @@ async def test_missing_chunks_and_claims(repo: Repository) -> None:
         await repo.missing_chunks(["nope"])
 
 
+class _SlowExists(MemoryStore):
+    """A memory store whose existence checks wait for a gate: the window in which
+    another replica can finish a chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checking = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        answer = await super().exists_many(keys)
+        self.checking.set()
+        await self.gate.wait()
+        return answer
+
+
+async def test_a_chunk_stored_while_another_caller_checks_is_not_sent_again() -> None:
+    """rank1 checks the store, rank0 finishes the chunk and lets go of its lease,
+    then rank1 looks at the leases: the chunk must count as stored, not as free."""
+    store = _SlowExists()
+    repo = Repository(store)
+    cid = chunk_id(b"x")
+    store.gate.set()
+    assert (await repo.missing_chunks([cid], claimer="rank0")).missing == [cid]
+    store.gate.clear()
+    store.checking.clear()
+    late = asyncio.create_task(repo.missing_chunks([cid], claimer="rank1"))
+    await store.checking.wait()  # rank1 saw the chunk absent
+    await repo.put_chunk(cid, b"x")  # rank0 sends it; its lease ends
+    store.gate.set()
+    answer = await late
+    assert answer.missing == [] and answer.in_flight == []
+    assert repo._claims._stored == {}  # nothing remembered once no check is open
+
+
+async def test_a_failed_upload_frees_the_chunk_for_the_next_caller() -> None:
+    repo = Repository(MemoryStore())
+    cid = chunk_id(b"y")
+    assert (await repo.missing_chunks([cid], claimer="rank0")).missing == [cid]
+    with pytest.raises(ChunkHashMismatch):
+        await repo.put_chunk(cid, b"not y")
+    assert (await repo.missing_chunks([cid], claimer="rank1")).missing == [cid]
+
+
 async def test_missing_chunks_batch_limit(repo: Repository, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     monkeypatch.setenv("CKPTD_MISSING_BATCH", "2")
