@@ -189,6 +189,13 @@ class AlreadyCommitted(Conflict):
     code = "already_committed"
 
 
+class Superseded(Conflict):
+    """A rank manifest saved in a timeline that a rollback has since ended: the
+    rank must restore the rollback's step before its saves count again."""
+
+    code = "superseded"
+
+
 class RefConflict(Conflict):
     """A compare-and-swap of a ref lost against a concurrent writer."""
 
@@ -318,6 +325,7 @@ HTTP_STATUS: dict[str, int] = {
     "chunk_layout_mismatch": 409,
     "conflict": 409,
     "already_committed": 409,
+    "superseded": 409,
     "ref_conflict": 409,
     "not_committed": 409,
     "unavailable": 503,

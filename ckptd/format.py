@@ -23,6 +23,8 @@ FORMAT_VERSION: Final = 1
 MANIFEST_FORMAT: Final = "ckptd.rank_manifest"
 COMMIT_FORMAT: Final = "ckptd.commit"
 REF_FORMAT: Final = "ckptd.ref"
+TIMELINE_FORMAT: Final = "ckptd.timeline"
+EPOCH_META: Final = "epoch"  # the rank manifest's meta key naming its timeline
 
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -98,6 +100,10 @@ def commit_key(job: str, step: int) -> str:
 
 def latest_key(job: str) -> str:
     return f"{job_prefix(job)}refs/latest"
+
+
+def timeline_key(job: str) -> str:
+    return f"{job_prefix(job)}refs/timeline"
 
 
 # -- canonical JSON ---------------------------------------------------------------------
@@ -201,6 +207,7 @@ class RankManifest(_Document):
         check_job(self.job)
         check_step(self.step)
         check_rank(self.rank, self.world_size)
+        manifest_epoch(self)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidDocument(
                 f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
@@ -369,3 +376,37 @@ class Ref(_Document):
             return cls.model_validate(doc)
         except ValidationError as exc:
             raise _pydantic_error(exc, "ref") from None
+
+
+class Timeline(_Document):
+    """How many rollbacks a job has had (``epoch``) and the last one's target.
+
+    Every rollback starts a new timeline; a rank manifest names the timeline it
+    was saved in (``meta["epoch"]``, 0 when absent), and only manifests of the
+    job's current timeline are accepted or committed. Unlike the rollback
+    marker it is never deleted: clearing a rollback keeps the count."""
+
+    format: Literal["ckptd.timeline"] = TIMELINE_FORMAT
+    version: Literal[1] = FORMAT_VERSION
+    epoch: int = Field(ge=1)
+    step: int
+    commit: str
+
+    @classmethod
+    def parse(cls, data: bytes) -> Timeline:
+        doc = _parse_json(data, "timeline")
+        _check_header(doc, TIMELINE_FORMAT, "timeline")
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            raise _pydantic_error(exc, "timeline") from None
+
+
+def manifest_epoch(manifest: RankManifest) -> int:
+    """The timeline a rank manifest was saved in (0: before any rollback)."""
+    epoch = manifest.meta.get(EPOCH_META, 0)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise InvalidDocument(
+            f"rank manifest meta {EPOCH_META!r} must be a non-negative integer, not {epoch!r}"
+        )
+    return epoch

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -30,6 +30,7 @@ from ckptd.errors import (
     MissingChunks,
     NotCommitted,
     NotFound,
+    Superseded,
     TooLarge,
     WorldSizeMismatch,
 )
@@ -40,6 +41,7 @@ from ckptd.format import (
     ManifestRef,
     RankManifest,
     Ref,
+    Timeline,
     canonical_json,
     check_chunk_id,
     check_job,
@@ -48,8 +50,10 @@ from ckptd.format import (
     commit_key,
     job_prefix,
     latest_key,
+    manifest_epoch,
     manifest_key,
     step_prefix,
+    timeline_key,
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.store.base import Store
@@ -101,6 +105,15 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not (self.bad_chunks or self.missing_chunks or self.bad_manifests)
+
+
+class RollbackSet(NamedTuple):
+    """What ``set_rollback`` did: the marker, the job's timeline, and whether this
+    call started it (False: the rollback asked for was already set)."""
+
+    marker: Ref
+    epoch: int
+    started: bool
 
 
 class _Claims:
@@ -261,7 +274,10 @@ class Repository:
         """Stores a rank manifest once every chunk it names is in the store.
 
         Manifests are immutable: putting the same one again is a no-op, a different
-        one for the same job, step and rank is a ``Conflict``."""
+        one for the same job, step and rank is a ``Conflict``. The one exception is
+        a manifest of an ended timeline (saved before a rollback): a manifest of the
+        current timeline replaces it. A manifest of an ended timeline is refused
+        (``Superseded``)."""
         if isinstance(manifest, bytes | bytearray | memoryview):
             if len(manifest) > knobs.max_manifest_bytes():
                 raise TooLarge(f"manifest of {len(manifest)} bytes")
@@ -286,6 +302,9 @@ class Repository:
                 step=manifest.step,
                 rank=manifest.rank,
             )
+        epoch = manifest_epoch(manifest)
+        await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
+                                f"{manifest.step}")
         ids = sorted(manifest.chunk_ids())
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
@@ -296,23 +315,52 @@ class Repository:
                 count=len(lacking),
                 ids=lacking[:20],
             )
-        if await self.store.put_if_absent(key, data):
-            return manifest.digest()
-        existing = await self.store.get(key)
-        if existing == data:
-            return manifest.digest()
-        if await self.store.exists(commit_key(manifest.job, manifest.step)):
-            raise AlreadyCommitted(
-                f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
-                "manifest cannot change"
+        for _ in range(100):
+            if await self.store.put_if_absent(key, data):
+                return manifest.digest()
+            try:
+                existing = await self.store.get(key)
+            except NotFound:
+                continue  # deleted in between: try again
+            if existing == data:
+                return manifest.digest()
+            if await self.store.exists(commit_key(manifest.job, manifest.step)):
+                raise AlreadyCommitted(
+                    f"step {manifest.step} of {manifest.job} is committed; rank "
+                    f"{manifest.rank}'s manifest cannot change"
+                )
+            if manifest_epoch(RankManifest.parse(existing)) >= epoch:
+                raise Conflict(
+                    f"rank {manifest.rank} already put a different manifest for step "
+                    f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
+                    "a new step",
+                    job=manifest.job,
+                    step=manifest.step,
+                    rank=manifest.rank,
+                )
+            # Saved before a rollback: this timeline's manifest takes its place.
+            if await self.store.compare_and_swap(key, existing, data):
+                log.info("%s step %d rank %d: a manifest of timeline %d replaces one saved "
+                         "before the rollback", manifest.job, manifest.step, manifest.rank, epoch)
+                return manifest.digest()
+        raise Conflict(f"could not put rank {manifest.rank}'s manifest of step {manifest.step} "
+                       f"of {manifest.job}: too much contention")
+
+    async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
+        """Refuses work of a timeline other than the job's current one."""
+        current = await self.epoch(job)
+        if epoch < current:
+            raise Superseded(
+                f"{what} of {job} was saved in timeline {epoch}, which a rollback ended "
+                f"(the job is in timeline {current}); restore the rollback's step first",
+                job=job, epoch=epoch, current=current,
             )
-        raise Conflict(
-            f"rank {manifest.rank} already put a different manifest for step {manifest.step} "
-            f"of {manifest.job}; manifests are immutable, save under a new step",
-            job=manifest.job,
-            step=manifest.step,
-            rank=manifest.rank,
-        )
+        if epoch > current:
+            raise Conflict(
+                f"{what} of {job} names timeline {epoch}, but the job is in timeline "
+                f"{current}", job=job, epoch=epoch, current=current,
+            )
+        return current
 
     async def _ranks_present(self, job: str, step: int) -> list[int]:
         names = await self.store.list_dir(f"{step_prefix(job, step)}ranks/")
@@ -375,7 +423,22 @@ class Repository:
         ranks = await self._ranks_present(job, step)
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
-        first = await self._read_manifest_raw(job, step, ranks[0])
+        epoch = await self.epoch(job)
+        if epoch == 0:
+            # No rollback ever: every manifest is of this timeline, and one says the
+            # world size (the others are read once all are in).
+            first = await self._read_manifest_raw(job, step, ranks[0])
+            current: dict[int, RankManifest] = {first.rank: first}
+        else:
+            # Manifests saved before the last rollback count as absent: their ranks
+            # put this timeline's manifest in their place when they get there.
+            read = await asyncio.gather(*(self._read_manifest_raw(job, step, r) for r in ranks))
+            current = {m.rank: m for m in read if manifest_epoch(m) == epoch}
+            if not current:
+                world = read[0].world_size
+                return CommitStatus("pending", job, step, world, list(range(world)))
+            ranks = sorted(current)
+            first = current[ranks[0]]
         world = first.world_size
         if ranks[-1] >= world:  # such a rank said another world size: never committable
             raise WorldSizeMismatch(
@@ -387,9 +450,16 @@ class Repository:
         if missing:
             return CommitStatus("pending", job, step, world, missing)
 
-        manifests = [first] + list(
-            await asyncio.gather(*(self._read_manifest_raw(job, step, r) for r in ranks[1:world]))
-        )
+        rest = [r for r in ranks if r not in current]
+        current.update(zip(rest, await asyncio.gather(
+            *(self._read_manifest_raw(job, step, r) for r in rest)), strict=True))
+        manifests = [current[r] for r in range(world)]
+        if any(manifest_epoch(m) != epoch for m in manifests):
+            # A rollback began while this step was being put together.
+            raise Superseded(
+                f"step {step} of {job} mixes manifests from before and after a rollback; "
+                "it cannot commit", job=job, step=step, current=epoch,
+            )
         report = validate_step(manifests, replica_mismatch=self.replica_mismatch)
         ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
         present = await self.store.exists_many([chunk_key(c) for c in ids])
@@ -411,6 +481,11 @@ class Repository:
             committed_at=self._clock(),
             meta=dict(meta or {}),
         )
+        if await self.epoch(job) != epoch:  # a rollback began while we validated
+            raise Superseded(
+                f"a rollback ended the timeline of step {step} of {job} before it could "
+                "commit", job=job, step=step, current=epoch,
+            )
         if not await self.store.put_if_absent(commit_key(job, step), record.canonical()):
             record = await self.read_commit(job, step)  # a concurrent commit won
         else:
@@ -569,21 +644,60 @@ class Repository:
             return None
         return Ref.parse(data)
 
-    async def set_rollback(self, job: str, step: int) -> Ref:
+    async def epoch(self, job: str) -> int:
+        """The job's current timeline: how many rollbacks it has had (0: none)."""
+        timeline = await self.timeline(job)
+        return timeline.epoch if timeline is not None else 0
+
+    async def timeline(self, job: str) -> Timeline | None:
+        try:
+            data = await self.store.get(timeline_key(check_job(job)))
+        except NotFound:
+            return None
+        return Timeline.parse(data)
+
+    async def set_rollback(self, job: str, step: int, *, from_epoch: int | None = None
+                           ) -> RollbackSet:
         """Marks ``job`` to go back to committed ``step`` (``NotCommitted`` or
-        ``CheckpointNotFound`` otherwise). Replaces any marker there, by CAS."""
+        ``CheckpointNotFound`` otherwise) and starts a new timeline: manifests saved
+        before it are refused from now on.
+
+        ``from_epoch`` is the timeline the asking rank is in. A rank that has not yet
+        rolled back to the latest rollback asks from an ended timeline: its request
+        is already answered, and the current marker and epoch come back unchanged."""
         record = await self.read_commit(job, step)
         new = Ref(step=step, commit=record.digest())
-        data = new.canonical()
-        key = self._rollback_key(job)
+        # The timeline first: between the two writes, saves are refused until the
+        # marker tells the ranks to roll back; the other order could let a rank
+        # restore, see the old epoch and keep it.
+        key = timeline_key(job)
         for _ in range(100):
             try:
                 current: bytes | None = await self.store.get(key)
             except NotFound:
                 current = None
+            epoch = Timeline.parse(current).epoch if current is not None else 0
+            if from_epoch is not None and from_epoch < epoch:
+                marker = await self.read_rollback(job)
+                if marker is not None:
+                    return RollbackSet(marker, epoch, started=False)
+                # (that rollback was cleared since: this one is new)
+            data = Timeline(epoch=epoch + 1, step=step, commit=new.commit).canonical()
+            if await self.store.compare_and_swap(key, current, data):
+                epoch += 1
+                break
+        else:
+            raise Conflict(f"could not start a new timeline of {job}: too much contention")
+        data = new.canonical()
+        key = self._rollback_key(job)
+        for _ in range(100):
+            try:
+                current = await self.store.get(key)
+            except NotFound:
+                current = None
             if current == data or await self.store.compare_and_swap(key, current, data):
-                log.info("rollback of %s set to step %d", job, step)
-                return new
+                log.info("rollback of %s set to step %d (timeline %d)", job, step, epoch)
+                return RollbackSet(new, epoch, started=True)
         raise Conflict(f"could not set the rollback marker of {job}: too much contention")
 
     async def clear_rollback(self, job: str) -> bool:

@@ -37,6 +37,7 @@ from ckptd.errors import (
     UnsupportedValue,
 )
 from ckptd.format import (
+    EPOCH_META,
     Placement,
     canonical_json,
     check_job,
@@ -268,6 +269,11 @@ class Checkpointer:
             asyncio.run(self._transport.close())
             raise
         self._loop = EventLoopThread(f"ckptd-{job}-{rank}")
+        # The job's timeline this rank is in (how many rollbacks the job had when
+        # it started or last restored), stamped on every manifest: saves of a
+        # timeline a rollback ended are refused. Asked for now, in the background.
+        self._epoch: int | None = None
+        self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
         # The future of the last snapshot's work that reads the staging pool: the
         # pool is overwritten only once it is done.
         self._inflight: concurrent.futures.Future[Any] | None = None
@@ -410,10 +416,15 @@ class Checkpointer:
         )
         placements = self._placements(flat.tensors, shards or {}, local, layouts)
         meta = dict(meta or {})
+        if EPOCH_META in meta:
+            raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
         try:
             canonical_json(meta)
         except (TypeError, ValueError) as exc:
             raise UnsupportedValue(f"meta is not plain JSON: {exc}") from None
+        epoch = self._timeline()
+        if epoch:
+            meta[EPOCH_META] = epoch
         with self._lock:
             self._check_open()
             waited = 0.0
@@ -650,9 +661,34 @@ class Checkpointer:
                 self._service.adopted(fetched.adopted, fetched.pool, beat=False)
             else:
                 fetched.pool.close()
+        self._join_timeline()
         if self._health is not None:
             self._health.acknowledge_rollback(result.step)
         return result
+
+    def _timeline(self) -> int:
+        """The timeline this rank's saves belong to (0 when it cannot be learnt: the
+        server then refuses the save as superseded if the job has had a rollback)."""
+        if self._epoch is None:
+            try:
+                self._epoch = self._epoch_call.result(self.timeout)
+            except Exception as exc:
+                log.warning("%s/%d: cannot learn the job's timeline: %s", self.job, self.rank,
+                            exc)
+                self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
+                return 0
+        return self._epoch
+
+    def _join_timeline(self) -> None:
+        """After a restore this rank holds committed state: its saves from now on
+        belong to the job's current timeline."""
+        try:
+            self._epoch = self._loop.run(self._transport.epoch(self.job), self.timeout)
+        except Exception as exc:
+            log.warning("%s/%d: cannot learn the job's timeline after a restore: %s",
+                        self.job, self.rank, exc)
+            self._epoch = None
+            self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
 
     # -- the training loop's health ---------------------------------------------------
 
@@ -690,6 +726,7 @@ class Checkpointer:
 
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
+        self._join_timeline()
         self._health_agent().acknowledge_rollback(step)
 
     def _health_agent(self) -> HealthAgent:
@@ -701,6 +738,7 @@ class Checkpointer:
                     self.url, self.job, self.rank, self.world_size, self._token,
                     policy=self._health_policy, sources=self._health_sources,
                     heartbeat=self._service.heartbeat, latest=self.latest,
+                    epoch=lambda: self._epoch,
                     disk_paths=[str(self._staging.root), *([self.cache_dir] if self.cache_dir
                                                            else [])],
                     timeout=self.timeout or 10.0,

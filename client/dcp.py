@@ -75,7 +75,14 @@ from ckptd.errors import (
     Timeout,
     UnsupportedValue,
 )
-from ckptd.format import RankManifest, TensorEntry, canonical_json, check_job, check_step
+from ckptd.format import (
+    EPOCH_META,
+    RankManifest,
+    TensorEntry,
+    canonical_json,
+    check_job,
+    check_step,
+)
 from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MiB
 
@@ -375,8 +382,13 @@ class Writer(StorageWriter):
         claimer = f"{self.job}/{info.rank}"
 
         async def work(transport: Transport) -> tuple[int, int]:
+            # DCP saves keep no state between calls: each joins the job's timeline
+            # as it is when it writes (see Checkpointer for fenced saves).
+            epoch = await transport.epoch(self.job)
+            stamped = (manifest if not epoch else
+                       manifest.model_copy(update={"meta": {**manifest.meta, EPOCH_META: epoch}}))
             sent = await upload_missing(transport, data, claimer)
-            await transport.put_manifest(manifest)
+            await transport.put_manifest(stamped)
             return sent
 
         chunks_sent, bytes_sent = _run(self.url, self.token, work, self.timeout)

@@ -107,6 +107,7 @@ class HealthAgent:
         heartbeat: Heartbeat | None = None,
         heartbeat_interval: float | None = None,
         latest: Callable[[], int | None] | None = None,
+        epoch: Callable[[], int | None] | None = None,
         disk_paths: Iterable[str | os.PathLike[str]] = (),
         gpus: Sequence[int | str] | None = None,
         timeout: float = 10.0,
@@ -131,6 +132,7 @@ class HealthAgent:
             found.append(RttSource())
         self.probe = HealthProbe(policy, found, on_action=self._on_action)
         self._latest_fn = latest
+        self._epoch_fn = epoch
         self._lock = threading.Lock()
         self._closed = False
         self._client: httpx.Client | None = None
@@ -454,8 +456,13 @@ class HealthAgent:
                       self.rank, action.step, target)
             return target
         reason = _clip(f"rank {self.rank}: {action.reason}")
-        resp = self._client.post(f"/v1/jobs/{self.job}/rollback",
-                                 json={"step": target, "reason": reason})
+        body: dict[str, Any] = {"step": target, "reason": reason}
+        # The timeline this rank is in: when a rollback already ended it (another
+        # rank's NaN), this request is answered by that rollback, not a new one.
+        epoch = self._epoch_fn() if self._epoch_fn is not None else None
+        if epoch is not None:
+            body["from_epoch"] = epoch
+        resp = self._client.post(f"/v1/jobs/{self.job}/rollback", json=body)
         if resp.status_code != 200:
             log.error("%s/%d: setting the rollback marker to step %d answered %d: %s",
                       self.job, self.rank, target, resp.status_code, resp.text[:200])

@@ -77,6 +77,10 @@ class Transport(ABC):
         """The newest committed step of ``job``, or None."""
 
     @abstractmethod
+    async def epoch(self, job: str) -> int:
+        """The job's timeline: how many rollbacks it has had. Manifests carry it."""
+
+    @abstractmethod
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         """The commit record of a committed step."""
 
@@ -136,6 +140,9 @@ class LocalTransport(Transport):
 
     async def latest(self, job: str) -> int | None:
         return await self.repository.latest(check_job(job))
+
+    async def epoch(self, job: str) -> int:
+        return await self.repository.epoch(job)
 
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         return await self.repository.read_commit(job, step)
@@ -321,6 +328,11 @@ class HttpTransport(Transport):
         except CheckpointNotFound:
             return None
         return int(resp.json()["step"])
+
+    async def epoch(self, job: str) -> int:
+        check_job(job)
+        resp = await self._request("GET", f"/v1/jobs/{job}/rollback")
+        return int(resp.json()["epoch"])
 
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         check_job(job)

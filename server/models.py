@@ -218,10 +218,19 @@ class SnapshotReply(_Body):
 class RollbackRequest(_Body):
     step: StepField
     reason: Reason = "manual"
+    from_epoch: int | None = Field(
+        default=None, ge=0,
+        description="The timeline the asking rank is in. When a rollback has ended it "
+        "since, the request is already answered: the current marker comes back unchanged.",
+    )
 
 
 class RollbackReply(_Body):
     rollback_to: int | None
+    epoch: int = Field(
+        description="The job's timeline: how many rollbacks it has had. Rank manifests "
+        "carry it in meta.epoch; those of an ended timeline are refused (409 superseded)."
+    )
 
 
 class EventBody(_Body):

@@ -60,10 +60,22 @@ async def request_snapshot(
 async def set_rollback(
     job: JobDep, body: RollbackRequest, repo: RepoDep, registry: RegistryDep, views: ViewsDep
 ) -> RollbackReply:
-    ref = await repo.set_rollback(job, body.step)
-    views.set_rollback(job, ref)
-    registry.add_event(job, "rollback_set", step=ref.step, reason=body.reason)
-    return RollbackReply(rollback_to=ref.step)
+    done = await repo.set_rollback(job, body.step, from_epoch=body.from_epoch)
+    views.set_rollback(job, done.marker)
+    if done.started:  # not a second rank asking for the rollback already set
+        registry.add_event(job, "rollback_set", step=done.marker.step, reason=body.reason)
+    return RollbackReply(rollback_to=done.marker.step, epoch=done.epoch)
+
+
+@router.get(
+    "/{job}/rollback",
+    response_model=RollbackReply,
+    summary="The job's rollback marker (if any) and its timeline",
+)
+async def read_rollback(job: JobDep, repo: RepoDep) -> RollbackReply:
+    ref = await repo.read_rollback(job)
+    return RollbackReply(rollback_to=ref.step if ref is not None else None,
+                         epoch=await repo.epoch(job))
 
 
 @router.delete(
@@ -77,7 +89,7 @@ async def clear_rollback(
     if await repo.clear_rollback(job):
         registry.add_event(job, "rollback_cleared")
     views.set_rollback(job, None)
-    return RollbackReply(rollback_to=None)
+    return RollbackReply(rollback_to=None, epoch=await repo.epoch(job))
 
 
 @router.get(

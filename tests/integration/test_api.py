@@ -188,6 +188,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/jobs/{job}/snapshot-requests", "post"),
         ("/v1/jobs/{job}/rollback", "post"),
         ("/v1/jobs/{job}/rollback", "delete"),
+        ("/v1/jobs/{job}/rollback", "get"),
         ("/v1/jobs/{job}/events", "get"),
         ("/v1/overview", "get"),
         ("/metrics", "get"),
@@ -617,7 +618,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 20
+    assert len(routes) == 21
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},

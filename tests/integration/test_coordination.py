@@ -179,7 +179,8 @@ def test_rollback_route_shows_in_heartbeat_replies(
     commit_step(client, job, 40, 2)
     beat(client, job, 0, 2, step=45)
     r = client.post(f"/v1/jobs/{job}/rollback", json={"step": 30, "reason": "loss is NaN"})
-    assert r.status_code == 200 and r.json() == {"rollback_to": 30}
+    assert r.status_code == 200 and r.json() == {"rollback_to": 30, "epoch": 1}
+    assert client.get(f"/v1/jobs/{job}/rollback").json() == {"rollback_to": 30, "epoch": 1}
     assert beat(client, job, 0, 2, step=46)["rollback_to"] == 30
     assert ranks(client, job)["rollback_to"] == 30
     # Durable: a ref in the store naming the committed step and its commit record.
@@ -192,12 +193,31 @@ def test_rollback_route_shows_in_heartbeat_replies(
     assert (event["kind"], event["step"], event["reason"]) == ("rollback_set", 30, "loss is NaN")
 
     r = client.delete(f"/v1/jobs/{job}/rollback")
-    assert r.status_code == 200 and r.json() == {"rollback_to": None}
+    assert r.status_code == 200 and r.json() == {"rollback_to": None, "epoch": 1}
     assert beat(client, job, 0, 2, step=47)["rollback_to"] is None
     assert not (srv.store / "jobs" / job / "refs" / "rollback").exists()
     assert events(client, job)[-1]["kind"] == "rollback_cleared"
-    # Clearing twice is fine.
+    # Clearing twice is fine; the timeline stays.
     assert client.delete(f"/v1/jobs/{job}/rollback").status_code == 200
+    assert client.get(f"/v1/jobs/{job}/rollback").json() == {"rollback_to": None, "epoch": 1}
+
+
+def test_rollback_asked_again_from_the_ended_timeline_is_one_rollback(
+    client: httpx.Client
+) -> None:
+    """Two ranks' losses turn NaN in the same timeline: one rollback, one event."""
+    job = "coord-rollback-twice"
+    commit_step(client, job, 10, 2)
+    commit_step(client, job, 20, 2)
+    first = client.post(f"/v1/jobs/{job}/rollback", json={"step": 20, "from_epoch": 0})
+    assert first.json() == {"rollback_to": 20, "epoch": 1}
+    again = client.post(f"/v1/jobs/{job}/rollback", json={"step": 10, "from_epoch": 0})
+    assert again.json() == {"rollback_to": 20, "epoch": 1}
+    assert [e["step"] for e in events(client, job) if e["kind"] == "rollback_set"] == [20]
+    later = client.post(f"/v1/jobs/{job}/rollback", json={"step": 20, "from_epoch": 1})
+    assert later.json() == {"rollback_to": 20, "epoch": 2}  # a new NaN: a new rollback
+    assert_error(client.post(f"/v1/jobs/{job}/rollback", json={"step": 20, "from_epoch": -1}),
+                 400, "invalid_request")
 
 
 def test_rollback_is_refused_for_a_step_that_did_not_commit(client: httpx.Client) -> None:

@@ -23,6 +23,7 @@ from ckptd.errors import (
     NotCommitted,
     NotFound,
     ReplicaMismatch,
+    Superseded,
     TooLarge,
     WorldSizeMismatch,
 )
@@ -30,10 +31,12 @@ from ckptd.format import (
     CommitRecord,
     RankManifest,
     Ref,
+    Timeline,
     chunk_key,
     commit_key,
     latest_key,
     manifest_key,
+    timeline_key,
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE
@@ -548,3 +551,64 @@ async def test_a_manifest_with_a_scalar_and_nothing_else(repo: Repository) -> No
     status = await repo.commit(JOB, 1)
     assert status.record is not None and status.record.report.logical_bytes == 8
     assert (await repo.verify(JOB, 1)).ok
+
+
+# -- rollback: timelines -------------------------------------------------------------------
+
+
+def in_timeline(m: RankManifest, epoch: int) -> RankManifest:
+    return replace(m, meta={**m.meta, "epoch": epoch})
+
+
+async def test_a_rollback_starts_a_timeline_that_refuses_older_saves(repo: Repository,
+                                                                     store: Store) -> None:
+    await commit_all(repo, 1)
+    assert await repo.epoch(JOB) == 0
+    old = demo_step(JOB, 2, 2, seed="before")
+    await put_rank(repo, *old[0])  # rank 0 saved step 2 before the NaN on rank 1
+    done = await repo.set_rollback(JOB, 1)
+    assert (done.marker.step, done.epoch, done.started) == (1, 1, True)
+    assert Timeline.parse(await store.get(timeline_key(JOB))).epoch == 1
+    m1, c1 = old[1]
+    with pytest.raises(Superseded) as info:  # rank 1 had not heard of the rollback yet
+        await put_rank(repo, m1, c1)
+    assert info.value.code == "superseded" and info.value.detail["current"] == 1
+    with pytest.raises(Conflict):  # a timeline the job has not reached
+        await put_rank(repo, in_timeline(m1, 2), c1)
+    assert await repo.clear_rollback(JOB)
+    assert await repo.epoch(JOB) == 1  # clearing the marker keeps the count
+
+
+async def test_a_step_never_mixes_manifests_from_both_sides_of_a_rollback(repo: Repository
+                                                                          ) -> None:
+    await commit_all(repo, 1)
+    before = demo_step(JOB, 2, 2, seed="before")
+    await put_rank(repo, *before[0])
+    await repo.set_rollback(JOB, 1)
+    after = [(in_timeline(m, 1), c) for m, c in demo_step(JOB, 2, 2, seed="after")]
+    await put_rank(repo, *after[1])
+    status = await repo.commit(JOB, 2)
+    assert status.state == "pending" and status.missing_ranks == [0]  # the old one is no vote
+    digest = await put_rank(repo, *after[0])  # replaces the manifest saved before
+    assert digest == after[0][0].digest()
+    status = await repo.commit(JOB, 2)
+    assert status.state == "committed" and status.record is not None
+    assert [r.hash for r in status.record.manifests] == [m.digest() for m, _ in after]
+    with pytest.raises(AlreadyCommitted):  # committed: closed to every timeline
+        await repo.put_manifest(in_timeline(before[0][0], 1))
+
+
+async def test_a_rollback_asked_from_an_ended_timeline_is_the_same_rollback(repo: Repository
+                                                                            ) -> None:
+    await commit_all(repo, 1)
+    await commit_all(repo, 2)
+    assert (await repo.set_rollback(JOB, 1, from_epoch=0)).epoch == 1
+    # Rank 3's NaN came from the same timeline: that rollback is already set.
+    done = await repo.set_rollback(JOB, 2, from_epoch=0)
+    assert (done.marker.step, done.epoch, done.started) == (1, 1, False)
+    # A NaN after everyone rolled back is a new rollback, even to the same step.
+    assert (await repo.set_rollback(JOB, 1, from_epoch=1)).epoch == 2
+    assert (await repo.set_rollback(JOB, 1)).epoch == 3  # by hand: always a new one
+    await repo.clear_rollback(JOB)
+    done = await repo.set_rollback(JOB, 2, from_epoch=0)  # cleared since: a new one
+    assert (done.marker.step, done.epoch, done.started) == (2, 4, True)

@@ -1,0 +1,109 @@
+"""A rollback ends the job's timeline: snapshots taken before it never mix into a
+step saved after it (docs/FORMAT.md, "Timelines"), through a real ``ckptd serve``
+and through ``file://``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.errors import Superseded
+from ckptd.format import RankManifest, manifest_key
+from tests.conftest import ServerProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+WORLD = 2
+
+
+def state(value: float, step: int) -> dict[str, Any]:
+    return {"w": torch.full((2048,), value), "step": step}
+
+
+@pytest.fixture(params=["http", "file"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    if request.param == "file":
+        store = tmp_path / "store"
+        yield f"file://{store}", store
+        return
+    srv = ServerProcess(store=tmp_path / "store")
+    srv.start()
+    try:
+        yield srv.url, srv.store
+    finally:
+        srv.stop()
+
+
+def rollback(url: str, store: Path, job: str, step: int) -> int:
+    """Sets the rollback marker the way an operator or a NaN rank does; the epoch."""
+    if url.startswith("http"):
+        reply = httpx.post(f"{url}/v1/jobs/{job}/rollback", json={"step": step}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        epoch: int = reply.json()["epoch"]
+        return epoch
+    import asyncio
+
+    from ckptd.repository import Repository
+    from ckptd.store import LocalStore
+
+    async def run() -> int:
+        repo = Repository(LocalStore(store))
+        try:
+            return (await repo.set_rollback(job, step)).epoch
+        finally:
+            await repo.close()
+
+    return asyncio.run(run())
+
+
+def test_saves_from_before_a_rollback_never_mix_into_a_step_saved_after_it(
+    where: tuple[str, Path], tmp_path: Path
+) -> None:
+    url, store = where
+    job = "timeline"
+    ckpts = [Checkpointer(url, job, rank=r, world_size=WORLD, chunk_size=4096,
+                          shm_dir=tmp_path / "shm", timeout=30.0, serve_peers=False)
+             for r in range(WORLD)]
+    try:
+        handles = [c.save(1, state(1.0, 1)) for c in ckpts]
+        assert "committed" in {h.wait(30).state for h in handles}
+        # Rank 0 snapshots step 2 of the timeline that is about to end...
+        assert ckpts[0].save(2, state(2.0, 2)).wait(30).state == "pending"
+        assert rollback(url, store, job, 1) == 1  # ...rank 1's loss turns NaN
+        # Rank 1 has not heard of the rollback yet: its snapshot is refused.
+        with pytest.raises(Superseded) as info:
+            ckpts[1].save(2, state(2.0, 2)).wait(30)
+        assert info.value.code == "superseded"
+        # Both roll back, then take the other path to step 2.
+        for c in ckpts:
+            back: dict[str, Any] = state(0.0, 0)
+            c.restore(back, step=1)
+            assert torch.equal(back["w"], state(1.0, 1)["w"]) and back["step"] == 1
+        assert ckpts[1].save(2, state(-2.0, 2)).wait(30).state == "pending"
+        assert ckpts[0].save(2, state(-2.0, 2)).wait(30).state == "committed"
+        for c in ckpts:
+            got: dict[str, Any] = state(0.0, 0)
+            c.restore(got, step=2)
+            assert torch.equal(got["w"], state(-2.0, 2)["w"])  # not the 2.0 of before
+        for rank in range(WORLD):
+            kept = RankManifest.parse((store / manifest_key(job, 2, rank)).read_bytes())
+            assert kept.meta["epoch"] == 1
+        # A checkpointer that starts now joins the current timeline by itself.
+        with Checkpointer(url, job, rank=0, world_size=1, chunk_size=4096,
+                          shm_dir=tmp_path / "shm2", serve_peers=False) as late:
+            assert late.save(5, state(5.0, 5)).wait(30).state == "committed"
+    finally:
+        for c in ckpts:
+            c.close(timeout=10.0)
+
+
+def test_the_epoch_key_of_meta_is_reserved(tmp_path: Path) -> None:
+    with Checkpointer(f"file://{tmp_path / 'store'}", "meta", shm_dir=tmp_path / "shm") as c:
+        with pytest.raises(Exception, match="epoch"):
+            c.save(1, state(1.0, 1), meta={"epoch": 3})
