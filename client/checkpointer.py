@@ -666,6 +666,12 @@ class Checkpointer:
             self._health.acknowledge_rollback(result.step)
         return result
 
+    @property
+    def epoch(self) -> int | None:
+        """The job's timeline this rank saves in (how many rollbacks the job had when
+        this checkpointer started or last restored), or None while not known."""
+        return self._epoch
+
     def _timeline(self) -> int:
         """The timeline this rank's saves belong to (0 when it cannot be learnt: the
         server then refuses the save as superseded if the job has had a rollback)."""
@@ -738,7 +744,7 @@ class Checkpointer:
                     self.url, self.job, self.rank, self.world_size, self._token,
                     policy=self._health_policy, sources=self._health_sources,
                     heartbeat=self._service.heartbeat, latest=self.latest,
-                    epoch=lambda: self._epoch,
+                    epoch=lambda: self.epoch,
                     disk_paths=[str(self._staging.root), *([self.cache_dir] if self.cache_dir
                                                            else [])],
                     timeout=self.timeout or 10.0,

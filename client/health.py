@@ -153,8 +153,11 @@ class HealthAgent:
         # marker step this rank was told of (and when); the step told, not yet
         # acknowledged; the marker this rank set (it clears it once the job moved on).
         self._local_rollback: tuple[int | None, concurrent.futures.Future[int | None]] | None = None
-        self._told: int | None = None
+        # (step, epoch): the epoch tells two rollbacks to one step apart (None: the
+        # rollback this rank asked for, whose epoch the reply did not say).
+        self._told: tuple[int, int | None] | None = None
         self._told_at = 0.0
+        self._asked_epoch: int | None = None
         self._unacked: int | None = None
         self._marker_set: int | None = None
         self._marker_checked = 0.0
@@ -255,8 +258,8 @@ class HealthAgent:
         with self._lock:
             self._unacked = None
             self._local_rollback = None
-            if marker == step and self._told != step:
-                self._told, self._told_at = step, time.time()
+            if marker is not None and marker[0] == step and not _same(self._told, marker):
+                self._told, self._told_at = marker, time.time()
         log.info("%s/%d: rolled back to step %d", self.job, self.rank, step)
 
     def status(self) -> HealthStatus:
@@ -335,9 +338,12 @@ class HealthAgent:
                     f"{interval:g} s: a snapshot lead of at least {lead} is needed")
         return "raise the server's --snapshot-lead"
 
-    def _marker(self) -> int | None:
+    def _marker(self) -> tuple[int, int] | None:
+        """The rollback marker the last heartbeat reply named, with the job's epoch."""
         reply = self._heartbeat.last_reply if self._heartbeat is not None else None
-        return reply.rollback_to if reply is not None else None
+        if reply is None or reply.rollback_to is None:
+            return None
+        return reply.rollback_to, reply.rollback_epoch
 
     def _rollback_news(self) -> RollbackRequested | None:
         """A rollback this rank was not told of yet, as the error to raise (now told)."""
@@ -354,7 +360,7 @@ class HealthAgent:
             with self._lock:
                 self._unacked = target
                 if target is not None:
-                    self._told, self._told_at = target, time.time()
+                    self._told, self._told_at = (target, self._asked_epoch), time.time()
             where = (f"go back to step {target}" if target is not None
                      else "no committed step to go back to")
             return RollbackRequested(
@@ -364,7 +370,7 @@ class HealthAgent:
         reply = self._heartbeat.last_reply if self._heartbeat is not None else None
         if reply is None:
             return None
-        marker = reply.rollback_to
+        marker = self._marker()
         with self._lock:
             if marker is None:
                 # Forget the marker once a heartbeat sent after it was told says it is
@@ -373,14 +379,16 @@ class HealthAgent:
                 if self._told is not None and sent > self._told_at:
                     self._told = None
                 return None
-            if marker == self._told:
+            if _same(self._told, marker):
+                if self._told != marker:
+                    self._told = marker  # the epoch of the rollback this rank asked for
                 return None
             self._told, self._told_at = marker, time.time()
-            self._unacked = marker
-        log.warning("%s/%d: the job is marked for rollback to step %d", self.job, self.rank,
-                    marker)
-        return RollbackRequested(f"job {self.job} is marked for rollback to step {marker}",
-                                 rollback_to=marker)
+            self._unacked = marker[0]
+        log.warning("%s/%d: the job is marked for rollback to step %d (timeline %d)", self.job,
+                    self.rank, marker[0], marker[1])
+        return RollbackRequested(f"job {self.job} is marked for rollback to step {marker[0]}",
+                                 rollback_to=marker[0])
 
     # -- the probe's actions (probe thread, or the loop's for a non-finite loss) ---------
 
@@ -467,9 +475,12 @@ class HealthAgent:
             log.error("%s/%d: setting the rollback marker to step %d answered %d: %s",
                       self.job, self.rank, target, resp.status_code, resp.text[:200])
             return target
-        marked = resp.json().get("rollback_to")
+        answer = resp.json()
+        marked = answer.get("rollback_to")
         step = int(marked) if isinstance(marked, int) else target
         with self._lock:
+            epoch = answer.get("epoch")
+            self._asked_epoch = epoch if isinstance(epoch, int) else None
             self._marker_set = step
             self._marker_checked = time.monotonic()
         log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
@@ -560,6 +571,11 @@ class HealthAgent:
         resp.raise_for_status()
         log.info("%s/%d: step %d committed after the rollback to step %d: marker cleared",
                  self.job, self.rank, latest, marker)
+
+
+def _same(told: tuple[int, int | None] | None, marker: tuple[int, int]) -> bool:
+    """Whether the rollback told of is the marker's (an unknown epoch matches any)."""
+    return told is not None and told[0] == marker[0] and told[1] in (None, marker[1])
 
 
 def _clip(text: str) -> str:

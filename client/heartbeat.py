@@ -51,6 +51,7 @@ class HeartbeatReply:
     rollback_to: int | None
     received_at: float  # time.time() when it arrived
     rtt_ms: float
+    rollback_epoch: int = 0  # the job's timeline (rollbacks so far)
 
     @classmethod
     def parse(cls, doc: Any, rtt_ms: float, fallback_interval: float) -> HeartbeatReply:
@@ -74,6 +75,7 @@ class HeartbeatReply:
             rollback_to=opt_int("rollback_to"),
             received_at=time.time(),
             rtt_ms=rtt_ms,
+            rollback_epoch=opt_int("rollback_epoch") or 0,
         )
 
 

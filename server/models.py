@@ -168,6 +168,11 @@ class HeartbeatReply(_Body):
     )
     snapshot_reason: str | None
     rollback_to: int | None = Field(description="A committed step the job must go back to.")
+    rollback_epoch: int = Field(
+        default=0,
+        description="The job's timeline (rollbacks so far): two rollbacks to one step differ "
+        "in it.",
+    )
 
 
 class RankStatus(_Body):

@@ -436,7 +436,7 @@ class StoreViews:
         self.ttl = ttl
         self._clock = clock
         self._latest: dict[str, tuple[float, int | None]] = {}
-        self._rollback: dict[str, tuple[float, Ref | None]] = {}
+        self._rollback: dict[str, tuple[float, Ref | None, int]] = {}
         self._commits: _Lru = _Lru(4096)
         self._chunk_ids: _Lru = _Lru(8192)
 
@@ -454,17 +454,26 @@ class StoreViews:
         return step
 
     async def rollback(self, job: str, *, fresh: bool = False) -> Ref | None:
+        """The job's rollback marker, at most ``ttl`` old."""
+        return (await self._rollback_view(job, fresh))[0]
+
+    async def epoch(self, job: str, *, fresh: bool = False) -> int:
+        """The job's timeline (rollbacks so far), read with the marker."""
+        return (await self._rollback_view(job, fresh))[1]
+
+    async def _rollback_view(self, job: str, fresh: bool) -> tuple[Ref | None, int]:
         now = self._clock()
         held = self._rollback.get(job)
         if held is not None and not fresh and now - held[0] < self.ttl:
-            return held[1]
+            return held[1], held[2]
         try:
             ref = await self.repo.read_rollback(job)
+            epoch = await self.repo.epoch(job)
         except CkptdError as exc:
             log.warning("%s: cannot read the rollback marker: %s", job, exc)
-            return held[1] if held is not None else None
-        self._rollback[job] = (now, ref)
-        return ref
+            return (held[1], held[2]) if held is not None else (None, 0)
+        self._rollback[job] = (now, ref, epoch)
+        return ref, epoch
 
     def note_commit(self, job: str, step: int) -> None:
         """A step committed through this server: ``latest`` is at least ``step`` now."""
@@ -472,8 +481,8 @@ class StoreViews:
         if held is not None and (held[1] is None or held[1] < step):
             self._latest[job] = (held[0], step)
 
-    def set_rollback(self, job: str, ref: Ref | None) -> None:
-        self._rollback[job] = (self._clock(), ref)
+    def set_rollback(self, job: str, ref: Ref | None, epoch: int) -> None:
+        self._rollback[job] = (self._clock(), ref, epoch)
 
     async def commit(self, job: str, step: int) -> CommitRecord | None:
         """The commit record of ``step`` or None; records are immutable, so kept."""

@@ -61,7 +61,7 @@ async def set_rollback(
     job: JobDep, body: RollbackRequest, repo: RepoDep, registry: RegistryDep, views: ViewsDep
 ) -> RollbackReply:
     done = await repo.set_rollback(job, body.step, from_epoch=body.from_epoch)
-    views.set_rollback(job, done.marker)
+    views.set_rollback(job, done.marker, done.epoch)
     if done.started:  # not a second rank asking for the rollback already set
         registry.add_event(job, "rollback_set", step=done.marker.step, reason=body.reason)
     return RollbackReply(rollback_to=done.marker.step, epoch=done.epoch)
@@ -88,8 +88,9 @@ async def clear_rollback(
 ) -> RollbackReply:
     if await repo.clear_rollback(job):
         registry.add_event(job, "rollback_cleared")
-    views.set_rollback(job, None)
-    return RollbackReply(rollback_to=None, epoch=await repo.epoch(job))
+    epoch = await repo.epoch(job)
+    views.set_rollback(job, None, epoch)
+    return RollbackReply(rollback_to=None, epoch=epoch)
 
 
 @router.get(

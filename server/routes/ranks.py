@@ -98,6 +98,7 @@ async def heartbeat(
         snapshot_at=target.step if target is not None else None,
         snapshot_reason=target.reason if target is not None else None,
         rollback_to=rollback.step if rollback is not None else None,
+        rollback_epoch=await views.epoch(job),
     )
 
 

@@ -115,7 +115,7 @@ def ranks_of(srv: ServerProcess, shm: Path, tmp_path: Path) -> Iterator[Callable
             # checkpointer's heartbeat and asks it for the latest commit.
             agent = HealthAgent(srv.url, job, r, WORLD, srv.token, policy=path,
                                 sources=[source], heartbeat=ckpt.heartbeat,
-                                latest=ckpt.latest)
+                                latest=ckpt.latest, epoch=lambda c=ckpt: c.epoch)
             made.append(Rank(r, ckpt, agent, source))
         for rank in made[-WORLD:]:
             rank.agent.start()
@@ -304,6 +304,45 @@ def test_nan_loss_on_one_rank_rolls_every_rank_back_to_the_last_commit(
     rollback_events = [e for e in events(client, job) if e["kind"] == "rollback_set"]
     assert [e["step"] for e in rollback_events] == [8]
     assert "rank 1" in rollback_events[0]["reason"]
+
+
+@pytest.mark.slow
+def test_a_second_rollback_to_the_same_step_is_told_to_every_rank(
+    client: httpx.Client, ranks_of: Callable[..., list[Rank]]
+) -> None:
+    """A loss goes NaN on rank 1; every rank rolls back to step 4. On the way again
+    the loss goes NaN on rank 2 before anything new commits: the marker names step
+    4 again, in a new timeline, and every rank must roll back a second time."""
+    job = "health-nan-twice"
+    ranks = ranks_of(job)
+    first, second = threading.Event(), threading.Event()
+
+    def loop(r: Rank) -> None:
+        def loss_at(step: int) -> float:
+            if r.rank == 1 and step == 6 and not first.is_set():
+                first.set()
+                return math.nan
+            if r.rank == 2 and step == 6 and first.is_set() and r.restored and \
+                    not second.is_set():
+                second.set()
+                return math.nan
+            return 1.0 / step
+
+        train(r, 12, deadline=time.monotonic() + 20, every=4, loss_at=loss_at,
+              after_rollback=4)
+
+    run_ranks(ranks, loop, limit=25)
+
+    assert first.is_set() and second.is_set()
+    for r in ranks:
+        assert r.restored == [4, 4], (r.rank, r.rollbacks)
+        assert r.ckpt.epoch == 2
+    rollback_events = [e for e in events(client, job) if e["kind"] == "rollback_set"]
+    assert [e["step"] for e in rollback_events] == [4, 4]
+    assert client.get(f"/v1/jobs/{job}/rollback").json()["epoch"] == 2
+    # The step-8 snapshot taken after the second rollback committed, in timeline 2.
+    record = client.get(f"/v1/jobs/{job}/steps/8").json()
+    assert record["world_size"] == WORLD
 
 
 # -- 3. a stalled rank ------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_heartbeats_make_ranks_alive(client: httpx.Client) -> None:
         )
         assert reply == {
             "interval_s": INTERVAL, "snapshot_at": None, "snapshot_reason": None,
-            "rollback_to": None,
+            "rollback_to": None, "rollback_epoch": 0,
         }
     body = ranks(client, job)
     assert body["job"] == job and body["world_size"] == 2
