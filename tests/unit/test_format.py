@@ -21,6 +21,7 @@ from ckptd.format import (
     ManifestRef,
     RankManifest,
     Ref,
+    Timeline,
     ValidationReport,
     canonical_json,
     check_chunk_id,
@@ -32,8 +33,10 @@ from ckptd.format import (
     chunk_key,
     commit_key,
     latest_key,
+    manifest_epoch,
     manifest_key,
     step_prefix,
+    timeline_key,
 )
 from ckptd.hashing import chunk_count, chunk_id, chunk_spans
 from ckptd.testing.manifests import demo_step, flat_tree, rank_manifest, replace, tensor_entry
@@ -77,6 +80,7 @@ def test_keys_are_the_documented_layout() -> None:
     assert manifest_key("j", 7, 3) == "jobs/j/steps/7/ranks/3.json"
     assert commit_key("j", 7) == "jobs/j/steps/7/commit.json"
     assert latest_key("j") == "jobs/j/refs/latest"
+    assert timeline_key("j") == "jobs/j/refs/timeline"
     assert manifest_key("j", 0, 0) == "jobs/j/steps/0/ranks/0.json"  # no zero padding
 
 
@@ -516,3 +520,23 @@ def test_random_manifests_round_trip(m: RankManifest) -> None:
     assert again == m
     assert again.canonical() == data
     assert again.digest() == m.digest()
+
+
+def test_a_manifest_names_its_timeline_in_meta() -> None:
+    m, _ = demo_step("j", 1, 1)[0]
+    assert manifest_epoch(m) == 0  # saved before any rollback
+    stamped = replace(m, meta={**m.meta, "epoch": 3})
+    assert manifest_epoch(RankManifest.parse(stamped.canonical())) == 3
+    for bad in (-1, "1", 1.0, True, None):
+        with pytest.raises(InvalidDocument, match="epoch"):
+            RankManifest.parse(replace(m, meta={"epoch": bad}).canonical())
+
+
+def test_timeline_document() -> None:
+    doc = Timeline(epoch=2, step=5, commit=chunk_id(b"c"))
+    assert Timeline.parse(doc.canonical()) == doc
+    assert json.loads(doc.canonical())["format"] == "ckptd.timeline"
+    with pytest.raises(InvalidDocument):
+        Timeline.parse(canonical_json({**json.loads(doc.canonical()), "epoch": 0}))
+    with pytest.raises(InvalidDocument):
+        Timeline.parse(Ref(step=5, commit=chunk_id(b"c")).canonical())
