@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from ckptd import knobs
 from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.server.auth import require_token
-from ckptd.server.bodies import read_chunk
+from ckptd.server.bodies import BUFFERS, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep
 from ckptd.server.metrics import Metrics
 from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
@@ -65,16 +65,19 @@ async def put_chunk(
 ) -> ChunkStored:
     started = time.perf_counter()
     try:
-        body, digest = await read_chunk(request)
-        with memoryview(body) as view:
-            created = await repo.put_chunk(cid, view, digest=digest)
+        body = await read_chunk(request)
+        with memoryview(body.buffer) as whole, whole[: body.size] as view:
+            created = await repo.put_chunk(cid, view, digest=body.digest)
     except CkptdError as exc:
         metrics.upload_rejected(exc.code)
         raise
-    metrics.chunk_uploaded(len(body), time.perf_counter() - started, created)
+    # Only here, where put_chunk returned: a failed or cancelled one may have left a
+    # store thread still writing from the buffer.
+    BUFFERS.give(body.buffer)
+    metrics.chunk_uploaded(body.size, time.perf_counter() - started, created)
     if not created:
         response.status_code = 200
-    return ChunkStored(id=cid, size=len(body), created=created)
+    return ChunkStored(id=cid, size=body.size, created=created)
 
 
 @router.head(
