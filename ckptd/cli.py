@@ -120,6 +120,11 @@ def serve(
         float | None,
         typer.Option(help="Seconds between accepted snapshot requests of a job (30)."),
     ] = None,
+    access_log: Annotated[
+        bool | None,
+        typer.Option("--access-log/--no-access-log",
+                     help="Log every request (on). Env CKPTD_ACCESS_LOG."),
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
@@ -137,6 +142,7 @@ def serve(
             "dead_after": dead_after,
             "snapshot_lead": snapshot_lead,
             "snapshot_min_interval": snapshot_min_interval,
+            "access_log": access_log,
         }.items()
         if v is not None
     }

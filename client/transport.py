@@ -410,11 +410,11 @@ class HttpTransport(Transport):
 
 class _Pieces:
     """A chunk body for httpx, sent straight from the caller's buffer (the staging
-    pool) in slices: ``bytes(chunk)`` would copy every chunk whole, and h11 then
+    pool) in 1 MiB slices: ``bytes(chunk)`` would copy every chunk whole, and h11 then
     copies what it is given once more. Each retry iterates it afresh. (Only
     ``__aiter__``: httpx would take a plain iterable of a memoryview as ints.)"""
 
-    PIECE = 256 * 1024
+    PIECE = knobs.MiB
 
     def __init__(self, data: bytes | memoryview) -> None:
         self.data = memoryview(data).cast("B")

@@ -129,6 +129,7 @@ def run(settings: Settings) -> None:
         port=settings.port,
         log_level=settings.log_level,
         log_config=_log_config(settings.log_level),
+        access_log=settings.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
     )

@@ -18,27 +18,27 @@ from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_repository(request: Request) -> Repository:
+async def get_repository(request: Request) -> Repository:
     repo: Repository = request.app.state.repository
     return repo
 
 
-def get_registry(request: Request) -> Registry:
+async def get_registry(request: Request) -> Registry:
     registry: Registry = request.app.state.registry
     return registry
 
 
-def get_views(request: Request) -> StoreViews:
+async def get_views(request: Request) -> StoreViews:
     views: StoreViews = request.app.state.views
     return views
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     metrics: Metrics = request.app.state.metrics
     return metrics
 
@@ -51,22 +51,22 @@ MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 AuthDep = Annotated[None, Depends(require_token)]
 
 
-def _job(
+async def _job(
     job: Annotated[str, Path(description="Job name: letters, digits, '.', '_', '-'.")],
 ) -> str:
     return check_job(job)
 
 
-def _step(step: Annotated[int, Path(description="Training step, in [0, 10^15).")]) -> int:
+async def _step(step: Annotated[int, Path(description="Training step, in [0, 10^15).")]) -> int:
     return check_step(step)
 
 
-def _rank(rank: Annotated[int, Path(description="Rank, >= 0.")]) -> int:
+async def _rank(rank: Annotated[int, Path(description="Rank, >= 0.")]) -> int:
     # The world size is the manifest's to say; no world is larger than this.
     return check_rank(rank, MAX_WORLD_SIZE)
 
 
-def _chunk_id(
+async def _chunk_id(
     cid: Annotated[str, Path(alias="id", description="blake3 of the chunk, 64 lowercase hex.")],
 ) -> str:
     return check_chunk_id(cid)

@@ -27,6 +27,11 @@ class Settings(BaseSettings):
     )
     replica_mismatch: Literal["reject", "warn"] = "reject"
     log_level: str = "info"
+    access_log: bool = Field(
+        default=True,
+        description="Log every request (uvicorn's access log). Off saves ~10% of the "
+        "server's per-request CPU under chunk uploads.",
+    )
     heartbeat_interval: float = Field(
         default=2.0, gt=0, le=3600, description="Seconds between a rank's heartbeats."
     )

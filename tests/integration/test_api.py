@@ -647,3 +647,18 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
         assert client.get("/v1/jobs").status_code == 200
         r = client.post("/v1/chunks/missing", json={"ids": [cid]})
         assert r.json() == {"missing": [], "in_flight": []}
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-access-log"]])
+def test_the_access_log_can_be_turned_off(tmp_path: Path, flag: list[str]) -> None:
+    from tests.conftest import ServerProcess
+
+    srv = ServerProcess(store=tmp_path / "store", extra_args=flag)
+    srv.start()
+    try:
+        data = b"logged or not"
+        assert httpx.put(f"{srv.url}/v1/chunks/{chunk_id(data)}", content=data).status_code == 201
+    finally:
+        srv.stop()
+    logged = f'"PUT /v1/chunks/{chunk_id(data)} HTTP/1.1" 201' in srv.log_path.read_text()
+    assert logged == (not flag)
