@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -133,6 +134,7 @@ class _Claims:
         self._seq = 0
         self._open: dict[int, int] = {}  # window start -> calls open since then
         self._stored: dict[str, int] = {}  # id -> seq at which it was stored
+        self._stored_order: deque[tuple[int, str]] = deque()  # the same, oldest first
 
     def begin(self) -> int:
         with self._lock:
@@ -167,16 +169,18 @@ class _Claims:
             if left:
                 self._open[since] = left
             oldest = min(self._open, default=self._seq + 1)
-            if self._stored and oldest > self._seq:
-                self._stored.clear()
-            elif len(self._stored) > 4096:
-                self._stored = {k: v for k, v in self._stored.items() if v >= oldest}
+            # Forget what no open window can have missed.
+            while self._stored_order and self._stored_order[0][0] < oldest:
+                seq, cid = self._stored_order.popleft()
+                if self._stored.get(cid) == seq:
+                    del self._stored[cid]
 
     def release(self, cid: str, *, stored: bool) -> None:
         with self._lock:
             self._leases.pop(cid, None)
             if stored and self._open:
                 self._stored[cid] = self._seq
+                self._stored_order.append((self._seq, cid))
                 self._seq += 1
 
 
@@ -424,18 +428,17 @@ class Repository:
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
         epoch = await self.epoch(job)
-        if epoch == 0:
-            # No rollback ever: every manifest is of this timeline, and one says the
-            # world size (the others are read once all are in).
-            first = await self._read_manifest_raw(job, step, ranks[0])
-            current: dict[int, RankManifest] = {first.rank: first}
-        else:
+        # One manifest says the world size; the others are read once all are in.
+        first = await self._read_manifest_raw(job, step, ranks[0])
+        current: dict[int, RankManifest] = {first.rank: first}
+        if epoch and len(ranks) >= first.world_size:
             # Manifests saved before the last rollback count as absent: their ranks
             # put this timeline's manifest in their place when they get there.
-            read = await asyncio.gather(*(self._read_manifest_raw(job, step, r) for r in ranks))
+            read = [first, *await asyncio.gather(
+                *(self._read_manifest_raw(job, step, r) for r in ranks[1:]))]
             current = {m.rank: m for m in read if manifest_epoch(m) == epoch}
             if not current:
-                world = read[0].world_size
+                world = first.world_size
                 return CommitStatus("pending", job, step, world, list(range(world)))
             ranks = sorted(current)
             first = current[ranks[0]]
@@ -644,6 +647,20 @@ class Repository:
             return None
         return Ref.parse(data)
 
+    async def rollback_state(self, job: str) -> tuple[Ref | None, int]:
+        """The rollback marker (None when clear) and the job's epoch, as one pair.
+
+        ``set_rollback`` writes the timeline, then the marker: between the two a
+        reader sees the new epoch with the previous marker. The timeline holds the
+        newest rollback's target, so while a marker is set, that is the answer."""
+        timeline = await self.timeline(job)
+        marker = await self.read_rollback(job)
+        if timeline is None:
+            return marker, 0
+        if marker is None:
+            return None, timeline.epoch
+        return Ref(step=timeline.step, commit=timeline.commit), timeline.epoch
+
     async def epoch(self, job: str) -> int:
         """The job's current timeline: how many rollbacks it has had (0: none)."""
         timeline = await self.timeline(job)
@@ -677,10 +694,11 @@ class Repository:
             except NotFound:
                 current = None
             epoch = Timeline.parse(current).epoch if current is not None else 0
-            if from_epoch is not None and from_epoch < epoch:
-                marker = await self.read_rollback(job)
-                if marker is not None:
-                    return RollbackSet(marker, epoch, started=False)
+            if (from_epoch is not None and from_epoch < epoch and current is not None
+                    and await self.read_rollback(job) is not None):
+                done = Timeline.parse(current)
+                return RollbackSet(Ref(step=done.step, commit=done.commit), epoch,
+                                   started=False)
                 # (that rollback was cleared since: this one is new)
             data = Timeline(epoch=epoch + 1, step=step, commit=new.commit).canonical()
             if await self.store.compare_and_swap(key, current, data):

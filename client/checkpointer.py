@@ -273,6 +273,7 @@ class Checkpointer:
         # it started or last restored), stamped on every manifest: saves of a
         # timeline a rollback ended are refused. Asked for now, in the background.
         self._epoch: int | None = None
+        self._epoch_lock = threading.Lock()
         self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
         # The future of the last snapshot's work that reads the staging pool: the
         # pool is overwritten only once it is done.
@@ -422,7 +423,8 @@ class Checkpointer:
             canonical_json(meta)
         except (TypeError, ValueError) as exc:
             raise UnsupportedValue(f"meta is not plain JSON: {exc}") from None
-        epoch = self._timeline()
+        # Never waits: an epoch not known yet is awaited by the upload, off this thread.
+        epoch, pending = self._timeline()
         if epoch:
             meta[EPOCH_META] = epoch
         with self._lock:
@@ -445,7 +447,8 @@ class Checkpointer:
                         step=step,
                     )
             future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
-                                                               placements, meta, started)
+                                                               placements, meta, started,
+                                                               pending)
         if block_training and copy_done is not None:
             copy_done.block_streams()
         stall = time.perf_counter() - started
@@ -462,6 +465,7 @@ class Checkpointer:
         placements: dict[str, tuple[Placement, list[int], list[int]]],
         meta: dict[str, Any],
         started: float,
+        epoch_pending: concurrent.futures.Future[int] | None = None,
     ) -> tuple[concurrent.futures.Future[SaveResult], CopyDone | None, int]:
         """Stages the state piece by piece and hands each to the pipeline; every
         piece but the last is uploaded before the next overwrites the pool. Runs
@@ -478,6 +482,7 @@ class Checkpointer:
             placements=placements,
             meta=meta,
             started=started,
+            epoch_pending=epoch_pending,
         )
         upload = SnapshotUpload(self._transport, snap, plan.piece_count)
         self._service.staging()  # what peers were served is about to be overwritten
@@ -649,6 +654,7 @@ class Checkpointer:
             token=self._token,
             atomic=atomic,
         )
+        before = self._rollback_state()
         # No save stages into the pool while a restore may read it.
         with self._lock:
             self._check_open()
@@ -661,7 +667,7 @@ class Checkpointer:
                 self._service.adopted(fetched.adopted, fetched.pool, beat=False)
             else:
                 fetched.pool.close()
-        self._join_timeline()
+        self._join_timeline(result.step, before)
         if self._health is not None:
             self._health.acknowledge_rollback(result.step)
         return result
@@ -670,31 +676,66 @@ class Checkpointer:
     def epoch(self) -> int | None:
         """The job's timeline this rank saves in (how many rollbacks the job had when
         this checkpointer started or last restored), or None while not known."""
-        return self._epoch
+        return self._timeline()[0]
 
-    def _timeline(self) -> int:
-        """The timeline this rank's saves belong to (0 when it cannot be learnt: the
-        server then refuses the save as superseded if the job has had a rollback)."""
-        if self._epoch is None:
+    def _timeline(self) -> tuple[int | None, concurrent.futures.Future[int] | None]:
+        """(the epoch this rank saves in, or None and the question still out). A
+        question that failed is asked again (the server may be back)."""
+        with self._epoch_lock:
+            if self._epoch is not None:
+                return self._epoch, None
+            call = self._epoch_call
+            if not call.done():
+                return None, call
             try:
-                self._epoch = self._epoch_call.result(self.timeout)
+                self._epoch = call.result()
             except Exception as exc:
                 log.warning("%s/%d: cannot learn the job's timeline: %s", self.job, self.rank,
                             exc)
                 self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
-                return 0
-        return self._epoch
+                return None, self._epoch_call
+            return self._epoch, None
 
-    def _join_timeline(self) -> None:
-        """After a restore this rank holds committed state: its saves from now on
-        belong to the job's current timeline."""
+    def _rollback_state(self) -> tuple[int | None, int] | None:
         try:
-            self._epoch = self._loop.run(self._transport.epoch(self.job), self.timeout)
+            return self._loop.run(self._transport.rollback_state(self.job), self.timeout)
         except Exception as exc:
-            log.warning("%s/%d: cannot learn the job's timeline after a restore: %s",
-                        self.job, self.rank, exc)
-            self._epoch = None
-            self._epoch_call = self._loop.submit(self._transport.epoch(self.job))
+            log.warning("%s/%d: cannot read the job's rollback state: %s", self.job, self.rank,
+                        exc)
+            return None
+
+    def _join_timeline(self, step: int, before: tuple[int | None, int] | None) -> None:
+        """After restoring committed ``step``, this rank's saves belong to the job's
+        current timeline, if that step is on it: the job is not marked for a
+        rollback elsewhere, or is marked for this step, or the step was committed
+        in the current timeline; and no rollback began while it restored. Otherwise
+        the rank keeps its epoch, and its saves stay refused until it restores the
+        rollback's step."""
+        after = self._rollback_state()
+        if after is None:
+            return
+        marker, epoch = after
+        if before is not None and before[1] != epoch:
+            log.warning("%s/%d: a rollback began while step %d was restored; saves stay "
+                        "refused until the rollback's step is restored", self.job, self.rank,
+                        step)
+            return
+        joins = marker is None or marker == step
+        if not joins:
+            try:
+                record = self._loop.run(self._transport.read_commit(self.job, step),
+                                        self.timeout)
+                joins = record.meta.get(EPOCH_META, 0) == epoch
+            except Exception as exc:
+                log.warning("%s/%d: cannot read the commit record of step %d: %s",
+                            self.job, self.rank, step, exc)
+        if not joins:
+            log.warning("%s/%d: step %d is not on the job's current timeline (it is marked "
+                        "for rollback to step %d); saves stay refused until that step is "
+                        "restored", self.job, self.rank, step, marker)
+            return
+        with self._epoch_lock:
+            self._epoch = epoch
 
     # -- the training loop's health ---------------------------------------------------
 
@@ -732,7 +773,7 @@ class Checkpointer:
 
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
-        self._join_timeline()
+        self._join_timeline(step, None)
         self._health_agent().acknowledge_rollback(step)
 
     def _health_agent(self) -> HealthAgent:

@@ -563,6 +563,15 @@ class HealthAgent:
         latest = self._latest()
         if latest is None or latest <= marker:
             return
+        # Only a commit of the rollback's own timeline shows the job moved on: one of
+        # the ended timeline can land after the marker (a commit in flight), and
+        # clearing then would leave ranks that never heard of the rollback behind.
+        state = self._client.get(f"/v1/jobs/{self.job}/rollback")
+        record = self._client.get(f"/v1/jobs/{self.job}/steps/{latest}")
+        state.raise_for_status()
+        record.raise_for_status()
+        if (record.json().get("meta") or {}).get("epoch", 0) != state.json()["epoch"]:
+            return
         with self._lock:
             if self._marker_set != marker:
                 return

@@ -24,8 +24,9 @@ from ckptd import knobs
 from ckptd.errors import (
     CkptdError,
     Timeout,
+    Unavailable,
 )
-from ckptd.format import Placement, RankManifest, TensorEntry
+from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry
 from ckptd.hashing import chunk_count, chunk_id, chunk_spans
 
 from .staging import StagedPiece, TensorInfo
@@ -136,6 +137,10 @@ class Snapshot:
     placements: dict[str, tuple[Placement, list[int], list[int]]]  # placement, global, offsets
     meta: dict[str, Any]
     started: float  # time.perf_counter() when save() was called
+    # The job's timeline this rank was in at save(), when it was not known yet:
+    # the answer to the checkpointer's construction-time question, awaited here,
+    # off the training thread, and stamped on the manifest.
+    epoch_pending: concurrent.futures.Future[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -325,8 +330,24 @@ class SnapshotUpload:
         """Hashes and uploads one piece that is not the last."""
         await self._upload(await self._hash(piece))
 
+    async def _stamp_epoch(self) -> None:
+        pending = self.snap.epoch_pending
+        if pending is None or EPOCH_META in self.snap.meta:
+            return
+        try:
+            epoch = await asyncio.wrap_future(pending)
+        except CkptdError:
+            raise  # typed already (unauthorized, unavailable, ...)
+        except Exception as exc:
+            raise Unavailable(
+                f"snapshot of step {self.snap.step}: cannot learn the job's timeline: {exc}"
+            ) from exc
+        if epoch:
+            self.snap.meta[EPOCH_META] = epoch
+
     async def finish(self, piece: StagedPiece) -> SaveResult:
         """Hashes and uploads the last piece, puts the manifest, commits."""
+        await self._stamp_epoch()
         data = await self._hash(piece)
         manifest = self._manifest()
         if self.pieces == 1:

@@ -78,8 +78,12 @@ class Transport(ABC):
         """The newest committed step of ``job``, or None."""
 
     @abstractmethod
+    async def rollback_state(self, job: str) -> tuple[int | None, int]:
+        """(the step the job is marked to roll back to, or None; the job's epoch:
+        how many rollbacks it has had). Manifests carry the epoch."""
+
     async def epoch(self, job: str) -> int:
-        """The job's timeline: how many rollbacks it has had. Manifests carry it."""
+        return (await self.rollback_state(job))[1]
 
     @abstractmethod
     async def read_commit(self, job: str, step: int) -> CommitRecord:
@@ -142,8 +146,9 @@ class LocalTransport(Transport):
     async def latest(self, job: str) -> int | None:
         return await self.repository.latest(check_job(job))
 
-    async def epoch(self, job: str) -> int:
-        return await self.repository.epoch(job)
+    async def rollback_state(self, job: str) -> tuple[int | None, int]:
+        marker, epoch = await self.repository.rollback_state(check_job(job))
+        return (marker.step if marker is not None else None), epoch
 
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         return await self.repository.read_commit(job, step)
@@ -279,7 +284,7 @@ class HttpTransport(Transport):
             ok=(200, 201),
             content=_Pieces(data),
             headers={"Content-Type": "application/octet-stream",
-                     "Content-Length": str(len(data))},
+                     "Content-Length": str(memoryview(data).nbytes)},
         )
         return resp.status_code == 201
 
@@ -331,10 +336,11 @@ class HttpTransport(Transport):
             return None
         return int(resp.json()["step"])
 
-    async def epoch(self, job: str) -> int:
+    async def rollback_state(self, job: str) -> tuple[int | None, int]:
         check_job(job)
-        resp = await self._request("GET", f"/v1/jobs/{job}/rollback")
-        return int(resp.json()["epoch"])
+        doc = (await self._request("GET", f"/v1/jobs/{job}/rollback")).json()
+        step = doc.get("rollback_to")
+        return (int(step) if step is not None else None), int(doc["epoch"])
 
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         check_job(job)

@@ -467,8 +467,7 @@ class StoreViews:
         if held is not None and not fresh and now - held[0] < self.ttl:
             return held[1], held[2]
         try:
-            ref = await self.repo.read_rollback(job)
-            epoch = await self.repo.epoch(job)
+            ref, epoch = await self.repo.rollback_state(job)
         except CkptdError as exc:
             log.warning("%s: cannot read the rollback marker: %s", job, exc)
             return (held[1], held[2]) if held is not None else (None, 0)

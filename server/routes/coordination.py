@@ -73,9 +73,8 @@ async def set_rollback(
     summary="The job's rollback marker (if any) and its timeline",
 )
 async def read_rollback(job: JobDep, repo: RepoDep) -> RollbackReply:
-    ref = await repo.read_rollback(job)
-    return RollbackReply(rollback_to=ref.step if ref is not None else None,
-                         epoch=await repo.epoch(job))
+    ref, epoch = await repo.rollback_state(job)
+    return RollbackReply(rollback_to=ref.step if ref is not None else None, epoch=epoch)
 
 
 @router.delete(

@@ -107,3 +107,24 @@ def test_the_epoch_key_of_meta_is_reserved(tmp_path: Path) -> None:
     with Checkpointer(f"file://{tmp_path / 'store'}", "meta", shm_dir=tmp_path / "shm") as c:
         with pytest.raises(Exception, match="epoch"):
             c.save(1, state(1.0, 1), meta={"epoch": 3})
+
+
+def test_a_rank_that_restores_a_step_off_the_timeline_stays_fenced(
+    where: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Steps 1 and 2 committed, then a rollback to 1. Restoring step 2 (the ended
+    path) does not let a rank's saves in; restoring step 1 does."""
+    url, store = where
+    with Checkpointer(url, "offpath", chunk_size=4096, shm_dir=tmp_path / "shm",
+                      serve_peers=False, timeout=30.0) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
+        assert rollback(url, store, "offpath", 1) == 1
+        got: dict[str, Any] = state(0.0, 0)
+        ckpt.restore(got, step=2)
+        assert ckpt.epoch == 0
+        with pytest.raises(Superseded):
+            ckpt.save(3, state(3.0, 3)).wait(30)
+        ckpt.restore(got, step=1)
+        assert ckpt.epoch == 1
+        assert ckpt.save(3, state(3.0, 3)).wait(30).state == "committed"

@@ -612,3 +612,20 @@ async def test_a_rollback_asked_from_an_ended_timeline_is_the_same_rollback(repo
     await repo.clear_rollback(JOB)
     done = await repo.set_rollback(JOB, 2, from_epoch=0)  # cleared since: a new one
     assert (done.marker.step, done.epoch, done.started) == (2, 4, True)
+
+
+async def test_the_marker_and_epoch_are_read_as_one_pair(repo: Repository, store: Store) -> None:
+    """Between set_rollback's two writes (timeline, then marker) a reader must not
+    get the previous marker with the new epoch."""
+    await commit_all(repo, 1)
+    await commit_all(repo, 2)
+    await repo.set_rollback(JOB, 2)
+    record = await repo.read_commit(JOB, 1)
+    # The second rollback wrote its timeline and not yet its marker:
+    await store.compare_and_swap(
+        timeline_key(JOB), await store.get(timeline_key(JOB)),
+        Timeline(epoch=2, step=1, commit=record.digest()).canonical())
+    marker, epoch = await repo.rollback_state(JOB)
+    assert marker is not None and (marker.step, epoch) == (1, 2)
+    await repo.clear_rollback(JOB)
+    assert await repo.rollback_state(JOB) == (None, 2)
