@@ -453,6 +453,8 @@ class HealthAgent:
                      "or was set too recently)", self.job, self.rank, target)
 
     def _request_rollback(self, action: Action) -> int | None:
+        with self._lock:
+            self._asked_epoch = None  # until this request's answer says
         target = self._latest()
         if target is None:
             log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
