@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -147,6 +147,19 @@ def _pydantic_error(exc: ValidationError, what: str) -> InvalidDocument:
     return InvalidDocument(f"{what}: {where}: {first.get('msg')}", errors=exc.error_count())
 
 
+_D = TypeVar("_D", bound="_Document")
+
+
+def _load(cls: type[_D], data: bytes, fmt: str, what: str) -> _D:
+    """Parses a document's bytes: JSON, its header, then its fields."""
+    doc = _parse_json(data, what)
+    _check_header(doc, fmt, what)
+    try:
+        return cls.model_validate(doc)
+    except ValidationError as exc:
+        raise _pydantic_error(exc, what) from None
+
+
 class _Document(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -193,12 +206,7 @@ class RankManifest(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> RankManifest:
-        doc = _parse_json(data, "rank manifest")
-        _check_header(doc, MANIFEST_FORMAT, "rank manifest")
-        try:
-            manifest = cls.model_validate(doc)
-        except ValidationError as exc:
-            raise _pydantic_error(exc, "rank manifest") from None
+        manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
         manifest.check()
         return manifest
 
@@ -347,12 +355,7 @@ class CommitRecord(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> CommitRecord:
-        doc = _parse_json(data, "commit record")
-        _check_header(doc, COMMIT_FORMAT, "commit record")
-        try:
-            record = cls.model_validate(doc)
-        except ValidationError as exc:
-            raise _pydantic_error(exc, "commit record") from None
+        record = _load(cls, data, COMMIT_FORMAT, "commit record")
         check_job(record.job)
         check_step(record.step)
         if [m.rank for m in record.manifests] != list(range(record.world_size)):
@@ -370,12 +373,7 @@ class Ref(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> Ref:
-        doc = _parse_json(data, "ref")
-        _check_header(doc, REF_FORMAT, "ref")
-        try:
-            return cls.model_validate(doc)
-        except ValidationError as exc:
-            raise _pydantic_error(exc, "ref") from None
+        return _load(cls, data, REF_FORMAT, "ref")
 
 
 class Timeline(_Document):
@@ -394,12 +392,7 @@ class Timeline(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> Timeline:
-        doc = _parse_json(data, "timeline")
-        _check_header(doc, TIMELINE_FORMAT, "timeline")
-        try:
-            return cls.model_validate(doc)
-        except ValidationError as exc:
-            raise _pydantic_error(exc, "timeline") from None
+        return _load(cls, data, TIMELINE_FORMAT, "timeline")
 
 
 def manifest_epoch(manifest: RankManifest) -> int:
