@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,3 +106,14 @@ def token_server(tmp_path: Path) -> Iterator[ServerProcess]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A private staging root in shared memory (on disk where there is none)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir=base))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -4,9 +4,6 @@ contract for when the tensors may change again. Skipped without a CUDA device.""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +23,6 @@ pytestmark = [
 SLEEP_CYCLES = 100_000_000
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir=base))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def gpu_state(seed: int, big: int = 1 << 20) -> dict[str, Any]:

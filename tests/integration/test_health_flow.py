@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -71,14 +69,6 @@ def client(srv: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = Path(tempfile.mkdtemp(prefix="ckptd-health-", dir=base))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def state_at(step: int) -> dict[str, Any]:

@@ -5,11 +5,8 @@ upload reads."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +20,6 @@ from ckptd.errors import SnapshotSkipped, Timeout, Unavailable
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir=base))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 class GatedTransport:

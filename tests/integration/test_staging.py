@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 CS = 4100  # a chunk size that splits float64 and float32 elements
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """A private staging root in shared memory (on disk where there is none)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir=base))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
