@@ -680,8 +680,9 @@ class Repository:
         before it are refused from now on.
 
         ``from_epoch`` is the timeline the asking rank is in. A rank that has not yet
-        rolled back to the latest rollback asks from an ended timeline: its request
-        is already answered, and the current marker and epoch come back unchanged."""
+        rolled back to the latest rollback asks from an ended timeline: while that
+        rollback is marked, its request is already answered, and the current marker
+        and epoch come back unchanged."""
         record = await self.read_commit(job, step)
         new = Ref(step=step, commit=record.digest())
         # The timeline first: between the two writes, saves are refused until the
@@ -693,13 +694,14 @@ class Repository:
                 current: bytes | None = await self.store.get(key)
             except NotFound:
                 current = None
-            epoch = Timeline.parse(current).epoch if current is not None else 0
-            if (from_epoch is not None and from_epoch < epoch and current is not None
+            done = Timeline.parse(current) if current is not None else None
+            epoch = done.epoch if done is not None else 0
+            # Asked from an ended timeline while its rollback is still marked: that
+            # rollback answers it. (Once the marker is cleared, it is a new one.)
+            if (done is not None and from_epoch is not None and from_epoch < epoch
                     and await self.read_rollback(job) is not None):
-                done = Timeline.parse(current)
                 return RollbackSet(Ref(step=done.step, commit=done.commit), epoch,
                                    started=False)
-                # (that rollback was cleared since: this one is new)
             data = Timeline(epoch=epoch + 1, step=step, commit=new.commit).canonical()
             if await self.store.compare_and_swap(key, current, data):
                 epoch += 1
