@@ -2,7 +2,11 @@
 
 The CLI is the one place in the core that reaches into ``ckptd.server`` (for
 ``serve``) and ``ckptd.client`` (for commands that talk to a server); it imports
-them inside the commands, so ``import ckptd`` stays free of both."""
+them inside the commands, so ``import ckptd`` stays free of both.
+
+Commands of one flow live in their own module of this package (``lifecycle``,
+``views``, ...) and register themselves on ``app`` when imported at the bottom
+of this file."""
 
 from __future__ import annotations
 
@@ -545,6 +549,10 @@ def progress_bar() -> Progress:
         TimeRemainingColumn(),
         console=console,
     )
+
+
+# Command modules: each adds its commands to ``app`` on import.
+# (one line per module; keep this block above main())
 
 
 def main() -> None:
