@@ -16,7 +16,9 @@ tier allowed at a time:
 - ``local shm``: rank 0's staging pool in /dev/shm (what a restarted worker finds),
 - ``peers``: ranks 1 and 2's pools over loopback HTTP, in parallel (atomic, and
   with ``atomic=False``: straight into the target),
-- ``store``: the server (chunks read from its directory store over HTTP),
+- ``store``: the server (chunks read from its directory store over HTTP), and the
+  same directory read by the client itself (``file://``: the store tier, warm),
+- ``copy_``: a plain copy of the state into the target (the local tier's floor),
 - ``torch.load``: the same state ``torch.save``d to the scratch directory, loaded
   back (page cache warm: its best case), and the same plus the copy into the
   target that ``load_state_dict`` would do.
@@ -148,7 +150,9 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
 
                 def restore(system: str) -> float:
                     tier, _, mode = system.partition(" ")
-                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                    # "store file": the same store read as a local directory (file://).
+                    url = f"file://{server.store}" if mode == "file" else server.url
+                    with Checkpointer(url, JOB, rank=0, world_size=WORLD,
                                       serve_peers=False) as ckpt:
                         t0 = time.perf_counter()
                         result = ckpt.restore(target, tiers=(tier,), atomic=mode != "in-place")
@@ -157,6 +161,16 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                     assert result.bytes_from.get(tier, 0) == result.bytes_fetched, result
                     assert same_bits(target, state), tier
                     for t in tensors_of(target):  # the next round must restore for real
+                        t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
+                    return seconds
+
+                def copy() -> float:
+                    """The floor of the local tier on the CPU: ``copy_`` of the state."""
+                    t0 = time.perf_counter()
+                    for dst, src in zip(tensors_of(target), tensors_of(state), strict=True):
+                        dst.copy_(src)
+                    seconds = time.perf_counter() - t0
+                    for t in tensors_of(target):
                         t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
                     return seconds
 
@@ -171,12 +185,15 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                     del loaded
                     return t1 - t0, t2 - t0
 
-                systems = ["local", "peer", "peer in-place", "store", "torch.load"]
+                systems = ["local", "peer", "peer in-place", "store", "store file", "copy_",
+                           "torch.load"]
                 for rnd in range(rounds):
                     for system in rotated(systems, rnd):
                         quiesce()
                         release_free_memory()
-                        if system == "torch.load":
+                        if system == "copy_":
+                            samples.add("copy_", "s", copy())
+                        elif system == "torch.load":
                             plain, copied = load()
                             samples.add("torch.load", "s", plain)
                             samples.add("torch.load + copy", "s", copied)
@@ -200,17 +217,22 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
     table = Table(
         f"Restore of {size_label(size)} ({human_bytes(nbytes)}) into an existing state, one rank, "
         f"median of {rounds}",
-        ["source", "time", "GB/s", "vs torch.load", "vs torch.load + copy", "range"],
+        ["source", "time", "GB/s", "vs torch.load", "vs torch.load + copy", "vs copy_", "range"],
     )
     names = {"local": "ckptd, local shared memory", "peer": "ckptd, 2 peers (loopback HTTP)",
              "peer in-place": "ckptd, 2 peers, atomic=False",
-             "store": "ckptd, server store (HTTP)", "torch.load": "torch.load, local disk",
+             "store": "ckptd, server store (HTTP)",
+             "store file": "ckptd, store as a local directory (file://)",
+             "copy_": "copy_ of the state (local tier floor)",
+             "torch.load": "torch.load, local disk",
              "torch.load + copy": "torch.load + copy into the state"}
-    for system in ("local", "peer", "peer in-place", "store", "torch.load",
-                   "torch.load + copy"):
+    base_floor = samples.median("copy_", "s")
+    for system in ("local", "peer", "peer in-place", "store", "store file", "copy_",
+                   "torch.load", "torch.load + copy"):
         t = samples.median(system, "s")
         table.add(names[system], fmt_s(t), fmt_gbps(nbytes, t), fmt_x(ratio(t, base)),
-                  fmt_x(ratio(t, base_copy)), samples.spread(system, "s"))
+                  fmt_x(ratio(t, base_copy)), fmt_x(ratio(t, base_floor)),
+                  samples.spread(system, "s"))
     table.note("ckptd hash-checks every chunk (blake3) and fills the state in place; "
                "torch.load checks nothing and allocates fresh tensors. Ratios below 1 are "
                "faster than torch.load. Page cache warm for torch.load and the store. "
