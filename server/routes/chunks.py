@@ -1,4 +1,9 @@
-"""Chunks: content-addressed blobs, hashed on the way in and on the way out."""
+"""Chunks: content-addressed blobs, hashed on the way in, streamed as stored on the way out.
+
+Each chunk is verified once per hop: the server hashes what it receives (it does not
+trust the client), and the client hashes what it receives (it does not trust the
+server), so the server does not hash again what it serves; ``ckptd verify`` (and
+``Repository.verify``) checks the store at rest."""
 
 from __future__ import annotations
 
@@ -99,7 +104,8 @@ async def has_chunk(cid: ChunkIdDep, repo: RepoDep) -> Response:
 )
 async def get_chunk(cid: ChunkIdDep, repo: RepoDep, metrics: MetricsDep) -> StreamingResponse:
     started = time.perf_counter()
-    data = await repo.get_chunk(cid)
+    # Not re-hashed: every reader verifies a chunk against its id on arrival.
+    data = await repo.get_chunk(cid, verify=False)
     return StreamingResponse(
         _pieces(data, metrics, started),
         media_type="application/octet-stream",

@@ -246,6 +246,21 @@ def test_absent_chunk_is_404(client: httpx.Client) -> None:
     assert_error(client.get(f"/v1/chunks/{cid}"), 404, "chunk_not_found")
 
 
+def test_a_chunk_is_served_as_stored_without_a_second_hash(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    # One hash per hop: the reader verifies on arrival, so the server streams the
+    # stored bytes, even bytes damaged at rest (``ckptd verify`` finds those).
+    data = os.urandom(64 * 1024)
+    cid = put_chunk(client, data)
+    damaged = bytearray(data)
+    damaged[100] ^= 0xFF
+    chunk_file(server, cid).write_bytes(bytes(damaged))
+    r = client.get(f"/v1/chunks/{cid}")
+    assert r.status_code == 200
+    assert r.content == bytes(damaged)
+
+
 def test_chunk_whose_bytes_do_not_match_its_id_is_refused(
     client: httpx.Client, server: ServerProcess
 ) -> None:
