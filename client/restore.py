@@ -58,7 +58,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import mmap
@@ -106,6 +105,7 @@ from ckptd.hashing import chunk_id, chunk_spans, document_hash
 from ckptd.knobs import MiB
 
 from .peer import PeerClient, PeerIndex
+from .restore_geometry import Box, slice_plan
 from .sharding import dtensor_layout, is_dtensor
 from .state import TensorSpec, byte_view, torch_dtype
 from .transport import HttpTransport, Transport
@@ -631,44 +631,6 @@ async def deliver(found: Mapping[str, memoryview], wanted: _Wanted, concurrency:
 # -- boxes and what to fetch -----------------------------------------------------------
 
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return out
-
-
-def _covering_chunks(
-    shape: Sequence[int], itemsize: int, chunk_size: int, lo: Sequence[int], hi: Sequence[int]
-) -> list[int]:
-    """Indices of the chunks of a C-order tensor of ``shape`` holding the elements
-    of the sub-box ``[lo, hi)`` (relative to the tensor)."""
-    n = len(shape)
-    if n == 0:
-        return [0]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return []
-    strides = _strides(shape)
-    k = n - 1
-    while k > 0 and lo[k] == 0 and hi[k] == shape[k]:
-        k -= 1
-    run = (hi[k] - lo[k]) * strides[k] * itemsize
-    runs = math.prod(hi[d] - lo[d] for d in range(k))
-    first = sum(lo[d] * strides[d] for d in range(n)) * itemsize
-    last = (sum((hi[d] - 1) * strides[d] for d in range(n)) + 1) * itemsize
-    if runs > 100_000 or run >= last - first:
-        return list(range(first // chunk_size, (last - 1) // chunk_size + 1))
-    chunks: set[int] = set()
-    for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
-        start = (sum(i * s for i, s in zip(idx, strides, strict=False)) + lo[k] * strides[k])
-        start *= itemsize
-        chunks.update(range(start // chunk_size, (start + run - 1) // chunk_size + 1))
-    return sorted(chunks)
-
-
 @dataclass(slots=True)
 class _Wanted:
     """Chunk id -> the buffers it fills, and the slice copies to make afterwards."""
@@ -698,29 +660,20 @@ def _fill_from_entry(wanted: _Wanted, name: str, buf: torch.Tensor, box: Box,
         for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, chunk_size), strict=True):
             wanted.add(cid, view[a:b], name, in_target)
         return math.prod(bs)
-    lo = [max(b0, e0) for b0, e0 in zip(bo, eo, strict=True)]
-    hi = [min(b0 + b1, e0 + e1) for b0, b1, e0, e1 in zip(bo, bs, eo, es, strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+    itemsize = buf.element_size()
+    plan = slice_plan(box, (eo, es), itemsize, chunk_size)
+    if plan is None:
         return 0
     wanted.elastic = True
-    itemsize = buf.element_size()
-    rel_lo = [a - o for a, o in zip(lo, eo, strict=True)]
-    rel_hi = [a - o for a, o in zip(hi, eo, strict=True)]
-    ks = _covering_chunks(es, itemsize, chunk_size, rel_lo, rel_hi)
-    spans = list(chunk_spans(e.nbytes, chunk_size))
-    lo_b, hi_b = spans[ks[0]][0], spans[ks[-1]][1]
-    flat = fresh_tensor(((hi_b - lo_b) // itemsize,), buf.dtype)
+    flat = fresh_tensor((plan.length // itemsize,), buf.dtype)
     fview = byte_view(flat)
-    for k in ks:
-        a, b = spans[k]
-        wanted.add(e.chunks[k], fview[a - lo_b : b - lo_b], name)
-    strides = _strides(es)
-    first = sum(r * s for r, s in zip(rel_lo, strides, strict=True))
-    src = flat.as_strided([h - low for low, h in zip(lo, hi, strict=True)], strides,
-                          first - lo_b // itemsize)
-    dst = buf[tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, bo, strict=True))]
+    for k, index in enumerate(plan.chunks):
+        a, b = plan.landing(k)
+        wanted.add(e.chunks[index], fview[a:b], name)
+    src = flat.as_strided(plan.shape, plan.strides, plan.offset)
+    dst = buf[tuple(slice(o, o + n) for o, n in zip(plan.dst_offsets, plan.shape, strict=True))]
     wanted.copies.append((dst, src))
-    return math.prod(h - low for low, h in zip(lo, hi, strict=True))
+    return math.prod(plan.shape)
 
 
 def _target_values(tree: Mapping[str, Any], target: Any) -> dict[str, Any]:

@@ -488,6 +488,29 @@ def test_four_rank_save_restored_by_two_three_and_one_rank(
         assert_bitwise(target[name], t, name)
 
 
+def test_elastic_restore_with_a_chunk_size_that_splits_elements(
+    tmp_path: Path, shm: Path
+) -> None:
+    # 4097-byte chunks cut float32 and float64 elements in two: the slices cut
+    # from them must still land aligned (a chunk size need not be a multiple of
+    # the element size).
+    url = file_url(tmp_path)
+    full = global_state(12)
+    for r in range(2):
+        state, shards = shard_of(full, r, 2)
+        with Checkpointer(url, "odd", rank=r, world_size=2, chunk_size=4097) as ckpt:
+            ckpt.save(1, state, shards=shards, local=["rng"]).wait(timeout=60)
+    for world, r in ((3, 0), (3, 1), (3, 2), (1, 0)):
+        expected, shards = shard_of(full, r, world)
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+                  for k, v in expected.items()}
+        with Checkpointer(url, "odd", rank=r, world_size=world) as ckpt:
+            result = ckpt.restore(target, shards=shards)
+        assert result.elastic
+        for name in ("rows", "cols", "cube", "bias"):
+            assert_bitwise(target[name], expected[name], name)
+
+
 def test_the_same_world_restores_its_own_shard_without_reading_other_manifests(
     tmp_path: Path, shm: Path
 ) -> None:
