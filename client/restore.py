@@ -86,6 +86,7 @@ from ckptd.errors import (
     NotCommitted,
     RestoreError,
     Unavailable,
+    UnsupportedFormat,
 )
 from ckptd.format import (
     CommitRecord,
@@ -107,6 +108,8 @@ from ckptd.knobs import MiB
 from .peer import PeerClient, PeerIndex
 from .restore_geometry import Box, slice_plan
 from .sharding import dtensor_layout, is_dtensor
+from .staging import StagedPoolReader, StagingPool
+from .staging_format import SpanRecord
 from .state import TensorSpec, byte_view, torch_dtype
 from .transport import HttpTransport, Transport
 
@@ -220,38 +223,36 @@ class LocalPoolSource(Source):
     tier = "local"
     in_place = True
 
-    def __init__(self, reader: Any, entries: Iterable[tuple[TensorEntry, int]]) -> None:
+    def __init__(
+        self, reader: StagedPoolReader, entries: Iterable[tuple[TensorEntry, int]]
+    ) -> None:
         self.reader = reader
         self.generation: int | None = reader.generation()
         self._views: dict[str, memoryview] = {}
         self._by_chunk: dict[str, list[str]] = {}
         self.step: int | None = reader.step
         consistent = bool(reader.consistent())
-        spans = list(reader.spans())
-        size = int(reader.index.get("chunk_size") or 0)
+        spans: list[tuple[SpanRecord, memoryview]] = list(reader.spans())
+        size = reader.index.chunk_size
         if consistent and size > 0:
             for entry, data in spans:
-                ids = entry.get("chunks") or []
-                first = int(entry.get("first_chunk", 0))
-                for k, cid in enumerate(ids):
+                for k, cid in enumerate(entry.chunks or ()):
                     view = data[k * size : (k + 1) * size]
-                    self._add(str(cid), f"{entry.get('segment')}@{entry.get('offset')}"
-                                         f"#{first + k}", view)
+                    self._add(cid, f"{entry.segment}@{entry.offset}#{entry.first_chunk + k}",
+                              view)
         else:
-            by_name: dict[str, list[tuple[dict[str, Any], memoryview]]] = {}
+            by_name: dict[str, list[tuple[SpanRecord, memoryview]]] = {}
             for entry, data in spans:
-                by_name.setdefault(str(entry.get("name")), []).append((entry, data))
+                by_name.setdefault(entry.name, []).append((entry, data))
             for e, chunk_size in entries:
                 for entry, data in by_name.get(e.name, ()):
-                    if entry.get("dtype") != e.dtype or list(entry.get("shape") or []) != list(
-                        e.shape
-                    ):
+                    if entry.dtype != e.dtype or list(entry.shape) != list(e.shape):
                         continue
-                    start, end = int(entry.get("start", 0)), int(entry.get("end", 0))
+                    start, end = entry.start, entry.end
                     for k, (a, b) in enumerate(chunk_spans(e.nbytes, chunk_size)):
                         if a >= start and b <= end and b - a <= len(data) - (a - start):
-                            self._add(e.chunks[k], f"{entry.get('segment')}@"
-                                      f"{entry.get('offset')}#{k}", data[a - start : b - start])
+                            self._add(e.chunks[k], f"{entry.segment}@{entry.offset}#{k}",
+                                      data[a - start : b - start])
         log.debug("local pool %s: %d candidate chunks (%s)", reader.directory,
                   len(self._by_chunk), "indexed" if consistent else "by name")
 
@@ -269,9 +270,8 @@ class LocalPoolSource(Source):
         entries: Iterable[tuple[TensorEntry, int]],
         root: str | os.PathLike[str] | None = None,
     ) -> LocalPoolSource | None:
-        """The pool ``job``/``rank`` on this host, or None when there is none."""
-        from .staging import StagingPool
-
+        """The pool ``job``/``rank`` on this host, or None when there is none
+        (``UnsupportedFormat`` for a pool of another version)."""
         reader = StagingPool.open_existing(job, rank, root)
         if reader is None:
             return None
@@ -1229,7 +1229,11 @@ async def adopt_pool(
         return step, None, None
     manifest = await transport.read_manifest(job, step, rank)
     entries = [(e, manifest.chunk_size) for e in manifest.entries]
-    pool = LocalPoolSource.open(job, rank, entries, pool_root)
+    try:
+        pool = LocalPoolSource.open(job, rank, entries, pool_root)
+    except UnsupportedFormat as exc:  # another ckptd's pool: nothing to adopt
+        log.warning("%s/%d: %s", job, rank, exc)
+        return step, None, None
     if pool is None:
         return step, None, None
     needed = manifest.chunk_ids()

@@ -12,6 +12,10 @@ Design
     ``<shm_dir>/ckptd-<uid>/<job>/rank-<rank>/`` (``shm_dir``: ``CKPTD_SHM_DIR``,
     default ``/dev/shm``; the uid keeps users of one node apart) holding:
 
+    The control file and the index are an on-disk format, specified in
+    docs/FORMAT.md ("Staging pool") and parsed into frozen values by
+    ``staging_format`` (``ControlHeader``, ``PoolIndex``):
+
     ``control``
         64 bytes, mapped shared: magic ``CKPTDSP1``, a u64 *generation* at offset
         8, the owner's pid at 16. The owner holds an exclusive ``flock`` on it for
@@ -99,9 +103,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import math
 import mmap
@@ -116,14 +120,27 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ckptd.errors import InvalidRequest, StagingError
+from ckptd.errors import InvalidDocument, InvalidRequest, StagingError, UnsupportedFormat
 from ckptd.knobs import shm_dir
 
 from . import cuda
+from .staging_format import (
+    CONTROL_MAGIC,
+    CONTROL_NAME,
+    CONTROL_SIZE,
+    GEN_AT,
+    INDEX_NAME,
+    PID_AT,
+    POOL_VERSION,
+    ControlHeader,
+    PoolIndex,
+    PoolState,
+    SegmentRecord,
+    SpanRecord,
+)
 from .state import dtype_name
 
 log = logging.getLogger(__name__)
@@ -132,13 +149,11 @@ PAGE = 4096
 SMALL_ALIGN = 64
 PAGE_ALIGN_FROM = 64 * 1024  # tensors this large start on a page
 SEGMENT_GRAIN = 2 * 1024 * 1024  # unbudgeted segments are rounded up to this
-INDEX_VERSION = 1
-INDEX_NAME = "index.json"
-CONTROL_NAME = "control"
-_CONTROL_MAGIC = b"CKPTDSP1"
-_CONTROL_SIZE = 64
-_GEN_AT = 8
-_PID_AT = 16
+INDEX_VERSION = POOL_VERSION
+_CONTROL_MAGIC = CONTROL_MAGIC
+_CONTROL_SIZE = CONTROL_SIZE
+_GEN_AT = GEN_AT
+_PID_AT = PID_AT
 _BOUNCE = 16 * 1024 * 1024  # bytes of a non-contiguous tensor gathered at once
 _KEEP_FACTOR = 1.5  # rebuild the pool when it is this much larger than the state
 
@@ -878,22 +893,21 @@ class StagingPool:
     # -- the index ----------------------------------------------------------------------
 
     def _entries(self, plan_infos: Sequence[TensorInfo], placed: Sequence[_Placed],
-                 chunk_size: int) -> list[dict[str, Any]]:
-        out = []
-        for p in placed:
-            info = plan_infos[p.index]
-            out.append({
-                "name": info.name,
-                "dtype": dtype_name(info.dtype),
-                "shape": list(info.shape),
-                "nbytes": info.nbytes,
-                "start": p.start,
-                "end": p.end,
-                "first_chunk": p.start // chunk_size,
-                "segment": self._segments[p.segment].file,
-                "offset": p.offset,
-            })
-        return out
+                 chunk_size: int) -> tuple[SpanRecord, ...]:
+        return tuple(
+            SpanRecord(
+                name=plan_infos[p.index].name,
+                dtype=dtype_name(plan_infos[p.index].dtype),
+                shape=tuple(plan_infos[p.index].shape),
+                nbytes=plan_infos[p.index].nbytes,
+                start=p.start,
+                end=p.end,
+                first_chunk=p.start // chunk_size,
+                segment=self._segments[p.segment].file,
+                offset=p.offset,
+            )
+            for p in placed
+        )
 
     def _write_index_if_new(
         self, plan: StagePlan, number: int, step: int | None, generation: int
@@ -911,25 +925,21 @@ class StagingPool:
         self._write_index(doc)
 
     def _index_doc(self, infos: Sequence[TensorInfo], placed: Sequence[_Placed],
-                   chunk_size: int, *, state: str, step: int | None, generation: int,
-                   piece: tuple[int, int]) -> dict[str, Any]:
-        return {
-            "format": "ckptd.staging_index",
-            "version": INDEX_VERSION,
-            "job": self.job,
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "state": state,
-            "step": step,
-            "generation": generation,
-            "chunk_size": chunk_size,
-            "piece": list(piece),
-            "segments": [
-                {"file": s.file, "nbytes": s.nbytes, "shared": s.path is not None}
-                for s in self._segments
-            ],
-            "entries": self._entries(infos, placed, chunk_size),
-        }
+                   chunk_size: int, *, state: PoolState, step: int | None, generation: int,
+                   piece: tuple[int, int]) -> PoolIndex:
+        return PoolIndex(
+            job=self.job,
+            rank=self.rank,
+            pid=os.getpid(),
+            state=state,
+            step=step,
+            generation=generation,
+            chunk_size=chunk_size,
+            piece=piece,
+            segments=tuple(SegmentRecord(s.file, s.nbytes, s.path is not None)
+                           for s in self._segments),
+            entries=self._entries(infos, placed, chunk_size),
+        )
 
     def _publish(self, piece: StagedPiece, chunk_ids: Sequence[Sequence[str]]) -> None:
         """Records a hashed piece in the index (pipeline thread)."""
@@ -943,15 +953,15 @@ class StagingPool:
             doc = self._index_doc(infos, piece._placed, layout.key[0], state="staged",
                                   step=piece.step, generation=piece.generation,
                                   piece=(piece.number, piece.count))
-            for entry, ids in zip(doc["entries"], chunk_ids, strict=True):
-                entry["chunks"] = list(ids)
-            self._write_index(doc)
+            entries = tuple(dataclasses.replace(entry, chunks=tuple(ids))
+                            for entry, ids in zip(doc.entries, chunk_ids, strict=True))
+            self._write_index(dataclasses.replace(doc, entries=entries))
 
-    def _write_index(self, doc: dict[str, Any]) -> None:
+    def _write_index(self, doc: PoolIndex) -> None:
         path = self.directory / INDEX_NAME
         tmp = self.directory / f"{INDEX_NAME}.{os.getpid()}.tmp"
         try:
-            tmp.write_text(json.dumps(doc, separators=(",", ":")))
+            tmp.write_bytes(doc.encode())
             os.replace(tmp, path)
         except OSError as exc:  # the index is a hint: losing it only slows a restart
             log.warning("staging: cannot write %s: %s", path, exc)
@@ -1045,11 +1055,11 @@ class StagedPoolReader:
     """A read-only view of a staging pool, live or left by a dead process.
 
     ``index`` is the pool's ``index.json``; ``spans()`` yields each staged span's
-    entry and bytes, ``chunks()`` each chunk the index names with its bytes. Check
+    record and bytes, ``chunks()`` each chunk the index names with its bytes. Check
     ``consistent()`` after reading (seqlock) and verify every chunk by its hash:
     a half-overwritten pool still gives its unchanged chunks."""
 
-    def __init__(self, directory: Path, index: dict[str, Any]) -> None:
+    def __init__(self, directory: Path, index: PoolIndex) -> None:
         self.directory = directory
         self.index = index
         self._maps: dict[str, mmap.mmap] = {}
@@ -1064,28 +1074,41 @@ class StagedPoolReader:
                     self._control = mmap.mmap(fd, _CONTROL_SIZE, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
+        if self._control is not None:
+            try:  # another version's control file: refused like its index
+                ControlHeader.unpack(self._control[:], str(directory / CONTROL_NAME))
+            except InvalidDocument:
+                self.close()
+                raise
 
     @classmethod
     def open(cls, directory: Path) -> StagedPoolReader | None:
+        """The pool in ``directory``, or None when it has no readable index;
+        ``UnsupportedFormat`` when it is a pool of another version."""
+        path = directory / INDEX_NAME
         try:
-            index = json.loads((directory / INDEX_NAME).read_text())
+            data = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             log.warning("staging: unreadable index in %s: %s", directory, exc)
             return None
-        if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+        try:
+            index = PoolIndex.parse(data, str(path))
+        except UnsupportedFormat:
+            raise
+        except InvalidDocument as exc:  # torn or foreign: a hint we do not have
+            log.warning("staging: %s", exc)
             return None
         return cls(directory, index)
 
     @property
     def step(self) -> int | None:
-        step = self.index.get("step")
-        return step if isinstance(step, int) else None
+        return self.index.step
 
     @property
     def state(self) -> str:
-        return str(self.index.get("state"))
+        return self.index.state
 
     def generation(self) -> int | None:
         """The pool's generation now (odd: being overwritten); None without one."""
@@ -1096,7 +1119,7 @@ class StagedPoolReader:
         after reading the bytes)."""
         g = self.generation()
         return (self.state == "staged" and g is not None and g % 2 == 0
-                and g == self.index.get("generation"))
+                and g == self.index.generation)
 
     def _segment(self, file: str) -> mmap.mmap | None:
         mm = self._maps.get(file)
@@ -1116,28 +1139,26 @@ class StagedPoolReader:
             self._maps[file] = mm
         return mm
 
-    def spans(self) -> Iterator[tuple[dict[str, Any], memoryview]]:
+    def spans(self) -> Iterator[tuple[SpanRecord, memoryview]]:
         """Each index entry whose segment is still there, with its bytes."""
-        for entry in self.index.get("entries", []):
-            mm = self._segment(str(entry.get("segment")))
+        for entry in self.index.entries:
+            mm = self._segment(entry.segment)
             if mm is None:
                 continue
-            off, n = int(entry["offset"]), int(entry["end"]) - int(entry["start"])
-            if off < 0 or n < 0 or off + n > len(mm):
+            off, n = entry.offset, entry.end - entry.start
+            if off + n > len(mm):
                 continue
             yield entry, memoryview(mm)[off : off + n]
 
     def chunks(self) -> Iterator[tuple[str, int, str, memoryview]]:
         """(tensor name, chunk number, claimed chunk id, bytes) for every chunk the
         index names; unverified."""
-        size = int(self.index.get("chunk_size") or 0)
+        size = self.index.chunk_size
         for entry, data in self.spans():
-            ids = entry.get("chunks")
-            if not ids or size <= 0:
+            if not entry.chunks or size <= 0:
                 continue
-            first = int(entry.get("first_chunk", 0))
-            for k, cid in enumerate(ids):
-                yield entry["name"], first + k, str(cid), data[k * size : (k + 1) * size]
+            for k, cid in enumerate(entry.chunks):
+                yield entry.name, entry.first_chunk + k, cid, data[k * size : (k + 1) * size]
 
     def close(self) -> None:
         for mm in self._maps.values():
@@ -1162,9 +1183,10 @@ def _owner_pid(directory: Path) -> int | None:
             head = f.read(_CONTROL_SIZE)
     except OSError:
         return None
-    if len(head) < _CONTROL_SIZE or head[:8] != _CONTROL_MAGIC:
+    try:
+        return ControlHeader.unpack(head).pid or None
+    except InvalidDocument:
         return None
-    return int(struct.unpack_from("<Q", head, _PID_AT)[0]) or None
 
 
 def remove_stale_pools(
@@ -1205,7 +1227,11 @@ def _remove_if_stale(d: Path) -> bool:
 
 
 __all__ = [
+    "ControlHeader",
+    "PoolIndex",
     "PoolStats",
+    "SegmentRecord",
+    "SpanRecord",
     "StagePlan",
     "StagedPiece",
     "StagedPoolReader",
