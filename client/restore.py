@@ -15,7 +15,8 @@ it right, in tier order:
     live peers holding the step in their pools, from the server's restore plan,
     spread across them and fetched in parallel (``PeerClient``).
 ``store``
-    the repository, through the checkpointer's transport.
+    the repository, through the checkpointer's transport; when that is a directory
+    on this host (``file://``), its chunk files are mapped and hashed in place.
 
 Every chunk is hashed and compared with its id before it is used; a source that
 fails, lacks the chunk or has other bytes is recorded as a ``ChunkProblem`` and the
@@ -31,9 +32,9 @@ advised to use huge pages). Then, only when all verified, they are copied into
 place: straight into the target's own tensors where those fit (contiguous CPU
 tensors of the right dtype and shape), so a restore into a constructed model
 allocates nothing for it. A failed restore leaves the target as it was.
-``atomic=False`` lets network chunks land in the target as they verify: no landing
-memory and no second copy, but a restore that fails then leaves the target partly
-restored (the error's ``partial`` detail says so). A live pool that a stage
+``atomic=False`` lets chunks from peers and the store land in the target as they
+verify: no landing memory and no second copy, but a restore that fails then leaves
+the target partly restored (the error's ``partial`` detail says so). A live pool that a stage
 overwrites during a restore (the seqlock generation changed) is not trusted: what
 it gave is verified again or taken from the other tiers.
 
@@ -69,7 +70,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import blake3
 import numpy as np
@@ -111,7 +112,10 @@ from .sharding import dtensor_layout, is_dtensor
 from .staging import StagedPoolReader, StagingPool
 from .staging_format import SpanRecord
 from .state import TensorSpec, byte_view, torch_dtype
-from .transport import HttpTransport, Transport
+from .transport import HttpTransport, LocalTransport, Transport
+
+if TYPE_CHECKING:
+    from ckptd.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -433,8 +437,39 @@ class StoreSource(Source):
         if len(data) != len(dest):
             raise ChunkSizeMismatch(f"the store has {len(data)} bytes for chunk {cid}, "
                                     f"expected {len(dest)}", id=cid)
-        dest[:] = data
-        return None
+        # Off the event loop, and hashed while the bytes are in cache.
+        return await asyncio.to_thread(_copy_and_hash, dest, memoryview(data))
+
+
+def _copy_and_hash(dest: memoryview, data: memoryview) -> str:
+    copy_bytes(dest, data)
+    return verify_hash(dest)
+
+
+class LocalStoreSource(DirectoryCacheSource):
+    """The store, when it is a directory on this host (``file://``): its chunk files
+    mapped read-only and hashed where they lie, then copied once into the target,
+    like the cache tier. Reading them into fresh memory instead would cost more
+    than the read itself (page faults), and the store is only ever read here."""
+
+    tier = "store"
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(".")
+        self.store = store
+
+    @classmethod
+    def of(cls, transport: Transport) -> LocalStoreSource | None:
+        """The in-place source of ``transport``'s store, or None when its chunks are
+        not files on this host."""
+        if not isinstance(transport, LocalTransport):
+            return None
+        store = transport.repository.store
+        return cls(store) if store.local_path(chunk_key("0" * 64)) is not None else None
+
+    def holders(self, cid: str) -> Sequence[str]:
+        path = self.store.local_path(chunk_key(cid))
+        return (str(path),) if path is not None else ()
 
 
 # -- the engine -----------------------------------------------------------------------
@@ -585,8 +620,17 @@ class ChunkFetcher:
                 return spot[0]
 
             data = await self.locate(cid, size, land)
-            if data is not None:
-                found[cid] = data
+            if data is None:
+                return
+            source = self.source_of[cid]
+            if not atomic and source.in_place and source.tier != "local":
+                # Lands as it verifies, like a network chunk (the pool's views are
+                # kept: they are what an adopted pool serves to peers).
+                dest, in_target = dests[0]
+                await asyncio.to_thread(copy_bytes, dest, data)
+                self.landed_in_target = self.landed_in_target or in_target
+                data = dest
+            found[cid] = data
 
         from .pipeline import bounded
 
@@ -1060,7 +1104,7 @@ def make_sources(
         client = PeerClient(opts.token, timeout=opts.peer_timeout)
         sources.append(PeerSource(plan.peers, client, exclude=opts.exclude_peers))
     if opts.store:
-        sources.append(StoreSource(transport))
+        sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
     return sources, pool
 
 
@@ -1414,6 +1458,7 @@ __all__ = [
     "ChunkProblem",
     "DirectoryCacheSource",
     "LocalPoolSource",
+    "LocalStoreSource",
     "PeerSource",
     "PrefetchResult",
     "RestoreLayout",

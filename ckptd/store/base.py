@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 from ckptd.errors import InvalidName
 
@@ -83,3 +84,9 @@ class Store(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def local_path(self, key: str) -> Path | None:
+        """The file on this host that holds the object at ``key``, for readers that
+        map it in place (read-only, never written through); None for a backend
+        whose objects are not local files."""
+        return None

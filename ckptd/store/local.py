@@ -48,6 +48,9 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
     # -- reads ----------------------------------------------------------------------
 
     def _get(self, key: str) -> bytes:

@@ -34,6 +34,7 @@ from ckptd.client.staging import StagingPool
 from ckptd.client.state import byte_view
 from ckptd.errors import CheckpointNotFound, ChunkHashMismatch, NotCommitted, RestoreError
 from ckptd.hashing import chunk_id, chunk_spans
+from ckptd.repository import Repository
 from tests.conftest import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -559,6 +560,41 @@ def test_a_corrupt_store_chunk_with_no_other_source_is_a_hash_mismatch(
     with Checkpointer(url, "rot") as ckpt, pytest.raises(ChunkHashMismatch) as info:
         ckpt.restore({})
     assert info.value.detail["id"] == victim and info.value.detail["entries"] == ["w"]
+
+
+def test_a_store_on_this_host_is_read_in_place_and_still_verified(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # file://: chunk files are mapped and hashed where they lie (no read into fresh
+    # memory through the repository), and a damaged one is still caught.
+    url = file_url(tmp_path)
+    state = {"w": torch.arange(30000, dtype=torch.float32), "b": torch.ones(5)}
+    with Checkpointer(url, "mapped", chunk_size=CHUNK) as ckpt:
+        ckpt.save(1, state).wait(timeout=30)
+    reads: list[str] = []
+    original = Repository.get_chunk
+
+    async def counted(self: Repository, cid: str, *, verify: bool = True) -> bytes:
+        reads.append(cid)
+        return await original(self, cid, verify=verify)
+
+    monkeypatch.setattr(Repository, "get_chunk", counted)
+    target = {"w": torch.zeros(30000), "b": torch.zeros(5)}
+    with Checkpointer(url, "mapped") as ckpt:
+        result = ckpt.restore(target, tiers=["store"])
+    assert_bitwise(target, state)
+    assert result.bytes_from["store"] == sum(distinct_bytes(state).values())
+    assert reads == []
+    victim = ids_of(state["w"])[1]
+    path = tmp_path / "store" / "chunks" / victim[:2] / victim
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0x10
+    path.write_bytes(bytes(data))
+    target = {"w": torch.zeros(30000), "b": torch.zeros(5)}
+    with Checkpointer(url, "mapped") as ckpt, pytest.raises(ChunkHashMismatch) as info:
+        ckpt.restore(target, tiers=["store"])
+    assert info.value.detail["id"] == victim
+    assert not target["w"].any()  # atomic: nothing landed
 
 
 def test_atomic_false_lands_chunks_in_the_target_and_says_when_that_left_it_partial(
