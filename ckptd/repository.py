@@ -741,3 +741,38 @@ class Repository:
     async def ranks_present(self, job: str, step: int) -> list[int]:
         """The ranks whose manifests of ``step`` are in the store."""
         return await self._ranks_present(job, step)
+
+    async def import_step(self, record: CommitRecord, manifests: Iterable[RankManifest]) -> None:
+        """Copies a step committed in another repository into this one, in the write
+        order: ``manifests`` (each checked against ``record``'s digest of its rank;
+        every chunk it names must be here already, put with ``put_chunk``), then the
+        commit record, then ``latest`` (moved forward only). Ranks not given stay
+        absent: ``ckptd restore --to DIR`` copies the one rank it restores. Objects
+        already here with other bytes are a ``Conflict``."""
+        for manifest in manifests:
+            if (manifest.job, manifest.step) != (record.job, record.step) or not (
+                0 <= manifest.rank < record.world_size
+            ):
+                raise InvalidDocument(
+                    f"rank {manifest.rank}'s manifest of step {manifest.step} of "
+                    f"{manifest.job} is not part of step {record.step} of {record.job}")
+            data = manifest.canonical()
+            if document_hash(data) != record.manifests[manifest.rank].hash:
+                raise ManifestHashMismatch(
+                    f"manifest of rank {manifest.rank}, step {record.step} does not match "
+                    "its commit record", rank=manifest.rank)
+            ids = sorted(set(manifest.chunk_ids()))
+            present = await self.store.exists_many([chunk_key(cid) for cid in ids])
+            lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+            if lacking:
+                raise MissingChunks(
+                    f"manifest of rank {manifest.rank} names {len(lacking)} chunks the store "
+                    f"does not hold (first {lacking[0]})", count=len(lacking), ids=lacking[:20])
+            await self._put_same(manifest_key(record.job, record.step, manifest.rank), data)
+        await self._put_same(commit_key(record.job, record.step), record.canonical())
+        await self._advance_latest(record.job, record)
+
+    async def _put_same(self, key: str, data: bytes) -> None:
+        """Puts an immutable object, or finds the same bytes already there."""
+        if not await self.store.put_if_absent(key, data) and await self.store.get(key) != data:
+            raise Conflict(f"{key} already holds a different document")

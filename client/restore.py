@@ -92,16 +92,12 @@ from ckptd.errors import (
 from ckptd.format import (
     CommitRecord,
     RankManifest,
-    Ref,
     TensorEntry,
     canonical_json,
     check_job,
     check_rank,
     check_step,
     chunk_key,
-    commit_key,
-    latest_key,
-    manifest_key,
 )
 from ckptd.hashing import chunk_id, chunk_spans, document_hash
 from ckptd.knobs import MiB
@@ -1358,13 +1354,16 @@ async def _prefetch(
     url: str, token: str | None, job: str, rank: int, root: Path, step: int | None,
     local: bool, peers: bool, show: bool, console: Any | None,
 ) -> PrefetchResult:
+    from ckptd.repository import Repository
     from ckptd.store.local import LocalStore
 
     from .transport import open_transport
 
     t0 = time.perf_counter()
     transport = open_transport(url, token)
-    store = LocalStore(root, fsync=False)
+    # Only the repository writes a store (in the documented order); fsync off: a
+    # prefetched cache is rebuilt, not recovered, after a crash.
+    target = Repository(LocalStore(root, fsync=False))
     try:
         plan = await load_plan(transport, job, rank, step, with_peers=peers)
         check_rank(rank, plan.world_size)
@@ -1388,7 +1387,7 @@ async def _prefetch(
                 buf = bytearray(sizes[cid])
                 tier = await fetcher.fetch(cid, memoryview(buf))
                 if tier is not None and tier != "cache":
-                    await store.put_if_absent(chunk_key(cid), bytes(buf))
+                    await target.put_chunk(cid, buf, digest=cid)  # verified on arrival
                 done["bytes"] += sizes[cid]
                 if bar is not None:
                     bar.update(task, completed=done["bytes"])
@@ -1411,18 +1410,7 @@ async def _prefetch(
                     wanted.names.setdefault(cid, set()).add(e.name)
             raise failure(fetcher, wanted, plan.step)
         # The documents, as committed: the manifest, the commit record, the ref.
-        await store.put_if_absent(manifest_key(job, plan.step, rank), manifest.canonical())
-        await store.put_if_absent(commit_key(job, plan.step), plan.record.canonical())
-        ref = Ref(step=plan.step, commit=plan.record.digest()).canonical()
-        for _ in range(20):
-            try:
-                current: bytes | None = await store.get(latest_key(job))
-            except CkptdError:
-                current = None
-            if current is not None and Ref.parse(current).step >= plan.step:
-                break
-            if await store.compare_and_swap(latest_key(job), current, ref):
-                break
+        await target.import_step(plan.record, [manifest])
         return PrefetchResult(
             job=job, rank=rank, step=plan.step, directory=str(root), chunks=len(sizes),
             bytes=total, seconds=time.perf_counter() - t0,
@@ -1430,7 +1418,7 @@ async def _prefetch(
         )
     finally:
         await transport.close()
-        await store.close()
+        await target.close()
 
 
 def _progress(show: bool, console: Any | None, label: str, total: int) -> tuple[Any, Any]:

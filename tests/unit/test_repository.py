@@ -629,3 +629,38 @@ async def test_the_marker_and_epoch_are_read_as_one_pair(repo: Repository, store
     assert marker is not None and (marker.step, epoch) == (1, 2)
     await repo.clear_rollback(JOB)
     assert await repo.rollback_state(JOB) == (None, 2)
+
+
+# -- import_step (ckptd restore --to DIR) -------------------------------------------------
+
+
+async def test_import_step_copies_one_rank_of_a_committed_step_in_write_order(
+    repo: Repository, store: Store
+) -> None:
+    source = Repository(MemoryStore(), clock=lambda: 1700000000.0)
+    parts = demo_step(JOB, 3, 2)
+    for manifest, chunks in parts:
+        await put_rank(source, manifest, chunks)
+    await source.commit(JOB, 3)
+    record = await source.read_commit(JOB, 3)
+    manifest, chunks = parts[1]
+
+    with pytest.raises(MissingChunks):  # chunks first
+        await repo.import_step(record, [manifest])
+    assert not await store.exists(manifest_key(JOB, 3, 1))
+    for cid, data in chunks.items():
+        await repo.put_chunk(cid, data)
+    with pytest.raises(ManifestHashMismatch):  # not the committed manifest
+        await repo.import_step(record, [replace(manifest, meta={"other": 1})])
+    await repo.import_step(record, [manifest])
+    assert await repo.read_manifest(JOB, 3, 1) == manifest
+    assert await repo.latest(JOB) == 3
+    await repo.import_step(record, [manifest])  # again: the same bytes, nothing changes
+
+    # latest moves forward only; a different document under a key is a conflict.
+    older = replace(record, step=2)
+    await store.put_if_absent(commit_key(JOB, 2), older.canonical())
+    await repo.import_step(older, [])
+    assert await repo.latest(JOB) == 3
+    with pytest.raises(Conflict):
+        await repo.import_step(replace(record, meta={"reason": "other"}), [])
