@@ -17,8 +17,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, RestoreResult, SaveHandle, Shard
+    from .checkpointer import Checkpointer, SaveHandle, Shard
     from .pipeline import SaveResult
+    from .restore import RestoreResult
     from .transport import HttpTransport, LocalTransport, Transport, open_transport
 
 _EXPORTS = {

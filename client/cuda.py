@@ -40,7 +40,7 @@ def pin(ptr: int, nbytes: int, device: torch.device | None = None) -> bool:
     if nbytes == 0:
         return False
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))  # type: ignore[no-untyped-call]
     if err != 0:
         log.warning("staging: cudaHostRegister of %d bytes failed (cudaError %d); copies "
                     "into this segment will be synchronous", nbytes, err)
@@ -50,7 +50,7 @@ def pin(ptr: int, nbytes: int, device: torch.device | None = None) -> bool:
 
 def unpin(ptr: int) -> None:
     """Undoes ``pin``; the caller makes sure no copy into the pages is running."""
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
     if err != 0:
         log.warning("staging: cudaHostUnregister failed (cudaError %d)", err)
 
@@ -67,7 +67,7 @@ class CopyDone:
 
     def query(self) -> bool:
         """True once every copy finished."""
-        return all(e.query() for _, e in self.events)
+        return all(e.query() for _, e in self.events)  # type: ignore[no-untyped-call]
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Blocks until every copy finished; ``Timeout`` after ``timeout`` seconds."""
@@ -104,13 +104,13 @@ class CopyStreams:
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return s
 
     def begin(self, devices: Iterable[torch.device]) -> None:
         self._active = sorted(set(devices), key=lambda d: d.index or 0)
         for device in self._active:
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(device))
             self.stream(device).wait_event(ready)
 
@@ -123,7 +123,7 @@ class CopyStreams:
     def finish(self) -> CopyDone:
         events = []
         for device in self._active:
-            done = torch.cuda.Event(blocking=True)
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self.stream(device))
             events.append((device, done))
         self._active = []

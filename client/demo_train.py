@@ -97,7 +97,7 @@ def main() -> None:
         x, y = batch(step, rank)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         scheduler.step()
         step += 1

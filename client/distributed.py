@@ -20,12 +20,12 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(min
     world = int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,
         is_master=rank == 0 and not agent_store,
         timeout=timeout,
     )
-    prefixed = dist.PrefixStore(f"ckptd/attempt-{attempt}", store)
+    prefixed = dist.PrefixStore(f"ckptd/attempt-{attempt}", store)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)

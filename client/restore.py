@@ -302,7 +302,7 @@ class DirectoryCacheSource(Source):
     """A local directory store's chunk files (``<dir>/chunks/<id[0:2]>/<id>``),
     mapped read-only (from the page cache, without a copy until delivery)."""
 
-    tier = "cache"
+    tier: ClassVar[Tier] = "cache"
     in_place = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -1387,7 +1387,7 @@ async def _prefetch(
                 buf = bytearray(sizes[cid])
                 tier = await fetcher.fetch(cid, memoryview(buf))
                 if tier is not None and tier != "cache":
-                    await target.put_chunk(cid, buf, digest=cid)  # verified on arrival
+                    await target.put_chunk(cid, memoryview(buf), digest=cid)  # verified on arrival
                 done["bytes"] += sizes[cid]
                 if bar is not None:
                     bar.update(task, completed=done["bytes"])
