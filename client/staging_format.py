@@ -58,6 +58,15 @@ def _ints(doc: dict[str, Any], key: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _unsupported(where: str, version: int) -> UnsupportedFormat:
+    return UnsupportedFormat(
+        f"{where} is a staging pool of version {version}; this ckptd reads version "
+        f"{POOL_VERSION}. Remove the pool (ckptd's remove_stale_pools) or use the "
+        "ckptd that wrote it.",
+        document=where, version=version, supported=[POOL_VERSION],
+    )
+
+
 def _fields(doc: Any, required: set[str], optional: set[str], where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidDocument(f"{where} is not a JSON object", document=where)
@@ -98,12 +107,7 @@ class ControlHeader:
                                   document=where)
         version = int(data[7:8])
         if version != POOL_VERSION:
-            raise UnsupportedFormat(
-                f"{where} is a staging pool of version {version}; this ckptd reads version "
-                f"{POOL_VERSION}. Remove the pool (ckptd's remove_stale_pools) or use the "
-                "ckptd that wrote it.",
-                document=where, version=version, supported=[POOL_VERSION],
-            )
+            raise _unsupported(where, version)
         generation, = struct.unpack_from("<Q", data, GEN_AT)
         pid, = struct.unpack_from("<Q", data, PID_AT)
         return cls(generation=int(generation), pid=int(pid), version=version)
@@ -233,12 +237,7 @@ class PoolIndex:
         if type(version) is not int:
             raise InvalidDocument(f"{where}: 'version' must be an integer", document=where)
         if version != POOL_VERSION:
-            raise UnsupportedFormat(
-                f"{where} is a staging pool of version {version}; this ckptd reads version "
-                f"{POOL_VERSION}. Remove the pool (ckptd's remove_stale_pools) or use the "
-                "ckptd that wrote it.",
-                document=where, version=version, supported=[POOL_VERSION],
-            )
+            raise _unsupported(where, version)
         keys = {"format", "version", "job", "rank", "pid", "state", "step", "generation",
                 "chunk_size", "piece", "segments", "entries"}
         _fields(doc, keys, set(), where)
