@@ -173,3 +173,19 @@ def test_open_store_urls(tmp_path: Path) -> None:
     assert s.describe() == f"file://{(tmp_path / 'x').resolve()}"
     with pytest.raises(InvalidRequest):
         open_store("gopher://x")
+
+
+async def test_local_path_names_the_file_readers_may_map_and_other_backends_have_none(
+    tmp_path: Path,
+) -> None:
+    from ckptd.store import MemoryStore
+
+    store = LocalStore(tmp_path / "s", fsync=False)
+    data = b"mapped in place"
+    cid = chunk_id(data)
+    await store.put_if_absent(f"chunks/{cid[:2]}/{cid}", data)
+    path = store.local_path(f"chunks/{cid[:2]}/{cid}")
+    assert path is not None and path.read_bytes() == data
+    with pytest.raises(InvalidRequest):
+        store.local_path("../escape")
+    assert MemoryStore().local_path(f"chunks/{cid[:2]}/{cid}") is None
