@@ -116,9 +116,21 @@ def choose_grid(
             chunk_l[d] = extent
             elements //= extent
         else:
-            chunk_l[d] = max(1, elements)
+            chunk_l[d] = _fit_boundaries(max(1, elements), d, shape_t[d], boxes_t)
             break
     return Grid(shape_t, tuple(chunk_l), itemsize, chunk_size, boxes_t, aligned=False)
+
+
+def _fit_boundaries(extent: int, d: int, size: int, boxes: Sequence[Box]) -> int:
+    """A chunk extent along ``d`` that the boxes' edges fall on, so a zarr chunk
+    reads one shard, unless that would shrink it below a quarter."""
+    edges = {b.offsets[d] for b in boxes} | {b.offsets[d] + b.shape[d] for b in boxes}
+    g = math.gcd(*(e for e in edges if 0 < e < size))
+    if g == 0 or g % extent == 0:
+        return extent
+    divisors = {x for i in range(1, math.isqrt(g) + 1) if g % i == 0 for x in (i, g // i)}
+    best = max(c for c in divisors if c <= extent)
+    return best if 4 * best >= extent else extent
 
 
 def chunk_region(grid: Grid, index: Sequence[int]) -> tuple[list[int], list[int]]:
