@@ -50,7 +50,7 @@ def _compressor(codec: str | None) -> Any:
     if codec is None:
         return None
     if codec == "zstd":
-        return zarr.codecs.ZstdCodec(level=3)
+        return zarr.codecs.ZstdCodec(level=1)
     if codec == "gzip":
         return zarr.codecs.GzipCodec(level=5)
     if codec == "blosc":
