@@ -45,6 +45,7 @@ ZARR_DTYPES: Final[dict[str, tuple[str, Any]]] = {
     "float8_e5m2": ("uint8", 0),
 }
 RAW_DTYPES: Final = frozenset(k for k, (v, _) in ZARR_DTYPES.items() if k != v)
+_RESERVED: Final = {"": "%", ".": "%2E", "..": "%2E%2E", "zarr.json": "zarr%2Ejson"}
 _FLOAT_ATTRS: Final = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
@@ -102,8 +103,8 @@ def node_name(key: str | int) -> str:
     """A state-dict key as a zarr node name: '/' and '%' escaped as %2F and %25,
     and the names zarr reserves ('', '.', '..', '__*', 'zarr.json') escaped too."""
     s = str(key).replace("%", "%25").replace("/", "%2F")
-    if s in ("", ".", "..", "zarr.json"):
-        return "%" + s.replace(".", "%2E")
+    if s in _RESERVED:
+        return _RESERVED[s]
     if s.startswith("__"):
         return "%5F" + s[1:]
     return s
