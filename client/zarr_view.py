@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import blake3
 import zarr
@@ -29,12 +31,13 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.sync import sync
 
+from ckptd import knobs
 from ckptd.errors import ChunkHashMismatch, ChunkSizeMismatch, InvalidRequest
-from ckptd.format import canonical_json
+from ckptd.format import canonical_json, chunk_key
 from ckptd.zarr.grid import assemble, needed_chunks
 from ckptd.zarr.hierarchy import ArrayNode, Hierarchy, build, join
 
-from .transport import Transport, open_transport
+from .transport import Transport, open_transport, read_step
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,10 @@ class CheckpointStore(Store):
 
     ``url`` is ``http://host:port`` (a ckptd server, with ``token``) or
     ``file:///path`` (a store directory). ``transport`` replaces ``url`` with an
-    open transport. ``fetched`` counts the ckptd chunks read so far."""
+    open transport. Chunks come from ``cache_dir`` (default ``CKPTD_CACHE_DIR``, a
+    local directory store such as ``ckptd restore --to`` fills) when it holds them
+    with the right bytes, else from the store. ``fetched`` counts the chunks read
+    from the store, ``bytes_from`` the bytes by tier."""
 
     supports_writes = False
     supports_deletes = False
@@ -64,6 +70,7 @@ class CheckpointStore(Store):
         token: str | None = None,
         *,
         transport: Transport | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
@@ -72,8 +79,12 @@ class CheckpointStore(Store):
         self.job = job
         self.step = step
         self.token = token
-        self.fetched = 0
+        self.fetched = 0  # chunks read from the store (the transport)
         self.fetched_ids: list[str] = []
+        self.bytes_from = {"cache": 0, "store": 0}
+        # The restore's cache tier: a local directory store (``ckptd restore --to``).
+        cache = cache_dir if cache_dir is not None else knobs.cache_dir()
+        self.cache_dir = Path(cache) if cache else None
         self._transport = transport
         self._own_transport = transport is None
         self._hierarchy: Hierarchy | None = None
@@ -119,20 +130,7 @@ class CheckpointStore(Store):
             raise
 
     async def _load(self) -> Hierarchy:
-        transport = self._open_transport()
-        step = self.step
-        if step is None:
-            step = await transport.latest(self.job)
-            if step is None:
-                from ckptd.errors import CheckpointNotFound
-
-                raise CheckpointNotFound(
-                    f"job {self.job} has no committed checkpoint", job=self.job
-                )
-        record = await transport.read_commit(self.job, step)
-        manifests = await asyncio.gather(
-            *(transport.read_manifest(self.job, step, r) for r in range(record.world_size))
-        )
+        step, manifests = await read_step(self._open_transport(), self.job, self.step)
         self.step = step
         self._hierarchy = build(manifests)
         return self._hierarchy
@@ -225,10 +223,16 @@ class CheckpointStore(Store):
         if self._gate is None:
             self._gate = asyncio.Semaphore(self._concurrency)
         async with self._gate:
+            if self.cache_dir is not None:
+                cached = await asyncio.to_thread(_read_cached, self.cache_dir, cid)
+                if cached is not None:
+                    self.bytes_from["cache"] += len(cached)
+                    return cached
             data = await self._open_transport().get_chunk(cid)
             actual = await asyncio.to_thread(_hash, data)
         self.fetched += 1
         self.fetched_ids.append(cid)
+        self.bytes_from["store"] += len(data)
         if actual != cid:
             raise ChunkHashMismatch(
                 f"chunk {cid} of {name!r} (step {self.step} of {self.job}) arrived corrupt",
@@ -308,6 +312,18 @@ _EMPTY = blake3.blake3(b"").hexdigest()
 
 def _hash(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
+
+
+def _read_cached(root: Path, cid: str) -> bytes | None:
+    """A chunk from a local directory store if its bytes are the right ones."""
+    try:
+        data = (root / chunk_key(cid)).read_bytes()
+    except OSError:
+        return None
+    if _hash(data) != cid:
+        log.warning("cache %s has corrupt bytes for chunk %s; reading the store", root, cid)
+        return None
+    return data
 
 
 def _ranged(data: bytes, byte_range: ByteRequest | None) -> bytes:

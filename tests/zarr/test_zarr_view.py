@@ -147,3 +147,25 @@ def test_a_flipped_bit_under_a_server_is_caught_by_the_reader(server: ServerProc
         root["model/ids"][600:610]
     assert np.array_equal(root["model/ids"][0:512], np.arange(512))
     store.close()
+
+
+def test_the_cache_tier_serves_good_chunks_and_its_bad_ones_come_from_the_store(
+    file_step: str, tmp_path: Path
+) -> None:
+    store_dir = Path(file_step.removeprefix("file://"))
+    probe = CheckpointStore(file_step, JOB)
+    box = sync(probe.hierarchy()).arrays["model/embed"].grid.boxes[0]
+    cache = tmp_path / "cache"
+    for k in (0, 1):  # rows 0..7 cached; chunk 1 with a flipped bit
+        dest = _chunk_file(cache, box.chunks[k])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        raw = bytearray(_chunk_file(store_dir, box.chunks[k]).read_bytes())
+        if k == 1:
+            raw[7] ^= 0x10
+        dest.write_bytes(bytes(raw))
+    store = CheckpointStore(file_step, JOB, cache_dir=cache)
+    rows = zarr.open_group(store=store, mode="r")["model/embed"][0:12, :]
+    assert np.array_equal(rows, global_state()["model"]["embed"][0:12].numpy())
+    assert store.bytes_from == {"cache": 4096, "store": 2 * 4096}
+    assert store.fetched_ids == [box.chunks[1], box.chunks[2]] or sorted(
+        store.fetched_ids) == sorted([box.chunks[1], box.chunks[2]])
