@@ -169,3 +169,20 @@ def test_the_cache_tier_serves_good_chunks_and_its_bad_ones_come_from_the_store(
     assert store.bytes_from == {"cache": 4096, "store": 2 * 4096}
     assert store.fetched_ids == [box.chunks[1], box.chunks[2]] or sorted(
         store.fetched_ids) == sorted([box.chunks[1], box.chunks[2]])
+
+
+def test_reading_through_the_view_never_imports_torch(file_step: str) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, zarr\n"
+        "from ckptd.zarr import CheckpointStore\n"
+        f"g = zarr.open_group(store=CheckpointStore({file_step!r}, {JOB!r}), mode='r')\n"
+        "assert list(g['model/ids'][0:5]) == [0, 1, 2, 3, 4]\n"
+        "assert g['model/layers.0.attn.w'][0:2, 0:3].shape == (2, 3)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
