@@ -112,6 +112,8 @@ def _export_array(view: CheckpointStore, out: LocalStore, root: zarr.Group, path
                   node: ArrayNode, compressor: Any) -> int:
     meta = array_metadata(node)
     data_type, fill = ZARR_DTYPES[node.dtype]
+    if isinstance(fill, list):  # a complex fill value in its JSON form
+        fill = complex(*fill)
     dst = root.create_array(
         path, shape=node.grid.shape, chunks=node.grid.chunk_shape, dtype=data_type,
         fill_value=fill, attributes=meta["attributes"], compressors=compressor,

@@ -198,3 +198,30 @@ def test_cli_export_import_and_diff_against_a_server(server: ServerProcess,
                               "6", "--url", server.url])
     assert out.exit_code == 2 and "does not exist" in " ".join(out.output.split())
     assert "Traceback" not in out.output
+
+
+def test_every_dtype_reads_exports_and_imports_back_bitwise(tmp_path: Path, shm: Path) -> None:
+    from ckptd.client.state import _DTYPE_NAMES
+    from ckptd.dtypes import ITEMSIZE
+    from ckptd.zarr import CheckpointStore
+
+    g = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {}
+    for dtype, name in _DTYPE_NAMES.items():
+        raw = torch.randint(0, 256, (5, 7 * ITEMSIZE[name]), dtype=torch.uint8, generator=g)
+        t = raw.view(dtype) if dtype != torch.bool else raw % 2 == 1
+        state[name] = t.clone()
+    assert set(state) == set(ITEMSIZE)  # every dtype ckptd stores
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, "dt", chunk_size=4096, shm_dir=shm, serve_peers=False) as ckpt:
+        assert ckpt.save(1, state).wait().state == "committed"
+    import zarr
+
+    root = zarr.open_group(store=CheckpointStore(url, "dt"), mode="r")
+    for name, t in state.items():
+        got = root[name][...]
+        assert got.tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes(), name
+        assert root[name].attrs["ckptd"]["dtype"] == name
+    export_step(url, "dt", tmp_path / "z")
+    import_checkpoint(tmp_path / "z", url, "dt", 2, shm_dir=shm)
+    _assert_bitwise(_restored(url, "dt", 2), state)
