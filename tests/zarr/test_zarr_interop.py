@@ -23,7 +23,7 @@ from ckptd.client.zarr_export import export_step
 from ckptd.errors import InvalidRequest, UnsupportedValue
 from tests.conftest import ServerProcess
 from tests.zarr.conftest import JOB, as_numpy, global_state, save_step
-from tests.zarr.test_zarr_view import _tensors
+from tests.zarr.test_zarr_view import CountingTransport, _tensors
 
 runner = CliRunner()
 
@@ -171,7 +171,9 @@ def test_diff_counts_shared_chunks_and_reads_only_changed_ones(tmp_path: Path,
     with Checkpointer(url, "d", chunk_size=4096, shm_dir=shm, serve_peers=False) as ckpt:
         ckpt.save(1, a).wait()
         ckpt.save(2, b).wait()
-    diffs = {d.path: d for d in diff_steps(url, "d", 1, 2, values=True)}
+    counting = CountingTransport(str(tmp_path / "store"))
+    diffs = {d.path: d for d in diff_steps(url, "d", 1, 2, values=True, transport=counting)}
+    assert len(counting.asked) == 2  # the one changed chunk, in each step; nothing else
     assert diffs["w"].status == "changed" and (diffs["w"].shared_chunks, diffs["w"].chunks) == (
         15, 16)
     assert diffs["w"].max_abs == 2.0 and diffs["w"].max_rel == float("inf")
