@@ -1,7 +1,8 @@
 """``ckptd export --zarr``: a committed step written out as a plain zarr v3 hierarchy.
 
 The export is the zarr view made concrete: the same groups, arrays, grids and
-attributes, in a directory any zarr v3 reader opens without ckptd. Every chunk is
+attributes, in a directory (or under an ``s3://bucket/prefix``, written through
+ckptd's own S3 store) that any zarr v3 reader opens without ckptd. Every chunk is
 verified on its way out (it is read through the view). Without a codec the zarr
 chunks are copied as they are; with one (``zstd``, ``gzip``, ``blosc``) zarr
 encodes them.
@@ -23,8 +24,16 @@ from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 from ckptd.errors import InvalidRequest
+from ckptd.format import canonical_json
 from ckptd.zarr.grid import chunk_indices
-from ckptd.zarr.hierarchy import ZARR_DTYPES, ArrayNode, array_metadata, chunk_key
+from ckptd.zarr.hierarchy import (
+    ZARR_DTYPES,
+    ArrayNode,
+    Hierarchy,
+    array_metadata,
+    chunk_key,
+    join,
+)
 
 from .transport import Transport
 from .zarr_view import CheckpointStore
@@ -70,8 +79,7 @@ def export_step(
 ) -> ExportResult:
     """Writes step ``step`` (default: latest) of ``job`` to ``directory`` as zarr v3."""
     if str(directory).startswith("s3://"):
-        raise InvalidRequest("export to s3:// is not supported yet: export to a directory "
-                             "and copy it (aws s3 sync DIR s3://...)")
+        return _export_to_store(url, job, str(directory), step, token, codec, transport)
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InvalidRequest(f"{target} exists and is not an empty directory; "
@@ -99,6 +107,72 @@ def export_step(
     log.info("exported step %d of %s: %d arrays, %d bytes in %.2f s", result.step, job,
              result.arrays, result.nbytes, result.seconds)
     return result
+
+
+# Codecs an export to an object store encodes itself (numcodecs, as zarr's do):
+# their v3 metadata and their encoder.
+def _object_codec(codec: str | None) -> tuple[dict[str, Any], Any] | None:
+    if codec is None:
+        return None
+    import numcodecs
+
+    if codec == "zstd":
+        return ({"name": "zstd", "configuration": {"level": 1, "checksum": False}},
+                numcodecs.Zstd(level=1))
+    if codec == "gzip":
+        return {"name": "gzip", "configuration": {"level": 5}}, numcodecs.GZip(level=5)
+    raise InvalidRequest(f"codec {codec!r} is not available for s3:// exports; use zstd or gzip")
+
+
+def _export_to_store(url: str, job: str, target_url: str, step: int | None,
+                     token: str | None, codec: str | None,
+                     transport: Transport | None) -> ExportResult:
+    """The view's keys, one object each, into a ckptd store (``s3://bucket/prefix``)."""
+    from ckptd.store import open_store
+
+    encode = _object_codec(codec)
+    t0 = time.perf_counter()
+    view = CheckpointStore(url, job, step, token, transport=transport)
+    target = open_store(target_url)
+
+    async def write() -> tuple[Hierarchy, int]:
+        async for _ in target.list_prefix(""):
+            raise InvalidRequest(f"{target_url} is not empty; export into a new prefix")
+        h = await view.hierarchy()
+        for path in h.groups:
+            meta = h.metadata(path)
+            await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
+        chunks = 0
+        for path, node in h.arrays.items():
+            meta = array_metadata(node)
+            if encode is not None:
+                meta["codecs"].append(encode[0])
+            await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
+            indices = list(chunk_indices(node.grid))
+
+            async def one(index: tuple[int, ...], node: ArrayNode = node,
+                          path: str = path) -> None:
+                data = await view.chunk(node, index)
+                if data is None:
+                    return
+                if encode is not None:
+                    data = bytes(await asyncio.to_thread(encode[1].encode, data))
+                await target.put_if_absent(chunk_key(path, index), data)
+
+            for start in range(0, len(indices), BATCH):
+                await asyncio.gather(*(one(i) for i in indices[start : start + BATCH]))
+            chunks += len(indices)
+        await target.close()
+        return h, chunks
+
+    try:
+        h, chunks = sync(write())
+        assert view.step is not None
+        nbytes = sum(_nbytes(n) for n in h.arrays.values())
+        return ExportResult(view.step, len(h.arrays), chunks, nbytes,
+                            time.perf_counter() - t0, target_url)
+    finally:
+        view.close()
 
 
 def _nbytes(node: ArrayNode) -> int:

@@ -22,6 +22,7 @@ from ckptd.client.step_import import import_checkpoint
 from ckptd.client.zarr_export import export_step
 from ckptd.errors import InvalidRequest, UnsupportedValue
 from tests.conftest import ServerProcess
+from tests.store.test_s3 import BUCKET, endpoint  # noqa: F401 - the moto server fixture
 from tests.zarr.conftest import JOB, as_numpy, global_state, save_step
 from tests.zarr.test_zarr_view import CountingTransport, _tensors
 
@@ -227,3 +228,29 @@ def test_every_dtype_reads_exports_and_imports_back_bitwise(tmp_path: Path, shm:
     export_step(url, "dt", tmp_path / "z")
     import_checkpoint(tmp_path / "z", url, "dt", 2, shm_dir=shm)
     _assert_bitwise(_restored(url, "dt", 2), state)
+
+
+@pytest.mark.slow
+def test_export_to_s3_is_plain_zarr(
+    file_step: str, tmp_path: Path, endpoint: str  # noqa: F811 - the moto fixture
+) -> None:
+    """Export under an s3:// prefix (moto's real server); the objects, copied to a
+    directory as they are, open in plain zarr without ckptd."""
+    import boto3
+
+    prefix = f"zarr/{tmp_path.name}"
+    target = f"s3://{BUCKET}/{prefix}?endpoint={endpoint}"
+    result = export_step(file_step, JOB, target, codec="zstd")
+    assert result.arrays == 7
+    with pytest.raises(InvalidRequest):  # never into a prefix that holds something
+        export_step(file_step, JOB, target)
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    local = tmp_path / "copy"
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            dest = local / obj["Key"][len(prefix) + 1 :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(s3.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read())
+    seen = _read_without_ckptd(local, tmp_path)
+    assert seen.pop("_epoch") == 3
+    assert seen == _expected()
