@@ -52,7 +52,12 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
     """(kind, state) of a zarr directory, a DCP directory or a torch.save file."""
     path = Path(source)
     if path.is_dir() and (path / "zarr.json").is_file():
-        return "zarr", read_zarr(path)
+        try:
+            return "zarr", read_zarr(path)
+        except CkptdError:
+            raise
+        except (ValueError, KeyError, TypeError, OSError) as exc:  # zarr's own errors
+            raise InvalidRequest(f"{path} is not a readable zarr v3 hierarchy: {exc}") from None
     if path.is_dir() and (path / ".metadata").is_file():
         return "dcp", read_dcp(path)
     if path.is_file():

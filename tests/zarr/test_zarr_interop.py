@@ -254,3 +254,28 @@ def test_export_to_s3_is_plain_zarr(
     seen = _read_without_ckptd(local, tmp_path)
     assert seen.pop("_epoch") == 3
     assert seen == _expected()
+
+
+def test_import_of_a_plain_zarr_group(tmp_path: Path, shm: Path) -> None:
+    """A zarr hierarchy ckptd did not write: groups as dicts, arrays as tensors,
+    attributes as values."""
+    import numpy as np
+    import zarr
+
+    root = zarr.open_group(str(tmp_path / "plain"), mode="w", attributes={"epoch": 4})
+    enc = root.create_group("encoder", attributes={"note": "hi"})
+    w = enc.create_array("w", shape=(6, 5), chunks=(4, 5), dtype="float32")
+    w[...] = np.arange(30, dtype=np.float32).reshape(6, 5)
+    b = root.create_array("b", shape=(3,), chunks=(3,), dtype="int16")
+    b[...] = [1, -2, 3]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "zarr.json").write_text("{not json")
+    url = f"file://{tmp_path / 'store'}"
+    result = import_checkpoint(tmp_path / "plain", url, "plain", 1, shm_dir=shm)
+    assert result.kind == "zarr" and result.tensors == 2
+    _assert_bitwise(_restored(url, "plain", 1), {
+        "epoch": 4, "b": torch.tensor([1, -2, 3], dtype=torch.int16),
+        "encoder": {"note": "hi", "w": torch.arange(30, dtype=torch.float32).reshape(6, 5)},
+    })
+    with pytest.raises(InvalidRequest):
+        import_checkpoint(tmp_path / "broken", url, "plain", 2, shm_dir=shm)
