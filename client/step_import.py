@@ -169,6 +169,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp(path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -189,11 +190,28 @@ def read_dcp(path: Path) -> dict[str, Any]:
             metadata.storage_meta = storage_meta
             return metadata
 
+    class SafePlanner(_EmptyStateDictLoadPlanner):
+        """DCP loads non-tensor values with weights_only=False: refuse objects."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsupportedValue(
+                    f"{read_item.dest_index.fqn!r} in {path} is an object that weights_only "
+                    f"loading refuses ({str(exc).splitlines()[0]})",
+                    name=read_item.dest_index.fqn,
+                ) from None
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:  # as DCP's own load_bytes, without its unpickling
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
     state: dict[str, Any] = {}
     try:
         _load_state_dict(state, storage_reader=SafeReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
-                         no_dist=True)
+                         planner=SafePlanner(), no_dist=True)  # type: ignore[no-untyped-call]
     except CheckpointException as exc:  # DCP wraps what failed, ours included
         causes = [pair[0] for pair in exc.failures.values()]
         typed = next((e for e in causes if isinstance(e, CkptdError)), None)

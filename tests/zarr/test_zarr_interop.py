@@ -279,3 +279,23 @@ def test_import_of_a_plain_zarr_group(tmp_path: Path, shm: Path) -> None:
     })
     with pytest.raises(InvalidRequest):
         import_checkpoint(tmp_path / "broken", url, "plain", 2, shm_dir=shm)
+
+
+class Planted:
+    """Unpickling it creates a file: proof that something ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (str(self.marker), "w"))
+
+
+def test_import_of_a_dcp_directory_never_unpickles_its_values(tmp_path: Path,
+                                                               shm: Path) -> None:
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(2), "obj": Planted(marker)}, checkpoint_id=str(tmp_path / "dcp"),
+             no_dist=True)
+    with pytest.raises(UnsupportedValue):
+        import_checkpoint(tmp_path / "dcp", f"file://{tmp_path / 's'}", "e", 1, shm_dir=shm)
+    assert not marker.exists()
