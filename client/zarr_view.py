@@ -77,7 +77,8 @@ class CheckpointStore(Store):
         super().__init__(read_only=True)
         self.url = url
         self.job = job
-        self.step = step
+        self.step = step  # the step asked for; after the first read, the step read
+        self._asked = step
         self.token = token
         self.fetched = 0  # chunks read from the store (the transport)
         self.fetched_ids: list[str] = []
@@ -100,12 +101,13 @@ class CheckpointStore(Store):
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, CheckpointStore)
-            and (other.url, other.job, other.step) == (self.url, self.job, self.step)
-            and other._transport is self._transport
+            and (other.url, other.job, other._asked) == (self.url, self.job, self._asked)
+            and (self._own_transport and other._own_transport
+                 or other._transport is self._transport)
         )
 
     def __hash__(self) -> int:
-        return hash((self.url, self.job, self.step))
+        return hash((self.url, self.job, self._asked))
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r}, {self.job!r}, step={self.step!r})"
