@@ -25,6 +25,7 @@ from zarr.storage import LocalStore
 
 from ckptd.errors import InvalidRequest
 from ckptd.format import canonical_json
+from ckptd.store.base import Store as ObjectStore
 from ckptd.zarr.grid import chunk_indices
 from ckptd.zarr.hierarchy import (
     ZARR_DTYPES,
@@ -136,34 +137,10 @@ def _export_to_store(url: str, job: str, target_url: str, step: int | None,
     target = open_store(target_url)
 
     async def write() -> tuple[Hierarchy, int]:
-        async for _ in target.list_prefix(""):
-            raise InvalidRequest(f"{target_url} is not empty; export into a new prefix")
-        h = await view.hierarchy()
-        for path in h.groups:
-            meta = h.metadata(path)
-            await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
-        chunks = 0
-        for path, node in h.arrays.items():
-            meta = array_metadata(node)
-            if encode is not None:
-                meta["codecs"].append(encode[0])
-            await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
-            indices = list(chunk_indices(node.grid))
-
-            async def one(index: tuple[int, ...], node: ArrayNode = node,
-                          path: str = path) -> None:
-                data = await view.chunk(node, index)
-                if data is None:
-                    return
-                if encode is not None:
-                    data = bytes(await asyncio.to_thread(encode[1].encode, data))
-                await target.put_if_absent(chunk_key(path, index), data)
-
-            for start in range(0, len(indices), BATCH):
-                await asyncio.gather(*(one(i) for i in indices[start : start + BATCH]))
-            chunks += len(indices)
-        await target.close()
-        return h, chunks
+        try:
+            return await _write_keys(view, target, target_url, encode)
+        finally:
+            await target.close()
 
     try:
         h, chunks = sync(write())
@@ -173,6 +150,37 @@ def _export_to_store(url: str, job: str, target_url: str, step: int | None,
                             time.perf_counter() - t0, target_url)
     finally:
         view.close()
+
+
+async def _write_keys(view: CheckpointStore, target: ObjectStore, target_url: str,
+                      encode: tuple[dict[str, Any], Any] | None) -> tuple[Hierarchy, int]:
+    async for _ in target.list_prefix(""):
+        raise InvalidRequest(f"{target_url} is not empty; export into a new prefix")
+    h = await view.hierarchy()
+    for path in h.groups:
+        meta = h.metadata(path)
+        await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
+    chunks = 0
+    for path, node in h.arrays.items():
+        meta = array_metadata(node)
+        if encode is not None:
+            meta["codecs"].append(encode[0])
+        await target.put_if_absent(join(path, "zarr.json"), canonical_json(meta))
+        indices = list(chunk_indices(node.grid))
+
+        async def one(index: tuple[int, ...], node: ArrayNode = node,
+                      path: str = path) -> None:
+            data = await view.chunk(node, index)
+            if data is None:
+                return
+            if encode is not None:
+                data = bytes(await asyncio.to_thread(encode[1].encode, data))
+            await target.put_if_absent(chunk_key(path, index), data)
+
+        for start in range(0, len(indices), BATCH):
+            await asyncio.gather(*(one(i) for i in indices[start : start + BATCH]))
+        chunks += len(indices)
+    return h, chunks
 
 
 def _nbytes(node: ArrayNode) -> int:
