@@ -58,7 +58,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import mmap
@@ -104,6 +103,8 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, chunk_spans, document_hash
 from ckptd.knobs import MiB
+from ckptd.zarr.grid import covering_chunks as _covering_chunks
+from ckptd.zarr.grid import strides_of as _strides
 
 from .peer import PeerClient, PeerIndex
 from .sharding import dtensor_layout, is_dtensor
@@ -632,41 +633,6 @@ async def deliver(found: Mapping[str, memoryview], wanted: _Wanted, concurrency:
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return out
-
-
-def _covering_chunks(
-    shape: Sequence[int], itemsize: int, chunk_size: int, lo: Sequence[int], hi: Sequence[int]
-) -> list[int]:
-    """Indices of the chunks of a C-order tensor of ``shape`` holding the elements
-    of the sub-box ``[lo, hi)`` (relative to the tensor)."""
-    n = len(shape)
-    if n == 0:
-        return [0]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return []
-    strides = _strides(shape)
-    k = n - 1
-    while k > 0 and lo[k] == 0 and hi[k] == shape[k]:
-        k -= 1
-    run = (hi[k] - lo[k]) * strides[k] * itemsize
-    runs = math.prod(hi[d] - lo[d] for d in range(k))
-    first = sum(lo[d] * strides[d] for d in range(n)) * itemsize
-    last = (sum((hi[d] - 1) * strides[d] for d in range(n)) + 1) * itemsize
-    if runs > 100_000 or run >= last - first:
-        return list(range(first // chunk_size, (last - 1) // chunk_size + 1))
-    chunks: set[int] = set()
-    for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
-        start = (sum(i * s for i, s in zip(idx, strides, strict=False)) + lo[k] * strides[k])
-        start *= itemsize
-        chunks.update(range(start // chunk_size, (start + run - 1) // chunk_size + 1))
-    return sorted(chunks)
 
 
 @dataclass(slots=True)
