@@ -47,6 +47,7 @@ __all__ = [
     "StepInfo",
     "Transport",
     "open_transport",
+    "read_step",
 ]
 
 
@@ -460,3 +461,19 @@ def open_transport(url: str, token: str | None = None) -> Transport:
             raise InvalidRequest(f"file URL {url!r} names no path")
         return LocalTransport.open(parsed.path)
     raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port or file:///path")
+
+
+async def read_step(
+    transport: Transport, job: str, step: int | None = None
+) -> tuple[int, list[RankManifest]]:
+    """A committed step (``None``: the latest) and every rank's manifest, in rank
+    order, each checked against the commit record."""
+    if step is None:
+        step = await transport.latest(job)
+        if step is None:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+    record = await transport.read_commit(job, step)
+    manifests = await asyncio.gather(
+        *(transport.read_manifest(job, step, r) for r in range(record.world_size))
+    )
+    return step, list(manifests)

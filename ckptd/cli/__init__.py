@@ -553,6 +553,7 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import views  # noqa: E402, F401
 
 
 def main() -> None:

@@ -1,0 +1,126 @@
+"""Views of committed steps: ``ckptd export --zarr``, ``ckptd import``, ``ckptd diff``.
+
+The flows live in the client (``ckptd.client.zarr_export``, ``step_import``,
+``step_diff``), imported inside each command so ``import ckptd.cli`` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, app, console
+from ckptd.errors import CkptdError, InvalidRequest
+
+
+def _zarr_missing() -> None:
+    _fail(InvalidRequest("this needs zarr: pip install 'ckptd[zarr]'"))
+
+
+@app.command("export")
+def export(
+    job: Annotated[str, typer.Argument(help="Job to export.")],
+    step: Annotated[int | None, typer.Argument(help="Committed step (default: latest).")] = None,
+    zarr_dir: Annotated[
+        str, typer.Option("--zarr", help="New directory to write a zarr v3 hierarchy to.")
+    ] = "",
+    codec: Annotated[
+        str | None, typer.Option(help="Compress chunks: zstd, gzip or blosc (default: none).")
+    ] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Write a committed step as a plain zarr v3 hierarchy any zarr reader opens."""
+    if not zarr_dir:
+        _fail(InvalidRequest("say where to: ckptd export JOB [STEP] --zarr DIR"))
+    try:
+        from ckptd.client.zarr_export import export_step
+    except ImportError:
+        _zarr_missing()
+        return
+    try:
+        with console.status(f"exporting {job}"):
+            result = export_step(url, job, zarr_dir, step, token=token, codec=codec)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
+    console.print(
+        f"[green]ok[/]: step {result.step} of {job}: {result.arrays} arrays, "
+        f"{result.chunks} chunks, {_human(result.nbytes)} in {result.seconds:.1f}s "
+        f"({rate:.2f} GB/s) into {result.directory}"
+    )
+
+
+@app.command("import")
+def import_(
+    source: Annotated[
+        str, typer.Argument(help="A zarr v3 directory, a dcp.save directory or a torch.save file.")
+    ],
+    job: Annotated[str, typer.Option("--job", help="Job to import into.")],
+    step: Annotated[int, typer.Option("--step", help="Step number to commit it as.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Bring an existing checkpoint into the store as a committed, verified step."""
+    try:
+        from ckptd.client.step_import import import_checkpoint
+    except ImportError:
+        _zarr_missing()
+        return
+    try:
+        with console.status(f"importing {source}"):
+            result = import_checkpoint(source, url, job, step, token=token)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    console.print(
+        f"[green]ok[/]: {result.kind} checkpoint {source} is step {result.step} of {job}: "
+        f"{result.tensors} tensors, {_human(result.nbytes)}, committed and read back "
+        f"bitwise in {result.seconds:.1f}s"
+    )
+
+
+def _number(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+@app.command("diff")
+def diff(
+    job: Annotated[str, typer.Argument(help="Job.")],
+    step_a: Annotated[int, typer.Argument(help="The older step.")],
+    step_b: Annotated[int, typer.Argument(help="The newer step.")],
+    values: Annotated[
+        bool, typer.Option("--values", help="Read changed chunks for max-abs/relative diffs.")
+    ] = False,
+    show_all: Annotated[bool, typer.Option("--all", help="List unchanged tensors too.")] = False,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """List the tensors that changed between two steps and the chunks each shares."""
+    try:
+        from ckptd.client.step_diff import diff_steps
+    except ImportError:
+        _zarr_missing()
+        return
+    try:
+        diffs = diff_steps(url, job, step_a, step_b, token=token, values=values)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    columns = ["tensor", "change", "shared chunks"]
+    if values:
+        columns += ["max abs diff", "max rel diff"]
+    table = Table(*columns)
+    for d in diffs:
+        if d.status == "same" and not show_all:
+            continue
+        row = [d.path, d.status, f"{d.shared_chunks}/{d.chunks}"]
+        if values:
+            row += [_number(d.max_abs), _number(d.max_rel)]
+        table.add_row(*row)
+    console.print(table)
+    changed = sum(1 for d in diffs if d.status != "same")
+    console.print(f"{changed} of {len(diffs)} tensors differ between step {step_a} and {step_b}")

@@ -1,0 +1,282 @@
+"""``ckptd import``: an existing checkpoint brought into a store as a committed step.
+
+Three sources: a zarr v3 hierarchy (a ``ckptd export``, or any zarr group of
+arrays), a DCP checkpoint directory written by ``dcp.save`` (its ``.metadata``
+read by an unpickler that builds only DCP's metadata classes), and a
+``torch.save`` file (``torch.load(weights_only=True)``). The state is saved by a
+one-rank ``Checkpointer``, so chunks, manifest and commit go through the
+repository like any save; then the step is read back and compared bitwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from ckptd.errors import (
+    CkptdError,
+    IntegrityError,
+    InvalidRequest,
+    NotFound,
+    RestoreError,
+    UnsupportedValue,
+)
+from ckptd.zarr.hierarchy import ATTR, RAW_DTYPES
+
+from .state import flatten, torch_dtype
+from .transport import open_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    step: int
+    kind: str  # "zarr", "dcp" or "torch"
+    tensors: int
+    nbytes: int
+    seconds: float
+
+
+def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
+    """(kind, state) of a zarr directory, a DCP directory or a torch.save file."""
+    path = Path(source)
+    if path.is_dir() and (path / "zarr.json").is_file():
+        try:
+            return "zarr", read_zarr(path)
+        except CkptdError:
+            raise
+        except (ValueError, KeyError, TypeError, OSError) as exc:  # zarr's own errors
+            raise InvalidRequest(f"{path} is not a readable zarr v3 hierarchy: {exc}") from None
+    if path.is_dir() and (path / ".metadata").is_file():
+        return "dcp", read_dcp(path)
+    if path.is_file():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsupportedValue(
+                f"{path} holds objects that weights_only loading refuses ({exc}); "
+                "save plain tensors and containers"
+            ) from None
+        except (RuntimeError, OSError, EOFError) as exc:
+            raise InvalidRequest(f"{path} is not a torch.save file: {exc}") from None
+        if not isinstance(state, dict):
+            state = {"state": state}
+        return "torch", state
+    if not path.exists():
+        raise NotFound(f"{path} does not exist")
+    raise InvalidRequest(f"{path} is neither a zarr v3 hierarchy (zarr.json), a DCP "
+                         "directory (.metadata) nor a torch.save file")
+
+
+# -- zarr ----------------------------------------------------------------------------
+
+
+def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
+    """A numpy array as a torch tensor, raw bits reinterpreted as ``dtype``."""
+    arr = np.array(arr, order="C", copy=True)  # ascontiguousarray would make 0-d 1-d
+    if dtype in RAW_DTYPES:
+        signed = {2: np.int16, 1: np.uint8}[arr.dtype.itemsize]
+        return torch.from_numpy(arr.view(signed)).view(torch_dtype(dtype))
+    return torch.from_numpy(arr)
+
+
+def read_zarr(path: Path) -> dict[str, Any]:
+    root = zarr.open_group(store=str(path), mode="r")
+    meta = root.attrs.get(ATTR)
+    if isinstance(meta, dict) and "tree" in meta and "arrays" in meta:
+        return _from_tree(root, meta["tree"], meta["arrays"])
+    return _from_group(root)
+
+
+def _array(root: zarr.Group, path: str) -> torch.Tensor:
+    arr = root[path]
+    if not isinstance(arr, zarr.Array):
+        raise InvalidRequest(f"{path} in the zarr hierarchy is not an array")
+    info = arr.attrs.get(ATTR)
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    return _tensor(np.asarray(arr[...]), dtype)
+
+
+def _from_tree(root: zarr.Group, tree: Any, paths: dict[str, str]) -> dict[str, Any]:
+    """The exact state a ckptd export describes (int keys, tuples, NaN included)."""
+
+    def build(node: dict[str, Any]) -> Any:
+        ((kind, body),) = node.items()
+        if kind == "dict":
+            return {key: build(child) for key, child in body}
+        if kind == "list":
+            return [build(child) for child in body]
+        if kind == "tuple":
+            return tuple(build(child) for child in body)
+        if kind == "tensor":
+            return _array(root, paths[body])
+        if kind == "float":
+            return float(body)
+        return body
+
+    state = build(tree)
+    if not isinstance(state, dict):
+        raise InvalidRequest("the exported tree is not a dict at its root")
+    return state
+
+
+def _from_group(group: zarr.Group) -> dict[str, Any]:
+    """Any zarr group: subgroups as dicts, arrays as tensors, attributes as values."""
+    state: dict[str, Any] = {k: v for k, v in group.attrs.items() if k != ATTR}
+    for name, member in group.members():
+        if isinstance(member, zarr.Group):
+            state[name] = _from_group(member)
+        else:
+            info = member.attrs.get(ATTR)
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            state[name] = _tensor(np.asarray(member[...]), dtype)
+    return state
+
+
+# -- DCP ------------------------------------------------------------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "slice"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # the checkpoint_id
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses and torch dtypes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, "
+                                     "which ckptd does not load")
+
+
+def read_dcp(path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            data = (Path(self.path) / ".metadata").read_bytes()
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError) as exc:
+                raise InvalidRequest(f"{path}/.metadata is not DCP metadata: {exc}") from None
+            if not isinstance(metadata, Metadata):
+                raise InvalidRequest(f"{path}/.metadata is not DCP metadata")
+            storage_meta = metadata.storage_meta or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            return metadata
+
+    class SafePlanner(_EmptyStateDictLoadPlanner):
+        """DCP loads non-tensor values with weights_only=False: refuse objects."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsupportedValue(
+                    f"{read_item.dest_index.fqn!r} in {path} is an object that weights_only "
+                    f"loading refuses ({str(exc).splitlines()[0]})",
+                    name=read_item.dest_index.fqn,
+                ) from None
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:  # as DCP's own load_bytes, without its unpickling
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=SafeReader(str(path)),
+                         planner=SafePlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    except CheckpointException as exc:  # DCP wraps what failed, ours included
+        causes = [pair[0] for pair in exc.failures.values()]
+        typed = next((e for e in causes if isinstance(e, CkptdError)), None)
+        if typed is not None:
+            raise typed from None
+        raise InvalidRequest(f"{path} could not be read as a DCP checkpoint: {exc}") from None
+    return state
+
+
+# -- the import -------------------------------------------------------------------------
+
+
+def import_checkpoint(
+    source: str | Path,
+    url: str,
+    job: str,
+    step: int,
+    *,
+    token: str | None = None,
+    chunk_size: int | None = None,
+    shm_dir: str | Path | None = None,
+    verify: bool = True,
+) -> ImportResult:
+    """Saves the checkpoint at ``source`` as step ``step`` of ``job`` and commits it."""
+    from .checkpointer import Checkpointer
+
+    t0 = time.perf_counter()
+    kind, state = read_checkpoint(source)
+    flat = flatten(state)  # refuses what ckptd cannot store, naming the path
+    if asyncio.run(_exists(url, token, job, step)):
+        raise InvalidRequest(f"step {step} of {job} already exists; import as another --step")
+    ckpt = Checkpointer(url, job, rank=0, world_size=1, token=token, chunk_size=chunk_size,
+                        shm_dir=shm_dir, serve_peers=False)
+    try:
+        result = ckpt.save(step, state).wait()
+        if result.state != "committed":
+            raise RestoreError(f"step {step} of {job} did not commit ({result.state})")
+        if verify:
+            _read_back(ckpt, step, flat.tensors)
+    finally:
+        ckpt.close()
+    nbytes = sum(t.numel() * t.element_size() for _, t in flat.tensors)
+    return ImportResult(step, kind, len(flat.tensors), nbytes, time.perf_counter() - t0)
+
+
+async def _exists(url: str, token: str | None, job: str, step: int) -> bool:
+    transport = open_transport(url, token)
+    try:
+        return any(s.step == step for s in await transport.list_steps(job))
+    finally:
+        await transport.close()
+
+
+def _read_back(ckpt: Any, step: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Restores the step just committed and compares it bitwise with the source."""
+    restored: dict[str, Any] = {}
+    ckpt.restore(restored, step=step)
+    flat = dict(flatten(restored).tensors)
+    for name, tensor in tensors:
+        got = flat.get(name)
+        if got is None or got.dtype != tensor.dtype or got.shape != tensor.shape or not (
+            torch.equal(_bits(got), _bits(tensor))
+        ):
+            raise IntegrityError(f"imported tensor {name!r} did not read back bitwise", name=name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
