@@ -262,7 +262,7 @@ class Checkpointer:
         self.default_placement: DefaultPlacement = default_placement
         self.on_busy: OnBusy = on_busy
         self.timeout = timeout
-        self._transport = open_transport(url, token)
+        self._transport = open_transport(url, token, job=self.job)
         try:
             self._staging = StagingPool(self.job, self.rank, root=shm_dir, budget=staging_budget)
         except BaseException:

@@ -1362,7 +1362,7 @@ async def _prefetch(
     from .transport import open_transport
 
     t0 = time.perf_counter()
-    transport = open_transport(url, token)
+    transport = open_transport(url, token, job=job)
     store = LocalStore(root, fsync=False)
     try:
         plan = await load_plan(transport, job, rank, step, with_peers=peers)

@@ -7,12 +7,12 @@ import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from ckptd.errors import CkptdError
 from ckptd.format import MAX_WORLD_SIZE, check_rank, check_step
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.deps import (
     JobDep,
     MetricsDep,
@@ -40,7 +40,7 @@ router = APIRouter(
     prefix="/v1/jobs",
     tags=["ranks"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ),
     responses=error_responses(400, 401, 500),
 )
 
@@ -66,6 +66,7 @@ def rank_status(view: RankView) -> RankStatus:
     "/{job}/ranks/{rank}/heartbeat",
     response_model=HeartbeatReply,
     summary="A rank is alive: its step, held step, peer URL and health",
+    dependencies=scope(WRITE),
 )
 async def heartbeat(
     job: JobDep,
