@@ -26,9 +26,12 @@ class ErrorBody(_Body):
 
 
 class Health(_Body):
-    status: Literal["ok"] = "ok"
+    """``/healthz``: ok or not and the version to anyone; details only to a token
+    that sees every job (another tenant must not learn where the store is)."""
+
+    status: Literal["ok", "not ok"] = "ok"
     version: str
-    store: str
+    store: str | None = Field(default=None, description="Details: only with a token.")
 
 
 class MissingRequest(_Body):
