@@ -176,6 +176,14 @@ class HeartbeatReply(_Body):
         description="The job's timeline (rollbacks so far): two rollbacks to one step differ "
         "in it.",
     )
+    peer_token: str | None = Field(
+        default=None,
+        description="The job's peer token: peer chunk servers of the job require it.",
+    )
+    peer_url_refused: str | None = Field(
+        default=None,
+        description="Why the peer_url sent was not registered (None: it was, or none sent).",
+    )
 
 
 class RankStatus(_Body):
@@ -209,6 +217,9 @@ class RestorePlan(_Body):
     peers: dict[str, list[str]] = Field(
         description="For every chunk id of the manifest, the peer URLs that hold it, best "
         "first (possibly none); the store is always the last source."
+    )
+    peer_token: str | None = Field(
+        default=None, description="The job's peer token, to send to those peers."
     )
 
 

@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     peer_networks: str | None = Field(
         default=None,
         description="Comma-separated networks (CIDR) a heartbeat's peer_url may point into; "
-        "default: only the heartbeat's own source address.",
+        "default: only the heartbeat's own source address. 'any': every URL (names too), for "
+        "a network where every host is trusted.",
     )
 
     @field_validator("token", "tokens_file", "peer_secret", "peer_networks")
@@ -78,14 +79,20 @@ class Settings(BaseSettings):
     @classmethod
     def _networks_parse(cls, value: str | None) -> str | None:
         for item in (value or "").split(","):
-            if item.strip():
+            if item.strip() and item.strip() != "any":
                 ipaddress.ip_network(item.strip(), strict=False)  # ValueError names it
         return value
 
     def peer_network_list(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
         """The networks of ``peer_networks``, parsed."""
         return [ipaddress.ip_network(item.strip(), strict=False)
-                for item in (self.peer_networks or "").split(",") if item.strip()]
+                for item in (self.peer_networks or "").split(",")
+                if item.strip() and item.strip() != "any"]
+
+    @property
+    def any_peer_url(self) -> bool:
+        """``peer_networks`` says 'any': peer URLs are not checked."""
+        return "any" in {item.strip() for item in (self.peer_networks or "").split(",")}
 
     @field_validator("log_level")
     @classmethod

@@ -133,6 +133,11 @@ def serve(
         str | None,
         typer.Option(help="Scoped tokens (ckptd token create). Env CKPTD_TOKENS_FILE."),
     ] = None,
+    peer_networks: Annotated[
+        str | None,
+        typer.Option(help="CIDRs heartbeats' peer URLs may point into besides their own "
+                     "address, or 'any'. Env CKPTD_PEER_NETWORKS."),
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
@@ -152,6 +157,7 @@ def serve(
             "snapshot_min_interval": snapshot_min_interval,
             "access_log": access_log,
             "tokens_file": tokens_file,
+            "peer_networks": peer_networks,
         }.items()
         if v is not None
     }
