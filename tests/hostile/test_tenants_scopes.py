@@ -206,3 +206,29 @@ def test_the_tokens_file_keeps_no_token(tmp_path: Path) -> None:
     assert token not in text and token.split("_")[-1] not in text
     assert re.search(entry.sha256, text)
     assert path.stat().st_mode & 0o077 == 0
+
+
+def test_ckptd_token_create_list_revoke(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptd.cli import app
+    from ckptd.tokens import TokenFile
+
+    runner = CliRunner()
+    path = tmp_path / "tokens.json"
+    made = runner.invoke(app, ["token", "create", "--job", "llm-*", "--role", "write",
+                               "--file", str(path)])
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip().splitlines()[0]
+    assert token.startswith("ckptd_")
+    grant = TokenFile(path).lookup(token)
+    assert grant is not None and (grant.job, grant.role) == ("llm-*", "write")
+    listed = runner.invoke(app, ["token", "list", "--file", str(path)])
+    assert grant.id in listed.stdout and token not in listed.stdout
+    # A user's mistake: one or two lines saying what to do, no traceback.
+    for bad in (["--job", "llm/*", "--role", "write"], ["--job", "x", "--role", "owner"]):
+        r = runner.invoke(app, ["token", "create", *bad, "--file", str(path)])
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert len(r.output.strip().splitlines()) <= 3
+    assert runner.invoke(app, ["token", "revoke", grant.id, "--file", str(path)]).exit_code == 0
+    assert TokenFile(path).lookup(token) is None
