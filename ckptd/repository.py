@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -61,6 +61,10 @@ from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
 log = logging.getLogger(__name__)
+
+
+# Which of these stored chunk ids a tenant may know of (see missing_chunks).
+KnownChunks = Callable[[list[str]], Awaitable[set[str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,9 @@ class Repository:
         self.replica_mismatch = replica_mismatch
         self._clock = clock
         self._claims = _Claims()
+        # Leases of scoped tenants, apart: another tenant's lease must not show.
+        self._tenants: dict[str, _Claims] = {}
+        self._tenants_lock = threading.Lock()
 
     async def close(self) -> None:
         await self.store.close()
@@ -205,35 +212,55 @@ class Repository:
     # -- chunks -----------------------------------------------------------------------
 
     async def missing_chunks(
-        self, ids: list[str], claimer: str | None = None, lease: float | None = None
+        self, ids: list[str], claimer: str | None = None, lease: float | None = None,
+        *, tenant: str | None = None, known: KnownChunks | None = None,
     ) -> MissingResult:
         """Which of ``ids`` the store lacks. With a ``claimer``, the ids returned as
-        missing are leased to it; ids leased to someone else come back in flight."""
+        missing are leased to it; ids leased to someone else come back in flight.
+
+        With a ``tenant``, the answer reveals nothing of other tenants: an id counts
+        as stored only if ``known`` says the tenant may know of it, and leases are
+        the tenant's own (docs/design/006-tenants.md)."""
         if len(ids) > knobs.missing_batch():
             raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
         unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
-        if claimer is None:
+        claims = self._claims if tenant is None else self._tenant_claims(tenant)
+
+        async def stored() -> list[bool]:
             present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            if tenant is None or known is None:
+                return present
+            seen = await known([cid for cid, ok in zip(unique, present, strict=True) if ok])
+            return [ok and cid in seen for cid, ok in zip(unique, present, strict=True)]
+
+        if claimer is None:
+            present = await stored()
             return MissingResult(
                 missing=[cid for cid, ok in zip(unique, present, strict=True) if not ok],
                 in_flight=[],
             )
-        since = self._claims.begin()
+        since = claims.begin()
         try:
-            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            present = await stored()
             absent = [cid for cid, ok in zip(unique, present, strict=True) if not ok]
-            mine, theirs = self._claims.split(
-                absent, claimer, lease or knobs.claim_lease(), since
-            )
+            mine, theirs = claims.split(absent, claimer, lease or knobs.claim_lease(), since)
         finally:
-            self._claims.end(since)
+            claims.end(since)
         return MissingResult(missing=mine, in_flight=theirs)
+
+    def _tenant_claims(self, tenant: str) -> _Claims:
+        with self._tenants_lock:
+            claims = self._tenants.get(tenant)
+            if claims is None:
+                claims = self._tenants[tenant] = _Claims()
+            return claims
 
     async def has_chunk(self, cid: str) -> bool:
         return await self.store.exists(chunk_key(cid))
 
     async def put_chunk(
-        self, cid: str, data: bytes | memoryview, *, digest: str | None = None
+        self, cid: str, data: bytes | memoryview, *, digest: str | None = None,
+        tenant: str | None = None,
     ) -> bool:
         """Stores a chunk after checking that ``data`` hashes to ``cid``.
 
@@ -257,7 +284,8 @@ class Repository:
             stored = True
             return created
         finally:
-            self._claims.release(cid, stored=stored)
+            claims = self._claims if tenant is None else self._tenant_claims(tenant)
+            claims.release(cid, stored=stored)
 
     async def get_chunk(self, cid: str, *, verify: bool = True) -> bytes:
         try:

@@ -262,7 +262,7 @@ class Checkpointer:
         self.default_placement: DefaultPlacement = default_placement
         self.on_busy: OnBusy = on_busy
         self.timeout = timeout
-        self._transport = open_transport(url, token)
+        self._transport = open_transport(url, token, job=self.job)
         try:
             self._staging = StagingPool(self.job, self.rank, root=shm_dir, budget=staging_budget)
         except BaseException:
@@ -310,8 +310,9 @@ class Checkpointer:
             return PeerService(None, None)
         server = None
         if serve_peers is None or serve_peers:
-            server = PeerServer(host=host, port=port, token=self._token, job=self.job,
-                                rank=self.rank).start()
+            # No token yet: the job's peer token comes with the first heartbeat reply.
+            server = PeerServer(host=host, port=port, job=self.job, rank=self.rank,
+                                route_to=self._transport.url).start()
         heartbeat = Heartbeat(self._transport.url, self.job, self.rank, self.world_size,
                               self._token, interval=interval, health=health)
         service = PeerService(server, heartbeat)

@@ -162,13 +162,14 @@ def _run(
     token: str | None,
     work: Callable[[Transport], Coroutine[Any, Any, T]],
     timeout: float | None,
+    job: str | None = None,
 ) -> T:
     """Runs ``work`` with a fresh transport on a private event loop in a worker
     thread, so it works from any thread (DCP's async_save calls from its own),
     inside a running event loop or not. ``Timeout`` after ``timeout`` seconds."""
 
     async def body() -> T:
-        transport = open_transport(url, token)
+        transport = open_transport(url, token, job=job)
         try:
             return await asyncio.wait_for(work(transport), timeout)
         except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
@@ -391,7 +392,7 @@ class Writer(StorageWriter):
             await transport.put_manifest(stamped)
             return sent
 
-        chunks_sent, bytes_sent = _run(self.url, self.token, work, self.timeout)
+        chunks_sent, bytes_sent = _run(self.url, self.token, work, self.timeout, self.job)
         self.last_write = WriteSummary(
             step=info.step,
             rank=info.rank,
@@ -600,7 +601,7 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata rebuilt from the step's committed manifests: per tensor its
         dtype, global size and every stored box; a bytes entry per plain value."""
-        index = _run(self.url, self.token, self._read_index, self.timeout)
+        index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
         self._index = index
         state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for (fqn, _), box in sorted(index.boxes.items()):
@@ -731,7 +732,7 @@ class Reader(StorageReader):
         async def work(transport: Transport) -> int:
             return await _fetch_chunks(transport, wanted, self.concurrency)
 
-        self.bytes_read += _run(self.url, self.token, work, self.timeout)
+        self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
         for (box, reqs), buf in zip(batch, buffers, strict=True):
             for req in reqs:
                 source = buf

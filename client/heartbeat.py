@@ -52,6 +52,8 @@ class HeartbeatReply:
     received_at: float  # time.time() when it arrived
     rtt_ms: float
     rollback_epoch: int = 0  # the job's timeline (rollbacks so far)
+    peer_token: str | None = None  # the job's peer token (peer servers require it)
+    peer_url_refused: str | None = None  # why the server did not register peer_url
 
     @classmethod
     def parse(cls, doc: Any, rtt_ms: float, fallback_interval: float) -> HeartbeatReply:
@@ -61,6 +63,10 @@ class HeartbeatReply:
         def opt_int(key: str) -> int | None:
             v = doc.get(key)
             return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        def opt_str(key: str) -> str | None:
+            v = doc.get(key)
+            return v if isinstance(v, str) else None
 
         interval = doc.get("interval_s")
         if not isinstance(interval, int | float) or isinstance(interval, bool) or not (
@@ -76,6 +82,8 @@ class HeartbeatReply:
             received_at=time.time(),
             rtt_ms=rtt_ms,
             rollback_epoch=opt_int("rollback_epoch") or 0,
+            peer_token=opt_str("peer_token"),
+            peer_url_refused=opt_str("peer_url_refused"),
         )
 
 
@@ -109,6 +117,9 @@ class Heartbeat:
         # Called after every beat with the reply (None: it failed) and its round trip
         # in ms (None when no answer came): the health probe's round-trip signal.
         self.on_beat = on_beat
+        # Called with the job's peer token when a reply brings a new one.
+        self.on_peer_token: Callable[[str], None] | None = None
+        self._peer_url_refused: str | None = None
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.url, headers=headers,
@@ -220,12 +231,22 @@ class Heartbeat:
                 doc = None
             reply = HeartbeatReply.parse(doc, rtt, self.interval)
             self._last_reply = reply
+            if reply.peer_token and self.on_peer_token is not None:
+                try:
+                    self.on_peer_token(reply.peer_token)
+                except Exception as exc:  # a listener must not stop heartbeats
+                    self._complain("peer_token", "peer token listener failed: %s", exc)
             if not self._fixed_interval:
                 self.interval = min(_MAX_INTERVAL, max(_MIN_INTERVAL, reply.interval_s))
             self.beats += 1
             if self._complained:
                 log.info("heartbeats to %s get through again", self.url)
                 self._complained.clear()
+            if reply.peer_url_refused and not self._peer_url_refused:
+                log.warning("%s/%d: the server did not register peer URL %s: %s (set "
+                            "CKPTD_PEER_ADVERTISE_HOST, or CKPTD_PEER_NETWORKS on the server)",
+                            self.job, self.rank, self.peer_url, reply.peer_url_refused)
+            self._peer_url_refused = reply.peer_url_refused
             self._notify(reply, rtt)
             return reply
 

@@ -3,9 +3,10 @@ chunks of its staging pool that belong to a committed step, so a replacement ran
 on another node can restore from its data-parallel replicas instead of the store.
 
 Server
-    ``PeerServer`` is a stdlib ``ThreadingHTTPServer`` on a daemon thread (no event
-    loop to share with training, and ``socket.sendall`` of a pool view is as fast
-    as loopback gets). ``GET /v1/chunks/{id}`` answers the chunk's raw bytes, ``GET
+    ``PeerServer`` is a small HTTP/1.1 server on a fixed pool of daemon threads
+    with read deadlines (``peer_http``; no event loop to share with training, no
+    thread per connection, and ``socket.sendall`` of a pool view is as fast as
+    loopback gets). ``GET /v1/chunks/{id}`` answers the chunk's raw bytes, ``GET
     /v1/peer`` what the peer holds. It serves only what ``publish`` handed it: a
     ``PeerIndex`` of chunk id -> bytes in the pool, built from a committed
     manifest (or from chunks of a re-adopted pool that were verified against one),
@@ -15,9 +16,9 @@ Server
     refused with 409 (the client then tries another source) and never sent torn.
     Copies go through scratch buffers reused from request to request, the
     number of requests served at once is bounded (``CKPTD_PEER_CONCURRENCY``;
-    others wait a moment, then get 503), and with a token every request must
-    carry it (``Authorization: Bearer``), so a peer neither starves training nor
-    serves another job.
+    others wait a moment, then get 503), and every request must carry the job's
+    peer token (``Authorization: Bearer``), which the server hands to the job's
+    ranks, so a peer neither starves training nor serves another job.
 
 Client
     ``PeerClient`` fetches a chunk straight into the caller's buffer over
@@ -44,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
@@ -59,6 +59,8 @@ from ckptd.errors import (
     Unavailable,
     from_json,
 )
+
+from .peer_http import BoundedHTTPServer, PeerRequest
 
 log = logging.getLogger(__name__)
 
@@ -110,82 +112,20 @@ class PeerStats:
                     ("served", "bytes_served", "not_found", "stale", "busy", "unauthorized")}
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-
-    def __init__(self, address: tuple[str, int], owner: PeerServer) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self.owner = owner
-        self.connections: set[socket.socket] = set()
-        self.connections_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self.connections_lock:
-            self.connections.add(request)
-        super().process_request(request, client_address)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A peer that hung up mid-answer is the client's business, not a traceback.
-        log.debug("peer connection from %s failed", client_address, exc_info=True)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self.connections_lock:
-            self.connections.discard(request)
-        super().shutdown_request(request)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _HTTPServer
-    timeout = 120  # an idle kept-alive connection is dropped after this
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib name)
-        log.debug("peer %s: " + format, self.address_string(), *args)
-
-    def _json(self, status: int, doc: dict[str, Any], headers: Mapping[str, str] = {}) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, status: int, exc: CkptdError, headers: Mapping[str, str] = {}) -> None:
-        self._json(status, exc.to_json(), headers)
-
-    def _authorized(self) -> bool:
-        token = self.server.owner.token
-        if not token:
-            return True
-        got = self.headers.get("Authorization", "")
-        if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            return True
-        self.server.owner.stats.add("unauthorized")
-        self._error(401, Unauthorized("missing or wrong bearer token"))
-        return False
-
-    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
-        owner = self.server.owner
-        path = self.path.split("?", 1)[0]
-        if path == "/healthz":
-            self._json(200, {"status": "ok"})
-            return
-        if not self._authorized():
-            return
-        if path == "/v1/peer":
-            self._json(200, owner.describe())
-            return
-        match = _CHUNK_PATH.match(path)
-        if match is None:
-            self._error(404, CkptdError(f"no route {path}"))
-            return
-        owner.serve_chunk(self, match.group(1))
+def route_address(toward: str | None = None) -> str:
+    """This host's address on the route toward ``toward`` (a URL or host; default:
+    the default route), as peers and the server see it: never ``localhost``. A UDP
+    ``connect`` sends nothing; it only asks the kernel which source it would use."""
+    host = urlparse(toward).hostname if toward and "//" in toward else toward
+    target = host or "10.255.255.255"
+    try:
+        infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 class PeerServer:
@@ -195,7 +135,12 @@ class PeerServer:
     ``CKPTD_PEER_PORT``, default 0: the OS picks) and returns at once; ``url`` is
     what peers should use. ``publish(index)`` replaces what is served;
     ``close()`` stops serving and drops open connections. A request that finds all
-    ``concurrency`` slots taken waits ``busy_wait`` seconds for one, then gets 503."""
+    ``concurrency`` slots taken waits ``busy_wait`` seconds for one, then gets 503.
+
+    Every request but ``/healthz`` must carry the job's peer token
+    (``set_token``, from the server's heartbeat replies; ``token`` to start with):
+    until one is set, nothing is served. Connections are served by a fixed pool of
+    threads with read deadlines (``peer_http.BoundedHTTPServer``)."""
 
     def __init__(
         self,
@@ -208,10 +153,14 @@ class PeerServer:
         job: str | None = None,
         rank: int | None = None,
         busy_wait: float = _BUSY_WAIT,
+        route_to: str | None = None,
+        head_timeout: float = 5.0,
     ) -> None:
         self.host = knobs.peer_host() if host is None else host
         self.port = knobs.peer_port() if port is None else int(port)
-        self.token = token
+        self._tokens: tuple[str, ...] = (token,) if token else ()
+        self.route_to = route_to
+        self.head_timeout = head_timeout
         self.concurrency = max(1, knobs.peer_concurrency() if concurrency is None
                                else int(concurrency))
         self.advertise_host = advertise_host or knobs.peer_advertise_host()
@@ -222,7 +171,7 @@ class PeerServer:
         self._index = EMPTY_INDEX
         self._slots = threading.BoundedSemaphore(self.concurrency)
         self._scratch: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._httpd: _HTTPServer | None = None
+        self._httpd: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -234,7 +183,11 @@ class PeerServer:
             if self._httpd is not None:
                 return self
             try:
-                httpd = _HTTPServer((self.host, self.port), self)
+                httpd = BoundedHTTPServer(
+                    (self.host, self.port), self._handle,
+                    workers=self.concurrency + 4, queued=64, head_timeout=self.head_timeout,
+                    idle_timeout=self.head_timeout, on_refused=lambda: self.stats.add("busy"),
+                )
             except OSError as exc:
                 raise Unavailable(
                     f"peer chunk server cannot bind {self.host}:{self.port}: {exc}",
@@ -242,11 +195,7 @@ class PeerServer:
                 ) from exc
             self.port = int(httpd.server_address[1])
             self._httpd = httpd
-            self._thread = threading.Thread(
-                target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                name=f"ckptd-peer-{self.port}", daemon=True,
-            )
-            self._thread.start()
+            httpd.start()
         log.info("peer chunk server for %s/%s at %s", self.job, self.rank, self.url)
         return self
 
@@ -257,7 +206,10 @@ class PeerServer:
         if host is None:
             host = self.host
             if host in ("", "0.0.0.0", "::"):
-                host = socket.getfqdn()
+                # The address on the route to the ckptd server: the one its
+                # heartbeats come from, which the server accepts (getfqdn() gave
+                # "localhost" on many hosts).
+                host = route_address(self.route_to)
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
@@ -270,25 +222,54 @@ class PeerServer:
         """Stops serving, closes the listening socket and every open connection."""
         with self._lock:
             httpd, self._httpd = self._httpd, None
-            thread, self._thread = self._thread, None
         self._index = EMPTY_INDEX
-        if httpd is None:
-            return
-        httpd.shutdown()
-        httpd.server_close()
-        with httpd.connections_lock:
-            conns = list(httpd.connections)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        if thread is not None:
-            thread.join(5.0)
+        if httpd is not None:
+            httpd.close()
 
     def __enter__(self) -> PeerServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- who may ask --------------------------------------------------------------------
+
+    def set_token(self, token: str | None) -> None:
+        """The job's peer token from now on (the one before it still counts, so
+        that restores planned just before a change go on)."""
+        if token and (not self._tokens or token != self._tokens[0]):
+            self._tokens = (token, *self._tokens[:1])
+
+    @property
+    def token(self) -> str | None:
+        return self._tokens[0] if self._tokens else None
+
+    def _authorized(self, request: PeerRequest) -> bool:
+        got = request.headers.get("authorization", "").encode()
+        ok = False
+        for token in self._tokens:  # every one compared: constant time in the token
+            ok |= hmac.compare_digest(got, f"Bearer {token}".encode())
+        if not ok:
+            self.stats.add("unauthorized")
+            request.json(401, Unauthorized("missing or wrong peer token").to_json(),
+                         {"WWW-Authenticate": "Bearer"})
+        return ok
+
+    def _handle(self, request: PeerRequest) -> None:
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            request.json(200, {"status": "ok"})
+            return
+        if not self._authorized(request):
+            return
+        if path == "/v1/peer":
+            request.json(200, self.describe())
+            return
+        match = _CHUNK_PATH.match(path)
+        if match is None:
+            request.json(404, CkptdError(f"no route {path[:200]}").to_json())
+            return
+        self.serve_chunk(request, match.group(1))
 
     # -- what is served -----------------------------------------------------------------
 
@@ -325,24 +306,25 @@ class PeerServer:
 
     # -- serving ------------------------------------------------------------------------
 
-    def serve_chunk(self, handler: _Handler, cid: str) -> None:
+    def serve_chunk(self, request: PeerRequest, cid: str) -> None:
         if not self._slots.acquire(timeout=self.busy_wait):
             self.stats.add("busy")
-            handler._error(503, Unavailable("peer busy: too many chunk requests at once"),
-                           {"Retry-After": "1"})
+            request.json(503, Unavailable("peer busy: too many chunk requests at once")
+                         .to_json(), {"Retry-After": "1"})
             return
         try:
             index = self._index
             view = index.chunks.get(cid)
             if view is None:
                 self.stats.add("not_found")
-                handler._error(404, ChunkNotFound(f"this peer does not hold chunk {cid}", id=cid))
+                request.json(404, ChunkNotFound(f"this peer does not hold chunk {cid}", id=cid)
+                             .to_json())
                 return
             # Seqlock read: valid before, copy out, valid after. A save that started
             # overwriting the pool in between makes the copy worthless: refuse it.
             if not index.valid():
                 self.stats.add("stale")
-                handler._error(409, Conflict(f"chunk {cid} is being overwritten", id=cid))
+                request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid).to_json())
                 return
             n = len(view)
             scratch = self._take_scratch(n)
@@ -351,15 +333,13 @@ class PeerServer:
                 out[:] = view
                 if not index.valid():
                     self.stats.add("stale")
-                    handler._error(409, Conflict(f"chunk {cid} is being overwritten", id=cid))
+                    request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid)
+                                 .to_json())
                     return
-                handler.send_response(200)
-                handler.send_header("Content-Type", "application/octet-stream")
-                handler.send_header("Content-Length", str(n))
+                headers = {"Content-Type": "application/octet-stream"}
                 if index.step is not None:
-                    handler.send_header("X-Ckptd-Step", str(index.step))
-                handler.end_headers()
-                handler.wfile.write(out)
+                    headers["X-Ckptd-Step"] = str(index.step)
+                request.send(200, headers, out)
                 out.release()
             finally:
                 self._scratch.put(scratch)
@@ -450,7 +430,9 @@ class PeerClient:
         exactly the chunk's length); returns the bytes read. Unverified."""
         for attempt in range(2):
             try:
-                conn, reused = self._take(url)
+                # The retry takes a fresh connection: another idle one may be closed too.
+                conn, reused = self._take(url) if attempt == 0 else (
+                    _Conn(url, self.timeout), False)
             except OSError as exc:
                 reason = "unreachable" if isinstance(exc, ConnectionRefusedError) else "failed"
                 if isinstance(exc, TimeoutError):
@@ -625,6 +607,9 @@ class PeerService:
         self._lock = threading.Lock()
         if heartbeat is not None and server is not None:
             heartbeat.set_peer_url(server.url)
+            # The job's peer token comes with heartbeat replies: never the client's
+            # server token (a peer would hold the key to the whole server).
+            heartbeat.on_peer_token = server.set_token
 
     @property
     def url(self) -> str | None:

@@ -813,6 +813,7 @@ class RestorePlan:
     manifest: RankManifest
     peers: dict[str, list[str]] = field(default_factory=dict)
     manifests: dict[int, RankManifest] = field(default_factory=dict)  # every rank, when read
+    peer_token: str | None = None  # the job's peer token, from the server's plan
 
     @property
     def world_size(self) -> int:
@@ -830,12 +831,13 @@ async def resolve_step(transport: Transport, job: str, step: int | None) -> int:
 
 async def fetch_restore_plan(
     transport: Transport, job: str, rank: int, step: int
-) -> tuple[RankManifest | None, dict[str, list[str]], str | None]:
+) -> tuple[RankManifest | None, dict[str, list[str]], str | None, str | None]:
     """The server's restore plan for ``rank`` at ``step``: its manifest (None when
-    the server sent none), the peers holding each chunk, and the manifest's hash.
+    the server sent none), the peers holding each chunk, the manifest's hash, and
+    the job's peer token (what those peers require).
     An HTTP transport only; a server without the route gives no peers."""
     if not isinstance(transport, HttpTransport):
-        return None, {}, None
+        return None, {}, None, None
     try:
         resp = await transport._request(  # the transport's retries and typed errors
             "GET", f"/v1/jobs/{job}/restore-plan", params={"rank": rank, "step": step}
@@ -844,7 +846,7 @@ async def fetch_restore_plan(
         raise
     except CkptdError as exc:
         log.info("no restore plan from %s (%s); restoring without peers", transport.url, exc)
-        return None, {}, None
+        return None, {}, None, None
     doc = resp.json()
     peers_doc = doc.get("peers") or {}
     peers = {str(cid): [str(u) for u in urls if isinstance(u, str)]
@@ -857,7 +859,9 @@ async def fetch_restore_plan(
             manifest = RankManifest.parse(canonical_json(body))
         except (CkptdError, TypeError, ValueError) as exc:
             log.warning("restore plan's manifest does not parse (%s); reading it", exc)
-    return manifest, peers, digest if isinstance(digest, str) else None
+    token = doc.get("peer_token")
+    return (manifest, peers, digest if isinstance(digest, str) else None,
+            token if isinstance(token, str) else None)
 
 
 async def load_plan(
@@ -871,8 +875,10 @@ async def load_plan(
     source_rank = rank if rank < record.world_size else 0
     manifest: RankManifest | None = None
     peers: dict[str, list[str]] = {}
+    peer_token = None
     if with_peers:
-        manifest, peers, _ = await fetch_restore_plan(transport, job, source_rank, step)
+        manifest, peers, _, peer_token = await fetch_restore_plan(
+            transport, job, source_rank, step)
     expected = record.manifests[source_rank].hash
     if manifest is not None and document_hash(manifest.canonical()) != expected:
         log.warning("restore plan's manifest of rank %d is not the committed one; reading it",
@@ -882,7 +888,7 @@ async def load_plan(
         job, step, source_rank
     ):
         manifest = await transport.read_manifest(job, step, source_rank)
-    plan = RestorePlan(job, step, source_rank, record, manifest, peers)
+    plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token)
     plan.manifests[source_rank] = manifest
     return plan
 
@@ -895,7 +901,9 @@ async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers
             return
         manifest: RankManifest | None = None
         if with_peers:
-            manifest, peers, _ = await fetch_restore_plan(transport, plan.job, r, plan.step)
+            manifest, peers, _, token = await fetch_restore_plan(transport, plan.job, r,
+                                                                 plan.step)
+            plan.peer_token = plan.peer_token or token
             for cid, urls in peers.items():
                 have = plan.peers.setdefault(cid, [])
                 have.extend(u for u in urls if u not in have)
@@ -1097,7 +1105,8 @@ def make_sources(
     if cache:
         sources.append(DirectoryCacheSource(cache))
     if opts.peers and plan.peers:
-        client = PeerClient(opts.token, timeout=opts.peer_timeout)
+        # The job's peer token from the plan: never this client's server token.
+        client = PeerClient(plan.peer_token, timeout=opts.peer_timeout)
         sources.append(PeerSource(plan.peers, client, exclude=opts.exclude_peers))
     if opts.store:
         sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
@@ -1360,7 +1369,7 @@ async def _prefetch(
     from .transport import open_transport
 
     t0 = time.perf_counter()
-    transport = open_transport(url, token)
+    transport = open_transport(url, token, job=job)
     # Only the repository writes a store (in the documented order); fsync off: a
     # prefetched cache is rebuilt, not recovered, after a crash.
     target = Repository(LocalStore(root, fsync=False))

@@ -192,6 +192,7 @@ class HttpTransport(Transport):
         retries: int | None = None,
         backoff: float | None = None,
         concurrency: int | None = None,
+        job: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = knobs.retries() if retries is None else retries
@@ -199,6 +200,9 @@ class HttpTransport(Transport):
         self.timeout = knobs.request_timeout() if timeout is None else timeout
         pool = max(16, 2 * (concurrency or knobs.upload_concurrency()))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if job is not None:
+            # Chunk routes name no job: a scoped token says which of its jobs acts.
+            headers["X-Ckptd-Job"] = check_job(job)
         self._client = httpx.AsyncClient(
             base_url=self.url,
             headers=headers,
@@ -446,14 +450,15 @@ def _parse_record(doc: Any) -> CommitRecord:
         raise InvalidDocument(f"the server sent a commit record that is not JSON: {exc}") from None
 
 
-def open_transport(url: str, token: str | None = None) -> Transport:
+def open_transport(url: str, token: str | None = None, job: str | None = None) -> Transport:
     """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
-    (a local directory store, used in process)."""
+    (a local directory store, used in process). ``job``: the job its chunk calls act
+    for (a scoped token's server needs it)."""
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         if not parsed.netloc:
             raise InvalidRequest(f"URL {url!r} names no host")
-        return HttpTransport(url, token)
+        return HttpTransport(url, token, job=job)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise InvalidRequest(f"file URL {url!r} must name a local path (file:///path)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,7 +22,9 @@ from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, manifests, ranks
 from ckptd.server.settings import Settings
+from ckptd.server.tenancy import TenantChunks
 from ckptd.store import Store, open_store
+from ckptd.tokens import TokenFile
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.repository = repository
     # Refs are re-read at most once per heartbeat interval per job.
     app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
+    app.state.tenants = TenantChunks(repository, app.state.views)
     log.info("serving store %s", store.describe())
     try:
         yield
@@ -70,6 +74,12 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         snapshot_timeout=settings.snapshot_timeout,
     )
     app.state.metrics = Metrics(app.state.registry)
+    # Scoped tokens (read at startup: a bad file stops the server with its name) and
+    # the secret the per-job peer tokens derive from (docs/SECURITY.md).
+    app.state.tokens = TokenFile(settings.tokens_file) if settings.tokens_file else None
+    app.state.peer_secret = (
+        settings.peer_secret.encode("utf-8") if settings.peer_secret else secrets.token_bytes(32)
+    )
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)

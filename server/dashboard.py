@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Response
+from fastapi import APIRouter, FastAPI, Query, Response
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
@@ -21,8 +21,9 @@ from starlette.types import Scope
 from ckptd import __version__
 from ckptd.format import check_job
 from ckptd.repository import Repository
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ, READ_ANY, CallerDep, scope
 from ckptd.server.deps import MetricsDep, RegistryDep, RepoDep, SettingsDep, ViewsDep
+from ckptd.server.metrics import Totals
 from ckptd.server.models import JobView, Overview, StepView, StorageView
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import error_responses
@@ -50,7 +51,7 @@ api_router = APIRouter(
     prefix="/v1",
     tags=["dashboard"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ_ANY),
     responses=error_responses(400, 401, 500),
 )
 
@@ -135,13 +136,16 @@ async def overview(
     views: ViewsDep,
     metrics: MetricsDep,
     settings: SettingsDep,
+    caller: CallerDep,
     job: Annotated[str | None, Query(description="Only this job.")] = None,
     steps: Annotated[int, Query(ge=0, le=1000, description="Newest steps per job.")] = 20,
 ) -> Overview:
     if job is not None:
         names = [check_job(job)]
+        READ.check(caller, job)
     else:
-        names = sorted(set(await repo.list_jobs()) | set(registry.jobs()))
+        every = set(await repo.list_jobs()) | set(registry.jobs())
+        names = sorted(n for n in every if caller.may("read", n))
     sem = asyncio.Semaphore(8)
 
     async def one(name: str) -> JobView:
@@ -149,10 +153,11 @@ async def overview(
             return await job_view(name, repo, registry, views, steps)
 
     jobs = list(await asyncio.gather(*(one(n) for n in names)))
-    t = metrics.totals
+    # Where the store is and what every tenant did are the operator's to see.
+    t = metrics.totals if caller.every_job else Totals(since=metrics.totals.since)
     return Overview(
         version=__version__,
-        store=repo.store.describe(),
+        store=repo.store.describe() if caller.every_job else "",
         interval_s=settings.heartbeat_interval,
         dead_after_s=settings.heartbeat_interval * settings.dead_after,
         storage=StorageView(

@@ -16,6 +16,7 @@ from ckptd.server.auth import require_token
 from ckptd.server.metrics import Metrics
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.settings import Settings
+from ckptd.server.tenancy import TenantChunks
 
 
 async def get_settings(request: Request) -> Settings:
@@ -43,11 +44,17 @@ async def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
+async def get_tenants(request: Request) -> TenantChunks:
+    tenants: TenantChunks = request.app.state.tenants
+    return tenants
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RepoDep = Annotated[Repository, Depends(get_repository)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 ViewsDep = Annotated[StoreViews, Depends(get_views)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+TenantsDep = Annotated[TenantChunks, Depends(get_tenants)]
 AuthDep = Annotated[None, Depends(require_token)]
 
 

@@ -21,8 +21,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from ckptd import knobs
-from ckptd.server.auth import check_token
+from ckptd.errors import CkptdError, Forbidden
+from ckptd.repository import Repository
+from ckptd.server.auth import auth_configured, authenticate
 from ckptd.server.registry import Registry
+from ckptd.tokens import Grant
 
 # Commit reasons with their own label value; anything else is "other", so that a
 # client cannot grow the label set without bound.
@@ -63,6 +66,8 @@ class _SoftStateCollector(Collector):
     def __init__(self, registry: Registry, totals: Totals) -> None:
         self.registry = registry
         self.totals = totals
+        # Jobs that may have a label (None: every job with ranks); set per scrape.
+        self.shown: set[str] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ranks = GaugeMetricFamily(
@@ -70,7 +75,13 @@ class _SoftStateCollector(Collector):
             "Ranks of a job by state (alive, degraded, critical, dead), from heartbeats.",
             labels=["job", "state"],
         )
+        shown = self.shown
         for job, counts in sorted(self.registry.state_counts().items()):
+            # A label only for a job with ranks that heartbeat (authorized), and on
+            # an open server only for a job in the store: a request can not mint
+            # series (a snapshot request alone, a fuzzer's heartbeats).
+            if not any(counts.values()) or (shown is not None and job not in shown):
+                continue
             for state, n in counts.items():
                 ranks.add_metric([job, state], n)
         yield ranks
@@ -151,7 +162,8 @@ class Metrics:
             "Coordinated snapshot requests, by whether they set a new target.",
             ["accepted"], registry=r,
         )
-        r.register(_SoftStateCollector(registry, self.totals))
+        self._soft = _SoftStateCollector(registry, self.totals)
+        r.register(self._soft)
         self._counted: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def missing_asked(self, offered: int, missing: int) -> None:
@@ -218,6 +230,22 @@ router = APIRouter(tags=["metrics"])
 async def metrics(request: Request) -> Response:
     settings = request.app.state.settings
     if settings.metrics_token_required:
-        check_token(settings, request.headers.get("authorization"))
+        # Job names of every tenant: a read token on every job, or the server's.
+        _check_every_job(authenticate(request))
     m: Metrics = request.app.state.metrics
+    if auth_configured(settings):
+        m._soft.shown = None  # ranks exist only through authorized heartbeats
+    else:
+        repo: Repository = request.app.state.repository
+        try:
+            m._soft.shown = set(await repo.list_jobs())
+        except CkptdError:
+            m._soft.shown = set()
     return Response(generate_latest(m.prometheus), media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_every_job(grant: Grant) -> None:
+    """``read`` on every job (a ``*`` token), not on some job."""
+    if not (grant.every_job and grant.may("read", None)):
+        raise Forbidden("metrics name every job: they need a read token on '*'",
+                        needs="read", job="*")

@@ -26,9 +26,12 @@ class ErrorBody(_Body):
 
 
 class Health(_Body):
-    status: Literal["ok"] = "ok"
+    """``/healthz``: ok or not and the version to anyone; details only to a token
+    that sees every job (another tenant must not learn where the store is)."""
+
+    status: Literal["ok", "not ok"] = "ok"
     version: str
-    store: str
+    store: str | None = Field(default=None, description="Details: only with a token.")
 
 
 class MissingRequest(_Body):
@@ -173,6 +176,14 @@ class HeartbeatReply(_Body):
         description="The job's timeline (rollbacks so far): two rollbacks to one step differ "
         "in it.",
     )
+    peer_token: str | None = Field(
+        default=None,
+        description="The job's peer token: peer chunk servers of the job require it.",
+    )
+    peer_url_refused: str | None = Field(
+        default=None,
+        description="Why the peer_url sent was not registered (None: it was, or none sent).",
+    )
 
 
 class RankStatus(_Body):
@@ -206,6 +217,9 @@ class RestorePlan(_Body):
     peers: dict[str, list[str]] = Field(
         description="For every chunk id of the manifest, the peer URLs that hold it, best "
         "first (possibly none); the store is always the last source."
+    )
+    peer_token: str | None = Field(
+        default=None, description="The job's peer token, to send to those peers."
     )
 
 

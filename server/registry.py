@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, WorldSizeMismatch
 from ckptd.format import CommitRecord, Ref
 from ckptd.repository import Repository
 
@@ -120,6 +120,7 @@ class SnapshotDecision:
 @dataclass(slots=True)
 class _Job:
     world_size: int | None = None
+    epoch: int = 0  # the newest timeline a heartbeat came with
     ranks: dict[int, Heartbeat] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)  # ranks whose death is in the event log
     target: SnapshotTarget | None = None
@@ -172,11 +173,26 @@ class Registry:
         held_step: int | None = None,
         health: dict[str, Any] | None = None,
         rtt_ms: float | None = None,
+        epoch: int = 0,
     ) -> None:
+        """Records a heartbeat. A world size other than the job's is refused
+        (``WorldSizeMismatch``) unless it comes with a newer timeline (``epoch``)
+        or no other rank of the old world is alive: one rank must not drop live
+        ranks from restore plans and status."""
         now = self._clock()
         with self._lock:
             self._sweep(now)
             j = self._jobs.setdefault(job, _Job())
+            if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
+                live = [b.rank for b in j.ranks.values()
+                        if b.rank != rank and self._state(now, b) != "dead"]
+                if live:
+                    raise WorldSizeMismatch(
+                        f"job {job} has world size {j.world_size} with live ranks; world size "
+                        f"{world_size} needs a new timeline (a rollback) or the old ranks gone",
+                        job=job, world_size=j.world_size, asked=world_size,
+                    )
+            j.epoch = max(j.epoch, epoch)
             if j.world_size != world_size:
                 # A restarted job with another world size: ranks past it are gone.
                 j.world_size = world_size

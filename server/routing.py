@@ -8,24 +8,38 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from ckptd.server.auth import check_token
+from ckptd.server.auth import UNDECLARED, acting_job, authenticate, route_scope
 from ckptd.server.bodies import bounded, json_body_limit
 
 
 class ApiRoute(APIRoute):
-    """Checks the token, then bounds a JSON body, before FastAPI reads the body.
+    """Checks the caller's scope, then bounds a JSON body, before FastAPI reads the body.
 
     FastAPI parses a JSON body before it runs any dependency, so without this an
     unauthenticated caller with bad JSON would get 400 instead of 401, and a JSON
     body would have no size limit. Routes that read their body themselves (chunks,
-    manifests) declare no body parameter and bound it as they read."""
+    manifests) declare no body parameter and bound it as they read.
+
+    The scope is the route's ``Needs`` dependency (ckptd.server.auth); a route
+    without one needs the server's own token (``UNDECLARED``)."""
+
+    @property
+    def scope(self) -> Any:
+        """The ``Needs`` this route declared, or None."""
+        return route_scope(self.dependencies)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         parses_body = self.body_field is not None
+        needs = self.scope or UNDECLARED
 
         async def handle(request: Request) -> Response:
-            check_token(request.app.state.settings, request.headers.get("authorization"))
+            grant = authenticate(request)
+            job = request.path_params.get("job")
+            needs.check(grant, job if isinstance(job, str) else None)
+            request.state.caller = grant
+            if needs.acts_for_job:
+                request.state.acting_job = acting_job(request, grant, needs.role)
             if parses_body:
                 request = bounded(request, json_body_limit(), "JSON body")
                 await request.body()  # read here, so TooLarge is ours and not a 400

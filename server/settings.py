@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -52,12 +53,46 @@ class Settings(BaseSettings):
     metrics_token_required: bool = Field(
         default=False, description="GET /metrics needs the token too (scrapers must send it)."
     )
+    tokens_file: str | None = Field(
+        default=None,
+        description="A tokens file (ckptd token create): scoped tokens, stored hashed.",
+    )
+    peer_secret: str | None = Field(
+        default=None, repr=False,
+        description="Secret the per-job peer tokens derive from; the same on every replica "
+        "(default: random per process, so peer tokens change when it restarts).",
+    )
+    peer_networks: str | None = Field(
+        default=None,
+        description="Comma-separated networks (CIDR) a heartbeat's peer_url may point into; "
+        "default: only the heartbeat's own source address. 'any': every URL (names too), for "
+        "a network where every host is trusted.",
+    )
 
-    @field_validator("token")
+    @field_validator("token", "tokens_file", "peer_secret", "peer_networks")
     @classmethod
     def _empty_token_is_none(cls, value: str | None) -> str | None:
         # CKPTD_TOKEN= (set but empty) means no token, not "the empty token".
         return value or None
+
+    @field_validator("peer_networks")
+    @classmethod
+    def _networks_parse(cls, value: str | None) -> str | None:
+        for item in (value or "").split(","):
+            if item.strip() and item.strip() != "any":
+                ipaddress.ip_network(item.strip(), strict=False)  # ValueError names it
+        return value
+
+    def peer_network_list(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The networks of ``peer_networks``, parsed."""
+        return [ipaddress.ip_network(item.strip(), strict=False)
+                for item in (self.peer_networks or "").split(",")
+                if item.strip() and item.strip() != "any"]
+
+    @property
+    def any_peer_url(self) -> bool:
+        """``peer_networks`` says 'any': peer URLs are not checked."""
+        return "any" in {item.strip() for item in (self.peer_networks or "").split(",")}
 
     @field_validator("log_level")
     @classmethod

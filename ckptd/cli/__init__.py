@@ -129,6 +129,15 @@ def serve(
         typer.Option("--access-log/--no-access-log",
                      help="Log every request (on). Env CKPTD_ACCESS_LOG."),
     ] = None,
+    tokens_file: Annotated[
+        str | None,
+        typer.Option(help="Scoped tokens (ckptd token create). Env CKPTD_TOKENS_FILE."),
+    ] = None,
+    peer_networks: Annotated[
+        str | None,
+        typer.Option(help="CIDRs heartbeats' peer URLs may point into besides their own "
+                     "address, or 'any'. Env CKPTD_PEER_NETWORKS."),
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
@@ -147,6 +156,8 @@ def serve(
             "snapshot_lead": snapshot_lead,
             "snapshot_min_interval": snapshot_min_interval,
             "access_log": access_log,
+            "tokens_file": tokens_file,
+            "peer_networks": peer_networks,
         }.items()
         if v is not None
     }
@@ -553,6 +564,7 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import tokens as _tokens  # noqa: E402,F401
 from ckptd.cli import views  # noqa: E402, F401
 
 

@@ -11,24 +11,25 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ckptd import knobs
 from ckptd.errors import ChunkNotFound, CkptdError
-from ckptd.server.auth import require_token
+from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
 from ckptd.server.bodies import BUFFERS, read_chunk
-from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep
+from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.metrics import Metrics
 from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
+from ckptd.server.tenancy import TenantChunks
 
 router = APIRouter(
     prefix="/v1/chunks",
     tags=["chunks"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(CHUNK_READ),
     responses=error_responses(400, 401, 500),
 )
 
@@ -45,11 +46,17 @@ _BINARY: dict[str, Any] = {
     response_model=MissingResponse,
     summary="Which of these chunks the store lacks (and lease them to a claimer)",
     responses=error_responses(413),
+    dependencies=scope(CHUNK_WRITE),
 )
 async def missing_chunks(
-    body: MissingRequest, repo: RepoDep, metrics: MetricsDep
+    body: MissingRequest, request: Request, repo: RepoDep, metrics: MetricsDep,
+    tenants: TenantsDep,
 ) -> MissingResponse:
-    result = await repo.missing_chunks(body.ids, claimer=body.claimer)
+    job: str | None = request.state.acting_job
+    result = await repo.missing_chunks(
+        body.ids, claimer=body.claimer, tenant=job,
+        known=None if job is None else (lambda ids: tenants.known(job, ids)),
+    )
     metrics.missing_asked(len(body.ids), len(result.missing))
     return MissingResponse(missing=result.missing, in_flight=result.in_flight)
 
@@ -64,15 +71,18 @@ async def missing_chunks(
         **error_responses(413, 422),
     },
     openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+    dependencies=scope(CHUNK_WRITE),
 )
 async def put_chunk(
-    cid: ChunkIdDep, request: Request, response: Response, repo: RepoDep, metrics: MetricsDep
+    cid: ChunkIdDep, request: Request, response: Response, repo: RepoDep, metrics: MetricsDep,
+    tenants: TenantsDep,
 ) -> ChunkStored:
     started = time.perf_counter()
+    job: str | None = request.state.acting_job
     try:
         body = await read_chunk(request)
         with memoryview(body.buffer) as whole, whole[: body.size] as view:
-            created = await repo.put_chunk(cid, view, digest=body.digest)
+            created = await repo.put_chunk(cid, view, digest=body.digest, tenant=job)
     except CkptdError as exc:
         metrics.upload_rejected(exc.code)
         raise
@@ -80,6 +90,10 @@ async def put_chunk(
     # store thread still writing from the buffer.
     BUFFERS.give(body.buffer)
     metrics.chunk_uploaded(body.size, time.perf_counter() - started, created)
+    if job is not None:
+        # A scoped caller learns only whether its own job knew the chunk: whether
+        # another tenant had stored it stays unsaid.
+        created = not tenants.uploaded(job, cid)
     if not created:
         response.status_code = 200
     return ChunkStored(id=cid, size=body.size, created=created)
@@ -90,8 +104,10 @@ async def put_chunk(
     summary="Whether the store holds a chunk",
     responses={200: {"description": "Stored"}, **error_responses(404)},
 )
-async def has_chunk(cid: ChunkIdDep, repo: RepoDep) -> Response:
-    if not await repo.has_chunk(cid):
+async def has_chunk(
+    cid: ChunkIdDep, request: Request, repo: RepoDep, tenants: TenantsDep
+) -> Response:
+    if not await repo.has_chunk(cid) or not await _visible(request, tenants, cid):
         raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)
     return Response(status_code=200)
 
@@ -102,8 +118,12 @@ async def has_chunk(cid: ChunkIdDep, repo: RepoDep) -> Response:
     summary="A chunk's raw bytes, streamed",
     responses={200: {"content": _BINARY, "description": "The chunk"}, **error_responses(404, 422)},
 )
-async def get_chunk(cid: ChunkIdDep, repo: RepoDep, metrics: MetricsDep) -> StreamingResponse:
+async def get_chunk(
+    cid: ChunkIdDep, request: Request, repo: RepoDep, metrics: MetricsDep, tenants: TenantsDep,
+) -> StreamingResponse:
     started = time.perf_counter()
+    if not await _visible(request, tenants, cid):
+        raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)
     # Not re-hashed: every reader verifies a chunk against its id on arrival.
     data = await repo.get_chunk(cid, verify=False)
     return StreamingResponse(
@@ -111,6 +131,12 @@ async def get_chunk(cid: ChunkIdDep, repo: RepoDep, metrics: MetricsDep) -> Stre
         media_type="application/octet-stream",
         headers={"Content-Length": str(len(data))},
     )
+
+
+async def _visible(request: Request, tenants: TenantChunks, cid: str) -> bool:
+    """Whether the caller may see chunk ``cid`` (a scoped caller: its job knows it)."""
+    job: str | None = request.state.acting_job
+    return job is None or cid in await tenants.known(job, [cid])
 
 
 async def _pieces(data: bytes, metrics: Metrics, started: float) -> AsyncIterator[memoryview]:

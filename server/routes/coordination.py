@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, ViewsDep
 from ckptd.server.models import (
     EventBody,
@@ -22,7 +22,7 @@ router = APIRouter(
     prefix="/v1/jobs",
     tags=["coordination"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ),
     responses=error_responses(400, 401, 500),
 )
 
@@ -35,6 +35,7 @@ def event_body(event: Event) -> EventBody:
     "/{job}/snapshot-requests",
     response_model=SnapshotReply,
     summary="Ask every rank to snapshot a little ahead of the fastest live rank",
+    dependencies=scope(WRITE),
 )
 async def request_snapshot(
     job: JobDep,
@@ -56,6 +57,7 @@ async def request_snapshot(
     response_model=RollbackReply,
     summary="Mark the job to go back to a committed step (durable, a ref in the store)",
     responses=error_responses(404, 409),
+    dependencies=scope(WRITE),
 )
 async def set_rollback(
     job: JobDep, body: RollbackRequest, repo: RepoDep, registry: RegistryDep, views: ViewsDep
@@ -81,6 +83,7 @@ async def read_rollback(job: JobDep, repo: RepoDep) -> RollbackReply:
     "/{job}/rollback",
     response_model=RollbackReply,
     summary="Clear the job's rollback marker",
+    dependencies=scope(WRITE),
 )
 async def clear_rollback(
     job: JobDep, repo: RepoDep, registry: RegistryDep, views: ViewsDep

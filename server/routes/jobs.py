@@ -6,10 +6,10 @@ import asyncio
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Query
 
 from ckptd.format import CommitRecord
-from ckptd.server.auth import require_token
+from ckptd.server.auth import ADMIN, READ, WRITE, CallerDep, scope
 from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, StepDep, ViewsDep
 from ckptd.server.models import (
     CommitRequest,
@@ -28,14 +28,14 @@ router = APIRouter(
     prefix="/v1/jobs",
     tags=["jobs"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ),
     responses=error_responses(400, 401, 500),
 )
 
 
 @router.get("", response_model=JobList, summary="Every job and its latest committed step")
-async def list_jobs(repo: RepoDep) -> JobList:
-    names = await repo.list_jobs()
+async def list_jobs(repo: RepoDep, caller: CallerDep) -> JobList:
+    names = [n for n in await repo.list_jobs() if caller.may("read", n)]
     latest = await asyncio.gather(*(repo.latest(name) for name in names))
     return JobList(jobs=[JobSummary(job=n, latest=s) for n, s in zip(names, latest, strict=True)])
 
@@ -68,6 +68,7 @@ async def read_commit(job: JobDep, step: StepDep, repo: RepoDep) -> CommitRecord
     response_model=CommitResponse,
     summary="Commit a step once all its ranks' manifests are in and agree",
     responses=error_responses(404, 409),
+    dependencies=scope(WRITE),
 )
 async def commit(
     job: JobDep,
@@ -110,6 +111,7 @@ async def latest(job: JobDep, repo: RepoDep) -> Latest:
     response_model=VerifyResult,
     summary="Re-hash every chunk of one committed step, or of every committed step",
     responses=error_responses(404, 409),
+    dependencies=scope(ADMIN),
 )
 async def verify(
     job: JobDep,

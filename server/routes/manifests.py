@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
 from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
 from ckptd.server.models import ManifestStored
@@ -21,7 +21,7 @@ router = APIRouter(
     prefix="/v1/jobs",
     tags=["manifests"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ),
     responses=error_responses(400, 401, 500),
 )
 
@@ -34,6 +34,7 @@ MANIFEST_HASH_HEADER = "X-Ckptd-Manifest-Hash"
     response_model=ManifestStored,
     summary="Put a rank's manifest, once every chunk it names is stored",
     responses=error_responses(409, 413),
+    dependencies=scope(WRITE),
     openapi_extra={
         "requestBody": {
             "required": True,

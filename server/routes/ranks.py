@@ -7,12 +7,12 @@ import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from ckptd.errors import CkptdError
 from ckptd.format import MAX_WORLD_SIZE, check_rank, check_step
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ, WRITE, peer_token, scope
 from ckptd.server.deps import (
     JobDep,
     MetricsDep,
@@ -30,6 +30,7 @@ from ckptd.server.models import (
     RankStatus,
     RestorePlan,
 )
+from ckptd.server.peering import refuse_peer_url
 from ckptd.server.registry import RankView
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -40,7 +41,7 @@ router = APIRouter(
     prefix="/v1/jobs",
     tags=["ranks"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    dependencies=scope(READ),
     responses=error_responses(400, 401, 500),
 )
 
@@ -66,6 +67,7 @@ def rank_status(view: RankView) -> RankStatus:
     "/{job}/ranks/{rank}/heartbeat",
     response_model=HeartbeatReply,
     summary="A rank is alive: its step, held step, peer URL and health",
+    dependencies=scope(WRITE),
 )
 async def heartbeat(
     job: JobDep,
@@ -75,13 +77,22 @@ async def heartbeat(
     views: ViewsDep,
     metrics: MetricsDep,
     settings: SettingsDep,
+    request: Request,
 ) -> HeartbeatReply:
     check_rank(rank, body.world_size)
+    refused = None
+    if body.peer_url is not None and not settings.any_peer_url:
+        source = request.client.host if request.client is not None else None
+        refused = refuse_peer_url(body.peer_url, source, settings.peer_network_list())
+        if refused is not None:
+            log.warning("%s/%d: peer_url %r not registered: %s", job, rank,
+                        body.peer_url[:200], refused)
     registry.heartbeat(
         job,
         rank,
         world_size=body.world_size,
-        peer_url=body.peer_url,
+        epoch=await views.epoch(job),
+        peer_url=body.peer_url if refused is None else None,
         step=body.step,
         held_step=body.held_step,
         health=body.health.model_dump(),
@@ -99,6 +110,8 @@ async def heartbeat(
         snapshot_reason=target.reason if target is not None else None,
         rollback_to=rollback.step if rollback is not None else None,
         rollback_epoch=await views.epoch(job),
+        peer_token=peer_token(request.app.state.peer_secret, job),
+        peer_url_refused=refused,
     )
 
 
@@ -136,6 +149,7 @@ async def restore_plan(
     repo: RepoDep,
     registry: RegistryDep,
     views: ViewsDep,
+    request: Request,
     rank: Annotated[int, Query(description="The restoring rank.")],
     step: Annotated[
         int | None, Query(description="A committed step; default the latest.")
@@ -164,6 +178,7 @@ async def restore_plan(
 
     held = await asyncio.gather(*(held_ids(peer) for peer, _ in holders))
     urls = [url for _, url in holders]
+    token = peer_token(request.app.state.peer_secret, job)
 
     def encode() -> bytes:
         # Set intersections (C speed) rather than a lookup per chunk and peer: a
@@ -183,6 +198,7 @@ async def restore_plan(
             "manifest": manifest.model_dump(mode="json"),
             "manifest_hash": record.manifests[rank].hash,
             "peers": peers,
+            "peer_token": token,
         }
         return json.dumps(plan, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

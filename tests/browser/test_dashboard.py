@@ -132,7 +132,8 @@ def ok(temp: float, mem: float) -> dict[str, Any]:
 
 def test_dashboard_shows_dead_and_degraded_ranks_and_why(tmp_path: Path) -> None:
     srv = ServerProcess(store=tmp_path / "store",
-                        extra_args=["--heartbeat-interval", str(INTERVAL), "--dead-after", "3"])
+                        extra_args=["--heartbeat-interval", str(INTERVAL), "--dead-after", "3",
+                                    "--peer-networks", "any"])  # made-up node names
     srv.start()
     job, world, other = "llama-7b-pretrain", 4, "resnet50-sweep"
     live: dict[int, dict[str, Any]] = {

@@ -115,7 +115,8 @@ def test_a_buffer_being_overwritten_is_never_served(chunks: dict[str, memoryview
         calls["n"] += 1
         return calls["n"] <= flips_after["n"]
 
-    with PeerServer() as server, PeerClient() as client:
+    # A peer always needs a token (issue 10 #14).
+    with PeerServer(token="tok") as server, PeerClient("tok") as client:
         server.publish(PeerIndex(step=3, chunks=chunks, valid=valid))
         cid = next(iter(chunks))
         with pytest.raises(Conflict):
@@ -138,7 +139,8 @@ def test_concurrent_requests_are_bounded(chunks: dict[str, memoryview]) -> None:
         release.wait(10)
         return True
 
-    with PeerServer(concurrency=1, busy_wait=0.3) as server, PeerClient() as client:
+    with PeerServer(concurrency=1, busy_wait=0.3, token="tok") as server, \
+            PeerClient("tok") as client:
         server.publish(PeerIndex(step=1, chunks=chunks, valid=valid))
         cid = next(iter(chunks))
         results: list[Any] = []
@@ -246,10 +248,13 @@ def test_a_checkpointer_serves_its_committed_step_and_stops_while_overwriting(
     once (they are being overwritten), and the next commit serves the new step."""
     state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(10)}
     with Checkpointer(fast_server.url, "live", token="tok", chunk_size=65536,
-                      heartbeat_interval=0.1) as ckpt, PeerClient("tok") as client:
+                      heartbeat_interval=0.1) as ckpt:
         server = _peer_of(ckpt)
         ckpt.save(1, state).wait(timeout=30)
         assert server.held_step == 1
+        # Peers hold the job's peer token from the server, not the server token.
+        assert server.token is not None and server.token != "tok"
+        client = PeerClient(server.token)
         manifest = json.loads(httpx.get(f"{fast_server.url}/v1/jobs/live/steps/1/ranks/0",
                                         headers=fast_server.headers()).content)
         ids = [c for e in manifest["entries"] for c in e["chunks"]]
@@ -269,10 +274,12 @@ def test_a_checkpointer_serves_its_committed_step_and_stops_while_overwriting(
         assert not old.valid()
         cid = ids[0]
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-        conn.request("GET", f"/v1/chunks/{cid}", headers={"Authorization": "Bearer tok"})
+        conn.request("GET", f"/v1/chunks/{cid}",
+                     headers={"Authorization": f"Bearer {server.token}"})
         resp = conn.getresponse()
         body = resp.read()
         conn.close()
         # The first chunk of "w" changed: 404 under the new index (never old bytes).
         assert resp.status in (404, 409), body
         assert server.held_step == 2
+        client.close()

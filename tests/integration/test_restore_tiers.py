@@ -341,7 +341,11 @@ def test_a_lost_node_restores_from_its_peers(srv: ServerProcess, shm: Path) -> N
         total = sum(distinct_bytes(expected).values())
         assert result.bytes_from["peer"] == total and result.bytes_from.get("store", 0) == 0
         assert result.problems == []
-        served = [httpx.get(f"{u}/v1/peer", headers={"Authorization": f"Bearer {TOKEN}"}
+        # Peers take the job's peer token (from the server's plan), not the server token.
+        peer_token = httpx.get(f"{srv.url}/v1/jobs/peers/restore-plan", params={"rank": 2},
+                               headers=srv.headers()).json()["peer_token"]
+        assert httpx.get(f"{urls[0]}/v1/peer", headers=srv.headers()).status_code == 401
+        served = [httpx.get(f"{u}/v1/peer", headers={"Authorization": f"Bearer {peer_token}"}
                             ).json()["stats"]["bytes_served"] for u in urls]
         assert sum(served) == total and all(s > 0 for s in served)  # spread across both
     finally:
@@ -397,7 +401,9 @@ def test_a_peer_that_serves_wrong_bytes_is_caught_and_skipped(
         wrong = {cid: memoryview(os.urandom(n)) for cid, n in distinct_bytes(expected).items()}
         evil.publish(PeerIndex(step=2, chunks=wrong))
         hb.set_held_step(2, wake=False)
-        assert hb.beat_now() is not None
+        reply = hb.beat_now()
+        assert reply is not None
+        evil.set_token(reply.peer_token)  # a liar inside the job holds its peer token
         wait_held(srv, "liar", [0, 2], 2)
         target = target_like(expected)
         with Checkpointer(srv.url, "liar", rank=1, world_size=3, token=TOKEN,

@@ -1,0 +1,89 @@
+"""``ckptd token``: create, list and revoke scoped tokens in a tokens file."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ckptd.cli import _fail, _when, app, console
+from ckptd.errors import CkptdError
+
+token_app = typer.Typer(
+    help="Scoped tokens: a role on the jobs a pattern matches (docs/SECURITY.md).",
+    no_args_is_help=True,
+)
+app.add_typer(token_app, name="token")
+
+FileOpt = Annotated[
+    str,
+    typer.Option(
+        "--file",
+        envvar="CKPTD_TOKENS_FILE",
+        help="The tokens file the server reads (ckptd serve --tokens-file).",
+    ),
+]
+DEFAULT_FILE = "./ckptd-tokens.json"
+
+
+@token_app.command("create")
+def token_create(
+    job: Annotated[str, typer.Option("--job", help="A job name, a prefix like 'llm-*', or '*'.")],
+    role: Annotated[
+        str, typer.Option("--role", help="read (restore, dashboards), write (training ranks), "
+                          "admin (rollback, verify, retention).")
+    ],
+    note: Annotated[str, typer.Option(help="Who or what it is for.")] = "",
+    file: FileOpt = DEFAULT_FILE,
+) -> None:
+    """Create a token; it is printed once, and only its hash is kept."""
+    from ckptd.tokens import create_token
+
+    try:
+        token, entry = create_token(file, job, role, note)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    except OSError as exc:
+        console.print(f"[bold red]error[/] cannot write {escape(file)}: {escape(str(exc))}")
+        raise typer.Exit(code=2) from None
+    console.print(token, markup=False, highlight=False, soft_wrap=True)
+    typer.echo(f"token {entry.id}: {entry.role} on {entry.job!r}, kept hashed in {file}; "
+               "it is not shown again", err=True)
+
+
+@token_app.command("list")
+def token_list(file: FileOpt = DEFAULT_FILE) -> None:
+    """List the tokens of a file (ids, scopes; never the tokens)."""
+    from ckptd.tokens import list_tokens
+
+    try:
+        entries = list_tokens(file)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    table = Table("id", "job", "role", "created (UTC)", "note")
+    for e in entries:
+        table.add_row(e.id, escape(e.job), e.role, _when(e.created_at), escape(e.note))
+    console.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (ckptd token list).")],
+    file: FileOpt = DEFAULT_FILE,
+) -> None:
+    """Remove a token; a running server stops accepting it within a second."""
+    from ckptd.tokens import revoke_token
+
+    try:
+        found = revoke_token(file, token_id)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    if not found:
+        console.print(f"[bold red]error[/] no token {escape(token_id)} in {escape(file)}")
+        raise typer.Exit(code=1)
+    console.print(f"token {escape(token_id)} revoked")

@@ -1,0 +1,110 @@
+"""Issue 10, item 12: deduplication reveals nothing across tenants.
+
+Chunks are stored once for the whole store, but whether a chunk is stored (a
+missing-chunks answer, HEAD, GET, the 200/201 of a PUT, an in-flight lease) is
+told to a scoped token only for chunks its own job knows of."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ckptd.hashing import chunk_id
+from ckptd.tokens import create_token
+from tests.conftest import ServerProcess
+
+ROOT = "root-admin-token"
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
+    path = tmp_path / "tokens.json"
+    tokens = {
+        "a": create_token(path, "alpha", "write")[0],
+        "a-read": create_token(path, "alpha", "read")[0],
+        "b": create_token(path, "beta", "write")[0],
+    }
+    srv = ServerProcess(store=tmp_path / "store", token=ROOT,
+                        extra_args=["--tokens-file", str(path)])
+    srv.start()
+    try:
+        yield srv, tokens
+    finally:
+        srv.stop()
+
+
+def client(srv: ServerProcess, token: str) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {token}"},
+                        timeout=30.0)
+
+
+def test_a_chunk_of_another_tenant_looks_absent(
+    tenants: tuple[ServerProcess, dict[str, str]],
+) -> None:
+    srv, tokens = tenants
+    secret = b"beta's private weights" * 100
+    cid = chunk_id(secret)
+    with client(srv, tokens["b"]) as b, client(srv, tokens["a"]) as a, \
+            client(srv, tokens["a-read"]) as a_read, client(srv, ROOT) as root:
+        assert b.put(f"/v1/chunks/{cid}", content=secret).status_code == 201
+        # The operator sees the store as it is.
+        assert root.post("/v1/chunks/missing", json={"ids": [cid]}).json()["missing"] == []
+        assert root.head(f"/v1/chunks/{cid}").status_code == 200
+        # Tenant alpha may not learn that beta holds these bytes, by any route.
+        assert a.post("/v1/chunks/missing", json={"ids": [cid]}).json() == {
+            "missing": [cid], "in_flight": []}
+        assert a.head(f"/v1/chunks/{cid}").status_code == 404
+        assert a.get(f"/v1/chunks/{cid}").status_code == 404
+        assert a_read.get(f"/v1/chunks/{cid}").status_code == 404
+        # Sending the bytes proves alpha holds them: stored once, answered as new.
+        r = a.put(f"/v1/chunks/{cid}", content=secret)
+        assert (r.status_code, r.json()["created"]) == (201, True)
+        assert a.post("/v1/chunks/missing", json={"ids": [cid]}).json()["missing"] == []
+        assert a.get(f"/v1/chunks/{cid}").content == secret
+        r = a.put(f"/v1/chunks/{cid}", content=secret)
+        assert (r.status_code, r.json()["created"]) == (200, False)
+    files = [p for p in (srv.store / "chunks").rglob("*") if p.is_file()]
+    assert len(files) == 1  # deduplicated in the store all the same
+
+
+def test_another_tenants_lease_is_not_shown_in_flight(
+    tenants: tuple[ServerProcess, dict[str, str]],
+) -> None:
+    srv, tokens = tenants
+    cid = chunk_id(b"being uploaded by beta")
+    with client(srv, tokens["b"]) as b, client(srv, tokens["a"]) as a:
+        r = b.post("/v1/chunks/missing", json={"ids": [cid], "claimer": "beta/0"})
+        assert r.json() == {"missing": [cid], "in_flight": []}
+        # Within beta, the lease dedups replicas: beta/1 waits for beta/0.
+        r = b.post("/v1/chunks/missing", json={"ids": [cid], "claimer": "beta/1"})
+        assert r.json() == {"missing": [], "in_flight": [cid]}
+        # Alpha is told to send it itself, not that someone is sending it.
+        r = a.post("/v1/chunks/missing", json={"ids": [cid], "claimer": "alpha/0"})
+        assert r.json() == {"missing": [cid], "in_flight": []}
+
+
+def test_committed_chunks_of_the_job_dedup_without_being_resent(
+    tenants: tuple[ServerProcess, dict[str, str]], tmp_path: Path,
+) -> None:
+    """After a restart (no soft state), the job's committed manifests still tell
+    which chunks it knows: an incremental save sends only what changed."""
+    import torch
+
+    from ckptd.client import Checkpointer
+
+    srv, tokens = tenants
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with Checkpointer(srv.url, "alpha", token=tokens["a"], serve_peers=False,
+                      shm_dir=tmp_path / "shm", chunk_size=4096) as ckpt:
+        ckpt.save(1, state).wait(60)
+    srv.restart()
+    with client(srv, tokens["a"]) as a, client(srv, tokens["b"]) as b:
+        plan = a.get("/v1/jobs/alpha/restore-plan", params={"rank": 0}).json()
+        ids = [c for e in plan["manifest"]["entries"] for c in e["chunks"]]
+        assert ids
+        assert a.post("/v1/chunks/missing", json={"ids": ids}).json()["missing"] == []
+        assert b.post("/v1/chunks/missing", json={"ids": ids}).json()["missing"] == ids
+        assert b.get("/v1/jobs/alpha/restore-plan", params={"rank": 0}).status_code == 403
