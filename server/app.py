@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -119,12 +120,26 @@ def _log_config(level: str) -> dict[str, Any]:
     return config
 
 
+def http_stack() -> tuple[str, str]:
+    """(HTTP parser, event loop) uvicorn runs with: httptools and uvloop when they are
+    installed (``uvicorn[standard]``), else the pure-Python h11 and asyncio, which
+    make large uploads markedly slower (bench/RESULTS.md)."""
+    found = {name: importlib.util.find_spec(name) is not None for name in ("httptools", "uvloop")}
+    return ("httptools" if found["httptools"] else "h11",
+            "uvloop" if found["uvloop"] else "asyncio")
+
+
 def run(settings: Settings) -> None:
     """Serves the application until SIGINT or SIGTERM, then shuts down gracefully:
     no new connections, requests in flight finish (up to GRACEFUL_SHUTDOWN_S), and
     the lifespan closes the store."""
+    parser, loop = http_stack()
+    app = create_app(settings)
+    app.state.http_parser = parser
     config = uvicorn.Config(
-        create_app(settings),
+        app,
+        http=parser,
+        loop=loop,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -134,5 +149,9 @@ def run(settings: Settings) -> None:
         server_header=False,
     )
     server = uvicorn.Server(config)
-    log.info("starting ckptd %s on %s:%d", __version__, settings.host, settings.port)
+    log.info("starting ckptd %s on %s:%d (HTTP parser %s, event loop %s)", __version__,
+             settings.host, settings.port, parser, loop)
+    if parser == "h11":
+        log.warning("httptools is not installed: the pure-Python h11 parser makes uploads "
+                    "slower; pip install 'uvicorn[standard]'")
     server.run()

@@ -29,6 +29,10 @@ class Health(_Body):
     status: Literal["ok"] = "ok"
     version: str
     store: str
+    http_parser: str | None = Field(
+        default=None, description="uvicorn's HTTP parser: httptools or h11 (the slower one)."
+    )
+    event_loop: str | None = Field(default=None, description="The event loop: uvloop or asyncio.")
 
 
 class MissingRequest(_Body):
