@@ -129,12 +129,12 @@ def http_stack() -> tuple[str, str]:
             "uvloop" if found["uvloop"] else "asyncio")
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, *, store: Store | None = None) -> None:
     """Serves the application until SIGINT or SIGTERM, then shuts down gracefully:
     no new connections, requests in flight finish (up to GRACEFUL_SHUTDOWN_S), and
     the lifespan closes the store."""
     parser, loop = http_stack()
-    app = create_app(settings)
+    app = create_app(settings, store=store)
     app.state.http_parser = parser
     config = uvicorn.Config(
         app,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import enum
 import logging
 import os
 import sys
@@ -70,7 +71,7 @@ def _when(ts: float | None) -> str:
 
 def _fail(exc: CkptdError) -> None:
     # Escaped: "[code]" and the message are text, not rich markup.
-    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}")
+    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -93,6 +94,13 @@ def _root(
     )
 
 
+class ReplicaMismatchMode(enum.StrEnum):
+    """What the server does when data-parallel replicas differ (its allowed values)."""
+
+    reject = "reject"
+    warn = "warn"
+
+
 @app.command()
 def serve(
     store: Annotated[
@@ -100,12 +108,14 @@ def serve(
         typer.Option(help="Store directory (or file:///path, memory://). Env CKPTD_STORE."),
     ] = None,
     host: Annotated[str | None, typer.Option(help="Address to bind. Env CKPTD_HOST.")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to bind. Env CKPTD_PORT.")] = None,
+    port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Port to bind. Env CKPTD_PORT.")
+    ] = None,
     token: Annotated[
         str | None, typer.Option(help="Require this bearer token. Env CKPTD_TOKEN.")
     ] = None,
     replica_mismatch: Annotated[
-        str | None,
+        ReplicaMismatchMode | None,
         typer.Option(help="'reject' (default) or 'warn' when data-parallel replicas differ."),
     ] = None,
     heartbeat_interval: Annotated[
@@ -131,8 +141,8 @@ def serve(
     ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
+    from ckptd.cli.mistakes import server_settings
     from ckptd.server.app import run
-    from ckptd.server.settings import Settings
 
     overrides: dict[str, Any] = {
         k: v
@@ -141,7 +151,7 @@ def serve(
             "host": host,
             "port": port,
             "token": token,
-            "replica_mismatch": replica_mismatch,
+            "replica_mismatch": replica_mismatch.value if replica_mismatch else None,
             "heartbeat_interval": heartbeat_interval,
             "dead_after": dead_after,
             "snapshot_lead": snapshot_lead,
@@ -150,14 +160,20 @@ def serve(
         }.items()
         if v is not None
     }
+    try:
+        settings, opened = server_settings(overrides)
+    except CkptdError as exc:
+        _fail(exc)
+        return
     logging.getLogger("ckptd").setLevel(logging.INFO)
-    run(Settings(**overrides))
+    run(settings, store=opened)
 
 
 def _transport(url: str, token: str | None) -> Any:
+    from ckptd.cli.mistakes import existing_store
     from ckptd.client.transport import open_transport
 
-    return open_transport(url, token=token)
+    return open_transport(existing_store(url), token=token)
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -193,6 +209,11 @@ def ls(
                 console.print(table)
             else:
                 steps = await transport.list_steps(job)
+                if not steps:
+                    from ckptd.cli.mistakes import job_not_found
+
+                    jobs = [_field(j, "job") for j in await transport.list_jobs()]
+                    raise job_not_found(job, jobs, transport.describe())
                 table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
                 for s in steps:
                     committed = _field(s, "committed")
@@ -404,11 +425,14 @@ def status(
         float | None,
         typer.Option(
             "--watch",
+            min=0,
             help="Keep refreshing for this many seconds (0: until Ctrl-C).",
             show_default=False,
         ),
     ] = None,
-    every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
+    every: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between refreshes with --watch.")
+    ] = 2.0,
 ) -> None:
     """Live rank health: state, step, last heartbeat, GPU temperature, ECC, host memory."""
     import time
@@ -420,7 +444,16 @@ def status(
         if job is not None:
             params["job"] = check_job(job)
         with _Server(url, token) as server:
-            view = status_view(server.call("GET", "/v1/overview", params=params))
+            if job is not None and watch is None:  # --watch may wait for a job to start
+                from ckptd.cli.mistakes import job_not_found
+
+                everything = server.call("GET", "/v1/overview", params={"steps": 0})
+                known = {j["job"] for j in everything["jobs"]}
+                known |= {j["job"] for j in server.call("GET", "/v1/jobs")["jobs"]}
+                if job not in known:
+                    raise job_not_found(job, sorted(known), url)
+            overview = server.call("GET", "/v1/overview", params=params)
+            view = status_view(overview)
             if watch is None:
                 console.print(view)
                 return
@@ -476,7 +509,7 @@ def rollback(
 @app.command()
 def restore(
     job: Annotated[str, typer.Option("--job", help="Job to restore.")],
-    rank: Annotated[int, typer.Option("--rank", help="Rank whose shard to fetch.")],
+    rank: Annotated[int, typer.Option("--rank", min=0, help="Rank whose shard to fetch.")],
     to: Annotated[str, typer.Option("--to", help="Local directory store to fill.")],
     step: Annotated[
         int | None, typer.Option("--step", help="Committed step (default: latest).")
@@ -530,8 +563,8 @@ def demo(
     workdir: Annotated[
         str | None, typer.Option(help="Keep the store and logs here (default: a temp dir).")
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 40,
-    nproc: Annotated[int, typer.Option(help="Ranks.")] = 2,
+    steps: Annotated[int, typer.Option(min=10, help="Training steps.")] = 40,
+    nproc: Annotated[int, typer.Option(min=2, help="Ranks.")] = 2,
 ) -> None:
     """Train a small model on 2 CPU ranks, kill one mid-run, recover, compare."""
     from ckptd.client.demo import run_demo
@@ -556,8 +589,10 @@ def progress_bar() -> Progress:
 
 
 def main() -> None:
+    from ckptd.cli.mistakes import run_app
+
     try:
-        app()
+        sys.exit(run_app(app))
     except KeyboardInterrupt:
         sys.exit(130)
 
