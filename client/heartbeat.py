@@ -29,6 +29,8 @@ import httpx
 from ckptd import knobs
 from ckptd.format import check_job, check_step
 
+from .transport import tls_verify
+
 log = logging.getLogger(__name__)
 
 HealthFn = Callable[[], dict[str, Any]]
@@ -112,7 +114,7 @@ class Heartbeat:
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.url, headers=headers,
-                                    timeout=httpx.Timeout(timeout))
+                                    timeout=httpx.Timeout(timeout), verify=tls_verify())
         self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
         self._step: int | None = None
         self._held_step: int | None = None

@@ -147,10 +147,13 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
         access_log=settings.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
     )
     server = uvicorn.Server(config)
-    log.info("starting ckptd %s on %s:%d (HTTP parser %s, event loop %s)", __version__,
-             settings.host, settings.port, parser, loop)
+    scheme = "https" if settings.tls_cert else "http"
+    log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,
+             scheme, settings.host, settings.port, parser, loop)
     if parser == "h11":
         log.warning("httptools is not installed: the pure-Python h11 parser makes uploads "
                     "slower; pip install 'uvicorn[standard]'")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -49,9 +49,19 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds a coordinated snapshot target stays pending without a commit.",
     )
+    tls_cert: str | None = Field(
+        default=None, description="PEM certificate (chain): the server speaks https://."
+    )
+    tls_key: str | None = Field(default=None, description="The certificate's PEM private key.")
     metrics_token_required: bool = Field(
         default=False, description="GET /metrics needs the token too (scrapers must send it)."
     )
+
+    @model_validator(mode="after")
+    def _tls_cert_and_key_together(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both tls_cert and tls_key (or neither)")
+        return self
 
     @field_validator("token")
     @classmethod

@@ -134,6 +134,14 @@ def serve(
         float | None,
         typer.Option(help="Seconds between accepted snapshot requests of a job (30)."),
     ] = None,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(help="Serve https:// with this PEM certificate (chain). Env CKPTD_TLS_CERT."),
+    ] = None,
+    tls_key: Annotated[
+        str | None,
+        typer.Option(help="The certificate's PEM private key. Env CKPTD_TLS_KEY."),
+    ] = None,
     access_log: Annotated[
         bool | None,
         typer.Option("--access-log/--no-access-log",
@@ -157,6 +165,8 @@ def serve(
             "snapshot_lead": snapshot_lead,
             "snapshot_min_interval": snapshot_min_interval,
             "access_log": access_log,
+            "tls_cert": tls_cert,
+            "tls_key": tls_key,
         }.items()
         if v is not None
     }
@@ -286,8 +296,11 @@ class _Server:
 
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+        from ckptd.client.transport import tls_verify
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0)
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0,
+                                  verify=tls_verify())
         self._httpx = httpx
 
     def __enter__(self) -> _Server:
@@ -300,6 +313,11 @@ class _Server:
         try:
             r = self._http.request(method, path, **kwargs)
         except self._httpx.HTTPError as exc:
+            from ckptd.client.transport import tls_trouble
+
+            trouble = tls_trouble(str(self._http.base_url), exc)
+            if trouble is not None:
+                raise trouble from None
             raise Unavailable(f"cannot reach {self._http.base_url}: {exc}") from None
         if r.status_code >= 400:
             try:

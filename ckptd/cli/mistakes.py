@@ -3,6 +3,7 @@ wrong and what is allowed, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -70,8 +71,21 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
             name = str(error["loc"][0]) if error["loc"] else "?"
             option = f"--{name.replace('_', '-')}"
             source = option if name in overrides else f"CKPTD_{name.upper()}"
+            if not error["loc"]:  # a rule over several settings
+                problems.append(error["msg"].removeprefix("Value error, ").replace("_", "-"))
+                continue
             problems.append(f"{source}: {error['msg']} (got {error.get('input')!r})")
         raise InvalidRequest("; ".join(problems)) from None
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                settings.tls_cert, settings.tls_key
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidRequest(
+                f"--tls-cert {settings.tls_cert} / --tls-key {settings.tls_key}: cannot load "
+                f"them as a PEM certificate and its key: {exc}"
+            ) from None
     return settings, open_store(settings.store)
 
 
