@@ -290,14 +290,22 @@ class Heartbeat:
             self._wake.wait(self.interval)
             self._wake.clear()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stops the thread and closes the connection. Idempotent."""
+    def stop(self, timeout: float = 5.0, *, goodbye: bool = False) -> None:
+        """Stops the thread and closes the connection. Idempotent. ``goodbye`` tells
+        the server this rank closed cleanly (it shows ``left``, not ``dead``); a
+        heartbeat stopped before without one stays silent, as a dead rank would."""
+        stopped_before = self._stop.is_set()
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
         with self._send_lock:
+            if goodbye and not stopped_before:
+                try:
+                    self._client.delete(self._path, timeout=min(2.0, timeout))
+                except httpx.HTTPError as exc:
+                    log.debug("goodbye to %s failed: %s", self.url, exc)
             self._client.close()
 
 

@@ -67,7 +67,7 @@ class _SoftStateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ranks = GaugeMetricFamily(
             "ckptd_ranks",
-            "Ranks of a job by state (alive, degraded, critical, dead), from heartbeats.",
+            "Ranks of a job by state (alive, degraded, critical, dead, left), from heartbeats.",
             labels=["job", "state"],
         )
         for job, counts in sorted(self.registry.state_counts().items()):

@@ -181,7 +181,7 @@ class HeartbeatReply(_Body):
 
 class RankStatus(_Body):
     rank: int
-    state: Literal["alive", "degraded", "critical", "dead"]
+    state: Literal["alive", "degraded", "critical", "dead", "left"]
     step: int | None
     held_step: int | None
     peer_url: str | None

@@ -333,6 +333,7 @@ _STATE_STYLE = {
     "degraded": "yellow",
     "critical": "bold dark_orange",
     "dead": "bold red",
+    "left": "dim",
 }
 # Probe signals shown in columns (docs/API.md), one reading per instance as
 # name[instance]: the hottest GPU, the sum of uncorrected ECC errors, host memory.

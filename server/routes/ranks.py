@@ -102,6 +102,17 @@ async def heartbeat(
     )
 
 
+@router.delete(
+    "/{job}/ranks/{rank}/heartbeat",
+    status_code=204,
+    response_class=Response,
+    summary="A rank says goodbye: it closed cleanly, so it shows as left, not dead",
+)
+async def goodbye(job: JobDep, rank: RankDep, registry: RegistryDep) -> Response:
+    registry.goodbye(job, rank)
+    return Response(status_code=204)
+
+
 @router.get(
     "/{job}/ranks",
     response_model=RankList,
