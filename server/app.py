@@ -58,6 +58,10 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         lifespan=lifespan,
         # One schema per model: the manifest PUT refers to RankManifest by name.
         separate_input_output_schemas=False,
+        # Swagger UI and ReDoc load their assets from a CDN, so they fail offline:
+        # /docs points to docs/API.md and /openapi.json instead (routes/health.py).
+        docs_url=None,
+        redoc_url=None,
     )
     settings = settings if settings is not None else Settings()
     app.state.settings = settings

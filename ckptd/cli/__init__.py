@@ -25,6 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ckptd import __version__
+from ckptd.cli.help import HelpGroup
 from ckptd.errors import CkptdError, InvalidRequest, Unavailable, from_json
 from ckptd.format import check_job
 
@@ -34,6 +35,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: flags without a <bool> placeholder, nothing cut at 80 columns.
+    rich_markup_mode=None,
+    cls=HelpGroup,
 )
 console = Console()
 err_console = Console(stderr=True)
@@ -84,7 +88,9 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version_callback, is_eager=True)
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True,
+                     help="Print the version and exit."),
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -92,6 +98,11 @@ def _root(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+# What serve's options default to (server.settings.Settings, not imported here: the
+# CLI loads the server only to serve); tests check that the two agree.
+SERVE_DEFAULTS = {"store": "./ckptd-store", "host": "127.0.0.1", "port": "8470"}
 
 
 class ReplicaMismatchMode(enum.StrEnum):
@@ -105,11 +116,17 @@ class ReplicaMismatchMode(enum.StrEnum):
 def serve(
     store: Annotated[
         str | None,
-        typer.Option(help="Store directory (or file:///path, memory://). Env CKPTD_STORE."),
+        typer.Option(help="Store directory (or file:///path, memory://, s3://bucket/prefix). "
+                     f"Env CKPTD_STORE.  [default: {SERVE_DEFAULTS['store']}]"),
     ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind. Env CKPTD_HOST.")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(help=f"Address to bind. Env CKPTD_HOST.  [default: {SERVE_DEFAULTS['host']}]"),
+    ] = None,
     port: Annotated[
-        int | None, typer.Option(min=0, max=65535, help="Port to bind. Env CKPTD_PORT.")
+        int | None,
+        typer.Option(min=0, max=65535,
+                     help=f"Port to bind. Env CKPTD_PORT.  [default: {SERVE_DEFAULTS['port']}]"),
     ] = None,
     token: Annotated[
         str | None, typer.Option(help="Require this bearer token. Env CKPTD_TOKEN.")
@@ -376,13 +393,39 @@ def _number(value: Any, fmt: str, unit: str = "") -> str:
     return str(value)
 
 
-def status_view(overview: dict[str, Any]) -> Any:
-    """Rich renderables of ``GET /v1/overview``: per job a table of its ranks."""
-    from rich.console import Group
-    from rich.text import Text
+_COLUMNS = ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC", "host mem", "rtt")
+# Narrow terminals: shorter names; signal columns without a reading are dropped,
+# and the reasons go under the table (wrapped, never cut).
+_COMPACT = dict(zip(_COLUMNS, ("rank", "state", "step", "held", "beat", "GPU", "ECC", "mem",
+                               "rtt"), strict=True))
+
+
+def status_view(overview: dict[str, Any], width: int | None = None) -> Any:
+    """Rich renderables of ``GET /v1/overview``: per job a table of its ranks, fit
+    to ``width`` columns when given."""
+    from rich.console import Console, Group
 
     parts: list[Any] = []
     for job in overview["jobs"]:
+        table, notes = _job_table(job, compact=False)
+        if width is not None and Console(width=10_000).measure(table).maximum > width:
+            table, notes = _job_table(job, compact=True)
+        parts.append(table)
+        parts.extend(notes)
+    if not parts:
+        from rich.text import Text
+
+        parts.append(Text("no jobs", style="dim"))
+    return Group(*parts)
+
+
+def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
+    """One job's table of ranks, and the lines under it."""
+    from rich import box
+    from rich.text import Text
+
+    parts: list[Any] = []
+    if True:  # (one job)
         latest = job["latest"] if job["latest"] is not None else "none"
         title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
         if job["snapshot_at"] is not None:
@@ -391,11 +434,10 @@ def status_view(overview: dict[str, Any]) -> Any:
         if job["rollback_to"] is not None:
             title += f"  [bold red]rollback to {job['rollback_to']}[/]"
         table = Table(title=title, title_justify="left", expand=False)
-        for name in ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC",
-                     "host mem", "rtt"):
-            table.add_column(name, no_wrap=True,
-                             justify="left" if name == "state" else "right")
-        table.add_column("reasons", overflow="fold", min_width=12)
+        if compact:
+            table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
+        rows: list[list[Any]] = []
+        notes: list[Any] = []
         for r in job["ranks"]:
             health = r.get("health") or {}
             temp = _signal(health, _TEMP)
@@ -404,7 +446,9 @@ def status_view(overview: dict[str, Any]) -> Any:
             if r["state"] == "dead" and not reasons:
                 reasons = "no heartbeat"
             style = _STATE_STYLE.get(r["state"], "")
-            table.add_row(
+            if compact and reasons:
+                notes.append(Text(f"  rank {r['rank']}: {reasons}"))  # as sent: no markup
+            rows.append([
                 str(r["rank"]),
                 f"[{style}]{r['state']}[/]",
                 _number(r["step"], "d"),
@@ -417,10 +461,22 @@ def status_view(overview: dict[str, Any]) -> Any:
                 _number(_signal(health, _MEM), ".0f", " %"),
                 _number(r["rtt_ms"], ".1f", " ms"),
                 Text(reasons),  # as sent: no markup
-            )
+            ])
+        shown = [
+            i for i, name in enumerate(_COLUMNS)
+            if not compact or i < 5 or any("-[/]" not in row[i] and row[i] != "-" for row in rows)
+        ]
+        for i in shown:
+            name = _COLUMNS[i]
+            table.add_column(_COMPACT[name] if compact else name, no_wrap=True,
+                             justify="left" if name == "state" else "right")
+        if not compact:
+            table.add_column("reasons", overflow="fold", min_width=12)
+        for row in rows:
+            table.add_row(*[row[i] for i in shown], *([] if compact else [row[-1]]))
         if not job["ranks"]:
             table.caption = "no heartbeats from this job's ranks"
-        parts.append(table)
+        parts.extend(notes)
         for e in job["events"][-5:]:
             line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
             if e["step"] is not None:
@@ -430,9 +486,7 @@ def status_view(overview: dict[str, Any]) -> Any:
             if e["reason"]:
                 line.append(f": {e['reason']}", style="dim")
             parts.append(line)
-    if not parts:
-        parts.append(Text("no jobs", style="dim"))
-    return Group(*parts)
+    return table, parts
 
 
 @app.command()
@@ -472,7 +526,7 @@ def status(
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
             overview = server.call("GET", "/v1/overview", params=params)
-            view = status_view(overview)
+            view = status_view(overview, console.width)
             if watch is None:
                 console.print(view)
                 return
@@ -481,7 +535,10 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.call("GET", "/v1/overview", params=params)))
+                    live.update(status_view(server.call("GET", "/v1/overview", params=params),
+                                            console.width))
+            if not console.is_terminal:
+                console.line()  # a terminal's Live ends its line; a pipe's does not
     except CkptdError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -558,7 +615,8 @@ def restore(
         console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
 
 
-policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True)
+policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True,
+                         rich_markup_mode=None, cls=HelpGroup)
 app.add_typer(policy_app, name="policy")
 
 
