@@ -116,7 +116,7 @@ class HealthAgent:
         self.url = url.rstrip("/")
         self.job = check_job(job)
         self.world_size = int(world_size)
-        self.rank = check_rank(rank, self.world_size)
+        self.rank = check_rank(rank, self.world_size, job=self.job)
         self.timeout = float(timeout)
         if policy is None:
             policy = default_policy()

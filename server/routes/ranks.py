@@ -76,7 +76,7 @@ async def heartbeat(
     metrics: MetricsDep,
     settings: SettingsDep,
 ) -> HeartbeatReply:
-    check_rank(rank, body.world_size)
+    check_rank(rank, body.world_size, job=job)
     registry.heartbeat(
         job,
         rank,
