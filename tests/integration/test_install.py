@@ -257,6 +257,9 @@ def test_installed_wheel_serves_save_restore_verify(
     image: Image, served: tuple[str, dict[str, str], Path], tmp_path: Path
 ) -> None:
     url, env, cwd = served
+    # The declared dependencies bring the fast HTTP stack (uvicorn[standard]).
+    health = httpx.get(f"{url}/healthz", timeout=5).json()
+    assert (health["http_parser"], health["event_loop"]) == ("httptools", "uvloop"), health
     shm = tmp_path / "shm"
     shm.mkdir()
     script = SAVE_RESTORE.format(repo=str(REPO))
