@@ -596,11 +596,12 @@ def restore(
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
+    from ckptd.cli.mistakes import existing_store
     from ckptd.client.restore import restore_command
 
     try:
         result = restore_command(
-            url, job, rank, to, step=step, token=token, peers=peers, console=console
+            existing_store(url), job, rank, to, step=step, token=token, peers=peers, console=console
         )
     except CkptdError as exc:
         _fail(exc)

@@ -110,7 +110,8 @@ def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) ->
 # -- reading commands never create a store; an unknown job is an error -------------------
 
 
-@pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"]])
+@pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"],
+                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"]])
 def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Path) -> None:
     where = tmp_path / "no" / "store"
     done = ckptd(*command, "--url", f"file://{where}")
