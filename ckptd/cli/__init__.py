@@ -425,67 +425,66 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
     from rich.text import Text
 
     parts: list[Any] = []
-    if True:  # (one job)
-        latest = job["latest"] if job["latest"] is not None else "none"
-        title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
-        if job["snapshot_at"] is not None:
-            reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
-            title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
-        if job["rollback_to"] is not None:
-            title += f"  [bold red]rollback to {job['rollback_to']}[/]"
-        table = Table(title=title, title_justify="left", expand=False)
-        if compact:
-            table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
-        rows: list[list[Any]] = []
-        notes: list[Any] = []
-        for r in job["ranks"]:
-            health = r.get("health") or {}
-            temp = _signal(health, _TEMP)
-            ecc = _signal(health, _ECC)
-            reasons = "; ".join(health.get("reasons") or [])
-            if r["state"] == "dead" and not reasons:
-                reasons = "no heartbeat"
-            style = _STATE_STYLE.get(r["state"], "")
-            if compact and reasons:
-                notes.append(Text(f"  rank {r['rank']}: {reasons}"))  # as sent: no markup
-            rows.append([
-                str(r["rank"]),
-                f"[{style}]{r['state']}[/]",
-                _number(r["step"], "d"),
-                _number(r["held_step"], "d"),
-                _age(r["age_s"]),
-                ("[yellow]" if isinstance(temp, int | float) and temp >= 85 else "[default]")
-                + _number(temp, ".0f", " °C") + "[/]",
-                ("[red]" if isinstance(ecc, int | float) and ecc > 0 else "[default]")
-                + _number(ecc, "g") + "[/]",
-                _number(_signal(health, _MEM), ".0f", " %"),
-                _number(r["rtt_ms"], ".1f", " ms"),
-                Text(reasons),  # as sent: no markup
-            ])
-        shown = [
-            i for i, name in enumerate(_COLUMNS)
-            if not compact or i < 5 or any("-[/]" not in row[i] and row[i] != "-" for row in rows)
-        ]
-        for i in shown:
-            name = _COLUMNS[i]
-            table.add_column(_COMPACT[name] if compact else name, no_wrap=True,
-                             justify="left" if name == "state" else "right")
-        if not compact:
-            table.add_column("reasons", overflow="fold", min_width=12)
-        for row in rows:
-            table.add_row(*[row[i] for i in shown], *([] if compact else [row[-1]]))
-        if not job["ranks"]:
-            table.caption = "no heartbeats from this job's ranks"
-        parts.extend(notes)
-        for e in job["events"][-5:]:
-            line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
-            if e["step"] is not None:
-                line.append(f" step {e['step']}", style="dim")
-            if e["rank"] is not None:
-                line.append(f" rank {e['rank']}", style="dim")
-            if e["reason"]:
-                line.append(f": {e['reason']}", style="dim")
-            parts.append(line)
+    latest = job["latest"] if job["latest"] is not None else "none"
+    title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
+    if job["snapshot_at"] is not None:
+        reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
+        title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
+    if job["rollback_to"] is not None:
+        title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+    table = Table(title=title, title_justify="left", expand=False)
+    if compact:
+        table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
+    rows: list[list[Any]] = []
+    notes: list[Any] = []
+    for r in job["ranks"]:
+        health = r.get("health") or {}
+        temp = _signal(health, _TEMP)
+        ecc = _signal(health, _ECC)
+        reasons = "; ".join(health.get("reasons") or [])
+        if r["state"] == "dead" and not reasons:
+            reasons = "no heartbeat"
+        style = _STATE_STYLE.get(r["state"], "")
+        if compact and reasons:
+            notes.append(Text(f"  rank {r['rank']}: {reasons}"))  # as sent: no markup
+        rows.append([
+            str(r["rank"]),
+            f"[{style}]{r['state']}[/]",
+            _number(r["step"], "d"),
+            _number(r["held_step"], "d"),
+            _age(r["age_s"]),
+            ("[yellow]" if isinstance(temp, int | float) and temp >= 85 else "[default]")
+            + _number(temp, ".0f", " °C") + "[/]",
+            ("[red]" if isinstance(ecc, int | float) and ecc > 0 else "[default]")
+            + _number(ecc, "g") + "[/]",
+            _number(_signal(health, _MEM), ".0f", " %"),
+            _number(r["rtt_ms"], ".1f", " ms"),
+            Text(reasons),  # as sent: no markup
+        ])
+    shown = [
+        i for i, name in enumerate(_COLUMNS)
+        if not compact or i < 5 or any("-[/]" not in row[i] and row[i] != "-" for row in rows)
+    ]
+    for i in shown:
+        name = _COLUMNS[i]
+        table.add_column(_COMPACT[name] if compact else name, no_wrap=True,
+                         justify="left" if name == "state" else "right")
+    if not compact:
+        table.add_column("reasons", overflow="fold", min_width=12)
+    for row in rows:
+        table.add_row(*[row[i] for i in shown], *([] if compact else [row[-1]]))
+    if not job["ranks"]:
+        table.caption = "no heartbeats from this job's ranks"
+    parts.extend(notes)
+    for e in job["events"][-5:]:
+        line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
+        if e["step"] is not None:
+            line.append(f" step {e['step']}", style="dim")
+        if e["rank"] is not None:
+            line.append(f" rank {e['rank']}", style="dim")
+        if e["reason"]:
+            line.append(f": {e['reason']}", style="dim")
+        parts.append(line)
     return table, parts
 
 
