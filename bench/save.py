@@ -353,6 +353,19 @@ def smoke(systems: list[System], work: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+# --systems: name prefixes of the systems to run (empty: all).
+ONLY: list[str] = []
+
+
+def chosen(systems: list[System]) -> list[System]:
+    """The systems ``--systems`` names, plus torch.save and dcp.save (the peers every
+    ratio is taken against, measured in the same run)."""
+    if not ONLY:
+        return systems
+    keep = (*ONLY, TorchSave.name, DcpSave.name)
+    return [s for s in systems if s.name.startswith(keep)]
+
+
 def bench_stall(nbytes: int, rounds: int, work: Path, server: Server | None, ckptd: bool) -> None:
     label = size_label(nbytes)
     print(f"\n== stall and time to committed, {label} state, {rounds} rounds", flush=True)
@@ -368,6 +381,7 @@ def bench_stall(nbytes: int, rounds: int, work: Path, server: Server | None, ckp
         if server is not None:
             systems.append(Ckptd(lambda _w: server.url, "http:// (server)", f"http-{tag}"))
         systems.append(Ckptd(lambda _w: f"file://{store}", "file://", f"file-{tag}"))
+    systems = chosen(systems)
 
     # The copy floor is timed right before every other system's timed save, and each
     # stall is divided by the copy next to it: other processes on this machine's two
@@ -836,7 +850,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="scratch directory parent: every system writes to this one disk "
                          "(default: the system temp dir)")
     ap.add_argument("--markdown", default=None, help="also write the tables here, as markdown")
+    ap.add_argument("--systems", default=None,
+                    help="stall section: only systems whose name starts with one of these "
+                         "(comma-separated); torch.save and dcp.save, the ratios' peers, stay")
     args = ap.parse_args(argv)
+    if args.systems:
+        ONLY[:] = [p.strip() for p in args.systems.split(",") if p.strip()]
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     rounds = args.rounds
@@ -867,7 +886,7 @@ def main(argv: list[str] | None = None) -> None:
                         systems.append(Ckptd(lambda _w: server.url, "http", f"smoke-{RUN}"))
                         systems.append(Ckptd(lambda _w: f"file://{work / 'smoke-store'}", "file",
                                              f"smoke-{RUN}"))
-                    smoke(systems, work)
+                    smoke(chosen(systems), work)
                     for nbytes in sizes:
                         bench_stall(nbytes, rounds, work, server, ckptd)
                 if "incremental" in sections and ckptd:

@@ -60,10 +60,15 @@ def check_step(step: int) -> int:
     return step
 
 
-def check_rank(rank: int, world_size: int) -> int:
+def check_rank(rank: int, world_size: int, *, job: str | None = None) -> int:
     check_world_size(world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidName(f"rank {rank!r} must be in [0, {world_size})")
+        of_job = f" of job {job!r}" if job is not None else ""
+        raise InvalidName(
+            f"rank {rank!r}{of_job} must be in [0, {world_size}): the world size is "
+            f"{world_size}, so ranks are 0 to {world_size - 1} (check rank= and world_size=)",
+            rank=rank, world_size=world_size, **({"job": job} if job is not None else {}),
+        )
     return rank
 
 
@@ -214,7 +219,7 @@ class RankManifest(_Document):
         """Checks what one manifest can say about itself (not across ranks)."""
         check_job(self.job)
         check_step(self.step)
-        check_rank(self.rank, self.world_size)
+        check_rank(self.rank, self.world_size, job=self.job)
         manifest_epoch(self)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidDocument(

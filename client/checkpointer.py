@@ -242,7 +242,7 @@ class Checkpointer:
         self.url = url
         self.job = check_job(job)
         self.world_size = world_size
-        self.rank = check_rank(rank, world_size)
+        self.rank = check_rank(rank, world_size, job=self.job)
         self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequest(

@@ -3,6 +3,7 @@ loses a rank and recovers, and a bitwise comparison with an undisturbed run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,8 @@ def _start_server(store: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]
 
 
 def _torchrun(
-    url: str, job: str, steps: int, nproc: int, events: Path, log: Path, kill: bool
+    url: str, job: str, steps: int, nproc: int, events: Path, log: Path, kill: bool,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -63,9 +66,56 @@ def _torchrun(
     if kill:
         args += ["--kill-rank", str(nproc - 1), "--kill-at", str(steps // 2 - 3)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    offset = events.stat().st_size if events.exists() else 0
+    deadline = time.monotonic() + 600
     with open(log, "ab") as out:
-        done = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600)
-    return done.returncode
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            # While it trains, say what the ranks did (events they append), so a
+            # minute of training is not a minute of silence.
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                offset = _new_events(events, offset, on_event)
+                if rc is not None:
+                    return rc
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(args, 600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=15)
+
+
+def _new_events(
+    events: Path, offset: int, on_event: Callable[[dict[str, Any]], None] | None
+) -> int:
+    """Calls ``on_event`` for each whole line appended since ``offset``; the new offset."""
+    if on_event is None or not events.exists():
+        return offset
+    with open(events, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        with contextlib.suppress(ValueError):
+            on_event(json.loads(line))
+    return offset + end
+
+
+def _say(console: Console, event: dict[str, Any], steps: int) -> None:
+    """One line per thing the ranks did while training: rank 0's saves, a kill, a restore."""
+    kind = event.get("kind")
+    if kind == "saved" and event.get("rank") == 0:
+        console.print(f"   step {event['step']}/{steps} trained, checkpoint saved "
+                      f"(loss {event.get('loss', float('nan')):.4f})")
+    elif kind == "killed":
+        console.print(f"   rank {event['rank']} killed at step {event['step']}; torchrun restarts "
+                      "the workers")
+    elif kind == "restored" and event.get("rank") == 0:
+        console.print(f"   workers restarted, restoring step {event['step']} from ckptd")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -111,7 +161,8 @@ def run_demo(
         console.print(f"server on {url}, store {store}")
         console.print(f"1. reference run: {nproc} ranks, {steps} steps, no failure")
         t0 = time.monotonic()
-        rc = _torchrun(url, "reference", steps, nproc, events, logs / "reference.log", kill=False)
+        rc = _torchrun(url, "reference", steps, nproc, events, logs / "reference.log", kill=False,
+                       on_event=lambda e: _say(console, e, steps))
         if rc != 0:
             console.print(f"[red]reference run failed[/] (exit {rc}); see {logs / 'reference.log'}")
             return False
@@ -122,7 +173,8 @@ def run_demo(
             "(or later, once a checkpoint has committed)"
         )
         t0 = time.monotonic()
-        rc = _torchrun(url, "faulty", steps, nproc, events, logs / "faulty.log", kill=True)
+        rc = _torchrun(url, "faulty", steps, nproc, events, logs / "faulty.log", kill=True,
+                       on_event=lambda e: _say(console, e, steps))
         if rc != 0:
             console.print(f"[red]faulty run failed[/] (exit {rc}); see {logs / 'faulty.log'}")
             return False

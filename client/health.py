@@ -60,6 +60,7 @@ from .probe import (
     RttSource,
     default_sources,
 )
+from .transport import tls_verify
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class HealthAgent:
         self.url = url.rstrip("/")
         self.job = check_job(job)
         self.world_size = int(world_size)
-        self.rank = check_rank(rank, self.world_size)
+        self.rank = check_rank(rank, self.world_size, job=self.job)
         self.timeout = float(timeout)
         if policy is None:
             policy = default_policy()
@@ -165,7 +166,7 @@ class HealthAgent:
         if self.coordinated:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._client = httpx.Client(base_url=self.url, headers=headers,
-                                        timeout=httpx.Timeout(self.timeout))
+                                        timeout=httpx.Timeout(self.timeout), verify=tls_verify())
             if heartbeat is None:
                 heartbeat = Heartbeat(self.url, self.job, self.rank, self.world_size, token,
                                       interval=heartbeat_interval)

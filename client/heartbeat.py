@@ -29,6 +29,8 @@ import httpx
 from ckptd import knobs
 from ckptd.format import check_job, check_step
 
+from .transport import tls_verify
+
 log = logging.getLogger(__name__)
 
 HealthFn = Callable[[], dict[str, Any]]
@@ -123,7 +125,7 @@ class Heartbeat:
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.url, headers=headers,
-                                    timeout=httpx.Timeout(timeout))
+                                    timeout=httpx.Timeout(timeout), verify=tls_verify())
         self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
         self._step: int | None = None
         self._held_step: int | None = None
@@ -309,14 +311,22 @@ class Heartbeat:
             self._wake.wait(self.interval)
             self._wake.clear()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stops the thread and closes the connection. Idempotent."""
+    def stop(self, timeout: float = 5.0, *, goodbye: bool = False) -> None:
+        """Stops the thread and closes the connection. Idempotent. ``goodbye`` tells
+        the server this rank closed cleanly (it shows ``left``, not ``dead``); a
+        heartbeat stopped before without one stays silent, as a dead rank would."""
+        stopped_before = self._stop.is_set()
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
         with self._send_lock:
+            if goodbye and not stopped_before:
+                try:
+                    self._client.delete(self._path, timeout=min(2.0, timeout))
+                except httpx.HTTPError as exc:
+                    log.debug("goodbye to %s failed: %s", self.url, exc)
             self._client.close()
 
 

@@ -32,6 +32,7 @@ Client
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hmac
 import http.client
@@ -43,6 +44,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -618,6 +620,9 @@ class PeerService:
     def start(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.start()
+            # A process that ends without close() still leaves cleanly (a killed one
+            # cannot, and shows dead): the hook holds no reference to this service.
+            atexit.register(_goodbye_at_exit, weakref.ref(self))
 
     def note_step(self, step: int) -> None:
         if self.heartbeat is not None:
@@ -687,7 +692,7 @@ class PeerService:
 
     def close(self) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.stop()
+            self.heartbeat.stop(goodbye=True)
         if self.server is not None:
             self.server.close()
         with self._lock:
@@ -695,6 +700,12 @@ class PeerService:
         if old is not None:
             with contextlib.suppress(Exception):
                 old.close()
+
+
+def _goodbye_at_exit(ref: weakref.ref[PeerService]) -> None:
+    service = ref()
+    if service is not None and service.heartbeat is not None:
+        service.heartbeat.stop(timeout=1.0, goodbye=True)
 
 
 __all__ = [

@@ -1375,7 +1375,7 @@ async def _prefetch(
     target = Repository(LocalStore(root, fsync=False))
     try:
         plan = await load_plan(transport, job, rank, step, with_peers=peers)
-        check_rank(rank, plan.world_size)
+        check_rank(rank, plan.world_size, job=job)
         manifest = plan.manifest
         sizes: dict[str, int] = {}
         for e in manifest.entries:

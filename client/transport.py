@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
+import ssl
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -48,6 +51,7 @@ __all__ = [
     "Transport",
     "open_transport",
     "read_step",
+    "tls_verify",
 ]
 
 
@@ -193,6 +197,7 @@ class HttpTransport(Transport):
         backoff: float | None = None,
         concurrency: int | None = None,
         job: str | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = knobs.retries() if retries is None else retries
@@ -208,6 +213,7 @@ class HttpTransport(Transport):
             headers=headers,
             timeout=httpx.Timeout(self.timeout),
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            verify=tls_verify(ca_bundle),
         )
 
     async def _request(
@@ -237,6 +243,9 @@ class HttpTransport(Transport):
                 log.debug("%s %s timed out (attempt %d/%d)", method, path, attempt + 1, attempts)
                 continue
             except httpx.TransportError as exc:
+                trouble = await asyncio.to_thread(tls_trouble, self.url, exc)
+                if trouble is not None:  # retrying cannot help a TLS mismatch
+                    raise trouble from None
                 last = exc
                 log.debug("%s %s failed: %s (attempt %d/%d)", method, path, exc, attempt + 1,
                           attempts)
@@ -450,15 +459,70 @@ def _parse_record(doc: Any) -> CommitRecord:
         raise InvalidDocument(f"the server sent a commit record that is not JSON: {exc}") from None
 
 
-def open_transport(url: str, token: str | None = None, job: str | None = None) -> Transport:
+# A PEM file of the CA(s) that signed an https:// server's certificate.
+CA_BUNDLE_ENV = "CKPTD_CA_BUNDLE"
+
+
+def tls_verify(ca_bundle: str | None = None) -> ssl.SSLContext | bool:
+    """What an https:// server's certificate is checked against: ``ca_bundle``,
+    else ``CKPTD_CA_BUNDLE``, else the default trust store (``True``)."""
+    path = ca_bundle or os.environ.get(CA_BUNDLE_ENV) or None
+    if path is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"CA bundle {path} ({CA_BUNDLE_ENV}) cannot be read: {exc}") from None
+
+
+def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:
+    """The error that says what to do when an https:// connection failed for a TLS
+    reason (a plain-HTTP server, an untrusted certificate); None for any other
+    failure. Blocking: it may try one plain-HTTP request to tell them apart."""
+    parsed = urlparse(url)
+    if parsed.scheme != "https" or parsed.hostname is None:
+        return None
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    host, port = parsed.hostname, parsed.port or 443
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return InvalidRequest(
+            f"{url}: the server's certificate is not trusted ({cause.verify_message}); give "
+            f"the CA that signed it: {CA_BUNDLE_ENV}=/path/ca.pem (or ca_bundle=)"
+        )
+    if _speaks_plain_http(host, port):
+        return InvalidRequest(
+            f"{host}:{port} speaks plain HTTP, not TLS: use http://{host}:{port}, or put TLS "
+            "in front of it (ckptd serve --tls-cert FILE --tls-key FILE, or a TLS-terminating "
+            "reverse proxy; README, 'TLS')"
+        )
+    return None
+
+
+def _speaks_plain_http(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as sock:
+            sock.sendall(b"HEAD /healthz HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+            return sock.recv(5) == b"HTTP/"
+    except OSError:
+        return False
+
+
+def open_transport(
+    url: str, token: str | None = None, job: str | None = None, *, ca_bundle: str | None = None
+) -> Transport:
     """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
     (a local directory store, used in process). ``job``: the job its chunk calls act
-    for (a scoped token's server needs it)."""
+    for (a scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that
+    signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``)."""
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         if not parsed.netloc:
             raise InvalidRequest(f"URL {url!r} names no host")
-        return HttpTransport(url, token, job=job)
+        return HttpTransport(url, token, job=job, ca_bundle=ca_bundle)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise InvalidRequest(f"file URL {url!r} must name a local path (file:///path)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -61,6 +62,10 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         lifespan=lifespan,
         # One schema per model: the manifest PUT refers to RankManifest by name.
         separate_input_output_schemas=False,
+        # Swagger UI and ReDoc load their assets from a CDN, so they fail offline:
+        # /docs points to docs/API.md and /openapi.json instead (routes/health.py).
+        docs_url=None,
+        redoc_url=None,
     )
     settings = settings if settings is not None else Settings()
     app.state.settings = settings
@@ -129,12 +134,26 @@ def _log_config(level: str) -> dict[str, Any]:
     return config
 
 
-def run(settings: Settings) -> None:
+def http_stack() -> tuple[str, str]:
+    """(HTTP parser, event loop) uvicorn runs with: httptools and uvloop when they are
+    installed (``uvicorn[standard]``), else the pure-Python h11 and asyncio, which
+    make large uploads markedly slower (bench/RESULTS.md)."""
+    found = {name: importlib.util.find_spec(name) is not None for name in ("httptools", "uvloop")}
+    return ("httptools" if found["httptools"] else "h11",
+            "uvloop" if found["uvloop"] else "asyncio")
+
+
+def run(settings: Settings, *, store: Store | None = None) -> None:
     """Serves the application until SIGINT or SIGTERM, then shuts down gracefully:
     no new connections, requests in flight finish (up to GRACEFUL_SHUTDOWN_S), and
     the lifespan closes the store."""
+    parser, loop = http_stack()
+    app = create_app(settings, store=store)
+    app.state.http_parser = parser
     config = uvicorn.Config(
-        create_app(settings),
+        app,
+        http=parser,
+        loop=loop,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -142,7 +161,14 @@ def run(settings: Settings) -> None:
         access_log=settings.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
     )
     server = uvicorn.Server(config)
-    log.info("starting ckptd %s on %s:%d", __version__, settings.host, settings.port)
+    scheme = "https" if settings.tls_cert else "http"
+    log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,
+             scheme, settings.host, settings.port, parser, loop)
+    if parser == "h11":
+        log.warning("httptools is not installed: the pure-Python h11 parser makes uploads "
+                    "slower; pip install 'uvicorn[standard]'")
     server.run()

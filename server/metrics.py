@@ -72,7 +72,7 @@ class _SoftStateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ranks = GaugeMetricFamily(
             "ckptd_ranks",
-            "Ranks of a job by state (alive, degraded, critical, dead), from heartbeats.",
+            "Ranks of a job by state (alive, degraded, critical, dead, left), from heartbeats.",
             labels=["job", "state"],
         )
         shown = self.shown

@@ -32,6 +32,10 @@ class Health(_Body):
     status: Literal["ok", "not ok"] = "ok"
     version: str
     store: str | None = Field(default=None, description="Details: only with a token.")
+    http_parser: str | None = Field(
+        default=None, description="uvicorn's HTTP parser: httptools or h11 (the slower one)."
+    )
+    event_loop: str | None = Field(default=None, description="The event loop: uvloop or asyncio.")
 
 
 class MissingRequest(_Body):
@@ -188,7 +192,7 @@ class HeartbeatReply(_Body):
 
 class RankStatus(_Body):
     rank: int
-    state: Literal["alive", "degraded", "critical", "dead"]
+    state: Literal["alive", "degraded", "critical", "dead", "left"]
     step: int | None
     held_step: int | None
     peer_url: str | None

@@ -26,12 +26,15 @@ from ckptd.repository import Repository
 
 log = logging.getLogger(__name__)
 
-RankState = Literal["alive", "degraded", "critical", "dead"]
+# "left": the rank said goodbye (it closed cleanly); "dead": it went silent.
+RankState = Literal["alive", "degraded", "critical", "dead", "left"]
 HealthState = Literal["ok", "degraded", "critical"]
 
 _FROM_HEALTH: dict[str, RankState] = {"ok": "alive", "degraded": "degraded", "critical": "critical"}
 # Listing order of peers in a restore plan: the healthiest first.
-_PREFERENCE: dict[RankState, int] = {"alive": 0, "degraded": 1, "critical": 2, "dead": 3}
+_PREFERENCE: dict[RankState, int] = {
+    "alive": 0, "degraded": 1, "critical": 2, "dead": 3, "left": 4,
+}
 
 EVENTS_PER_JOB = 200
 
@@ -59,6 +62,7 @@ class Heartbeat:
     rtt_ms: float | None
     seen: float  # registry clock (monotonic)
     seen_wall: float  # unix time
+    left: bool = False  # said goodbye: closed cleanly, not dead
 
     @property
     def health_state(self) -> str:
@@ -215,7 +219,26 @@ class Registry:
             )
             j.touched = now
 
+    def goodbye(self, job: str, rank: int, *, step: int | None = None) -> bool:
+        """The rank closed cleanly: it shows as ``left`` (never ``dead``) until it
+        beats again. False when this server never heard of it."""
+        with self._lock:
+            j = self._jobs.get(job)
+            beat = j.ranks.get(rank) if j is not None else None
+            if j is None or beat is None:
+                return False
+            if not beat.left:
+                beat.left = True
+                j.dead.discard(rank)
+                j.events.append(Event(self._wall(), "rank_left", rank=rank,
+                                      step=beat.step if step is None else step,
+                                      reason="closed"))
+            j.touched = self._clock()
+            return True
+
     def _state(self, now: float, beat: Heartbeat) -> RankState:
+        if beat.left:
+            return "left"
         return rank_state(
             now, beat.seen, beat.health_state, interval=self.interval, dead_after=self.dead_after
         )
@@ -268,7 +291,9 @@ class Registry:
         counts: dict[str, dict[RankState, int]] = {}
         with self._lock:
             for name, j in self._jobs.items():
-                c: dict[RankState, int] = {"alive": 0, "degraded": 0, "critical": 0, "dead": 0}
+                c: dict[RankState, int] = {
+                    "alive": 0, "degraded": 0, "critical": 0, "dead": 0, "left": 0,
+                }
                 for beat in j.ranks.values():
                     state = self._state(now, beat)
                     self._note_death(j, beat, state)
@@ -291,7 +316,7 @@ class Registry:
                 if beat.rank == exclude or beat.held_step != step or not beat.peer_url:
                     continue
                 state = self._state(now, beat)
-                if state == "dead":
+                if state in ("dead", "left"):
                     continue
                 found.append(
                     (_PREFERENCE[state], (beat.rank - exclude) % world, beat.rank, beat.peer_url)
@@ -320,7 +345,7 @@ class Registry:
             last = j.last_target
             if last is not None and now - last.set_at < self.snapshot_min_interval:
                 return SnapshotDecision(last.step, last.reason, accepted=False)
-            live = [b for b in j.ranks.values() if self._state(now, b) != "dead"]
+            live = [b for b in j.ranks.values() if self._state(now, b) not in ("dead", "left")]
             steps = [b.step for b in live if b.step is not None]
             base = max(steps) if steps else (latest if latest is not None else 0)
             if latest is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -50,6 +50,10 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds a coordinated snapshot target stays pending without a commit.",
     )
+    tls_cert: str | None = Field(
+        default=None, description="PEM certificate (chain): the server speaks https://."
+    )
+    tls_key: str | None = Field(default=None, description="The certificate's PEM private key.")
     metrics_token_required: bool = Field(
         default=False, description="GET /metrics needs the token too (scrapers must send it)."
     )
@@ -68,6 +72,12 @@ class Settings(BaseSettings):
         "default: only the heartbeat's own source address. 'any': every URL (names too), for "
         "a network where every host is trusted.",
     )
+
+    @model_validator(mode="after")
+    def _tls_cert_and_key_together(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both tls_cert and tls_key (or neither)")
+        return self
 
     @field_validator("token", "tokens_file", "peer_secret", "peer_networks")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import enum
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ckptd import __version__
+from ckptd.cli.help import HelpGroup
 from ckptd.errors import CkptdError, InvalidRequest, Unavailable, from_json
 from ckptd.format import check_job
 
@@ -33,6 +35,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: flags without a <bool> placeholder, nothing cut at 80 columns.
+    rich_markup_mode=None,
+    cls=HelpGroup,
 )
 console = Console()
 err_console = Console(stderr=True)
@@ -70,7 +75,7 @@ def _when(ts: float | None) -> str:
 
 def _fail(exc: CkptdError) -> None:
     # Escaped: "[code]" and the message are text, not rich markup.
-    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}")
+    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -83,7 +88,9 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version_callback, is_eager=True)
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True,
+                     help="Print the version and exit."),
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -93,19 +100,39 @@ def _root(
     )
 
 
+# What serve's options default to (server.settings.Settings, not imported here: the
+# CLI loads the server only to serve); tests check that the two agree.
+SERVE_DEFAULTS = {"store": "./ckptd-store", "host": "127.0.0.1", "port": "8470"}
+
+
+class ReplicaMismatchMode(enum.StrEnum):
+    """What the server does when data-parallel replicas differ (its allowed values)."""
+
+    reject = "reject"
+    warn = "warn"
+
+
 @app.command()
 def serve(
     store: Annotated[
         str | None,
-        typer.Option(help="Store directory (or file:///path, memory://). Env CKPTD_STORE."),
+        typer.Option(help="Store directory (or file:///path, memory://, s3://bucket/prefix). "
+                     f"Env CKPTD_STORE.  [default: {SERVE_DEFAULTS['store']}]"),
     ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind. Env CKPTD_HOST.")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to bind. Env CKPTD_PORT.")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(help=f"Address to bind. Env CKPTD_HOST.  [default: {SERVE_DEFAULTS['host']}]"),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(min=0, max=65535,
+                     help=f"Port to bind. Env CKPTD_PORT.  [default: {SERVE_DEFAULTS['port']}]"),
+    ] = None,
     token: Annotated[
         str | None, typer.Option(help="Require this bearer token. Env CKPTD_TOKEN.")
     ] = None,
     replica_mismatch: Annotated[
-        str | None,
+        ReplicaMismatchMode | None,
         typer.Option(help="'reject' (default) or 'warn' when data-parallel replicas differ."),
     ] = None,
     heartbeat_interval: Annotated[
@@ -124,6 +151,14 @@ def serve(
         float | None,
         typer.Option(help="Seconds between accepted snapshot requests of a job (30)."),
     ] = None,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(help="Serve https:// with this PEM certificate (chain). Env CKPTD_TLS_CERT."),
+    ] = None,
+    tls_key: Annotated[
+        str | None,
+        typer.Option(help="The certificate's PEM private key. Env CKPTD_TLS_KEY."),
+    ] = None,
     access_log: Annotated[
         bool | None,
         typer.Option("--access-log/--no-access-log",
@@ -140,8 +175,8 @@ def serve(
     ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
+    from ckptd.cli.mistakes import server_settings
     from ckptd.server.app import run
-    from ckptd.server.settings import Settings
 
     overrides: dict[str, Any] = {
         k: v
@@ -150,7 +185,7 @@ def serve(
             "host": host,
             "port": port,
             "token": token,
-            "replica_mismatch": replica_mismatch,
+            "replica_mismatch": replica_mismatch.value if replica_mismatch else None,
             "heartbeat_interval": heartbeat_interval,
             "dead_after": dead_after,
             "snapshot_lead": snapshot_lead,
@@ -158,17 +193,25 @@ def serve(
             "access_log": access_log,
             "tokens_file": tokens_file,
             "peer_networks": peer_networks,
+            "tls_cert": tls_cert,
+            "tls_key": tls_key,
         }.items()
         if v is not None
     }
+    try:
+        settings, opened = server_settings(overrides)
+    except CkptdError as exc:
+        _fail(exc)
+        return
     logging.getLogger("ckptd").setLevel(logging.INFO)
-    run(Settings(**overrides))
+    run(settings, store=opened)
 
 
 def _transport(url: str, token: str | None) -> Any:
+    from ckptd.cli.mistakes import existing_store
     from ckptd.client.transport import open_transport
 
-    return open_transport(url, token=token)
+    return open_transport(existing_store(url), token=token)
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -204,6 +247,11 @@ def ls(
                 console.print(table)
             else:
                 steps = await transport.list_steps(job)
+                if not steps:
+                    from ckptd.cli.mistakes import job_not_found
+
+                    jobs = [_field(j, "job") for j in await transport.list_jobs()]
+                    raise job_not_found(job, jobs, transport.describe())
                 table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
                 for s in steps:
                     committed = _field(s, "committed")
@@ -276,8 +324,11 @@ class _Server:
 
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+        from ckptd.client.transport import tls_verify
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0)
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0,
+                                  verify=tls_verify())
         self._httpx = httpx
 
     def __enter__(self) -> _Server:
@@ -290,6 +341,11 @@ class _Server:
         try:
             r = self._http.request(method, path, **kwargs)
         except self._httpx.HTTPError as exc:
+            from ckptd.client.transport import tls_trouble
+
+            trouble = tls_trouble(str(self._http.base_url), exc)
+            if trouble is not None:
+                raise trouble from None
             raise Unavailable(f"cannot reach {self._http.base_url}: {exc}") from None
         if r.status_code >= 400:
             try:
@@ -305,6 +361,7 @@ _STATE_STYLE = {
     "degraded": "yellow",
     "critical": "bold dark_orange",
     "dead": "bold red",
+    "left": "dim",
 }
 # Probe signals shown in columns (docs/API.md), one reading per instance as
 # name[instance]: the hottest GPU, the sum of uncorrected ECC errors, host memory.
@@ -347,63 +404,99 @@ def _number(value: Any, fmt: str, unit: str = "") -> str:
     return str(value)
 
 
-def status_view(overview: dict[str, Any]) -> Any:
-    """Rich renderables of ``GET /v1/overview``: per job a table of its ranks."""
-    from rich.console import Group
-    from rich.text import Text
+_COLUMNS = ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC", "host mem", "rtt")
+# Narrow terminals: shorter names; signal columns without a reading are dropped,
+# and the reasons go under the table (wrapped, never cut).
+_COMPACT = dict(zip(_COLUMNS, ("rank", "state", "step", "held", "beat", "GPU", "ECC", "mem",
+                               "rtt"), strict=True))
+
+
+def status_view(overview: dict[str, Any], width: int | None = None) -> Any:
+    """Rich renderables of ``GET /v1/overview``: per job a table of its ranks, fit
+    to ``width`` columns when given."""
+    from rich.console import Console, Group
 
     parts: list[Any] = []
     for job in overview["jobs"]:
-        latest = job["latest"] if job["latest"] is not None else "none"
-        title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
-        if job["snapshot_at"] is not None:
-            reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
-            title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
-        if job["rollback_to"] is not None:
-            title += f"  [bold red]rollback to {job['rollback_to']}[/]"
-        table = Table(title=title, title_justify="left", expand=False)
-        for name in ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC",
-                     "host mem", "rtt"):
-            table.add_column(name, no_wrap=True,
-                             justify="left" if name == "state" else "right")
-        table.add_column("reasons", overflow="fold", min_width=12)
-        for r in job["ranks"]:
-            health = r.get("health") or {}
-            temp = _signal(health, _TEMP)
-            ecc = _signal(health, _ECC)
-            reasons = "; ".join(health.get("reasons") or [])
-            if r["state"] == "dead" and not reasons:
-                reasons = "no heartbeat"
-            style = _STATE_STYLE.get(r["state"], "")
-            table.add_row(
-                str(r["rank"]),
-                f"[{style}]{r['state']}[/]",
-                _number(r["step"], "d"),
-                _number(r["held_step"], "d"),
-                _age(r["age_s"]),
-                ("[yellow]" if isinstance(temp, int | float) and temp >= 85 else "[default]")
-                + _number(temp, ".0f", " °C") + "[/]",
-                ("[red]" if isinstance(ecc, int | float) and ecc > 0 else "[default]")
-                + _number(ecc, "g") + "[/]",
-                _number(_signal(health, _MEM), ".0f", " %"),
-                _number(r["rtt_ms"], ".1f", " ms"),
-                Text(reasons),  # as sent: no markup
-            )
-        if not job["ranks"]:
-            table.caption = "no heartbeats from this job's ranks"
+        table, notes = _job_table(job, compact=False)
+        if width is not None and Console(width=10_000).measure(table).maximum > width:
+            table, notes = _job_table(job, compact=True)
         parts.append(table)
-        for e in job["events"][-5:]:
-            line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
-            if e["step"] is not None:
-                line.append(f" step {e['step']}", style="dim")
-            if e["rank"] is not None:
-                line.append(f" rank {e['rank']}", style="dim")
-            if e["reason"]:
-                line.append(f": {e['reason']}", style="dim")
-            parts.append(line)
+        parts.extend(notes)
     if not parts:
+        from rich.text import Text
+
         parts.append(Text("no jobs", style="dim"))
     return Group(*parts)
+
+
+def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
+    """One job's table of ranks, and the lines under it."""
+    from rich import box
+    from rich.text import Text
+
+    parts: list[Any] = []
+    latest = job["latest"] if job["latest"] is not None else "none"
+    title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
+    if job["snapshot_at"] is not None:
+        reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
+        title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
+    if job["rollback_to"] is not None:
+        title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+    table = Table(title=title, title_justify="left", expand=False)
+    if compact:
+        table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
+    rows: list[list[Any]] = []
+    notes: list[Any] = []
+    for r in job["ranks"]:
+        health = r.get("health") or {}
+        temp = _signal(health, _TEMP)
+        ecc = _signal(health, _ECC)
+        reasons = "; ".join(health.get("reasons") or [])
+        if r["state"] == "dead" and not reasons:
+            reasons = "no heartbeat"
+        style = _STATE_STYLE.get(r["state"], "")
+        if compact and reasons:
+            notes.append(Text(f"  rank {r['rank']}: {reasons}"))  # as sent: no markup
+        rows.append([
+            str(r["rank"]),
+            f"[{style}]{r['state']}[/]",
+            _number(r["step"], "d"),
+            _number(r["held_step"], "d"),
+            _age(r["age_s"]),
+            ("[yellow]" if isinstance(temp, int | float) and temp >= 85 else "[default]")
+            + _number(temp, ".0f", " °C") + "[/]",
+            ("[red]" if isinstance(ecc, int | float) and ecc > 0 else "[default]")
+            + _number(ecc, "g") + "[/]",
+            _number(_signal(health, _MEM), ".0f", " %"),
+            _number(r["rtt_ms"], ".1f", " ms"),
+            Text(reasons),  # as sent: no markup
+        ])
+    shown = [
+        i for i, name in enumerate(_COLUMNS)
+        if not compact or i < 5 or any("-[/]" not in row[i] and row[i] != "-" for row in rows)
+    ]
+    for i in shown:
+        name = _COLUMNS[i]
+        table.add_column(_COMPACT[name] if compact else name, no_wrap=True,
+                         justify="left" if name == "state" else "right")
+    if not compact:
+        table.add_column("reasons", overflow="fold", min_width=12)
+    for row in rows:
+        table.add_row(*[row[i] for i in shown], *([] if compact else [row[-1]]))
+    if not job["ranks"]:
+        table.caption = "no heartbeats from this job's ranks"
+    parts.extend(notes)
+    for e in job["events"][-5:]:
+        line = Text(f"  {_when(e['at'])}  {e['kind']}", style="dim")
+        if e["step"] is not None:
+            line.append(f" step {e['step']}", style="dim")
+        if e["rank"] is not None:
+            line.append(f" rank {e['rank']}", style="dim")
+        if e["reason"]:
+            line.append(f": {e['reason']}", style="dim")
+        parts.append(line)
+    return table, parts
 
 
 @app.command()
@@ -415,11 +508,14 @@ def status(
         float | None,
         typer.Option(
             "--watch",
+            min=0,
             help="Keep refreshing for this many seconds (0: until Ctrl-C).",
             show_default=False,
         ),
     ] = None,
-    every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
+    every: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between refreshes with --watch.")
+    ] = 2.0,
 ) -> None:
     """Live rank health: state, step, last heartbeat, GPU temperature, ECC, host memory."""
     import time
@@ -431,7 +527,16 @@ def status(
         if job is not None:
             params["job"] = check_job(job)
         with _Server(url, token) as server:
-            view = status_view(server.call("GET", "/v1/overview", params=params))
+            if job is not None and watch is None:  # --watch may wait for a job to start
+                from ckptd.cli.mistakes import job_not_found
+
+                everything = server.call("GET", "/v1/overview", params={"steps": 0})
+                known = {j["job"] for j in everything["jobs"]}
+                known |= {j["job"] for j in server.call("GET", "/v1/jobs")["jobs"]}
+                if job not in known:
+                    raise job_not_found(job, sorted(known), url)
+            overview = server.call("GET", "/v1/overview", params=params)
+            view = status_view(overview, console.width)
             if watch is None:
                 console.print(view)
                 return
@@ -440,7 +545,10 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.call("GET", "/v1/overview", params=params)))
+                    live.update(status_view(server.call("GET", "/v1/overview", params=params),
+                                            console.width))
+            if not console.is_terminal:
+                console.line()  # a terminal's Live ends its line; a pipe's does not
     except CkptdError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -487,7 +595,7 @@ def rollback(
 @app.command()
 def restore(
     job: Annotated[str, typer.Option("--job", help="Job to restore.")],
-    rank: Annotated[int, typer.Option("--rank", help="Rank whose shard to fetch.")],
+    rank: Annotated[int, typer.Option("--rank", min=0, help="Rank whose shard to fetch.")],
     to: Annotated[str, typer.Option("--to", help="Local directory store to fill.")],
     step: Annotated[
         int | None, typer.Option("--step", help="Committed step (default: latest).")
@@ -498,11 +606,12 @@ def restore(
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
+    from ckptd.cli.mistakes import existing_store
     from ckptd.client.restore import restore_command
 
     try:
         result = restore_command(
-            url, job, rank, to, step=step, token=token, peers=peers, console=console
+            existing_store(url), job, rank, to, step=step, token=token, peers=peers, console=console
         )
     except CkptdError as exc:
         _fail(exc)
@@ -517,7 +626,8 @@ def restore(
         console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
 
 
-policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True)
+policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True,
+                         rich_markup_mode=None, cls=HelpGroup)
 app.add_typer(policy_app, name="policy")
 
 
@@ -541,8 +651,8 @@ def demo(
     workdir: Annotated[
         str | None, typer.Option(help="Keep the store and logs here (default: a temp dir).")
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 40,
-    nproc: Annotated[int, typer.Option(help="Ranks.")] = 2,
+    steps: Annotated[int, typer.Option(min=10, help="Training steps.")] = 40,
+    nproc: Annotated[int, typer.Option(min=2, help="Ranks.")] = 2,
 ) -> None:
     """Train a small model on 2 CPU ranks, kill one mid-run, recover, compare."""
     from ckptd.client.demo import run_demo
@@ -569,8 +679,10 @@ from ckptd.cli import views  # noqa: E402, F401
 
 
 def main() -> None:
+    from ckptd.cli.mistakes import run_app
+
     try:
-        app()
+        sys.exit(run_app(app))
     except KeyboardInterrupt:
         sys.exit(130)
 

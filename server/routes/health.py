@@ -8,7 +8,7 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ckptd import __version__
 from ckptd.errors import CkptdError
@@ -57,5 +57,25 @@ async def healthz(request: Request, repo: RepoDep) -> JSONResponse:
         status="ok" if ok else "not ok",
         version=__version__,
         store=repo.store.describe() if details else None,
+        http_parser=getattr(request.app.state, "http_parser", None) if details else None,
+        event_loop=event_loop_name() if details else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
+
+
+def event_loop_name() -> str:
+    """The running event loop's kind: ``uvloop`` or ``asyncio``."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"
+
+
+API_DOCS = (
+    "The ckptd HTTP API is described in docs/API.md (in the ckptd sources and on its\n"
+    "project page); its OpenAPI document is at /openapi.json. There is no Swagger UI\n"
+    "here: it would load its assets from a CDN, which a server off the internet cannot.\n"
+)
+
+
+@router.get("/docs", include_in_schema=False, response_class=PlainTextResponse)
+async def docs() -> str:
+    return API_DOCS

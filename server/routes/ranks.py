@@ -79,7 +79,7 @@ async def heartbeat(
     settings: SettingsDep,
     request: Request,
 ) -> HeartbeatReply:
-    check_rank(rank, body.world_size)
+    check_rank(rank, body.world_size, job=job)
     refused = None
     if body.peer_url is not None and not settings.any_peer_url:
         source = request.client.host if request.client is not None else None
@@ -113,6 +113,17 @@ async def heartbeat(
         peer_token=peer_token(request.app.state.peer_secret, job),
         peer_url_refused=refused,
     )
+
+
+@router.delete(
+    "/{job}/ranks/{rank}/heartbeat",
+    status_code=204,
+    response_class=Response,
+    summary="A rank says goodbye: it closed cleanly, so it shows as left, not dead",
+)
+async def goodbye(job: JobDep, rank: RankDep, registry: RegistryDep) -> Response:
+    registry.goodbye(job, rank)
+    return Response(status_code=204)
 
 
 @router.get(

@@ -26,6 +26,12 @@ def test_the_demo_recovers_a_killed_rank_bitwise(tmp_path: Path) -> None:
         pytest.fail(f"the demo ran past 240 s:\n{output.decode(errors='replace')[-6000:]}")
     out = output.decode(errors="replace")
     assert proc.returncode == 0, out
+    # A line per phase while it trains, not a minute of silence: rank 0's saves
+    # are reported during each run, before its "done in".
+    reference = out.split("2. faulty run", 1)[0]
+    assert "step 5/24 trained, checkpoint saved" in reference, out
+    assert reference.index("step 5/24 trained") < reference.index("done in"), out
+    assert "killed at step" in out and "restoring step" in out, out
     assert "died at step" in out
     assert "restarted and restored step" in out
     assert "OK:" in out and "bitwise" in out

@@ -183,6 +183,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/jobs/{job}/latest", "get"),
         ("/v1/jobs/{job}/verify", "post"),
         ("/v1/jobs/{job}/ranks/{rank}/heartbeat", "post"),
+        ("/v1/jobs/{job}/ranks/{rank}/heartbeat", "delete"),
         ("/v1/jobs/{job}/ranks", "get"),
         ("/v1/jobs/{job}/restore-plan", "get"),
         ("/v1/jobs/{job}/snapshot-requests", "post"),
@@ -633,7 +634,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 21
+    assert len(routes) == 22
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},

@@ -1,0 +1,114 @@
+"""A person's mistakes on the command line: one or two lines that say what was
+wrong and what is allowed, exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import typer
+from rich.markup import escape
+
+from ckptd.errors import CkptdError, InvalidRequest, JobNotFound, NotFound
+
+try:  # typer carries its own copy of click since 0.2x; the errors are that copy's
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on click itself
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from ckptd.server.settings import Settings
+    from ckptd.store import Store
+
+# The exit code of every usage mistake (click's, and ckptd's own `_fail`).
+USAGE = 2
+# Up to this many jobs are named when a job is not found; more are counted.
+JOBS_NAMED = 10
+
+
+def run_app(app: typer.Typer) -> int:
+    """Runs the CLI; a usage mistake prints one or two plain lines on stderr."""
+    from ckptd.cli import err_console
+
+    try:
+        result = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as exc:
+        print(exc.ctx.get_help())  # noqa: T201 - the CLI's help text
+        return USAGE
+    except click_errors.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "ckptd"
+        err_console.print(f"[bold red]error[/] {escape(exc.format_message())}", soft_wrap=True)
+        err_console.print(f"see `{escape(where)} --help`", highlight=False)
+        return USAGE
+    except click_errors.ClickException as exc:
+        err_console.print(f"[bold red]error[/] {escape(exc.format_message())}", soft_wrap=True)
+        return exc.exit_code
+    except typer.Abort:
+        return 130
+    except CkptdError as exc:  # a command that forgot to catch its own
+        err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}",
+                          soft_wrap=True)
+        return USAGE
+    return result if isinstance(result, int) else 0
+
+
+def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
+    """``ckptd serve``'s settings (options over ``CKPTD_*``) and its store, opened
+    before the server starts: a bad value or store is one line, not a traceback
+    from inside uvicorn."""
+    import pydantic
+
+    from ckptd.server.settings import Settings
+    from ckptd.store import open_store
+
+    try:
+        settings = Settings(**overrides)
+    except pydantic.ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            option = f"--{name.replace('_', '-')}"
+            source = option if name in overrides else f"CKPTD_{name.upper()}"
+            if not error["loc"]:  # a rule over several settings
+                problems.append(error["msg"].removeprefix("Value error, ").replace("_", "-"))
+                continue
+            problems.append(f"{source}: {error['msg']} (got {error.get('input')!r})")
+        raise InvalidRequest("; ".join(problems)) from None
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                settings.tls_cert, settings.tls_key
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidRequest(
+                f"--tls-cert {settings.tls_cert} / --tls-key {settings.tls_key}: cannot load "
+                f"them as a PEM certificate and its key: {exc}"
+            ) from None
+    return settings, open_store(settings.store)
+
+
+def existing_store(url: str) -> str:
+    """``url`` unchanged when it is not a local path, or names a store directory that
+    exists: a reading command never creates a store where none was."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.path:
+        path = Path(parsed.path)
+        if not path.is_dir():
+            raise NotFound(
+                f"no store at {path} ({'a file' if path.exists() else 'no such directory'}); "
+                "check --url (reading commands never create a store)"
+            )
+    return url
+
+
+def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:
+    """The error for a job the store does not hold, naming the jobs it does."""
+    if not jobs:
+        known = "it holds no jobs yet"
+    elif len(jobs) <= JOBS_NAMED:
+        known = "jobs there: " + ", ".join(sorted(jobs))
+    else:
+        known = f"it holds {len(jobs)} jobs (`ckptd ls` lists them)"
+    return JobNotFound(f"no job {job!r} at {where}; {known}", job=job)

@@ -1,0 +1,146 @@
+"""A person's mistakes on the command line: every command, given bad options,
+answers one or two lines on stderr and exit code 2, never a traceback; reading
+commands never create a store, and an unknown job is an error naming the known."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tests.conftest import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+# A port nothing listens on: reading commands fail fast, one attempt.
+NOBODY = "http://127.0.0.1:9"
+
+
+def ckptd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+          code: str | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    base.update(CKPTD_RETRIES="0", COLUMNS="80", **(env or {}))
+    argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "ckptd",
+                                                               *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=base, cwd=cwd or REPO,
+                          timeout=60)
+
+
+def assert_short_usage_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said, said
+    assert done.returncode == 2, said
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 2, said
+    assert not any(c in said for c in "╭│╰"), said  # no boxes
+    for needle in needles:
+        assert needle in said, said
+
+
+# (arguments, what the answer must name: the option, the allowed values)
+BAD = [
+    (["serve", "--replica-mismatch", "bogus"], ["--replica-mismatch", "reject", "warn"]),
+    (["serve", "--port", "99999"], ["--port", "65535"]),
+    (["serve", "--port", "http"], ["--port"]),
+    (["serve", "--heartbeat-interval", "0"], ["--heartbeat-interval", "greater than 0"]),
+    (["serve", "--dead-after", "0"], ["--dead-after"]),
+    (["serve", "--store", "ftp://x/y"], ["ftp://x/y", "s3://"]),
+    (["ls", "--url", "ftp://host/x"], ["ftp://host/x", "http://"]),
+    (["ls", "bad/job"], ["bad/job"]),
+    (["ls", "--url", NOBODY], ["127.0.0.1:9"]),
+    (["verify"], ["job"]),
+    (["verify", "job", "notastep"], ["step"]),
+    (["status", "--watch", "abc"], ["--watch"]),
+    (["status", "--watch", "-1"], ["--watch"]),
+    (["status", "--url", "file:///tmp"], ["http://"]),
+    (["rollback", "job"], ["STEP", "--clear"]),
+    (["rollback", "job", "3", "--url", "ftp://x"], ["ftp://x"]),
+    (["restore"], ["--job"]),
+    (["restore", "--job", "j", "--rank", "-1", "--to", "/tmp/x"], ["--rank"]),
+    (["policy", "check", "/does/not/exist.toml"], ["/does/not/exist.toml"]),
+    (["demo", "--nproc", "0"], ["--nproc"]),
+    (["nosuchcommand"], ["nosuchcommand"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_options_are_one_or_two_lines_and_exit_2(
+    args: list[str], needles: list[str], tmp_path: Path
+) -> None:
+    assert_short_usage_error(ckptd(*args, cwd=tmp_path), *needles)
+
+
+def test_every_command_rejects_an_unknown_option_in_two_lines() -> None:
+    from typer.main import get_command
+
+    from ckptd.cli import app
+
+    def paths(group: object, prefix: list[str]) -> list[list[str]]:
+        out = []
+        for name, cmd in getattr(group, "commands", {}).items():
+            out += paths(cmd, [*prefix, name]) if hasattr(cmd, "commands") else [[*prefix, name]]
+        return out
+
+    commands = paths(get_command(app), [])
+    assert len(commands) >= 8, commands
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda c: (c, ckptd(*c, "--no-such-option")), commands))
+    for command, done in answers:
+        assert_short_usage_error(done, "--no-such-option", " ".join(command))
+
+
+def test_bad_setting_from_the_environment_names_the_variable(tmp_path: Path) -> None:
+    done = ckptd("serve", "--store", str(tmp_path / "s"), env={"CKPTD_PORT": "abc"})
+    assert_short_usage_error(done, "CKPTD_PORT", "abc")
+
+
+def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) -> None:
+    # aiobotocore is installed here: hide it the way a missing package fails.
+    code = ("import sys; sys.modules['aiobotocore'] = None; sys.argv[0] = 'ckptd'; "
+            "from ckptd.cli import main; main()")
+    done = ckptd("serve", "--store", "s3://bucket/prefix", code=code, cwd=tmp_path)
+    assert_short_usage_error(done, "ckptd[s3]")
+
+
+# -- reading commands never create a store; an unknown job is an error -------------------
+
+
+@pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"],
+                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"]])
+def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Path) -> None:
+    where = tmp_path / "no" / "store"
+    done = ckptd(*command, "--url", f"file://{where}")
+    assert_short_usage_error(done, str(where))
+    assert not (tmp_path / "no").exists()
+
+
+def _save_one(url: str, job: str, shm: Path) -> None:
+    code = (
+        "import sys, torch\n"
+        "from ckptd.client import Checkpointer\n"
+        "with Checkpointer(sys.argv[1], job=sys.argv[2], shm_dir=sys.argv[3]) as c:\n"
+        "    c.save(1, {'w': torch.ones(8)}).wait(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, url, job, str(shm)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_unknown_job_is_exit_2_naming_the_jobs_there(
+    server: ServerProcess, tmp_path: Path, shm: Path
+) -> None:
+    _save_one(server.url, "llm-7b", shm)
+    for command in (["ls", "nojob"], ["status", "nojob"]):
+        done = ckptd(*command, "--url", server.url)
+        assert_short_usage_error(done, "nojob", "llm-7b")
+    ok = ckptd("ls", "llm-7b", "--url", server.url)
+    assert ok.returncode == 0, ok.stderr
+    # a file:// store says the same
+    store = tmp_path / "files"
+    _save_one(f"file://{store}", "other", shm)
+    assert_short_usage_error(ckptd("ls", "nojob", "--url", f"file://{store}"), "other")
