@@ -57,6 +57,7 @@ from ckptd.format import (
     timeline_key,
 )
 from ckptd.hashing import chunk_id, document_hash
+from ckptd.lifecycle import fence as gc_fence
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
@@ -212,15 +213,18 @@ class Repository:
         if len(ids) > knobs.missing_batch():
             raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
         unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
+        keys = [chunk_key(cid) for cid in unique]
         if claimer is None:
-            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            present = await gc_fence.fenced_presence(
+                self.store, unique, lambda: self.store.exists_many(keys))
             return MissingResult(
                 missing=[cid for cid, ok in zip(unique, present, strict=True) if not ok],
                 in_flight=[],
             )
         since = self._claims.begin()
         try:
-            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            present = await gc_fence.fenced_presence(
+                self.store, unique, lambda: self.store.exists_many(keys))
             absent = [cid for cid, ok in zip(unique, present, strict=True) if not ok]
             mine, theirs = self._claims.split(
                 absent, claimer, lease or knobs.claim_lease(), since
@@ -310,6 +314,7 @@ class Repository:
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
                                 f"{manifest.step}")
         ids = sorted(manifest.chunk_ids())
+        await gc_fence.wait_not_sweeping(self.store)  # no presence check during a sweep
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
         if lacking:
@@ -465,6 +470,9 @@ class Repository:
             )
         report = validate_step(manifests, replica_mismatch=self.replica_mismatch)
         ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
+        # The GC fence: chunks found present while no sweep runs stay present, as
+        # every later sweep lists these (already stored) manifests after it began.
+        gc_state = await gc_fence.wait_not_sweeping(self.store)
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
         if lacking:  # a chunk deleted after its manifest went in
@@ -489,6 +497,8 @@ class Repository:
                 f"a rollback ended the timeline of step {step} of {job} before it could "
                 "commit", job=job, step=step, current=epoch,
             )
+        if not await gc_fence.unchanged(self.store, gc_state):  # a sweep began meanwhile
+            return await self.commit(job, step, meta=meta)  # look again, after it
         if not await self.store.put_if_absent(commit_key(job, step), record.canonical()):
             record = await self.read_commit(job, step)  # a concurrent commit won
         else:
