@@ -58,6 +58,8 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
+from ckptd.lifecycle.documents import damage_key, damage_prefix
+from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
@@ -425,6 +427,9 @@ class Repository:
             canonical_json(meta or {})
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
+        tag = (meta or {}).get(TAG_META)
+        if tag is not None:
+            check_tag(tag)
         existing = await self._try_read_commit(job, step)
         if existing is not None:
             await self._advance_latest(job, existing)
@@ -503,6 +508,8 @@ class Repository:
             record = await self.read_commit(job, step)  # a concurrent commit won
         else:
             log.info("committed %s step %d (%d ranks)", job, step, world)
+            if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
+                await set_tag(self.store, job, tag, step)
         await self._advance_latest(job, record)
         return CommitStatus("committed", job, step, world, [], record)
 
@@ -545,12 +552,28 @@ class Repository:
         raise CheckpointNotFound(f"no checkpoint at step {step} of {job}", job=job, step=step)
 
     async def latest(self, job: str) -> int | None:
-        """The newest committed step of ``job``, or None."""
+        """The newest committed step of ``job`` that scrub has not marked damaged
+        (what a restore of ``latest`` gets), or None."""
+        step = await self.latest_ref_step(job)
+        if step is not None and await self.store.exists(damage_key(job, step)):
+            return await self.newest_undamaged_step(job)
+        return step
+
+    async def latest_ref_step(self, job: str) -> int | None:
+        """The step the ``latest`` ref names, damaged or not, or None."""
         try:
             data = await self.store.get(latest_key(job))
         except NotFound:
             return None
         return Ref.parse(data).step
+
+    async def newest_undamaged_step(self, job: str) -> int | None:
+        """The newest committed step without a scrub damage marker, or None."""
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        for step in reversed(await self.step_numbers(job)):
+            if str(step) not in damaged and await self.store.exists(commit_key(job, step)):
+                return step
+        return None
 
     async def resolve_step(self, job: str, step: int | None) -> int:
         if step is not None:

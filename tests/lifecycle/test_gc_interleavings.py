@@ -108,3 +108,34 @@ async def test_every_interleaving_of_a_save_and_a_collection(pause: str) -> None
     assert schedules > 10  # the protocol has that many points at least
     # A save that raced a sweep may fail (and its retry commit), but not most of them.
     assert failed < schedules
+
+
+@pytest.mark.parametrize("grace", [0.0, 0.6])
+async def test_a_chunk_reported_present_before_the_mark_survives_the_grace(grace: float
+                                                                           ) -> None:
+    """A save told "you need not send it" just before a collection began puts its
+    manifest within the grace period: the chunk survives. With no grace the same
+    save fails cleanly (missing_chunks) instead of committing a hole."""
+    store = GatedStore(MemoryStore())
+    repo, parts = await _setup(store)
+    answers = [await repo.missing_chunks(sorted(c), claimer=f"r{i}")
+               for i, (_, c) in enumerate(parts)]
+    for answer, (_, chunks) in zip(answers, parts, strict=True):
+        for cid in answer.missing:
+            await repo.put_chunk(cid, chunks[cid])
+    collection = asyncio.create_task(collect_garbage(store, grace=grace, lease=30.0))
+    await asyncio.sleep(0.2 if grace else 0.0)
+    if not grace:
+        await collection
+    try:
+        for manifest, _ in parts:
+            await repo.put_manifest(manifest)  # type: ignore[arg-type]
+        state = (await repo.commit(JOB, 3)).state
+    except MissingChunks:
+        assert not grace
+        return
+    finally:
+        report = await collection
+    assert grace and state == "committed"
+    assert report.deleted == [_garbage_id()]
+    assert (await repo.verify(JOB, 3)).ok
