@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -201,6 +201,9 @@ class Repository:
         self.replica_mismatch = replica_mismatch
         self._clock = clock
         self._claims = _Claims()
+        #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
+        #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
+        self.space_guard: Callable[[], Awaitable[None]] | None = None
 
     async def close(self) -> None:
         await self.store.close()
@@ -215,6 +218,8 @@ class Repository:
         if len(ids) > knobs.missing_batch():
             raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
         unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
+        if self.space_guard is not None and unique:
+            await self.space_guard()
         keys = [chunk_key(cid) for cid in unique]
         if claimer is None:
             present = await gc_fence.fenced_presence(
