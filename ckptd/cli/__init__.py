@@ -129,6 +129,18 @@ def serve(
         typer.Option("--access-log/--no-access-log",
                      help="Log every request (on). Env CKPTD_ACCESS_LOG."),
     ] = None,
+    retention: Annotated[
+        str | None, typer.Option(help="Retention TOML, applied after commits. CKPTD_RETENTION.")
+    ] = None,
+    gc_interval: Annotated[
+        float | None, typer.Option(help="Seconds between background GC runs (0: off).")
+    ] = None,
+    gc_grace: Annotated[
+        float | None, typer.Option(help="GC grace period, longer than the longest save (600).")
+    ] = None,
+    scrub_interval: Annotated[
+        float | None, typer.Option(help="Seconds between background scrub runs (0: off).")
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
@@ -147,6 +159,10 @@ def serve(
             "snapshot_lead": snapshot_lead,
             "snapshot_min_interval": snapshot_min_interval,
             "access_log": access_log,
+            "retention": retention,
+            "gc_interval": gc_interval,
+            "gc_grace": gc_grace,
+            "scrub_interval": scrub_interval,
         }.items()
         if v is not None
     }
@@ -553,6 +569,7 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
 
 
 def main() -> None:
