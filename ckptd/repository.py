@@ -94,6 +94,7 @@ class StepInfo:
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
+    damaged: bool = False  # scrub marked it (ckptd.lifecycle.scrub); latest skips it
 
 
 @dataclass(slots=True)
@@ -601,6 +602,7 @@ class Repository:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
         steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
         latest = await self.latest(job)
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
         sem = asyncio.Semaphore(16)
 
         async def info(step: int) -> StepInfo:
@@ -611,6 +613,7 @@ class Repository:
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
                         record.report.logical_bytes, record.committed_at, step == latest,
+                        str(step) in damaged,
                     )
                 world = None
                 if ranks:

@@ -180,6 +180,11 @@ def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
 
+def _damaged(step: Any) -> bool:
+    """Scrub marked the step damaged (a server without the field says no)."""
+    return bool(step.get("damaged") if isinstance(step, dict) else getattr(step, "damaged", False))
+
+
 @app.command("ls")
 def ls(
     job: Annotated[str | None, typer.Argument(help="Show this job's steps.")] = None,
@@ -215,6 +220,7 @@ def ls(
                     world = _field(s, "world_size")
                     table.add_row(
                         str(_field(s, "step")),
+                        "[bold red]damaged[/]" if _damaged(s) else
                         "[green]committed[/]" if committed else "[yellow]pending[/]",
                         f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
                         _human(_field(s, "logical_bytes")),
@@ -366,6 +372,9 @@ def status_view(overview: dict[str, Any]) -> Any:
             title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
         if job["rollback_to"] is not None:
             title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+        damaged = job.get("damaged_steps") or []
+        if damaged:
+            title += f"  [bold red]damaged steps {damaged} (scrub; latest skips them)[/]"
         table = Table(title=title, title_justify="left", expand=False)
         for name in ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC",
                      "host mem", "rtt"):
