@@ -41,10 +41,10 @@ _DELETE_CONCURRENCY = 16
 _READ_CONCURRENCY = 16
 
 
-class LeaseLost(GcInProgress):
+def _lease_lost(generation: int, why: str) -> GcInProgress:
     """This collector no longer holds the GC lease (it expired, another took it)."""
-
-    code = "gc_in_progress"
+    return GcInProgress(f"GC generation {generation} {why}", generation=generation,
+                        lease_lost=True)
 
 
 @dataclass(slots=True)
@@ -95,13 +95,13 @@ class _Lease:
         return new
 
     async def move(self, phase: str) -> GcState:
-        """Renews the lease, optionally entering another phase; ``LeaseLost`` if gone."""
+        """Renews the lease, optionally entering another phase; ``gc_in_progress`` if gone."""
         assert self.state is not None
         now = self.clock()
         new = self.state.model_copy(update={"phase": phase, "expires_at": now + self.lease_s})
         data = new.canonical()
         if not await self.store.compare_and_swap(GC_STATE_KEY, self._bytes, data):
-            raise LeaseLost(f"GC generation {self.state.generation} lost its lease")
+            raise _lease_lost(self.state.generation, "lost its lease")
         self.state, self._bytes = new, data
         return new
 
@@ -112,7 +112,7 @@ class _Lease:
         assert self.state is not None
         left = self.state.expires_at - self.clock()
         if left < self.lease_s / 4:
-            raise LeaseLost(f"GC generation {self.state.generation} is out of lease time")
+            raise _lease_lost(self.state.generation, "is out of lease time")
         if left < self.lease_s * 3 / 4:
             await self.move(self.state.phase)
 
@@ -227,7 +227,7 @@ async def collect_garbage(
         await _forget_touched(store, state.generation)
         await held.move("idle")
     except BaseException as exc:
-        if not isinstance(exc, LeaseLost):
+        if not (isinstance(exc, GcInProgress) and exc.detail.get("lease_lost")):
             # Give the lease back: writers need not wait for it to expire. What was
             # deleted so far was garbage; writers that waited re-check presence.
             with contextlib.suppress(CkptdError):

@@ -146,6 +146,7 @@ async def plan_forget(
     committed = sorted(i.step for i in infos if i.committed)
     last = set(committed[-policy.keep_last:]) if policy.keep_last else set()
     latest = await repo.latest_ref_step(job)
+    intact = await repo.latest(job)  # what a restore of latest gets (scrub damage skipped)
     marker, _ = await repo.rollback_state(job)
     tags = await read_tags(repo.store, job) if policy.keep_tagged else {}
     tagged: dict[int, list[str]] = {}
@@ -166,6 +167,8 @@ async def plan_forget(
         reasons = []
         if step == latest:
             reasons.append("latest")
+        elif step == intact:
+            reasons.append("newest undamaged (restore of latest)")
         if marker is not None and step == marker.step:
             reasons.append("rollback target")
         if step in tagged:
