@@ -4,6 +4,7 @@ that restore of latest skips, and a rolling cursor within an I/O budget."""
 from __future__ import annotations
 
 from ckptd.format import chunk_key
+from ckptd.lifecycle.retention import RetentionPolicy, forget
 from ckptd.lifecycle.scrub import damaged_steps, scrub, store_source
 from ckptd.repository import Repository
 from ckptd.store import MemoryStore
@@ -53,6 +54,10 @@ async def test_scrub_repairs_from_a_replica_and_marks_what_it_cannot(any_store: 
     assert await repo.latest_ref_step(JOB) == 3
     again = await scrub(repo, sources=[store_source(replica)])
     assert again.corrupt == [lost] and again.repaired == []
+    # Retention keeps what restore of latest gets, not only what the ref names.
+    plan = await forget(repo, JOB, RetentionPolicy(keep_last=1))
+    assert plan.forgotten == [1]
+    assert {d.step: d.reasons for d in plan.steps}[2] == ("newest undamaged (restore of latest)",)
 
 
 async def test_scrub_resumes_where_it_stopped_within_a_budget(any_store: Store) -> None:
