@@ -91,6 +91,25 @@ class GcLoop:
         self.runs = 1 + len(out.split())
 
 
+_BUSY = """
+import blake3, sys
+data = bytes(1 << 20)
+print(1, flush=True)
+while True:
+    blake3.blake3(data).digest()
+"""
+
+
+class BusyLoop(GcLoop):
+    """A peer for the GC process: one process that only burns a core (hashing),
+    to tell what a collector costs from what any busy neighbour costs on 2 cores."""
+
+    def __init__(self) -> None:
+        self.args = [sys.executable, "-c", _BUSY]
+        self.runs = 0
+        self.proc = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="16M", help="state size (16M)")
@@ -170,13 +189,14 @@ def main() -> None:
               f"{report.seconds / max(torch_save_s, 1e-9):.2f}x |")
 
         # Saves with and without a GC running, alternating rounds.
+        modes = ["without GC", "with GC", "with a busy process"]
         results: dict[str, dict[str, list[float]]] = {
-            k: {"stall": [], "commit": []} for k in ("without GC", "with GC")}
+            k: {"stall": [], "commit": []} for k in modes}
         gc_runs = 0
         for r in range(args.rounds):
-            order = ["without GC", "with GC"] if r % 2 == 0 else ["with GC", "without GC"]
-            for mode in order:
-                loop = GcLoop(root, args.grace) if mode == "with GC" else None
+            for mode in modes[r % 3:] + modes[:r % 3]:
+                loop: GcLoop | None = (GcLoop(root, args.grace) if mode == "with GC" else
+                                       BusyLoop() if mode == "with a busy process" else None)
                 if loop is not None:
                     loop.__enter__()
                 try:
@@ -192,14 +212,16 @@ def main() -> None:
                 finally:
                     if loop is not None:
                         loop.__exit__()
-                        gc_runs += loop.runs
+                        gc_runs += loop.runs if mode == "with GC" else 0
         ckpt.close()
         med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in results.items()}
         print(f"\n| {args.rounds} x {args.saves} saves, medians | without GC | with GC "
-              "| ratio (target <= 1.1x) |\n| --- | --- | --- | --- |")
+              "| ratio (target <= 1.1x) | with a busy process (peer) | its ratio |"
+              "\n| --- | --- | --- | --- | --- | --- |")
         for k, what in (("stall", "save() stall"), ("commit", "save to committed")):
-            a, b = med["without GC"][k], med["with GC"][k]
-            print(f"| {what} | {a * 1000:.1f} ms | {b * 1000:.1f} ms | {b / a:.2f}x |")
+            a, b, c = (med[m][k] for m in modes)
+            print(f"| {what} | {a * 1000:.1f} ms | {b * 1000:.1f} ms | {b / a:.2f}x "
+                  f"| {c * 1000:.1f} ms | {c / a:.2f}x |")
         print(f"\n{gc_runs} GC runs overlapped the 'with GC' saves (grace {args.grace} s, "
               f"each forgets all but the last 5 steps).")
 

@@ -8,9 +8,11 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ckptd.errors import CkptdError, StoreFull
+from ckptd.format import CommitRecord
 from ckptd.lifecycle.gc import _CHUNK_KEY
 from ckptd.repository import Repository
 from ckptd.store.base import Store
@@ -56,6 +58,25 @@ def disk_space(store: Store) -> tuple[int, int] | None:
     return None
 
 
+async def committed_steps(
+    repo: Repository,
+) -> AsyncIterator[tuple[str, int, CommitRecord, set[str]]]:
+    """(job, step, commit record, chunk ids its verified manifests name) of every
+    committed step; a manifest that does not verify is skipped (verify names it)."""
+    for job in await repo.list_jobs():
+        for step in await repo.step_numbers(job):
+            record = await repo.try_read_commit(job, step)
+            if record is None:
+                continue
+            ids: set[str] = set()
+            for rank in range(record.world_size):
+                try:
+                    ids |= (await repo.read_manifest(job, step, rank)).chunk_ids()
+                except CkptdError as exc:
+                    log.warning("%s step %d rank %d: %s", job, step, rank, exc)
+            yield job, step, record, ids
+
+
 async def census(repo: Repository) -> StoreSpace:
     """Walks every committed step's manifests once (a background task's work)."""
     space = StoreSpace()
@@ -69,19 +90,9 @@ async def census(repo: Repository) -> StoreSpace:
         space.free_bytes, space.total_bytes = disk
     named: dict[tuple[str, int], set[str]] = {}
     logical: dict[tuple[str, int], int] = {}
-    for job in await repo.list_jobs():
-        for step in await repo.step_numbers(job):
-            record = await repo.try_read_commit(job, step)
-            if record is None:
-                continue
-            ids: set[str] = set()
-            for rank in range(record.world_size):
-                try:
-                    ids |= (await repo.read_manifest(job, step, rank)).chunk_ids()
-                except CkptdError as exc:  # a damaged document: verify names it
-                    log.warning("census: %s step %d rank %d: %s", job, step, rank, exc)
-            named[(job, step)] = ids
-            logical[(job, step)] = record.report.logical_bytes
+    async for job, step, record, ids in committed_steps(repo):
+        named[(job, step)] = ids
+        logical[(job, step)] = record.report.logical_bytes
     refs: Counter[str] = Counter()
     for ids in named.values():
         refs.update(ids)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ckptd.errors import CkptdError, InvalidDocument, NotFound
 from ckptd.format import chunk_key, commit_key
 from ckptd.hashing import chunk_id
+from ckptd.lifecycle.capacity import committed_steps
 from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key
 from ckptd.repository import Repository
 from ckptd.store.base import Store
@@ -146,21 +147,10 @@ async def _repair(store: Store, cid: str, bad: bytes, sources: Sequence[ChunkSou
 async def mark_damage(repo: Repository, bad: set[str], now: float) -> dict[str, list[int]]:
     """Marks every committed step naming a chunk in ``bad`` damaged."""
     marked: dict[str, list[int]] = {}
-    for job in await repo.list_jobs():
-        for step in await repo.step_numbers(job):
-            record = await repo.try_read_commit(job, step)
-            if record is None:
-                continue
-            hit: set[str] = set()
-            for rank in range(record.world_size):
-                try:
-                    manifest = await repo.read_manifest(job, step, rank)
-                except CkptdError:
-                    continue  # a damaged document: verify names it
-                hit |= manifest.chunk_ids() & bad
-            if hit:
-                await _write_damage(repo.store, job, step, hit, now)
-                marked.setdefault(job, []).append(step)
+    async for job, step, _, ids in committed_steps(repo):
+        if hit := ids & bad:
+            await _write_damage(repo.store, job, step, hit, now)
+            marked.setdefault(job, []).append(step)
     return marked
 
 
