@@ -292,6 +292,19 @@ class RollbackRequested(CkptdError):
         return step if isinstance(step, int) else None
 
 
+class StoreFull(StoreError):
+    """The store has too little space left for a new snapshot; it is refused before
+    any of its bytes are sent, instead of failing half-way."""
+
+    code = "store_full"
+
+
+class GcInProgress(Unavailable):
+    """A garbage collection sweep holds the store's GC lease; retry shortly."""
+
+    code = "gc_in_progress"
+
+
 HTTP_STATUS: dict[str, int] = {
     "internal": 500,
     "invalid_request": 400,
@@ -336,6 +349,8 @@ HTTP_STATUS: dict[str, int] = {
     "invalid_policy": 400,
     "staging_failed": 507,
     "rollback_requested": 409,
+    "store_full": 507,
+    "gc_in_progress": 503,
 }
 
 

@@ -57,6 +57,9 @@ from ckptd.format import (
     timeline_key,
 )
 from ckptd.hashing import chunk_id, document_hash
+from ckptd.lifecycle import fence as gc_fence
+from ckptd.lifecycle.documents import damage_key, damage_prefix
+from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
@@ -95,6 +98,7 @@ class StepInfo:
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
+    damaged: bool = False  # scrub marked it (ckptd.lifecycle.scrub); latest skips it
 
 
 @dataclass(slots=True)
@@ -205,6 +209,9 @@ class Repository:
         # Leases of scoped tenants, apart: another tenant's lease must not show.
         self._tenants: dict[str, _Claims] = {}
         self._tenants_lock = threading.Lock()
+        #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
+        #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
+        self.space_guard: Callable[[], Awaitable[None]] | None = None
 
     async def close(self) -> None:
         await self.store.close()
@@ -224,10 +231,14 @@ class Repository:
         if len(ids) > knobs.missing_batch():
             raise TooLarge(f"{len(ids)} ids in one call; at most {knobs.missing_batch()}")
         unique = list(dict.fromkeys(check_chunk_id(cid) for cid in ids))
+        if self.space_guard is not None and unique:
+            await self.space_guard()
         claims = self._claims if tenant is None else self._tenant_claims(tenant)
+        keys = [chunk_key(cid) for cid in unique]
 
         async def stored() -> list[bool]:
-            present = await self.store.exists_many([chunk_key(cid) for cid in unique])
+            present = await gc_fence.fenced_presence(
+                self.store, unique, lambda: self.store.exists_many(keys))
             if tenant is None or known is None:
                 return present
             seen = await known([cid for cid, ok in zip(unique, present, strict=True) if ok])
@@ -338,6 +349,7 @@ class Repository:
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
                                 f"{manifest.step}")
         ids = sorted(manifest.chunk_ids())
+        await gc_fence.wait_not_sweeping(self.store)  # no presence check during a sweep
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
         if lacking:
@@ -448,6 +460,9 @@ class Repository:
             canonical_json(meta or {})
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
+        tag = (meta or {}).get(TAG_META)
+        if tag is not None:
+            check_tag(tag)
         existing = await self._try_read_commit(job, step)
         if existing is not None:
             await self._advance_latest(job, existing)
@@ -493,6 +508,9 @@ class Repository:
             )
         report = validate_step(manifests, replica_mismatch=self.replica_mismatch)
         ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
+        # The GC fence: chunks found present while no sweep runs stay present, as
+        # every later sweep lists these (already stored) manifests after it began.
+        gc_state = await gc_fence.wait_not_sweeping(self.store)
         present = await self.store.exists_many([chunk_key(c) for c in ids])
         lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
         if lacking:  # a chunk deleted after its manifest went in
@@ -517,10 +535,14 @@ class Repository:
                 f"a rollback ended the timeline of step {step} of {job} before it could "
                 "commit", job=job, step=step, current=epoch,
             )
+        if not await gc_fence.unchanged(self.store, gc_state):  # a sweep began meanwhile
+            return await self.commit(job, step, meta=meta)  # look again, after it
         if not await self.store.put_if_absent(commit_key(job, step), record.canonical()):
             record = await self.read_commit(job, step)  # a concurrent commit won
         else:
             log.info("committed %s step %d (%d ranks)", job, step, world)
+            if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
+                await set_tag(self.store, job, tag, step)
         await self._advance_latest(job, record)
         return CommitStatus("committed", job, step, world, [], record)
 
@@ -563,12 +585,28 @@ class Repository:
         raise CheckpointNotFound(f"no checkpoint at step {step} of {job}", job=job, step=step)
 
     async def latest(self, job: str) -> int | None:
-        """The newest committed step of ``job``, or None."""
+        """The newest committed step of ``job`` that scrub has not marked damaged
+        (what a restore of ``latest`` gets), or None."""
+        step = await self.latest_ref_step(job)
+        if step is not None and await self.store.exists(damage_key(job, step)):
+            return await self.newest_undamaged_step(job)
+        return step
+
+    async def latest_ref_step(self, job: str) -> int | None:
+        """The step the ``latest`` ref names, damaged or not, or None."""
         try:
             data = await self.store.get(latest_key(job))
         except NotFound:
             return None
         return Ref.parse(data).step
+
+    async def newest_undamaged_step(self, job: str) -> int | None:
+        """The newest committed step without a scrub damage marker, or None."""
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        for step in reversed(await self.step_numbers(job)):
+            if str(step) not in damaged and await self.store.exists(commit_key(job, step)):
+                return step
+        return None
 
     async def resolve_step(self, job: str, step: int | None) -> int:
         if step is not None:
@@ -591,6 +629,7 @@ class Repository:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
         steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
         latest = await self.latest(job)
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
         sem = asyncio.Semaphore(16)
 
         async def info(step: int) -> StepInfo:
@@ -601,6 +640,7 @@ class Repository:
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
                         record.report.logical_bytes, record.committed_at, step == latest,
+                        str(step) in damaged,
                     )
                 world = None
                 if ranks:

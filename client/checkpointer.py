@@ -381,6 +381,7 @@ class Checkpointer:
         local: Iterable[str] = (),
         meta: dict[str, Any] | None = None,
         block_training: bool = True,
+        tag: str | None = None,
     ) -> SaveHandle:
         """Stages a copy of ``state`` and returns; the upload runs in the background.
 
@@ -389,7 +390,8 @@ class Checkpointer:
         with ".". ``shards`` maps such names to their ``Shard`` of a global tensor;
         names in ``local`` are rank-private (both override what a DTensor's
         placements say); ``meta`` (JSON) goes into this rank's manifest and is
-        offered to the commit record.
+        offered to the commit record. ``tag`` names the step once it commits
+        (``ckptd tag``): retention keeps tagged steps.
 
         When the caller may change its tensors again: CPU tensors as soon as this
         returns (the copy is done). CUDA tensors are copied on a side stream that
@@ -418,6 +420,8 @@ class Checkpointer:
         )
         placements = self._placements(flat.tensors, shards or {}, local, layouts)
         meta = dict(meta or {})
+        if tag is not None:
+            meta["tag"] = tag  # the commit tags the step (ckptd.lifecycle.tags.TAG_META)
         if EPOCH_META in meta:
             raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
         try:

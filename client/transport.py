@@ -401,6 +401,7 @@ class HttpTransport(Transport):
                 logical_bytes=s.get("logical_bytes"),
                 committed_at=s.get("committed_at"),
                 is_latest=bool(s.get("is_latest", False)),
+                damaged=bool(s.get("damaged", False)),
             )
             for s in resp.json()["steps"]
         ]

@@ -21,7 +21,7 @@ from ckptd.server.errors import install_error_handlers
 from ckptd.server.metrics import Metrics
 from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
-from ckptd.server.routes import chunks, coordination, health, jobs, manifests, ranks
+from ckptd.server.routes import chunks, coordination, health, jobs, lifecycle, manifests, ranks
 from ckptd.server.settings import Settings
 from ckptd.server.tenancy import TenantChunks
 from ckptd.store import Store, open_store
@@ -44,9 +44,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
     app.state.tenants = TenantChunks(repository, app.state.views)
     log.info("serving store %s", store.describe())
+    app.state.lifecycle = await lifecycle.start(app, repository)
     try:
         yield
     finally:
+        await app.state.lifecycle.stop()
         await repository.close()
         log.info("closed store %s", store.describe())
 
@@ -93,6 +95,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(ranks.router)
     app.include_router(coordination.router)
     app.include_router(metrics_router)
+    app.include_router(lifecycle.router)
     install_dashboard(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -116,6 +116,8 @@ class Needs:
     role: Role
     on_path_job: bool = True
     acts_for_job: bool = False
+    # Store-wide routes (GC, scrub, space): the role on every job ("*" or the root).
+    every_job: bool = False
 
     async def __call__(self) -> None:
         # The check itself runs in ApiRoute, before the body is read; as a
@@ -123,6 +125,12 @@ class Needs:
         return None
 
     def check(self, grant: Grant, job: str | None) -> None:
+        if self.every_job and not (grant.every_job and grant.may(self.role, None)):
+            raise Forbidden(
+                f"this token ({grant.role} on {grant.job!r}) may not {self.role} the whole "
+                "store: that needs a token for every job ('*')",
+                needs=self.role, job=None,
+            )
         job = job if self.on_path_job else None
         if not grant.may(self.role, job):
             where = f"job {job!r}" if job is not None else "any job"
@@ -141,6 +149,9 @@ READ_ANY = Needs("read", on_path_job=False)
 # Chunk routes: the role on the job the request acts for (request.state.acting_job).
 CHUNK_READ = Needs("read", on_path_job=False, acts_for_job=True)
 CHUNK_WRITE = Needs("write", on_path_job=False, acts_for_job=True)
+# The whole store at once (GC, scrub, capacity): the role on every job.
+STORE_READ = Needs("read", on_path_job=False, every_job=True)
+STORE_ADMIN = Needs("admin", on_path_job=False, every_job=True)
 # A route with no declared scope is treated as this: only the server's own token.
 UNDECLARED = ADMIN
 
@@ -151,7 +162,7 @@ def route_scope(dependencies: list[DependsParam]) -> Needs | None:
     if not found:
         return None
     order = {"read": 0, "write": 1, "admin": 2}
-    return max(found, key=lambda n: (order[n.role], n.acts_for_job, n.on_path_job))
+    return max(found, key=lambda n: (n.every_job, order[n.role], n.acts_for_job, n.on_path_job))
 
 
 def scope(needs: Needs) -> list[DependsParam]:

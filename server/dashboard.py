@@ -20,6 +20,7 @@ from starlette.types import Scope
 
 from ckptd import __version__
 from ckptd.format import check_job
+from ckptd.lifecycle.scrub import damaged_steps
 from ckptd.repository import Repository
 from ckptd.server.auth import READ, READ_ANY, CallerDep, scope
 from ckptd.server.deps import MetricsDep, RegistryDep, RepoDep, SettingsDep, ViewsDep
@@ -77,6 +78,7 @@ async def job_view(
     target = registry.pending_target(job, latest)
     rollback = await views.rollback(job)
     numbers = (await repo.step_numbers(job))[-steps:] if steps else []
+    damaged = set(await damaged_steps(repo, job))
     shown: list[StepView] = []
     for step in numbers:
         record = await views.commit(job, step)
@@ -94,6 +96,7 @@ async def job_view(
                     is_latest=step == latest,
                     reason=str(reason) if reason is not None else "periodic",
                     requested_by=by if isinstance(by, int) and not isinstance(by, bool) else None,
+                    damaged=step in damaged,
                 )
             )
             world = world if world is not None else record.world_size
@@ -122,6 +125,7 @@ async def job_view(
         ranks=[rank_status(v) for v in ranks],
         steps=shown,
         events=[event_body(e) for e in registry.events(job)[-EVENTS_SHOWN:]],
+        damaged_steps=sorted(damaged),
     )
 
 

@@ -96,6 +96,7 @@ class StepSummary(_Body):
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
+    damaged: bool = Field(default=False, description="Scrub found it damaged; latest skips it.")
 
 
 class StepList(_Body):
@@ -283,6 +284,7 @@ class StepView(_Body):
     is_latest: bool
     reason: str | None = Field(description="Why it was taken (the commit's meta.reason).")
     requested_by: int | None
+    damaged: bool = Field(default=False, description="Scrub found it damaged; latest skips it.")
 
 
 class JobView(_Body):
@@ -295,6 +297,9 @@ class JobView(_Body):
     ranks: list[RankStatus]
     steps: list[StepView] = Field(description="The newest steps, oldest first.")
     events: list[EventBody] = Field(description="The newest events, oldest first.")
+    damaged_steps: list[int] = Field(
+        default_factory=list, description="Committed steps scrub marked damaged (latest skips)."
+    )
 
 
 class StorageView(_Body):

@@ -73,6 +73,34 @@ class Settings(BaseSettings):
         "a network where every host is trusted.",
     )
 
+    # -- store lifecycle (ckptd.lifecycle; docs/FORMAT.md "Garbage collection") -------
+    retention: str | None = Field(
+        default=None, description="Retention TOML file ([retention], [retention.jobs.<job>]); "
+        "applied after each commit. None: keep every step.",
+    )
+    gc_interval: float = Field(
+        default=0.0, ge=0, description="Seconds between background garbage collections (0: off)."
+    )
+    gc_grace: float = Field(
+        default=600.0, ge=0, description="GC grace period: longer than the longest save."
+    )
+    gc_lease: float = Field(default=60.0, gt=0, description="Seconds a GC lease lasts unrenewed.")
+    scrub_interval: float = Field(
+        default=0.0, ge=0, description="Seconds between background scrub runs (0: off)."
+    )
+    scrub_budget_bytes: int = Field(default=256 << 20, ge=0, description="Bytes per scrub run.")
+    scrub_rate: float = Field(default=64 << 20, gt=0, description="Scrub bytes per second.")
+    scrub_replica: str | None = Field(
+        default=None, description="A replica store URL scrub repairs corrupt chunks from."
+    )
+    min_free_bytes: int = Field(
+        default=256 << 20, ge=0, description="New snapshots are refused (store_full) below this."
+    )
+    warn_free_bytes: int = Field(default=2 << 30, ge=0, description="Warn below this free space.")
+    max_upload_s: float = Field(
+        default=3600.0, gt=0, description="Temporaries older than this are removed at start."
+    )
+
     @model_validator(mode="after")
     def _tls_cert_and_key_together(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -173,6 +173,18 @@ def serve(
         typer.Option(help="CIDRs heartbeats' peer URLs may point into besides their own "
                      "address, or 'any'. Env CKPTD_PEER_NETWORKS."),
     ] = None,
+    retention: Annotated[
+        str | None, typer.Option(help="Retention TOML, applied after commits. CKPTD_RETENTION.")
+    ] = None,
+    gc_interval: Annotated[
+        float | None, typer.Option(help="Seconds between background GC runs (0: off).")
+    ] = None,
+    gc_grace: Annotated[
+        float | None, typer.Option(help="GC grace period, longer than the longest save (600).")
+    ] = None,
+    scrub_interval: Annotated[
+        float | None, typer.Option(help="Seconds between background scrub runs (0: off).")
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.cli.mistakes import server_settings
@@ -195,6 +207,10 @@ def serve(
             "peer_networks": peer_networks,
             "tls_cert": tls_cert,
             "tls_key": tls_key,
+            "retention": retention,
+            "gc_interval": gc_interval,
+            "gc_grace": gc_grace,
+            "scrub_interval": scrub_interval,
         }.items()
         if v is not None
     }
@@ -216,6 +232,11 @@ def _transport(url: str, token: str | None) -> Any:
 
 def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+def _damaged(step: Any) -> bool:
+    """Scrub marked the step damaged (a server without the field says no)."""
+    return bool(step.get("damaged") if isinstance(step, dict) else getattr(step, "damaged", False))
 
 
 @app.command("ls")
@@ -258,6 +279,7 @@ def ls(
                     world = _field(s, "world_size")
                     table.add_row(
                         str(_field(s, "step")),
+                        "[bold red]damaged[/]" if _damaged(s) else
                         "[green]committed[/]" if committed else "[yellow]pending[/]",
                         f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
                         _human(_field(s, "logical_bytes")),
@@ -443,6 +465,9 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
         title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
     if job["rollback_to"] is not None:
         title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+    damaged = job.get("damaged_steps") or []
+    if damaged:
+        title += f"  [bold red]damaged steps {damaged} (scrub; latest skips them)[/]"
     table = Table(title=title, title_justify="left", expand=False)
     if compact:
         table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
@@ -674,6 +699,7 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
 from ckptd.cli import tokens as _tokens  # noqa: E402,F401
 from ckptd.cli import views  # noqa: E402, F401
 

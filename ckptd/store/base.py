@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.errors import InvalidName
@@ -30,6 +31,15 @@ def check_prefix(prefix: str) -> str:
         if name in (".", "..") or name.startswith("/") or "\\" in name or "\x00" in name:
             raise InvalidName(f"bad store prefix {prefix[:200]!r}")
     return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """A listed object: its key, its size, and when it was written (None: unknown)."""
+
+    key: str
+    size: int
+    modified: float | None
 
 
 class Store(ABC):
@@ -78,6 +88,16 @@ class Store(ABC):
         async for key in self.list_prefix(prefix):
             names.add(key[len(prefix) :].split("/", 1)[0])
         return sorted(names)
+
+    async def list_info(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        """Like ``list_prefix``, with each object's size and write time. Backends
+        that can list sizes override this; the default reads every object."""
+        async for key in self.list_prefix(prefix):
+            try:
+                size = len(await self.get(key))
+            except KeyError:
+                continue  # deleted since it was listed
+            yield ObjectInfo(key, size, None)
 
     async def close(self) -> None:
         return None

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ckptd.errors import NotFound, StoreError
-from ckptd.store.base import Store, check_key, check_prefix
+from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 _TMP = ".tmp-"
 _LOCKS = ".locks"
@@ -91,6 +91,20 @@ class LocalStore(Store):
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
         for key in await asyncio.to_thread(self._list, prefix):
             yield key
+
+    def _infos(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        for key in self._list(prefix):
+            try:
+                st = os.stat(self.root / key)
+            except FileNotFoundError:
+                continue  # deleted since it was listed
+            out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return out
+
+    async def list_info(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        for info in await asyncio.to_thread(self._infos, prefix):
+            yield info
 
     async def list_dir(self, prefix: str) -> list[str]:
         def holds_objects(path: str) -> bool:

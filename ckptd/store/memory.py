@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from ckptd.errors import NotFound
-from ckptd.store.base import Store, check_key, check_prefix
+from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 
 class MemoryStore(Store):
@@ -17,6 +18,7 @@ class MemoryStore(Store):
         # A thread lock, not an asyncio one: the store may be used from several loops.
         self._lock = threading.Lock()
         self._objects: dict[str, bytes] = {}
+        self._written: dict[str, float] = {}  # key -> when it was written (list_info)
 
     async def get(self, key: str) -> bytes:
         check_key(key)
@@ -32,6 +34,7 @@ class MemoryStore(Store):
             if key in self._objects:
                 return False
             self._objects[key] = bytes(data)
+            self._written[key] = time.time()
             return True
 
     async def exists(self, key: str) -> bool:
@@ -43,6 +46,7 @@ class MemoryStore(Store):
         check_key(key)
         with self._lock:
             self._objects.pop(key, None)
+            self._written.pop(key, None)
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
         check_prefix(prefix)
@@ -57,7 +61,16 @@ class MemoryStore(Store):
             if self._objects.get(key) != expected:
                 return False
             self._objects[key] = bytes(new)
+            self._written[key] = time.time()
             return True
 
     def describe(self) -> str:
         return "memory://"
+
+    async def list_info(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        check_prefix(prefix)
+        with self._lock:
+            infos = [ObjectInfo(k, len(v), self._written.get(k))
+                     for k, v in self._objects.items() if k.startswith(prefix)]
+        for info in infos:
+            yield info

@@ -25,7 +25,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest, NotFound, StoreError
-from ckptd.store.base import Store, check_key, check_prefix
+from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 # Error codes S3 (and its look-alikes) return for "no such object". HeadObject has
 # no body, so botocore can only give the status as the code.
@@ -296,6 +296,15 @@ class S3Store(Store):
         async for page in self._pages(prefix, "ListObjectsV2"):
             for obj in page.get("Contents", ()):
                 yield obj["Key"][cut:]
+
+    async def list_info(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        check_prefix(prefix)
+        cut = len(self._root)
+        async for page in self._pages(prefix, "ListObjectsV2"):
+            for obj in page.get("Contents", ()):
+                modified = obj.get("LastModified")
+                yield ObjectInfo(obj["Key"][cut:], int(obj.get("Size", 0)),
+                                 modified.timestamp() if modified is not None else None)
 
     async def list_dir(self, prefix: str) -> list[str]:
         if prefix:

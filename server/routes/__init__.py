@@ -14,6 +14,8 @@ _MEANING = {
     413: "Body over the limit",
     422: "Bytes that do not hash to their name",
     500: "Server or store failure",
+    503: "Busy for now (a garbage collection sweep); retry",
+    507: "The store is nearly full: new snapshots are refused",
 }
 
 

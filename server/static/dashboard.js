@@ -226,7 +226,9 @@
   function renderSteps(job) {
     const rows = job.steps.slice().reverse().slice(0, 8).map((s) => el("tr", { "data-step": s.step },
       el("td", { class: "num" }, s.step),
-      el("td", {}, s.committed
+      el("td", {}, s.damaged
+        ? el("span", { class: "pill pill-dead", title: "scrub found corrupt chunks; restore of latest skips it" }, "damaged")
+        : s.committed
         ? el("span", { class: "pill pill-alive" }, s.is_latest ? "committed · latest" : "committed")
         : el("span", { class: "pill pill-neutral" }, `pending ${s.ranks_present}/${s.world_size ?? "?"}`)),
       el("td", {}, s.committed ? el("span", { class: `reason ${reasonClass(s.reason)}` }, s.reason || "periodic") : "–",

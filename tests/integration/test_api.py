@@ -194,6 +194,16 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/overview", "get"),
         ("/metrics", "get"),
         ("/", "get"),
+        # the store lifecycle (server/routes/lifecycle.py)
+        ("/v1/gc", "post"),
+        ("/v1/gc", "get"),
+        ("/v1/jobs/{job}/forget", "post"),
+        ("/v1/scrub", "post"),
+        ("/v1/jobs/{job}/tags", "get"),
+        ("/v1/jobs/{job}/tags/{name}", "put"),
+        ("/v1/jobs/{job}/tags/{name}", "delete"),
+        ("/v1/jobs/{job}/damage", "get"),
+        ("/v1/space", "get"),
     }
     assert {(p, m) for p, ops in paths.items() for m in ops} == expected
     # Every reference resolves, and the manifest PUT documents its body.
@@ -620,7 +630,8 @@ OPEN_ROUTES = {"/healthz", "/", "/metrics"}
 
 
 def _every_route(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    values = {"{job}": "j", "{step}": "1", "{rank}": "0", "{id}": chunk_id(b"x")}
+    values = {"{job}": "j", "{step}": "1", "{rank}": "0", "{id}": chunk_id(b"x"),
+              "{name}": "t"}
     for path, ops in doc["paths"].items():
         for method in ops:
             if path in OPEN_ROUTES:
@@ -634,7 +645,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 22
+    assert len(routes) == 31  # 22, and the lifecycle's 9
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},

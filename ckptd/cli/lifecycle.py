@@ -1,0 +1,227 @@
+"""``ckptd forget``, ``gc``, ``scrub``, ``tag``, ``untag`` and ``space``: the store's
+lifecycle, through a server (http://) or directly on a store (a path, file://, s3://)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, _Server, app, console
+from ckptd.errors import CkptdError, InvalidRequest
+
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would go; change nothing.")]
+
+
+def _remote(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Runs ``work(repository)`` on the store at ``url`` (no server)."""
+    from ckptd.repository import Repository
+    from ckptd.store import open_store
+
+    async def go() -> Any:
+        repo = Repository(open_store(url.removeprefix("file://") if url.startswith("file://")
+                                     else url))
+        try:
+            return await work(repo)
+        finally:
+            await repo.close()
+
+    return asyncio.run(go())
+
+
+def _run(url: str, token: str | None, method: str, path: str,
+         direct: Callable[[Any], Awaitable[Any]], **kwargs: Any) -> Any:
+    try:
+        if _remote(url):
+            with _Server(url, token) as server:
+                return server.call(method, path, **kwargs)
+        return _direct(url, direct)
+    except CkptdError as exc:
+        _fail(exc)
+
+
+@app.command()
+def forget(
+    job: Annotated[str, typer.Argument(help="Job whose retention to apply.")],
+    dry_run: DryRunOpt = False,
+    keep_last: Annotated[int | None, typer.Option(help="Keep the last N steps (and the "
+                                                  "tagged, latest and rollback ones).")] = None,
+    retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
+                         ] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Apply a job's retention: forget the steps it does not keep (chunks go at the next gc)."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.lifecycle.retention import RetentionPolicy, load_retention
+        from ckptd.lifecycle.retention import forget as apply
+
+        policy = load_retention(retention).for_job(job) if retention else RetentionPolicy()
+        if keep_last is not None:
+            policy = dataclasses.replace(policy, keep_last=keep_last)
+        if not policy.forgets and policy.abandon_pending_after is None:
+            raise InvalidRequest("no retention rule: pass --keep-last N or --retention FILE")
+        plan = await apply(repo, job, policy, dry_run=dry_run)
+        return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
+                "steps": [dataclasses.asdict(d) for d in plan.steps]}
+
+    params = {"dry_run": dry_run} | ({"keep_last": keep_last} if keep_last else {})
+    plan = _run(url, token, "POST", f"/v1/jobs/{job}/forget", direct, params=params)
+    table = Table("step", "state", "decision", "why")
+    style = {"keep": "green", "forget": "red", "abandon": "red", "pending": "yellow"}
+    for d in plan["steps"]:
+        decision = d["decision"]
+        table.add_row(str(d["step"]), "committed" if d["committed"] else "pending",
+                      f"[{style[decision]}]{decision}[/]", escape("; ".join(d["reasons"])))
+    console.print(table)
+    verb = "would forget" if dry_run else "forgot"
+    console.print(f"{verb} {len(plan['forgotten'])} steps of {escape(job)}: "
+                  f"{plan['forgotten']}" + ("" if dry_run else " (run ckptd gc to free chunks)"))
+
+
+@app.command()
+def gc(
+    dry_run: DryRunOpt = False,
+    grace: Annotated[float | None, typer.Option(help="Seconds; longer than the longest save "
+                                                "(server default, or 600 direct).")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Delete chunks no step names (safe while saves run; see docs/FORMAT.md)."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.lifecycle.gc import collect_garbage
+
+        report = await collect_garbage(repo.store, grace=600.0 if grace is None else grace,
+                                       dry_run=dry_run)
+        return dataclasses.asdict(report)
+
+    params: dict[str, Any] = {"dry_run": dry_run} | ({"grace": grace} if grace is not None
+                                                       else {})
+    with console.status("collecting garbage" + (" (dry run)" if dry_run else "")):
+        r = _run(url, token, "POST", "/v1/gc", direct, params=params)
+    if dry_run:
+        for cid in r["deleted"]:
+            console.print(f"would delete chunk {cid}", soft_wrap=True)
+    verb = "would free" if dry_run else "freed"
+    console.print(
+        f"GC {r['generation']}: {verb} {_human(r['bytes_freed'])} in {r['chunks_deleted']} "
+        f"chunks; kept {r['chunks_kept']} of {r['chunks_total']} "
+        f"({_human(r['bytes_total'] - r['bytes_freed'])}); {r['seconds']:.2f} s"
+    )
+
+
+@app.command()
+def scrub(
+    budget: Annotated[int | None, typer.Option(help="Bytes to read (default: a whole pass).")
+                      ] = None,
+    replica: Annotated[str | None, typer.Option(help="A replica store to repair from "
+                                                "(direct store only).")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.lifecycle.scrub import scrub as run
+        from ckptd.lifecycle.scrub import store_source
+        from ckptd.store import open_store
+
+        sources = [store_source(open_store(replica))] if replica else []
+        return dataclasses.asdict(await run(repo, budget_bytes=budget, sources=sources))
+
+    params = {"budget_bytes": budget} if budget is not None else {}
+    with console.status("scrubbing"):
+        r = _run(url, token, "POST", "/v1/scrub", direct, params=params)
+    console.print(f"checked {r['chunks_checked']} chunks ({_human(r['bytes_checked'])}) in "
+                  f"{r['seconds']:.2f} s")
+    for cid in r["corrupt"]:
+        fixed = cid in r["repaired"]
+        console.print(("[green]repaired[/]" if fixed else "[bold red]corrupt[/]") + f" {cid}",
+                      soft_wrap=True)
+    for job, steps in r["damaged"].items():
+        console.print(f"[bold red]damaged[/] {escape(job)} steps {steps} (restore of latest "
+                      "skips them)")
+    if len(r["corrupt"]) > len(r["repaired"]):
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def tag(
+    job: Annotated[str, typer.Argument()],
+    step: Annotated[int, typer.Argument()],
+    name: Annotated[str, typer.Argument(help="Tag name; retention keeps tagged steps.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Tag a committed step so that retention keeps it."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.lifecycle.tags import read_tags, set_tag
+
+        await repo.read_commit(job, step)
+        await set_tag(repo.store, job, name, step)
+        return await read_tags(repo.store, job)
+
+    _run(url, token, "PUT", f"/v1/jobs/{job}/tags/{name}", direct, json={"step": step})
+    console.print(f"tagged step {step} of {escape(job)} {escape(name)!r}")
+
+
+@app.command()
+def untag(
+    job: Annotated[str, typer.Argument()],
+    name: Annotated[str, typer.Argument()],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """Remove a tag (the step is then kept only if a retention rule keeps it)."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.errors import NotFound
+        from ckptd.lifecycle.tags import read_tags, remove_tag
+
+        if not await remove_tag(repo.store, job, name):
+            raise NotFound(f"{job} has no tag {name!r}")
+        return await read_tags(repo.store, job)
+
+    _run(url, token, "DELETE", f"/v1/jobs/{job}/tags/{name}", direct)
+    console.print(f"removed tag {escape(name)!r} of {escape(job)}")
+
+
+@app.command()
+def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Bytes stored per job, bytes unique to each step, dedup ratio and space left."""
+
+    async def direct(repo: Any) -> Any:
+        from ckptd.lifecycle.capacity import census
+
+        s = await census(repo)
+        out = dataclasses.asdict(s)
+        for j, js in zip(out["jobs"], s.jobs, strict=True):
+            j["dedup_ratio"] = js.dedup_ratio
+        return out
+
+    s = _run(url, token, "GET", "/v1/space", direct)
+    table = Table("job", "step", "logical", "unique (freed if forgotten)", "stored", "dedup")
+    for j in s["jobs"]:
+        ratio = f"{j['dedup_ratio']:.2f}x" if j["dedup_ratio"] else "-"
+        table.add_row(escape(j["job"]), "all", _human(j["logical_bytes"]), "",
+                      _human(j["stored_bytes"]), ratio)
+        for st in j["steps"]:
+            table.add_row("", str(st["step"]), _human(st["logical_bytes"]),
+                          _human(st["unique_bytes"]), "", "")
+    console.print(table)
+    free = s["free_bytes"]
+    console.print(f"chunks in store: {s['chunks']} ({_human(s['chunk_bytes'])}); space left: "
+                  + (f"{_human(free)} of {_human(s['total_bytes'])}" if free is not None
+                     else "not reported by this store"))

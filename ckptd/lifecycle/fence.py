@@ -1,0 +1,84 @@
+"""The commit side of the GC protocol (docs/FORMAT.md, "Garbage collection").
+
+A sweep deletes only chunks that no manifest listed after it entered the
+``sweeping`` phase names, and that no missing-chunks call answered while it was
+``marking``. So the write path needs two things from the store's GC state:
+
+- commits, manifest puts and missing-chunks calls do not check chunk presence
+  while a sweep runs (they wait for it, bounded), and
+- a missing-chunks call that answered while a collection was marking records
+  the ids it answered for that collection, and answers conservatively (present
+  ids as missing, so they are sent again) when the GC state changed during it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from ckptd.errors import GcInProgress, NotFound
+from ckptd.lifecycle.documents import GC_STATE_KEY, IDLE, GcState, GcTouched, touched_prefix
+from ckptd.store.base import Store
+
+#: how long a write waits for a sweep to end before answering ``gc_in_progress``
+SWEEP_WAIT_S = 120.0
+_POLL_S = 0.05
+
+
+async def read_state(store: Store) -> tuple[GcState, bytes | None]:
+    """The GC state and its stored bytes (None: never collected)."""
+    try:
+        data = await store.get(GC_STATE_KEY)
+    except NotFound:
+        return IDLE, None
+    return GcState.parse(data), data
+
+
+def sweeping(state: GcState, now: float) -> bool:
+    """A sweep holds the lease; an expired one is a collector that died."""
+    return state.phase == "sweeping" and state.expires_at > now
+
+
+async def wait_not_sweeping(
+    store: Store, *, timeout: float = SWEEP_WAIT_S, clock: Callable[[], float] = time.time
+) -> GcState:
+    """The GC state once no sweep is running; ``GcInProgress`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state, _ = await read_state(store)
+        if not sweeping(state, clock()):
+            return state
+        if time.monotonic() >= deadline:
+            raise GcInProgress(
+                f"garbage collection {state.generation} is sweeping the store; retry",
+                generation=state.generation,
+            )
+        await asyncio.sleep(_POLL_S)
+
+
+async def unchanged(store: Store, before: GcState) -> bool:
+    """True when the store's GC state is still ``before``'s collection and phase."""
+    state, _ = await read_state(store)
+    return state.same(before)
+
+
+async def fenced_presence(
+    store: Store, ids: Sequence[str], check: Callable[[], Awaitable[list[bool]]]
+) -> list[bool]:
+    """``check()`` (which ids are present), made safe to act on under a running GC.
+
+    The caller of a missing-chunks call skips sending what is present, so a
+    present id must survive until its manifest is in: a collection that is
+    marking learns of the ids (a touched document, written before answering); a
+    collection that started, or moved on, while we looked gets no promise: the
+    answer calls everything missing and the caller sends it again."""
+    before = await wait_not_sweeping(store)
+    present = await check()
+    if before.phase == "marking" and ids:
+        doc = GcTouched(generation=before.generation, ids=list(ids)).canonical()
+        await store.put_if_absent(f"{touched_prefix(before.generation)}{uuid.uuid4().hex}", doc)
+    if not await unchanged(store, before):
+        return [False] * len(present)
+    return present

@@ -1,0 +1,232 @@
+"""Retention: which steps of a job to keep, and forgetting the rest.
+
+A committed step is kept if any rule keeps it: one of the last ``keep_last``,
+a multiple of ``keep_every``, committed within ``keep_within`` seconds, tagged,
+``latest``, or the rollback target. Pending steps whose newest manifest is older
+than ``abandon_pending_after`` are abandoned. Forgetting removes the step's
+documents (commit record first: the step stops being a checkpoint at once);
+its chunks go at the next garbage collection."""
+
+from __future__ import annotations
+
+import re
+import time
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from ckptd.errors import InvalidPolicy
+from ckptd.format import commit_key, step_prefix
+from ckptd.lifecycle.documents import damage_key
+from ckptd.lifecycle.tags import read_tags
+from ckptd.repository import Repository
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_FIELDS = ("keep_last", "keep_every", "keep_within", "keep_tagged", "abandon_pending_after")
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """Rules for one job. No ``keep_*`` rule at all keeps everything."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_within: float | None = None
+    keep_tagged: bool = True
+    abandon_pending_after: float | None = None
+
+    @property
+    def forgets(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_within))
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """The server's retention: defaults, and per-job overrides."""
+
+    default: RetentionPolicy = field(default_factory=RetentionPolicy)
+    jobs: Mapping[str, RetentionPolicy] = field(default_factory=dict)
+
+    def for_job(self, job: str) -> RetentionPolicy:
+        return self.jobs.get(job, self.default)
+
+
+def parse_duration(value: object, what: str) -> float:
+    """Seconds from a number or a string like ``"90s"``, ``"2h"``, ``"7d"``."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    m = _DURATION.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise InvalidPolicy(f"{what}: {value!r} is not a duration (like 90, \"30m\", \"7d\")",
+                            reason=f"{what} is not a duration")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str) -> RetentionPolicy:
+    unknown = sorted(set(table) - set(_FIELDS))
+    if unknown:
+        raise InvalidPolicy(f"{where}: unknown keys {unknown} (known: {', '.join(_FIELDS)})",
+                            reason="unknown key")
+    changes: dict[str, Any] = {}
+    for name in ("keep_last", "keep_every"):
+        if name in table:
+            v = table[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidPolicy(f"{where}.{name} must be an integer >= 1, not {v!r}",
+                                    reason=f"{name} must be an integer >= 1")
+            changes[name] = v
+    for name in ("keep_within", "abandon_pending_after"):
+        if name in table:
+            changes[name] = parse_duration(table[name], f"{where}.{name}")
+    if "keep_tagged" in table:
+        if not isinstance(table["keep_tagged"], bool):
+            raise InvalidPolicy(f"{where}.keep_tagged must be true or false",
+                                reason="keep_tagged must be a boolean")
+        changes["keep_tagged"] = table["keep_tagged"]
+    return replace(base, **changes)
+
+
+def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
+    """A retention file: ``[retention]`` defaults and ``[retention.jobs.<job>]``."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidPolicy(f"{source}: {exc}", reason=str(exc)) from None
+    table = data.get("retention", {})
+    if not isinstance(table, dict):
+        raise InvalidPolicy(f"{source}: [retention] must be a table", reason="not a table")
+    jobs = table.pop("jobs", {})
+    default = _policy(table, RetentionPolicy(), f"{source}: retention")
+    return RetentionConfig(default, {
+        job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
+    })
+
+
+def load_retention(path: str | Path) -> RetentionConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidPolicy(f"cannot read retention file {path}: {exc.strerror}",
+                            reason="unreadable") from None
+    return parse_retention(text, str(path))
+
+
+Decision = Literal["keep", "forget", "abandon", "pending"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecision:
+    step: int
+    committed: bool
+    decision: Decision
+    reasons: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class ForgetPlan:
+    job: str
+    dry_run: bool
+    steps: list[StepDecision] = field(default_factory=list)
+
+    @property
+    def forgotten(self) -> list[int]:
+        return [d.step for d in self.steps if d.decision in ("forget", "abandon")]
+
+
+async def plan_forget(
+    repo: Repository, job: str, policy: RetentionPolicy, *, now: float | None = None
+) -> ForgetPlan:
+    """What ``forget`` would do to ``job``'s steps, and why."""
+    now = time.time() if now is None else now
+    plan = ForgetPlan(job=job, dry_run=True)
+    infos = await repo.list_steps(job)
+    committed = sorted(i.step for i in infos if i.committed)
+    last = set(committed[-policy.keep_last:]) if policy.keep_last else set()
+    latest = await repo.latest_ref_step(job)
+    intact = await repo.latest(job)  # what a restore of latest gets (scrub damage skipped)
+    marker, _ = await repo.rollback_state(job)
+    tags = await read_tags(repo.store, job) if policy.keep_tagged else {}
+    tagged: dict[int, list[str]] = {}
+    for name, step in tags.items():
+        tagged.setdefault(step, []).append(name)
+    ages = await _pending_ages(repo, job, [i.step for i in infos if not i.committed])
+    for info in infos:
+        step = info.step
+        if not info.committed:
+            age = ages.get(step)
+            if policy.abandon_pending_after is not None and age is not None and (
+                    now - age > policy.abandon_pending_after):
+                plan.steps.append(StepDecision(step, False, "abandon", (
+                    f"pending for {now - age:.0f} s > {policy.abandon_pending_after:.0f} s",)))
+            else:
+                plan.steps.append(StepDecision(step, False, "pending", ("pending",)))
+            continue
+        reasons = []
+        if step == latest:
+            reasons.append("latest")
+        elif step == intact:
+            reasons.append("newest undamaged (restore of latest)")
+        if marker is not None and step == marker.step:
+            reasons.append("rollback target")
+        if step in tagged:
+            reasons.append("tagged " + ", ".join(sorted(tagged[step])))
+        if not policy.forgets:
+            reasons.append("no retention rule")
+        if step in last:
+            reasons.append(f"one of the last {policy.keep_last}")
+        if policy.keep_every and step % policy.keep_every == 0:
+            reasons.append(f"every {policy.keep_every}th")
+        if policy.keep_within is not None and info.committed_at is not None and (
+                now - info.committed_at <= policy.keep_within):
+            reasons.append(f"younger than {policy.keep_within:.0f} s")
+        if reasons:
+            plan.steps.append(StepDecision(step, True, "keep", tuple(reasons)))
+        else:
+            plan.steps.append(StepDecision(step, True, "forget", ("no rule keeps it",)))
+    return plan
+
+
+async def _pending_ages(repo: Repository, job: str, steps: list[int]) -> dict[int, float]:
+    """Pending step -> when its newest manifest was written (where the store says)."""
+    out: dict[int, float] = {}
+    for step in steps:
+        times = [i.modified async for i in repo.store.list_info(f"{step_prefix(job, step)}ranks/")]
+        if times and all(t is not None for t in times):
+            out[step] = max(t for t in times if t is not None)
+    return out
+
+
+async def forget(
+    repo: Repository,
+    job: str,
+    policy: RetentionPolicy,
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    clock: Callable[[], float] = time.time,
+) -> ForgetPlan:
+    """Applies ``policy`` to ``job``: removes the documents of the steps it does not
+    keep (chunks are freed by the next garbage collection)."""
+    plan = await plan_forget(repo, job, policy, now=now if now is not None else clock())
+    plan.dry_run = dry_run
+    if dry_run:
+        return plan
+    for d in plan.steps:
+        if d.decision == "forget":
+            # The record first: from then on the step is not a checkpoint, and a
+            # crash leaves at worst a pending-looking step that the next run removes.
+            await repo.store.delete(commit_key(job, d.step))
+            await _remove_step(repo, job, d.step)
+        elif d.decision == "abandon":
+            await _remove_step(repo, job, d.step)
+    return plan
+
+
+async def _remove_step(repo: Repository, job: str, step: int) -> None:
+    keys = [k async for k in repo.store.list_prefix(step_prefix(job, step))]
+    for key in keys:
+        await repo.store.delete(key)
+    await repo.store.delete(damage_key(job, step))

@@ -1,0 +1,187 @@
+"""Scrub: re-hash chunks at rest, oldest-verified first, within an I/O budget.
+
+A rolling cursor (``gc/scrub``) remembers the last chunk id verified; each run
+resumes after it and wraps around, so the chunk verified longest ago is always
+next. A corrupt chunk is repaired from any source (a replica store, a live peer)
+whose copy hashes to the id, by compare-and-swap against the corrupt bytes. One
+that cannot be repaired marks every committed step that names it damaged
+(``jobs/<job>/damage/<step>.json``); restore of ``latest`` then skips those steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from ckptd.errors import CkptdError, InvalidDocument, NotFound
+from ckptd.format import chunk_key, commit_key
+from ckptd.hashing import chunk_id
+from ckptd.lifecycle.capacity import committed_steps
+from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key
+from ckptd.repository import Repository
+from ckptd.store.base import Store
+
+log = logging.getLogger(__name__)
+
+#: a place that may hold a good copy of a chunk: its bytes, or None
+ChunkSource = Callable[[str], Awaitable[bytes | None]]
+_CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})$")
+
+
+@dataclass(slots=True)
+class ScrubReport:
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    damaged: dict[str, list[int]] = field(default_factory=dict)  # job -> steps marked
+    passes_completed: int = 0
+    seconds: float = 0.0
+
+
+def store_source(store: Store) -> ChunkSource:
+    """A replica store as a repair source."""
+
+    async def get(cid: str) -> bytes | None:
+        try:
+            return await store.get(chunk_key(cid))
+        except NotFound:
+            return None
+
+    return get
+
+
+async def _cursor(store: Store) -> tuple[ScrubCursor, bytes | None]:
+    try:
+        data = await store.get(SCRUB_KEY)
+    except NotFound:
+        return ScrubCursor(after="", pass_started_at=time.time(), passes=0), None
+    try:
+        return ScrubCursor.parse(data), data
+    except InvalidDocument:
+        log.warning("scrub cursor %s does not parse; starting a new pass", SCRUB_KEY)
+        return ScrubCursor(after="", pass_started_at=time.time(), passes=0), data
+
+
+async def scrub(
+    repo: Repository,
+    *,
+    budget_bytes: int | None = None,
+    rate_bytes_per_s: float | None = None,
+    sources: Sequence[ChunkSource] = (),
+    clock: Callable[[], float] = time.time,
+) -> ScrubReport:
+    """Verifies stored chunks from the cursor on, until ``budget_bytes`` were read
+    (None: one whole pass), at most ``rate_bytes_per_s``; repairs or marks damage."""
+    store = repo.store
+    t0 = time.perf_counter()
+    report = ScrubReport()
+    cursor, cursor_bytes = await _cursor(store)
+    ids = [m.group(2) async for k in store.list_prefix("chunks/")
+           if (m := _CHUNK_KEY.match(k))]
+    ids.sort()
+    # Resume after the cursor; the rest of the ring follows (a new pass).
+    start = next((i for i, c in enumerate(ids) if c > cursor.after), len(ids))
+    order = ids[start:] + ids[:start]
+    after, passes, pass_started = cursor.after, cursor.passes, cursor.pass_started_at
+    unrepaired: list[str] = []
+    for cid in order:
+        if budget_bytes is not None and report.bytes_checked >= budget_bytes:
+            break
+        try:
+            data = await store.get(chunk_key(cid))
+        except NotFound:
+            continue  # collected since it was listed
+        report.chunks_checked += 1
+        report.bytes_checked += len(data)
+        if await asyncio.to_thread(chunk_id, data) != cid:
+            report.corrupt.append(cid)
+            if await _repair(store, cid, data, sources):
+                report.repaired.append(cid)
+            else:
+                unrepaired.append(cid)
+        if cid <= after:  # wrapped past the end of the ring: a pass ended
+            passes += 1
+            report.passes_completed += 1
+            pass_started = clock()
+        after = cid
+        if rate_bytes_per_s:
+            ahead = report.bytes_checked / rate_bytes_per_s - (time.perf_counter() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+    new = ScrubCursor(after=after, pass_started_at=pass_started, passes=passes)
+    # Lost to another scrubber's update: its cursor is as good as ours.
+    await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new.canonical())
+    if unrepaired:
+        report.damaged = await mark_damage(repo, set(unrepaired), clock())
+    report.seconds = time.perf_counter() - t0
+    log.info("scrub: %d chunks (%d bytes), %d corrupt, %d repaired, damaged %s",
+             report.chunks_checked, report.bytes_checked, len(report.corrupt),
+             len(report.repaired), report.damaged)
+    return report
+
+
+async def _repair(store: Store, cid: str, bad: bytes, sources: Sequence[ChunkSource]) -> bool:
+    for source in sources:
+        try:
+            good = await source(cid)
+        except (CkptdError, OSError) as exc:
+            log.info("scrub: repair source failed for %s: %s", cid, exc)
+            continue
+        if good is None or await asyncio.to_thread(chunk_id, good) != cid:
+            continue  # the hash proves a copy; anything else is not one
+        if await store.compare_and_swap(chunk_key(cid), bad, good):
+            log.warning("scrub: repaired corrupt chunk %s", cid)
+            return True
+        try:  # changed under us: good if it is good now
+            return await asyncio.to_thread(chunk_id, await store.get(chunk_key(cid))) == cid
+        except NotFound:
+            return False
+    log.error("scrub: chunk %s is corrupt and no source holds a good copy", cid)
+    return False
+
+
+async def mark_damage(repo: Repository, bad: set[str], now: float) -> dict[str, list[int]]:
+    """Marks every committed step naming a chunk in ``bad`` damaged."""
+    marked: dict[str, list[int]] = {}
+    async for job, step, _, ids in committed_steps(repo):
+        if hit := ids & bad:
+            await _write_damage(repo.store, job, step, hit, now)
+            marked.setdefault(job, []).append(step)
+    return marked
+
+
+async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now: float) -> None:
+    key = damage_key(job, step)
+    for _ in range(100):
+        try:
+            current: bytes | None = await store.get(key)
+        except NotFound:
+            current = None
+        known = set(Damage.parse(current).chunks) if current is not None else set()
+        if chunks <= known:
+            return
+        doc = Damage(job=job, step=step, chunks=sorted(known | chunks), found_at=now)
+        if await store.compare_and_swap(key, current, doc.canonical()):
+            log.error("scrub: step %d of %s is damaged (%d chunks)", step, job, len(chunks))
+            return
+
+
+async def damaged_steps(repo: Repository, job: str) -> dict[int, list[str]]:
+    """Step -> its damaged chunk ids, for every marker of ``job`` whose step still
+    exists (a forgotten step's marker goes with it)."""
+    out: dict[int, list[str]] = {}
+    for name in await repo.store.list_dir(f"jobs/{job}/damage/"):
+        stem = name.removesuffix(".json")
+        if not stem.isdigit():
+            continue
+        try:
+            doc = Damage.parse(await repo.store.get(damage_key(job, int(stem))))
+        except (NotFound, InvalidDocument):
+            continue
+        if await repo.store.exists(commit_key(job, doc.step)):
+            out[doc.step] = doc.chunks
+    return out

@@ -1,0 +1,137 @@
+"""The server's lifecycle tasks: retention after commits, garbage collection,
+scrub and the capacity census, each on its own interval, in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from ckptd.errors import CkptdError
+from ckptd.lifecycle.capacity import StoreSpace, census
+from ckptd.lifecycle.gc import GcReport, collect_garbage
+from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget
+from ckptd.lifecycle.scrub import ChunkSource, ScrubReport, scrub
+from ckptd.repository import Repository
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleSettings:
+    """Intervals in seconds; 0 turns a task off."""
+
+    retention: RetentionConfig | None = None
+    retention_tick: float = 2.0
+    gc_interval: float = 0.0
+    gc_grace: float = 600.0
+    gc_lease: float = 60.0
+    scrub_interval: float = 0.0
+    scrub_budget_bytes: int = 256 << 20
+    scrub_rate_bytes_per_s: float = 64 << 20
+    census_interval: float = 60.0
+
+
+class LifecycleService:
+    """Runs the tasks and keeps their last results for views and metrics."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        settings: LifecycleSettings,
+        *,
+        sources: Callable[[], Sequence[ChunkSource]] = lambda: (),
+    ) -> None:
+        self.repo = repo
+        self.settings = settings
+        self.sources = sources
+        self.last_gc: GcReport | None = None
+        self.last_scrub: ScrubReport | None = None
+        self.space: StoreSpace | None = None
+        self.last_forget: dict[str, ForgetPlan] = {}
+        self.gc_runs = 0
+        self.gc_bytes_freed = 0
+        self.scrub_bytes = 0
+        self.scrub_corrupt = 0
+        self._seen_latest: dict[str, int | None] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        s = self.settings
+        loops: list[tuple[str, float, Callable[[], Awaitable[object]]]] = [
+            ("census", s.census_interval, self.refresh_space)]
+        if s.retention is not None and s.retention_tick > 0:
+            loops.append(("retention", s.retention_tick, self.apply_retention))
+        if s.gc_interval > 0:
+            loops.append(("gc", s.gc_interval, self.collect))
+        if s.scrub_interval > 0:
+            loops.append(("scrub", s.scrub_interval, self.scrub))
+        for name, every, work in loops:
+            if every > 0:
+                self._tasks.append(asyncio.create_task(self._loop(name, every, work)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _loop(self, name: str, every: float, work: Callable[[], Awaitable[object]]
+                    ) -> None:
+        while True:
+            t0 = time.monotonic()
+            try:
+                await work()
+            except (CkptdError, OSError) as exc:
+                log.warning("lifecycle %s failed: [%s] %s", name,
+                            getattr(exc, "code", type(exc).__name__), exc)
+            await asyncio.sleep(max(0.0, every - (time.monotonic() - t0)))
+
+    async def apply_retention(self) -> None:
+        """Applies each job's retention once its ``latest`` moved (after a commit)."""
+        config = self.settings.retention
+        if config is None:
+            return
+        for job in await self.repo.list_jobs():
+            latest = await self.repo.latest_ref_step(job)
+            if job in self._seen_latest and self._seen_latest[job] == latest:
+                continue
+            self._seen_latest[job] = latest
+            policy = config.for_job(job)
+            if policy.forgets or policy.abandon_pending_after is not None:
+                plan = await forget(self.repo, job, policy)
+                self.last_forget[job] = plan
+                if plan.forgotten:
+                    log.info("retention of %s forgot steps %s", job, plan.forgotten)
+
+    async def collect(self, *, dry_run: bool = False, grace: float | None = None) -> GcReport:
+        report = await collect_garbage(
+            self.repo.store, grace=self.settings.gc_grace if grace is None else grace,
+            lease=self.settings.gc_lease, dry_run=dry_run,
+        )
+        if not dry_run:
+            self.last_gc = report
+            self.gc_runs += 1
+            self.gc_bytes_freed += report.bytes_freed
+        return report
+
+    async def scrub(self, *, budget_bytes: int | None = -1) -> ScrubReport:
+        report = await scrub(
+            self.repo,
+            budget_bytes=self.settings.scrub_budget_bytes if budget_bytes == -1 else budget_bytes,
+            rate_bytes_per_s=self.settings.scrub_rate_bytes_per_s,
+            sources=list(self.sources()),
+        )
+        self.last_scrub = report
+        self.scrub_bytes += report.bytes_checked
+        self.scrub_corrupt += len(report.corrupt)
+        return report
+
+    async def refresh_space(self) -> StoreSpace:
+        self.space = await census(self.repo)
+        return self.space

@@ -1,0 +1,61 @@
+"""User tags on committed steps (``jobs/<job>/refs/tags``): kept by retention."""
+
+from __future__ import annotations
+
+import re
+
+from ckptd.errors import Conflict, InvalidName, NotFound
+from ckptd.format import check_job, check_step
+from ckptd.lifecycle.documents import Tags, tags_key
+from ckptd.store.base import Store
+
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: the commit meta key that tags the step being committed (``ckpt.save(..., tag=)``)
+TAG_META = "tag"
+
+
+def check_tag(name: object) -> str:
+    if not isinstance(name, str) or not TAG_RE.fullmatch(name):
+        raise InvalidName(
+            f"tag {str(name)[:80]!r} must match {TAG_RE.pattern} (letters, digits, '.', '_', '-')"
+        )
+    return name
+
+
+async def read_tags(store: Store, job: str) -> dict[str, int]:
+    """Tag name -> step of ``job`` (empty when it has none)."""
+    try:
+        return dict(Tags.parse(await store.get(tags_key(check_job(job)))).tags)
+    except NotFound:
+        return {}
+
+
+async def _change(store: Store, job: str, name: str, step: int | None) -> bool:
+    key = tags_key(check_job(job))
+    for _ in range(100):
+        try:
+            current: bytes | None = await store.get(key)
+        except NotFound:
+            current = None
+        tags = dict(Tags.parse(current).tags) if current is not None else {}
+        if step is None:
+            if name not in tags:
+                return False
+            del tags[name]
+        else:
+            if tags.get(name) == step:
+                return True
+            tags[name] = step
+        if await store.compare_and_swap(key, current, Tags(tags=tags).canonical()):
+            return True
+    raise Conflict(f"could not change the tags of {job}: too much contention")
+
+
+async def set_tag(store: Store, job: str, name: str, step: int) -> None:
+    """Points tag ``name`` of ``job`` at ``step`` (moving it if it named another)."""
+    await _change(store, job, check_tag(name), check_step(step))
+
+
+async def remove_tag(store: Store, job: str, name: str) -> bool:
+    """Removes tag ``name``; True when it existed."""
+    return await _change(store, job, check_tag(name), None)

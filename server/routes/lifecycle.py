@@ -1,0 +1,331 @@
+"""Store lifecycle over HTTP: forget, garbage collection, scrub, tags, damage and
+capacity; and the background tasks, started from the app's lifespan (``start``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, Field
+
+from ckptd.errors import InvalidRequest, NotFound
+from ckptd.lifecycle.capacity import SpaceGuard
+from ckptd.lifecycle.gc import gc_state
+from ckptd.lifecycle.housekeeping import remove_stale_temporaries
+from ckptd.lifecycle.retention import RetentionPolicy, load_retention
+from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
+from ckptd.lifecycle.service import LifecycleService, LifecycleSettings
+from ckptd.lifecycle.tags import read_tags, remove_tag, set_tag
+from ckptd.repository import Repository
+from ckptd.server.auth import ADMIN, READ, STORE_ADMIN, STORE_READ, WRITE, scope
+from ckptd.server.deps import JobDep, RepoDep
+from ckptd.server.registry import Registry
+from ckptd.server.routes import error_responses
+from ckptd.server.routing import ApiRoute
+from ckptd.server.settings import Settings
+from ckptd.store import open_store
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(
+    prefix="/v1",
+    tags=["lifecycle"],
+    route_class=ApiRoute,
+    responses=error_responses(400, 401, 500),
+)
+
+
+class GcResult(BaseModel):
+    dry_run: bool
+    generation: int
+    chunks_total: int
+    chunks_kept: int
+    chunks_deleted: int
+    bytes_total: int
+    bytes_freed: int
+    manifests_read: int
+    seconds: float
+    deleted: list[str] = Field(description="Chunk ids deleted (or, dry, that would be).")
+
+
+class StepDecisionBody(BaseModel):
+    step: int
+    committed: bool
+    decision: str = Field(description="keep, forget, abandon or pending")
+    reasons: list[str]
+
+
+class ForgetResult(BaseModel):
+    job: str
+    dry_run: bool
+    forgotten: list[int]
+    steps: list[StepDecisionBody]
+
+
+class ScrubResult(BaseModel):
+    chunks_checked: int
+    bytes_checked: int
+    corrupt: list[str]
+    repaired: list[str]
+    damaged: dict[str, list[int]]
+    passes_completed: int
+    seconds: float
+
+
+class TagBody(BaseModel):
+    step: int
+
+
+class StepSpaceBody(BaseModel):
+    step: int
+    logical_bytes: int
+    unique_bytes: int
+
+
+class JobSpaceBody(BaseModel):
+    job: str
+    stored_bytes: int
+    logical_bytes: int
+    dedup_ratio: float | None
+    steps: list[StepSpaceBody]
+
+
+class SpaceResult(BaseModel):
+    chunk_bytes: int
+    chunks: int
+    free_bytes: int | None
+    total_bytes: int | None
+    taken_at: float
+    jobs: list[JobSpaceBody]
+
+
+def _service(request: Request) -> LifecycleService:
+    service: LifecycleService = request.app.state.lifecycle
+    return service
+
+
+ServiceDep = Annotated[LifecycleService, Depends(_service)]
+
+
+@router.post(
+    "/gc",
+    dependencies=scope(STORE_ADMIN),
+    response_model=GcResult, summary="Collect garbage chunks (or list them)",
+    responses=error_responses(503),
+)
+async def collect(
+    service: ServiceDep,
+    dry_run: Annotated[bool, Query(description="List what would go; delete nothing.")] = False,
+    grace: Annotated[float | None, Query(ge=0, description="Grace period (s).")] = None,
+) -> GcResult:
+    report = await service.collect(dry_run=dry_run, grace=grace)
+    return GcResult(**{k: v for k, v in dataclasses.asdict(report).items() if k != "touched"})
+
+
+@router.get(
+    "/gc",
+    dependencies=scope(STORE_READ),
+    summary="The store's GC state and this server's last collection")
+async def gc_status(repo: RepoDep, service: ServiceDep) -> dict[str, Any]:
+    last = service.last_gc
+    return {"state": await gc_state(repo.store),
+            "last": dataclasses.asdict(last) | {"deleted": len(last.deleted)} if last else None}
+
+
+@router.post("/jobs/{job}/forget", dependencies=scope(ADMIN), response_model=ForgetResult,
+             summary="Apply the job's retention: forget the steps it does not keep")
+async def forget_steps(
+    job: JobDep,
+    repo: RepoDep,
+    service: ServiceDep,
+    dry_run: Annotated[bool, Query(description="Say what would go; change nothing.")] = False,
+    keep_last: Annotated[int | None, Query(ge=1)] = None,
+) -> ForgetResult:
+    from ckptd.lifecycle.retention import forget
+
+    config = service.settings.retention
+    policy = config.for_job(job) if config is not None else RetentionPolicy()
+    if keep_last is not None:
+        policy = dataclasses.replace(policy, keep_last=keep_last)
+    if not policy.forgets and policy.abandon_pending_after is None:
+        raise InvalidRequest(
+            f"no retention rule for {job}: start the server with --retention FILE, or pass "
+            "keep_last", job=job)
+    plan = await forget(repo, job, policy, dry_run=dry_run)
+    return ForgetResult(job=job, dry_run=dry_run, forgotten=plan.forgotten, steps=[
+        StepDecisionBody(step=d.step, committed=d.committed, decision=d.decision,
+                         reasons=list(d.reasons)) for d in plan.steps])
+
+
+@router.post(
+    "/scrub",
+    dependencies=scope(STORE_ADMIN),
+    response_model=ScrubResult, summary="Re-hash stored chunks, repair")
+async def run_scrub(
+    service: ServiceDep,
+    budget_bytes: Annotated[int | None, Query(ge=0, description="Default: a whole pass.")
+                            ] = None,
+) -> ScrubResult:
+    report = await service.scrub(budget_bytes=budget_bytes)
+    return ScrubResult(**dataclasses.asdict(report))
+
+
+@router.get("/jobs/{job}/tags", dependencies=scope(READ), summary="A job's tags: name -> step")
+async def list_tags(job: JobDep, repo: RepoDep) -> dict[str, int]:
+    return await read_tags(repo.store, job)
+
+
+@router.put(
+    "/jobs/{job}/tags/{name}",
+    dependencies=scope(WRITE),
+    summary="Tag a committed step (retention keeps it)",
+    responses=error_responses(404, 409),
+)
+async def put_tag(job: JobDep, name: str, repo: RepoDep,
+                  body: Annotated[TagBody, Body()]) -> dict[str, int]:
+    await repo.read_commit(job, body.step)  # only committed steps are tagged
+    await set_tag(repo.store, job, name, body.step)
+    return await read_tags(repo.store, job)
+
+
+@router.delete(
+    "/jobs/{job}/tags/{name}",
+    dependencies=scope(ADMIN),
+    summary="Remove a tag", responses=error_responses(404))
+async def delete_tag(job: JobDep, name: str, repo: RepoDep) -> dict[str, int]:
+    if not await remove_tag(repo.store, job, name):
+        raise NotFound(f"{job} has no tag {name!r}", job=job, tag=name)
+    return await read_tags(repo.store, job)
+
+
+@router.get(
+    "/jobs/{job}/damage",
+    dependencies=scope(READ),
+    summary="Steps scrub marked damaged: step -> chunk ids")
+async def damage(job: JobDep, repo: RepoDep) -> dict[int, list[str]]:
+    return await damaged_steps(repo, job)
+
+
+@router.get("/space", dependencies=scope(STORE_READ), response_model=SpaceResult,
+            summary="Bytes per job, bytes unique to each step, dedup ratio, space left")
+async def space(service: ServiceDep) -> SpaceResult:
+    s = await service.refresh_space()
+    return SpaceResult(
+        chunk_bytes=s.chunk_bytes, chunks=s.chunks, free_bytes=s.free_bytes,
+        total_bytes=s.total_bytes, taken_at=s.taken_at,
+        jobs=[JobSpaceBody(job=j.job, stored_bytes=j.stored_bytes, logical_bytes=j.logical_bytes,
+                           dedup_ratio=j.dedup_ratio,
+                           steps=[StepSpaceBody(**dataclasses.asdict(x)) for x in j.steps])
+              for j in s.jobs])
+
+
+# -- background tasks, metrics ---------------------------------------------------------
+
+
+def _peer_source(registry: Registry, token: str | None) -> ChunkSource:
+    """Live peers (ranks that serve their staging pool) as a repair source."""
+    import httpx
+
+    async def get(cid: str) -> bytes | None:
+        urls = {v.peer_url for job in registry.jobs() for v in registry.ranks(job)[1]
+                if v.peer_url and v.state != "dead"}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
+            for url in sorted(urls):
+                try:
+                    r = await http.get(f"{url.rstrip('/')}/v1/chunks/{cid}")
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200:
+                    return r.content
+        return None
+
+    return get
+
+
+class _LifecycleCollector(Collector):
+    """Capacity, GC and scrub gauges from the service's last results."""
+
+    def __init__(self, service: LifecycleService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.service
+        space = s.space
+        stored = GaugeMetricFamily("ckptd_job_stored_bytes",
+                                   "Distinct chunk bytes a job's committed steps name.",
+                                   labels=["job"])
+        logical = GaugeMetricFamily("ckptd_job_logical_bytes",
+                                    "Bytes of a job's committed steps' state, summed.",
+                                    labels=["job"])
+        dedup = GaugeMetricFamily("ckptd_job_dedup_ratio",
+                                  "Logical bytes / stored bytes of a job.", labels=["job"])
+        unique = GaugeMetricFamily("ckptd_step_unique_bytes",
+                                   "Bytes only this step names (what forgetting it frees).",
+                                   labels=["job", "step"])
+        free = GaugeMetricFamily("ckptd_store_free_bytes",
+                                 "Space left on the store's file system (absent on S3).")
+        chunks = GaugeMetricFamily("ckptd_store_chunk_bytes",
+                                   "Bytes of every chunk in the store, garbage included.")
+        if space is not None:
+            for j in space.jobs:
+                stored.add_metric([j.job], j.stored_bytes)
+                logical.add_metric([j.job], j.logical_bytes)
+                if j.dedup_ratio is not None:
+                    dedup.add_metric([j.job], j.dedup_ratio)
+                for st in j.steps:
+                    unique.add_metric([j.job, str(st.step)], st.unique_bytes)
+            if space.free_bytes is not None:
+                free.add_metric([], space.free_bytes)
+            chunks.add_metric([], space.chunk_bytes)
+        yield from (stored, logical, dedup, unique, free, chunks)
+        gc = GaugeMetricFamily("ckptd_gc_bytes_freed", "Bytes freed by this server's GC runs.")
+        gc.add_metric([], s.gc_bytes_freed)
+        yield gc
+        if s.last_gc is not None:
+            last = GaugeMetricFamily("ckptd_gc_last_seconds", "Time the last GC run took.")
+            last.add_metric([], s.last_gc.seconds)
+            yield last
+            kept = GaugeMetricFamily("ckptd_gc_last_chunks_kept", "Chunks the last GC kept.")
+            kept.add_metric([], s.last_gc.chunks_kept)
+            yield kept
+        corrupt = GaugeMetricFamily("ckptd_scrub_corrupt_chunks",
+                                    "Corrupt chunks this server's scrub found.")
+        corrupt.add_metric([], s.scrub_corrupt)
+        yield corrupt
+        damaged = GaugeMetricFamily("ckptd_damaged_steps",
+                                    "Committed steps scrub marked damaged, per job.",
+                                    labels=["job"])
+        for job, steps in (s.last_scrub.damaged.items() if s.last_scrub else ()):
+            damaged.add_metric([job], len(steps))
+        yield damaged
+
+
+async def start(app: FastAPI, repository: Repository) -> LifecycleService:
+    """Housekeeping, the space guard, and the background tasks of ``ckptd serve``."""
+    settings: Settings = app.state.settings
+    await remove_stale_temporaries(repository.store, max_upload_s=settings.max_upload_s)
+    repository.space_guard = SpaceGuard(repository.store, min_free_bytes=settings.min_free_bytes,
+                                        warn_free_bytes=settings.warn_free_bytes)
+    replica = open_store(settings.scrub_replica) if settings.scrub_replica else None
+    registry: Registry = app.state.registry
+
+    def sources() -> Sequence[ChunkSource]:
+        found = [_peer_source(registry, settings.token)]
+        return [store_source(replica), *found] if replica is not None else found
+
+    service = LifecycleService(repository, LifecycleSettings(
+        retention=load_retention(settings.retention) if settings.retention else None,
+        gc_interval=settings.gc_interval, gc_grace=settings.gc_grace, gc_lease=settings.gc_lease,
+        scrub_interval=settings.scrub_interval, scrub_budget_bytes=settings.scrub_budget_bytes,
+        scrub_rate_bytes_per_s=settings.scrub_rate,
+    ), sources=sources)
+    app.state.metrics.prometheus.register(_LifecycleCollector(service))
+    service.start()
+    return service
+

@@ -1,0 +1,103 @@
+"""The lifecycle through a real ``ckptd serve``: housekeeping at start, retention
+after commits, tags, forget/gc/scrub/space from the CLI, metrics, restore of
+latest skipping a damaged step, and store_full before the disk is full."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from ckptd.cli import app
+from ckptd.format import chunk_key
+from ckptd.hashing import chunk_id
+from ckptd.repository import Repository
+from ckptd.store import LocalStore
+from ckptd.testing.manifests import demo_step, put_rank
+from tests.conftest import ServerProcess
+
+JOB = "job"
+runner = CliRunner()
+
+
+async def _fill(root: Path, steps: range, *, commit: bool = True) -> None:
+    repo = Repository(LocalStore(root, fsync=False))
+    for step in steps:
+        for manifest, chunks in demo_step(JOB, step, 2):
+            await put_rank(repo, manifest, chunks)
+        if commit:
+            assert (await repo.commit(JOB, step)).state == "committed"
+    await repo.put_chunk(chunk_id(b"orphan"), b"orphan")
+
+
+def _cli(*args: str) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.slow
+def test_lifecycle_through_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "store"
+    asyncio.run(_fill(root, range(1, 6)))
+    asyncio.run(_fill(root, range(6, 7), commit=False))  # pending: committed over HTTP
+    stale = root / "chunks" / ".tmp-0123456789abcdef0123456789abcdef"
+    stale.write_bytes(b"left by a killed server")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    policy = tmp_path / "retention.toml"
+    policy.write_text("[retention]\nkeep_last = 2\n")
+    # Directly on the store (no server yet): tag, and a dry run of the policy.
+    _cli("tag", JOB, "2", "eval-best", "--url", str(root))
+    out = _cli("forget", JOB, "--dry-run", "--retention", str(policy), "--url", str(root))
+    assert "would forget 2 steps of job: [1, 3]" in out and "tagged eval-best" in out
+    srv = ServerProcess(store=root, extra_args=["--retention", str(policy), "--gc-grace", "0"])
+    srv.start()
+    try:
+        assert not stale.exists()  # housekeeping at start
+        url = srv.url
+        # A commit over HTTP: retention runs after it (keep_last 2 and the tag).
+        r = httpx.post(f"{url}/v1/jobs/{JOB}/steps/6/commit", json={}, timeout=10)
+        assert r.json()["state"] == "committed"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            steps = [s["step"] for s in httpx.get(f"{url}/v1/jobs/{JOB}/steps").json()["steps"]]
+            if steps == [2, 5, 6]:
+                break
+            time.sleep(0.2)
+        assert steps == [2, 5, 6]
+        dry = _cli("gc", "--dry-run", "--url", url)
+        assert f"would delete chunk {chunk_id(b'orphan')}" in dry
+        out = _cli("gc", "--url", url)
+        assert "freed" in out and "kept" in out
+        assert not (root / chunk_key(chunk_id(b"orphan"))).exists()
+        space = _cli("space", "--url", url)
+        assert JOB in space and "space left" in space
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'ckptd_job_stored_bytes{job="job"}' in metrics
+        # Corrupt a chunk only step 6 names: scrub marks it, latest skips it.
+        manifest = demo_step(JOB, 6, 2)[0][0]
+        victim = root / chunk_key(manifest.entries[0].chunks[0])
+        victim.write_bytes(b"\0" + victim.read_bytes()[1:])
+        result = runner.invoke(app, ["scrub", "--url", url])
+        assert result.exit_code == 1 and "damaged" in result.output, result.output
+        assert httpx.get(f"{url}/v1/jobs/{JOB}/latest").json()["step"] == 5
+        assert httpx.get(f"{url}/v1/jobs/{JOB}/damage").json() == {
+            "6": [manifest.entries[0].chunks[0]]}
+        assert "damaged" in _cli("ls", JOB, "--url", url)
+        overview = httpx.get(f"{url}/v1/overview").json()
+        assert [s["step"] for s in overview["jobs"][0]["steps"] if s["damaged"]] == [6]
+        assert "damaged steps [6]" in _cli("status", "--url", url)
+        _cli("untag", JOB, "eval-best", "--url", url)
+        # Nearly full: new snapshots are refused before a byte is sent.
+        monkeypatch.setenv("CKPTD_MIN_FREE_BYTES", str(1 << 62))
+        srv.restart()
+        r = httpx.post(f"{srv.url}/v1/chunks/missing",
+                       json={"ids": [chunk_id(b"new")], "claimer": "r0"}, timeout=10)
+        assert r.status_code == 507 and r.json()["code"] == "store_full"
+    finally:
+        srv.stop()
