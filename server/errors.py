@@ -74,13 +74,16 @@ def _describe(error: dict[str, Any]) -> dict[str, Any]:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [_describe(e) for e in exc.errors()]
+    # A bad name in the URL is the answer even when the body is bad too: the
+    # patterns are checked with the body, not before it as the old checks were.
+    in_url = [e for e in errors if e["loc"] and e["loc"][0] in _NAME_LOCATIONS]
+    errors = in_url + [e for e in errors if e not in in_url]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
     where = ".".join(first["loc"])
     if first.get("type") == "json_invalid":
         message = "the request body is not valid JSON"
     else:
         message = f"{where}: {first['msg']}" if where else str(first["msg"])
-    in_url = bool(errors) and all(e["loc"] and e["loc"][0] in _NAME_LOCATIONS for e in errors)
     cls = InvalidName if in_url else InvalidRequest
     return error_response(cls(message, errors=errors[:20]))
 

@@ -14,7 +14,8 @@ from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: ``true``, ``"1"`` and ``484.0`` are not integers (item 10 of issue 10).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorBody(_Body):

@@ -6,11 +6,19 @@ import asyncio
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Depends
 
 from ckptd.format import CommitRecord
 from ckptd.server.auth import require_token
-from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, StepDep, ViewsDep
+from ckptd.server.deps import (
+    JobDep,
+    MetricsDep,
+    QueryStepDep,
+    RegistryDep,
+    RepoDep,
+    StepDep,
+    ViewsDep,
+)
 from ckptd.server.models import (
     CommitRequest,
     CommitResponse,
@@ -114,7 +122,7 @@ async def latest(job: JobDep, repo: RepoDep) -> Latest:
 async def verify(
     job: JobDep,
     repo: RepoDep,
-    step: Annotated[int | None, Query(description="One step; default every committed one.")] = None,
+    step: QueryStepDep,
 ) -> VerifyResult:
     report = await repo.verify(job, step)
     return VerifyResult(

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from ckptd.errors import CkptdError
-from ckptd.format import MAX_WORLD_SIZE, check_rank, check_step
+from ckptd.format import check_rank
 from ckptd.server.auth import require_token
 from ckptd.server.deps import (
     JobDep,
     MetricsDep,
+    QueryRankDep,
+    QueryStepDep,
     RankDep,
     RegistryDep,
     RepoDep,
@@ -136,13 +138,10 @@ async def restore_plan(
     repo: RepoDep,
     registry: RegistryDep,
     views: ViewsDep,
-    rank: Annotated[int, Query(description="The restoring rank.")],
-    step: Annotated[
-        int | None, Query(description="A committed step; default the latest.")
-    ] = None,
+    rank: QueryRankDep,
+    asked: QueryStepDep,
 ) -> Response:
-    check_rank(rank, MAX_WORLD_SIZE)
-    step = check_step(step) if step is not None else await repo.resolve_step(job, None)
+    step = asked if asked is not None else await repo.resolve_step(job, None)
     record = await views.commit(job, step)
     if record is None:
         record = await repo.read_commit(job, step)  # raises not_committed / not found
