@@ -32,6 +32,16 @@ MAX_STEP = 10**15
 MAX_WORLD_SIZE = 1 << 20
 MAX_NAME_LEN = 4096
 MAX_TREE_DEPTH = 64
+# Names of numbers in URLs: one spelling each (no sign, no leading zero).
+STEP_PATTERN = r"^(0|[1-9][0-9]{0,14})$"
+RANK_PATTERN = r"^(0|[1-9][0-9]{0,6})$"
+# A tensor restores into memory: every dimension, offset and element count fits
+# int64 (torch's sizes), and no tensor has more dimensions than this.
+MAX_DIMS = 64
+MAX_INT64 = 2**63 - 1
+# JSON nesting of any document or request body: a tree MAX_TREE_DEPTH deep nests
+# about three levels per node, plus the document's own.
+MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32
 
 Placement = Literal["replicated", "sharded", "local"]
 
@@ -121,10 +131,33 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_too_deep(data: bytes | bytearray | memoryview, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON ``data`` nests deeper than ``limit``, found without parsing
+    it (a parser recurses: 100,000 ``[`` is a RecursionError, not an answer).
+
+    Innermost bracket pairs are removed level by level, at C speed. Brackets
+    inside strings count too (balanced ones only add pairs); text that stops
+    shrinking is left to the parser, whose RecursionError is caught as well."""
+    brackets = bytes(data).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(shorter) == len(brackets):
+            return False
+        brackets = shorter
+    return bool(brackets)
+
+
 def _parse_json(data: bytes, what: str) -> Any:
+    if json_too_deep(data):
+        raise InvalidDocument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
 
 
@@ -182,7 +215,7 @@ class TensorEntry(_Document):
     global_shape: list[int]
     offsets: list[int]
     shape: list[int]
-    nbytes: int = Field(ge=0)
+    nbytes: int = Field(ge=0, le=MAX_INT64)
     chunks: list[str]
 
     @property
@@ -244,8 +277,14 @@ class RankManifest(_Document):
         size = dtypes.itemsize(e.dtype)
         if not (len(e.global_shape) == len(e.offsets) == len(e.shape)):
             raise InvalidDocument(f"{where}: global_shape, offsets and shape differ in rank")
+        if len(e.shape) > MAX_DIMS:
+            raise InvalidDocument(f"{where}: {len(e.shape)} dimensions; at most {MAX_DIMS}")
         if any(d < 0 for d in e.global_shape + e.offsets + e.shape):
             raise InvalidDocument(f"{where}: negative dimension or offset")
+        if any(d > MAX_INT64 for d in e.global_shape + e.offsets + e.shape) or (
+            _product_over(e.global_shape, MAX_INT64)
+        ):
+            raise InvalidDocument(f"{where}: shape, offset or element count beyond int64")
         if any(o + s > g for o, s, g in zip(e.offsets, e.shape, e.global_shape, strict=True)):
             raise InvalidDocument(f"{where}: shard reaches outside the global shape")
         if e.placement != "sharded" and (
@@ -266,6 +305,17 @@ class RankManifest(_Document):
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+
+def _product_over(dims: list[int], bound: int) -> bool:
+    """Whether the product of ``dims`` (each <= bound) exceeds ``bound``; a zero
+    dimension does not excuse another beyond int64 (checked by the caller)."""
+    product = 1
+    for d in dims:
+        product *= d
+        if product > bound:
+            return True
+    return False
 
 
 # The tree is the state dict's shape with its tensors replaced by their names:
