@@ -723,9 +723,14 @@ class Repository:
     async def clear_rollback(self, job: str) -> bool:
         """Removes the job's rollback marker; True when there was one."""
         key = self._rollback_key(check_job(job))
-        if not await self.store.exists(key):
+        try:
+            seen = await self.store.get(key)
+        except NotFound:
             return False
-        await self.store.delete(key)
+        # Compare-and-delete: a rollback set after we looked (a newer one) stays.
+        if not await self.store.compare_and_delete(key, seen):
+            log.info("rollback of %s changed while clearing it; the newer one stays", job)
+            return False
         log.info("rollback of %s cleared", job)
         return True
 

@@ -13,7 +13,8 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckptd.errors import NotFound, StoreError
@@ -176,6 +177,38 @@ class LocalStore(Store):
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._delete, key)
+
+    def _cad(self, key: str, expected: bytes) -> bool:
+        path = self._path(key)
+        with self._ref_lock(key):
+            try:
+                current = path.read_bytes()
+            except FileNotFoundError:
+                return False
+            if current != expected:
+                return False
+            path.unlink()
+            if self.fsync:
+                _fsync_dir(path.parent)
+            return True
+
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        try:
+            return await asyncio.to_thread(self._cad, key, expected)
+        except OSError as exc:
+            raise StoreError(f"cannot delete {key}: {_reason(exc)}", key=key) from exc
+
+    @contextmanager
+    def _ref_lock(self, key: str) -> Iterator[None]:
+        """The lock that every compare-and-swap (and -delete) of ``key`` holds."""
+        lock_dir = self.root / _LOCKS
+        lock_dir.mkdir(exist_ok=True)
+        with open(lock_dir / key.replace("/", "%"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     def _cas(self, key: str, expected: bytes | None, new: bytes) -> bool:
         path = self._path(key)
