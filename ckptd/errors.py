@@ -225,6 +225,20 @@ class StoreError(CkptdError, OSError):
     code = "store_error"
 
 
+class StoreFull(StoreError):
+    """The store has no space left (ENOSPC, a quota): nothing half-written stays,
+    and retrying will not help until an operator frees space."""
+
+    code = "store_full"
+
+
+class StoreCorrupt(StoreError):
+    """A document in the store does not parse or contradicts its key: the store is
+    damaged (not the caller's request). ``detail["key"]`` names the document."""
+
+    code = "store_corrupt"
+
+
 class StagingError(StoreError):
     """The staging pool could not be created or grown (no memory left to map)."""
 
@@ -336,6 +350,8 @@ HTTP_STATUS: dict[str, int] = {
     "invalid_policy": 400,
     "staging_failed": 507,
     "rollback_requested": 409,
+    "store_full": 507,
+    "store_corrupt": 500,
 }
 
 

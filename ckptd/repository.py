@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -31,6 +31,7 @@ from ckptd.errors import (
     MissingChunks,
     NotCommitted,
     NotFound,
+    StoreCorrupt,
     Superseded,
     TooLarge,
     WorldSizeMismatch,
@@ -62,6 +63,17 @@ from ckptd.validation import ReplicaPolicy, validate_step
 
 log = logging.getLogger(__name__)
 
+_Doc = TypeVar("_Doc")
+
+
+def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
+    """A document read from the store, parsed: one that does not parse is store
+    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input."""
+    try:
+        return parse(data)
+    except InvalidDocument as exc:
+        raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
+
 
 @dataclass(frozen=True, slots=True)
 class MissingResult:
@@ -91,6 +103,16 @@ class StepInfo:
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
+    damaged: str | None = None  # what is wrong with the step's documents, if anything
+
+
+@dataclass(frozen=True, slots=True)
+class RestorableStep:
+    """The step a restore of "latest" should use, and why it is not ``latest``
+    itself when it is not (each problem names a damaged document)."""
+
+    step: int | None
+    problems: list[str]
 
 
 @dataclass(slots=True)
@@ -333,7 +355,7 @@ class Repository:
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(RankManifest.parse(existing)) >= epoch:
+            if manifest_epoch(parse_stored(RankManifest.parse, existing, key)) >= epoch:
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -381,7 +403,7 @@ class Repository:
             raise ManifestNotFound(
                 f"no manifest of rank {rank} for step {step} of {job}", rank=rank
             ) from None
-        return RankManifest.parse(data)
+        return parse_stored(RankManifest.parse, data, manifest_key(job, step, rank))
 
     async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
         """A rank's manifest of a committed step, checked against the commit record."""
@@ -402,7 +424,7 @@ class Repository:
                 f"manifest of rank {rank}, step {step} does not match its commit record",
                 rank=rank,
             )
-        return RankManifest.parse(data)
+        return parse_stored(RankManifest.parse, data, manifest_key(job, step, rank))
 
     # -- commit ---------------------------------------------------------------------
 
@@ -505,8 +527,12 @@ class Repository:
                 current = await self.store.get(key)
             except NotFound:
                 current = None
-            if current is not None and Ref.parse(current).step >= record.step:
-                return
+            if current is not None:
+                try:
+                    if Ref.parse(current).step >= record.step:
+                        return
+                except InvalidDocument as exc:  # damaged: a committed step repairs it
+                    log.warning("%s: replacing the damaged latest ref: %s", job, exc)
             if await self.store.compare_and_swap(key, current, new):
                 return
         raise Conflict(f"could not move latest of {job}: too much contention")
@@ -518,11 +544,12 @@ class Repository:
             data = await self.store.get(commit_key(job, step))
         except NotFound:
             return None
-        record = CommitRecord.parse(data)
+        key = commit_key(job, step)
+        record = parse_stored(CommitRecord.parse, data, key)
         if record.job != job or record.step != step:  # a record copied to another key
-            raise InvalidDocument(
-                f"commit record at step {step} of {job} names step {record.step} of "
-                f"{record.job}"
+            raise StoreCorrupt(
+                f"damaged document {key}: the commit record names step {record.step} of "
+                f"{record.job}", key=key,
             )
         return record
 
@@ -540,7 +567,7 @@ class Repository:
             data = await self.store.get(latest_key(job))
         except NotFound:
             return None
-        return Ref.parse(data).step
+        return parse_stored(Ref.parse, data, latest_key(job)).step
 
     async def resolve_step(self, job: str, step: int | None) -> int:
         if step is not None:
@@ -562,13 +589,22 @@ class Repository:
     async def list_steps(self, job: str) -> list[StepInfo]:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
         steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
-        latest = await self.latest(job)
+        try:
+            latest = await self.latest(job)
+        except StoreCorrupt as exc:  # the steps are still worth showing
+            log.warning("%s: %s", job, exc)
+            latest = None
         sem = asyncio.Semaphore(16)
 
         async def info(step: int) -> StepInfo:
             async with sem:
-                record = await self._try_read_commit(job, step)
                 ranks = await self._ranks_present(job, step)
+                try:
+                    record = await self._try_read_commit(job, step)
+                except StoreCorrupt as exc:  # one damaged step hides nothing else
+                    log.warning("%s step %d: %s", job, step, exc)
+                    return StepInfo(step, False, None, len(ranks), None, None, False,
+                                    damaged=exc.message)
                 if record is not None:
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
@@ -578,11 +614,47 @@ class Repository:
                 if ranks:
                     try:
                         world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
-                    except InvalidDocument as exc:  # one bad pending manifest hides nothing else
+                    except StoreCorrupt as exc:  # one bad pending manifest hides nothing else
                         log.warning("%s step %d: unreadable manifest: %s", job, step, exc)
                 return StepInfo(step, False, world, len(ranks), None, None, False)
 
         return list(await asyncio.gather(*(info(s) for s in steps)))
+
+    async def restorable_step(self, job: str) -> RestorableStep:
+        """The newest committed step whose ``latest`` ref and commit record read
+        cleanly: ``latest`` itself unless damage makes it unusable, then the newest
+        committed step below it, with the problems that made it fall back.
+
+        This is the one place that chooses the step a restore of "latest" gets
+        (scrub's damage markers belong here too)."""
+        problems: list[str] = []
+        try:
+            newest = await self.latest(job)
+        except StoreCorrupt as exc:
+            problems.append(exc.message)
+            newest = None
+        if newest is not None and not problems:
+            try:
+                if await self._try_read_commit(job, newest) is not None:
+                    return RestorableStep(newest, [])
+                problems.append(f"latest names step {newest} of {job}, which has no commit "
+                                "record")
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        steps = await self.step_numbers(job)
+        below = [s for s in reversed(steps) if newest is None or s < newest]
+        chosen: int | None = None
+        for step in below:
+            try:
+                if await self._try_read_commit(job, step) is not None:
+                    chosen = step
+                    break
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        if problems:
+            log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
+                        "; ".join(problems))
+        return RestorableStep(chosen, problems)
 
     async def verify(
         self,
@@ -645,7 +717,7 @@ class Repository:
             data = await self.store.get(self._rollback_key(job))
         except NotFound:
             return None
-        return Ref.parse(data)
+        return parse_stored(Ref.parse, data, self._rollback_key(job))
 
     async def rollback_state(self, job: str) -> tuple[Ref | None, int]:
         """The rollback marker (None when clear) and the job's epoch, as one pair.
@@ -671,7 +743,7 @@ class Repository:
             data = await self.store.get(timeline_key(check_job(job)))
         except NotFound:
             return None
-        return Timeline.parse(data)
+        return parse_stored(Timeline.parse, data, timeline_key(job))
 
     async def set_rollback(self, job: str, step: int, *, from_epoch: int | None = None
                            ) -> RollbackSet:
@@ -694,7 +766,7 @@ class Repository:
                 current: bytes | None = await self.store.get(key)
             except NotFound:
                 current = None
-            done = Timeline.parse(current) if current is not None else None
+            done = parse_stored(Timeline.parse, current, key) if current is not None else None
             epoch = done.epoch if done is not None else 0
             # Asked from an ended timeline while its rollback is still marked: that
             # rollback answers it. (Once the marker is cleared, it is a new one.)

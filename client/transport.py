@@ -22,6 +22,8 @@ from ckptd.errors import (
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
+    StoreCorrupt,
+    StoreFull,
     Timeout,
     Unavailable,
     from_json,
@@ -85,6 +87,11 @@ class Transport(ABC):
     async def epoch(self, job: str) -> int:
         return (await self.rollback_state(job))[1]
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        """The step a restore of "latest" gets, and the damaged documents that made
+        it older than the ``latest`` ref (none when it is that step)."""
+        return await self.latest(job), []
+
     @abstractmethod
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         """The commit record of a committed step."""
@@ -146,6 +153,10 @@ class LocalTransport(Transport):
     async def latest(self, job: str) -> int | None:
         return await self.repository.latest(check_job(job))
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        found = await self.repository.restorable_step(check_job(job))
+        return found.step, found.problems
+
     async def rollback_state(self, job: str) -> tuple[int | None, int]:
         marker, epoch = await self.repository.rollback_state(check_job(job))
         return (marker.step if marker is not None else None), epoch
@@ -158,8 +169,14 @@ class LocalTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         jobs = await self.repository.list_jobs()
-        latest = await asyncio.gather(*(self.repository.latest(j) for j in jobs))
-        return [{"job": j, "latest": s} for j, s in zip(jobs, latest, strict=True)]
+
+        async def one(job: str) -> dict[str, Any]:
+            try:
+                return {"job": job, "latest": await self.repository.latest(job), "damaged": None}
+            except StoreCorrupt as exc:  # one damaged ref must not hide the other jobs
+                return {"job": job, "latest": None, "damaged": exc.message}
+
+        return list(await asyncio.gather(*(one(j) for j in jobs)))
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         return await self.repository.list_steps(check_job(job))
@@ -239,7 +256,8 @@ class HttpTransport(Transport):
             if resp.status_code in ok:
                 return resp
             error = self._error(resp)
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 and not isinstance(error, StoreFull | StoreCorrupt):
+                # (a full or damaged store answers the same on a retry)
                 last = error
                 log.debug("%s %s answered %d (attempt %d/%d)", method, path, resp.status_code,
                           attempt + 1, attempts)
@@ -336,6 +354,14 @@ class HttpTransport(Transport):
             return None
         return int(resp.json()["step"])
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        check_job(job)
+        try:
+            doc = (await self._request("GET", f"/v1/jobs/{job}/latest")).json()
+        except CheckpointNotFound:
+            return None, []
+        return int(doc["step"]), [str(p) for p in doc.get("problems", [])]
+
     async def rollback_state(self, job: str) -> tuple[int | None, int]:
         check_job(job)
         doc = (await self._request("GET", f"/v1/jobs/{job}/rollback")).json()
@@ -373,7 +399,8 @@ class HttpTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         resp = await self._request("GET", "/v1/jobs")
-        return [{"job": j["job"], "latest": j.get("latest")} for j in resp.json()["jobs"]]
+        return [{"job": j["job"], "latest": j.get("latest"), "damaged": j.get("damaged")}
+                for j in resp.json()["jobs"]]
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         check_job(job)
@@ -387,6 +414,7 @@ class HttpTransport(Transport):
                 logical_bytes=s.get("logical_bytes"),
                 committed_at=s.get("committed_at"),
                 is_latest=bool(s.get("is_latest", False)),
+                damaged=s.get("damaged"),
             )
             for s in resp.json()["steps"]
         ]

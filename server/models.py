@@ -76,6 +76,9 @@ class CommitResponse(_Body):
 class JobSummary(_Body):
     job: str
     latest: int | None
+    damaged: str | None = Field(
+        default=None, description="Why ``latest`` could not be read (a damaged ref), if so."
+    )
 
 
 class JobList(_Body):
@@ -90,6 +93,9 @@ class StepSummary(_Body):
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
+    damaged: str | None = Field(
+        default=None, description="The damaged document that makes this step unusable."
+    )
 
 
 class StepList(_Body):
@@ -101,6 +107,10 @@ class StepList(_Body):
 class Latest(_Body):
     job: str
     step: int
+    problems: list[str] = Field(
+        default_factory=list,
+        description="Damaged documents that made this an older step than the latest ref.",
+    )
 
 
 class VerifyResult(_Body):
@@ -266,6 +276,9 @@ class StepView(_Body):
     is_latest: bool
     reason: str | None = Field(description="Why it was taken (the commit's meta.reason).")
     requested_by: int | None
+    damaged: str | None = Field(
+        default=None, description="The damaged document that makes this step unusable."
+    )
 
 
 class JobView(_Body):

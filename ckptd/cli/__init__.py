@@ -183,8 +183,10 @@ def ls(
                     steps = await transport.list_steps(name)
                     committed = [s for s in steps if _field(s, "committed")]
                     latest = next((s for s in steps if _field(s, "is_latest")), None)
+                    damaged = j.get("damaged")
                     table.add_row(
                         name,
+                        "[red]damaged[/]" if damaged else
                         str(_field(latest, "step")) if latest else "-",
                         str(len(committed)),
                         str(len(steps) - len(committed)),
@@ -197,9 +199,11 @@ def ls(
                 for s in steps:
                     committed = _field(s, "committed")
                     world = _field(s, "world_size")
+                    state = ("[red]damaged[/]" if _field(s, "damaged") else
+                             "[green]committed[/]" if committed else "[yellow]pending[/]")
                     table.add_row(
                         str(_field(s, "step")),
-                        "[green]committed[/]" if committed else "[yellow]pending[/]",
+                        state,
                         f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
                         _human(_field(s, "logical_bytes")),
                         _when(_field(s, "committed_at")),

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends
 
+from ckptd.errors import CheckpointNotFound, StoreCorrupt
 from ckptd.format import CommitRecord
 from ckptd.server.auth import require_token
 from ckptd.server.deps import (
@@ -44,8 +45,14 @@ router = APIRouter(
 @router.get("", response_model=JobList, summary="Every job and its latest committed step")
 async def list_jobs(repo: RepoDep) -> JobList:
     names = await repo.list_jobs()
-    latest = await asyncio.gather(*(repo.latest(name) for name in names))
-    return JobList(jobs=[JobSummary(job=n, latest=s) for n, s in zip(names, latest, strict=True)])
+
+    async def summary(name: str) -> JobSummary:
+        try:
+            return JobSummary(job=name, latest=await repo.latest(name))
+        except StoreCorrupt as exc:  # one job's damaged ref must not hide the others
+            return JobSummary(job=name, latest=None, damaged=exc.message)
+
+    return JobList(jobs=list(await asyncio.gather(*(summary(n) for n in names))))
 
 
 @router.get("/{job}/steps", response_model=StepList, summary="A job's steps, committed or not")
@@ -109,8 +116,18 @@ async def commit(
     summary="The newest committed step of a job",
     responses=error_responses(404),
 )
-async def latest(job: JobDep, repo: RepoDep) -> Latest:
-    return Latest(job=job, step=await repo.resolve_step(job, None))
+async def latest(job: JobDep, repo: RepoDep, registry: RegistryDep) -> Latest:
+    found = await repo.restorable_step(job)
+    if found.step is None:
+        raise CheckpointNotFound(
+            f"job {job} has no usable committed checkpoint"
+            + (f" ({'; '.join(found.problems)})" if found.problems else ""),
+            job=job, problems=found.problems,
+        )
+    if found.problems:
+        registry.add_event(job, "restore_fallback", step=found.step,
+                           reason="; ".join(found.problems)[:1024])
+    return Latest(job=job, step=found.step, problems=found.problems)
 
 
 @router.post(

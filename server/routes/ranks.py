@@ -141,7 +141,11 @@ async def restore_plan(
     rank: QueryRankDep,
     asked: QueryStepDep,
 ) -> Response:
-    step = asked if asked is not None else await repo.resolve_step(job, None)
+    if asked is not None:
+        step = asked
+    else:
+        found = await repo.restorable_step(job)  # falls back past a damaged latest
+        step = found.step if found.step is not None else await repo.resolve_step(job, None)
     record = await views.commit(job, step)
     if record is None:
         record = await repo.read_commit(job, step)  # raises not_committed / not found
