@@ -57,7 +57,7 @@ from ckptd.format import (
     step_prefix,
     timeline_key,
 )
-from ckptd.hashing import chunk_id, document_hash
+from ckptd.hashing import chunk_id, chunk_spans, document_hash
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
@@ -124,10 +124,16 @@ class VerifyReport:
     bad_chunks: list[str] = field(default_factory=list)
     missing_chunks: list[str] = field(default_factory=list)
     bad_manifests: list[str] = field(default_factory=list)
+    bad_refs: list[str] = field(default_factory=list)
+    bad_commits: list[str] = field(default_factory=list)
+    # Per bad or missing chunk: {"chunk", "problem", "breaks": [{"step", "rank", "tensor"}]}
+    damage: list[dict[str, Any]] = field(default_factory=list)
+    bytes_total: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.bad_chunks or self.missing_chunks or self.bad_manifests)
+        return not (self.bad_chunks or self.missing_chunks or self.bad_manifests
+                    or self.bad_refs or self.bad_commits)
 
 
 class RollbackSet(NamedTuple):
@@ -662,28 +668,49 @@ class Repository:
         step: int | None = None,
         *,
         progress: Callable[[int, int], None] | None = None,
+        on_bytes: Callable[[int, int], None] | None = None,
     ) -> VerifyReport:
-        """Re-hashes every chunk of one committed step, or of all committed steps."""
-        if step is None:
-            steps = [s.step for s in await self.list_steps(job) if s.committed]
-            if not steps:
-                raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
-        else:
-            steps = [step]
-        report = VerifyReport(job=job, steps=steps)
+        """Checks a job's refs, commit records and manifests, and re-hashes every
+        chunk of one committed step (or of all), naming for each bad chunk the
+        steps, ranks and tensors it breaks. ``progress`` gets (chunks checked,
+        chunks in all), ``on_bytes`` (bytes checked, bytes in all)."""
+        check_job(job)
+        report = VerifyReport(job=job, steps=[])
+        records: dict[int, CommitRecord] = {}
+        candidates = [step] if step is not None else await self.step_numbers(job)
+        for s in candidates:
+            try:
+                record = await self._try_read_commit(job, s)
+            except StoreCorrupt as exc:
+                report.bad_commits.append(exc.message)
+                continue
+            if record is None:
+                if step is not None:
+                    await self.read_commit(job, s)  # NotCommitted / CheckpointNotFound
+                continue
+            records[s] = record
+        await self._verify_refs(job, report)
+        if not records and not report.bad_commits and not report.bad_refs:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        report.steps = sorted(records)
         sizes: dict[str, int] = {}
-        for s in steps:
-            record = await self.read_commit(job, s)
+        users: dict[str, list[dict[str, Any]]] = {}
+        for s, record in sorted(records.items()):
             for rank in range(record.world_size):
                 try:
                     manifest = await self.read_manifest(job, s, rank)
-                except (ManifestHashMismatch, ManifestNotFound, InvalidDocument) as exc:
+                except (ManifestHashMismatch, ManifestNotFound, StoreCorrupt) as exc:
                     report.bad_manifests.append(f"step {s} rank {rank}: {exc}")
                     continue
                 for e in manifest.entries:
-                    for cid in e.chunks:
-                        sizes.setdefault(cid, 0)
+                    spans = chunk_spans(e.nbytes, manifest.chunk_size)
+                    for cid, (a, b) in zip(e.chunks, spans, strict=True):
+                        sizes[cid] = b - a
+                        used = users.setdefault(cid, [])
+                        if len(used) < 50:  # enough to say what breaks
+                            used.append({"step": s, "rank": rank, "tensor": e.name})
         total = len(sizes)
+        report.bytes_total = sum(sizes.values())
         sem = asyncio.Semaphore(4)
 
         async def check(cid: str) -> None:
@@ -692,18 +719,59 @@ class Repository:
                     data = await self.get_chunk(cid, verify=True)
                 except ChunkNotFound:
                     report.missing_chunks.append(cid)
+                    report.damage.append({"chunk": cid, "problem": "missing",
+                                          "breaks": users[cid]})
                 except ChunkHashMismatch:
                     report.bad_chunks.append(cid)
+                    report.damage.append({"chunk": cid, "problem": "corrupt",
+                                          "breaks": users[cid]})
                 else:
                     report.bytes_checked += len(data)
                 report.chunks_checked += 1
                 if progress is not None:
                     progress(report.chunks_checked, total)
+                if on_bytes is not None:
+                    on_bytes(report.bytes_checked, report.bytes_total)
 
         await asyncio.gather(*(check(cid) for cid in sizes))
         report.bad_chunks.sort()
         report.missing_chunks.sort()
+        report.damage.sort(key=lambda d: str(d["chunk"]))
         return report
+
+    async def _verify_refs(self, job: str, report: VerifyReport) -> None:
+        """``latest``, ``rollback`` and ``timeline`` parse, and each names a step
+        whose commit record is there and is the one it names."""
+        named: list[tuple[str, int, str]] = []
+        for what, read in (("latest", self._latest_ref), ("rollback", self.read_rollback),
+                           ("timeline", self.timeline)):
+            try:
+                ref = await read(job)
+            except StoreCorrupt as exc:
+                report.bad_refs.append(exc.message)
+                continue
+            if ref is not None:
+                named.append((what, ref.step, ref.commit))
+        for what, step, digest in named:
+            try:
+                record = await self._try_read_commit(job, step)
+            except StoreCorrupt:
+                report.bad_refs.append(f"{what} of {job} names step {step}, whose commit "
+                                       "record is damaged")
+                continue
+            if record is None:
+                report.bad_refs.append(f"{what} of {job} names step {step}, which has no "
+                                       "commit record (deleted, or never complete)")
+            elif record.digest() != digest:
+                report.bad_refs.append(f"{what} of {job} names a commit of step {step} "
+                                       "that is not the stored one")
+
+    async def _latest_ref(self, job: str) -> Ref | None:
+        try:
+            data = await self.store.get(latest_key(job))
+        except NotFound:
+            return None
+        return parse_stored(Ref.parse, data, latest_key(job))
 
     # -- rollback marker and step listings (the server's liveness views) -------------
 

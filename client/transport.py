@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlparse
@@ -40,6 +40,9 @@ from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
 from ckptd.store.local import LocalStore
 
 log = logging.getLogger(__name__)
+
+# (bytes done, bytes in all)
+Progress = Callable[[int, int], None]
 
 __all__ = [
     "CommitStatus",
@@ -109,9 +112,12 @@ class Transport(ABC):
         """Every step of ``job``, committed or pending, oldest first."""
 
     @abstractmethod
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
-        """Re-hashes the chunks of one committed step (or all); the report as a dict
-        with the fields of ``POST /v1/jobs/{job}/verify``."""
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
+        """Checks refs, commit records and manifests and re-hashes the chunks of one
+        committed step (or all); the report as a dict with the fields of ``POST
+        /v1/jobs/{job}/verify``. ``on_bytes`` gets (bytes checked, bytes in all)."""
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -172,7 +178,7 @@ class LocalTransport(Transport):
 
         async def one(job: str) -> dict[str, Any]:
             try:
-                return {"job": job, "latest": await self.repository.latest(job), "damaged": None}
+                return {"job": job, "latest": await self.repository.latest(job)}
             except StoreCorrupt as exc:  # one damaged ref must not hide the other jobs
                 return {"job": job, "latest": None, "damaged": exc.message}
 
@@ -181,8 +187,10 @@ class LocalTransport(Transport):
     async def list_steps(self, job: str) -> list[StepInfo]:
         return await self.repository.list_steps(check_job(job))
 
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
-        report = await self.repository.verify(check_job(job), step)
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
+        report = await self.repository.verify(check_job(job), step, on_bytes=on_bytes)
         return {**asdict(report), "ok": report.ok}
 
     async def close(self) -> None:
@@ -399,7 +407,9 @@ class HttpTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         resp = await self._request("GET", "/v1/jobs")
-        return [{"job": j["job"], "latest": j.get("latest"), "damaged": j.get("damaged")}
+        # "damaged" only where a job's latest ref is damaged
+        return [{"job": j["job"], "latest": j.get("latest"),
+                 **({"damaged": j["damaged"]} if j.get("damaged") else {})}
                 for j in resp.json()["jobs"]]
 
     async def list_steps(self, job: str) -> list[StepInfo]:
@@ -419,15 +429,38 @@ class HttpTransport(Transport):
             for s in resp.json()["steps"]
         ]
 
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
         check_job(job)
         params = {} if step is None else {"step": check_step(step)}
-        # Verify re-reads every chunk server side: allow it far longer than a request.
-        resp = await self._request(
-            "POST", f"/v1/jobs/{job}/verify", params=params, timeout=self.timeout * 20
-        )
-        doc: dict[str, Any] = resp.json()
-        return doc
+        if on_bytes is None:
+            # Verify re-reads every chunk server side: allow it far longer than a request.
+            resp = await self._request(
+                "POST", f"/v1/jobs/{job}/verify", params=params, timeout=self.timeout * 20
+            )
+            doc: dict[str, Any] = resp.json()
+            return doc
+        # Streamed: progress lines, then the report (no retries: it is long and idempotent,
+        # the caller runs it again).
+        async with self._client.stream(
+            "POST", f"/v1/jobs/{job}/verify", params=params,
+            headers={"Accept": "application/x-ndjson"}, timeout=self.timeout * 20,
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise self._error(resp)
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "report" in item:
+                    report: dict[str, Any] = item["report"]
+                    return report
+                if "error" in item:
+                    raise from_json(item["error"], 500)
+                on_bytes(int(item["bytes_checked"]), int(item["bytes_total"]))
+        raise Unavailable(f"the server ended the verify of {job} without a report", url=self.url)
 
     async def healthz(self) -> dict[str, Any]:
         """The server's ``/healthz`` answer."""

@@ -121,7 +121,25 @@ class VerifyResult(_Body):
     bad_chunks: list[str]
     missing_chunks: list[str]
     bad_manifests: list[str]
+    bad_refs: list[str] = Field(default_factory=list, description="Damaged or dangling refs.")
+    bad_commits: list[str] = Field(default_factory=list, description="Damaged commit records.")
+    damage: list[ChunkDamage] = Field(
+        default_factory=list, description="What each bad or missing chunk breaks."
+    )
+    bytes_total: int = 0
     ok: bool
+
+
+class ChunkUse(_Body):
+    step: int
+    rank: int
+    tensor: str
+
+
+class ChunkDamage(_Body):
+    chunk: str
+    problem: Literal["corrupt", "missing"]
+    breaks: list[ChunkUse] = Field(description="The steps, ranks and tensors it is part of.")
 
 
 # -- liveness, restore plans, coordination -------------------------------------------
