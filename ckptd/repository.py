@@ -32,6 +32,7 @@ from ckptd.errors import (
     NotCommitted,
     NotFound,
     StoreCorrupt,
+    StoreError,
     Superseded,
     TooLarge,
     WorldSizeMismatch,
@@ -92,6 +93,7 @@ class CommitStatus:
     world_size: int | None
     missing_ranks: list[int]
     record: CommitRecord | None = None
+    latest_moved: bool = True  # False: committed, but the latest ref could not be written
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,8 +452,9 @@ class Repository:
             raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
         existing = await self._try_read_commit(job, step)
         if existing is not None:
-            await self._advance_latest(job, existing)
-            return CommitStatus("committed", job, step, existing.world_size, [], existing)
+            moved = await self._advance_latest_or_say(job, existing)
+            return CommitStatus("committed", job, step, existing.world_size, [], existing,
+                                latest_moved=moved)
         ranks = await self._ranks_present(job, step)
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
@@ -521,8 +524,20 @@ class Repository:
             record = await self.read_commit(job, step)  # a concurrent commit won
         else:
             log.info("committed %s step %d (%d ranks)", job, step, world)
-        await self._advance_latest(job, record)
-        return CommitStatus("committed", job, step, world, [], record)
+        # The record is durable: the step is committed whatever happens to the ref,
+        # and the answer says so (a retry of the commit moves the ref).
+        moved = await self._advance_latest_or_say(job, record)
+        return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+
+    async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
+        """``_advance_latest``; False (logged) when the store refused the ref write."""
+        try:
+            await self._advance_latest(job, record)
+        except StoreError as exc:
+            log.warning("%s step %d is committed, but latest could not move: %s; the next "
+                        "commit (or a retry of this one) moves it", job, record.step, exc)
+            return False
+        return True
 
     async def _advance_latest(self, job: str, record: CommitRecord) -> None:
         """Moves ``latest`` forward to ``record``'s step, never backward."""

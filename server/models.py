@@ -71,6 +71,11 @@ class CommitResponse(_Body):
     world_size: int | None
     missing_ranks: list[int] = Field(description="Ranks whose manifests are not in yet.")
     record: CommitRecord | None
+    latest_moved: bool = Field(
+        default=True,
+        description="False when the step committed (its record is durable) but the latest "
+        "ref could not be written (a full store): a later commit moves it.",
+    )
 
 
 class JobSummary(_Body):

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ckptd.errors import NotFound, StoreError
+from ckptd.errors import NotFound, StoreError, StoreFull
 from ckptd.store.base import Store, check_key, check_prefix
 
 _TMP = ".tmp-"
@@ -27,6 +27,16 @@ _LOCKS = ".locks"
 def _reason(exc: OSError) -> str:
     # The OS message names the absolute temp path; callers see only the key.
     return exc.strerror or type(exc).__name__
+
+
+# A full disk or an exhausted quota: retrying will not help until space is freed.
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _write_failed(key: str, exc: OSError, verb: str = "write") -> StoreError:
+    """The typed error for a failed write of ``key``: ``StoreFull`` when out of space."""
+    cls = StoreFull if exc.errno in _FULL else StoreError
+    return cls(f"cannot {verb} {key}: {_reason(exc)}", key=key)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -150,17 +160,21 @@ class LocalStore(Store):
         try:
             tmp = self._write_temp(path, data)
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc) from exc
         try:
             os.link(tmp, path)  # atomic, and fails if another writer got there first
         except FileExistsError:
             return False
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc) from exc
         finally:
             tmp.unlink(missing_ok=True)
         if self.fsync:
-            _fsync_dir(path.parent)
+            try:
+                _fsync_dir(path.parent)
+            except OSError as exc:  # not durable: take it back rather than half-keep it
+                path.unlink(missing_ok=True)
+                raise _write_failed(key, exc) from exc
         return True
 
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
@@ -236,7 +250,7 @@ class LocalStore(Store):
         try:
             return await asyncio.to_thread(self._cas, key, expected, new)
         except OSError as exc:
-            raise StoreError(f"cannot update {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc, "update") from exc
 
     def describe(self) -> str:
         return f"file://{self.root}"

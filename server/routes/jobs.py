@@ -113,6 +113,7 @@ async def commit(
         world_size=status.world_size,
         missing_ranks=status.missing_ranks,
         record=status.record,
+        latest_moved=status.latest_moved,
     )
 
 

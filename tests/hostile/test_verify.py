@@ -17,7 +17,6 @@ from ckptd.client import Checkpointer
 from ckptd.hashing import chunk_id
 from tests.conftest import ServerProcess
 
-
 JOBS = {"clean": 0, "gone": 1, "rot": 2, "torn": 3}
 
 
