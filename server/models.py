@@ -72,7 +72,7 @@ class CommitResponse(_Body):
     missing_ranks: list[int] = Field(description="Ranks whose manifests are not in yet.")
     record: CommitRecord | None
     latest_moved: bool = Field(
-        default=True,
+        default=True, exclude_if=lambda v: v is True,
         description="False when the step committed (its record is durable) but the latest "
         "ref could not be written (a full store): a later commit moves it.",
     )
@@ -82,7 +82,8 @@ class JobSummary(_Body):
     job: str
     latest: int | None
     damaged: str | None = Field(
-        default=None, description="Why ``latest`` could not be read (a damaged ref), if so."
+        default=None, exclude_if=lambda v: v is None,
+        description="Why ``latest`` could not be read (a damaged ref); absent when it could.",
     )
 
 
@@ -99,7 +100,8 @@ class StepSummary(_Body):
     committed_at: float | None
     is_latest: bool
     damaged: str | None = Field(
-        default=None, description="The damaged document that makes this step unusable."
+        default=None, exclude_if=lambda v: v is None,
+        description="The damaged document that makes this step unusable; absent if none.",
     )
 
 
@@ -113,8 +115,9 @@ class Latest(_Body):
     job: str
     step: int
     problems: list[str] = Field(
-        default_factory=list,
-        description="Damaged documents that made this an older step than the latest ref.",
+        default_factory=list, exclude_if=lambda v: not v,
+        description="Damaged documents that made this an older step than the latest ref "
+        "(absent when there are none).",
     )
 
 
@@ -300,7 +303,8 @@ class StepView(_Body):
     reason: str | None = Field(description="Why it was taken (the commit's meta.reason).")
     requested_by: int | None
     damaged: str | None = Field(
-        default=None, description="The damaged document that makes this step unusable."
+        default=None, exclude_if=lambda v: v is None,
+        description="The damaged document that makes this step unusable; absent if none.",
     )
 
 
