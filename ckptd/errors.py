@@ -232,6 +232,12 @@ class StoreFull(StoreError):
     code = "store_full"
 
 
+class BodyTimeout(InvalidRequest):
+    """A request body that stopped arriving (a stalled or hostile client)."""
+
+    code = "body_timeout"
+
+
 class StoreCorrupt(StoreError):
     """A document in the store does not parse or contradicts its key: the store is
     damaged (not the caller's request). ``detail["key"]`` names the document."""
@@ -352,6 +358,7 @@ HTTP_STATUS: dict[str, int] = {
     "rollback_requested": 409,
     "store_full": 507,
     "store_corrupt": 500,
+    "body_timeout": 408,
 }
 
 

@@ -14,6 +14,12 @@ from uvicorn.config import LOGGING_CONFIG
 
 from ckptd import __version__
 from ckptd.repository import Repository
+from ckptd.server.connections import (
+    connection_cap,
+    guarded_protocol,
+    quiet_repeats,
+    raise_fd_limit,
+)
 from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
 from ckptd.server.metrics import Metrics
@@ -123,6 +129,7 @@ def run(settings: Settings) -> None:
     """Serves the application until SIGINT or SIGTERM, then shuts down gracefully:
     no new connections, requests in flight finish (up to GRACEFUL_SHUTDOWN_S), and
     the lifespan closes the store."""
+    fd_limit = raise_fd_limit()
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -132,7 +139,11 @@ def run(settings: Settings) -> None:
         access_log=settings.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
+        http=guarded_protocol(
+            settings.header_timeout, connection_cap(settings.max_connections, fd_limit)
+        ),
     )
+    quiet_repeats()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
     log.info("starting ckptd %s on %s:%d", __version__, settings.host, settings.port)
     server.run()

@@ -37,6 +37,9 @@ _STARLETTE_CODES: dict[int, type[CkptdError]] = {
     413: TooLarge,
 }
 
+# Refusals after which the rest of the request body is not worth reading.
+_CLOSE_AFTER = {401, 403, 408, 413, 503, 507}
+
 # Validation errors located only here are about a name in the URL.
 _NAME_LOCATIONS = {"path", "query"}
 
@@ -48,6 +51,12 @@ def error_response(
     answer_headers = dict(headers or {})
     if status == 401:
         answer_headers["WWW-Authenticate"] = "Bearer"
+    if status in _CLOSE_AFTER:
+        # The body of a refused request may still be arriving (2 GiB with no token):
+        # closing the connection stops it, where keep-alive would read it all.
+        answer_headers["Connection"] = "close"
+    if status == 503:
+        answer_headers.setdefault("Retry-After", "1")
     return JSONResponse(err.to_json(), status_code=status, headers=answer_headers)
 
 

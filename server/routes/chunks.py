@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from ckptd import knobs
 from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.server.auth import require_token
-from ckptd.server.bodies import BUFFERS, read_chunk
+from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep
 from ckptd.server.metrics import Metrics
 from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
@@ -65,9 +65,11 @@ async def put_chunk(
 ) -> ChunkStored:
     started = time.perf_counter()
     try:
-        body = await read_chunk(request)
-        with memoryview(body.buffer) as whole, whole[: body.size] as view:
-            created = await repo.put_chunk(cid, view, digest=body.digest)
+        # Reserved before a byte is buffered; held until the store has the chunk.
+        async with ingest_budget(request).hold(declared_chunk_bytes(request)):
+            body = await read_chunk(request)
+            with memoryview(body.buffer) as whole, whole[: body.size] as view:
+                created = await repo.put_chunk(cid, view, digest=body.digest)
     except CkptdError as exc:
         metrics.upload_rejected(exc.code)
         raise
