@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import weakref
 from typing import Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ckptd import dtypes
 from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
@@ -193,14 +194,42 @@ def _load(cls: type[_D], data: bytes, fmt: str, what: str) -> _D:
         raise _pydantic_error(exc, what) from None
 
 
+# Canonical bytes and digests of documents, by id(): documents are frozen, and a
+# 100,000-tensor manifest's encoding costs seconds, asked for at put, commit and
+# plan time. (Not private attributes: pydantic would compare them in ==.)
+_ENCODED: dict[int, tuple[bytes, str | None]] = {}
+_CHECKED: set[int] = set()
+
+
+def _forget(key: int) -> None:
+    _ENCODED.pop(key, None)
+    _CHECKED.discard(key)
+
+
 class _Document(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     def canonical(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json"))
+        held = _ENCODED.get(id(self))
+        if held is not None:
+            return held[0]
+        data = canonical_json(self.model_dump(mode="json"))
+        self._remember(data, None)
+        return data
 
     def digest(self) -> str:
-        return document_hash(self.canonical())
+        held = _ENCODED.get(id(self))
+        if held is not None and held[1] is not None:
+            return held[1]
+        data = self.canonical()
+        digest = document_hash(data)
+        self._remember(data, digest)
+        return digest
+
+    def _remember(self, data: bytes, digest: str | None) -> None:
+        if id(self) not in _ENCODED:
+            weakref.finalize(self, _forget, id(self))
+        _ENCODED[id(self)] = (data, digest)
 
 
 # -- the rank manifest ------------------------------------------------------------------
@@ -239,12 +268,38 @@ class RankManifest(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> RankManifest:
-        manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
-        manifest.check()
+        """Parses and checks a manifest. The entries are validated in slices, so a
+        thread parsing 100,000 of them gives the GIL back between slices (one
+        validation call over all of them held it for the whole of it)."""
+        doc = _parse_json(data, "rank manifest")
+        _check_header(doc, MANIFEST_FORMAT, "rank manifest")
+        entries = doc.get("entries")
+        if not isinstance(entries, list) or len(entries) <= PARSE_SLICE:
+            manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
+        else:
+            try:
+                head = cls.model_validate({**doc, "entries": []})
+                validated: list[TensorEntry] = []
+                for start in range(0, len(entries), PARSE_SLICE):
+                    validated.extend(_ENTRIES.validate_python(
+                        entries[start:start + PARSE_SLICE], strict=True))
+            except ValidationError as exc:
+                raise _pydantic_error(exc, "rank manifest") from None
+            manifest = head.model_copy(update={"entries": validated})
+        manifest.check()  # (which also encodes it once, for canonical() and digest())
         return manifest
 
     def check(self) -> None:
-        """Checks what one manifest can say about itself (not across ranks)."""
+        """Checks what one manifest can say about itself (not across ranks); once
+        per (immutable) manifest."""
+        if id(self) in _CHECKED:
+            return
+        self._check()
+        if id(self) not in _ENCODED:
+            weakref.finalize(self, _forget, id(self))
+        _CHECKED.add(id(self))
+
+    def _check(self) -> None:
         check_job(self.job)
         check_step(self.step)
         check_rank(self.rank, self.world_size)
@@ -316,6 +371,11 @@ def _product_over(dims: list[int], bound: int) -> bool:
         if product > bound:
             return True
     return False
+
+
+# Entries validated per call when parsing a large manifest.
+PARSE_SLICE = 2_000
+_ENTRIES = TypeAdapter(list[TensorEntry])
 
 
 # The tree is the state dict's shape with its tensors replaced by their names:
