@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         with Server(root / "store", root / "server.log") as server:
             results: dict[tuple[int, int], dict[str, float]] = {}
             for world, tensors in shapes:
-                results[(world, tensors)] = commit_round(server.url, f"scale-{world}x{tensors}",
-                                                         world, tensors)
+                r = results[(world, tensors)] = commit_round(
+                    server.url, f"scale-{world}x{tensors}", world, tensors)
+                print(f"  {world} x {tensors}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in r.items()), flush=True)
         largest = max(t for _, t in shapes)
         peer = peers(largest, root)
     print(f"\n{'shape':>14} {'manifest':>9} {'put':>8} {'commit':>8} {'plan':>8} "

@@ -70,3 +70,17 @@ def test_a_large_manifest_keeps_health_answering(shared_server: ServerProcess) -
     assert during_commit < 1.0, seen
     assert plan < 1.0, seen
     assert put < 3.0, seen
+
+
+def test_sliced_encoding_is_the_canonical_one() -> None:
+    from ckptd.format import PARSE_SLICE, RankManifest, canonical_json
+
+    (manifest,), _ = many_tensor_manifests("moe", 1, 1, PARSE_SLICE * 2 + 7)
+    odd = RankManifest.model_validate(
+        {**manifest.model_dump(), "meta": {"tree": "\x00ckptd-splice\x00", "entries": None}}
+    )
+    for m in (manifest, odd):
+        data = m.canonical()
+        assert data == canonical_json(m.model_dump(mode="json"))
+        again = RankManifest.parse(data)
+        assert again == m and again.canonical() == data
