@@ -158,9 +158,70 @@ def _parse_json(data: bytes, what: str) -> Any:
     if json_too_deep(data):
         raise InvalidDocument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
+        if len(data) > PIECEWISE_JSON_BYTES:
+            return _decode_piecewise(data.decode("utf-8"))
         return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
+
+
+# Larger documents are decoded piece by piece (see _decode_piecewise).
+PIECEWISE_JSON_BYTES = 1 << 20
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _decode_piecewise(text: str) -> Any:
+    """``json.loads(text)``, decoded one array element (one tensor entry, one tree
+    pair) per call: a thread decoding 24 MiB in one call held the GIL, and so the
+    event loop, for all of it."""
+    value, end = _decode_at(text, _WS.match(text, 0).end(), 0)  # type: ignore[union-attr]
+    if _WS.match(text, end).end() != len(text):  # type: ignore[union-attr]
+        raise ValueError(f"extra data at {end}")
+    return value
+
+
+def _decode_at(text: str, idx: int, depth: int) -> tuple[Any, int]:
+    # Objects are walked at depths 0 and 1 (the document, its entries/tree/meta),
+    # arrays down to depth 2 (the tree's list of pairs); the rest in one call each.
+    ch = text[idx:idx + 1]
+    if ch == "[" and depth <= 2:
+        items: list[Any] = []
+        idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
+        if text[idx:idx + 1] == "]":
+            return items, idx + 1
+        while True:
+            item, idx = _decode_at(text, idx, depth + 1)
+            items.append(item)
+            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
+            sep = text[idx:idx + 1]
+            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
+            if sep == "]":
+                return items, idx
+            if sep != ",":
+                raise ValueError(f"expected ',' or ']' at {idx}")
+    if ch == "{" and depth <= 1:
+        obj: dict[str, Any] = {}
+        idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
+        if text[idx:idx + 1] == "}":
+            return obj, idx + 1
+        while True:
+            key, idx = _DECODER.raw_decode(text, idx)
+            if not isinstance(key, str):
+                raise ValueError(f"expected a key at {idx}")
+            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
+            if text[idx:idx + 1] != ":":
+                raise ValueError(f"expected ':' at {idx}")
+            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
+            obj[key], idx = _decode_at(text, idx, depth + 1)
+            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
+            sep = text[idx:idx + 1]
+            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
+            if sep == "}":
+                return obj, idx
+            if sep != ",":
+                raise ValueError(f"expected ',' or '}}' at {idx}")
+    return _DECODER.raw_decode(text, idx)
 
 
 def _check_header(doc: Any, fmt: str, what: str) -> None:

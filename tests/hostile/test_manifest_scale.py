@@ -84,3 +84,24 @@ def test_sliced_encoding_is_the_canonical_one() -> None:
         assert data == canonical_json(m.model_dump(mode="json"))
         again = RankManifest.parse(data)
         assert again == m and again.canonical() == data
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": [1, 2 , {"b": [3]}], "c" : {"d": {"e": 1}} , "f": [], "a": 2}', " [ ] ", "{}",
+    '[1,[2,[3,[4]]]]', '{"a":"\\u00e9\\"]"}  ',
+])
+def test_piecewise_decoding_is_json_loads(text: str) -> None:
+    import json
+
+    from ckptd.format import _decode_piecewise
+
+    assert _decode_piecewise(text) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ['{"a":1,}', "[1 2]", '{"a" 1}', "[1,]", '{"a":NaN}',
+                                  "[1] x", "{1:2}", "[", '{"a":'])
+def test_piecewise_decoding_refuses_what_json_refuses(text: str) -> None:
+    from ckptd.format import _decode_piecewise
+
+    with pytest.raises(ValueError):
+        _decode_piecewise(text)
