@@ -11,12 +11,11 @@ import json
 import math
 import re
 import weakref
-from collections.abc import Callable
 from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from ckptd import dtypes
+from ckptd import dtypes, large_json
 from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
 from ckptd.hashing import chunk_count, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -133,25 +132,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
 def json_too_deep(data: bytes | bytearray | memoryview, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether JSON ``data`` nests deeper than ``limit``, found without parsing
-    it (a parser recurses: 100,000 ``[`` is a RecursionError, not an answer).
+    """Whether JSON ``data`` nests deeper than ``limit`` (see ckptd.large_json)."""
+    return large_json.json_too_deep(data, limit)
 
-    Innermost bracket pairs are removed level by level, at C speed. Brackets
-    inside strings count too (balanced ones only add pairs); text that stops
-    shrinking is left to the parser, whose RecursionError is caught as well."""
-    brackets = bytes(data).translate(None, _NOT_BRACKETS)
-    for _ in range(limit):
-        if not brackets:
-            return False
-        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
-        if len(shorter) == len(brackets):
-            return False
-        brackets = shorter
-    return bool(brackets)
+
+# Larger documents are decoded piece by piece (see ckptd.large_json).
+PIECEWISE_JSON_BYTES = 1 << 20
 
 
 def _parse_json(data: bytes, what: str) -> Any:
@@ -159,69 +146,10 @@ def _parse_json(data: bytes, what: str) -> Any:
         raise InvalidDocument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         if len(data) > PIECEWISE_JSON_BYTES:
-            return _decode_piecewise(data.decode("utf-8"))
+            return large_json.decode_piecewise(data.decode("utf-8"))
         return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
-
-
-# Larger documents are decoded piece by piece (see _decode_piecewise).
-PIECEWISE_JSON_BYTES = 1 << 20
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def _decode_piecewise(text: str) -> Any:
-    """``json.loads(text)``, decoded one array element (one tensor entry, one tree
-    pair) per call: a thread decoding 24 MiB in one call held the GIL, and so the
-    event loop, for all of it."""
-    value, end = _decode_at(text, _WS.match(text, 0).end(), 0)  # type: ignore[union-attr]
-    if _WS.match(text, end).end() != len(text):  # type: ignore[union-attr]
-        raise ValueError(f"extra data at {end}")
-    return value
-
-
-def _decode_at(text: str, idx: int, depth: int) -> tuple[Any, int]:
-    # Objects are walked at depths 0 and 1 (the document, its entries/tree/meta),
-    # arrays down to depth 2 (the tree's list of pairs); the rest in one call each.
-    ch = text[idx:idx + 1]
-    if ch == "[" and depth <= 2:
-        items: list[Any] = []
-        idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
-        if text[idx:idx + 1] == "]":
-            return items, idx + 1
-        while True:
-            item, idx = _decode_at(text, idx, depth + 1)
-            items.append(item)
-            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
-            sep = text[idx:idx + 1]
-            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
-            if sep == "]":
-                return items, idx
-            if sep != ",":
-                raise ValueError(f"expected ',' or ']' at {idx}")
-    if ch == "{" and depth <= 1:
-        obj: dict[str, Any] = {}
-        idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
-        if text[idx:idx + 1] == "}":
-            return obj, idx + 1
-        while True:
-            key, idx = _DECODER.raw_decode(text, idx)
-            if not isinstance(key, str):
-                raise ValueError(f"expected a key at {idx}")
-            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
-            if text[idx:idx + 1] != ":":
-                raise ValueError(f"expected ':' at {idx}")
-            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
-            obj[key], idx = _decode_at(text, idx, depth + 1)
-            idx = _WS.match(text, idx).end()  # type: ignore[union-attr]
-            sep = text[idx:idx + 1]
-            idx = _WS.match(text, idx + 1).end()  # type: ignore[union-attr]
-            if sep == "}":
-                return obj, idx
-            if sep != ",":
-                raise ValueError(f"expected ',' or '}}' at {idx}")
-    return _DECODER.raw_decode(text, idx)
 
 
 def _check_header(doc: Any, fmt: str, what: str) -> None:
@@ -367,9 +295,9 @@ class RankManifest(_Document):
         before, after = text.split(_SPLICE_JSON, 1)
         middle, end = after.rsplit(_SPLICE_JSON, 1)
         data = b"".join([
-            before, _sliced(self.entries, lambda s: _ENTRIES.dump_python(s, mode="json")),
-            middle,
-            _tree_json(self.tree), end,
+            before,
+            large_json.encode_sliced(self.entries, lambda s: _ENTRIES.dump_python(s, mode="json")),
+            middle, large_json.encode_tree(self.tree), end,
         ])
         self._remember(data, None)
         return data
@@ -459,26 +387,10 @@ def _product_over(dims: list[int], bound: int) -> bool:
 
 
 # Entries validated (and encoded) per call when parsing a large manifest.
-PARSE_SLICE = 2_000
+PARSE_SLICE = large_json.SLICE
 _ENTRIES = TypeAdapter(list[TensorEntry])
 _SPLICE = "\u0000ckptd-splice\u0000"
 _SPLICE_JSON = canonical_json(_SPLICE)
-
-
-def _sliced(items: list[Any], dump: Callable[[list[Any]], Any] = lambda s: s) -> bytes:
-    """``canonical_json(dump(items))``, dumped and encoded PARSE_SLICE items per call."""
-    parts = [canonical_json(dump(items[i:i + PARSE_SLICE]))[1:-1]
-             for i in range(0, len(items), PARSE_SLICE)]
-    return b"[" + b",".join(p for p in parts if p) + b"]"
-
-
-def _tree_json(tree: Any) -> bytes:
-    """``canonical_json(tree)``, its top node's (long) list encoded in slices."""
-    if isinstance(tree, dict) and len(tree) == 1:
-        ((kind, body),) = tree.items()
-        if isinstance(body, list) and len(body) > PARSE_SLICE:
-            return b"{" + canonical_json(kind) + b":" + _sliced(body) + b"}"
-    return canonical_json(tree)
 
 
 # The tree is the state dict's shape with its tensors replaced by their names:

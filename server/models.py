@@ -121,6 +121,18 @@ class Latest(_Body):
     )
 
 
+class ChunkUse(_Body):
+    step: int
+    rank: int
+    tensor: str
+
+
+class ChunkDamage(_Body):
+    chunk: str
+    problem: Literal["corrupt", "missing"]
+    breaks: list[ChunkUse] = Field(description="The steps, ranks and tensors it is part of.")
+
+
 class VerifyResult(_Body):
     job: str
     steps: list[int]
@@ -136,18 +148,6 @@ class VerifyResult(_Body):
     )
     bytes_total: int = 0
     ok: bool
-
-
-class ChunkUse(_Body):
-    step: int
-    rank: int
-    tensor: str
-
-
-class ChunkDamage(_Body):
-    chunk: str
-    problem: Literal["corrupt", "missing"]
-    breaks: list[ChunkUse] = Field(description="The steps, ranks and tensors it is part of.")
 
 
 # -- liveness, restore plans, coordination -------------------------------------------

@@ -93,15 +93,15 @@ def test_sliced_encoding_is_the_canonical_one() -> None:
 def test_piecewise_decoding_is_json_loads(text: str) -> None:
     import json
 
-    from ckptd.format import _decode_piecewise
+    from ckptd.large_json import decode_piecewise
 
-    assert _decode_piecewise(text) == json.loads(text)
+    assert decode_piecewise(text) == json.loads(text)
 
 
 @pytest.mark.parametrize("text", ['{"a":1,}', "[1 2]", '{"a" 1}', "[1,]", '{"a":NaN}',
                                   "[1] x", "{1:2}", "[", '{"a":'])
 def test_piecewise_decoding_refuses_what_json_refuses(text: str) -> None:
-    from ckptd.format import _decode_piecewise
+    from ckptd.large_json import decode_piecewise
 
     with pytest.raises(ValueError):
-        _decode_piecewise(text)
+        decode_piecewise(text)
