@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,26 +31,52 @@ from bench.common import Server, fmt_x, ratio, scratch_dir
 from ckptd.hashing import chunk_id
 from ckptd.testing.manifests import many_tensor_manifests
 
+# The poller runs in its own process: a thread beside the benchmark's 16 upload
+# threads would measure this process's GIL, not the server.
+_POLLER = """
+import sys, time, http.client
+host, port, every = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+conn = http.client.HTTPConnection(host, port, timeout=60)
+worst, n = 0.0, 0
+while sys.stdin.readline() == "go\\n":
+    t0 = time.perf_counter()
+    try:
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+        worst = max(worst, time.perf_counter() - t0)
+    except (OSError, http.client.HTTPException):
+        conn.close()  # (a closed keep-alive connection: the next request reopens it)
+    n += 1
+    print(f"{worst} {n}", flush=True)
+"""
+
 
 class HealthWatch:
-    """Polls /healthz every ``every`` s on its own thread; the worst latency seen."""
+    """Polls /healthz about every ``every`` s from another process; the worst
+    latency seen."""
 
     def __init__(self, url: str, every: float = 0.01) -> None:
-        self.url = url
+        host, port = url.removeprefix("http://").split(":")
         self.every = every
         self.worst = 0.0
         self.samples = 0
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _POLLER, host, port, str(every)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=30) as c:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                c.get(f"{self.url}/healthz")
-                self.worst = max(self.worst, time.perf_counter() - t0)
-                self.samples += 1
-                self._stop.wait(self.every)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        while not self._stop.is_set():
+            self._proc.stdin.write("go\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline().split()
+            if len(line) != 2:
+                break
+            self.worst, self.samples = float(line[0]), int(line[1])
+            self._stop.wait(self.every)
 
     def __enter__(self) -> HealthWatch:
         self._thread.start()
@@ -56,7 +84,10 @@ class HealthWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(60)
+        self._thread.join(120)
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(30)
 
 
 def commit_round(url: str, job: str, world: int, tensors: int) -> dict[str, float]:
