@@ -232,8 +232,9 @@ class StoreFull(StoreError):
     code = "store_full"
 
 
-class BodyTimeout(InvalidRequest):
-    """A request body that stopped arriving (a stalled or hostile client)."""
+class BodyTimeout(CkptdError, TimeoutError):
+    """A request body that stopped arriving (a stalled or hostile client): 408, the
+    client's slowness, not a bad request (400) nor the server's (504)."""
 
     code = "body_timeout"
 
