@@ -225,6 +225,28 @@ class StoreError(CkptdError, OSError):
     code = "store_error"
 
 
+class StoreFull(StoreError):
+    """The store has no space left (ENOSPC, a quota), or too little for a new
+    snapshot (refused before any of its bytes are sent): nothing half-written stays,
+    and retrying will not help until an operator frees space."""
+
+    code = "store_full"
+
+
+class BodyTimeout(CkptdError, TimeoutError):
+    """A request body that stopped arriving (a stalled or hostile client): 408, the
+    client's slowness, not a bad request (400) nor the server's (504)."""
+
+    code = "body_timeout"
+
+
+class StoreCorrupt(StoreError):
+    """A document in the store does not parse or contradicts its key: the store is
+    damaged (not the caller's request). ``detail["key"]`` names the document."""
+
+    code = "store_corrupt"
+
+
 class StagingError(StoreError):
     """The staging pool could not be created or grown (no memory left to map)."""
 
@@ -292,13 +314,6 @@ class RollbackRequested(CkptdError):
         return step if isinstance(step, int) else None
 
 
-class StoreFull(StoreError):
-    """The store has too little space left for a new snapshot; it is refused before
-    any of its bytes are sent, instead of failing half-way."""
-
-    code = "store_full"
-
-
 class GcInProgress(Unavailable):
     """A garbage collection sweep holds the store's GC lease; retry shortly."""
 
@@ -351,6 +366,8 @@ HTTP_STATUS: dict[str, int] = {
     "rollback_requested": 409,
     "store_full": 507,
     "gc_in_progress": 503,
+    "store_corrupt": 500,
+    "body_timeout": 408,
 }
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import weakref
 from typing import Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from ckptd import dtypes
+from ckptd import dtypes, large_json
 from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
 from ckptd.hashing import chunk_count, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -32,6 +33,16 @@ MAX_STEP = 10**15
 MAX_WORLD_SIZE = 1 << 20
 MAX_NAME_LEN = 4096
 MAX_TREE_DEPTH = 64
+# Names of numbers in URLs: one spelling each (no sign, no leading zero).
+STEP_PATTERN = r"^(0|[1-9][0-9]{0,14})$"
+RANK_PATTERN = r"^(0|[1-9][0-9]{0,6})$"
+# A tensor restores into memory: every dimension, offset and element count fits
+# int64 (torch's sizes), and no tensor has more dimensions than this.
+MAX_DIMS = 64
+MAX_INT64 = 2**63 - 1
+# JSON nesting of any document or request body: a tree MAX_TREE_DEPTH deep nests
+# about three levels per node, plus the document's own.
+MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32
 
 Placement = Literal["replicated", "sharded", "local"]
 
@@ -126,10 +137,23 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def json_too_deep(data: bytes | bytearray | memoryview, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON ``data`` nests deeper than ``limit`` (see ckptd.large_json)."""
+    return large_json.json_too_deep(data, limit)
+
+
+# Larger documents are decoded piece by piece (see ckptd.large_json).
+PIECEWISE_JSON_BYTES = 1 << 20
+
+
 def _parse_json(data: bytes, what: str) -> Any:
+    if json_too_deep(data):
+        raise InvalidDocument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
+        if len(data) > PIECEWISE_JSON_BYTES:
+            return large_json.decode_piecewise(data.decode("utf-8"))
         return json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidDocument(f"{what} is not valid JSON: {exc}") from None
 
 
@@ -165,14 +189,42 @@ def _load(cls: type[_D], data: bytes, fmt: str, what: str) -> _D:
         raise _pydantic_error(exc, what) from None
 
 
+# Canonical bytes and digests of documents, by id(): documents are frozen, and a
+# 100,000-tensor manifest's encoding costs seconds, asked for at put, commit and
+# plan time. (Not private attributes: pydantic would compare them in ==.)
+_ENCODED: dict[int, tuple[bytes, str | None]] = {}
+_CHECKED: set[int] = set()
+
+
+def _forget(key: int) -> None:
+    _ENCODED.pop(key, None)
+    _CHECKED.discard(key)
+
+
 class _Document(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     def canonical(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json"))
+        held = _ENCODED.get(id(self))
+        if held is not None:
+            return held[0]
+        data = canonical_json(self.model_dump(mode="json"))
+        self._remember(data, None)
+        return data
 
     def digest(self) -> str:
-        return document_hash(self.canonical())
+        held = _ENCODED.get(id(self))
+        if held is not None and held[1] is not None:
+            return held[1]
+        data = self.canonical()
+        digest = document_hash(data)
+        self._remember(data, digest)
+        return digest
+
+    def _remember(self, data: bytes, digest: str | None) -> None:
+        if id(self) not in _ENCODED:
+            weakref.finalize(self, _forget, id(self))
+        _ENCODED[id(self)] = (data, digest)
 
 
 # -- the rank manifest ------------------------------------------------------------------
@@ -187,7 +239,7 @@ class TensorEntry(_Document):
     global_shape: list[int]
     offsets: list[int]
     shape: list[int]
-    nbytes: int = Field(ge=0)
+    nbytes: int = Field(ge=0, le=MAX_INT64)
     chunks: list[str]
 
     @property
@@ -211,12 +263,61 @@ class RankManifest(_Document):
 
     @classmethod
     def parse(cls, data: bytes) -> RankManifest:
-        manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
-        manifest.check()
+        """Parses and checks a manifest. The entries are validated in slices, so a
+        thread parsing 100,000 of them gives the GIL back between slices (one
+        validation call over all of them held it for the whole of it)."""
+        doc = _parse_json(data, "rank manifest")
+        _check_header(doc, MANIFEST_FORMAT, "rank manifest")
+        entries = doc.get("entries")
+        if not isinstance(entries, list) or len(entries) <= PARSE_SLICE:
+            manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
+        else:
+            try:
+                head = cls.model_validate({**doc, "entries": []})
+                validated: list[TensorEntry] = []
+                for start in range(0, len(entries), PARSE_SLICE):
+                    validated.extend(_ENTRIES.validate_python(
+                        entries[start:start + PARSE_SLICE], strict=True))
+            except ValidationError as exc:
+                raise _pydantic_error(exc, "rank manifest") from None
+            manifest = head.model_copy(update={"entries": validated})
+        manifest.check()  # (which also encodes it once, for canonical() and digest())
         return manifest
 
+    def canonical(self) -> bytes:
+        """The canonical bytes, encoded slice by slice for a large manifest (one
+        encoding call over 100,000 entries held the GIL for its whole length)."""
+        held = _ENCODED.get(id(self))
+        if held is not None:
+            return held[0]
+        if len(self.entries) <= PARSE_SLICE:
+            return super().canonical()
+        head = self.model_dump(mode="json", exclude={"entries", "tree"})
+        head["entries"] = head["tree"] = _SPLICE
+        text = canonical_json(head)
+        # Sorted keys: "entries" is the first occurrence of the marker (only
+        # chunk_size precedes it), "tree" the last (only version and world_size follow).
+        before, after = text.split(_SPLICE_JSON, 1)
+        middle, end = after.rsplit(_SPLICE_JSON, 1)
+        data = b"".join([
+            before,
+            large_json.encode_sliced(self.entries, lambda s: _ENTRIES.dump_python(s, mode="json")),
+            middle, large_json.encode_tree(self.tree), end,
+        ])
+        self._remember(data, None)
+        return data
+
     def check(self) -> None:
-        """Checks what one manifest can say about itself (not across ranks)."""
+        """Checks what one manifest can say about itself (not across ranks); once
+        per (immutable) manifest."""
+        if id(self) in _CHECKED:
+            return
+        self._check()
+        if id(self) not in _ENCODED:
+            weakref.finalize(self, _forget, id(self))
+        _CHECKED.add(id(self))
+
+    def _check(self) -> None:
         check_job(self.job)
         check_step(self.step)
         check_rank(self.rank, self.world_size, job=self.job)
@@ -249,8 +350,14 @@ class RankManifest(_Document):
         size = dtypes.itemsize(e.dtype)
         if not (len(e.global_shape) == len(e.offsets) == len(e.shape)):
             raise InvalidDocument(f"{where}: global_shape, offsets and shape differ in rank")
+        if len(e.shape) > MAX_DIMS:
+            raise InvalidDocument(f"{where}: {len(e.shape)} dimensions; at most {MAX_DIMS}")
         if any(d < 0 for d in e.global_shape + e.offsets + e.shape):
             raise InvalidDocument(f"{where}: negative dimension or offset")
+        if any(d > MAX_INT64 for d in e.global_shape + e.offsets + e.shape) or (
+            _product_over(e.global_shape, MAX_INT64)
+        ):
+            raise InvalidDocument(f"{where}: shape, offset or element count beyond int64")
         if any(o + s > g for o, s, g in zip(e.offsets, e.shape, e.global_shape, strict=True)):
             raise InvalidDocument(f"{where}: shard reaches outside the global shape")
         if e.placement != "sharded" and (
@@ -271,6 +378,24 @@ class RankManifest(_Document):
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+
+def _product_over(dims: list[int], bound: int) -> bool:
+    """Whether the product of ``dims`` (each <= bound) exceeds ``bound``; a zero
+    dimension does not excuse another beyond int64 (checked by the caller)."""
+    product = 1
+    for d in dims:
+        product *= d
+        if product > bound:
+            return True
+    return False
+
+
+# Entries validated (and encoded) per call when parsing a large manifest.
+PARSE_SLICE = large_json.SLICE
+_ENTRIES = TypeAdapter(list[TensorEntry])
+_SPLICE = "\u0000ckptd-splice\u0000"
+_SPLICE_JSON = canonical_json(_SPLICE)
 
 
 # The tree is the state dict's shape with its tensors replaced by their names:

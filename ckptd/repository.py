@@ -9,13 +9,15 @@ written only after every rank's manifest validated together.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -31,6 +33,8 @@ from ckptd.errors import (
     MissingChunks,
     NotCommitted,
     NotFound,
+    StoreCorrupt,
+    StoreError,
     Superseded,
     TooLarge,
     WorldSizeMismatch,
@@ -56,7 +60,7 @@ from ckptd.format import (
     step_prefix,
     timeline_key,
 )
-from ckptd.hashing import chunk_id, document_hash
+from ckptd.hashing import chunk_id, chunk_spans, document_hash
 from ckptd.lifecycle import fence as gc_fence
 from ckptd.lifecycle.documents import damage_key, damage_prefix
 from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag
@@ -64,6 +68,17 @@ from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
 log = logging.getLogger(__name__)
+
+_Doc = TypeVar("_Doc")
+
+
+def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
+    """A document read from the store, parsed: one that does not parse is store
+    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input."""
+    try:
+        return parse(data)
+    except InvalidDocument as exc:
+        raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
 
 
 # Which of these stored chunk ids a tenant may know of (see missing_chunks).
@@ -87,6 +102,7 @@ class CommitStatus:
     world_size: int | None
     missing_ranks: list[int]
     record: CommitRecord | None = None
+    latest_moved: bool = True  # False: committed, but the latest ref could not be written
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +114,16 @@ class StepInfo:
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
-    damaged: bool = False  # scrub marked it (ckptd.lifecycle.scrub); latest skips it
+    damaged: str | None = None  # what is wrong with the step's documents, if anything
+
+
+@dataclass(frozen=True, slots=True)
+class RestorableStep:
+    """The step a restore of "latest" should use, and why it is not ``latest``
+    itself when it is not (each problem names a damaged document)."""
+
+    step: int | None
+    problems: list[str]
 
 
 @dataclass(slots=True)
@@ -110,10 +135,16 @@ class VerifyReport:
     bad_chunks: list[str] = field(default_factory=list)
     missing_chunks: list[str] = field(default_factory=list)
     bad_manifests: list[str] = field(default_factory=list)
+    bad_refs: list[str] = field(default_factory=list)
+    bad_commits: list[str] = field(default_factory=list)
+    # Per bad or missing chunk: {"chunk", "problem", "breaks": [{"step", "rank", "tensor"}]}
+    damage: list[dict[str, Any]] = field(default_factory=list)
+    bytes_total: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.bad_chunks or self.missing_chunks or self.bad_manifests)
+        return not (self.bad_chunks or self.missing_chunks or self.bad_manifests
+                    or self.bad_refs or self.bad_commits)
 
 
 class RollbackSet(NamedTuple):
@@ -192,6 +223,69 @@ class _Claims:
                 self._seq += 1
 
 
+# One thread parses and validates documents. CPU-bound threads share the GIL with
+# the event loop, which waits a switch interval (5 ms) behind each of them: with
+# 16 manifests parsing at once, /healthz waited seconds; behind one, milliseconds.
+_DOCUMENT_WORKER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="ckptd-documents"
+)
+
+_R = TypeVar("_R")
+
+
+async def document_work(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """Runs CPU work on documents (parse, validate, encode) off the event loop, on
+    the one document thread."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_DOCUMENT_WORKER, functools.partial(fn, *args, **kwargs))
+
+
+# Tensor entries of parsed manifests kept for the commit and restore plans that
+# read them again (a 100,000-tensor manifest parses in about a second).
+MANIFEST_CACHE_ENTRIES = 1_000_000
+
+
+class _ParsedManifests:
+    """Parsed rank manifests by store key, each with the bytes it was parsed from:
+    a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
+        self._entries = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str, data: bytes) -> RankManifest | None:
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held[0] != data:
+                return None
+            self._held.move_to_end(key)
+            return held[1]
+
+    def put(self, key: str, data: bytes, manifest: RankManifest) -> None:
+        with self._lock:
+            old = self._held.pop(key, None)
+            if old is not None:
+                self._entries -= len(old[1].entries)
+            self._held[key] = (data, manifest)
+            self._entries += len(manifest.entries)
+            while self._entries > self.max_entries and len(self._held) > 1:
+                _, (_, dropped) = self._held.popitem(last=False)
+                self._entries -= len(dropped.entries)
+
+    async def parse(self, key: str, data: bytes) -> RankManifest:
+        """The manifest in ``data`` (stored at ``key``), parsed off the event loop."""
+        held = self.get(key, data)
+        if held is not None:
+            return held
+        manifest: RankManifest = await document_work(
+            parse_stored, RankManifest.parse, data, key
+        )
+        self.put(key, data, manifest)
+        return manifest
+
+
 class Repository:
     """Checkpoints of many jobs over one Store, with validation on commit."""
 
@@ -212,6 +306,7 @@ class Repository:
         #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
+        self._manifests = _ParsedManifests(MANIFEST_CACHE_ENTRIES)
 
     async def close(self) -> None:
         await self.store.close()
@@ -327,6 +422,8 @@ class Repository:
             manifest = RankManifest.parse(bytes(manifest))
         else:
             manifest.check()
+        # Encoded and hashed once, off the event loop (24 MiB for 100,000 tensors).
+        await document_work(manifest.digest)
         data = manifest.canonical()
         key = manifest_key(manifest.job, manifest.step, manifest.rank)
         record = await self._try_read_commit(manifest.job, manifest.step)
@@ -361,19 +458,21 @@ class Repository:
             )
         for _ in range(100):
             if await self.store.put_if_absent(key, data):
+                self._manifests.put(key, data, manifest)  # commit reads it next
                 return manifest.digest()
             try:
                 existing = await self.store.get(key)
             except NotFound:
                 continue  # deleted in between: try again
             if existing == data:
+                self._manifests.put(key, data, manifest)
                 return manifest.digest()
             if await self.store.exists(commit_key(manifest.job, manifest.step)):
                 raise AlreadyCommitted(
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(RankManifest.parse(existing)) >= epoch:
+            if manifest_epoch(parse_stored(RankManifest.parse, existing, key)) >= epoch:
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -421,7 +520,7 @@ class Repository:
             raise ManifestNotFound(
                 f"no manifest of rank {rank} for step {step} of {job}", rank=rank
             ) from None
-        return RankManifest.parse(data)
+        return await self._manifests.parse(manifest_key(job, step, rank), data)
 
     async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
         """A rank's manifest of a committed step, checked against the commit record."""
@@ -442,7 +541,7 @@ class Repository:
                 f"manifest of rank {rank}, step {step} does not match its commit record",
                 rank=rank,
             )
-        return RankManifest.parse(data)
+        return await self._manifests.parse(manifest_key(job, step, rank), data)
 
     # -- commit ---------------------------------------------------------------------
 
@@ -465,8 +564,9 @@ class Repository:
             check_tag(tag)
         existing = await self._try_read_commit(job, step)
         if existing is not None:
-            await self._advance_latest(job, existing)
-            return CommitStatus("committed", job, step, existing.world_size, [], existing)
+            moved = await self._advance_latest_or_say(job, existing)
+            return CommitStatus("committed", job, step, existing.world_size, [], existing,
+                                latest_moved=moved)
         ranks = await self._ranks_present(job, step)
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
@@ -506,7 +606,10 @@ class Repository:
                 f"step {step} of {job} mixes manifests from before and after a rollback; "
                 "it cannot commit", job=job, step=step, current=epoch,
             )
-        report = validate_step(manifests, replica_mismatch=self.replica_mismatch)
+        # CPU work that grows with the tensor count: off the event loop.
+        report = await document_work(
+            validate_step, manifests, replica_mismatch=self.replica_mismatch
+        )
         ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
         # The GC fence: chunks found present while no sweep runs stay present, as
         # every later sweep lists these (already stored) manifests after it began.
@@ -522,10 +625,10 @@ class Repository:
             job=job,
             step=step,
             world_size=world,
-            manifests=[
-                ManifestRef(rank=m.rank, hash=m.digest(), size=len(m.canonical()))
-                for m in manifests
-            ],
+            manifests=await document_work(
+                lambda: [ManifestRef(rank=m.rank, hash=m.digest(), size=len(m.canonical()))
+                         for m in manifests]
+            ),
             report=report,
             committed_at=self._clock(),
             meta=dict(meta or {}),
@@ -543,8 +646,20 @@ class Repository:
             log.info("committed %s step %d (%d ranks)", job, step, world)
             if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
                 await set_tag(self.store, job, tag, step)
-        await self._advance_latest(job, record)
-        return CommitStatus("committed", job, step, world, [], record)
+        # The record is durable: the step is committed whatever happens to the ref,
+        # and the answer says so (a retry of the commit moves the ref).
+        moved = await self._advance_latest_or_say(job, record)
+        return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+
+    async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
+        """``_advance_latest``; False (logged) when the store refused the ref write."""
+        try:
+            await self._advance_latest(job, record)
+        except StoreError as exc:
+            log.warning("%s step %d is committed, but latest could not move: %s; the next "
+                        "commit (or a retry of this one) moves it", job, record.step, exc)
+            return False
+        return True
 
     async def _advance_latest(self, job: str, record: CommitRecord) -> None:
         """Moves ``latest`` forward to ``record``'s step, never backward."""
@@ -555,8 +670,12 @@ class Repository:
                 current = await self.store.get(key)
             except NotFound:
                 current = None
-            if current is not None and Ref.parse(current).step >= record.step:
-                return
+            if current is not None:
+                try:
+                    if Ref.parse(current).step >= record.step:
+                        return
+                except InvalidDocument as exc:  # damaged: a committed step repairs it
+                    log.warning("%s: replacing the damaged latest ref: %s", job, exc)
             if await self.store.compare_and_swap(key, current, new):
                 return
         raise Conflict(f"could not move latest of {job}: too much contention")
@@ -568,11 +687,12 @@ class Repository:
             data = await self.store.get(commit_key(job, step))
         except NotFound:
             return None
-        record = CommitRecord.parse(data)
+        key = commit_key(job, step)
+        record = parse_stored(CommitRecord.parse, data, key)
         if record.job != job or record.step != step:  # a record copied to another key
-            raise InvalidDocument(
-                f"commit record at step {step} of {job} names step {record.step} of "
-                f"{record.job}"
+            raise StoreCorrupt(
+                f"damaged document {key}: the commit record names step {record.step} of "
+                f"{record.job}", key=key,
             )
         return record
 
@@ -598,7 +718,7 @@ class Repository:
             data = await self.store.get(latest_key(job))
         except NotFound:
             return None
-        return Ref.parse(data).step
+        return parse_stored(Ref.parse, data, latest_key(job)).step
 
     async def newest_undamaged_step(self, job: str) -> int | None:
         """The newest committed step without a scrub damage marker, or None."""
@@ -628,29 +748,82 @@ class Repository:
     async def list_steps(self, job: str) -> list[StepInfo]:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
         steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
-        latest = await self.latest(job)
+        try:
+            latest = await self.latest(job)
+        except StoreCorrupt as exc:  # the steps are still worth showing
+            log.warning("%s: %s", job, exc)
+            latest = None
         damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
         sem = asyncio.Semaphore(16)
 
         async def info(step: int) -> StepInfo:
             async with sem:
-                record = await self._try_read_commit(job, step)
                 ranks = await self._ranks_present(job, step)
+                try:
+                    record = await self._try_read_commit(job, step)
+                except StoreCorrupt as exc:  # one damaged step hides nothing else
+                    log.warning("%s step %d: %s", job, step, exc)
+                    return StepInfo(step, False, None, len(ranks), None, None, False,
+                                    damaged=exc.message)
                 if record is not None:
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
                         record.report.logical_bytes, record.committed_at, step == latest,
-                        str(step) in damaged,
+                        damaged=(f"scrub found corrupt chunks ({damage_key(job, step)})"
+                                 if str(step) in damaged else None),
                     )
                 world = None
                 if ranks:
                     try:
                         world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
-                    except InvalidDocument as exc:  # one bad pending manifest hides nothing else
+                    except StoreCorrupt as exc:  # one bad pending manifest hides nothing else
                         log.warning("%s step %d: unreadable manifest: %s", job, step, exc)
                 return StepInfo(step, False, world, len(ranks), None, None, False)
 
         return list(await asyncio.gather(*(info(s) for s in steps)))
+
+    async def restorable_step(self, job: str) -> RestorableStep:
+        """The newest committed step whose ``latest`` ref and commit record read
+        cleanly: ``latest`` itself unless damage makes it unusable, then the newest
+        committed step below it, with the problems that made it fall back.
+
+        This is the one place that chooses the step a restore of "latest" gets
+        (scrub's damage markers belong here too)."""
+        problems: list[str] = []
+        ref_read = True
+        try:
+            newest = await self.latest(job)  # skips steps scrub marked damaged
+            named = await self.latest_ref_step(job)
+            if named is not None and named != newest:
+                problems.append(f"step {named} of {job} is marked damaged by scrub "
+                                f"({damage_key(job, named)})")
+        except StoreCorrupt as exc:
+            problems.append(exc.message)
+            newest, ref_read = None, False
+        if newest is not None and ref_read:
+            try:
+                if await self._try_read_commit(job, newest) is not None:
+                    return RestorableStep(newest, problems)  # (a scrub fallback, if any)
+                problems.append(f"latest names step {newest} of {job}, which has no commit "
+                                "record")
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        steps = await self.step_numbers(job)
+        marked = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        below = [s for s in reversed(steps)
+                 if (newest is None or s < newest) and str(s) not in marked]
+        chosen: int | None = None
+        for step in below:
+            try:
+                if await self._try_read_commit(job, step) is not None:
+                    chosen = step
+                    break
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        if problems:
+            log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
+                        "; ".join(problems))
+        return RestorableStep(chosen, problems)
 
     async def verify(
         self,
@@ -658,28 +831,49 @@ class Repository:
         step: int | None = None,
         *,
         progress: Callable[[int, int], None] | None = None,
+        on_bytes: Callable[[int, int], None] | None = None,
     ) -> VerifyReport:
-        """Re-hashes every chunk of one committed step, or of all committed steps."""
-        if step is None:
-            steps = [s.step for s in await self.list_steps(job) if s.committed]
-            if not steps:
-                raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
-        else:
-            steps = [step]
-        report = VerifyReport(job=job, steps=steps)
+        """Checks a job's refs, commit records and manifests, and re-hashes every
+        chunk of one committed step (or of all), naming for each bad chunk the
+        steps, ranks and tensors it breaks. ``progress`` gets (chunks checked,
+        chunks in all), ``on_bytes`` (bytes checked, bytes in all)."""
+        check_job(job)
+        report = VerifyReport(job=job, steps=[])
+        records: dict[int, CommitRecord] = {}
+        candidates = [step] if step is not None else await self.step_numbers(job)
+        for s in candidates:
+            try:
+                record = await self._try_read_commit(job, s)
+            except StoreCorrupt as exc:
+                report.bad_commits.append(exc.message)
+                continue
+            if record is None:
+                if step is not None:
+                    await self.read_commit(job, s)  # NotCommitted / CheckpointNotFound
+                continue
+            records[s] = record
+        await self._verify_refs(job, report)
+        if not records and not report.bad_commits and not report.bad_refs:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        report.steps = sorted(records)
         sizes: dict[str, int] = {}
-        for s in steps:
-            record = await self.read_commit(job, s)
+        users: dict[str, list[dict[str, Any]]] = {}
+        for s, record in sorted(records.items()):
             for rank in range(record.world_size):
                 try:
                     manifest = await self.read_manifest(job, s, rank)
-                except (ManifestHashMismatch, ManifestNotFound, InvalidDocument) as exc:
+                except (ManifestHashMismatch, ManifestNotFound, StoreCorrupt) as exc:
                     report.bad_manifests.append(f"step {s} rank {rank}: {exc}")
                     continue
                 for e in manifest.entries:
-                    for cid in e.chunks:
-                        sizes.setdefault(cid, 0)
+                    spans = chunk_spans(e.nbytes, manifest.chunk_size)
+                    for cid, (a, b) in zip(e.chunks, spans, strict=True):
+                        sizes[cid] = b - a
+                        used = users.setdefault(cid, [])
+                        if len(used) < 50:  # enough to say what breaks
+                            used.append({"step": s, "rank": rank, "tensor": e.name})
         total = len(sizes)
+        report.bytes_total = sum(sizes.values())
         sem = asyncio.Semaphore(4)
 
         async def check(cid: str) -> None:
@@ -688,18 +882,59 @@ class Repository:
                     data = await self.get_chunk(cid, verify=True)
                 except ChunkNotFound:
                     report.missing_chunks.append(cid)
+                    report.damage.append({"chunk": cid, "problem": "missing",
+                                          "breaks": users[cid]})
                 except ChunkHashMismatch:
                     report.bad_chunks.append(cid)
+                    report.damage.append({"chunk": cid, "problem": "corrupt",
+                                          "breaks": users[cid]})
                 else:
                     report.bytes_checked += len(data)
                 report.chunks_checked += 1
                 if progress is not None:
                     progress(report.chunks_checked, total)
+                if on_bytes is not None:
+                    on_bytes(report.bytes_checked, report.bytes_total)
 
         await asyncio.gather(*(check(cid) for cid in sizes))
         report.bad_chunks.sort()
         report.missing_chunks.sort()
+        report.damage.sort(key=lambda d: str(d["chunk"]))
         return report
+
+    async def _verify_refs(self, job: str, report: VerifyReport) -> None:
+        """``latest``, ``rollback`` and ``timeline`` parse, and each names a step
+        whose commit record is there and is the one it names."""
+        named: list[tuple[str, int, str]] = []
+        for what, read in (("latest", self._latest_ref), ("rollback", self.read_rollback),
+                           ("timeline", self.timeline)):
+            try:
+                ref = await read(job)
+            except StoreCorrupt as exc:
+                report.bad_refs.append(exc.message)
+                continue
+            if ref is not None:
+                named.append((what, ref.step, ref.commit))
+        for what, step, digest in named:
+            try:
+                record = await self._try_read_commit(job, step)
+            except StoreCorrupt:
+                report.bad_refs.append(f"{what} of {job} names step {step}, whose commit "
+                                       "record is damaged")
+                continue
+            if record is None:
+                report.bad_refs.append(f"{what} of {job} names step {step}, which has no "
+                                       "commit record (deleted, or never complete)")
+            elif record.digest() != digest:
+                report.bad_refs.append(f"{what} of {job} names a commit of step {step} "
+                                       "that is not the stored one")
+
+    async def _latest_ref(self, job: str) -> Ref | None:
+        try:
+            data = await self.store.get(latest_key(job))
+        except NotFound:
+            return None
+        return parse_stored(Ref.parse, data, latest_key(job))
 
     # -- rollback marker and step listings (the server's liveness views) -------------
 
@@ -713,7 +948,7 @@ class Repository:
             data = await self.store.get(self._rollback_key(job))
         except NotFound:
             return None
-        return Ref.parse(data)
+        return parse_stored(Ref.parse, data, self._rollback_key(job))
 
     async def rollback_state(self, job: str) -> tuple[Ref | None, int]:
         """The rollback marker (None when clear) and the job's epoch, as one pair.
@@ -739,7 +974,7 @@ class Repository:
             data = await self.store.get(timeline_key(check_job(job)))
         except NotFound:
             return None
-        return Timeline.parse(data)
+        return parse_stored(Timeline.parse, data, timeline_key(job))
 
     async def set_rollback(self, job: str, step: int, *, from_epoch: int | None = None
                            ) -> RollbackSet:
@@ -762,7 +997,7 @@ class Repository:
                 current: bytes | None = await self.store.get(key)
             except NotFound:
                 current = None
-            done = Timeline.parse(current) if current is not None else None
+            done = parse_stored(Timeline.parse, current, key) if current is not None else None
             epoch = done.epoch if done is not None else 0
             # Asked from an ended timeline while its rollback is still marked: that
             # rollback answers it. (Once the marker is cleared, it is a new one.)
@@ -791,9 +1026,14 @@ class Repository:
     async def clear_rollback(self, job: str) -> bool:
         """Removes the job's rollback marker; True when there was one."""
         key = self._rollback_key(check_job(job))
-        if not await self.store.exists(key):
+        try:
+            seen = await self.store.get(key)
+        except NotFound:
             return False
-        await self.store.delete(key)
+        # Compare-and-delete: a rollback set after we looked (a newer one) stays.
+        if not await self.store.compare_and_delete(key, seen):
+            log.info("rollback of %s changed while clearing it; the newer one stays", job)
+            return False
         log.info("rollback of %s cleared", job)
         return True
 

@@ -119,7 +119,7 @@ T = TypeVar("T")
 Tier = Literal["local", "cache", "peer", "store"]
 TIERS: tuple[Tier, ...] = ("local", "cache", "peer", "store")
 HUGE_FROM = 4 * MiB  # fresh buffers this large come from huge-page-advised maps
-ProblemKind = Literal["mismatch", "stale", "missing", "failed", "size"]
+ProblemKind = Literal["mismatch", "stale", "missing", "failed", "size", "damaged"]
 
 
 # -- results --------------------------------------------------------------------------
@@ -814,6 +814,8 @@ class RestorePlan:
     peers: dict[str, list[str]] = field(default_factory=dict)
     manifests: dict[int, RankManifest] = field(default_factory=dict)  # every rank, when read
     peer_token: str | None = None  # the job's peer token, from the server's plan
+    # Damaged documents that made "latest" an older step (see restorable_step).
+    fallback: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -870,6 +872,12 @@ async def load_plan(
     """Resolves the step, refuses a step that never committed, and reads the
     manifest whose tree is restored (this rank's; rank 0's when this rank is
     outside the committed world) with the peers that hold its chunks."""
+    fallback: list[str] = []
+    if step is None:
+        found, fallback = await transport.restorable(job)
+        if found is None:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        step = found
     step = await resolve_step(transport, job, step)
     record = await transport.read_commit(job, step)  # NotCommitted, CheckpointNotFound
     source_rank = rank if rank < record.world_size else 0
@@ -888,7 +896,8 @@ async def load_plan(
         job, step, source_rank
     ):
         manifest = await transport.read_manifest(job, step, source_rank)
-    plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token)
+    plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token,
+                       fallback=fallback)
     plan.manifests[source_rank] = manifest
     return plan
 
@@ -1254,7 +1263,7 @@ def restore_into(
         chunks=fetched.chunks,
         seconds=seconds,
         bytes_from=fetched.bytes_from,
-        problems=fetched.problems,
+        problems=[*fallback_problems(plan), *fetched.problems],
         world_size=plan.world_size,
         elastic=layout.wanted.elastic,
     )
@@ -1263,6 +1272,14 @@ def restore_into(
              ", ".join(f"{t} {n}" for t, n in fetched.bytes_from.items() if n),
              f", {len(fetched.problems)} source problems" if fetched.problems else "")
     return result, fetched
+
+
+def fallback_problems(plan: RestorePlan) -> list[ChunkProblem]:
+    """The damaged documents that made a restore of "latest" use an older step."""
+    return [
+        ChunkProblem(chunk="", tier="store", source="latest", kind="damaged", message=m)
+        for m in plan.fallback
+    ]
 
 
 async def adopt_pool(

@@ -11,7 +11,7 @@ import os
 import socket
 import ssl
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlparse
@@ -25,6 +25,8 @@ from ckptd.errors import (
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
+    StoreCorrupt,
+    StoreFull,
     Timeout,
     Unavailable,
     from_json,
@@ -41,6 +43,9 @@ from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
 from ckptd.store.local import LocalStore
 
 log = logging.getLogger(__name__)
+
+# (bytes done, bytes in all)
+Progress = Callable[[int, int], None]
 
 __all__ = [
     "CommitStatus",
@@ -90,6 +95,11 @@ class Transport(ABC):
     async def epoch(self, job: str) -> int:
         return (await self.rollback_state(job))[1]
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        """The step a restore of "latest" gets, and the damaged documents that made
+        it older than the ``latest`` ref (none when it is that step)."""
+        return await self.latest(job), []
+
     @abstractmethod
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         """The commit record of a committed step."""
@@ -107,9 +117,12 @@ class Transport(ABC):
         """Every step of ``job``, committed or pending, oldest first."""
 
     @abstractmethod
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
-        """Re-hashes the chunks of one committed step (or all); the report as a dict
-        with the fields of ``POST /v1/jobs/{job}/verify``."""
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
+        """Checks refs, commit records and manifests and re-hashes the chunks of one
+        committed step (or all); the report as a dict with the fields of ``POST
+        /v1/jobs/{job}/verify``. ``on_bytes`` gets (bytes checked, bytes in all)."""
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -151,6 +164,10 @@ class LocalTransport(Transport):
     async def latest(self, job: str) -> int | None:
         return await self.repository.latest(check_job(job))
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        found = await self.repository.restorable_step(check_job(job))
+        return found.step, found.problems
+
     async def rollback_state(self, job: str) -> tuple[int | None, int]:
         marker, epoch = await self.repository.rollback_state(check_job(job))
         return (marker.step if marker is not None else None), epoch
@@ -163,14 +180,22 @@ class LocalTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         jobs = await self.repository.list_jobs()
-        latest = await asyncio.gather(*(self.repository.latest(j) for j in jobs))
-        return [{"job": j, "latest": s} for j, s in zip(jobs, latest, strict=True)]
+
+        async def one(job: str) -> dict[str, Any]:
+            try:
+                return {"job": job, "latest": await self.repository.latest(job)}
+            except StoreCorrupt as exc:  # one damaged ref must not hide the other jobs
+                return {"job": job, "latest": None, "damaged": exc.message}
+
+        return list(await asyncio.gather(*(one(j) for j in jobs)))
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         return await self.repository.list_steps(check_job(job))
 
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
-        report = await self.repository.verify(check_job(job), step)
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
+        report = await self.repository.verify(check_job(job), step, on_bytes=on_bytes)
         return {**asdict(report), "ok": report.ok}
 
     async def close(self) -> None:
@@ -253,7 +278,8 @@ class HttpTransport(Transport):
             if resp.status_code in ok:
                 return resp
             error = self._error(resp)
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 and not isinstance(error, StoreFull | StoreCorrupt):
+                # (a full or damaged store answers the same on a retry)
                 last = error
                 log.debug("%s %s answered %d (attempt %d/%d)", method, path, resp.status_code,
                           attempt + 1, attempts)
@@ -350,6 +376,14 @@ class HttpTransport(Transport):
             return None
         return int(resp.json()["step"])
 
+    async def restorable(self, job: str) -> tuple[int | None, list[str]]:
+        check_job(job)
+        try:
+            doc = (await self._request("GET", f"/v1/jobs/{job}/latest")).json()
+        except CheckpointNotFound:
+            return None, []
+        return int(doc["step"]), [str(p) for p in doc.get("problems", [])]
+
     async def rollback_state(self, job: str) -> tuple[int | None, int]:
         check_job(job)
         doc = (await self._request("GET", f"/v1/jobs/{job}/rollback")).json()
@@ -387,7 +421,10 @@ class HttpTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         resp = await self._request("GET", "/v1/jobs")
-        return [{"job": j["job"], "latest": j.get("latest")} for j in resp.json()["jobs"]]
+        # "damaged" only where a job's latest ref is damaged
+        return [{"job": j["job"], "latest": j.get("latest"),
+                 **({"damaged": j["damaged"]} if j.get("damaged") else {})}
+                for j in resp.json()["jobs"]]
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         check_job(job)
@@ -401,20 +438,43 @@ class HttpTransport(Transport):
                 logical_bytes=s.get("logical_bytes"),
                 committed_at=s.get("committed_at"),
                 is_latest=bool(s.get("is_latest", False)),
-                damaged=bool(s.get("damaged", False)),
+                damaged=s.get("damaged"),
             )
             for s in resp.json()["steps"]
         ]
 
-    async def verify(self, job: str, step: int | None = None) -> dict[str, Any]:
+    async def verify(
+        self, job: str, step: int | None = None, on_bytes: Progress | None = None
+    ) -> dict[str, Any]:
         check_job(job)
         params = {} if step is None else {"step": check_step(step)}
-        # Verify re-reads every chunk server side: allow it far longer than a request.
-        resp = await self._request(
-            "POST", f"/v1/jobs/{job}/verify", params=params, timeout=self.timeout * 20
-        )
-        doc: dict[str, Any] = resp.json()
-        return doc
+        if on_bytes is None:
+            # Verify re-reads every chunk server side: allow it far longer than a request.
+            resp = await self._request(
+                "POST", f"/v1/jobs/{job}/verify", params=params, timeout=self.timeout * 20
+            )
+            doc: dict[str, Any] = resp.json()
+            return doc
+        # Streamed: progress lines, then the report (no retries: it is long and idempotent,
+        # the caller runs it again).
+        async with self._client.stream(
+            "POST", f"/v1/jobs/{job}/verify", params=params,
+            headers={"Accept": "application/x-ndjson"}, timeout=self.timeout * 20,
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise self._error(resp)
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "report" in item:
+                    report: dict[str, Any] = item["report"]
+                    return report
+                if "error" in item:
+                    raise from_json(item["error"], 500)
+                on_bytes(int(item["bytes_checked"]), int(item["bytes_total"]))
+        raise Unavailable(f"the server ended the verify of {job} without a report", url=self.url)
 
     async def healthz(self) -> dict[str, Any]:
         """The server's ``/healthz`` answer."""

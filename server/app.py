@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import logging
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,6 +17,12 @@ from uvicorn.config import LOGGING_CONFIG
 
 from ckptd import __version__
 from ckptd.repository import Repository
+from ckptd.server.connections import (
+    connection_cap,
+    guarded_protocol,
+    quiet_repeats,
+    raise_fd_limit,
+)
 from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
 from ckptd.server.metrics import Metrics
@@ -153,9 +160,16 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     parser, loop = http_stack()
     app = create_app(settings, store=store)
     app.state.http_parser = parser
+    fd_limit = raise_fd_limit()
+    # The event loop takes the GIL back from a document thread within 1 ms, not 5:
+    # /healthz stays quick while a large manifest parses (issue 10 item 2).
+    sys.setswitchinterval(0.001)
     config = uvicorn.Config(
         app,
-        http=parser,
+        # The guarded protocol is httptools' with header timeouts and a connection cap.
+        http=guarded_protocol(
+            settings.header_timeout, connection_cap(settings.max_connections, fd_limit)
+        ) if parser == "httptools" else parser,
         loop=loop,
         host=settings.host,
         port=settings.port,
@@ -167,6 +181,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
     )
+    quiet_repeats()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
     scheme = "https" if settings.tls_cert else "http"
     log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,

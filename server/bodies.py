@@ -7,13 +7,15 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request
 from starlette.types import Message, Receive
 
 from ckptd import knobs
-from ckptd.errors import TooLarge
+from ckptd.errors import BodyTimeout, TooLarge, Unavailable
 from ckptd.hashing import StreamingHasher
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,31 @@ def _check_declared_length(request: Request, limit: int, what: str) -> None:
         raise TooLarge(f"{what} of {declared[:20]} bytes is over the limit of {limit}", limit=limit)
 
 
+def body_timeout(request: Request) -> float:
+    """Seconds a body may go without a byte (``Settings.body_timeout``)."""
+    settings = getattr(request.app.state, "settings", None)
+    return float(getattr(settings, "body_timeout", 60.0))
+
+
+def timed(receive: Receive, seconds: float, what: str) -> Receive:
+    """``receive`` that raises ``BodyTimeout`` when nothing arrives for ``seconds``:
+    a stalled upload must not hold its memory and its connection for ever."""
+
+    async def within() -> Message:
+        try:
+            return await asyncio.wait_for(receive(), seconds)
+        except TimeoutError:
+            raise BodyTimeout(f"{what} stalled: nothing arrived for {seconds:.0f} s",
+                              seconds=seconds) from None
+
+    return within
+
+
 def bounded(request: Request, limit: int, what: str = "request body") -> Request:
-    """The same request, whose body raises ``TooLarge`` once it passes ``limit``."""
+    """The same request, whose body raises ``TooLarge`` once it passes ``limit``
+    and ``BodyTimeout`` when it stalls."""
     _check_declared_length(request, limit, what)
-    receive: Receive = request.receive
+    receive: Receive = timed(request.receive, body_timeout(request), what)
     received = 0
 
     async def limited() -> Message:
@@ -130,6 +153,70 @@ class BodyBuffers:
 BUFFERS = BodyBuffers(BUFFERS_KEEP, BUFFERS_IDLE_S)
 
 
+class IngestBudget:
+    """Bytes of upload bodies held at once, by every upload together: a request
+    reserves what its Content-Length declares before a buffer exists, waits up to
+    ``wait_s`` while the budget is spent, then is refused (503, retry later). So
+    50 uploads that only declare 16 MiB each pin the budget, not 800 MiB."""
+
+    def __init__(self, capacity: int, wait_s: float) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def _try(self, nbytes: int) -> bool:
+        with self._lock:
+            # One request larger than the whole budget may still go alone.
+            if self.held + nbytes <= self.capacity or self.held == 0:
+                self.held += nbytes
+                return True
+            return False
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    @asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        deadline = time.monotonic() + self.wait_s
+        pause = 0.005
+        # Polling (with a growing pause) rather than a condition: tests serve apps on
+        # several loops in one process, and an upload's wait is short.
+        while not self._try(nbytes):
+            if time.monotonic() >= deadline:
+                raise Unavailable(
+                    f"the server holds {self.held} bytes of uploads (its budget is "
+                    f"{self.capacity}); try again shortly", retry_after_s=1,
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
+
+
+def declared_chunk_bytes(request: Request) -> int:
+    """What a chunk upload will hold: its Content-Length, or the most a chunk may be."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and len(declared) <= 18:
+        return min(int(declared), knobs.MAX_CHUNK_SIZE)
+    return knobs.MAX_CHUNK_SIZE
+
+
+def ingest_budget(request: Request) -> IngestBudget:
+    """The budget of this application's uploads (``Settings.ingest_budget``)."""
+    settings = getattr(request.app.state, "settings", None)
+    capacity = int(getattr(settings, "ingest_budget", 1 << 30))
+    wait_s = float(getattr(settings, "ingest_wait", 10.0))
+    budget = getattr(request.app.state, "ingest", None)
+    if not isinstance(budget, IngestBudget):
+        budget = IngestBudget(capacity, wait_s)
+        request.app.state.ingest = budget
+    return budget
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkBody:
     """An upload's bytes: the first ``size`` of ``buffer``, which hash to ``digest``."""
@@ -147,6 +234,7 @@ async def read_chunk(request: Request) -> ChunkBody:
     the chunk is stored."""
     limit = knobs.MAX_CHUNK_SIZE
     _check_declared_length(request, limit, "chunk")
+    request = Request(request.scope, timed(request.receive, body_timeout(request), "chunk"))
     declared = request.headers.get("content-length", "")
     expected = int(declared) if declared.isdigit() else None
     # One buffer, filled in place: growing a bytearray by each piece as it arrives

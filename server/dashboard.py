@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
 
 from ckptd import __version__
+from ckptd.errors import StoreCorrupt
 from ckptd.format import check_job
 from ckptd.lifecycle.scrub import damaged_steps
 from ckptd.repository import Repository
@@ -74,14 +75,22 @@ async def job_view(
     job: str, repo: Repository, registry: Registry, views: StoreViews, steps: int
 ) -> JobView:
     world, ranks = registry.ranks(job)
-    latest = await views.latest(job)
+    latest = await views.latest(job)  # (a damaged ref reads as None there)
     target = registry.pending_target(job, latest)
     rollback = await views.rollback(job)
     numbers = (await repo.step_numbers(job))[-steps:] if steps else []
     damaged = set(await damaged_steps(repo, job))
     shown: list[StepView] = []
     for step in numbers:
-        record = await views.commit(job, step)
+        try:
+            record = await views.commit(job, step)
+        except StoreCorrupt as exc:  # shown as damaged; the page keeps every other job
+            shown.append(StepView(
+                step=step, committed=False, world_size=world, ranks_present=0,
+                logical_bytes=None, committed_at=None, is_latest=False, reason=None,
+                requested_by=None, damaged=exc.message,
+            ))
+            continue
         if record is not None:
             reason = record.meta.get("reason")
             by = record.meta.get("requested_by")

@@ -8,9 +8,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path, Query, Request
 
-from ckptd.format import MAX_WORLD_SIZE, check_chunk_id, check_job, check_rank, check_step
+from ckptd.format import (
+    CHUNK_ID_RE,
+    JOB_RE,
+    MAX_WORLD_SIZE,
+    RANK_PATTERN,
+    STEP_PATTERN,
+    check_chunk_id,
+    check_job,
+    check_rank,
+    check_step,
+)
 from ckptd.repository import Repository
 from ckptd.server.auth import require_token
 from ckptd.server.metrics import Metrics
@@ -58,23 +68,36 @@ TenantsDep = Annotated[TenantChunks, Depends(get_tenants)]
 AuthDep = Annotated[None, Depends(require_token)]
 
 
+# The patterns are in the OpenAPI document, so a schema-driven client never sends a
+# name the server refuses; "01" is not step 1 (one spelling per number).
+
+
 async def _job(
-    job: Annotated[str, Path(description="Job name: letters, digits, '.', '_', '-'.")],
+    job: Annotated[
+        str,
+        Path(description="Job name: letters, digits, '.', '_', '-'.", pattern=JOB_RE.pattern),
+    ],
 ) -> str:
     return check_job(job)
 
 
-async def _step(step: Annotated[int, Path(description="Training step, in [0, 10^15).")]) -> int:
-    return check_step(step)
+async def _step(
+    step: Annotated[str, Path(description="Training step, in [0, 10^15).", pattern=STEP_PATTERN)],
+) -> int:
+    return check_step(int(step))
 
 
-async def _rank(rank: Annotated[int, Path(description="Rank, >= 0.")]) -> int:
+async def _rank(rank: Annotated[str, Path(description="Rank, >= 0.", pattern=RANK_PATTERN)]) -> int:
     # The world size is the manifest's to say; no world is larger than this.
-    return check_rank(rank, MAX_WORLD_SIZE)
+    return check_rank(int(rank), MAX_WORLD_SIZE)
 
 
 async def _chunk_id(
-    cid: Annotated[str, Path(alias="id", description="blake3 of the chunk, 64 lowercase hex.")],
+    cid: Annotated[
+        str,
+        Path(alias="id", description="blake3 of the chunk, 64 lowercase hex.",
+             pattern=CHUNK_ID_RE.pattern),
+    ],
 ) -> str:
     return check_chunk_id(cid)
 
@@ -83,3 +106,22 @@ JobDep = Annotated[str, Depends(_job)]
 StepDep = Annotated[int, Depends(_step)]
 RankDep = Annotated[int, Depends(_rank)]
 ChunkIdDep = Annotated[str, Depends(_chunk_id)]
+
+
+async def _query_step(
+    step: Annotated[
+        str | None,
+        Query(description="A step; default the latest (or every one).", pattern=STEP_PATTERN),
+    ] = None,
+) -> int | None:
+    return check_step(int(step)) if step is not None else None
+
+
+async def _query_rank(
+    rank: Annotated[str, Query(description="The restoring rank.", pattern=RANK_PATTERN)],
+) -> int:
+    return check_rank(int(rank), MAX_WORLD_SIZE)
+
+
+QueryStepDep = Annotated[int | None, Depends(_query_step)]
+QueryRankDep = Annotated[int, Depends(_query_rank)]

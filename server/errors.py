@@ -37,6 +37,9 @@ _STARLETTE_CODES: dict[int, type[CkptdError]] = {
     413: TooLarge,
 }
 
+# Refusals after which the rest of the request body is not worth reading.
+_CLOSE_AFTER = {401, 403, 408, 413, 503, 507}
+
 # Validation errors located only here are about a name in the URL.
 _NAME_LOCATIONS = {"path", "query"}
 
@@ -48,6 +51,12 @@ def error_response(
     answer_headers = dict(headers or {})
     if status == 401:
         answer_headers["WWW-Authenticate"] = "Bearer"
+    if status in _CLOSE_AFTER:
+        # The body of a refused request may still be arriving (2 GiB with no token):
+        # closing the connection stops it, where keep-alive would read it all.
+        answer_headers["Connection"] = "close"
+    if status == 503:
+        answer_headers.setdefault("Retry-After", "1")
     return JSONResponse(err.to_json(), status_code=status, headers=answer_headers)
 
 
@@ -74,13 +83,16 @@ def _describe(error: dict[str, Any]) -> dict[str, Any]:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [_describe(e) for e in exc.errors()]
+    # A bad name in the URL is the answer even when the body is bad too: the
+    # patterns are checked with the body, not before it as the old checks were.
+    in_url = [e for e in errors if e["loc"] and e["loc"][0] in _NAME_LOCATIONS]
+    errors = in_url + [e for e in errors if e not in in_url]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
     where = ".".join(first["loc"])
     if first.get("type") == "json_invalid":
         message = "the request body is not valid JSON"
     else:
         message = f"{where}: {first['msg']}" if where else str(first["msg"])
-    in_url = bool(errors) and all(e["loc"] and e["loc"][0] in _NAME_LOCATIONS for e in errors)
     cls = InvalidName if in_url else InvalidRequest
     return error_response(cls(message, errors=errors[:20]))
 

@@ -14,7 +14,8 @@ from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: ``true``, ``"1"`` and ``484.0`` are not integers (item 10 of issue 10).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorBody(_Body):
@@ -77,11 +78,20 @@ class CommitResponse(_Body):
     world_size: int | None
     missing_ranks: list[int] = Field(description="Ranks whose manifests are not in yet.")
     record: CommitRecord | None
+    latest_moved: bool = Field(
+        default=True, exclude_if=lambda v: v is True,
+        description="False when the step committed (its record is durable) but the latest "
+        "ref could not be written (a full store): a later commit moves it.",
+    )
 
 
 class JobSummary(_Body):
     job: str
     latest: int | None
+    damaged: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why ``latest`` could not be read (a damaged ref); absent when it could.",
+    )
 
 
 class JobList(_Body):
@@ -96,7 +106,10 @@ class StepSummary(_Body):
     logical_bytes: int | None
     committed_at: float | None
     is_latest: bool
-    damaged: bool = Field(default=False, description="Scrub found it damaged; latest skips it.")
+    damaged: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="The damaged document that makes this step unusable; absent if none.",
+    )
 
 
 class StepList(_Body):
@@ -108,6 +121,23 @@ class StepList(_Body):
 class Latest(_Body):
     job: str
     step: int
+    problems: list[str] = Field(
+        default_factory=list, exclude_if=lambda v: not v,
+        description="Damaged documents that made this an older step than the latest ref "
+        "(absent when there are none).",
+    )
+
+
+class ChunkUse(_Body):
+    step: int
+    rank: int
+    tensor: str
+
+
+class ChunkDamage(_Body):
+    chunk: str
+    problem: Literal["corrupt", "missing"]
+    breaks: list[ChunkUse] = Field(description="The steps, ranks and tensors it is part of.")
 
 
 class VerifyResult(_Body):
@@ -118,6 +148,12 @@ class VerifyResult(_Body):
     bad_chunks: list[str]
     missing_chunks: list[str]
     bad_manifests: list[str]
+    bad_refs: list[str] = Field(default_factory=list, description="Damaged or dangling refs.")
+    bad_commits: list[str] = Field(default_factory=list, description="Damaged commit records.")
+    damage: list[ChunkDamage] = Field(
+        default_factory=list, description="What each bad or missing chunk breaks."
+    )
+    bytes_total: int = 0
     ok: bool
 
 
@@ -284,7 +320,10 @@ class StepView(_Body):
     is_latest: bool
     reason: str | None = Field(description="Why it was taken (the commit's meta.reason).")
     requested_by: int | None
-    damaged: bool = Field(default=False, description="Scrub found it damaged; latest skips it.")
+    damaged: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="The damaged document that makes this step unusable; absent if none.",
+    )
 
 
 class JobView(_Body):

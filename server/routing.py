@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from ckptd.errors import InvalidRequest
+from ckptd.format import MAX_JSON_DEPTH, json_too_deep
 from ckptd.server.auth import UNDECLARED, acting_job, authenticate, route_scope
 from ckptd.server.bodies import bounded, json_body_limit
 
@@ -42,7 +44,9 @@ class ApiRoute(APIRoute):
                 request.state.acting_job = acting_job(request, grant, needs.role)
             if parses_body:
                 request = bounded(request, json_body_limit(), "JSON body")
-                await request.body()  # read here, so TooLarge is ours and not a 400
+                body = await request.body()  # read here, so TooLarge is ours and not a 400
+                if json_too_deep(body):  # before FastAPI's parser recurses into it
+                    raise InvalidRequest(f"JSON body nests deeper than {MAX_JSON_DEPTH} levels")
             return await handler(request)
 
         return handle

@@ -54,6 +54,27 @@ class Settings(BaseSettings):
         default=None, description="PEM certificate (chain): the server speaks https://."
     )
     tls_key: str | None = Field(default=None, description="The certificate's PEM private key.")
+    header_timeout: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="Seconds a connection may take to send a request's headers (slowloris).",
+    )
+    body_timeout: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="Seconds a request body may go without sending a byte.",
+    )
+    max_connections: int = Field(
+        default=1000, ge=1,
+        description="Open connections at most (and never past the open-file limit); more "
+        "get 503 at once.",
+    )
+    ingest_budget: int = Field(
+        default=1 << 30, ge=1 << 20,
+        description="Bytes of chunk upload bodies held at once by all uploads together.",
+    )
+    ingest_wait: float = Field(
+        default=10.0, ge=0, le=600,
+        description="Seconds an upload waits for room in the ingest budget before a 503.",
+    )
     metrics_token_required: bool = Field(
         default=False, description="GET /metrics needs the token too (scrapers must send it)."
     )

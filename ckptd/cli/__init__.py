@@ -258,8 +258,10 @@ def ls(
                     steps = await transport.list_steps(name)
                     committed = [s for s in steps if _field(s, "committed")]
                     latest = next((s for s in steps if _field(s, "is_latest")), None)
+                    damaged = j.get("damaged")
                     table.add_row(
                         name,
+                        "[red]damaged[/]" if damaged else
                         str(_field(latest, "step")) if latest else "-",
                         str(len(committed)),
                         str(len(steps) - len(committed)),
@@ -277,10 +279,11 @@ def ls(
                 for s in steps:
                     committed = _field(s, "committed")
                     world = _field(s, "world_size")
+                    state = ("[red]damaged[/]" if _field(s, "damaged") else
+                             "[green]committed[/]" if committed else "[yellow]pending[/]")
                     table.add_row(
                         str(_field(s, "step")),
-                        "[bold red]damaged[/]" if _damaged(s) else
-                        "[green]committed[/]" if committed else "[yellow]pending[/]",
+                        state,
                         f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
                         _human(_field(s, "logical_bytes")),
                         _when(_field(s, "committed_at")),
@@ -305,37 +308,62 @@ def verify(
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Re-hash every chunk of a job's committed checkpoints; exit 1 naming bad ones."""
+    """Check a job's refs, commit records, manifests and chunks; exit 1 naming what
+    is damaged and which steps, ranks and tensors it breaks."""
+    from rich.progress import TransferSpeedColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
+    )
+    task = bar.add_task(f"verifying {job}" + (f" step {step}" if step is not None else ""),
+                        total=None)
+
+    def on_bytes(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
 
     async def go() -> Any:
         transport = _transport(url, token)
         try:
-            return await transport.verify(job, step)
+            return await transport.verify(job, step, on_bytes=on_bytes)
         finally:
             await transport.close()
 
     try:
-        with console.status(f"verifying {job}" + (f" step {step}" if step is not None else "")):
+        with bar:
             report = asyncio.run(go())
     except CkptdError as exc:
         _fail(exc)
         return
-    bad = list(_field(report, "bad_chunks"))
-    missing = list(_field(report, "missing_chunks"))
-    bad_manifests = list(_field(report, "bad_manifests"))
+    problems = 0
     console.print(
         f"checked {_field(report, 'chunks_checked')} chunks "
         f"({_human(_field(report, 'bytes_checked'))}) of {job} steps {_field(report, 'steps')}"
     )
-    for cid in bad:
-        console.print(f"[bold red]corrupt[/] chunk {cid}")
-    for cid in missing:
-        console.print(f"[bold red]missing[/] chunk {cid}")
-    for m in bad_manifests:
-        console.print(f"[bold red]bad manifest[/] {m}")
-    if bad or missing or bad_manifests:
+    for ref in report.get("bad_refs", []):
+        problems += 1
+        console.print(f"[bold red]bad ref[/] {escape(ref)}")
+    for record in report.get("bad_commits", []):
+        problems += 1
+        console.print(f"[bold red]bad commit record[/] {escape(record)}")
+    for m in _field(report, "bad_manifests"):
+        problems += 1
+        console.print(f"[bold red]bad manifest[/] {escape(m)}")
+    for d in report.get("damage", []):
+        problems += 1
+        breaks = ", ".join(
+            f"step {u['step']} rank {u['rank']} {escape(u['tensor'])}" for u in d["breaks"][:10]
+        )
+        more = f" and {len(d['breaks']) - 10} more" if len(d["breaks"]) > 10 else ""
+        console.print(f"[bold red]{d['problem']}[/] chunk {d['chunk']}: breaks {breaks}{more}")
+    named = {d["chunk"] for d in report.get("damage", [])}
+    for cid in [*_field(report, "bad_chunks"), *_field(report, "missing_chunks")]:
+        if cid not in named:  # (a server without the damage list)
+            problems += 1
+            console.print(f"[bold red]bad[/] chunk {cid}")
+    if problems or not _field(report, "ok"):
         raise typer.Exit(code=1)
-    console.print("[green]ok[/]: every chunk matches its id")
+    console.print("[green]ok[/]: refs, commit records, manifests and every chunk check out")
 
 
 class _Server:

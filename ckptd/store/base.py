@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.errors import InvalidName
+from ckptd.errors import InvalidName, StoreError
 
 
 def check_key(key: str) -> str:
@@ -77,6 +77,13 @@ class Store(ABC):
         """Sets ``key`` to ``new`` if it now holds ``expected`` (None: absent).
 
         True when this call changed it; False when the current value differs."""
+
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        """Removes ``key`` if it now holds ``expected``; True when this call removed it.
+
+        A backend without an atomic form refuses (``StoreError``) rather than
+        deleting what a concurrent writer just put there."""
+        raise StoreError(f"{self.describe()} cannot delete {key} conditionally", key=key)
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return list(await asyncio.gather(*(self.exists(k) for k in keys)))

@@ -13,10 +13,11 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ckptd.errors import NotFound, StoreError
+from ckptd.errors import NotFound, StoreError, StoreFull
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 _TMP = ".tmp-"
@@ -26,6 +27,16 @@ _LOCKS = ".locks"
 def _reason(exc: OSError) -> str:
     # The OS message names the absolute temp path; callers see only the key.
     return exc.strerror or type(exc).__name__
+
+
+# A full disk or an exhausted quota: retrying will not help until space is freed.
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _write_failed(key: str, exc: OSError, verb: str = "write") -> StoreError:
+    """The typed error for a failed write of ``key``: ``StoreFull`` when out of space."""
+    cls = StoreFull if exc.errno in _FULL else StoreError
+    return cls(f"cannot {verb} {key}: {_reason(exc)}", key=key)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -166,17 +177,21 @@ class LocalStore(Store):
         try:
             tmp = self._write_temp(path, data)
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc) from exc
         try:
             os.link(tmp, path)  # atomic, and fails if another writer got there first
         except FileExistsError:
             return False
         except OSError as exc:
-            raise StoreError(f"cannot write {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc) from exc
         finally:
             tmp.unlink(missing_ok=True)
         if self.fsync:
-            _fsync_dir(path.parent)
+            try:
+                _fsync_dir(path.parent)
+            except OSError as exc:  # not durable: take it back rather than half-keep it
+                path.unlink(missing_ok=True)
+                raise _write_failed(key, exc) from exc
         return True
 
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
@@ -193,6 +208,38 @@ class LocalStore(Store):
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._delete, key)
+
+    def _cad(self, key: str, expected: bytes) -> bool:
+        path = self._path(key)
+        with self._ref_lock(key):
+            try:
+                current = path.read_bytes()
+            except FileNotFoundError:
+                return False
+            if current != expected:
+                return False
+            path.unlink()
+            if self.fsync:
+                _fsync_dir(path.parent)
+            return True
+
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        try:
+            return await asyncio.to_thread(self._cad, key, expected)
+        except OSError as exc:
+            raise StoreError(f"cannot delete {key}: {_reason(exc)}", key=key) from exc
+
+    @contextmanager
+    def _ref_lock(self, key: str) -> Iterator[None]:
+        """The lock that every compare-and-swap (and -delete) of ``key`` holds."""
+        lock_dir = self.root / _LOCKS
+        lock_dir.mkdir(exist_ok=True)
+        with open(lock_dir / key.replace("/", "%"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     def _cas(self, key: str, expected: bytes | None, new: bytes) -> bool:
         path = self._path(key)
@@ -220,7 +267,7 @@ class LocalStore(Store):
         try:
             return await asyncio.to_thread(self._cas, key, expected, new)
         except OSError as exc:
-            raise StoreError(f"cannot update {key}: {_reason(exc)}", key=key) from exc
+            raise _write_failed(key, exc, "update") from exc
 
     def describe(self) -> str:
         return f"file://{self.root}"

@@ -64,6 +64,14 @@ class MemoryStore(Store):
             self._written[key] = time.time()
             return True
 
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        check_key(key)
+        with self._lock:
+            if self._objects.get(key) != expected:
+                return False
+            del self._objects[key]
+            return True
+
     def describe(self) -> str:
         return "memory://"
 

@@ -366,6 +366,29 @@ class S3Store(Store):
         except _Conflict:
             return False  # a concurrent write of the ref: the caller re-reads and retries
 
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        try:
+            current, etag = await self._get_with_etag(key)
+        except NotFound:
+            return False
+        if current != expected:
+            return False
+        # If-Match on DeleteObject (S3 since 2024): the delete loses if anyone
+        # replaced the object after we compared it.
+        name = self._key(key)
+        client = await self._client()
+        try:
+            await client.delete_object(Bucket=self.bucket, Key=name, IfMatch=etag)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND or _code(exc) in _PRECONDITION_FAILED or (
+                _status(exc) in (409, 412)
+            ):
+                return False
+            raise self._failed("DeleteObject", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed("DeleteObject", key, exc) from exc
+        return True
+
     def describe(self) -> str:
         url = f"s3://{self.bucket}/{self.prefix}"
         if self.endpoint_url:

@@ -33,9 +33,10 @@ OPS = (
     "list_prefix",
     "list_dir",
     "compare_and_swap",
+    "compare_and_delete",
 )
 #: the operations that change the store
-WRITE_OPS = ("put_if_absent", "delete", "compare_and_swap")
+WRITE_OPS = ("put_if_absent", "delete", "compare_and_swap", "compare_and_delete")
 
 KeyMatch = str | Callable[[str], bool] | None
 
@@ -223,6 +224,15 @@ class FaultyStore(Store):
         if fault is not None:
             raise fault.error(key)
         return swapped
+
+    async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        fault = self._enter("compare_and_delete", [key])
+        if fault is not None and not fault.after:
+            raise fault.error(key)
+        deleted = await self.inner.compare_and_delete(key, expected)
+        if fault is not None:
+            raise fault.error(key)
+        return deleted
 
     async def close(self) -> None:
         await self.inner.close()

@@ -162,3 +162,24 @@ async def put_rank(repo: Any, manifest: RankManifest, chunks: Chunks) -> str:
         await repo.put_chunk(cid, chunks[cid])
     digest: str = await repo.put_manifest(manifest)
     return digest
+
+
+def many_tensor_manifests(job: str, step: int, world: int, tensors: int
+                          ) -> tuple[list[RankManifest], bytes]:
+    """``world`` rank manifests of ``tensors`` replicated tensors each (a large
+    mixture-of-experts model's count), every one a single chunk of the same 64
+    bytes: one chunk upload serves them all, so only the manifests are large."""
+    data = bytes(range(64))
+    cid = chunk_id(data)
+    entries = [
+        TensorEntry(name=f"layers.{i // 8}.p{i % 8}", dtype="float32", placement="replicated",
+                    global_shape=[16], offsets=[0], shape=[16], nbytes=len(data), chunks=[cid])
+        for i in range(tensors)
+    ]
+    tree = flat_tree(e.name for e in entries)
+    manifests = [
+        RankManifest(job=job, step=step, rank=r, world_size=world, chunk_size=MIN_CHUNK_SIZE,
+                     entries=entries, tree=tree)
+        for r in range(world)
+    ]
+    return manifests, data

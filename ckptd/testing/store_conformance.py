@@ -209,6 +209,17 @@ class StoreConformance:
         assert await store.list_dir("jobs/a/steps/") == []
         assert await store.list_dir("jobs/") == []
 
+    # -- compare_and_delete -------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_compare_and_delete(self, store: Store) -> None:
+        assert await store.compare_and_delete("refs/r", b"v1") is False  # absent
+        await store.compare_and_swap("refs/r", None, b"v1")
+        assert await store.compare_and_delete("refs/r", b"v0") is False
+        assert await store.get("refs/r") == b"v1"
+        assert await store.compare_and_delete("refs/r", b"v1") is True
+        assert not await store.exists("refs/r")
+
     # -- compare_and_swap ---------------------------------------------------------------
 
     @pytest.mark.asyncio

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from ckptd import knobs
 from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
-from ckptd.server.bodies import BUFFERS, read_chunk
+from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.metrics import Metrics
 from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
@@ -80,9 +80,11 @@ async def put_chunk(
     started = time.perf_counter()
     job: str | None = request.state.acting_job
     try:
-        body = await read_chunk(request)
-        with memoryview(body.buffer) as whole, whole[: body.size] as view:
-            created = await repo.put_chunk(cid, view, digest=body.digest, tenant=job)
+        # Reserved before a byte is buffered; held until the store has the chunk.
+        async with ingest_budget(request).hold(declared_chunk_bytes(request)):
+            body = await read_chunk(request)
+            with memoryview(body.buffer) as whole, whole[: body.size] as view:
+                created = await repo.put_chunk(cid, view, digest=body.digest, tenant=job)
     except CkptdError as exc:
         metrics.upload_rejected(exc.code)
         raise

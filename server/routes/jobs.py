@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Annotated
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from ckptd.errors import CheckpointNotFound, CkptdError, StoreCorrupt
 from ckptd.format import CommitRecord
+from ckptd.repository import VerifyReport
 from ckptd.server.auth import ADMIN, READ, WRITE, CallerDep, scope
-from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, StepDep, ViewsDep
+from ckptd.server.deps import (
+    JobDep,
+    MetricsDep,
+    QueryStepDep,
+    RegistryDep,
+    RepoDep,
+    StepDep,
+    ViewsDep,
+)
 from ckptd.server.models import (
+    ChunkDamage,
     CommitRequest,
     CommitResponse,
     JobList,
@@ -36,8 +51,14 @@ router = APIRouter(
 @router.get("", response_model=JobList, summary="Every job and its latest committed step")
 async def list_jobs(repo: RepoDep, caller: CallerDep) -> JobList:
     names = [n for n in await repo.list_jobs() if caller.may("read", n)]
-    latest = await asyncio.gather(*(repo.latest(name) for name in names))
-    return JobList(jobs=[JobSummary(job=n, latest=s) for n, s in zip(names, latest, strict=True)])
+
+    async def summary(name: str) -> JobSummary:
+        try:
+            return JobSummary(job=name, latest=await repo.latest(name))
+        except StoreCorrupt as exc:  # one job's damaged ref must not hide the others
+            return JobSummary(job=name, latest=None, damaged=exc.message)
+
+    return JobList(jobs=list(await asyncio.gather(*(summary(n) for n in names))))
 
 
 @router.get("/{job}/steps", response_model=StepList, summary="A job's steps, committed or not")
@@ -93,6 +114,7 @@ async def commit(
         world_size=status.world_size,
         missing_ranks=status.missing_ranks,
         record=status.record,
+        latest_moved=status.latest_moved,
     )
 
 
@@ -102,23 +124,78 @@ async def commit(
     summary="The newest committed step of a job",
     responses=error_responses(404),
 )
-async def latest(job: JobDep, repo: RepoDep) -> Latest:
-    return Latest(job=job, step=await repo.resolve_step(job, None))
+async def latest(job: JobDep, repo: RepoDep, registry: RegistryDep) -> Latest:
+    found = await repo.restorable_step(job)
+    if found.step is None:
+        raise CheckpointNotFound(
+            f"job {job} has no usable committed checkpoint"
+            + (f" ({'; '.join(found.problems)})" if found.problems else ""),
+            job=job, problems=found.problems,
+        )
+    if found.problems:
+        registry.add_event(job, "restore_fallback", step=found.step,
+                           reason="; ".join(found.problems)[:1024])
+    return Latest(job=job, step=found.step, problems=found.problems)
 
 
 @router.post(
     "/{job}/verify",
     response_model=VerifyResult,
-    summary="Re-hash every chunk of one committed step, or of every committed step",
+    summary="Check refs, commit records and manifests, and re-hash every chunk of one "
+    "committed step (or of all)",
+    description="With `Accept: application/x-ndjson` the answer streams progress lines "
+    '(`{"chunks_checked", "chunks_total", "bytes_checked", "bytes_total"}`) and ends '
+    'with `{"report": VerifyResult}`.',
     responses=error_responses(404, 409),
     dependencies=scope(ADMIN),
 )
 async def verify(
-    job: JobDep,
-    repo: RepoDep,
-    step: Annotated[int | None, Query(description="One step; default every committed one.")] = None,
-) -> VerifyResult:
-    report = await repo.verify(job, step)
+    job: JobDep, repo: RepoDep, step: QueryStepDep, request: Request
+) -> Response:
+    if "application/x-ndjson" not in request.headers.get("accept", ""):
+        return JSONResponse(_result(await repo.verify(job, step)).model_dump(mode="json"))
+    lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+    counts = {"chunks_checked": 0, "chunks_total": 0, "bytes_checked": 0, "bytes_total": 0}
+    last = [0.0]
+
+    def chunk_done(done: int, total: int) -> None:
+        counts["chunks_checked"], counts["chunks_total"] = done, total
+
+    def bytes_done(done: int, total: int) -> None:
+        counts["bytes_checked"], counts["bytes_total"] = done, total
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S or done == total:
+            last[0] = now
+            lines.put_nowait(json.dumps(counts).encode() + b"\n")
+
+    async def run() -> None:
+        # Errors before the first line still become a coded error answer (below);
+        # after it, the stream ends with {"error": ...}.
+        try:
+            report = await repo.verify(job, step, progress=chunk_done, on_bytes=bytes_done)
+            final: dict[str, Any] = {"report": _result(report).model_dump(mode="json")}
+        except CkptdError as exc:
+            final = {"error": exc.to_json()}
+        lines.put_nowait(json.dumps(final).encode() + b"\n")
+        lines.put_nowait(None)
+
+    task = asyncio.create_task(run())
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            while (line := await lines.get()) is not None:
+                yield line
+        finally:
+            task.cancel()
+
+    return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+# Seconds between two progress lines of a streamed verify.
+PROGRESS_EVERY_S = 0.2
+
+
+def _result(report: VerifyReport) -> VerifyResult:
     return VerifyResult(
         job=report.job,
         steps=report.steps,
@@ -127,5 +204,9 @@ async def verify(
         bad_chunks=report.bad_chunks,
         missing_chunks=report.missing_chunks,
         bad_manifests=report.bad_manifests,
+        bad_refs=report.bad_refs,
+        bad_commits=report.bad_commits,
+        damage=[ChunkDamage.model_validate(d) for d in report.damage],
+        bytes_total=report.bytes_total,
         ok=report.ok,
     )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request, Response
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
+from ckptd.repository import document_work
 from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
 from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
@@ -52,7 +51,7 @@ async def put_manifest(
 ) -> ManifestStored:
     data = await read_body(request, knobs.max_manifest_bytes(), "manifest")
     # Parsing a large manifest is CPU work: keep it off the event loop.
-    manifest = await asyncio.to_thread(RankManifest.parse, data)
+    manifest = await document_work(RankManifest.parse, data)
     if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
         raise InvalidRequest(
             f"the manifest is of job {manifest.job!r} step {manifest.step} rank "
@@ -83,7 +82,7 @@ async def put_manifest(
 )
 async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep) -> Response:
     manifest = await repo.read_manifest(job, step, rank)
-    data = manifest.canonical()
+    data = manifest.canonical()  # (kept since it was parsed)
     return Response(
         data, media_type="application/json", headers={MANIFEST_HASH_HEADER: document_hash(data)}
     )

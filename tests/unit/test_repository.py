@@ -23,6 +23,7 @@ from ckptd.errors import (
     NotCommitted,
     NotFound,
     ReplicaMismatch,
+    StoreCorrupt,
     Superseded,
     TooLarge,
     WorldSizeMismatch,
@@ -475,7 +476,8 @@ async def test_a_commit_record_copied_to_another_step_is_refused(repo: Repositor
                                                                  ) -> None:
     await commit_all(repo, 1)
     await store.put_if_absent(commit_key(JOB, 2), await store.get(commit_key(JOB, 1)))
-    with pytest.raises(InvalidDocument):
+    # Store damage, not the caller's bad input (issue 10 item 6): a 5xx store_corrupt.
+    with pytest.raises(StoreCorrupt):
         await repo.read_commit(JOB, 2)
 
 

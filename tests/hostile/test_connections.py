@@ -1,0 +1,200 @@
+"""The server stays up for everyone (items 1, 3 and 4): half-open connections are
+timed out and capped, stalled or refused bodies do not pin memory or get read in
+full, and repeated errors do not flood the log. Loopback only, bounded loops."""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ckptd.hashing import chunk_id
+from tests.conftest import ServerProcess
+
+
+class LimitedServer(ServerProcess):
+    """A ``ckptd serve`` whose open-file limit (soft and hard) is ``nofile``."""
+
+    nofile: int = 0
+
+    def start(self, timeout: float = 30.0) -> None:
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
+        real = subprocess.Popen
+        subprocess.Popen = functools.partial(real, preexec_fn=limit)  # type: ignore[misc]
+        try:
+            super().start(timeout)
+        finally:
+            subprocess.Popen = real  # type: ignore[misc]
+
+
+def _serve(tmp_path: Path, env: dict[str, str], nofile: int = 0) -> ServerProcess:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        srv: ServerProcess
+        if nofile:
+            srv = LimitedServer(store=tmp_path / "store")
+            srv.nofile = nofile  # type: ignore[attr-defined]
+        else:
+            srv = ServerProcess(store=tmp_path / "store")
+        srv.start()
+        return srv
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def slow_client_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_HEADER_TIMEOUT": "2", "CKPTD_BODY_TIMEOUT": "3"}, nofile=256)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _half_open(port: int, n: int) -> list[socket.socket]:
+    socks = []
+    for i in range(n):
+        s = socket.socket()
+        s.settimeout(5)
+        try:
+            s.connect(("127.0.0.1", port))
+            if i % 2:  # half of them send part of their headers, the rest nothing
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
+@pytest.mark.slow
+def test_half_open_connections_do_not_lock_out_health_or_saves(
+    slow_client_server: ServerProcess,
+) -> None:
+    srv = slow_client_server
+    socks = _half_open(srv.port, 300)
+    try:
+        t0 = time.monotonic()
+        healthy = None
+        while time.monotonic() - t0 < 15 and healthy is None:  # bounded
+            try:
+                r = httpx.get(f"{srv.url}/healthz", timeout=2)
+                if r.status_code == 200:
+                    healthy = time.monotonic() - t0
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert healthy is not None and healthy < 10, healthy
+        data = os.urandom(64 * 1024)
+        r = httpx.put(f"{srv.url}/v1/chunks/{chunk_id(data)}", content=data, timeout=10)
+        assert r.status_code == 201, r.text
+        # The server closed the half-open ones (header timeout), not left them hanging.
+        closed = 0
+        for s in socks[:20]:
+            try:
+                s.settimeout(5)
+                closed += s.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == 20
+    finally:
+        for s in socks:
+            s.close()
+    log = srv.log()
+    assert log.count("out of system resource") < 20, log.count("out of system resource")
+    assert "Traceback" not in log
+
+
+@pytest.fixture
+def budget_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_INGEST_BUDGET": str(32 << 20), "CKPTD_INGEST_WAIT": "1",
+                            "CKPTD_BODY_TIMEOUT": "3"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_declared_uploads_share_one_memory_budget(budget_server: ServerProcess) -> None:
+    srv = budget_server
+    assert srv.proc is not None
+    before = _rss(srv.proc.pid)
+    socks = []
+    try:
+        for i in range(30):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            cid = chunk_id(str(i).encode())
+            s.sendall(f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Length: {16 << 20}\r\n\r\n".encode() + b"x" * 1024)
+            socks.append(s)
+        time.sleep(2.0)
+        grown = _rss(srv.proc.pid) - before
+        assert grown < 150 << 20, f"server grew {grown >> 20} MiB for 30 stalled uploads"
+        # Over budget: refused with a coded 503 after the wait, not left pending.
+        answers = []
+        for s in socks:
+            s.settimeout(10)
+            try:
+                answers.append(s.recv(4096))
+            except OSError:
+                answers.append(b"")
+        assert sum(b" 503 " in a for a in answers) >= 20
+        # The stalled ones were timed out (408); they freed the budget.
+        assert any(b" 408 " in a for a in answers)
+    finally:
+        for s in socks:
+            s.close()
+    data = os.urandom(1 << 20)
+    r = httpx.put(f"{srv.url}/v1/chunks/{chunk_id(data)}", content=data, timeout=10)
+    assert r.status_code == 201, r.text
+
+
+def test_a_refused_body_is_not_read(token_server: ServerProcess) -> None:
+    s = socket.create_connection(("127.0.0.1", token_server.port), timeout=10)
+    s.sendall(f"PUT /v1/chunks/{'a' * 64} HTTP/1.1\r\nHost: x\r\n"
+              f"Content-Length: {2 << 30}\r\n\r\n".encode())
+    sent = 0
+    piece = b"x" * (1 << 16)
+    t0 = time.monotonic()
+    try:
+        while sent < (1 << 30) and time.monotonic() - t0 < 20:  # bounded
+            s.sendall(piece)
+            sent += len(piece)
+    except OSError:
+        pass
+    finally:
+        s.close()
+    assert sent < 256 << 20, f"the server read {sent >> 20} MiB of a refused body"
+
+
+def test_content_length_with_transfer_encoding_is_refused(server: ServerProcess) -> None:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/chunks/missing HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    answer = b""
+    while chunk := s.recv(4096):
+        answer += chunk
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]

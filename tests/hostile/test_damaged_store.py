@@ -1,0 +1,115 @@
+"""A damaged store degrades one step, not the service (item 6): damage is a 5xx
+``store_corrupt`` naming the document, listings show it per job and step, and a
+restore of "latest" falls back to the newest step that reads cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from tests.conftest import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Jobs ``good`` (step 1), ``badref`` (step 1, garbage latest) and ``badcommit``
+    (steps 1 and 2, step 2's commit record half-written)."""
+    srv = ServerProcess(store=tmp_path_factory.mktemp("damaged") / "store")
+    srv.start()
+    try:
+        for job, steps in (("good", [1]), ("badref", [1]), ("badcommit", [1, 2])):
+            with Checkpointer(srv.url, job, chunk_size=4096, serve_peers=False,
+                              heartbeat_interval=0) as ckpt:
+                for step in steps:
+                    state = {"w": torch.full((64, 64), float(step)), "step": step}
+                    assert ckpt.save(step, state).wait(timeout=60).state == "committed"
+        jobs = srv.store / "jobs"
+        (jobs / "badref" / "refs" / "latest").write_bytes(b"\x00garbage{")
+        record = jobs / "badcommit" / "steps" / "2" / "commit.json"
+        record.write_bytes(record.read_bytes()[:40])
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def api(damaged: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=damaged.url, timeout=30.0) as c:
+        yield c
+
+
+def test_listing_every_job_survives_one_damaged_ref(api: httpx.Client) -> None:
+    r = api.get("/v1/jobs")
+    assert r.status_code == 200, r.text
+    jobs = {j["job"]: j for j in r.json()["jobs"]}
+    assert jobs["good"]["latest"] == 1
+    assert jobs["badcommit"]["latest"] == 2
+    assert jobs["badref"]["latest"] is None
+    assert "jobs/badref/refs/latest" in jobs["badref"]["damaged"]
+
+
+def test_steps_show_the_damaged_step(api: httpx.Client) -> None:
+    r = api.get("/v1/jobs/badcommit/steps")
+    assert r.status_code == 200, r.text
+    steps = {s["step"]: s for s in r.json()["steps"]}
+    assert steps[1]["committed"] and "damaged" not in steps[1]
+    assert "jobs/badcommit/steps/2/commit.json" in steps[2]["damaged"]
+
+
+def test_damage_is_a_coded_5xx_naming_the_document(api: httpx.Client) -> None:
+    r = api.get("/v1/jobs/badcommit/steps/2")
+    assert r.status_code >= 500, r.text
+    body = r.json()
+    assert body["code"] == "store_corrupt"
+    assert body["detail"]["key"] == "jobs/badcommit/steps/2/commit.json"
+
+
+def test_overview_keeps_every_job(api: httpx.Client) -> None:
+    r = api.get("/v1/overview")
+    assert r.status_code == 200, r.text
+    views = {j["job"]: j for j in r.json()["jobs"]}
+    assert set(views) >= {"good", "badref", "badcommit"}
+    assert views["badref"]["latest"] is None and views["good"]["latest"] == 1
+    assert any(s.get("damaged") for s in views["badcommit"]["steps"])
+
+
+def test_cli_ls_lists_every_job(damaged: ServerProcess) -> None:
+    for args in ([], ["badcommit"], ["badref"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "ckptd", "ls", *args, "--url", damaged.url],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr
+        if not args:
+            assert "good" in out.stdout and "badref" in out.stdout
+        if args == ["badcommit"]:
+            assert "damaged" in out.stdout
+
+
+def test_restore_of_latest_falls_back_and_says_so(damaged: ServerProcess, api: httpx.Client
+                                                  ) -> None:
+    state = {"w": torch.zeros((64, 64)), "step": 0}
+    with Checkpointer(damaged.url, "badcommit", chunk_size=4096, serve_peers=False,
+                      heartbeat_interval=0) as ckpt:
+        result = ckpt.restore(state)
+    assert result.step == 1
+    assert torch.equal(state["w"], torch.full((64, 64), 1.0)) and state["step"] == 1
+    damaged_docs = [p for p in result.problems if p.kind == "damaged"]
+    assert damaged_docs and "steps/2/commit.json" in damaged_docs[0].message
+    events = api.get("/v1/jobs/badcommit/events").json()["events"]
+    assert any(e["kind"] == "restore_fallback" and e["step"] == 1 for e in events)
+
+
+def test_a_good_job_restores_without_problems(damaged: ServerProcess) -> None:
+    state = {"w": torch.zeros((64, 64)), "step": 0}
+    with Checkpointer(damaged.url, "good", chunk_size=4096, serve_peers=False,
+                      heartbeat_interval=0) as ckpt:
+        result = ckpt.restore(state)
+    assert result.step == 1 and not [p for p in result.problems if p.kind == "damaged"]

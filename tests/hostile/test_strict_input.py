@@ -1,0 +1,151 @@
+"""Loose input (item 10), unbounded shapes (item 9) and deep JSON (item 5) against
+a real server: every one is a 400 with a stable code, never a 500 or a surprise."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from ckptd.errors import InvalidDocument
+from ckptd.format import MIN_CHUNK_SIZE, RankManifest
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"world_size": True},
+        {"world_size": "1"},
+        {"world_size": 1.0},
+        {"world_size": 1, "step": 484.0},
+        {"world_size": 1, "held_step": "3"},
+        {"world_size": 1, "step": True},
+    ],
+)
+def test_heartbeat_refuses_loose_types(client: httpx.Client, body: dict[str, Any]) -> None:
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("rank", [False, "0", 0.0])
+def test_snapshot_request_refuses_loose_rank(client: httpx.Client, rank: Any) -> None:
+    r = client.post("/v1/jobs/j/snapshot-requests", json={"rank": rank, "reason": "x"})
+    assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("step", ["01", "+1", "1_000", " 1", "1e3"])
+def test_step_in_the_path_is_one_spelling(client: httpx.Client, step: str) -> None:
+    r = client.get(f"/v1/jobs/j/steps/{step}")
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_name"
+
+
+def test_rank_in_the_path_is_one_spelling(client: httpx.Client) -> None:
+    r = client.post("/v1/jobs/j/ranks/01/heartbeat", json={"world_size": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_name"
+
+
+def test_query_step_is_one_spelling(client: httpx.Client) -> None:
+    r = client.get("/v1/jobs/j/restore-plan", params={"rank": "0", "step": "007"})
+    assert r.status_code == 400, r.text
+
+
+def test_openapi_names_the_patterns(client: httpx.Client) -> None:
+    doc = client.get("/openapi.json").json()
+    params = {
+        p["name"]: p["schema"]
+        for path in doc["paths"].values()
+        for op in path.values()
+        for p in op.get("parameters", [])
+        if p["in"] == "path"
+    }
+    for name in ("job", "step", "rank", "id"):
+        assert "pattern" in params[name], (name, params[name])
+    # A schema-driven client that follows the pattern never gets a 400 for the name.
+    assert re.fullmatch(params["step"]["pattern"].strip("^$"), "0")
+    assert not re.fullmatch(params["step"]["pattern"].strip("^$"), "01")
+
+
+# -- item 9: shapes, offsets and counts are bounded at PUT time ------------------------
+
+
+def _manifest_doc(shape: list[Any], nbytes: int = 0, chunks: int = 0) -> dict[str, Any]:
+    return {
+        "format": "ckptd.rank_manifest",
+        "version": 1,
+        "job": "j",
+        "step": 1,
+        "rank": 0,
+        "world_size": 1,
+        "chunk_size": MIN_CHUNK_SIZE,
+        "entries": [
+            {
+                "name": "w",
+                "dtype": "float32",
+                "placement": "replicated",
+                "global_shape": shape,
+                "offsets": [0] * len(shape),
+                "shape": shape,
+                "nbytes": nbytes,
+                "chunks": ["0" * 64] * chunks,
+            }
+        ],
+        "tree": {"dict": [["w", {"tensor": "w"}]]},
+        "meta": {},
+    }
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [0, 10**4000],
+        [0, 2**63],
+        [2**40, 2**40, 0],
+        [1] * 65,
+    ],
+)
+def test_unrestorable_shapes_are_refused_at_put(client: httpx.Client, shape: list[int]) -> None:
+    data = json.dumps(_manifest_doc(shape)).encode()
+    r = client.put("/v1/jobs/j/steps/1/ranks/0", content=data)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_document"
+
+
+def test_shape_bounds_in_the_format() -> None:
+    with pytest.raises(InvalidDocument):
+        RankManifest.parse(json.dumps(_manifest_doc([0, 10**4000])).encode())
+
+
+# -- item 5: nesting -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+def test_deep_json_manifest_is_a_400(client: httpx.Client, depth: int) -> None:
+    r = client.put("/v1/jobs/j/steps/1/ranks/0", content=b"[" * depth + b"]" * depth)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_document"
+    assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+def test_deep_json_body_is_a_400(client: httpx.Client, depth: int) -> None:
+    body = b'{"world_size": 1, "health": {"signals": ' + b"[" * depth + b"]" * depth + b"}}"
+    r = client.post(
+        "/v1/jobs/j/ranks/0/heartbeat", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_request"
+    assert client.get("/healthz").status_code == 200
+
+
+def test_deep_json_in_meta_is_a_400(client: httpx.Client) -> None:
+    body = b'{"meta": {"a": ' + b"[" * 3000 + b"]" * 3000 + b"}}"
+    r = client.post(
+        "/v1/jobs/j/steps/1/commit", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
