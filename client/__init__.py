@@ -7,6 +7,9 @@ training process.
     ...
     ckpt.restore(state)  # fills state in place, bitwise, from the latest commit
 
+A state may hold modules, optimizers, schedulers and ``RNGState()`` themselves
+(anything with ``state_dict()`` / ``load_state_dict()``).
+
 Names are imported lazily, so ``ckptd.client.transport`` (used by the CLI) does
 not pay for importing torch.
 """
@@ -18,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, RestoreResult, SaveHandle, Shard
+    from .failures import CloseResult, SnapshotFailureWarning
     from .pipeline import SaveResult
+    from .stateful import ModelState, RNGState
     from .transport import HttpTransport, LocalTransport, Transport, open_transport
 
 _EXPORTS = {
@@ -27,6 +32,10 @@ _EXPORTS = {
     "SaveHandle": "checkpointer",
     "Shard": "checkpointer",
     "SaveResult": "pipeline",
+    "CloseResult": "failures",
+    "SnapshotFailureWarning": "failures",
+    "RNGState": "stateful",
+    "ModelState": "stateful",
     "Transport": "transport",
     "HttpTransport": "transport",
     "LocalTransport": "transport",
@@ -35,12 +44,16 @@ _EXPORTS = {
 
 __all__ = [
     "Checkpointer",
+    "CloseResult",
     "HttpTransport",
     "LocalTransport",
+    "ModelState",
+    "RNGState",
     "RestoreResult",
     "SaveHandle",
     "SaveResult",
     "Shard",
+    "SnapshotFailureWarning",
     "Transport",
     "open_transport",
 ]
