@@ -362,7 +362,9 @@ class Writer(StorageWriter):
             fqn = item.index.fqn
             if fqn in seen:
                 raise UnsupportedValue(
-                    f"{fqn!r}: several shards of one tensor on one rank are not supported",
+                    f"{fqn!r}: several shards of one tensor on one rank are not supported "
+                    "(ckptd stores one box per tensor per rank); shard it as a DTensor "
+                    "(FSDP2, tensor parallel), one box per rank",
                     name=fqn,
                 )
             seen.add(fqn)
