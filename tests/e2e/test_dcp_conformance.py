@@ -166,3 +166,42 @@ def test_several_shards_of_one_tensor_on_one_rank_are_refused_as_the_readme_says
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     said = " ".join(readme.split())  # the README wraps lines
     assert "UnsupportedValue: " + str(info.value).replace("'w'", "'NAME'") in said
+
+
+class BlobState:
+    """A Stateful whose state is raw bytes (after PyTorch's file-system DCP test)."""
+
+    def __init__(self, value: bytes) -> None:
+        self.state = {"blob": value}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = state_dict
+
+
+def test_a_stateful_holding_bytes_round_trips(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    torch.manual_seed(0)
+    saved: dict[str, Any] = dict(torch.nn.Linear(5, 5).state_dict())
+    saved["test_blob"] = BlobState(b"SomeBlobForTesting")
+    dcp.save(saved, storage_writer=Writer(url, "blob", 1), no_dist=True)
+    torch.manual_seed(1)
+    target: dict[str, Any] = dict(torch.nn.Linear(5, 5).state_dict())
+    target["test_blob"] = BlobState(b"")
+    dcp.load(target, storage_reader=Reader(url, "blob", 1), no_dist=True)
+    assert target["test_blob"].state == {"blob": b"SomeBlobForTesting"}
+    assert all(torch.equal(saved[k], target[k]) for k in ("weight", "bias"))
+
+
+def test_dtype_casting_on_load_follows_dcps_planner(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    w = torch.rand(4, 3)
+    dcp.save({"w": w}, storage_writer=Writer(url, "cast", 1), no_dist=True)
+    narrow = {"w": torch.zeros(4, 3, dtype=torch.bfloat16)}
+    dcp.load(narrow, storage_reader=Reader(url, "cast", 1), no_dist=True)
+    assert torch.equal(narrow["w"], w.to(torch.bfloat16))
+    wide = {"w": torch.zeros(4, 3, dtype=torch.float64)}
+    dcp.load(wide, storage_reader=Reader(url, "cast", 1), no_dist=True)
+    assert torch.equal(wide["w"], w.double())
