@@ -87,15 +87,20 @@ class FailureLog:
         """Notes a failed snapshot of ``step``; the named error, or None when this
         step's failure was recorded already."""
         err = name_save_error(exc, self.job, step, self.rank)
+        # A save refused because a rollback ended its timeline is what a rollback
+        # means, not a mistake: step() raises RollbackRequested for it already.
+        superseded = isinstance(err, Superseded)
         with self._lock:
             if step in self._steps:
                 return None
             self._steps.add(step)
             self.failed += 1
             self.last = err
-            self._unseen = err
-        log.error("%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
-                  advice(err))
+            if not superseded:
+                self._unseen = err
+        log.log(logging.WARNING if superseded else logging.ERROR,
+                "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
+                advice(err))
         return err
 
     def seen(self, exc: BaseException) -> None:
