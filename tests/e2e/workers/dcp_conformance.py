@@ -1,6 +1,6 @@
 """DCP's own scenarios on ckptd's Writer and Reader, 4 gloo ranks: DTensor
 resharding (placement changes on a 1-D and a 2-D mesh, 1-D <-> 2-D mesh changes,
-as in PyTorch's test_dtensor_resharding), FSDP2 models and optimizers through
+as in PyTorch's test_dtensor_resharding), FSDP2 and HSDP (a 2-D mesh) models and optimizers through
 ``get_state_dict`` / ``set_state_dict`` (``ModelState``) with ``dcp.save`` and
 with ``Checkpointer``, and a DDP train state with a ``BytesIO`` item (as in
 PyTorch's end-to-end save/load test). One job, one step per scenario.
@@ -38,18 +38,15 @@ def main() -> None:
     mesh1 = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2))
 
+    # Every scenario is one entry of one state: one save, one load (fast on 2 cores).
+    saved: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    meshes: dict[str, tuple[Any, list[Any], Any, list[Any]]] = {}
+
     def reshard(name: str, mesh_a: Any, pa: list[Any], mesh_b: Any, pb: list[Any]) -> None:
-        s = next(step)
-        saved = distribute_tensor(full, mesh_a, pa)
-        dcp.save({"dtensor": saved}, storage_writer=Writer(url, "conf", s))
-        target = {"dtensor": zeros([4, 4], device_mesh=mesh_b, placements=pb)}
-        dcp.load(target, storage_reader=Reader(url, "conf", s))
-        whole = target["dtensor"].redistribute(mesh_b, [Replicate()] * mesh_b.ndim).to_local()
-        ok = same_bits(whole, full)
-        if mesh_a is mesh_b:
-            back = target["dtensor"].redistribute(mesh_a, pa).to_local()
-            ok = ok and same_bits(back, saved.to_local())
-        results[name] = ok
+        saved[name] = distribute_tensor(full, mesh_a, pa)
+        targets[name] = zeros([4, 4], device_mesh=mesh_b, placements=pb)
+        meshes[name] = (mesh_a, pa, mesh_b, pb)
 
     for pa in ONE_D:
         for pb in ONE_D:
@@ -65,8 +62,20 @@ def main() -> None:
     for pa in TWO_D:
         for pb in ONE_D:
             reshard(f"mesh 2d {pa}->1d {pb}", mesh2, pa, mesh1, pb)
+    s = next(step)
+    dcp.save(saved, storage_writer=Writer(url, "conf", s))
+    dcp.load(targets, storage_reader=Reader(url, "conf", s))
+    for name, (mesh_a, pa, mesh_b, _pb) in meshes.items():
+        got = targets[name]
+        ok = same_bits(got.redistribute(mesh_b, [Replicate()] * mesh_b.ndim).to_local(), full)
+        if mesh_a is mesh_b:
+            ok = ok and same_bits(got.redistribute(mesh_a, pa).to_local(),
+                                  saved[name].to_local())
+        results[name] = ok
 
-    results.update(fsdp2(url, mesh1, next(step), next(step)))
+    results.update(fsdp2(url, mesh1, next(step), next(step), "fsdp2"))
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    results.update(fsdp2(url, hsdp, next(step), next(step), "hsdp"))
     results["ddp train_state BytesIO"] = ddp_train_state(url, next(step))
     finish(out, rank, results)
 
@@ -103,7 +112,7 @@ def _same(a: ModelState, b: ModelState) -> bool:
     return same and set(oa) == set(ob) and len(oa) > 0
 
 
-def fsdp2(url: str, mesh: Any, s_dcp: int, s_ckpt: int) -> dict[str, bool]:
+def fsdp2(url: str, mesh: Any, s_dcp: int, s_ckpt: int, label: str) -> dict[str, bool]:
     model, optim = _fsdp_model(0, mesh)
     _train(model, optim, 0)
     saved = ModelState(model, optim)
@@ -113,13 +122,13 @@ def fsdp2(url: str, mesh: Any, s_dcp: int, s_ckpt: int) -> dict[str, bool]:
     via_dcp = _same(saved, fresh)
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    with Checkpointer(url, job="conf-ckpt", rank=rank, world_size=world) as ckpt:
+    with Checkpointer(url, job=f"conf-{label}", rank=rank, world_size=world) as ckpt:
         ckpt.save(s_ckpt, {"app": saved}).wait(120)
         dist.barrier()
         again = ModelState(*_fsdp_model(2, mesh))
         step = ckpt.restore({"app": again}).step
-    return {"fsdp2 ModelState dcp.save/load": via_dcp,
-            "fsdp2 ModelState Checkpointer": step == s_ckpt and _same(saved, again)}
+    return {f"{label} ModelState dcp.save/load": via_dcp,
+            f"{label} ModelState Checkpointer": step == s_ckpt and _same(saved, again)}
 
 
 def ddp_train_state(url: str, s: int) -> bool:
