@@ -333,7 +333,13 @@ class RankManifest(_Document):
                 raise InvalidDocument(f"entry {entry.name!r} appears twice", name=entry.name)
             names.add(entry.name)
         referenced: set[str] = set()
-        check_tree(self.tree, referenced)
+        blobs: set[str] = set()
+        check_tree(self.tree, referenced, blobs=blobs)
+        for entry in self.entries:
+            if entry.name in blobs and (entry.dtype != "uint8" or len(entry.shape) != 1):
+                raise InvalidDocument(
+                    f"entry {entry.name!r} of a bytes node must be 1-D uint8", name=entry.name
+                )
         if referenced != names:
             extra = sorted(names - referenced)[:5] or sorted(referenced - names)[:5]
             raise InvalidDocument(
@@ -402,11 +408,15 @@ _SPLICE_JSON = canonical_json(_SPLICE)
 #   {"dict": [[key, node], ...]}  keys are strings or integers, in order
 #   {"list": [node, ...]}   {"tuple": [node, ...]}
 #   {"tensor": name}        {"value": json scalar}   {"float": "nan" | "inf" | "-inf"}
-_TREE_KINDS = {"dict", "list", "tuple", "tensor", "value", "float"}
+#   {"bytes": name}         an opaque blob: the 1-D uint8 entry ``name`` holds its bytes
+_TREE_KINDS = {"dict", "list", "tuple", "tensor", "value", "float", "bytes"}
 
 
-def check_tree(node: Any, tensors: set[str], depth: int = 0) -> None:
-    """Checks a tree node and collects the tensor names it references."""
+def check_tree(
+    node: Any, tensors: set[str], depth: int = 0, blobs: set[str] | None = None
+) -> None:
+    """Checks a tree node and collects the entry names it references (those of
+    ``bytes`` nodes also in ``blobs``)."""
     if depth > MAX_TREE_DEPTH:
         raise InvalidDocument(f"tree nested deeper than {MAX_TREE_DEPTH}")
     if not isinstance(node, dict) or len(node) != 1:
@@ -427,18 +437,20 @@ def check_tree(node: Any, tensors: set[str], depth: int = 0) -> None:
             if (type(key), key) in seen:
                 raise InvalidDocument(f"dict key {key!r} appears twice")
             seen.add((type(key), key))
-            check_tree(pair[1], tensors, depth + 1)
+            check_tree(pair[1], tensors, depth + 1, blobs)
     elif kind in ("list", "tuple"):
         if not isinstance(body, list):
             raise InvalidDocument(f"{kind} node must hold a list")
         for child in body:
-            check_tree(child, tensors, depth + 1)
-    elif kind == "tensor":
+            check_tree(child, tensors, depth + 1, blobs)
+    elif kind in ("tensor", "bytes"):
         if not isinstance(body, str):
-            raise InvalidDocument("tensor node must hold the entry name")
+            raise InvalidDocument(f"{kind} node must hold the entry name")
         if body in tensors:
             raise InvalidDocument(f"tensor {body!r} appears twice in the tree")
         tensors.add(body)
+        if kind == "bytes" and blobs is not None:
+            blobs.add(body)
     elif kind == "float":
         if body not in ("nan", "inf", "-inf"):
             raise InvalidDocument("float node holds only 'nan', 'inf' or '-inf'")

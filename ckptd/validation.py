@@ -75,8 +75,19 @@ def validate_step(
 
     warnings: list[str] = []
     logical = local_bytes
+    mismatched: list[ReplicaMismatch] = []
     for name, held in by_name.items():
-        logical += _check_tensor(name, held, replica_mismatch, warnings)
+        try:
+            logical += _check_tensor(name, held, replica_mismatch, warnings)
+        except ReplicaMismatch as exc:  # name every disagreeing tensor, not the first
+            mismatched.append(exc)
+    if mismatched:
+        head = mismatched[0]
+        names = [str(e.detail.get("name")) for e in mismatched]
+        more = (f"; {len(names) - 1} more tensors differ too: "
+                + ", ".join(repr(n) for n in names[1:11]) if len(names) > 1 else "")
+        raise ReplicaMismatch(head.message + more, name=names[0], names=names[:50],
+                              ranks=head.detail.get("ranks"))
 
     chunks = {cid for m in manifests for e in m.entries for cid in e.chunks}
     return ValidationReport(

@@ -7,6 +7,9 @@ training process.
     ...
     ckpt.restore(state)  # fills state in place, bitwise, from the latest commit
 
+A state may hold modules, optimizers, schedulers and ``RNGState()`` themselves
+(anything with ``state_dict()`` / ``load_state_dict()``).
+
 Names are imported lazily, so ``ckptd.client.transport`` (used by the CLI) does
 not pay for importing torch.
 """
@@ -18,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, Shard
+    from .failures import CloseResult, SnapshotFailureWarning
     from .pipeline import SaveResult
     from .restore import RestoreResult
+    from .stateful import ModelState, RNGState
     from .transport import HttpTransport, LocalTransport, Transport, open_transport
 
 _EXPORTS = {
@@ -28,6 +33,10 @@ _EXPORTS = {
     "SaveHandle": "checkpointer",
     "Shard": "checkpointer",
     "SaveResult": "pipeline",
+    "CloseResult": "failures",
+    "SnapshotFailureWarning": "failures",
+    "RNGState": "stateful",
+    "ModelState": "stateful",
     "Transport": "transport",
     "HttpTransport": "transport",
     "LocalTransport": "transport",
@@ -36,12 +45,16 @@ _EXPORTS = {
 
 __all__ = [
     "Checkpointer",
+    "CloseResult",
     "HttpTransport",
     "LocalTransport",
+    "ModelState",
+    "RNGState",
     "RestoreResult",
     "SaveHandle",
     "SaveResult",
     "Shard",
+    "SnapshotFailureWarning",
     "Transport",
     "open_transport",
 ]

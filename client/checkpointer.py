@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Mapping, MutableMapping, Sequence
+import warnings
+from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -31,10 +32,12 @@ from ckptd import knobs
 from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
+    Conflict,
     InvalidRequest,
     SnapshotSkipped,
     Timeout,
     UnsupportedValue,
+    ValidationFailed,
 )
 from ckptd.format import (
     EPOCH_META,
@@ -47,6 +50,8 @@ from ckptd.format import (
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
 from .cuda import CopyDone
+from .endpoint import endpoint
+from .failures import CloseResult, FailureLog, SnapshotFailureWarning, name_save_error
 from .heartbeat import HealthFn, Heartbeat, HeartbeatReply
 from .peer import PeerIndex, PeerServer, PeerService
 from .pipeline import (
@@ -59,6 +64,7 @@ from .pipeline import (
 from .restore import TIERS, RestoreOptions, RestoreResult, adopt_pool, restore_into
 from .staging import PAGE, StagedPiece, StagingPool
 from .state import flatten
+from .stateful import restore_view
 from .transport import HttpTransport, Transport, open_transport
 
 if TYPE_CHECKING:
@@ -71,6 +77,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 OnBusy = Literal["wait", "skip"]
+OnError = Literal["raise", "warn"]
 DefaultPlacement = Literal["replicated", "local"]
 
 
@@ -120,6 +127,7 @@ class SaveHandle:
         stall_seconds: float = 0.0,
         waited_seconds: float = 0.0,
         pieces: int = 1,
+        on_failure_seen: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.step = step
         self.skipped = skipped
@@ -128,6 +136,7 @@ class SaveHandle:
         self.pieces = pieces
         self._future = future
         self._copy_done = copy_done
+        self._on_failure_seen = on_failure_seen
 
     def __repr__(self) -> str:
         what = "skipped" if self.skipped else ("done" if self.done() else "in flight")
@@ -180,7 +189,9 @@ class SaveHandle:
             raise CkptdError(
                 f"snapshot of step {self.step} was cancelled", step=self.step
             ) from None
-        except CkptdError:
+        except CkptdError as exc:
+            if self._on_failure_seen is not None:
+                self._on_failure_seen(exc)  # seen here: the next save() need not raise it
             raise
         except Exception as exc:
             raise wrap_error(exc, f"snapshot of step {self.step}") from exc
@@ -197,6 +208,16 @@ class Checkpointer:
     ``local`` (rank-private), or ``"sharded"`` when given a ``Shard`` (or when they
     are DTensors, whose placements say where their shard sits). ``timeout`` bounds
     every blocking call that takes no timeout of its own (None: no bound).
+    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``.
+
+    A snapshot that fails in the background is never silent: it is logged at
+    ERROR once (the typed error naming job, step and rank, and what to do), the
+    heartbeat reports it (``ckptd status``, the dashboard, ``/metrics``'
+    ``ckptd_snapshot_failures_total``), the next ``save()``, ``step()`` or
+    ``close()`` raises it (``on_error="raise"``) or warns
+    (``on_error="warn"``, a ``SnapshotFailureWarning``; default
+    ``CKPTD_ON_ERROR`` or ``"raise"``), and ``close()``'s ``CloseResult``
+    counts it.
 
     Staging goes to a shared-memory pool under ``shm_dir`` (default
     ``CKPTD_SHM_DIR`` or ``/dev/shm``) named by job and rank, which a restarted
@@ -218,8 +239,8 @@ class Checkpointer:
 
     def __init__(
         self,
-        url: str,
-        job: str,
+        url: str | None = None,
+        job: str = "",
         rank: int = 0,
         world_size: int = 1,
         token: str | None = None,
@@ -227,6 +248,7 @@ class Checkpointer:
         chunk_size: int | None = None,
         default_placement: DefaultPlacement = "replicated",
         on_busy: OnBusy = "wait",
+        on_error: OnError | None = None,
         timeout: float | None = None,
         staging_budget: int | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
@@ -239,6 +261,7 @@ class Checkpointer:
         health_policy: Policy | str | os.PathLike[str] | None = None,
         health_sources: Iterable[ReadingSource] | None = None,
     ) -> None:
+        url, token = endpoint(url, token)
         self.url = url
         self.job = check_job(job)
         self.world_size = world_size
@@ -254,6 +277,19 @@ class Checkpointer:
             )
         if on_busy not in ("wait", "skip"):
             raise InvalidRequest(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        if on_error is None:
+            on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
+        if on_error not in ("raise", "warn"):
+            raise InvalidRequest(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        self.on_error: OnError = on_error
+        self._failures = FailureLog(self.job, self.rank)
+        # The last step this rank uploaded whose commit was pending (other ranks to
+        # come), with its meta, and the background question whether it committed:
+        # a step that can never commit (replicas disagree) fails on the rank whose
+        # manifest came last, and every other rank learns it by asking again.
+        self._pending_commit: tuple[int, dict[str, Any]] | None = None
+        self._pending_check: concurrent.futures.Future[Any] | None = None
+        self._pending_asked = 0.0
         if staging_budget is not None and staging_budget < self.chunk_size + PAGE:
             raise InvalidRequest(
                 f"staging_budget {staging_budget} cannot hold one chunk of {self.chunk_size} "
@@ -364,7 +400,10 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is not None:  # the block's own error wins; a failed save is logged already
+            self._close()
+        else:
+            self.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -409,15 +448,24 @@ class Checkpointer:
         ``timeout`` seconds, then ``Timeout``) or this save is skipped
         (``on_busy="skip"``: ``handle.skipped``). Raises at once for a state that
         cannot be stored (``UnsupportedValue``, naming the path); errors of the
-        upload come out of ``SaveHandle.wait()``."""
+        upload come out of ``SaveHandle.wait()``, and out of the next ``save()``,
+        ``step()`` or ``close()`` (see ``on_error``). Objects with ``state_dict()``
+        and ``load_state_dict()`` (a module, optimizer, scheduler, ``RNGState``) are
+        saved as their ``state_dict()``; raw ``bytes`` as opaque verified blobs."""
         started = time.perf_counter()
         self._check_open()
+        self._surface_failure()
+        self._ask_pending()
         check_step(step)
         self._service.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
             getattr(flat, "layouts", None) or {}
         )
+        # Rank-private Stateful objects (RNGState) are local unless named otherwise.
+        local = list(local)
+        explicit = set(shards or {}) | set(local)
+        local += sorted(getattr(flat, "local", set()) - explicit)
         placements = self._placements(flat.tensors, shards or {}, local, layouts)
         meta = dict(meta or {})
         if tag is not None:
@@ -440,6 +488,7 @@ class Checkpointer:
                 if self.on_busy == "skip":
                     log.info("%s/%d: step %d skipped, a snapshot is in flight",
                              self.job, self.rank, step)
+                    self._failures.skipped += 1
                     return SaveHandle(step, None, skipped=True,
                                       stall_seconds=time.perf_counter() - started)
                 t_wait = time.perf_counter()
@@ -454,13 +503,16 @@ class Checkpointer:
             future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
                                                                placements, meta, started,
                                                                pending)
+            self._failures.saves += 1
+        future.add_done_callback(functools.partial(self._snapshot_done, step=step, meta=meta))
         if block_training and copy_done is not None:
             copy_done.block_streams()
         stall = time.perf_counter() - started
         log.debug("%s/%d: step %d staged in %d piece(s), save() took %.4f s",
                   self.job, self.rank, step, pieces, stall)
         return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
-                          waited_seconds=waited, pieces=pieces)
+                          waited_seconds=waited, pieces=pieces,
+                          on_failure_seen=self._failures.seen)
 
     def _stage_and_submit(
         self,
@@ -494,7 +546,7 @@ class Checkpointer:
         for number in range(plan.piece_count):
             piece = self._staging.stage(plan, number, step)
             if piece.last:
-                future = self._loop.submit(upload.finish(piece))
+                future = self._loop.submit(self._named(upload.finish(piece), step))
                 future.add_done_callback(functools.partial(self._uploaded, upload=upload,
                                                            piece=piece))
                 self._inflight = future
@@ -503,15 +555,98 @@ class Checkpointer:
             self._inflight = sent  # it reads the pool: nothing may overwrite it before
             done, _ = concurrent.futures.wait([sent], self.timeout)
             if not done:
-                return _failed(Timeout(
-                    f"save of step {step}: piece {number + 1} of {plan.piece_count} was not "
+                return _failed(self._name(Timeout(
+                    f"piece {number + 1} of {plan.piece_count} was not "
                     f"uploaded within {self.timeout} s; the snapshot is abandoned",
                     step=step,
-                )), None, plan.piece_count
+                ), step)), None, plan.piece_count
             exc = sent.exception()
             if exc is not None:
-                return _failed(exc), None, plan.piece_count
+                return _failed(self._name(exc, step)), None, plan.piece_count
         raise AssertionError("a staging plan has at least one piece")
+
+    def _name(self, exc: BaseException, step: int) -> CkptdError:
+        return name_save_error(exc, self.job, step, self.rank)
+
+    async def _named(self, work: Coroutine[Any, Any, T], step: int) -> T:
+        """``work``, its error typed and naming this save (job, step, rank) before
+        anyone waiting on the snapshot sees it."""
+        try:
+            return await work
+        except Exception as exc:
+            err = self._name(exc, step)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def _snapshot_done(
+        self, future: concurrent.futures.Future[SaveResult], *, step: int,
+        meta: dict[str, Any],
+    ) -> None:
+        """A snapshot finished: a failure is recorded (logged, held for the loop,
+        sent in heartbeats); a pending commit is remembered, to be asked about."""
+        if future.cancelled():
+            self._snapshot_failed(step, CkptdError("the snapshot was cancelled"))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._snapshot_failed(step, exc)
+            return
+        if future.result().state == "pending":
+            self._pending_commit = (step, meta)
+        elif self._pending_commit is not None and self._pending_commit[0] <= step:
+            self._pending_commit = None
+
+    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
+        err = self._failures.record(step, exc)
+        hb = self._service.heartbeat
+        if err is not None and hb is not None:
+            hb.note_snapshot_failure(str(err))
+
+    def _ask_pending(self, timeout: float | None = None) -> None:
+        """Asks, in the background (at most twice a second), whether the last step
+        that was pending here committed; a step that cannot commit is recorded as
+        this rank's failure too. With ``timeout``, waits that long for the answer."""
+        pending = self._pending_commit
+        if pending is None:
+            return
+        check = self._pending_check
+        if check is None or check.done():
+            if timeout is None and time.monotonic() - self._pending_asked < 0.5:
+                return
+            self._pending_asked = time.monotonic()
+            step, meta = pending
+            check = self._loop.submit(self._transport.commit(self.job, step, meta or None))
+            check.add_done_callback(functools.partial(self._pending_answer, pending=pending))
+            self._pending_check = check
+        if timeout is not None:
+            concurrent.futures.wait([check], timeout)
+
+    def _pending_answer(self, future: concurrent.futures.Future[Any], *,
+                        pending: tuple[int, dict[str, Any]]) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            if future.result().state == "committed" and self._pending_commit is pending:
+                self._pending_commit = None
+            return
+        if isinstance(exc, ValidationFailed | Conflict):  # never commits: a failure
+            if self._pending_commit is pending:
+                self._pending_commit = None
+            self._snapshot_failed(pending[0], exc)
+        else:  # the server may be back next time
+            log.debug("%s/%d: cannot ask whether step %d committed: %s", self.job, self.rank,
+                      pending[0], exc)
+
+    def _surface_failure(self) -> None:
+        """Raises (or warns of) a failed snapshot the loop has not seen yet."""
+        err = self._failures.take()
+        if err is None:
+            return
+        if self.on_error == "raise":
+            raise err
+        warnings.warn(str(err), SnapshotFailureWarning, stacklevel=3)
 
     def _uploaded(
         self,
@@ -632,6 +767,11 @@ class Checkpointer:
         no source has leaves the target partly restored (the error's detail says
         ``partial``). The bytes restored are the committed ones either way.
 
+        Objects with ``state_dict()`` and ``load_state_dict()`` (a module, an
+        optimizer, a scheduler, ``RNGState``) are restored through their
+        ``state_dict()`` and get it back by ``load_state_dict()``. The result's
+        ``step`` is the step restored: ``start = ckpt.restore(state).step + 1``.
+
         The pool's chunks that verified are then served to peers (with a server)."""
         self._check_open()
         if not isinstance(state, MutableMapping):
@@ -660,13 +800,17 @@ class Checkpointer:
             atomic=atomic,
         )
         before = self._rollback_state()
+        # Stateful objects (model, optimizer, RNGState) restore through a view that
+        # holds their state_dict(); load_state_dict() gets it once it is filled.
+        target, load_stateful = restore_view(state)
         # No save stages into the pool while a restore may read it.
         with self._lock:
             self._check_open()
             result, fetched = restore_into(
-                call, self._transport, state, job=self.job, rank=self.rank,
+                call, self._transport, target, job=self.job, rank=self.rank,
                 world_size=self.world_size, step=step, shards=shards, opts=opts,
             )
+        load_stateful()
         if fetched.adopted is not None and fetched.pool is not None:
             if self._service.server is not None:
                 self._service.adopted(fetched.adopted, fetched.pool, beat=False)
@@ -758,8 +902,10 @@ class Checkpointer:
         the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` and carry on. A poisoned step is never
-        snapshotted."""
+        snapshotted. A failed earlier snapshot comes out here (see ``on_error``)."""
         self._check_open()
+        self._surface_failure()
+        self._ask_pending()
         agent = self._health_agent()
         self._service.note_step(step)
         decision = agent.step(step, loss)
@@ -838,13 +984,21 @@ class Checkpointer:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> CloseResult:
         """Waits for the snapshot in flight, then closes the transport and the
         background loop and removes the staging pool from shared memory.
-        Idempotent."""
+
+        Returns how many saves were staged, failed and skipped; then raises a
+        failed snapshot's error the loop has not seen (``on_error="raise"``) or
+        warns of it. Idempotent."""
+        result = self._close(timeout)
+        self._surface_failure()
+        return result
+
+    def _close(self, timeout: float | None = None) -> CloseResult:
         with self._lock:
             if self._closed:
-                return
+                return self._failures.result()
             self._closed = True
             busy = self._inflight
         timeout = self.timeout if timeout is None else timeout
@@ -853,6 +1007,13 @@ class Checkpointer:
             if not done:
                 log.warning("%s/%d: closing with the snapshot of a save still in flight",
                             self.job, self.rank)
+        try:  # a step that can never commit is this rank's failure too
+            self._ask_pending(timeout=min(timeout, 10.0) if timeout is not None else 10.0)
+        except Exception as exc:  # closing must not fail on a question
+            log.debug("%s/%d: cannot ask about the pending step: %s", self.job, self.rank, exc)
+        hb = self._service.heartbeat
+        if hb is not None and self._failures.failed:
+            hb.beat_now()  # the last word on this rank's failures, before it goes
         if self._health is not None:
             try:
                 self._health.close()
@@ -870,6 +1031,7 @@ class Checkpointer:
             log.warning("%s/%d: closing the transport failed: %s", self.job, self.rank, exc)
         self._loop.stop()
         self._staging.close()
+        return self._failures.result()
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:

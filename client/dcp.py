@@ -69,6 +69,8 @@ from ckptd.errors import (
     ChunkSizeMismatch,
     CkptdError,
     Conflict,
+    IntegrityError,
+    InvalidDocument,
     InvalidRequest,
     NotCommitted,
     RestoreError,
@@ -105,6 +107,7 @@ META_VERSION = 1
 DEFAULT_READ_BUDGET = 256 * MiB
 
 _SCHEMES = ("http", "https", "file")
+_PREFIX = "ckptd+"  # ckptd+http://host:port/JOB/STEP, ckptd+file:///dir/JOB/STEP
 
 
 # -- checkpoint ids ---------------------------------------------------------------------
@@ -116,10 +119,13 @@ def checkpoint_id(url: str, job: str, step: int) -> str:
 
 
 def parse_checkpoint_id(value: str | os.PathLike[str]) -> tuple[str, str, int | None]:
-    """``(url, job, step)`` of a ``<url>/<job>/<step>`` id; the step may be ``latest``
+    """``(url, job, step)`` of a ``[ckptd+]<url>/<job>/<step>`` id (``url`` an
+    ``http(s)://`` server or a ``file:///`` store); the step may be ``latest``
     (None). ``InvalidRequest`` for anything else."""
     text = os.fspath(value)
-    parsed = urlparse(text)
+    if not isinstance(text, str):
+        raise InvalidRequest(f"checkpoint id {text!r} is not a string")
+    parsed = urlparse(text.removeprefix(_PREFIX))
     if parsed.scheme not in _SCHEMES:
         raise InvalidRequest(f"checkpoint id {text!r} is not <http(s) or file URL>/<job>/<step>")
     parts = parsed.path.rstrip("/").rsplit("/", 2)
@@ -151,6 +157,40 @@ def _bare_step(value: Any) -> int | None:
         return check_step(value)
     if isinstance(value, str) and value.isdigit() and value.isascii():
         return check_step(int(value))
+    return None
+
+
+def _where(url: str | None, job: str | None, token: str | None) -> tuple[str, str, str | None]:
+    """A storage class's url, job and token; url and token default to ``CKPTD_URL``
+    and ``CKPTD_TOKEN``, and may stay unknown ("") until a checkpoint id names them."""
+    if url is None:
+        url = os.environ.get("CKPTD_URL") or ""
+    if token is None:
+        token = os.environ.get("CKPTD_TOKEN") or None
+    return url, ("" if job is None else check_job(job)), token
+
+
+def _require_where(url: str, job: str, who: str) -> None:
+    if not url or not job:
+        raise InvalidRequest(
+            f"{who} has no {'url' if not url else 'job'}: pass url= and job= (or set "
+            "CKPTD_URL), or a checkpoint_id such as ckptd+http://host:port/JOB/STEP"
+        )
+
+
+def ckptd_error(exc: BaseException) -> CkptdError | None:
+    """The ckptd error inside what ``dcp.save`` / ``dcp.load`` raised: DCP wraps a
+    storage error in a ``CheckpointException`` whose ``failures[rank]`` is
+    ``(error, traceback)``; the first rank's ckptd error (None when there is none)."""
+    if isinstance(exc, CkptdError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for rank in sorted(failures):
+            inner = failures[rank]
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, CkptdError):
+                return inner
     return None
 
 
@@ -242,14 +282,17 @@ class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that saves ``step`` of ``job`` to a ckptd server or
     store. Every rank uploads its own chunks and manifest; the coordinator commits.
 
-    ``step`` may instead come from ``dcp.save(checkpoint_id=...)`` (a full
-    ``<url>/<job>/<step>`` id or a bare step). ``timeout`` bounds each storage call
-    (None: no bound)."""
+    ``url``, ``job`` and ``step`` may instead come from ``dcp.save(checkpoint_id=...)``:
+    ``ckptd+http://host:port/JOB/STEP``, ``ckptd+file:///dir/JOB/STEP`` (or without
+    ``ckptd+``), or a bare step for the writer's own url and job; ``reset`` takes
+    the next one, so one writer serves successive steps. ``url`` and ``token``
+    default to ``CKPTD_URL`` and ``CKPTD_TOKEN``. ``timeout`` bounds each storage
+    call (None: no bound)."""
 
     def __init__(
         self,
-        url: str,
-        job: str,
+        url: str | None = None,
+        job: str | None = None,
         step: int | None = None,
         token: str | None = None,
         *,
@@ -257,10 +300,8 @@ class Writer(StorageWriter):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
-        self.url = url
-        self.job = check_job(job)
+        self.url, self.job, self.token = _where(url, job, token)
         self.step = None if step is None else check_step(step)
-        self.token = token
         self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequest(
@@ -276,7 +317,9 @@ class Writer(StorageWriter):
 
     @property
     def checkpoint_id(self) -> str | None:
-        return None if self.step is None else checkpoint_id(self.url, self.job, self.step)
+        if self.step is None or not self.url or not self.job:
+            return None
+        return checkpoint_id(self.url, self.job, self.step)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.save_id = uuid.uuid4().hex
@@ -306,6 +349,7 @@ class Writer(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def _require_step(self) -> int:
+        _require_where(self.url, self.job, "Writer")
         if self.step is None:
             raise InvalidRequest(
                 "Writer has no step: pass step= or dcp.save(checkpoint_id=<step>)"
@@ -319,7 +363,9 @@ class Writer(StorageWriter):
             fqn = item.index.fqn
             if fqn in seen:
                 raise UnsupportedValue(
-                    f"{fqn!r}: several shards of one tensor on one rank are not supported",
+                    f"{fqn!r}: several shards of one tensor on one rank are not supported "
+                    "(ckptd stores one box per tensor per rank); shard it as a DTensor "
+                    "(FSDP2, tensor parallel), one box per rank",
                     name=fqn,
                 )
             seen.add(fqn)
@@ -353,14 +399,22 @@ class Writer(StorageWriter):
         tensors: list[tuple[WriteItem, torch.Tensor]] = []
         meta_paths: dict[str, list[str | int]] = {}
         results: list[WriteResult] = []
+        blobs: list[tuple[str, torch.Tensor]] = []
         values = 0
         for item in plan.items:
             fqn = item.index.fqn
             meta_paths[fqn] = _json_path(paths.get(fqn), fqn)
             if item.type == WriteItemType.BYTE_IO:
-                node = _decode_value(planner.resolve_data(item), fqn)
-                tree.append([fqn, node])
-                results.append(WriteResult(item.index, len(canonical_json(node)), None))
+                resolved = planner.resolve_data(item)
+                node = _decode_value(resolved, fqn)
+                if node is None:  # not a plain value: an opaque, verified blob
+                    blob = _blob(resolved, fqn)
+                    blobs.append((fqn, blob))
+                    tree.append([fqn, {"bytes": fqn}])
+                    results.append(WriteResult(item.index, blob.numel(), None))
+                else:
+                    tree.append([fqn, node])
+                    results.append(WriteResult(item.index, len(canonical_json(node)), None))
                 values += 1
             else:
                 tensor = _write_tensor(item, planner.resolve_data(item))
@@ -369,6 +423,10 @@ class Writer(StorageWriter):
         entries, data = _hash_tensors(tensors, self.chunk_size)
         for (item, _), entry in zip(tensors, entries, strict=True):
             results.append(WriteResult(item.index, entry.nbytes, None))
+        blob_entries, blob_data = _hash_blobs(blobs, self.chunk_size)
+        entries += blob_entries
+        for cid, view in blob_data.items():
+            data.setdefault(cid, view)
         manifest = RankManifest(
             job=self.job,
             step=info.step,
@@ -446,24 +504,64 @@ def _json_path(path: Any, fqn: str) -> list[str | int]:
     return out
 
 
-def _decode_value(data: Any, fqn: str) -> dict[str, Any]:
-    """The tree node of a non-tensor item, which DCP hands over ``torch.save``-d.
+def _decode_value(data: Any, fqn: str) -> dict[str, Any] | None:
+    """The tree node of a non-tensor item, which DCP hands over ``torch.save``-d,
+    or None when it is not a plain value (then it is stored as an opaque blob).
 
     Loaded with ``weights_only=True`` (no code runs) and stored as JSON, never as
-    the pickle: what the tree cannot hold is refused."""
+    the pickle."""
     if isinstance(data, io.BytesIO):
         data.seek(0)
         try:
             value = torch.load(data, weights_only=True)
-        except Exception as exc:
-            raise UnsupportedValue(
-                f"{fqn!r} is not a plain value (dict, list, tuple, str, int, float, bool, None)"
-                f" that ckptd can store as JSON: {type(exc).__name__}: {str(exc)[:200]}",
-                name=fqn,
-            ) from None
+        except Exception:
+            return None
+    elif isinstance(data, bytes | bytearray | memoryview):
+        return None
     else:  # a custom planner may resolve to the object itself
         value = data
-    return value_tree(value, fqn)
+    try:
+        return value_tree(value, fqn)
+    except UnsupportedValue:
+        if isinstance(data, io.BytesIO):
+            return None
+        raise
+
+
+def _blob(data: Any, fqn: str) -> torch.Tensor:
+    """The bytes DCP handed over for an item, as a 1-D uint8 tensor (a copy)."""
+    if isinstance(data, io.BytesIO):
+        raw = data.getvalue()
+    elif isinstance(data, bytes | bytearray | memoryview):
+        raw = bytes(data)
+    else:
+        raise UnsupportedValue(
+            f"{fqn!r}: the planner resolved a bytes item to a {type(data).__name__}, "
+            "not bytes", name=fqn)
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _hash_blobs(
+    blobs: list[tuple[str, torch.Tensor]], chunk_size: int
+) -> tuple[list[TensorEntry], dict[str, memoryview]]:
+    """Entries of opaque blobs (1-D uint8, ``replicated``: DCP writes each item on
+    one rank) and their chunks' bytes."""
+    entries: list[TensorEntry] = []
+    data: dict[str, memoryview] = {}
+    for fqn, blob in blobs:
+        view = byte_view(blob)
+        ids = []
+        for a, b in chunk_spans(len(view), chunk_size):
+            cid = chunk_id(view[a:b])
+            ids.append(cid)
+            data.setdefault(cid, view[a:b])
+        n = int(blob.numel())
+        entries.append(TensorEntry(name=fqn, dtype="uint8", placement="replicated",
+                                   global_shape=[n], offsets=[0], shape=[n], nbytes=n,
+                                   chunks=ids))
+    return entries, data
 
 
 def _write_tensor(item: WriteItem, resolved: Any) -> torch.Tensor:
@@ -490,7 +588,8 @@ def _hash_tensors(
     entries: list[TensorEntry] = []
     data: dict[str, memoryview] = {}
     for item, tensor in tensors:
-        assert item.tensor_data is not None
+        if item.tensor_data is None:  # _write_tensor refused it already
+            raise InvalidRequest(f"{item.index.fqn!r}: a tensor item without tensor data")
         view = byte_view(tensor)
         ids: list[str] = []
         for a, b in chunk_spans(len(view), chunk_size):
@@ -532,6 +631,9 @@ class _Index:
     boxes: dict[tuple[str, tuple[int, ...]], _StoredBox] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    # Opaque blobs: the stored box of their bytes, and whether DCP wrote them (then
+    # they go back to the planner as written; a Checkpointer's bytes leaf is a value).
+    blobs: dict[str, tuple[_StoredBox, bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,15 +645,17 @@ class _LoadPlanData:
 class Reader(StorageReader):
     """A DCP ``StorageReader`` of a committed ckptd step (the latest when ``step``
     is None). Loads into any world size: each rank reads only the chunks that
-    cover the boxes it asks for, and verifies each against its id.
+    cover the boxes it asks for, and verifies each against its id. ``url``,
+    ``job`` and ``step`` may come from ``dcp.load(checkpoint_id=...)`` as for
+    ``Writer``; ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``.
 
     ``timeout`` bounds each storage call; ``read_budget`` bounds the bytes of
     shard buffers one batch of ``read_data`` holds."""
 
     def __init__(
         self,
-        url: str,
-        job: str,
+        url: str | None = None,
+        job: str | None = None,
         step: int | None = None,
         token: str | None = None,
         *,
@@ -560,10 +664,8 @@ class Reader(StorageReader):
         read_budget: int = DEFAULT_READ_BUDGET,
     ) -> None:
         super().__init__()
-        self.url = url
-        self.job = check_job(job)
+        self.url, self.job, self.token = _where(url, job, token)
         self.step = None if step is None else check_step(step)
-        self.token = token
         self.timeout = timeout
         self.concurrency = concurrency or knobs.upload_concurrency()
         self.read_budget = int(read_budget)
@@ -601,6 +703,7 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata rebuilt from the step's committed manifests: per tensor its
         dtype, global size and every stored box; a bytes entry per plain value."""
+        _require_where(self.url, self.job, "Reader")
         index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
         self._index = index
         state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -614,10 +717,15 @@ class Reader(StorageReader):
                     chunks=[],
                 )
                 state_dict_metadata[fqn] = md
-            assert isinstance(md, TensorStorageMetadata)
+            if not isinstance(md, TensorStorageMetadata):
+                raise InvalidDocument(f"{fqn!r} is a tensor in one manifest of step "
+                                      f"{index.step} and not in another", name=fqn)
             md.chunks.append(ChunkStorageMetadata(torch.Size(e.offsets), torch.Size(e.shape)))
-        for fqn in index.values:
-            state_dict_metadata.setdefault(fqn, BytesStorageMetadata())
+        for fqn in [*index.values, *index.blobs]:
+            if isinstance(state_dict_metadata.setdefault(fqn, BytesStorageMetadata()),
+                          TensorStorageMetadata):
+                raise InvalidDocument(f"{fqn!r} is a tensor in one manifest of step "
+                                      f"{index.step} and a value in another", name=fqn)
         return Metadata(
             state_dict_metadata=state_dict_metadata,
             planner_data={fqn: index.paths.get(fqn, (fqn,)) for fqn in state_dict_metadata},
@@ -675,6 +783,9 @@ class Reader(StorageReader):
         by_box: dict[tuple[str, tuple[int, ...]], list[ReadItem]] = {}
         for req in plan.items:
             fqn = req.storage_index.fqn
+            if req.type == LoadItemType.BYTE_IO and fqn in index.blobs:
+                planner.load_bytes(req, io.BytesIO(self._read_blob(*index.blobs[fqn])))
+                continue
             if req.type == LoadItemType.BYTE_IO:
                 node = index.values.get(fqn)
                 if node is None:
@@ -708,6 +819,28 @@ class Reader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_blob(self, box: _StoredBox, written_by_dcp: bool) -> bytes:
+        """An opaque blob's bytes, each chunk verified. A blob DCP wrote goes back as
+        written (DCP's planner, not ckptd, decides how to read it); a Checkpointer's
+        bytes leaf is a value, so it is ``torch.save``-d for the planner like one."""
+        e = box.entry
+        buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        view = byte_view(buf)
+        wanted: dict[str, list[tuple[str, memoryview]]] = {}
+        for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
+            wanted.setdefault(cid, []).append((e.name, view[a:b]))
+
+        async def work(transport: Transport) -> int:
+            return await _fetch_chunks(transport, wanted, self.concurrency)
+
+        self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
+        raw = buf.numpy().tobytes()
+        if written_by_dcp:
+            return raw
+        out = io.BytesIO()
+        torch.save(raw, out)  # our own bytes of a bytes value, for the planner's torch.load
+        return out.getvalue()
 
     def _read_batch(
         self, batch: list[tuple[_StoredBox, list[ReadItem]]], planner: LoadPlanner
@@ -790,6 +923,12 @@ async def _fetch_chunks(
                 id=cid,
                 entries=names[:50],
             ) from exc
+        except IntegrityError as exc:  # the server found its stored copy corrupt
+            if "entries" not in exc.detail:
+                exc.message = f"{exc.message} (it holds {', '.join(map(repr, names[:5]))})"
+                exc.args = (exc.message,)
+                exc.detail["entries"] = names[:50]
+            raise
         actual = await asyncio.to_thread(chunk_id, data)
         if actual != cid:
             raise ChunkHashMismatch(
@@ -831,6 +970,11 @@ def _index_manifest(index: _Index, manifest: RankManifest) -> None:
         _walk_tree(manifest.tree, (), leaves)
     for fqn, path, node in leaves:
         index.paths.setdefault(fqn, path)
+        if set(node) == {"bytes"}:
+            index.blobs.setdefault(fqn, (_StoredBox(entries[node["bytes"]],
+                                                    manifest.chunk_size),
+                                         isinstance(dcp_meta, dict)))
+            continue
         if set(node) != {"tensor"}:
             index.values.setdefault(fqn, node)  # replicas of a value: the lowest rank's
             continue

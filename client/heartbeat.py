@@ -139,6 +139,11 @@ class Heartbeat:
         self._complained: set[str] = set()
         self.beats = 0  # heartbeats the server accepted
         self.failures = 0  # heartbeats that did not get through
+        # Snapshots of this rank that failed, and the last one's error: carried in
+        # the health report (a signal and a reason), so status, the dashboard and
+        # /metrics show them without a field of their own.
+        self.snapshot_failures = 0
+        self.snapshot_error: str | None = None
 
     def __repr__(self) -> str:
         return (f"<Heartbeat {self.url} {self.job}/{self.rank} every {self.interval:g} s, "
@@ -173,6 +178,12 @@ class Heartbeat:
         self._pending = (check_step(step), on_committed)
         self._wake.set()
 
+    def note_snapshot_failure(self, message: str) -> None:
+        """A snapshot of this rank failed; the next beat (sent now) says so."""
+        self.snapshot_failures += 1
+        self.snapshot_error = message[:1000]
+        self._wake.set()
+
     def set_peer_url(self, url: str | None) -> None:
         self.peer_url = url
         self._wake.set()
@@ -195,6 +206,12 @@ class Heartbeat:
         except Exception as exc:  # a broken probe must not stop heartbeats
             self._complain("health", "health callback failed: %s", exc)
             health = default_health()
+        if self.snapshot_failures:
+            health = dict(health)
+            health["signals"] = {**(health.get("signals") or {}),
+                                 "snapshot_failures": self.snapshot_failures}
+            reasons = list(health.get("reasons") or [])[:63]
+            health["reasons"] = [*reasons, self.snapshot_error or "a snapshot failed"]
         return {
             "world_size": self.world_size,
             "peer_url": self.peer_url,

@@ -724,6 +724,8 @@ def _target_values(tree: Mapping[str, Any], target: Any) -> dict[str, Any]:
         ((kind, body),) = node.items()
         if kind == "tensor":
             out[body] = existing
+        elif kind == "bytes":
+            out[body] = None  # a blob is rebuilt, never filled in place
         elif kind == "dict":
             for key, child in body:
                 ok = isinstance(existing, Mapping) and key in existing

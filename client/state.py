@@ -104,6 +104,20 @@ class FlatState:
     tree: dict[str, Any]
     tensors: list[tuple[str, torch.Tensor]]
     layouts: dict[str, tuple[Placement, list[int], list[int]]] = field(default_factory=dict)
+    # Tensors of Stateful objects that say they are rank-private (``rank_local``,
+    # e.g. ``RNGState``): saved ``local`` unless the caller says otherwise.
+    local: set[str] = field(default_factory=set)
+
+
+def is_stateful(value: Any) -> bool:
+    """True for DCP's ``Stateful`` protocol: an object (not a mapping or a tensor)
+    with ``state_dict()`` and ``load_state_dict()``, like a module, an optimizer,
+    an LR scheduler or ``RNGState``."""
+    return (
+        not isinstance(value, Mapping | torch.Tensor | type)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
 
 
 def flatten(state: Mapping[Any, Any]) -> FlatState:
@@ -117,8 +131,9 @@ def flatten(state: Mapping[Any, Any]) -> FlatState:
     tensors: list[tuple[str, torch.Tensor]] = []
     where: dict[str, tuple[str | int, ...]] = {}
     layouts: dict[str, tuple[Placement, list[int], list[int]]] = {}
-    tree = _flatten_node(state, (), tensors, where, layouts)
-    return FlatState(tree=tree, tensors=tensors, layouts=layouts)
+    local: set[str] = set()
+    tree = _flatten_node(state, (), tensors, where, layouts, local)
+    return FlatState(tree=tree, tensors=tensors, layouts=layouts, local=local)
 
 
 def value_tree(value: Any, where: str) -> dict[str, Any]:
@@ -141,6 +156,7 @@ def _flatten_node(
     tensors: list[tuple[str, torch.Tensor]],
     where: dict[str, tuple[str | int, ...]],
     layouts: dict[str, tuple[Placement, list[int], list[int]]],
+    local: set[str] | None = None,
 ) -> dict[str, Any]:
     if len(path) > MAX_TREE_DEPTH:  # the same bound as ckptd.format.check_tree
         raise UnsupportedValue(
@@ -154,6 +170,14 @@ def _flatten_node(
         return {"tensor": name}
     if isinstance(value, torch.Tensor):
         return {"tensor": _add_tensor(value, path, tensors, where)}
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _bytes_node(value, path, tensors, where)
+    if is_stateful(value):  # a module, optimizer, scheduler, RNGState: its state_dict()
+        first = len(tensors)
+        node = _flatten_node(value.state_dict(), path, tensors, where, layouts, local)
+        if getattr(value, "rank_local", False) and local is not None:
+            local.update(name for name, _ in tensors[first:])
+        return node
     if value is None or isinstance(value, bool):
         return {"value": value if value is None else bool(value)}
     if isinstance(value, int):
@@ -184,22 +208,40 @@ def _flatten_node(
                     path=path_str(path),
                 )
             key = str.__str__(key) if isinstance(key, str) else int(key)
-            items.append([key, _flatten_node(child, (*path, key), tensors, where, layouts)])
+            items.append(
+                [key, _flatten_node(child, (*path, key), tensors, where, layouts, local)]
+            )
         return {"dict": items}
     if type(value) is list or type(value) is tuple or type(value) is torch.Size:
         kind = "list" if type(value) is list else "tuple"
         return {
             kind: [
-                _flatten_node(c, (*path, i), tensors, where, layouts) for i, c in enumerate(value)
+                _flatten_node(c, (*path, i), tensors, where, layouts, local)
+                for i, c in enumerate(value)
             ]
         }
     raise UnsupportedValue(
         f"{path_str(path)} holds a {type(value).__module__}.{type(value).__qualname__}, "
         "which ckptd cannot store without pickling (supported: dict, list, tuple, tensor, "
-        "None, bool, int, float, str)",
+        "bytes, None, bool, int, float, str, and objects with state_dict() and "
+        "load_state_dict())",
         path=path_str(path),
         type=type(value).__qualname__,
     )
+
+
+def _bytes_node(
+    value: bytes | bytearray | memoryview,
+    path: tuple[str | int, ...],
+    tensors: list[tuple[str, torch.Tensor]],
+    where: dict[str, tuple[str | int, ...]],
+) -> dict[str, Any]:
+    """Raw bytes: an opaque blob, chunked, hashed and verified like a tensor's bytes
+    (a 1-D uint8 entry), and never interpreted."""
+    data = bytes(value)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+        0, dtype=torch.uint8)
+    return {"bytes": _add_tensor(blob, path, tensors, where)}
 
 
 def _add_tensor(
@@ -302,6 +344,8 @@ def _plan(
     bad: list[str],
 ) -> None:
     ((kind, body),) = node.items()
+    if kind == "bytes":
+        return  # a blob replaces whatever the target holds
     if kind == "tensor":
         spec = specs[body]
         if is_dtensor(existing):
@@ -358,6 +402,8 @@ def _build(
         return body
     if kind == "float":
         return float(body)
+    if kind == "bytes":
+        return tensors[body].contiguous().numpy().tobytes()
     if kind == "tensor":
         restored = tensors[body]
         if is_dtensor(existing):  # never replaced by a plain tensor: filled in place

@@ -258,7 +258,7 @@ def import_checkpoint(
 
 
 async def _exists(url: str, token: str | None, job: str, step: int) -> bool:
-    transport = open_transport(url, token)
+    transport = open_transport(url, token, job=job)
     try:
         return any(s.step == step for s in await transport.list_steps(job))
     finally:

@@ -139,7 +139,7 @@ class CheckpointStore(Store):
 
     def _open_transport(self) -> Transport:
         if self._transport is None:
-            self._transport = open_transport(self.url, self.token)
+            self._transport = open_transport(self.url, self.token, job=self.job)
         return self._transport
 
     async def array_node(self, path: str) -> ArrayNode:

@@ -105,7 +105,8 @@ async def job_view(
                     is_latest=step == latest,
                     reason=str(reason) if reason is not None else "periodic",
                     requested_by=by if isinstance(by, int) and not isinstance(by, bool) else None,
-                    damaged=step in damaged,
+                    damaged=("scrub found corrupt chunks; restore of latest skips it"
+                             if step in damaged else None),
                 )
             )
             world = world if world is not None else record.world_size

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -69,7 +69,7 @@ class _SoftStateCollector(Collector):
         # Jobs that may have a label (None: every job with ranks); set per scrape.
         self.shown: set[str] | None = None
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         ranks = GaugeMetricFamily(
             "ckptd_ranks",
             "Ranks of a job by state (alive, degraded, critical, dead, left), from heartbeats.",
@@ -85,6 +85,15 @@ class _SoftStateCollector(Collector):
             for state, n in counts.items():
                 ranks.add_metric([job, state], n)
         yield ranks
+        failures = CounterMetricFamily(
+            "ckptd_snapshot_failures",
+            "Snapshots that failed (upload or commit), as the job's ranks report them in "
+            "their heartbeats (a restarted rank counts from zero again).",
+            labels=["job"],
+        )
+        for job, n in sorted(self.registry.snapshot_failures().items()):
+            failures.add_metric([job], n)
+        yield failures
         ratio = self.totals.dedup_ratio
         dedup = GaugeMetricFamily(
             "ckptd_dedup_ratio",

@@ -301,6 +301,19 @@ class Registry:
                 counts[name] = c
         return counts
 
+    def snapshot_failures(self) -> dict[str, int]:
+        """Per job, the failed snapshots its live ranks reported (for /metrics)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for name, j in self._jobs.items():
+                total = 0
+                for beat in j.ranks.values():
+                    n = (beat.health.get("signals") or {}).get("snapshot_failures")
+                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                        total += n
+                out[name] = total
+        return out
+
     def peers_holding(self, job: str, step: int, exclude: int) -> list[tuple[int, str]]:
         """Live ranks other than ``exclude`` that hold ``step`` in their pools and
         serve it at a peer URL, healthiest first, then in ring order from

@@ -90,7 +90,7 @@ def test_lifecycle_through_the_server(tmp_path: Path, monkeypatch: pytest.Monkey
             "6": [manifest.entries[0].chunks[0]]}
         assert "damaged" in _cli("ls", JOB, "--url", url)
         overview = httpx.get(f"{url}/v1/overview").json()
-        assert [s["step"] for s in overview["jobs"][0]["steps"] if s["damaged"]] == [6]
+        assert [s["step"] for s in overview["jobs"][0]["steps"] if s.get("damaged")] == [6]
         assert "damaged steps [6]" in _cli("status", "--url", url)
         _cli("untag", JOB, "eval-best", "--url", url)
         # Nearly full: new snapshots are refused before a byte is sent.

@@ -159,7 +159,6 @@ class Opaque:
     [
         (lambda: {"a": {"b": [1, Opaque()]}}, "state['a']['b'][1]"),
         (lambda: {"s": {1, 2}}, "state['s']"),
-        (lambda: {"raw": b"bytes"}, "state['raw']"),
         (lambda: {"x": {(1, 2): 3}}, "state['x']"),
         (lambda: {"x": {1.5: 3}}, "state['x']"),
         (lambda: {"x": {True: 3}}, "state['x']"),
@@ -169,7 +168,7 @@ class Opaque:
         (lambda: {"m": torch.empty(2, device="meta")}, "state['m']"),
         (lambda: {"u": "\ud800"}, "state['u']"),
     ],
-    ids=["object", "set", "bytes", "tuple-key", "float-key", "bool-key", "function",
+    ids=["object", "set", "tuple-key", "float-key", "bool-key", "function",
          "namedtuple", "sparse", "meta", "surrogate"],
 )
 def test_unsupported_values_are_refused_with_their_path(make: Any, path: str) -> None:
@@ -422,3 +421,36 @@ def test_value_tree_round_trips_plain_values_and_refuses_the_rest() -> None:
         value_tree({"t": torch.ones(1)}, "optim.x")
     with pytest.raises(UnsupportedValue, match="obj"):
         value_tree(Opaque(), "obj")
+
+
+# -- bytes and Stateful leaves ----------------------------------------------------------
+
+
+def test_bytes_leaves_are_opaque_uint8_blobs_and_come_back_as_bytes() -> None:
+    state = {"raw": b"\x80\x04not a pickle to us", "empty": b"", "ba": bytearray(b"xy")}
+    flat = flatten(state)
+    assert flat.tree["dict"][0] == ["raw", {"bytes": "raw"}]
+    names = dict(flat.tensors)
+    assert names["raw"].dtype == torch.uint8 and names["raw"].shape == (20,)
+    back = unflatten(flat.tree, names)
+    assert back == {"raw": state["raw"], "empty": b"", "ba": b"xy"}
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = torch.zeros(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "label": "c"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+def test_stateful_leaves_flatten_as_their_state_dict() -> None:
+    from ckptd.client import RNGState
+
+    flat = flatten({"c": Counter(), "rng": RNGState(cuda=False)})
+    assert [n for n, _ in flat.tensors][:1] == ["c.n"]
+    assert {"rng.python.state", "rng.torch"} <= flat.local
+    assert "c.n" not in flat.local

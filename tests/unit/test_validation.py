@@ -177,6 +177,18 @@ def test_replica_mismatch_rejected_by_default() -> None:
     assert "16 of 16 chunks" in str(info.value)
 
 
+def test_replica_mismatch_names_every_tensor_that_differs() -> None:
+    same, _ = tensor_entry("w", "float32", [8], seed="same")
+    rng0, _ = tensor_entry("rng", "uint8", [16], seed="r0")
+    rng1, _ = tensor_entry("rng", "uint8", [16], seed="r1")
+    n0, _ = tensor_entry("seen", "int64", [1], seed="n0")
+    n1, _ = tensor_entry("seen", "int64", [1], seed="n1")
+    with pytest.raises(ReplicaMismatch) as info:
+        validate_step(step_of([[same, rng0, n0], [same, rng1, n1]]))
+    assert info.value.detail["names"] == ["rng", "seen"]
+    assert "'rng'" in str(info.value) and "'seen'" in str(info.value)
+
+
 def test_replica_mismatch_warns_by_policy() -> None:
     a, _ = tensor_entry("w", "float32", [4, 4096], seed="one")
     b, _ = tensor_entry("w", "float32", [4, 4096], seed="two")

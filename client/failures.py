@@ -1,0 +1,120 @@
+"""Failed snapshots are never silent: each is named (job, step, rank, then the
+cause), logged at ERROR once with what to do, kept until the training loop sees it
+(the next ``save()``, ``step()`` or ``close()`` raises it, or warns), counted in
+``close()``'s result and reported in heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from ckptd.errors import (
+    CkptdError,
+    ReplicaMismatch,
+    Superseded,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+)
+
+from .pipeline import wrap_error
+
+log = logging.getLogger("ckptd.client.checkpointer")
+
+
+class SnapshotFailureWarning(UserWarning):
+    """A snapshot failed and the checkpointer was made with ``on_error="warn"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseResult:
+    """What a checkpointer's snapshots came to: ``saves`` staged, ``failed``
+    (never committed by this rank's doing: the error was logged), ``skipped``
+    (``on_busy="skip"``), and the last failure's error."""
+
+    saves: int
+    failed: int
+    skipped: int
+    last_error: CkptdError | None = None
+
+
+def advice(exc: CkptdError) -> str:
+    """What to do about a failed snapshot, in one line."""
+    if isinstance(exc, ReplicaMismatch):
+        names = exc.detail.get("names") or [exc.detail.get("name")]
+        names = [n for n in names if isinstance(n, str)]
+        listed = ", ".join(repr(n) for n in names[:10]) or "..."
+        return (f"tensors that differ between ranks on purpose (an RNG state, a per-rank "
+                f"counter) must be saved rank-private: save(..., local=[{listed}]) "
+                "(RNGState() is rank-local already)")
+    if isinstance(exc, Superseded):
+        return "the job was rolled back: restore the rollback's step, then save again"
+    if isinstance(exc, Unauthorized):
+        return "pass the server's token (token= or CKPTD_TOKEN)"
+    if isinstance(exc, Unavailable | Timeout):
+        return ("check that the ckptd server is up and reachable; training goes on, and "
+                "saves fail until it answers")
+    return "this step is not committed; training goes on, later saves are tried as usual"
+
+
+def name_save_error(exc: BaseException, job: str, step: int, rank: int) -> CkptdError:
+    """``exc`` typed, its message naming the save first: ``save of JOB step S rank R
+    failed: <cause>``. Named once (a typed error keeps its type)."""
+    err = wrap_error(exc, "upload")
+    if err.detail.get("save") is None:
+        err.message = f"save of {job} step {step} rank {rank} failed: {err.message}"
+        err.args = (err.message,)
+        err.detail["save"] = {"job": job, "step": step, "rank": rank}
+    return err
+
+
+class FailureLog:
+    """This rank's failed snapshots: counted, logged once, held until seen."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.saves = 0
+        self.skipped = 0
+        self.failed = 0
+        self.last: CkptdError | None = None
+        self._unseen: CkptdError | None = None
+        self._steps: set[int] = set()
+        self._lock = threading.Lock()
+
+    def record(self, step: int, exc: BaseException) -> CkptdError | None:
+        """Notes a failed snapshot of ``step``; the named error, or None when this
+        step's failure was recorded already."""
+        err = name_save_error(exc, self.job, step, self.rank)
+        # A save refused because a rollback ended its timeline is what a rollback
+        # means, not a mistake: step() raises RollbackRequested for it already.
+        superseded = isinstance(err, Superseded)
+        with self._lock:
+            if step in self._steps:
+                return None
+            self._steps.add(step)
+            self.failed += 1
+            self.last = err
+            if not superseded:
+                self._unseen = err
+        log.log(logging.WARNING if superseded else logging.ERROR,
+                "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
+                advice(err))
+        return err
+
+    def seen(self, exc: BaseException) -> None:
+        """The loop saw ``exc`` (``handle.wait()`` raised it)."""
+        with self._lock:
+            if self._unseen is exc:
+                self._unseen = None
+
+    def take(self) -> CkptdError | None:
+        """The failure the loop has not seen yet (then it counts as seen)."""
+        with self._lock:
+            err, self._unseen = self._unseen, None
+        return err
+
+    def result(self) -> CloseResult:
+        with self._lock:
+            return CloseResult(self.saves, self.failed, self.skipped, self.last)

@@ -1,0 +1,142 @@
+"""A failed background save is never silent: named, logged once at ERROR with what
+to do, raised (or warned of) at the next save(), step() or close(), counted by
+close(), and reported in heartbeats, ``ckptd status`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ckptd.client import Checkpointer, SnapshotFailureWarning
+from ckptd.errors import ReplicaMismatch, Unavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _pair(url: str, shm: Path, **kw: object) -> tuple[Checkpointer, Checkpointer]:
+    a = Checkpointer(url, job="j", rank=0, world_size=2, shm_dir=shm, **kw)  # type: ignore[arg-type]
+    b = Checkpointer(url, job="j", rank=1, world_size=2, shm_dir=shm, **kw)  # type: ignore[arg-type]
+    return a, b
+
+
+def _state(rank: int) -> dict[str, object]:
+    # "seen" differs between ranks but is not named in local=: replicas disagree.
+    return {"w": torch.ones(8), "seen": torch.full((4,), float(rank))}
+
+
+def test_replica_mismatch_is_logged_once_and_raised_on_every_rank(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="ckptd")
+    a, b = _pair(f"file://{tmp_path / 'store'}", shm)
+    h0 = a.save(0, _state(0))
+    h0.wait(30)  # pending: rank 1 is not in yet
+    h1 = b.save(0, _state(1))
+    with pytest.raises(ReplicaMismatch):
+        h1.wait(30)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    text = errors[0].getMessage()
+    assert "save of j step 0 rank 1 failed" in text and "'seen'" in text
+    assert "local=['seen']" in text
+    # The loop saw it through wait(): the next save does not raise it again.
+    b.save(1, {"w": torch.ones(8), "seen": torch.zeros(4)}).wait(30)
+    # Rank 0 never waited on a failing handle: it learns from the store that
+    # step 0 can never commit, and close() raises it (after closing).
+    with pytest.raises(ReplicaMismatch) as info:
+        a.close()
+    assert "save of j step 0 rank 0 failed" in str(info.value)
+    assert a.latest is not None  # closed: no further use
+    result = b.close()
+    assert result.failed == 1 and result.saves == 2
+
+
+def test_next_save_and_step_raise_a_failure_the_loop_never_waited_for(
+    tmp_path: Path, shm: Path
+) -> None:
+    a, b = _pair(f"file://{tmp_path / 'store'}", shm)
+    a.save(0, _state(0)).wait(30)
+    b.save(0, _state(1))  # fails in the background; nobody waits
+    deadline = time.monotonic() + 30
+    with pytest.raises(ReplicaMismatch):
+        while time.monotonic() < deadline:
+            b.step(1, loss=1.0)
+            time.sleep(0.05)
+    with pytest.raises(ReplicaMismatch):  # rank 0: at a save, once it asked the store
+        while time.monotonic() < deadline:
+            a.save(2, {"w": torch.ones(8)}).wait(30)
+            time.sleep(0.1)
+    assert b.close().failed == 1
+    assert a.close().failed == 1
+
+
+def test_on_error_warn_warns_and_goes_on(tmp_path: Path, shm: Path) -> None:
+    a, b = _pair(f"file://{tmp_path / 'store'}", shm, on_error="warn")
+    a.save(0, _state(0)).wait(30)
+    b.save(0, _state(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not caught:
+            b.step(1, loss=1.0)
+            time.sleep(0.05)
+        result = b.close()
+    assert [w.category for w in caught] == [SnapshotFailureWarning]
+    assert "replicas on ranks" in str(caught[0].message)
+    assert result.failed == 1 and isinstance(result.last_error, ReplicaMismatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert a.close().failed == 1
+    assert [w.category for w in caught] == [SnapshotFailureWarning]
+
+
+def test_failures_show_in_heartbeat_status_and_metrics(server: object, shm: Path) -> None:
+    url = server.url  # type: ignore[attr-defined]
+    a, b = _pair(url, shm, heartbeat_interval=0.2)
+    a.save(0, _state(0)).wait(30)
+    with pytest.raises(ReplicaMismatch):
+        b.save(0, _state(1)).wait(30)
+    deadline = time.monotonic() + 20
+    ranks: list[dict[str, object]] = []
+    while time.monotonic() < deadline:
+        ranks = httpx.get(f"{url}/v1/jobs/j/ranks").json()["ranks"]
+        r1 = [r for r in ranks if r["rank"] == 1]
+        if r1 and r1[0]["health"]["signals"].get("snapshot_failures") == 1:  # type: ignore[index]
+            break
+        time.sleep(0.1)
+    r1 = [r for r in ranks if r["rank"] == 1][0]
+    assert any("save of j step 0 rank 1 failed" in x
+               for x in r1["health"]["reasons"])  # type: ignore[index]
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'ckptd_snapshot_failures_total{job="j"} 1.0' in metrics
+    b.close()
+    with pytest.raises(ReplicaMismatch):  # rank 0 learns at close() that step 0 never commits
+        a.close()
+
+
+def test_a_save_to_a_stopped_server_names_the_save_then_the_cause(
+    server: object, shm: Path
+) -> None:
+    ckpt = Checkpointer(server.url, job="j", shm_dir=shm, timeout=60)  # type: ignore[attr-defined]
+    ckpt.save(0, {"w": torch.ones(4)}).wait(30)
+    server.stop()  # type: ignore[attr-defined]
+    with pytest.raises(Unavailable) as info:
+        ckpt.save(1, {"w": torch.ones(4)}).wait(60)
+    assert str(info.value).startswith("save of j step 1 rank 0 failed: ")
+    assert ckpt.close().failed == 1
+
+
+def test_url_and_token_come_from_the_environment(
+    token_server: object, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTD_URL", token_server.url)  # type: ignore[attr-defined]
+    monkeypatch.setenv("CKPTD_TOKEN", token_server.token)  # type: ignore[attr-defined]
+    with Checkpointer(job="env", shm_dir=shm) as ckpt:
+        assert ckpt.save(0, {"w": torch.ones(4)}).wait(30).state == "committed"
+        assert ckpt.latest() == 0
