@@ -14,12 +14,14 @@ from uvicorn.config import LOGGING_CONFIG
 
 from ckptd import __version__
 from ckptd.repository import Repository
+from ckptd.server.cluster import Membership
 from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
 from ckptd.server.metrics import Metrics
 from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, manifests, ranks
+from ckptd.server.routes import cluster as cluster_routes
 from ckptd.server.settings import Settings
 from ckptd.store import Store, open_store
 
@@ -39,9 +41,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Refs are re-read at most once per heartbeat interval per job.
     app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
     log.info("serving store %s", store.describe())
+    app.state.membership = Membership(
+        store,
+        settings.advertise_url or f"http://{settings.host}:{settings.port}",
+        peers=settings.peers,
+        leases=settings.member_leases,
+        member_id=settings.member_id,
+        ttl=settings.member_ttl,
+    )
+    await app.state.membership.start()
     try:
         yield
     finally:
+        await app.state.membership.stop()
         await repository.close()
         log.info("closed store %s", store.describe())
 
@@ -77,6 +89,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(jobs.router)
     app.include_router(ranks.router)
     app.include_router(coordination.router)
+    app.include_router(cluster_routes.router)
     app.include_router(metrics_router)
     install_dashboard(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -52,6 +52,22 @@ class Settings(BaseSettings):
     metrics_token_required: bool = Field(
         default=False, description="GET /metrics needs the token too (scrapers must send it)."
     )
+    # Replicas over one store (see server/cluster.py).
+    peers: str | None = Field(
+        default=None,
+        description="Every replica's URL, comma-separated (a static cluster, e.g. a "
+        "StatefulSet's stable names).",
+    )
+    advertise_url: str | None = Field(
+        default=None, description="The URL clients reach this replica at (default host:port)."
+    )
+    member_leases: bool = Field(
+        default=False, description="Keep a lease cluster/members/<id> in the store."
+    )
+    member_id: str | None = Field(default=None, description="This replica's lease name.")
+    member_ttl: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds a member lease lasts unrenewed."
+    )
 
     @field_validator("token")
     @classmethod

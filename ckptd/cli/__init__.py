@@ -129,6 +129,19 @@ def serve(
         typer.Option("--access-log/--no-access-log",
                      help="Log every request (on). Env CKPTD_ACCESS_LOG."),
     ] = None,
+    peers: Annotated[
+        str | None,
+        typer.Option(help="Every replica's URL, comma-separated. Env CKPTD_PEERS."),
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(help="The URL clients reach this replica at. Env CKPTD_ADVERTISE_URL."),
+    ] = None,
+    member_leases: Annotated[
+        bool | None,
+        typer.Option("--member-leases/--no-member-leases",
+                     help="Find replicas by leases in the store. Env CKPTD_MEMBER_LEASES."),
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.server.app import run
@@ -147,6 +160,9 @@ def serve(
             "snapshot_lead": snapshot_lead,
             "snapshot_min_interval": snapshot_min_interval,
             "access_log": access_log,
+            "peers": peers,
+            "advertise_url": advertise_url,
+            "member_leases": member_leases,
         }.items()
         if v is not None
     }
