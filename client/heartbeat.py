@@ -29,6 +29,8 @@ import httpx
 from ckptd import knobs
 from ckptd.format import check_job, check_step
 
+from .routing import sync_client_options
+
 log = logging.getLogger(__name__)
 
 HealthFn = Callable[[], dict[str, Any]]
@@ -111,7 +113,7 @@ class Heartbeat:
         self.on_beat = on_beat
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers,
+        self._client = httpx.Client(**sync_client_options(self.url), headers=headers,
                                     timeout=httpx.Timeout(timeout))
         self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
         self._step: int | None = None

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ckptd import knobs
+from ckptd.cluster import chunk_key
 from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
@@ -36,6 +37,8 @@ from ckptd.format import (
 from ckptd.hashing import document_hash
 from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
 from ckptd.store.local import LocalStore
+
+from .routing import ROUTE_HEADER, AsyncRouting, members_for
 
 log = logging.getLogger(__name__)
 
@@ -192,17 +195,23 @@ class HttpTransport(Transport):
         backoff: float | None = None,
         concurrency: int | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        # Several replicas (``http://a:8470,http://b:8470``): requests are routed to
+        # their home replica (see routing.py); ``url`` is the first, for logs.
+        self.members = members_for(url)
+        self.url = self.members.seeds[0]
         self.retries = knobs.retries() if retries is None else retries
         self.backoff = knobs.retry_backoff() if backoff is None else backoff
         self.timeout = knobs.request_timeout() if timeout is None else timeout
         pool = max(16, 2 * (concurrency or knobs.upload_concurrency()))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+        self._routing = AsyncRouting(self.members, httpx.AsyncHTTPTransport(limits=limits))
         self._client = httpx.AsyncClient(
             base_url=self.url,
             headers=headers,
             timeout=httpx.Timeout(self.timeout),
-            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            limits=limits,
+            transport=self._routing,
         )
 
     async def _request(
@@ -269,12 +278,19 @@ class HttpTransport(Transport):
         return CkptdError(f"HTTP {resp.status_code} from {resp.request.url}: {text}")
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
+        # Each id is asked of its home replica, where its upload goes and its claim is.
+        groups = await self._routing.by_home(ids, self._client.headers)
+        docs = await asyncio.gather(*(self._missing(group, claimer) for group in groups))
+        return MissingResult(missing=[c for d in docs for c in d["missing"]],
+                             in_flight=[c for d in docs for c in d["in_flight"]])
+
+    async def _missing(self, ids: list[str], claimer: str | None) -> Any:
         body: dict[str, Any] = {"ids": ids}
         if claimer is not None:
             body["claimer"] = claimer
-        resp = await self._request("POST", "/v1/chunks/missing", json=body)
-        doc = resp.json()
-        return MissingResult(missing=list(doc["missing"]), in_flight=list(doc["in_flight"]))
+        route = {ROUTE_HEADER: chunk_key(ids[0])} if ids else {}
+        resp = await self._request("POST", "/v1/chunks/missing", json=body, headers=route)
+        return resp.json()
 
     async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
         check_chunk_id(cid)
@@ -449,6 +465,8 @@ def open_transport(url: str, token: str | None = None) -> Transport:
     """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
     (a local directory store, used in process)."""
     parsed = urlparse(url)
+    if parsed.scheme in ("http", "https") and "," in url:
+        return HttpTransport(url, token)  # several replicas
     if parsed.scheme in ("http", "https"):
         if not parsed.netloc:
             raise InvalidRequest(f"URL {url!r} names no host")
