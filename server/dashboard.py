@@ -121,6 +121,7 @@ async def job_view(
         ranks=[rank_status(v) for v in ranks],
         steps=shown,
         events=[event_body(e) for e in registry.events(job)[-EVENTS_SHOWN:]],
+        rebuilding=registry.rebuilding(job),
     )
 
 

@@ -194,6 +194,11 @@ class RankList(_Body):
     latest: int | None
     snapshot_at: int | None
     rollback_to: int | None
+    rebuilding: bool = Field(
+        default=False,
+        description="This replica became the job's home moments ago and is still "
+        "gathering its ranks' heartbeats: ranks not listed may be alive.",
+    )
 
 
 class RestorePlan(_Body):
@@ -277,6 +282,7 @@ class JobView(_Body):
     ranks: list[RankStatus]
     steps: list[StepView] = Field(description="The newest steps, oldest first.")
     events: list[EventBody] = Field(description="The newest events, oldest first.")
+    rebuilding: bool = Field(default=False, description="As in RankList.")
 
 
 class StorageView(_Body):

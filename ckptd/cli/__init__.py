@@ -366,6 +366,8 @@ def status_view(overview: dict[str, Any]) -> Any:
             title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
         if job["rollback_to"] is not None:
             title += f"  [bold red]rollback to {job['rollback_to']}[/]"
+        if job.get("rebuilding"):
+            title += "  [yellow]rebuilding (a new replica gathers the ranks' heartbeats)[/]"
         table = Table(title=title, title_justify="left", expand=False)
         for name in ("rank", "state", "step", "held", "last beat", "GPU temp", "ECC",
                      "host mem", "rtt"):

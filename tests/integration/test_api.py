@@ -191,6 +191,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/jobs/{job}/rollback", "get"),
         ("/v1/jobs/{job}/events", "get"),
         ("/v1/overview", "get"),
+        ("/v1/cluster", "get"),
         ("/metrics", "get"),
         ("/", "get"),
     }
