@@ -7,8 +7,10 @@ manifests, commits) to the job's home, both by rendezvous hashing over the membe
 heartbeats and plans) meets in one process. The members are the URLs the client was
 given, then what ``GET /v1/cluster`` lists. A replica that refuses connections is
 marked down and its calls go to the next replica in the key's rendezvous order at
-once; one that fails mid-request is marked down and the caller's retry goes on to
-the next one. Down marks last until the next membership refresh says otherwise.
+once. A request lost mid-way (the replica died, or only dropped a pooled
+connection: a busy live server does) is not a down mark by itself: the caller's
+retry connects afresh, and a dead replica refuses that connection. Down marks
+last three refreshes, then the replica is tried again.
 
 It is an httpx transport, so the async ``HttpTransport`` and the heartbeat and
 health clients (sync) route alike without knowing about replicas.
@@ -27,7 +29,7 @@ from typing import Any
 import httpx
 
 from ckptd import knobs
-from ckptd.cluster import chunk_key, parse_urls, rank_members, route_key
+from ckptd.cluster import chunk_key, job_key, parse_urls, rank_members, route_key
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ ROUTE_HEADER = "X-Ckptd-Route"
 CLUSTER_PATH = "/v1/cluster"
 # Connection failures: the request never reached the replica, so any call may go on.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
-# The replica went away while it had the request: the caller decides to retry.
-_LOST = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
 
 
@@ -77,12 +77,16 @@ class Members:
         ranked = rank_members(key, urls) if key is not None else urls
         return [u for u in ranked if u not in down] + [u for u in ranked if u in down]
 
-    def homes(self, keys: Iterable[str]) -> dict[str, list[str]]:
-        """The keys grouped by their home (the first of ``order``), in one pass."""
+    def live(self) -> list[str]:
+        """The members not marked down."""
         now = time.monotonic()
         with self._lock:
-            live = [u for u in self.urls if now - self._down.get(u, -self.down_for)
-                    >= self.down_for] or list(self.urls)
+            return [u for u in self.urls
+                    if now - self._down.get(u, -self.down_for) >= self.down_for]
+
+    def homes(self, keys: Iterable[str]) -> dict[str, list[str]]:
+        """The keys grouped by their home (the first of ``order``), in one pass."""
+        live = self.live() or list(self.urls)
         groups: dict[str, list[str]] = {}
         for key in keys:
             groups.setdefault(rank_members(key, live)[0], []).append(key)
@@ -143,7 +147,22 @@ def members_for(url: str) -> Members:
 
 
 def _key(request: httpx.Request) -> str | None:
-    return request.headers.get(ROUTE_HEADER) or route_key(request.url.path)
+    key = request.headers.get(ROUTE_HEADER) or route_key(request.url.path)
+    if key is None and request.url.path == "/v1/overview" and "job" in request.url.params:
+        key = job_key(request.url.params["job"])  # one job's soft state: at its home
+    return key
+
+
+def _order(members: Members, request: httpx.Request) -> list[str]:
+    """Where ``request`` goes: its key's order; a call without a key to the member
+    it names (a merge asking each replica in turn), else to the first live one."""
+    key = _key(request)
+    order = members.order(key)
+    if key is None:
+        named = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+        if named in members.live():
+            order = [named] + [u for u in order if u != named]
+    return order
 
 
 def _to(request: httpx.Request, base: str) -> httpx.Request:
@@ -215,7 +234,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await self.learn(request)
-        order = self.members.order(_key(request))
+        order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
                 return await self.inner.handle_async_request(_to(request, base))
@@ -223,9 +242,6 @@ class AsyncRouting(httpx.AsyncBaseTransport):
                 self.members.mark_down(base, exc)
                 if i == len(order) - 1:
                     raise
-            except _LOST as exc:
-                self.members.mark_down(base, exc)
-                raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
     async def aclose(self) -> None:
@@ -265,7 +281,7 @@ class SyncRouting(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.learn(request)
-        order = self.members.order(_key(request))
+        order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
                 return self.inner.handle_request(_to(request, base))
@@ -273,9 +289,6 @@ class SyncRouting(httpx.BaseTransport):
                 self.members.mark_down(base, exc)
                 if i == len(order) - 1:
                     raise
-            except _LOST as exc:
-                self.members.mark_down(base, exc)
-                raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
     def close(self) -> None:
@@ -287,3 +300,20 @@ def sync_client_options(url: str) -> dict[str, Any]:
     several, comma-separated): ``base_url`` and ``transport``."""
     members = members_for(url)
     return {"base_url": members.seeds[0], "transport": SyncRouting(members)}
+
+
+def merge_overviews(views: list[dict[str, Any]], urls: list[str]) -> dict[str, Any]:
+    """One ``/v1/overview`` from every replica's: each job as its home replica (by
+    the same rendezvous order) sees it, since only the home holds its soft state."""
+    by_url = dict(zip(urls, views, strict=True))
+    merged = dict(views[0])
+    names = sorted({job["job"] for view in views for job in view.get("jobs", [])})
+    jobs = []
+    for name in names:
+        for url in rank_members(job_key(name), urls):
+            found = [j for j in by_url[url].get("jobs", []) if j["job"] == name]
+            if found:
+                jobs.append(found[0])
+                break
+    merged["jobs"] = jobs
+    return merged

@@ -281,8 +281,13 @@ class _Server:
 
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+        from ckptd.client.routing import sync_client_options
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0)
+        # Several replicas (URL,URL): each job's calls go to its home replica.
+        routed = sync_client_options(url)
+        self._members = routed["transport"].members
+        self._http = httpx.Client(**routed, headers=headers, timeout=10.0)
         self._httpx = httpx
 
     def __enter__(self) -> _Server:
@@ -290,6 +295,19 @@ class _Server:
 
     def __exit__(self, *exc: object) -> None:
         self._http.close()
+
+    def overview(self, params: dict[str, Any]) -> Any:
+        """``GET /v1/overview``; over several replicas, each job as its home sees it."""
+        from ckptd.client.routing import merge_overviews
+
+        if "job" in params:
+            return self.call("GET", "/v1/overview", params=params)
+        self.call("GET", "/healthz")  # learns the replicas (GET /v1/cluster) first
+        urls = self._members.live()
+        if len(urls) < 2:
+            return self.call("GET", "/v1/overview", params=params)
+        views = [self.call("GET", f"{u}/v1/overview", params=params) for u in urls]
+        return merge_overviews(views, urls)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -438,7 +456,7 @@ def status(
         if job is not None:
             params["job"] = check_job(job)
         with _Server(url, token) as server:
-            view = status_view(server.call("GET", "/v1/overview", params=params))
+            view = status_view(server.overview(params))
             if watch is None:
                 console.print(view)
                 return
@@ -447,7 +465,7 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.call("GET", "/v1/overview", params=params)))
+                    live.update(status_view(server.overview(params)))
     except CkptdError as exc:
         _fail(exc)
     except KeyboardInterrupt:

@@ -84,7 +84,7 @@ class Replica:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                          env={**s3_env(), **self.env})
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None
