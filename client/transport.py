@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ckptd import knobs
+from ckptd.api import ClusterView
 from ckptd.cluster import chunk_key
 from ckptd.errors import (
     CheckpointNotFound,
@@ -422,6 +423,21 @@ class HttpTransport(Transport):
         resp = await self._request("GET", "/healthz")
         doc: dict[str, Any] = resp.json()
         return doc
+
+    async def restore_plan(self, job: str, rank: int, step: int) -> dict[str, Any]:
+        """The job's home replica's restore plan for ``rank`` at ``step`` (the JSON of
+        ``GET /v1/jobs/{job}/restore-plan``)."""
+        check_job(job)
+        resp = await self._request(
+            "GET", f"/v1/jobs/{job}/restore-plan", params={"rank": rank, "step": step}
+        )
+        doc: dict[str, Any] = resp.json()
+        return doc
+
+    async def cluster(self) -> ClusterView:
+        """The live replicas, as the first live one lists them (``GET /v1/cluster``)."""
+        resp = await self._request("GET", "/v1/cluster")
+        return ClusterView.model_validate_json(resp.content)
 
     async def close(self) -> None:
         await self._client.aclose()

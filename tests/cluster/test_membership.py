@@ -3,18 +3,29 @@ store that replicas renew, give back at shutdown, and let expire when killed."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
+from ckptd.api import ClusterView
+from ckptd.client.transport import HttpTransport
 from tests.cluster.conftest import Cluster, Replica
 
 
 def urls(replica: Replica) -> list[str]:
     doc = replica.cluster()
     return sorted(str(m["url"]) for m in doc["members"])  # type: ignore[union-attr]
+
+
+async def _cluster_of(url: str) -> ClusterView:
+    transport = HttpTransport(url)
+    try:
+        return await transport.cluster()
+    finally:
+        await transport.close()
 
 
 def wait_until(cond: object, timeout: float) -> bool:
@@ -47,6 +58,8 @@ def test_static_peers_are_listed_by_every_replica(tmp_path: Path) -> None:
         for r in (a, b):
             assert r.cluster()["mode"] == "static"
             assert urls(r) == sorted([a.url, b.url])
+        view = asyncio.run(_cluster_of(b.url))  # the transport's typed call
+        assert view.mode == "static" and [m.url for m in view.members] == [a.url, b.url]
     finally:
         a.stop(), b.stop()
 
