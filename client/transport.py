@@ -197,9 +197,10 @@ class HttpTransport(Transport):
         concurrency: int | None = None,
     ) -> None:
         # Several replicas (``http://a:8470,http://b:8470``): requests are routed to
-        # their home replica (see routing.py); ``url`` is the first, for logs.
+        # their home replica (see routing.py). ``url`` names them all, so that the
+        # heartbeat and health clients given it route over the same replicas.
         self.members = members_for(url)
-        self.url = self.members.seeds[0]
+        self.url = ",".join(self.members.seeds)
         self.retries = knobs.retries() if retries is None else retries
         self.backoff = knobs.retry_backoff() if backoff is None else backoff
         self.timeout = knobs.request_timeout() if timeout is None else timeout
@@ -208,7 +209,7 @@ class HttpTransport(Transport):
         limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
         self._routing = AsyncRouting(self.members, httpx.AsyncHTTPTransport(limits=limits))
         self._client = httpx.AsyncClient(
-            base_url=self.url,
+            base_url=self.members.seeds[0],
             headers=headers,
             timeout=httpx.Timeout(self.timeout),
             limits=limits,

@@ -48,3 +48,18 @@ def test_status_takes_each_job_from_its_home() -> None:
     assert [j["job"] for j in merged["jobs"]] == sorted(jobs)
     for job in merged["jobs"]:
         assert job["ranks"] == [home(job_key(job["job"]), urls)]
+
+
+async def test_the_heartbeat_of_a_checkpointer_routes_over_the_same_replicas() -> None:
+    from ckptd.client.heartbeat import Heartbeat
+    from ckptd.client.transport import HttpTransport
+
+    transport = HttpTransport(",".join(URLS[:2]))
+    try:
+        # The checkpointer hands transport.url to its heartbeat: every replica given,
+        # not only the first (which may be the one that is down).
+        hb = Heartbeat(transport.url, "j", 0, 1)
+        assert hb._client._transport.members is transport.members  # type: ignore[attr-defined]
+        assert transport.members.seeds == URLS[:2]
+    finally:
+        await transport.close()
