@@ -56,6 +56,10 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=15)
 
 
+class PortTaken(AssertionError):
+    """The port picked for a replica was taken before it could bind it."""
+
+
 @dataclass
 class Replica:
     """One ``ckptd serve`` process of a cluster."""
@@ -72,9 +76,14 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Replica:
-        self.popen()
-        self.wait_ready()
-        return self
+        for _ in range(3):
+            self.popen()
+            try:
+                self.wait_ready()
+                return self
+            except PortTaken:
+                self.port = free_port()
+        raise AssertionError(f"no free port for a replica:\n{self.log()}")
 
     def popen(self) -> None:
         args = [sys.executable, "-m", "ckptd", "serve", "--store", self.store,
@@ -89,7 +98,10 @@ class Replica:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise AssertionError(f"replica exited early:\n{self.log()}")
+                log = self.log()
+                if "address already in use" in log:  # another process took the port
+                    raise PortTaken(log)
+                raise AssertionError(f"replica exited early:\n{log}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
                     return

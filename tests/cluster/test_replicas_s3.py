@@ -17,7 +17,7 @@ from ckptd.client import Checkpointer
 from ckptd.client.checkpointer import Shard
 from ckptd.client.transport import open_transport
 from ckptd.cluster import chunk_key, home, job_key
-from tests.cluster.conftest import BUCKET, Cluster
+from tests.cluster.conftest import BUCKET, Cluster, PortTaken
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,22 @@ def rank_state(rank: int, step: int, *, dp: int = 2) -> tuple[dict[str, Any], di
 
 
 def static_cluster(store: str, workdir: Path, n: int, env: dict[str, str]) -> Cluster:
-    cluster = Cluster(store, workdir, [], env)
-    for _ in range(n):
-        cluster.add(start=False)
-    for replica in cluster.replicas:
-        replica.args = ["--peers", cluster.urls]
-        replica.popen()
-    for replica in cluster.replicas:
-        replica.wait_ready()
-    return cluster
+    """``n`` replicas told of each other by --peers (ports picked anew when another
+    process took one before its replica bound it)."""
+    for _ in range(3):
+        cluster = Cluster(store, workdir, [], env)
+        for _ in range(n):
+            cluster.add(start=False)
+        for replica in cluster.replicas:
+            replica.args = ["--peers", cluster.urls]
+            replica.popen()
+        try:
+            for replica in cluster.replicas:
+                replica.wait_ready()
+            return cluster
+        except PortTaken:
+            cluster.stop()
+    raise AssertionError("no free ports for the replicas")
 
 
 def save_all(

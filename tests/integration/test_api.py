@@ -619,7 +619,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 21
+    assert len(routes) == 22  # GET /v1/cluster too
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},
