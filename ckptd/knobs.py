@@ -134,3 +134,9 @@ def shm_dir() -> Path:
         return Path(raw)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def cluster_refresh() -> float:
+    """Seconds between a client's re-reads of the replicas (``GET /v1/cluster``); 0:
+    never, route over the URLs given only."""
+    return _env_float("CKPTD_CLUSTER_REFRESH", 10.0)

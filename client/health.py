@@ -60,6 +60,7 @@ from .probe import (
     RttSource,
     default_sources,
 )
+from .routing import sync_client_options
 from .transport import tls_verify
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,8 @@ class HealthAgent:
         self._failing: str | None = None
         if self.coordinated:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
-            self._client = httpx.Client(base_url=self.url, headers=headers,
-                                        timeout=httpx.Timeout(self.timeout), verify=tls_verify())
+            self._client = httpx.Client(**sync_client_options(self.url, verify=tls_verify()),
+                                        headers=headers, timeout=httpx.Timeout(self.timeout))
             if heartbeat is None:
                 heartbeat = Heartbeat(self.url, self.job, self.rank, self.world_size, token,
                                       interval=heartbeat_interval)

@@ -29,6 +29,7 @@ import httpx
 from ckptd import knobs
 from ckptd.format import check_job, check_step
 
+from .routing import sync_client_options
 from .transport import tls_verify
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class Heartbeat:
         self._peer_url_refused: str | None = None
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers,
-                                    timeout=httpx.Timeout(timeout), verify=tls_verify())
+        self._client = httpx.Client(**sync_client_options(self.url, verify=tls_verify()),
+                                    headers=headers, timeout=httpx.Timeout(timeout))
         self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
         self._step: int | None = None
         self._held_step: int | None = None

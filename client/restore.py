@@ -843,15 +843,12 @@ async def fetch_restore_plan(
     if not isinstance(transport, HttpTransport):
         return None, {}, None, None
     try:
-        resp = await transport._request(  # the transport's retries and typed errors
-            "GET", f"/v1/jobs/{job}/restore-plan", params={"rank": rank, "step": step}
-        )
+        doc = await transport.restore_plan(job, rank, step)
     except (CheckpointNotFound, NotCommitted):
         raise
     except CkptdError as exc:
         log.info("no restore plan from %s (%s); restoring without peers", transport.url, exc)
         return None, {}, None, None
-    doc = resp.json()
     peers_doc = doc.get("peers") or {}
     peers = {str(cid): [str(u) for u in urls if isinstance(u, str)]
              for cid, urls in peers_doc.items() if isinstance(urls, list)}

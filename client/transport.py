@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 import httpx
 
 from ckptd import knobs
+from ckptd.api import ClusterView
+from ckptd.cluster import chunk_key
 from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
@@ -41,6 +43,8 @@ from ckptd.format import (
 from ckptd.hashing import document_hash
 from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
 from ckptd.store.local import LocalStore
+
+from .routing import ROUTE_HEADER, AsyncRouting, members_for
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +228,11 @@ class HttpTransport(Transport):
         job: str | None = None,
         ca_bundle: str | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        # Several replicas (``http://a:8470,http://b:8470``): requests are routed to
+        # their home replica (see routing.py). ``url`` names them all, so that the
+        # heartbeat and health clients given it route over the same replicas.
+        self.members = members_for(url)
+        self.url = ",".join(self.members.seeds)
         self.retries = knobs.retries() if retries is None else retries
         self.backoff = knobs.retry_backoff() if backoff is None else backoff
         self.timeout = knobs.request_timeout() if timeout is None else timeout
@@ -233,12 +241,18 @@ class HttpTransport(Transport):
         if job is not None:
             # Chunk routes name no job: a scoped token says which of its jobs acts.
             headers["X-Ckptd-Job"] = check_job(job)
+        limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+        # httpx ignores a client's verify= once it is given a transport: the inner one
+        # carries the TLS settings.
+        self._routing = AsyncRouting(
+            self.members, httpx.AsyncHTTPTransport(limits=limits, verify=tls_verify(ca_bundle))
+        )
         self._client = httpx.AsyncClient(
-            base_url=self.url,
+            base_url=self.members.seeds[0],
             headers=headers,
             timeout=httpx.Timeout(self.timeout),
-            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
-            verify=tls_verify(ca_bundle),
+            limits=limits,
+            transport=self._routing,
         )
 
     async def _request(
@@ -309,12 +323,19 @@ class HttpTransport(Transport):
         return CkptdError(f"HTTP {resp.status_code} from {resp.request.url}: {text}")
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
+        # Each id is asked of its home replica, where its upload goes and its claim is.
+        groups = await self._routing.by_home(ids, self._client.headers)
+        docs = await asyncio.gather(*(self._missing(group, claimer) for group in groups))
+        return MissingResult(missing=[c for d in docs for c in d["missing"]],
+                             in_flight=[c for d in docs for c in d["in_flight"]])
+
+    async def _missing(self, ids: list[str], claimer: str | None) -> Any:
         body: dict[str, Any] = {"ids": ids}
         if claimer is not None:
             body["claimer"] = claimer
-        resp = await self._request("POST", "/v1/chunks/missing", json=body)
-        doc = resp.json()
-        return MissingResult(missing=list(doc["missing"]), in_flight=list(doc["in_flight"]))
+        route = {ROUTE_HEADER: chunk_key(ids[0])} if ids else {}
+        resp = await self._request("POST", "/v1/chunks/missing", json=body, headers=route)
+        return resp.json()
 
     async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
         check_chunk_id(cid)
@@ -482,6 +503,21 @@ class HttpTransport(Transport):
         doc: dict[str, Any] = resp.json()
         return doc
 
+    async def restore_plan(self, job: str, rank: int, step: int) -> dict[str, Any]:
+        """The job's home replica's restore plan for ``rank`` at ``step`` (the JSON of
+        ``GET /v1/jobs/{job}/restore-plan``)."""
+        check_job(job)
+        resp = await self._request(
+            "GET", f"/v1/jobs/{job}/restore-plan", params={"rank": rank, "step": step}
+        )
+        doc: dict[str, Any] = resp.json()
+        return doc
+
+    async def cluster(self) -> ClusterView:
+        """The live replicas, as the first live one lists them (``GET /v1/cluster``)."""
+        resp = await self._request("GET", "/v1/cluster")
+        return ClusterView.model_validate_json(resp.content)
+
     async def close(self) -> None:
         await self._client.aclose()
 
@@ -580,6 +616,8 @@ def open_transport(
     for (a scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that
     signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``)."""
     parsed = urlparse(url)
+    if parsed.scheme in ("http", "https") and "," in url:
+        return HttpTransport(url, token)  # several replicas
     if parsed.scheme in ("http", "https"):
         if not parsed.netloc:
             raise InvalidRequest(f"URL {url!r} names no host")

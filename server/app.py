@@ -17,6 +17,7 @@ from uvicorn.config import LOGGING_CONFIG
 
 from ckptd import __version__
 from ckptd.repository import Repository
+from ckptd.server.cluster import Membership
 from ckptd.server.connections import (
     connection_cap,
     guarded_protocol,
@@ -29,6 +30,7 @@ from ckptd.server.metrics import Metrics
 from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, lifecycle, manifests, ranks
+from ckptd.server.routes import cluster as cluster_routes
 from ckptd.server.settings import Settings
 from ckptd.server.tenancy import TenantChunks
 from ckptd.store import Store, open_store
@@ -51,11 +53,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
     app.state.tenants = TenantChunks(repository, app.state.views)
     log.info("serving store %s", store.describe())
+    app.state.membership = Membership(
+        store,
+        settings.advertise_url or f"http://{settings.host}:{settings.port}",
+        peers=settings.peers,
+        leases=settings.member_leases,
+        member_id=settings.member_id,
+        ttl=settings.member_ttl,
+    )
+    await app.state.membership.start()
     app.state.lifecycle = await lifecycle.start(app, repository)
     try:
         yield
     finally:
         await app.state.lifecycle.stop()
+        await app.state.membership.stop()
         await repository.close()
         log.info("closed store %s", store.describe())
 
@@ -101,6 +113,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(jobs.router)
     app.include_router(ranks.router)
     app.include_router(coordination.router)
+    app.include_router(cluster_routes.router)
     app.include_router(metrics_router)
     app.include_router(lifecycle.router)
     install_dashboard(app)

@@ -136,6 +136,7 @@ async def job_view(
         steps=shown,
         events=[event_body(e) for e in registry.events(job)[-EVENTS_SHOWN:]],
         damaged_steps=sorted(damaged),
+        rebuilding=registry.rebuilding(job),
     )
 
 

@@ -246,6 +246,11 @@ class RankList(_Body):
     latest: int | None
     snapshot_at: int | None
     rollback_to: int | None
+    rebuilding: bool = Field(
+        default=False,
+        description="This replica became the job's home moments ago and is still "
+        "gathering its ranks' heartbeats: ranks not listed may be alive.",
+    )
 
 
 class RestorePlan(_Body):
@@ -339,6 +344,7 @@ class JobView(_Body):
     damaged_steps: list[int] = Field(
         default_factory=list, description="Committed steps scrub marked damaged (latest skips)."
     )
+    rebuilding: bool = Field(default=False, description="As in RankList.")
 
 
 class StorageView(_Body):

@@ -131,6 +131,7 @@ class _Job:
     last_target: SnapshotTarget | None = None
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_JOB))
     touched: float = 0.0
+    since: float = 0.0  # first heartbeat this server got (a new home after a failover)
 
 
 class Registry:
@@ -186,7 +187,7 @@ class Registry:
         now = self._clock()
         with self._lock:
             self._sweep(now)
-            j = self._jobs.setdefault(job, _Job())
+            j = self._jobs.setdefault(job, _Job(since=now))
             if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
                 live = [b.rank for b in j.ranks.values()
                         if b.rank != rank and self._state(now, b) != "dead"]
@@ -269,6 +270,17 @@ class Registry:
                     )
                 )
             return j.world_size, views
+
+    def rebuilding(self, job: str) -> bool:
+        """True while this server gathers the job's ranks anew: it first heard of the
+        job less than a dead window ago (it just became the job's home, after a
+        failover or a restart) and not every rank has beaten yet."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or j.world_size is None:
+                return False
+            return now - j.since < self.dead_window and len(j.ranks) < j.world_size
 
     def _note_death(self, j: _Job, beat: Heartbeat, state: RankState) -> None:
         # Deaths are noticed when someone looks (a listing, a scrape, a plan):

@@ -93,6 +93,22 @@ class Settings(BaseSettings):
         "default: only the heartbeat's own source address. 'any': every URL (names too), for "
         "a network where every host is trusted.",
     )
+    # Replicas over one store (see server/cluster.py).
+    peers: str | None = Field(
+        default=None,
+        description="Every replica's URL, comma-separated (a static cluster, e.g. a "
+        "StatefulSet's stable names).",
+    )
+    advertise_url: str | None = Field(
+        default=None, description="The URL clients reach this replica at (default host:port)."
+    )
+    member_leases: bool = Field(
+        default=False, description="Keep a lease cluster/members/<id> in the store."
+    )
+    member_id: str | None = Field(default=None, description="This replica's lease name.")
+    member_ttl: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds a member lease lasts unrenewed."
+    )
 
     # -- store lifecycle (ckptd.lifecycle; docs/FORMAT.md "Garbage collection") -------
     retention: str | None = Field(

@@ -185,6 +185,19 @@ def serve(
     scrub_interval: Annotated[
         float | None, typer.Option(help="Seconds between background scrub runs (0: off).")
     ] = None,
+    peers: Annotated[
+        str | None,
+        typer.Option(help="Every replica's URL, comma-separated. Env CKPTD_PEERS."),
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(help="The URL clients reach this replica at. Env CKPTD_ADVERTISE_URL."),
+    ] = None,
+    member_leases: Annotated[
+        bool | None,
+        typer.Option("--member-leases/--no-member-leases",
+                     help="Find replicas by leases in the store. Env CKPTD_MEMBER_LEASES."),
+    ] = None,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
     from ckptd.cli.mistakes import server_settings
@@ -211,6 +224,9 @@ def serve(
             "gc_interval": gc_interval,
             "gc_grace": gc_grace,
             "scrub_interval": scrub_interval,
+            "peers": peers,
+            "advertise_url": advertise_url,
+            "member_leases": member_leases,
         }.items()
         if v is not None
     }
@@ -374,11 +390,14 @@ class _Server:
 
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+        from ckptd.client.routing import sync_client_options
         from ckptd.client.transport import tls_verify
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0,
-                                  verify=tls_verify())
+        # Several replicas (URL,URL): each job's calls go to its home replica.
+        routed = sync_client_options(url, verify=tls_verify())
+        self._members = routed["transport"].members
+        self._http = httpx.Client(**routed, headers=headers, timeout=10.0)
         self._httpx = httpx
 
     def __enter__(self) -> _Server:
@@ -386,6 +405,19 @@ class _Server:
 
     def __exit__(self, *exc: object) -> None:
         self._http.close()
+
+    def overview(self, params: dict[str, Any]) -> Any:
+        """``GET /v1/overview``; over several replicas, each job as its home sees it."""
+        from ckptd.client.routing import merge_overviews
+
+        if "job" in params:
+            return self.call("GET", "/v1/overview", params=params)
+        self.call("GET", "/healthz")  # learns the replicas (GET /v1/cluster) first
+        urls = self._members.live()
+        if len(urls) < 2:
+            return self.call("GET", "/v1/overview", params=params)
+        views = [self.call("GET", f"{u}/v1/overview", params=params) for u in urls]
+        return merge_overviews(views, urls)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -583,12 +615,12 @@ def status(
             if job is not None and watch is None:  # --watch may wait for a job to start
                 from ckptd.cli.mistakes import job_not_found
 
-                everything = server.call("GET", "/v1/overview", params={"steps": 0})
+                everything = server.overview({"steps": 0})
                 known = {j["job"] for j in everything["jobs"]}
                 known |= {j["job"] for j in server.call("GET", "/v1/jobs")["jobs"]}
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
-            overview = server.call("GET", "/v1/overview", params=params)
+            overview = server.overview(params)
             view = status_view(overview, console.width)
             if watch is None:
                 console.print(view)
@@ -598,7 +630,7 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.call("GET", "/v1/overview", params=params),
+                    live.update(status_view(server.overview(params),
                                             console.width))
             if not console.is_terminal:
                 console.line()  # a terminal's Live ends its line; a pipe's does not
@@ -729,7 +761,7 @@ def progress_bar() -> Progress:
 # (one line per module; keep this block above main())
 from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
 from ckptd.cli import tokens as _tokens  # noqa: E402,F401
-from ckptd.cli import views  # noqa: E402, F401
+from ckptd.cli import views as _views  # noqa: E402,F401  (export, import, diff)
 
 
 def main() -> None:

@@ -145,6 +145,7 @@ async def list_ranks(job: JobDep, registry: RegistryDep, views: ViewsDep) -> Ran
         latest=latest,
         snapshot_at=target.step if target is not None else None,
         rollback_to=rollback.step if rollback is not None else None,
+        rebuilding=registry.rebuilding(job),
     )
 
 

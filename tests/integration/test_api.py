@@ -192,6 +192,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/jobs/{job}/rollback", "get"),
         ("/v1/jobs/{job}/events", "get"),
         ("/v1/overview", "get"),
+        ("/v1/cluster", "get"),
         ("/metrics", "get"),
         ("/", "get"),
         # the store lifecycle (server/routes/lifecycle.py)
@@ -645,7 +646,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 31  # 22, and the lifecycle's 9
+    assert len(routes) == 32  # 22, the lifecycle's 9 and GET /v1/cluster
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},

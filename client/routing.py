@@ -1,0 +1,322 @@
+"""Routing over ckptd replicas, under every HTTP client of the training process.
+
+A chunk's calls (its missing-query, upload, download) go to the chunk's home
+replica, and a job's calls (heartbeats, restore plans, snapshot requests,
+manifests, commits) to the job's home, both by rendezvous hashing over the members
+(``ckptd.cluster``), so that the soft state that must meet (dedup claims, a job's
+heartbeats and plans) meets in one process. The members are the URLs the client was
+given, then what ``GET /v1/cluster`` lists. A replica that refuses connections is
+marked down and its calls go to the next replica in the key's rendezvous order at
+once. A request lost mid-way (the replica died, or only dropped a pooled
+connection: a busy live server does) is not a down mark by itself: the caller's
+retry connects afresh, and a dead replica refuses that connection. Down marks
+last three refreshes, then the replica is tried again.
+
+It is an httpx transport, so the async ``HttpTransport`` and the heartbeat and
+health clients (sync) route alike without knowing about replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+from ckptd import knobs
+from ckptd.cluster import chunk_key, job_key, parse_urls, rank_members, route_key
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ROUTE_HEADER",
+    "AsyncRouting",
+    "Members",
+    "SyncRouting",
+    "members_for",
+    "sync_client_options",
+]
+
+#: a request's routing key when its path has none (a batch of chunk ids)
+ROUTE_HEADER = "X-Ckptd-Route"
+CLUSTER_PATH = "/v1/cluster"
+# Connection failures: the request never reached the replica, so any call may go on.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
+_LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+
+
+class Members:
+    """The replicas one client routes over, shared by its HTTP clients (thread-safe)."""
+
+    def __init__(self, seeds: Iterable[str], refresh_s: float | None = None) -> None:
+        self.seeds = list(seeds)
+        self.urls = list(self.seeds)
+        self.refresh_s = knobs.cluster_refresh() if refresh_s is None else refresh_s
+        # url -> when it was marked down (monotonic); a mark lasts DOWN_REFRESHES
+        # refreshes, then the replica is tried again (a restarted one comes back).
+        self._down: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._next_refresh = 0.0  # monotonic; 0: never learned
+        self.down_for = 3 * self.refresh_s
+        self.refreshes = 0
+        self.failovers = 0
+
+    def order(self, key: str | None) -> list[str]:
+        """Where a call with routing ``key`` goes, best first: the key's rendezvous
+        order with down replicas last (the same as leaving them out), or for calls
+        without a key the members as listed, down ones last."""
+        now = time.monotonic()
+        with self._lock:
+            urls = list(self.urls)
+            down = {u for u, t in self._down.items() if now - t < self.down_for}
+        ranked = rank_members(key, urls) if key is not None else urls
+        return [u for u in ranked if u not in down] + [u for u in ranked if u in down]
+
+    def live(self) -> list[str]:
+        """The members not marked down."""
+        now = time.monotonic()
+        with self._lock:
+            return [u for u in self.urls
+                    if now - self._down.get(u, -self.down_for) >= self.down_for]
+
+    def homes(self, keys: Iterable[str]) -> dict[str, list[str]]:
+        """The keys grouped by their home (the first of ``order``), in one pass."""
+        live = self.live() or list(self.urls)
+        groups: dict[str, list[str]] = {}
+        for key in keys:
+            groups.setdefault(rank_members(key, live)[0], []).append(key)
+        return groups
+
+    def mark_down(self, url: str, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._down.get(url, -self.down_for) < self.down_for:
+                return
+            self._down[url] = now
+            self.failovers += 1
+            self._next_refresh = min(self._next_refresh, time.monotonic())
+        log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
+                    url, type(exc).__name__)
+
+    def refresh_due(self) -> bool:
+        # refresh_s <= 0: route over the URLs given only, never asking for more.
+        return self.refresh_s > 0 and time.monotonic() >= self._next_refresh
+
+    def learned(self) -> bool:
+        return self.refresh_s <= 0 or self._next_refresh > 0.0
+
+    def candidates(self) -> list[str]:
+        """Whom to ask for the membership: live members, then the seeds."""
+        return list(dict.fromkeys(self.order(None) + self.seeds))
+
+    def update(self, doc: Any | None) -> None:
+        """Takes a ``/v1/cluster`` answer (None: nobody answered; keep what is known)."""
+        urls: list[str] | None = None
+        if isinstance(doc, dict) and doc.get("mode") in ("static", "lease"):
+            try:
+                urls = parse_urls(",".join(str(m["url"]) for m in doc.get("members", [])))
+            except (KeyError, TypeError, ValueError):
+                urls = None
+        with self._lock:
+            self.refreshes += 1
+            self._next_refresh = time.monotonic() + self.refresh_s
+            if doc is None:
+                return
+            if urls is not None and urls != self.urls:
+                log.info("ckptd replicas: %s", ", ".join(urls))
+                self.urls = urls
+
+
+_SHARED: dict[tuple[tuple[str, ...], float], Members] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def members_for(url: str) -> Members:
+    """The one ``Members`` of this process for a URL list (``http://a,http://b``)."""
+    key = (tuple(parse_urls(url)), knobs.cluster_refresh())
+    with _SHARED_LOCK:
+        members = _SHARED.get(key)
+        if members is None:
+            members = _SHARED[key] = Members(*key)
+        return members
+
+
+def _key(request: httpx.Request) -> str | None:
+    key = request.headers.get(ROUTE_HEADER) or route_key(request.url.path)
+    if key is None and request.url.path == "/v1/overview" and "job" in request.url.params:
+        key = job_key(request.url.params["job"])  # one job's soft state: at its home
+    return key
+
+
+def _order(members: Members, request: httpx.Request) -> list[str]:
+    """Where ``request`` goes: its key's order; a call without a key to the member
+    it names (a merge asking each replica in turn), else to the first live one."""
+    key = _key(request)
+    order = members.order(key)
+    if key is None:
+        named = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+        if named in members.live():
+            order = [named] + [u for u in order if u != named]
+    return order
+
+
+def _to(request: httpx.Request, base: str) -> httpx.Request:
+    target = httpx.URL(base)
+    request.url = request.url.copy_with(scheme=target.scheme, host=target.host,
+                                        port=target.port)
+    request.headers["Host"] = target.netloc.decode("ascii")
+    return request
+
+
+def _learn_request(base: str, request: httpx.Request) -> httpx.Request:
+    headers = {}
+    if "authorization" in request.headers:
+        headers["Authorization"] = request.headers["authorization"]
+    return httpx.Request("GET", base + CLUSTER_PATH, headers=headers,
+                         extensions={"timeout": _LEARN_TIMEOUT})
+
+
+def _cluster_doc(status: int, body: bytes) -> Any:
+    """The ``/v1/cluster`` answer, or {} (a server without it, a refusal): routing
+    then stays on the URLs given."""
+    if status != 200:
+        return {}
+    try:
+        return json.loads(body)
+    except ValueError:
+        return {}
+
+
+class AsyncRouting(httpx.AsyncBaseTransport):
+    """Routes each request of an ``httpx.AsyncClient`` to its home replica."""
+
+    def __init__(self, members: Members, inner: httpx.AsyncBaseTransport) -> None:
+        self.members = members
+        self.inner = inner
+        self._learning: asyncio.Lock | None = None
+
+    async def learn(self, request: httpx.Request) -> None:
+        """Re-reads the membership when it is due (the first call waits for it)."""
+        if not self.members.refresh_due():
+            return
+        if self._learning is None:
+            self._learning = asyncio.Lock()
+        if self._learning.locked() and self.members.learned():
+            return  # someone is at it; route by what is known meanwhile
+        async with self._learning:
+            if not self.members.refresh_due():
+                return
+            doc: Any | None = None
+            for base in self.members.candidates():
+                try:
+                    resp = await self.inner.handle_async_request(_learn_request(base, request))
+                    body = await resp.aread()
+                    await resp.aclose()
+                except httpx.TransportError as exc:
+                    self.members.mark_down(base, exc)
+                    continue
+                doc = _cluster_doc(resp.status_code, body)
+                break
+            self.members.update(doc)
+
+    async def by_home(self, ids: list[str], headers: httpx.Headers) -> list[list[str]]:
+        """Chunk ids grouped by their home replica (one group when there are none)."""
+        if not ids:
+            return [ids]
+        await self.learn(httpx.Request("GET", self.members.seeds[0], headers=headers))
+        groups = self.members.homes(chunk_key(cid) for cid in ids)
+        return [[key.removeprefix("chunk:") for key in keys] for keys in groups.values()]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await self.learn(request)
+        order = _order(self.members, request)
+        for i, base in enumerate(order):
+            try:
+                return await self.inner.handle_async_request(_to(request, base))
+            except _UNSENT as exc:
+                self.members.mark_down(base, exc)
+                if i == len(order) - 1:
+                    raise
+        raise httpx.ConnectError("no ckptd replica to send to", request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class SyncRouting(httpx.BaseTransport):
+    """Routes each request of an ``httpx.Client`` (heartbeats, the health agent)."""
+
+    def __init__(self, members: Members, inner: httpx.BaseTransport | None = None) -> None:
+        self.members = members
+        self.inner = inner if inner is not None else httpx.HTTPTransport()
+        self._learning = threading.Lock()
+
+    def learn(self, request: httpx.Request) -> None:
+        if not self.members.refresh_due():
+            return
+        if not self._learning.acquire(blocking=not self.members.learned()):
+            return
+        try:
+            if not self.members.refresh_due():
+                return
+            doc: Any | None = None
+            for base in self.members.candidates():
+                try:
+                    resp = self.inner.handle_request(_learn_request(base, request))
+                    body = resp.read()
+                    resp.close()
+                except httpx.TransportError as exc:
+                    self.members.mark_down(base, exc)
+                    continue
+                doc = _cluster_doc(resp.status_code, body)
+                break
+            self.members.update(doc)
+        finally:
+            self._learning.release()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.learn(request)
+        order = _order(self.members, request)
+        for i, base in enumerate(order):
+            try:
+                return self.inner.handle_request(_to(request, base))
+            except _UNSENT as exc:
+                self.members.mark_down(base, exc)
+                if i == len(order) - 1:
+                    raise
+        raise httpx.ConnectError("no ckptd replica to send to", request=request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def sync_client_options(url: str, verify: ssl.SSLContext | bool = True) -> dict[str, Any]:
+    """``httpx.Client`` arguments that route over the replicas of ``url`` (one URL or
+    several, comma-separated): ``base_url`` and ``transport``. ``verify`` is the TLS
+    check (httpx ignores a client's own once it is given a transport)."""
+    members = members_for(url)
+    return {"base_url": members.seeds[0],
+            "transport": SyncRouting(members, httpx.HTTPTransport(verify=verify))}
+
+
+def merge_overviews(views: list[dict[str, Any]], urls: list[str]) -> dict[str, Any]:
+    """One ``/v1/overview`` from every replica's: each job as its home replica (by
+    the same rendezvous order) sees it, since only the home holds its soft state."""
+    by_url = dict(zip(urls, views, strict=True))
+    merged = dict(views[0])
+    names = sorted({job["job"] for view in views for job in view.get("jobs", [])})
+    jobs = []
+    for name in names:
+        for url in rank_members(job_key(name), urls):
+            found = [j for j in by_url[url].get("jobs", []) if j["job"] == name]
+            if found:
+                jobs.append(found[0])
+                break
+    merged["jobs"] = jobs
+    return merged

@@ -1,0 +1,149 @@
+"""Membership: which ckptd replicas serve this store now.
+
+Three modes. ``single``: this server alone. ``static``: the list given by ``--peers``
+(``CKPTD_PEERS``), the shape of a Kubernetes StatefulSet's stable names. ``lease``:
+each replica keeps a lease ``cluster/members/<id>`` in the store, renewed every
+third of its time to live, and lists the leases that have not run out. Leases
+change only by compare-and-swap, like refs; expiry compares wall clocks, so the
+replicas' clocks must agree to well within the time to live (NTP does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Literal
+from urllib.parse import urlparse
+
+from ckptd.api import ClusterMember, ClusterView
+from ckptd.cluster import MEMBERS_PREFIX, Member, member_key, normalize_url, parse_urls
+from ckptd.errors import CkptdError, NotFound
+from ckptd.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["single", "static", "lease"]
+
+
+def default_member_id(url: str) -> str:
+    """``host_port`` of the URL, in the characters a member id may use."""
+    netloc = urlparse(url).netloc
+    return re.sub(r"[^A-Za-z0-9._-]", "_", netloc)[:128] or "ckptd"
+
+
+class Membership:
+    """This replica's view of the live replicas (``view()``), and its own lease."""
+
+    def __init__(
+        self,
+        store: Store,
+        self_url: str,
+        *,
+        peers: str | None = None,
+        leases: bool = False,
+        member_id: str | None = None,
+        ttl: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.self_url = normalize_url(self_url)
+        self.peers = parse_urls(peers) if peers else []
+        self.mode: Mode = "static" if self.peers else "lease" if leases else "single"
+        self.member_id = member_id or default_member_id(self.self_url)
+        self.key = member_key(self.member_id)
+        self.ttl = float(ttl)
+        self._lease: bytes | None = None  # what this replica last wrote
+        self._task: asyncio.Task[None] | None = None
+        self._cached: tuple[float, list[Member]] | None = None
+
+    async def start(self) -> None:
+        """In lease mode: takes the lease now (the server is then listed at once)
+        and renews it in the background."""
+        if self.mode != "lease":
+            return
+        await self.renew()
+        self._task = asyncio.create_task(self._renew_forever(), name="ckptd-member-lease")
+        log.info("member %s at %s holds a lease of %gs in the store", self.member_id,
+                 self.self_url, self.ttl)
+
+    async def stop(self) -> None:
+        """Stops renewing and gives the lease back, so clients move on at once."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.mode == "lease" and self._lease is not None:
+            with contextlib.suppress(CkptdError, OSError):
+                await self.store.delete(self.key)
+            self._lease = None
+
+    async def renew(self) -> None:
+        """Writes this replica's lease, valid for ``ttl`` from now."""
+        new = Member(self.member_id, self.self_url, time.time() + self.ttl).to_json()
+        for _ in range(5):
+            current = self._lease
+            if await self.store.compare_and_swap(self.key, current, new):
+                self._lease = new
+                self._cached = None
+                return
+            # Someone else wrote it (a restarted replica of the same id): take it over.
+            try:
+                self._lease = await self.store.get(self.key)
+            except NotFound:
+                self._lease = None
+        log.warning("could not renew lease %s: it keeps changing", self.key)
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self.renew()
+            except (CkptdError, OSError) as exc:  # the store is down: try again soon
+                log.warning("renewing lease %s failed: %s", self.key, exc)
+
+    async def members(self) -> list[Member]:
+        """The live members, ordered by id."""
+        if self.mode == "single":
+            return [Member(self.member_id, self.self_url, 0.0)]
+        if self.mode == "static":
+            return [Member(default_member_id(u), u, 0.0) for u in self.peers]
+        now = time.time()
+        if self._cached is not None and now - self._cached[0] < min(1.0, self.ttl / 10):
+            return self._cached[1]
+        keys = [k async for k in self.store.list_prefix(MEMBERS_PREFIX)]
+        found: list[Member] = []
+        for key, data in zip(keys, await asyncio.gather(*(self._read(k) for k in keys)),
+                             strict=True):
+            if data is None:
+                continue
+            try:
+                member = Member.parse(data, key)
+            except CkptdError as exc:  # one damaged lease must not hide the others
+                log.warning("%s", exc)
+                continue
+            if member.expires_at > now:
+                found.append(member)
+        found.sort(key=lambda m: m.id)
+        self._cached = (now, found)
+        return found
+
+    async def _read(self, key: str) -> bytes | None:
+        try:
+            return await self.store.get(key)
+        except NotFound:
+            return None  # expired and removed between the listing and the read
+
+    async def view(self) -> ClusterView:
+        members = await self.members()
+        return ClusterView(
+            mode=self.mode,
+            self_url=self.self_url,
+            members=[
+                ClusterMember(id=m.id, url=m.url,
+                              expires_at=m.expires_at if self.mode == "lease" else None)
+                for m in members
+            ],
+        )

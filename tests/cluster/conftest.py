@@ -1,0 +1,179 @@
+"""Replicas of ``ckptd serve`` over one store: moto's S3 server in its own process,
+and replica processes on 127.0.0.1 that a test starts, kills and restarts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+pytest.importorskip("moto.server")
+pytest.importorskip("aiobotocore")
+
+BUCKET = "ckptd-cluster"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def s3_env() -> dict[str, str]:
+    """Dummy credentials for moto, and nothing from the user's AWS setup."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_", "CKPTD_"))}
+    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+               AWS_CONFIG_FILE="/nonexistent/aws-config",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials")
+    return env
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 in a child process, with one bucket."""
+    port = free_port()
+    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.cluster.moto_s3", str(port), BUCKET],
+            cwd=ROOT, env=s3_env(), stdout=subprocess.PIPE, stderr=log)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode().strip()
+        if not line.startswith("http://"):
+            pytest.fail(f"moto did not start: {line!r}")
+        yield line
+    finally:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+class PortTaken(AssertionError):
+    """The port picked for a replica was taken before it could bind it."""
+
+
+@dataclass
+class Replica:
+    """One ``ckptd serve`` process of a cluster."""
+
+    store: str
+    workdir: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Replica:
+        for _ in range(3):
+            self.popen()
+            try:
+                self.wait_ready()
+                return self
+            except PortTaken:
+                self.port = free_port()
+        raise AssertionError(f"no free port for a replica:\n{self.log()}")
+
+    def popen(self) -> None:
+        args = [sys.executable, "-m", "ckptd", "serve", "--store", self.store,
+                "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
+                *self.args]
+        with open(self.workdir / f"replica-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**s3_env(), **self.env})
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                log = self.log()
+                if "address already in use" in log:  # another process took the port
+                    raise PortTaken(log)
+                raise AssertionError(f"replica exited early:\n{log}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"replica did not answer within {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self.proc = None
+
+    def log(self) -> str:
+        path = self.workdir / f"replica-{self.port}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def cluster(self) -> dict[str, object]:
+        doc: dict[str, object] = httpx.get(f"{self.url}/v1/cluster", timeout=5.0).json()
+        return doc
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5.0).text
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+
+@dataclass
+class Cluster:
+    """Replicas over one store; ``add`` starts one more."""
+
+    store: str
+    workdir: Path
+    mode_args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    replicas: list[Replica] = field(default_factory=list)
+
+    def add(self, *, start: bool = True) -> Replica:
+        replica = Replica(self.store, self.workdir, list(self.mode_args), dict(self.env))
+        self.replicas.append(replica)
+        if start:
+            replica.start()
+        return replica
+
+    @property
+    def urls(self) -> str:
+        return ",".join(r.url for r in self.replicas)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+@pytest.fixture
+def s3_store(moto_endpoint: str) -> str:
+    """A fresh prefix of the moto bucket, as a store URL."""
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}?endpoint={moto_endpoint}"
+
+
+@pytest.fixture
+def lease_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Replicas over one shared directory that find each other by store leases."""
+    cluster = Cluster(str(tmp_path / "store"), tmp_path, ["--member-leases"],
+                      {"CKPTD_MEMBER_TTL": "1.5", "CKPTD_HEARTBEAT_INTERVAL": "0.5"})
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

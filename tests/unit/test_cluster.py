@@ -1,0 +1,108 @@
+"""Rendezvous hashing: a key's home is stable, only a departed member's keys move,
+a new member takes only keys that become its own, and keys spread evenly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptd.cluster import (
+    Member,
+    chunk_key,
+    home,
+    job_key,
+    member_key,
+    parse_urls,
+    rank_members,
+    route_key,
+)
+from ckptd.errors import InvalidDocument, InvalidRequest, Unavailable
+
+members_st = st.lists(
+    st.integers(min_value=1024, max_value=65535).map(lambda p: f"http://127.0.0.1:{p}"),
+    min_size=2, max_size=9, unique=True,
+)
+keys_st = st.lists(st.binary(min_size=32, max_size=32).map(lambda b: chunk_key(b.hex())),
+                   min_size=1, max_size=200, unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(members=members_st, keys=keys_st, data=st.data())
+def test_only_the_departed_members_keys_move(
+    members: list[str], keys: list[str], data: st.DataObject
+) -> None:
+    gone = data.draw(st.sampled_from(members))
+    rest = [m for m in members if m != gone]
+    for key in keys:
+        before = home(key, members)
+        after = home(key, rest)
+        if before != gone:
+            assert after == before
+        else:
+            # ... and it goes to the next member in its rendezvous order.
+            assert after == rank_members(key, members)[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(members=members_st, keys=keys_st)
+def test_a_joining_member_takes_only_keys_that_become_its_own(
+    members: list[str], keys: list[str]
+) -> None:
+    joined, old = members[0], members[1:]
+    for key in keys:
+        after = home(key, members)
+        assert after == joined or after == home(key, old)
+
+
+@given(members=members_st, key=st.text(max_size=40))
+def test_order_does_not_depend_on_the_listing_order(members: list[str], key: str) -> None:
+    assert rank_members(key, members) == rank_members(key, list(reversed(members)))
+    assert sorted(rank_members(key, members)) == sorted(members)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_chunk_ids_spread_evenly(n: int) -> None:
+    members = [f"http://10.0.0.{i}:8470" for i in range(n)]
+    counts = dict.fromkeys(members, 0)
+    total = 20_000
+    for _ in range(total):
+        counts[home(chunk_key(os.urandom(32).hex()), members)] += 1
+    even = total / n
+    assert all(abs(c - even) < 0.06 * even for c in counts.values()), counts
+
+
+def test_jobs_and_chunks_of_the_same_text_are_different_keys() -> None:
+    assert chunk_key("a") != job_key("a")
+
+
+def test_route_keys_of_api_paths() -> None:
+    cid = "ab" * 32
+    assert route_key(f"/v1/chunks/{cid}") == chunk_key(cid)
+    assert route_key("/v1/jobs/j1/ranks/3/heartbeat") == job_key("j1")
+    assert route_key("/v1/jobs/j1/steps/5/commit") == job_key("j1")
+    assert route_key("/v1/jobs") is None
+    assert route_key("/v1/chunks/missing") is None
+    assert route_key("/healthz") is None
+
+
+def test_url_lists() -> None:
+    assert parse_urls("http://a:8470/, http://b:8470,http://a:8470") == [
+        "http://a:8470", "http://b:8470"]
+    with pytest.raises(InvalidRequest):
+        parse_urls("ftp://a")
+    with pytest.raises(InvalidRequest):
+        parse_urls(" , ")
+    with pytest.raises(Unavailable):
+        home("job:x", [])
+
+
+def test_member_lease_round_trip_and_damage() -> None:
+    m = Member("r-0", "http://a:8470", 12.5)
+    assert Member.parse(m.to_json(), member_key("r-0")) == m
+    with pytest.raises(InvalidDocument):
+        Member.parse(b"{not json", member_key("r-0"))
+    with pytest.raises(InvalidRequest):
+        member_key("../x")
