@@ -108,8 +108,11 @@ def gc(
 
     params: dict[str, Any] = {"dry_run": dry_run} | ({"grace": grace} if grace is not None
                                                        else {})
-    with console.status("collecting garbage" + (" (dry run)" if dry_run else "")):
-        r = _run(url, token, "POST", "/v1/gc", direct, params=params)
+    # A collection waits out its grace period (so saves in flight finish) before it
+    # sweeps: the request lasts that long, past any ordinary read timeout.
+    wait = "" if grace is None else f", after a {grace:g} s grace period"
+    with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait):
+        r = _run(url, token, "POST", "/v1/gc", direct, params=params, timeout=None)
     if dry_run:
         for cid in r["deleted"]:
             console.print(f"would delete chunk {cid}", soft_wrap=True)

@@ -101,3 +101,20 @@ def test_lifecycle_through_the_server(tmp_path: Path, monkeypatch: pytest.Monkey
         assert r.status_code == 507 and r.json()["code"] == "store_full"
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_gc_through_the_server_outlasts_the_clients_read_timeout(tmp_path: Path) -> None:
+    """A collection waits out its grace period before it answers: the CLI must not give
+    up after its ordinary 10 s read timeout while the server is still collecting."""
+    root = tmp_path / "store"
+    asyncio.run(_fill(root, range(1, 2)))
+    srv = ServerProcess(store=root)
+    srv.start()
+    try:
+        started = time.monotonic()
+        out = _cli("gc", "--grace", "11", "--url", srv.url)
+        assert time.monotonic() - started >= 11
+        assert "freed" in out and "1 chunks" in out, out
+    finally:
+        srv.stop()
