@@ -92,6 +92,8 @@ class _SoftStateCollector(Collector):
             labels=["job"],
         )
         for job, n in sorted(self.registry.snapshot_failures().items()):
+            if shown is not None and job not in shown:  # as above: no label from requests
+                continue
             failures.add_metric([job], n)
         yield failures
         ratio = self.totals.dedup_ratio

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from ckptd.api import ClusterView
-from ckptd.server.auth import require_token
+from ckptd.server.auth import READ_ANY, scope
 from ckptd.server.cluster import Membership
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -14,7 +14,8 @@ router = APIRouter(
     prefix="/v1/cluster",
     tags=["cluster"],
     route_class=ApiRoute,
-    dependencies=[Depends(require_token)],
+    # Every client routes by it: a read token on any job may see the replicas.
+    dependencies=scope(READ_ANY),
     responses=error_responses(401, 500),
 )
 

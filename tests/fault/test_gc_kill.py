@@ -69,7 +69,8 @@ async def test_killing_the_collector_loses_nothing_committed(tmp_path: Path) -> 
         save = asyncio.create_task(_save(repo, step + 1))
         while time.monotonic() - t0 < delay and proc.poll() is None:
             await asyncio.sleep(0.005)
-        if proc.poll() is None:
+        killed = proc.poll() is None
+        if killed:
             proc.kill()
             kills += 1
         else:
@@ -78,6 +79,11 @@ async def test_killing_the_collector_loses_nothing_committed(tmp_path: Path) -> 
         proc.stdout.close()
         await save
         step += 1
+        if killed:
+            # Let the dead collector's lease run out, so the next round's collector
+            # takes it over and then really collects (were it to wait out the lease
+            # instead, its kill would land in the wait and its time inflate ``span``).
+            await asyncio.sleep(LEASE)
         for s in await repo.step_numbers(JOB):
             if await repo.try_read_commit(JOB, s) is not None:
                 assert (await repo.verify(JOB, s)).ok, s
