@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Pending steps a rank keeps asking about (the oldest first); older ones are let go.
+MAX_PENDING_ASKED = 8
+
 T = TypeVar("T")
 OnBusy = Literal["wait", "skip"]
 OnError = Literal["raise", "warn"]
@@ -283,11 +286,13 @@ class Checkpointer:
             raise InvalidRequest(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         self.on_error: OnError = on_error
         self._failures = FailureLog(self.job, self.rank)
-        # The last step this rank uploaded whose commit was pending (other ranks to
-        # come), with its meta, and the background question whether it committed:
-        # a step that can never commit (replicas disagree) fails on the rank whose
-        # manifest came last, and every other rank learns it by asking again.
-        self._pending_commit: tuple[int, dict[str, Any]] | None = None
+        # Steps this rank uploaded whose commit was pending (other ranks to come),
+        # oldest first, with their meta, and the background question whether the
+        # oldest committed: a step that can never commit (replicas disagree) fails
+        # on the rank whose manifest came last, and every other rank learns it by
+        # asking again; a later pending step must not make it forget an earlier one.
+        self._pending_commits: dict[int, dict[str, Any]] = {}
+        self._pending_lock = threading.Lock()
         self._pending_check: concurrent.futures.Future[Any] | None = None
         self._pending_asked = 0.0
         if staging_budget is not None and staging_budget < self.chunk_size + PAGE:
@@ -314,6 +319,7 @@ class Checkpointer:
         # The future of the last snapshot's work that reads the staging pool: the
         # pool is overwritten only once it is done.
         self._inflight: concurrent.futures.Future[Any] | None = None
+        self._inflight_step: int | None = None  # the step _inflight uploads
         self._lock = threading.Lock()
         self._closed = False
         self._token = token
@@ -500,6 +506,13 @@ class Checkpointer:
                         f"within {self.timeout} s",
                         step=step,
                     )
+                # The snapshot waited for may have failed just now; its done-callback
+                # may not have run yet. Record it (once per step) and surface it here,
+                # before a new snapshot is staged past it.
+                failed = None if busy.cancelled() else busy.exception()
+                if failed is not None and self._inflight_step is not None:
+                    self._snapshot_failed(self._inflight_step, failed)
+                self._surface_failure()
             future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
                                                                placements, meta, started,
                                                                pending)
@@ -549,10 +562,11 @@ class Checkpointer:
                 future = self._loop.submit(self._named(upload.finish(piece), step))
                 future.add_done_callback(functools.partial(self._uploaded, upload=upload,
                                                            piece=piece))
-                self._inflight = future
+                self._inflight, self._inflight_step = future, step
                 return future, piece.copy_done, plan.piece_count
             sent = self._loop.submit(upload.send(piece))
-            self._inflight = sent  # it reads the pool: nothing may overwrite it before
+            # It reads the pool: nothing may overwrite the pool before it is sent.
+            self._inflight, self._inflight_step = sent, step
             done, _ = concurrent.futures.wait([sent], self.timeout)
             if not done:
                 return _failed(self._name(Timeout(
@@ -592,10 +606,14 @@ class Checkpointer:
         if exc is not None:
             self._snapshot_failed(step, exc)
             return
-        if future.result().state == "pending":
-            self._pending_commit = (step, meta)
-        elif self._pending_commit is not None and self._pending_commit[0] <= step:
-            self._pending_commit = None
+        with self._pending_lock:
+            if future.result().state == "pending":
+                self._pending_commits[step] = meta
+                while len(self._pending_commits) > MAX_PENDING_ASKED:
+                    del self._pending_commits[next(iter(self._pending_commits))]
+            else:  # committed: what was pending before it no longer matters
+                for older in [s for s in self._pending_commits if s <= step]:
+                    del self._pending_commits[older]
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         err = self._failures.record(step, exc)
@@ -604,40 +622,48 @@ class Checkpointer:
             hb.note_snapshot_failure(str(err))
 
     def _ask_pending(self, timeout: float | None = None) -> None:
-        """Asks, in the background (at most twice a second), whether the last step
+        """Asks, in the background (at most twice a second), whether the oldest step
         that was pending here committed; a step that cannot commit is recorded as
-        this rank's failure too. With ``timeout``, waits that long for the answer."""
-        pending = self._pending_commit
-        if pending is None:
+        this rank's failure too. With ``timeout`` (closing), asks about every
+        pending step and waits up to that long for each answer."""
+        with self._pending_lock:
+            pending = list(self._pending_commits.items())
+        if not pending:
             return
-        check = self._pending_check
-        if check is None or check.done():
-            if timeout is None and time.monotonic() - self._pending_asked < 0.5:
+        if timeout is None:
+            check = self._pending_check
+            if (check is not None and not check.done()) or (
+                time.monotonic() - self._pending_asked < 0.5
+            ):
                 return
+            pending = pending[:1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for step, meta in pending:
             self._pending_asked = time.monotonic()
-            step, meta = pending
             check = self._loop.submit(self._transport.commit(self.job, step, meta or None))
-            check.add_done_callback(functools.partial(self._pending_answer, pending=pending))
+            check.add_done_callback(functools.partial(self._pending_answer, step=step))
             self._pending_check = check
-        if timeout is not None:
-            concurrent.futures.wait([check], timeout)
+            if deadline is not None:  # all the questions together, within ``timeout``
+                left = deadline - time.monotonic()
+                if left <= 0 or not concurrent.futures.wait([check], left).done:
+                    break
 
-    def _pending_answer(self, future: concurrent.futures.Future[Any], *,
-                        pending: tuple[int, dict[str, Any]]) -> None:
+    def _pending_answer(self, future: concurrent.futures.Future[Any], *, step: int) -> None:
         if future.cancelled():
             return
         exc = future.exception()
         if exc is None:
-            if future.result().state == "committed" and self._pending_commit is pending:
-                self._pending_commit = None
+            if future.result().state == "committed":
+                with self._pending_lock:
+                    self._pending_commits.pop(step, None)
             return
         if isinstance(exc, ValidationFailed | Conflict):  # never commits: a failure
-            if self._pending_commit is pending:
-                self._pending_commit = None
-            self._snapshot_failed(pending[0], exc)
+            with self._pending_lock:
+                self._pending_commits.pop(step, None)
+            self._snapshot_failed(step, exc)
         else:  # the server may be back next time
             log.debug("%s/%d: cannot ask whether step %d committed: %s", self.job, self.rank,
-                      pending[0], exc)
+                      step, exc)
 
     def _surface_failure(self) -> None:
         """Raises (or warns of) a failed snapshot the loop has not seen yet."""

@@ -80,6 +80,9 @@ class FailureLog:
         self.failed = 0
         self.last: CkptdError | None = None
         self._unseen: CkptdError | None = None
+        # What handle.wait() last raised: a snapshot's done-callback may record its
+        # failure only after wait() returned, and must not hold it as unseen then.
+        self._seen: BaseException | None = None
         self._steps: set[int] = set()
         self._lock = threading.Lock()
 
@@ -96,7 +99,7 @@ class FailureLog:
             self._steps.add(step)
             self.failed += 1
             self.last = err
-            if not superseded:
+            if not superseded and err is not self._seen:
                 self._unseen = err
         log.log(logging.WARNING if superseded else logging.ERROR,
                 "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
@@ -106,6 +109,7 @@ class FailureLog:
     def seen(self, exc: BaseException) -> None:
         """The loop saw ``exc`` (``handle.wait()`` raised it)."""
         with self._lock:
+            self._seen = exc
             if self._unseen is exc:
                 self._unseen = None
 

@@ -69,9 +69,13 @@ def test_readme_loop_raises_a_failed_save_on_every_rank(tmp_path: Path) -> None:
         assert r["error"] == "ReplicaMismatch", r
         assert f"rank {r['rank']} failed" in r["message"]
         assert "'model.tokens_seen'" in r["message"]
-        assert len(r["errors_logged"]) == 1, r["errors_logged"]
-        assert "local=['model.tokens_seen']" in r["errors_logged"][0]
-        assert r["close"]["failed"] == 1
+        # Each failed step is logged once. The ranks run no collectives here, so a
+        # rank may reach step 100 before its peer's step-0 manifest shows step 0
+        # can never commit: then step 100 fails on it too, and is logged once too.
+        assert 1 <= r["close"]["failed"] == len(r["errors_logged"]) <= 2, r
+        steps = [e.split(" step ", 1)[1].split(" ", 1)[0] for e in r["errors_logged"]]
+        assert len(set(steps)) == len(steps), r["errors_logged"]
+        assert all("local=['model.tokens_seen']" in e for e in r["errors_logged"])
 
 
 def test_readme_loop_warns_with_on_error_warn(tmp_path: Path) -> None:
