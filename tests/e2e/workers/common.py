@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -13,7 +14,9 @@ import torch.distributed as dist
 
 
 def init() -> tuple[int, int, Path]:
-    """Joins the gloo group torchrun describes; (rank, world size, output folder)."""
+    """Joins the gloo group torchrun describes; (rank, world size, output folder).
+    A rank that dies by a signal prints every thread's Python stack first."""
+    faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), Path(sys.argv[1])
 
