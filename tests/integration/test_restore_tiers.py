@@ -404,6 +404,7 @@ def test_a_peer_that_serves_wrong_bytes_is_caught_and_skipped(
         reply = hb.beat_now()
         assert reply is not None
         evil.set_token(reply.peer_token)  # a liar inside the job holds its peer token
+        hb.start()  # it keeps beating: alive in the plan however slow the machine is
         wait_held(srv, "liar", [0, 2], 2)
         target = target_like(expected)
         with Checkpointer(srv.url, "liar", rank=1, world_size=3, token=TOKEN,
