@@ -21,7 +21,14 @@ tier allowed at a time:
 - ``copy_``: a plain copy of the state into the target (the local tier's floor),
 - ``torch.load``: the same state ``torch.save``d to the scratch directory, loaded
   back (page cache warm: its best case), and the same plus the copy into the
-  target that ``load_state_dict`` would do.
+  target that ``load_state_dict`` would do;
+- cold cache: the ``file://`` store tier, ``torch.load`` and a plain read of the
+  store's chunk files (the floor), each after the files' pages are dropped from
+  the page cache (``posix_fadvise(DONTNEED)``; clean pages only, so no root needed);
+- ``dcp.load``: the same state through ckptd's DCP ``Reader`` (over HTTP and over
+  ``file://``) against DCP's own ``FileSystemReader`` of a ``dcp.save`` directory;
+- with CUDA: the local tier into CUDA tensors against the pinned host-to-device
+  copy of the same bytes (the floor).
 
 Every ckptd restore hash-checks every chunk; ``torch.load`` checks nothing. The
 order of the systems rotates from round to round; the table shows medians.
@@ -35,6 +42,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +73,7 @@ from bench.common import (
 )
 
 JOB = "bench-restore"
+DCP_JOB = "bench-restore-dcp"
 STEP = 1
 WORLD = 3
 CHUNK = 4 << 20
@@ -88,6 +97,61 @@ def same_bits(a: Any, b: Any) -> bool:
         and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
         for x, y in zip(ta, tb, strict=True)
     )
+
+
+def drop_cached(paths: list[Path]) -> None:
+    """Drops the files' clean pages from the page cache: the next read goes to disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def raw_read(paths: list[Path], block: int = 8 << 20) -> int:
+    """Reads every byte of ``paths`` with large reads into one reused buffer."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+def cuda_target(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state, device="cuda")
+    if isinstance(state, dict):
+        return {k: cuda_target(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [cuda_target(v) for v in state]
+    return state
+
+
+def pinned_h2d(state: Any) -> Any:
+    """The floor of a restore into CUDA tensors: pinned host memory to the device,
+    every tensor of the state, non-blocking, one synchronize at the end. Returns a
+    callable that times one such copy."""
+    src = [t.pin_memory() for t in tensors_of(state)]
+    dst = [torch.empty_like(t, device="cuda") for t in src]
+
+    def copy() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for d, h in zip(dst, src, strict=True):
+            d.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return copy
 
 
 def peer_main(url: str, rank: int, size: int) -> None:
@@ -117,7 +181,7 @@ def wait_peers(url: str, ranks: list[int], timeout: float = 300) -> None:
     raise RuntimeError(f"peers {ranks} never held step {STEP}")
 
 
-def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[str, str]]]:
+def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[tuple[str, str]]]:
     from ckptd.client import Checkpointer
 
     with scratch_dir(parent) as scratch:
@@ -144,6 +208,17 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                 with open(path, "rb+") as f:
                     os.fsync(f.fileno())
                 fsync_dir(scratch)
+                import torch.distributed.checkpoint as dcp
+
+                from ckptd.client.dcp import Reader, Writer
+
+                dcp_dir = scratch / "dcp"
+                with warnings.catch_warnings():  # (one process: DCP's no_dist mode)
+                    warnings.simplefilter("ignore")
+                    dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir))
+                    dcp.save(state, storage_writer=Writer(server.url, DCP_JOB, STEP,
+                                                          chunk_size=CHUNK))
+                chunk_files = files_under(server.store / "chunks")
                 target = zeros_like(state)
                 samples = Samples()
                 tiers: dict[str, dict[str, int]] = {}
@@ -174,6 +249,55 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                         t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
                     return seconds
 
+                def cold_store() -> float:
+                    drop_cached(chunk_files)
+                    return restore("store file")
+
+                def cold_raw() -> float:
+                    drop_cached(chunk_files)
+                    t0 = time.perf_counter()
+                    raw_read(chunk_files)
+                    return time.perf_counter() - t0
+
+                def cold_load() -> float:
+                    drop_cached([path])
+                    return load()[0]
+
+                def dcp_load(system: str) -> float:
+                    reader: Any
+                    if system == "dcp.load fs":
+                        reader = dcp.FileSystemReader(dcp_dir)
+                    else:
+                        url = f"file://{server.store}" if system.endswith("file") else server.url
+                        reader = Reader(url, DCP_JOB, STEP)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        t0 = time.perf_counter()
+                        dcp.load(target, storage_reader=reader)
+                        seconds = time.perf_counter() - t0
+                    assert same_bits(target, state), system
+                    for t in tensors_of(target):
+                        t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
+                    return seconds
+
+                h2d = pinned_h2d(state) if torch.cuda.is_available() else None
+                gpu_target = cuda_target(state) if h2d is not None else None
+
+                def restore_cuda() -> float:
+                    assert gpu_target is not None
+                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                                      serve_peers=False) as ckpt:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        ckpt.restore(gpu_target, tiers=("local",))
+                        torch.cuda.synchronize()
+                        seconds = time.perf_counter() - t0
+                    assert same_bits([t.cpu() for t in tensors_of(gpu_target)],
+                                     tensors_of(state)), "cuda"
+                    for t in tensors_of(gpu_target):
+                        t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
+                    return seconds
+
                 def load() -> tuple[float, float]:
                     t0 = time.perf_counter()
                     loaded = torch.load(path)
@@ -186,7 +310,10 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                     return t1 - t0, t2 - t0
 
                 systems = ["local", "peer", "peer in-place", "store", "store file", "copy_",
-                           "torch.load"]
+                           "torch.load", "store file cold", "raw read cold", "torch.load cold",
+                           "dcp.load http", "dcp.load file", "dcp.load fs"]
+                if h2d is not None:
+                    systems += ["local cuda", "h2d pinned"]
                 for rnd in range(rounds):
                     for system in rotated(systems, rnd):
                         quiesce()
@@ -197,6 +324,19 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                             plain, copied = load()
                             samples.add("torch.load", "s", plain)
                             samples.add("torch.load + copy", "s", copied)
+                        elif system == "store file cold":
+                            samples.add(system, "s", cold_store())
+                        elif system == "raw read cold":
+                            samples.add(system, "s", cold_raw())
+                        elif system == "torch.load cold":
+                            samples.add(system, "s", cold_load())
+                        elif system.startswith("dcp.load"):
+                            samples.add(system, "s", dcp_load(system))
+                        elif system == "local cuda":
+                            samples.add(system, "s", restore_cuda())
+                        elif system == "h2d pinned":
+                            assert h2d is not None
+                            samples.add(system, "s", h2d())
                         else:
                             samples.add(system, "s", restore(system))
                     print(f"round {rnd + 1}/{rounds}: " + ", ".join(
@@ -240,7 +380,37 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                "(no landing memory, no second copy; a failed restore leaves the state "
                "partly restored). The peers are two processes on the same cores as the "
                "restoring rank: their serving CPU competes with it here, not across nodes.")
-    return table, info
+    return [table, targets_table(samples, nbytes, rounds)], info
+
+
+# The issue-11 targets: (row, its floor or peer, the most the ratio may be).
+TARGETS = [
+    ("local", "copy_", 2.0, "local tier on the CPU <= 2x copy_"),
+    ("store file", "torch.load", 0.7, "store tier (file://), warm <= 0.7x torch.load"),
+    ("store file cold", "raw read cold", 1.1, "store tier (file://), cold <= 1.1x a raw read"),
+    ("peer", "torch.load", 0.8, "peers over loopback <= 0.8x torch.load"),
+    ("peer in-place", "torch.load", 0.8, "peers, atomic=False <= 0.8x torch.load"),
+    ("dcp.load http", "dcp.load fs", 1.0, "dcp.load via Reader (HTTP) <= 1.0x FileSystemReader"),
+    ("dcp.load file", "dcp.load fs", 1.0, "dcp.load via Reader (file://) <= 1.0x FileSystemReader"),
+    ("local cuda", "h2d pinned", 3.0, "local tier into CUDA <= 3x pinned H2D copy"),
+]
+
+
+def targets_table(samples: Samples, nbytes: int, rounds: int) -> Table:
+    """Each target of issue 11 as a ratio to its floor or peer in the same run."""
+    table = Table(f"Restore targets ({human_bytes(nbytes)}, medians of {rounds})",
+                  ["target", "ckptd", "floor / peer", "ratio", "met"])
+    for row, base, most, label in TARGETS:
+        if row not in samples.values or base not in samples.values:
+            table.add(label, "-", "-", "-", "not measured (no CUDA)" if "cuda" in row else "-")
+            continue
+        t, b = samples.median(row, "s"), samples.median(base, "s")
+        x = ratio(t, b)
+        table.add(label, fmt_s(t), fmt_s(b), fmt_x(x), "yes" if x <= most else "NO")
+    table.note("cold: the files' pages dropped with posix_fadvise(DONTNEED) before each run; "
+               "a raw read is one pass of 8 MiB reads over the store's chunk files. "
+               "dcp.load loads into the same existing state through each reader.")
+    return table
 
 
 def main() -> None:
@@ -258,11 +428,13 @@ def main() -> None:
     size = parse_size(args.size)
     if size > 8 * GiB:
         parser.error("sizes above 8 GiB need more memory than this benchmark plans for")
-    table, info = run(size, args.rounds, args.scratch)
-    table.print()
+    tables, info = run(size, args.rounds, args.scratch)
+    for table in tables:
+        table.print()
     if args.markdown:
         lines = ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in info]
-        Path(args.markdown).write_text(table.markdown() + "\n" + "\n".join(lines) + "\n")
+        Path(args.markdown).write_text("\n".join(t.markdown() for t in tables) + "\n"
+                                       + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
