@@ -42,7 +42,9 @@ def run_torchrun(script: str, nproc: int, *args: str, out: Path, timeout: float 
                     f"{output.decode(errors='replace')[-6000:]}")
     text = output.decode(errors="replace")
     if proc.returncode != 0:
-        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}:\n{text[-8000:]}")
+        wrote = sorted(p.name for p in out.glob("rank*.json"))
+        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode} (results written: "
+                    f"{wrote or 'none'}):\n{text[-8000:]}")
     results = []
     for rank in range(nproc):
         path = out / f"rank{rank}.json"
