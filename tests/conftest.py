@@ -24,36 +24,73 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """The port picked for a server was taken before it could bind it."""
+
+
 @dataclass
 class ServerProcess:
-    """A ``ckptd serve`` child process; ``restart()`` keeps its store and port."""
+    """A ``ckptd serve`` child process; ``restart()`` keeps its store and port. A
+    port it picked itself and lost to another process before binding is picked
+    again (at most three times)."""
 
-    store: Path
+    store: Path | str
     token: str | None = None
     extra_args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # over base_env()
+    log_dir: Path | None = None  # default: beside a directory store
+
+    log_prefix = "server"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> None:
-        self.port = self.port or free_port()
-        args = [sys.executable, "-m", "ckptd", "serve", "--store", str(self.store),
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "ckptd", "serve", "--store", str(self.store),
                 "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+    def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("CKPTD_TOKEN", None)
+        return env
+
+    def start(self, timeout: float = 30.0) -> None:
+        picked = not self.port
+        for _ in range(3):
+            self.port = self.port or free_port()
+            self.popen()
+            try:
+                self.wait_ready(timeout)
+                return
+            except PortTaken:
+                if not picked:
+                    raise
+                self.port = 0
+        raise RuntimeError(f"no free port for ckptd serve:\n{self.log()}")
+
+    def popen(self) -> None:
+        env = {**self.base_env(), **self.env}
         if self.token:
             env["CKPTD_TOKEN"] = self.token
-        self.log_path = self.store.parent / f"server-{self.port}.log"
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        folder = self.log_dir or Path(self.store).parent
+        self.log_path = folder / f"{self.log_prefix}-{self.port}.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env)
+
+    def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptd serve exited early:\n{self.log()}")
+                log = self.log()
+                if "address already in use" in log.lower():
+                    raise PortTaken(log)
+                raise RuntimeError(f"ckptd serve exited early:\n{log}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
                     return
@@ -80,7 +117,8 @@ class ServerProcess:
         self.start()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path else ""
+        path = self.log_path
+        return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}

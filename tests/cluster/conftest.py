@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import PortTaken, ServerProcess, free_port
+
+__all__ = ["PortTaken"]  # (the replica tests catch it)
 
 pytest.importorskip("moto.server")
 pytest.importorskip("aiobotocore")
@@ -56,75 +56,42 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=15)
 
 
-class PortTaken(AssertionError):
-    """The port picked for a replica was taken before it could bind it."""
+class Replica(ServerProcess):
+    """One ``ckptd serve`` process of a cluster, with nothing of the user's AWS or
+    ckptd settings in its environment."""
 
+    log_prefix = "replica"
 
-@dataclass
-class Replica:
-    """One ``ckptd serve`` process of a cluster."""
-
-    store: str
-    workdir: Path
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    def __init__(self, store: str, workdir: Path, args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(store=store, extra_args=list(args or []), env=dict(env or {}),
+                         log_dir=workdir, port=free_port())  # (its url is known before start)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def args(self) -> list[str]:
+        return self.extra_args
 
-    def start(self) -> Replica:
+    @args.setter
+    def args(self, value: list[str]) -> None:
+        self.extra_args = list(value)
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--no-access-log"]
+
+    def base_env(self) -> dict[str, str]:
+        return s3_env()
+
+    def start(self, timeout: float = 90.0) -> Replica:  # type: ignore[override]
         for _ in range(3):
-            self.popen()
             try:
-                self.wait_ready()
+                super().start(timeout)
                 return self
             except PortTaken:
                 self.port = free_port()
         raise AssertionError(f"no free port for a replica:\n{self.log()}")
 
-    def popen(self) -> None:
-        args = [sys.executable, "-m", "ckptd", "serve", "--store", self.store,
-                "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
-                *self.args]
-        with open(self.workdir / f"replica-{self.port}.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**s3_env(), **self.env})
-
     def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                log = self.log()
-                if "address already in use" in log:  # another process took the port
-                    raise PortTaken(log)
-                raise AssertionError(f"replica exited early:\n{log}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"replica did not answer within {timeout}s:\n{self.log()}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        self.proc = None
-
-    def log(self) -> str:
-        path = self.workdir / f"replica-{self.port}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        super().wait_ready(timeout)
 
     def cluster(self) -> dict[str, object]:
         doc: dict[str, object] = httpx.get(f"{self.url}/v1/cluster", timeout=5.0).json()
