@@ -65,7 +65,7 @@ from .transport import tls_verify
 
 log = logging.getLogger(__name__)
 
-# What a heartbeat's health object may hold (server/models.py HealthReport).
+# What a heartbeat's health object may hold (ckptd.api.HealthReport).
 _MAX_REASONS = 64
 _MAX_TEXT = 1024
 _MAX_SIGNALS = 1024
