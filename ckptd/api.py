@@ -25,11 +25,14 @@ __all__ = [
     "ErrorBody",
     "EventBody",
     "EventList",
+    "ForgetResult",
+    "GcResult",
     "Health",
     "HealthReport",
     "HeartbeatReply",
     "HeartbeatRequest",
     "JobList",
+    "JobSpaceBody",
     "JobSummary",
     "JobView",
     "Latest",
@@ -42,12 +45,17 @@ __all__ = [
     "RestorePlan",
     "RollbackReply",
     "RollbackRequest",
+    "ScrubResult",
     "SnapshotReply",
     "SnapshotRequest",
+    "SpaceResult",
+    "StepDecisionBody",
     "StepList",
+    "StepSpaceBody",
     "StepSummary",
     "StepView",
     "StorageView",
+    "TagBody",
     "VerifyResult",
 ]
 
@@ -410,6 +418,73 @@ class Overview(_Body):
     dead_after_s: float
     storage: StorageView
     jobs: list[JobView]
+
+
+# -- the store's lifecycle (plain models: their answers predate strict bodies) -------
+
+
+class GcResult(BaseModel):
+    dry_run: bool
+    generation: int
+    chunks_total: int
+    chunks_kept: int
+    chunks_deleted: int
+    bytes_total: int
+    bytes_freed: int
+    manifests_read: int
+    seconds: float
+    deleted: list[str] = Field(description="Chunk ids deleted (or, dry, that would be).")
+
+
+class StepDecisionBody(BaseModel):
+    step: int
+    committed: bool
+    decision: str = Field(description="keep, forget, abandon or pending")
+    reasons: list[str]
+
+
+class ForgetResult(BaseModel):
+    job: str
+    dry_run: bool
+    forgotten: list[int]
+    steps: list[StepDecisionBody]
+
+
+class ScrubResult(BaseModel):
+    chunks_checked: int
+    bytes_checked: int
+    corrupt: list[str]
+    repaired: list[str]
+    damaged: dict[str, list[int]]
+    passes_completed: int
+    seconds: float
+
+
+class TagBody(BaseModel):
+    step: int
+
+
+class StepSpaceBody(BaseModel):
+    step: int
+    logical_bytes: int
+    unique_bytes: int
+
+
+class JobSpaceBody(BaseModel):
+    job: str
+    stored_bytes: int
+    logical_bytes: int
+    dedup_ratio: float | None
+    steps: list[StepSpaceBody]
+
+
+class SpaceResult(BaseModel):
+    chunk_bytes: int
+    chunks: int
+    free_bytes: int | None
+    total_bytes: int | None
+    taken_at: float
+    jobs: list[JobSpaceBody]
 
 
 # -- replicas ------------------------------------------------------------------------
