@@ -59,7 +59,7 @@ async def test_the_heartbeat_of_a_checkpointer_routes_over_the_same_replicas() -
         # The checkpointer hands transport.url to its heartbeat: every replica given,
         # not only the first (which may be the one that is down).
         hb = Heartbeat(transport.url, "j", 0, 1)
-        assert hb._client._transport.members is transport.members  # type: ignore[attr-defined]
+        assert hb.transport.members is transport.members
         assert transport.members.seeds == URLS[:2]
     finally:
         await transport.close()
