@@ -51,7 +51,7 @@ def test_status_takes_each_job_from_its_home() -> None:
 
 
 async def test_the_heartbeat_of_a_checkpointer_routes_over_the_same_replicas() -> None:
-    from ckptd.client.heartbeat import Heartbeat
+    from ckptd.client.health.heartbeat import Heartbeat
     from ckptd.client.transport import HttpTransport
 
     transport = HttpTransport(",".join(URLS[:2]))

@@ -28,7 +28,7 @@ from ckptd import api, knobs
 from ckptd.errors import CkptdError, Timeout, Unavailable
 from ckptd.format import check_job, check_step
 
-from .transport_http import SyncTransport
+from ..transport_http import SyncTransport
 
 log = logging.getLogger(__name__)
 

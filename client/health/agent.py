@@ -46,9 +46,10 @@ from urllib.parse import urlparse
 
 from ckptd.errors import CkptdError, RollbackRequested
 from ckptd.format import check_job, check_rank, check_step
-from ckptd.policy import Policy, default_policy, load_policy
 
+from ..transport_http import SyncTransport
 from .heartbeat import Heartbeat, HeartbeatReply
+from .policy import Policy, default_policy, load_policy
 from .probe import (
     Action,
     HealthProbe,
@@ -58,7 +59,6 @@ from .probe import (
     RttSource,
     default_sources,
 )
-from .transport_http import SyncTransport
 
 log = logging.getLogger(__name__)
 
