@@ -52,7 +52,7 @@ from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from .cuda import CopyDone
 from .endpoint import endpoint
 from .failures import CloseResult, FailureLog, SnapshotFailureWarning, name_save_error
-from .heartbeat import HealthFn, Heartbeat, HeartbeatReply
+from .health.heartbeat import HealthFn, Heartbeat, HeartbeatReply
 from .peer import PeerIndex, PeerServer, PeerService
 from .pipeline import (
     EventLoopThread,
@@ -68,10 +68,9 @@ from .stateful import restore_view
 from .transport import HttpTransport, Transport, open_transport
 
 if TYPE_CHECKING:
-    from ckptd.policy import Policy
-
-    from .health import HealthAgent
-    from .probe import ReadingSource
+    from .health.agent import HealthAgent
+    from .health.policy import Policy
+    from .health.probe import ReadingSource
 
 log = logging.getLogger(__name__)
 
@@ -956,7 +955,7 @@ class Checkpointer:
     def _health_agent(self) -> HealthAgent:
         with self._lock:
             if self._health is None:
-                from .health import HealthAgent
+                from .health.agent import HealthAgent
 
                 self._health = HealthAgent(
                     self.url, self.job, self.rank, self.world_size, self._token,

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from rich.console import Console
 
 from ckptd.client import Checkpointer
+from ckptd.client.transport_http import SyncTransport
+from ckptd.errors import CkptdError
 
 TRAIN_SCRIPT = Path(__file__).with_name("demo_train.py")
 
@@ -41,14 +42,15 @@ def _start_server(store: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]
             stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited; see {log}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+    with SyncTransport(url, timeout=1.0, retries=0) as server:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited; see {log}")
+            try:
+                server.healthz()
                 return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
+            except CkptdError:
+                time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the server did not start; see {log}")
 

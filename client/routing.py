@@ -12,8 +12,9 @@ connection: a busy live server does) is not a down mark by itself: the caller's
 retry connects afresh, and a dead replica refuses that connection. Down marks
 last three refreshes, then the replica is tried again.
 
-It is an httpx transport, so the async ``HttpTransport`` and the heartbeat and
-health clients (sync) route alike without knowing about replicas.
+It is an httpx transport under both faces of ``transport.py``: the async
+``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
+the CLI) route alike without knowing about replicas.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Iterable
@@ -40,7 +40,6 @@ __all__ = [
     "Members",
     "SyncRouting",
     "members_for",
-    "sync_client_options",
 ]
 
 #: a request's routing key when its path has none (a batch of chunk ids)
@@ -294,15 +293,6 @@ class SyncRouting(httpx.BaseTransport):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def sync_client_options(url: str, verify: ssl.SSLContext | bool = True) -> dict[str, Any]:
-    """``httpx.Client`` arguments that route over the replicas of ``url`` (one URL or
-    several, comma-separated): ``base_url`` and ``transport``. ``verify`` is the TLS
-    check (httpx ignores a client's own once it is given a transport)."""
-    members = members_for(url)
-    return {"base_url": members.seeds[0],
-            "transport": SyncRouting(members, httpx.HTTPTransport(verify=verify))}
 
 
 def merge_overviews(views: list[dict[str, Any]], urls: list[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
 
 from ckptd import __version__
+from ckptd.api import JobView, Overview, StepView, StorageView
 from ckptd.errors import StoreCorrupt
 from ckptd.format import check_job
 from ckptd.lifecycle.scrub import damaged_steps
@@ -26,7 +27,6 @@ from ckptd.repository import Repository
 from ckptd.server.auth import READ, READ_ANY, CallerDep, scope
 from ckptd.server.deps import MetricsDep, RegistryDep, RepoDep, SettingsDep, ViewsDep
 from ckptd.server.metrics import Totals
-from ckptd.server.models import JobView, Overview, StepView, StorageView
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import error_responses
 from ckptd.server.routes.coordination import event_body

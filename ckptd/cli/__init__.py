@@ -16,7 +16,7 @@ import enum
 import logging
 import os
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,8 +26,11 @@ from rich.table import Table
 
 from ckptd import __version__
 from ckptd.cli.help import HelpGroup
-from ckptd.errors import CkptdError, InvalidRequest, Unavailable, from_json
+from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.format import check_job
+
+if TYPE_CHECKING:
+    from ckptd.client.transport_http import SyncTransport
 
 app = typer.Typer(
     name="ckptd",
@@ -382,60 +385,14 @@ def verify(
     console.print("[green]ok[/]: refs, commit records, manifests and every chunk check out")
 
 
-class _Server:
-    """A few JSON calls to a ckptd server (the commands that need one, not a store)."""
+def _server(url: str, token: str | None) -> SyncTransport:
+    """The server of a command that needs one, not a store (a ``SyncTransport``:
+    each job's calls go to its home replica). One try per call, 10 s each."""
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+    from ckptd.client.transport_http import SyncTransport
 
-    def __init__(self, url: str, token: str | None) -> None:
-        import httpx
-
-        if not url.startswith(("http://", "https://")):
-            raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
-        from ckptd.client.routing import sync_client_options
-        from ckptd.client.transport import tls_verify
-
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # Several replicas (URL,URL): each job's calls go to its home replica.
-        routed = sync_client_options(url, verify=tls_verify())
-        self._members = routed["transport"].members
-        self._http = httpx.Client(**routed, headers=headers, timeout=10.0)
-        self._httpx = httpx
-
-    def __enter__(self) -> _Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._http.close()
-
-    def overview(self, params: dict[str, Any]) -> Any:
-        """``GET /v1/overview``; over several replicas, each job as its home sees it."""
-        from ckptd.client.routing import merge_overviews
-
-        if "job" in params:
-            return self.call("GET", "/v1/overview", params=params)
-        self.call("GET", "/healthz")  # learns the replicas (GET /v1/cluster) first
-        urls = self._members.live()
-        if len(urls) < 2:
-            return self.call("GET", "/v1/overview", params=params)
-        views = [self.call("GET", f"{u}/v1/overview", params=params) for u in urls]
-        return merge_overviews(views, urls)
-
-    def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            r = self._http.request(method, path, **kwargs)
-        except self._httpx.HTTPError as exc:
-            from ckptd.client.transport import tls_trouble
-
-            trouble = tls_trouble(str(self._http.base_url), exc)
-            if trouble is not None:
-                raise trouble from None
-            raise Unavailable(f"cannot reach {self._http.base_url}: {exc}") from None
-        if r.status_code >= 400:
-            try:
-                body = r.json()
-            except ValueError:
-                body = {"code": "internal", "message": f"HTTP {r.status_code}: {r.text[:200]}"}
-            raise from_json(body if isinstance(body, dict) else {}, r.status_code)
-        return r.json()
+    return SyncTransport(url, token, timeout=10.0, retries=0)
 
 
 _STATE_STYLE = {
@@ -611,16 +568,16 @@ def status(
     try:
         if job is not None:
             params["job"] = check_job(job)
-        with _Server(url, token) as server:
+        with _server(url, token) as server:
             if job is not None and watch is None:  # --watch may wait for a job to start
                 from ckptd.cli.mistakes import job_not_found
 
                 everything = server.overview({"steps": 0})
-                known = {j["job"] for j in everything["jobs"]}
-                known |= {j["job"] for j in server.call("GET", "/v1/jobs")["jobs"]}
+                known = {j.job for j in everything.jobs}
+                known |= {j.job for j in server.jobs().jobs}
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
-            overview = server.overview(params)
+            overview = server.overview(params).model_dump(mode="json")
             view = status_view(overview, console.width)
             if watch is None:
                 console.print(view)
@@ -630,7 +587,7 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.overview(params),
+                    live.update(status_view(server.overview(params).model_dump(mode="json"),
                                             console.width))
             if not console.is_terminal:
                 console.line()  # a terminal's Live ends its line; a pipe's does not
@@ -661,17 +618,16 @@ def rollback(
         raise typer.Exit(code=2)
     try:
         check_job(job)
-        with _Server(url, token) as server:
+        with _server(url, token) as server:
             if clear:
-                server.call("DELETE", f"/v1/jobs/{job}/rollback")
+                server.clear_rollback(job)
                 console.print(f"rollback of [bold]{job}[/] cleared")
             else:
-                answer = server.call(
-                    "POST", f"/v1/jobs/{job}/rollback", json={"step": step, "reason": reason}
-                )
+                assert step is not None
+                answer = server.set_rollback(job, step, reason)
                 console.print(
                     f"[bold]{job}[/]: ranks are told to roll back to step "
-                    f"{answer['rollback_to']} (clear with `ckptd rollback {job} --clear`)"
+                    f"{answer.rollback_to} (clear with `ckptd rollback {job} --clear`)"
                 )
     except CkptdError as exc:
         _fail(exc)
@@ -721,7 +677,7 @@ def policy_check(
     file: Annotated[str, typer.Argument(help="A policy TOML file.")],
 ) -> None:
     """Validate a policy file and print the effective policy (defaults merged)."""
-    from ckptd.policy import check_command
+    from ckptd.client.health.policy import check_command
 
     code, text = check_command(file)
     if code == 0:

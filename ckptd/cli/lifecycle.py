@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import BaseModel
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, _Server, app, console
+from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, _server, app, console
 from ckptd.errors import CkptdError, InvalidRequest
+
+if TYPE_CHECKING:
+    from ckptd.client.transport_http import SyncTransport
 
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would go; change nothing.")]
 
@@ -38,12 +42,15 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     return asyncio.run(go())
 
 
-def _run(url: str, token: str | None, method: str, path: str,
-         direct: Callable[[Any], Awaitable[Any]], **kwargs: Any) -> Any:
+def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
+         direct: Callable[[Any], Awaitable[Any]]) -> Any:
+    """``remote(server)`` through a server (its answer as JSON), or ``direct(repository)``
+    on a store."""
     try:
         if _remote(url):
-            with _Server(url, token) as server:
-                return server.call(method, path, **kwargs)
+            with _server(url, token) as server:
+                answer = remote(server)
+                return answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
         return _direct(url, direct)
     except CkptdError as exc:
         _fail(exc)
@@ -75,8 +82,7 @@ def forget(
         return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
                 "steps": [dataclasses.asdict(d) for d in plan.steps]}
 
-    params = {"dry_run": dry_run} | ({"keep_last": keep_last} if keep_last else {})
-    plan = _run(url, token, "POST", f"/v1/jobs/{job}/forget", direct, params=params)
+    plan = _run(url, token, lambda server: server.forget(job, dry_run, keep_last), direct)
     table = Table("step", "state", "decision", "why")
     style = {"keep": "green", "forget": "red", "abandon": "red", "pending": "yellow"}
     for d in plan["steps"]:
@@ -106,13 +112,11 @@ def gc(
                                        dry_run=dry_run)
         return dataclasses.asdict(report)
 
-    params: dict[str, Any] = {"dry_run": dry_run} | ({"grace": grace} if grace is not None
-                                                       else {})
     # A collection waits out its grace period (so saves in flight finish) before it
-    # sweeps: the request lasts that long, past any ordinary read timeout.
+    # sweeps: the request lasts that long, past any ordinary read timeout (calls.gc).
     wait = "" if grace is None else f", after a {grace:g} s grace period"
     with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait):
-        r = _run(url, token, "POST", "/v1/gc", direct, params=params, timeout=None)
+        r = _run(url, token, lambda server: server.gc(dry_run, grace), direct)
     if dry_run:
         for cid in r["deleted"]:
             console.print(f"would delete chunk {cid}", soft_wrap=True)
@@ -143,9 +147,8 @@ def scrub(
         sources = [store_source(open_store(replica))] if replica else []
         return dataclasses.asdict(await run(repo, budget_bytes=budget, sources=sources))
 
-    params = {"budget_bytes": budget} if budget is not None else {}
     with console.status("scrubbing"):
-        r = _run(url, token, "POST", "/v1/scrub", direct, params=params)
+        r = _run(url, token, lambda server: server.scrub(budget), direct)
     console.print(f"checked {r['chunks_checked']} chunks ({_human(r['bytes_checked'])}) in "
                   f"{r['seconds']:.2f} s")
     for cid in r["corrupt"]:
@@ -176,7 +179,7 @@ def tag(
         await set_tag(repo.store, job, name, step)
         return await read_tags(repo.store, job)
 
-    _run(url, token, "PUT", f"/v1/jobs/{job}/tags/{name}", direct, json={"step": step})
+    _run(url, token, lambda server: server.tag(job, name, step), direct)
     console.print(f"tagged step {step} of {escape(job)} {escape(name)!r}")
 
 
@@ -197,7 +200,7 @@ def untag(
             raise NotFound(f"{job} has no tag {name!r}")
         return await read_tags(repo.store, job)
 
-    _run(url, token, "DELETE", f"/v1/jobs/{job}/tags/{name}", direct)
+    _run(url, token, lambda server: server.untag(job, name), direct)
     console.print(f"removed tag {escape(name)!r} of {escape(job)}")
 
 
@@ -214,7 +217,7 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
             j["dedup_ratio"] = js.dedup_ratio
         return out
 
-    s = _run(url, token, "GET", "/v1/space", direct)
+    s = _run(url, token, lambda server: server.space(), direct)
     table = Table("job", "step", "logical", "unique (freed if forgotten)", "stored", "dedup")
     for j in s["jobs"]:
         ratio = f"{j['dedup_ratio']:.2f}x" if j["dedup_ratio"] else "-"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptd.server.models import ErrorBody
+from ckptd.api import ErrorBody
 
 _MEANING = {
     400: "Bad input: a name, body or parameter that does not parse or match its rules",

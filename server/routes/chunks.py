@@ -15,12 +15,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ckptd import knobs
+from ckptd.api import ChunkStored, MissingRequest, MissingResponse
 from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
 from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.metrics import Metrics
-from ckptd.server.models import ChunkStored, MissingRequest, MissingResponse
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 from ckptd.server.tenancy import TenantChunks

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ckptd.server.auth import READ, WRITE, scope
-from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, ViewsDep
-from ckptd.server.models import (
+from ckptd.api import (
     EventBody,
     EventList,
     RollbackReply,
@@ -14,6 +12,8 @@ from ckptd.server.models import (
     SnapshotReply,
     SnapshotRequest,
 )
+from ckptd.server.auth import READ, WRITE, scope
+from ckptd.server.deps import JobDep, MetricsDep, RegistryDep, RepoDep, ViewsDep
 from ckptd.server.registry import Event
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute

@@ -11,10 +11,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ckptd import __version__
+from ckptd.api import Health
 from ckptd.errors import CkptdError
 from ckptd.server.auth import identify
 from ckptd.server.deps import RepoDep
-from ckptd.server.models import Health
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ckptd.api import (
+    ChunkDamage,
+    CommitRequest,
+    CommitResponse,
+    JobList,
+    JobSummary,
+    Latest,
+    StepList,
+    StepSummary,
+    VerifyResult,
+)
 from ckptd.errors import CheckpointNotFound, CkptdError, StoreCorrupt
 from ckptd.format import CommitRecord
 from ckptd.repository import VerifyReport
@@ -24,17 +35,6 @@ from ckptd.server.deps import (
     RepoDep,
     StepDep,
     ViewsDep,
-)
-from ckptd.server.models import (
-    ChunkDamage,
-    CommitRequest,
-    CommitResponse,
-    JobList,
-    JobSummary,
-    Latest,
-    StepList,
-    StepSummary,
-    VerifyResult,
 )
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute

@@ -11,8 +11,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, Field
 
+from ckptd.api import (
+    ForgetResult,
+    GcResult,
+    JobSpaceBody,
+    ScrubResult,
+    SpaceResult,
+    StepDecisionBody,
+    StepSpaceBody,
+    TagBody,
+)
 from ckptd.errors import InvalidRequest, NotFound
 from ckptd.lifecycle.capacity import SpaceGuard
 from ckptd.lifecycle.gc import gc_state
@@ -38,70 +47,6 @@ router = APIRouter(
     route_class=ApiRoute,
     responses=error_responses(400, 401, 500),
 )
-
-
-class GcResult(BaseModel):
-    dry_run: bool
-    generation: int
-    chunks_total: int
-    chunks_kept: int
-    chunks_deleted: int
-    bytes_total: int
-    bytes_freed: int
-    manifests_read: int
-    seconds: float
-    deleted: list[str] = Field(description="Chunk ids deleted (or, dry, that would be).")
-
-
-class StepDecisionBody(BaseModel):
-    step: int
-    committed: bool
-    decision: str = Field(description="keep, forget, abandon or pending")
-    reasons: list[str]
-
-
-class ForgetResult(BaseModel):
-    job: str
-    dry_run: bool
-    forgotten: list[int]
-    steps: list[StepDecisionBody]
-
-
-class ScrubResult(BaseModel):
-    chunks_checked: int
-    bytes_checked: int
-    corrupt: list[str]
-    repaired: list[str]
-    damaged: dict[str, list[int]]
-    passes_completed: int
-    seconds: float
-
-
-class TagBody(BaseModel):
-    step: int
-
-
-class StepSpaceBody(BaseModel):
-    step: int
-    logical_bytes: int
-    unique_bytes: int
-
-
-class JobSpaceBody(BaseModel):
-    job: str
-    stored_bytes: int
-    logical_bytes: int
-    dedup_ratio: float | None
-    steps: list[StepSpaceBody]
-
-
-class SpaceResult(BaseModel):
-    chunk_bytes: int
-    chunks: int
-    free_bytes: int | None
-    total_bytes: int | None
-    taken_at: float
-    jobs: list[JobSpaceBody]
 
 
 def _service(request: Request) -> LifecycleService:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from ckptd import knobs
+from ckptd.api import ManifestStored
 from ckptd.errors import InvalidRequest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
@@ -12,7 +13,6 @@ from ckptd.repository import document_work
 from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
 from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
-from ckptd.server.models import ManifestStored
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 

@@ -10,6 +10,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ckptd.api import (
+    HealthReport,
+    HeartbeatReply,
+    HeartbeatRequest,
+    RankList,
+    RankStatus,
+    RestorePlan,
+)
 from ckptd.errors import CkptdError
 from ckptd.format import check_rank
 from ckptd.server.auth import READ, WRITE, peer_token, scope
@@ -23,14 +31,6 @@ from ckptd.server.deps import (
     RepoDep,
     SettingsDep,
     ViewsDep,
-)
-from ckptd.server.models import (
-    HealthReport,
-    HeartbeatReply,
-    HeartbeatRequest,
-    RankList,
-    RankStatus,
-    RestorePlan,
 )
 from ckptd.server.peering import refuse_peer_url
 from ckptd.server.registry import RankView

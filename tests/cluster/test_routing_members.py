@@ -51,7 +51,7 @@ def test_status_takes_each_job_from_its_home() -> None:
 
 
 async def test_the_heartbeat_of_a_checkpointer_routes_over_the_same_replicas() -> None:
-    from ckptd.client.heartbeat import Heartbeat
+    from ckptd.client.health.heartbeat import Heartbeat
     from ckptd.client.transport import HttpTransport
 
     transport = HttpTransport(",".join(URLS[:2]))
@@ -59,7 +59,7 @@ async def test_the_heartbeat_of_a_checkpointer_routes_over_the_same_replicas() -
         # The checkpointer hands transport.url to its heartbeat: every replica given,
         # not only the first (which may be the one that is down).
         hb = Heartbeat(transport.url, "j", 0, 1)
-        assert hb._client._transport.members is transport.members  # type: ignore[attr-defined]
+        assert hb.transport.members is transport.members
         assert transport.members.seeds == URLS[:2]
     finally:
         await transport.close()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ckptd.client.heartbeat import Heartbeat
+from ckptd.client.health.heartbeat import Heartbeat
 from ckptd.cluster import home, job_key
 from tests.cluster.conftest import Cluster, s3_env
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ckptd.client.probe import HealthProbe, NvmlSource
-from ckptd.policy import GPU_SIGNALS, default_policy
+from ckptd.client.health.policy import GPU_SIGNALS, default_policy
+from ckptd.client.health.probe import HealthProbe, NvmlSource
 
 pynvml = pytest.importorskip("pynvml")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.client.probe import ScriptedSource
+from ckptd.client.health.policy import parse_policy
+from ckptd.client.health.probe import ScriptedSource
 from ckptd.errors import RollbackRequested
-from ckptd.policy import parse_policy
 
 FAST = parse_policy("[probe]\ninterval_s = 0.05\n\n[actions]\nsnapshot_min_interval_s = 0\n")
 

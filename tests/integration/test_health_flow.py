@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.client.health import HealthAgent, StepDecision
-from ckptd.client.probe import ScriptedSource
+from ckptd.client.health.agent import HealthAgent, StepDecision
+from ckptd.client.health.probe import ScriptedSource
 from ckptd.errors import RollbackRequested
 from tests.conftest import ServerProcess
 

@@ -1,5 +1,5 @@
 """The peer chunk server and client (``ckptd.client.peer``) and heartbeats
-(``ckptd.client.heartbeat``): what a peer serves, what it refuses (unknown chunks,
+(``ckptd.client.health.heartbeat``): what a peer serves, what it refuses (unknown chunks,
 wrong tokens, buffers being overwritten, more requests than its bound), and that
 heartbeats reach a real server and never raise into training."""
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.client.heartbeat import Heartbeat
+from ckptd.client.health.heartbeat import Heartbeat
 from ckptd.client.peer import PeerClient, PeerIndex, PeerServer
 from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Conflict, Unauthorized, Unavailable
 from ckptd.hashing import chunk_id

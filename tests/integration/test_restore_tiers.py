@@ -27,7 +27,7 @@ from rich.console import Console
 from test_client_common import assert_bitwise, snapshot
 
 from ckptd.client import Checkpointer, Shard
-from ckptd.client.heartbeat import Heartbeat
+from ckptd.client.health.heartbeat import Heartbeat
 from ckptd.client.peer import PeerIndex, PeerServer
 from ckptd.client.restore import restore_command
 from ckptd.client.staging import StagingPool

@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptd.errors import CkptdError, InvalidRequest
-from ckptd.policy import (
+from ckptd.client.health.policy import (
     CATALOG,
     GPU_SIGNALS,
     SIGNALS,
@@ -27,6 +26,7 @@ from ckptd.policy import (
     parse_policy,
     split_signal_key,
 )
+from ckptd.errors import CkptdError, InvalidRequest
 
 EXAMPLE = """\
 # a policy for a cluster with hot GPUs

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from ckptd.client.probe import (
+from ckptd.client.health.policy import GPU_SIGNALS, Policy, default_policy, parse_policy
+from ckptd.client.health.probe import (
     Action,
     HealthProbe,
     HealthStatus,
@@ -30,7 +31,6 @@ from ckptd.client.probe import (
     default_sources,
 )
 from ckptd.errors import CkptdError, InvalidRequest, RollbackRequested
-from ckptd.policy import GPU_SIGNALS, Policy, default_policy, parse_policy
 
 pytestmark = pytest.mark.timeout(30)
 

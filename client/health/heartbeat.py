@@ -24,13 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
-from ckptd import knobs
+from ckptd import api, knobs
+from ckptd.errors import CkptdError, Timeout, Unavailable
 from ckptd.format import check_job, check_step
 
-from .routing import sync_client_options
-from .transport import tls_verify
+from ..transport_http import SyncTransport
 
 log = logging.getLogger(__name__)
 
@@ -59,34 +57,22 @@ class HeartbeatReply:
     peer_url_refused: str | None = None  # why the server did not register peer_url
 
     @classmethod
-    def parse(cls, doc: Any, rtt_ms: float, fallback_interval: float) -> HeartbeatReply:
-        if not isinstance(doc, dict):
-            doc = {}
-
-        def opt_int(key: str) -> int | None:
-            v = doc.get(key)
-            return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-        def opt_str(key: str) -> str | None:
-            v = doc.get(key)
-            return v if isinstance(v, str) else None
-
-        interval = doc.get("interval_s")
-        if not isinstance(interval, int | float) or isinstance(interval, bool) or not (
-            math.isfinite(interval) and interval > 0
-        ):
+    def parse(cls, doc: api.HeartbeatReply, rtt_ms: float,
+              fallback_interval: float) -> HeartbeatReply:
+        """The server's answer (read with the API's model) as this rank keeps it."""
+        interval = doc.interval_s
+        if not (math.isfinite(interval) and interval > 0):
             interval = fallback_interval
-        reason = doc.get("snapshot_reason")
         return cls(
             interval_s=float(interval),
-            snapshot_at=opt_int("snapshot_at"),
-            snapshot_reason=reason if isinstance(reason, str) else None,
-            rollback_to=opt_int("rollback_to"),
+            snapshot_at=doc.snapshot_at,
+            snapshot_reason=doc.snapshot_reason,
+            rollback_to=doc.rollback_to,
             received_at=time.time(),
             rtt_ms=rtt_ms,
-            rollback_epoch=opt_int("rollback_epoch") or 0,
-            peer_token=opt_str("peer_token"),
-            peer_url_refused=opt_str("peer_url_refused"),
+            rollback_epoch=doc.rollback_epoch,
+            peer_token=doc.peer_token,
+            peer_url_refused=doc.peer_url_refused,
         )
 
 
@@ -124,10 +110,9 @@ class Heartbeat:
         self.on_peer_token: Callable[[str], None] | None = None
         self._peer_url_refused: str | None = None
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(**sync_client_options(self.url, verify=tls_verify()),
-                                    headers=headers, timeout=httpx.Timeout(timeout))
-        self._path = f"/v1/jobs/{self.job}/ranks/{self.rank}/heartbeat"
+        # One try per beat: a heartbeat that does not get through is sent again at the
+        # next interval anyway (routing still moves to a live replica within it).
+        self.transport = SyncTransport(self.url, token, timeout=timeout, retries=0)
         self._step: int | None = None
         self._held_step: int | None = None
         self._pending: tuple[int, Callable[[int], None] | None] | None = None
@@ -231,25 +216,20 @@ class Heartbeat:
             self._check_pending()
             t0 = time.perf_counter()
             try:
-                resp = self._client.post(self._path, json=self.body())
-            except httpx.HTTPError as exc:
+                answer = self.transport.heartbeat(self.job, self.rank, self.body())
+            except CkptdError as exc:
                 self.failures += 1
-                self._complain(type(exc).__name__, "heartbeat to %s failed: %s", self.url, exc)
-                self._notify(None, None)
+                # An answer that came (a refusal) still measured the round trip.
+                rtt: float | None = None
+                if not isinstance(exc, Unavailable | Timeout):
+                    rtt = self._rtt_ms = (time.perf_counter() - t0) * 1000.0
+                self._complain(exc.code, "heartbeat to %s failed: [%s] %s", self.url, exc.code,
+                               exc.message)
+                self._notify(None, rtt)
                 return None
             rtt = (time.perf_counter() - t0) * 1000.0
             self._rtt_ms = rtt
-            if resp.status_code != 200:
-                self.failures += 1
-                self._complain(f"http{resp.status_code}", "heartbeat to %s answered %d: %s",
-                               self.url, resp.status_code, resp.text[:200])
-                self._notify(None, rtt)
-                return None
-            try:
-                doc = resp.json()
-            except ValueError:
-                doc = None
-            reply = HeartbeatReply.parse(doc, rtt, self.interval)
+            reply = HeartbeatReply.parse(answer, rtt, self.interval)
             self._last_reply = reply
             if reply.peer_token and self.on_peer_token is not None:
                 try:
@@ -284,11 +264,11 @@ class Heartbeat:
             return
         step, callback = pending
         try:
-            resp = self._client.get(f"/v1/jobs/{self.job}/steps/{step}")
-        except httpx.HTTPError as exc:
+            self.transport.read_commit(self.job, step)
+        except (Unavailable, Timeout) as exc:
             self._complain("pending", "cannot ask whether step %d committed: %s", step, exc)
             return
-        if resp.status_code != 200:
+        except CkptdError:
             return  # 409 not_committed: ask again next time
         if self._pending != pending:
             return  # replaced meanwhile (a newer save)
@@ -342,10 +322,10 @@ class Heartbeat:
         with self._send_lock:
             if goodbye and not stopped_before:
                 try:
-                    self._client.delete(self._path, timeout=min(2.0, timeout))
-                except httpx.HTTPError as exc:
+                    self.transport.goodbye(self.job, self.rank, timeout=min(2.0, timeout))
+                except CkptdError as exc:
                     log.debug("goodbye to %s failed: %s", self.url, exc)
-            self._client.close()
+            self.transport.close()
 
 
 __all__ = ["Heartbeat", "HeartbeatReply", "default_health"]

@@ -44,13 +44,12 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
-
-from ckptd.errors import RollbackRequested
+from ckptd.errors import CkptdError, RollbackRequested
 from ckptd.format import check_job, check_rank, check_step
-from ckptd.policy import Policy, default_policy, load_policy
 
+from ..transport_http import SyncTransport
 from .heartbeat import Heartbeat, HeartbeatReply
+from .policy import Policy, default_policy, load_policy
 from .probe import (
     Action,
     HealthProbe,
@@ -60,12 +59,10 @@ from .probe import (
     RttSource,
     default_sources,
 )
-from .routing import sync_client_options
-from .transport import tls_verify
 
 log = logging.getLogger(__name__)
 
-# What a heartbeat's health object may hold (server/models.py HealthReport).
+# What a heartbeat's health object may hold (ckptd.api.HealthReport).
 _MAX_REASONS = 64
 _MAX_TEXT = 1024
 _MAX_SIGNALS = 1024
@@ -137,7 +134,7 @@ class HealthAgent:
         self._epoch_fn = epoch
         self._lock = threading.Lock()
         self._closed = False
-        self._client: httpx.Client | None = None
+        self._server: SyncTransport | None = None
         self._owns_heartbeat = False
         self._heartbeat: Heartbeat | None = None
         self._chained_on_beat: Callable[[HeartbeatReply | None, float | None], None] | None = None
@@ -165,9 +162,9 @@ class HealthAgent:
         self._marker_checked = 0.0
         self._failing: str | None = None
         if self.coordinated:
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            self._client = httpx.Client(**sync_client_options(self.url, verify=tls_verify()),
-                                        headers=headers, timeout=httpx.Timeout(self.timeout))
+            # One try per request, as the loop may be waiting on it (a rollback);
+            # routing still moves to a live replica within it.
+            self._server = SyncTransport(self.url, token, timeout=self.timeout, retries=0)
             if heartbeat is None:
                 heartbeat = Heartbeat(self.url, self.job, self.rank, self.world_size, token,
                                       interval=heartbeat_interval)
@@ -213,8 +210,8 @@ class HealthAgent:
                 if self._chained_health is not None:
                     self._heartbeat.health = self._chained_health
         self._worker.shutdown(wait=False, cancel_futures=True)
-        if self._client is not None:
-            self._client.close()
+        if self._server is not None:
+            self._server.close()
 
     def __enter__(self) -> HealthAgent:
         return self.start()
@@ -434,17 +431,16 @@ class HealthAgent:
             return None
 
     def _request_snapshot(self, action: Action) -> None:
-        assert self._client is not None and self._heartbeat is not None
+        assert self._server is not None and self._heartbeat is not None
         self._heartbeat.beat_now()  # so the server picks the target from this rank's step too
-        resp = self._client.post(f"/v1/jobs/{self.job}/snapshot-requests",
-                                 json={"rank": self.rank, "reason": _clip(action.reason)})
-        if resp.status_code != 200:
-            log.warning("%s/%d: snapshot request answered %d: %s", self.job, self.rank,
-                        resp.status_code, resp.text[:200])
+        try:
+            doc = self._server.snapshot_request(self.job, self.rank, _clip(action.reason))
+        except CkptdError as exc:
+            log.warning("%s/%d: snapshot request failed: [%s] %s", self.job, self.rank,
+                        exc.code, exc.message)
             return
-        doc = resp.json()
-        target = int(doc["snapshot_at"])
-        if doc.get("accepted"):
+        target = doc.snapshot_at
+        if doc.accepted:
             with self._lock:
                 self._posted_target = target
                 self._requested_by[target] = self.rank
@@ -462,29 +458,24 @@ class HealthAgent:
             log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
                       "step to go back to", self.job, self.rank, action.step)
             return None
-        if self._client is None:
+        if self._server is None:
             log.error("%s/%d: the loss at step %s is not finite: this rank goes back to step "
                       "%d (no server: no rollback marker for the other ranks)", self.job,
                       self.rank, action.step, target)
             return target
         reason = _clip(f"rank {self.rank}: {action.reason}")
-        body: dict[str, Any] = {"step": target, "reason": reason}
         # The timeline this rank is in: when a rollback already ended it (another
         # rank's NaN), this request is answered by that rollback, not a new one.
         epoch = self._epoch_fn() if self._epoch_fn is not None else None
-        if epoch is not None:
-            body["from_epoch"] = epoch
-        resp = self._client.post(f"/v1/jobs/{self.job}/rollback", json=body)
-        if resp.status_code != 200:
-            log.error("%s/%d: setting the rollback marker to step %d answered %d: %s",
-                      self.job, self.rank, target, resp.status_code, resp.text[:200])
+        try:
+            answer = self._server.set_rollback(self.job, target, reason, from_epoch=epoch)
+        except CkptdError as exc:
+            log.error("%s/%d: setting the rollback marker to step %d failed: [%s] %s",
+                      self.job, self.rank, target, exc.code, exc.message)
             return target
-        answer = resp.json()
-        marked = answer.get("rollback_to")
-        step = int(marked) if isinstance(marked, int) else target
+        step = answer.rollback_to if answer.rollback_to is not None else target
         with self._lock:
-            epoch = answer.get("epoch")
-            self._asked_epoch = epoch if isinstance(epoch, int) else None
+            self._asked_epoch = answer.epoch
             self._marker_set = step
             self._marker_checked = time.monotonic()
         log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
@@ -496,13 +487,9 @@ class HealthAgent:
     def _latest(self) -> int | None:
         if self._latest_fn is not None:
             return self._latest_fn()
-        if self._client is None:
+        if self._server is None:
             return None
-        resp = self._client.get(f"/v1/jobs/{self.job}/latest")
-        if resp.status_code == 404:
-            return None
-        resp.raise_for_status()
-        return int(resp.json()["step"])
+        return self._server.latest(self.job)
 
     # -- heartbeats (the heartbeat thread) ---------------------------------------------------
 
@@ -550,38 +537,32 @@ class HealthAgent:
     def _look_up_requester(self, target: int) -> None:
         """Which rank asked for the snapshot at ``target`` (the event log says), so
         that every rank offers the commit the same ``meta``."""
-        assert self._client is not None
-        resp = self._client.get(f"/v1/jobs/{self.job}/events")
-        resp.raise_for_status()
-        for event in reversed(resp.json().get("events", [])):
-            if event.get("kind") == "snapshot_requested" and event.get("step") == target:
-                rank = event.get("rank")
-                if isinstance(rank, int):
+        assert self._server is not None
+        for event in reversed(self._server.events(self.job).events):
+            if event.kind == "snapshot_requested" and event.step == target:
+                if event.rank is not None:
                     with self._lock:
-                        self._requested_by[target] = rank
+                        self._requested_by[target] = event.rank
                 return
 
     def _clear_marker_if_passed(self, marker: int) -> None:
         """Whoever set the marker clears it once a step after it committed."""
-        assert self._client is not None
+        assert self._server is not None
         latest = self._latest()
         if latest is None or latest <= marker:
             return
         # Only a commit of the rollback's own timeline shows the job moved on: one of
         # the ended timeline can land after the marker (a commit in flight), and
         # clearing then would leave ranks that never heard of the rollback behind.
-        state = self._client.get(f"/v1/jobs/{self.job}/rollback")
-        record = self._client.get(f"/v1/jobs/{self.job}/steps/{latest}")
-        state.raise_for_status()
-        record.raise_for_status()
-        if (record.json().get("meta") or {}).get("epoch", 0) != state.json()["epoch"]:
+        state = self._server.rollback(self.job)
+        record = self._server.read_commit(self.job, latest)
+        if record.meta.get("epoch", 0) != state.epoch:
             return
         with self._lock:
             if self._marker_set != marker:
                 return
             self._marker_set = None
-        resp = self._client.delete(f"/v1/jobs/{self.job}/rollback")
-        resp.raise_for_status()
+        self._server.clear_rollback(self.job)
         log.info("%s/%d: step %d committed after the rollback to step %d: marker cleared",
                  self.job, self.rank, latest, marker)
 

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 import psutil
 
 from ckptd.errors import InvalidRequest
-from ckptd.policy import (
+
+from .policy import (
     ACTION_NAMES,
     GPU_SIGNALS,
     UNAVAILABLE,

@@ -1,0 +1,334 @@
+"""Every call the client side makes to a ckptd server, once: its method and path,
+what it sends, which answers are fine, and the core model (``ckptd.api``) its
+answer is read with. The async ``HttpTransport`` and the sync ``SyncTransport``
+(heartbeats, the health agent, the CLI) run the same ``Call``s, so a path or a
+contract lives in one place and the server's own models read every answer: a
+change to the contract breaks both sides at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import EllipsisType
+from typing import Any, Generic, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from ckptd.api import (
+    ChunkStored,
+    ClusterView,
+    CommitResponse,
+    EventList,
+    ForgetResult,
+    GcResult,
+    Health,
+    HeartbeatReply,
+    JobList,
+    Latest,
+    ManifestStored,
+    MissingResponse,
+    Overview,
+    RestorePlan,
+    RollbackReply,
+    ScrubResult,
+    SnapshotReply,
+    SpaceResult,
+    StepList,
+    VerifyResult,
+)
+from ckptd.cluster import chunk_key
+from ckptd.errors import InvalidDocument
+from ckptd.format import CommitRecord, RankManifest, check_chunk_id, check_job, check_step
+
+from .routing import ROUTE_HEADER
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+__all__ = ["Call", "Reads", "answer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request to a server and how its answer reads."""
+
+    method: str
+    path: str
+    read: Callable[[httpx.Response], T]
+    ok: tuple[int, ...] = (200,)
+    params: dict[str, Any] | None = None
+    json: Any = None
+    content: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    # seconds; None waits as long as it takes (gc); ...: the transport's own
+    timeout: float | None | EllipsisType = ...
+
+    def arguments(self) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.Client.request`` (and the async one's)."""
+        args: dict[str, Any] = {}
+        if self.params:
+            args["params"] = self.params
+        if self.json is not None:
+            args["json"] = self.json
+        if self.content is not None:
+            args["content"] = self.content
+        if self.headers:
+            args["headers"] = self.headers
+        if not isinstance(self.timeout, EllipsisType):
+            args["timeout"] = None if self.timeout is None else httpx.Timeout(self.timeout)
+        return args
+
+
+class Reads(Generic[M, T]):
+    """Reads an answer with the core's ``model`` (the one the server's route answers
+    with; ``parse``: the format's own reader of it), then ``pick``s what the caller
+    wants of it. An answer that does not fit is a typed error."""
+
+    def __init__(self, model: type[M], pick: Callable[[M, httpx.Response], T],
+                 parse: Callable[[bytes], M] | None = None) -> None:
+        self.model = model
+        self.pick = pick
+        self.parse = parse
+
+    def __call__(self, resp: httpx.Response) -> T:
+        try:
+            if self.parse is not None:
+                doc = self.parse(resp.content)
+            else:
+                doc = self.model.model_validate_json(resp.content)
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else None
+            where = f" ({'.'.join(map(str, first['loc']))}: {first['msg']})" if first else ""
+            raise InvalidDocument(
+                f"the answer of {resp.request.method} {resp.request.url.path} is not a "
+                f"{self.model.__name__}{where}: are the client and the server of one ckptd "
+                "version?"
+            ) from None
+        return self.pick(doc, resp)
+
+
+def _itself(doc: M, resp: httpx.Response) -> M:
+    return doc
+
+
+def answer(model: type[M]) -> Reads[M, M]:
+    """The answer as the core's ``model``."""
+    return Reads(model, _itself)
+
+
+_TAGS = TypeAdapter(dict[str, int])
+
+
+def _tags(resp: httpx.Response) -> dict[str, int]:
+    try:
+        return _TAGS.validate_json(resp.content)
+    except ValidationError as exc:
+        raise InvalidDocument(f"the answer of {resp.request.url.path} is not a tag list: "
+                              f"{exc}") from None
+
+
+def _nothing(resp: httpx.Response) -> None:
+    return None
+
+
+def _content(resp: httpx.Response) -> bytes:
+    return resp.content
+
+
+def _created(doc: ChunkStored, resp: httpx.Response) -> bool:
+    return doc.created
+
+
+def _as_sent(doc: RestorePlan, resp: httpx.Response) -> dict[str, Any]:
+    # Checked against the model, returned as sent: the manifest in it is hashed as it
+    # came (a model's dump need not give back the same bytes).
+    sent: dict[str, Any] = json.loads(resp.content)
+    return sent
+
+
+def _job(job: str) -> str:
+    return f"/v1/jobs/{check_job(job)}"
+
+
+# -- chunks ---------------------------------------------------------------------------
+
+
+def missing_chunks(ids: list[str], claimer: str | None = None) -> Call[MissingResponse]:
+    """``POST /v1/chunks/missing``, at the home of the first id (the caller groups)."""
+    body: dict[str, Any] = {"ids": ids}
+    if claimer is not None:
+        body["claimer"] = claimer
+    route = {ROUTE_HEADER: chunk_key(ids[0])} if ids else {}
+    return Call("POST", "/v1/chunks/missing", answer(MissingResponse), json=body, headers=route)
+
+
+def put_chunk(cid: str, body: Any, size: int) -> Call[bool]:
+    """``PUT /v1/chunks/{id}``; True when the store did not hold it yet. ``body``: the
+    bytes, or an async iterable of them (async transport only)."""
+    return Call("PUT", f"/v1/chunks/{check_chunk_id(cid)}", Reads(ChunkStored, _created),
+                ok=(200, 201), content=body,
+                headers={"Content-Type": "application/octet-stream",
+                         "Content-Length": str(size)})
+
+
+def get_chunk(cid: str) -> Call[bytes]:
+    """``GET /v1/chunks/{id}``: the bytes, not yet verified."""
+    return Call("GET", f"/v1/chunks/{check_chunk_id(cid)}", _content)
+
+
+# -- manifests and commits ------------------------------------------------------------
+
+
+def put_manifest(manifest: RankManifest) -> Call[ManifestStored]:
+    return Call("PUT", f"{_job(manifest.job)}/steps/{manifest.step}/ranks/{manifest.rank}",
+                answer(ManifestStored), ok=(200, 201), content=manifest.canonical(),
+                headers={"Content-Type": "application/json"})
+
+
+def get_manifest(job: str, step: int, rank: int) -> Call[bytes]:
+    """A rank manifest's bytes as stored (the caller checks them against the commit)."""
+    return Call("GET", f"{_job(job)}/steps/{check_step(step)}/ranks/{int(rank)}", _content)
+
+
+def commit(job: str, step: int, meta: dict[str, Any] | None = None) -> Call[CommitResponse]:
+    return Call("POST", f"{_job(job)}/steps/{check_step(step)}/commit", answer(CommitResponse),
+                json={"meta": dict(meta or {})})
+
+
+def read_commit(job: str, step: int) -> Call[CommitRecord]:
+    """A committed step's record (``not_committed`` while it is pending)."""
+    return Call("GET", f"{_job(job)}/steps/{check_step(step)}",
+                Reads(CommitRecord, _itself, parse=CommitRecord.parse))
+
+
+def latest(job: str) -> Call[Latest]:
+    return Call("GET", f"{_job(job)}/latest", answer(Latest))
+
+
+def jobs() -> Call[JobList]:
+    return Call("GET", "/v1/jobs", answer(JobList))
+
+
+def steps(job: str) -> Call[StepList]:
+    return Call("GET", f"{_job(job)}/steps", answer(StepList))
+
+
+def verify(job: str, step: int | None, timeout: float) -> Call[VerifyResult]:
+    params = {} if step is None else {"step": check_step(step)}
+    return Call("POST", f"{_job(job)}/verify", answer(VerifyResult), params=params,
+                timeout=timeout)
+
+
+def verify_stream(job: str, step: int | None, timeout: float) -> Call[None]:
+    """The streamed verify: progress lines, then ``{"report": VerifyResult}``."""
+    params = {} if step is None else {"step": check_step(step)}
+    return Call("POST", f"{_job(job)}/verify", _nothing, params=params,
+                headers={"Accept": "application/x-ndjson"}, timeout=timeout)
+
+
+def verify_report(item: Any) -> VerifyResult:
+    """The report line of a streamed verify, read with the core's model."""
+    try:
+        return VerifyResult.model_validate(item, strict=False)
+    except ValidationError as exc:
+        raise InvalidDocument(f"the verify report does not fit VerifyResult: {exc}") from None
+
+
+# -- liveness, plans, coordination ----------------------------------------------------
+
+
+def heartbeat(job: str, rank: int, body: dict[str, Any]) -> Call[HeartbeatReply]:
+    return Call("POST", f"{_job(job)}/ranks/{int(rank)}/heartbeat", answer(HeartbeatReply),
+                json=body)
+
+
+def goodbye(job: str, rank: int, timeout: float) -> Call[None]:
+    """The rank closed cleanly: it shows as ``left``, not ``dead``."""
+    return Call("DELETE", f"{_job(job)}/ranks/{int(rank)}/heartbeat", _nothing, ok=(200, 204),
+                timeout=timeout)
+
+
+def restore_plan(job: str, rank: int, step: int) -> Call[dict[str, Any]]:
+    """The job's home replica's restore plan for ``rank`` at ``step`` (its JSON,
+    checked against ``RestorePlan``)."""
+    return Call("GET", f"{_job(job)}/restore-plan", Reads(RestorePlan, _as_sent),
+                params={"rank": int(rank), "step": check_step(step)})
+
+
+def snapshot_request(job: str, rank: int, reason: str) -> Call[SnapshotReply]:
+    return Call("POST", f"{_job(job)}/snapshot-requests", answer(SnapshotReply),
+                json={"rank": int(rank), "reason": reason})
+
+
+def rollback(job: str) -> Call[RollbackReply]:
+    """The job's rollback marker and its epoch."""
+    return Call("GET", f"{_job(job)}/rollback", answer(RollbackReply))
+
+
+def set_rollback(job: str, step: int, reason: str,
+                 from_epoch: int | None = None) -> Call[RollbackReply]:
+    body: dict[str, Any] = {"step": step, "reason": reason}
+    if from_epoch is not None:
+        body["from_epoch"] = from_epoch
+    return Call("POST", f"{_job(job)}/rollback", answer(RollbackReply), json=body)
+
+
+def clear_rollback(job: str) -> Call[RollbackReply]:
+    return Call("DELETE", f"{_job(job)}/rollback", answer(RollbackReply))
+
+
+def events(job: str) -> Call[EventList]:
+    return Call("GET", f"{_job(job)}/events", answer(EventList))
+
+
+def overview(params: dict[str, Any], replica: str | None = None) -> Call[Overview]:
+    """``GET /v1/overview``; ``replica``: ask that member (routing sends a call that
+    names no job to the member it names)."""
+    return Call("GET", f"{replica or ''}/v1/overview", answer(Overview), params=params)
+
+
+def healthz() -> Call[Health]:
+    return Call("GET", "/healthz", answer(Health))
+
+
+def cluster() -> Call[ClusterView]:
+    return Call("GET", "/v1/cluster", answer(ClusterView))
+
+
+# -- the store's lifecycle ------------------------------------------------------------
+
+
+def forget(job: str, dry_run: bool, keep_last: int | None) -> Call[ForgetResult]:
+    params: dict[str, Any] = {"dry_run": dry_run}
+    if keep_last:
+        params["keep_last"] = keep_last
+    return Call("POST", f"{_job(job)}/forget", answer(ForgetResult), params=params)
+
+
+def gc(dry_run: bool, grace: float | None) -> Call[GcResult]:
+    """A collection waits out its grace period (so saves in flight finish) before it
+    sweeps: the request lasts that long, past any ordinary read timeout."""
+    params: dict[str, Any] = {"dry_run": dry_run}
+    if grace is not None:
+        params["grace"] = grace
+    return Call("POST", "/v1/gc", answer(GcResult), params=params, timeout=None)
+
+
+def scrub(budget_bytes: int | None) -> Call[ScrubResult]:
+    params = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
+    return Call("POST", "/v1/scrub", answer(ScrubResult), params=params)
+
+
+def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:
+    return Call("PUT", f"{_job(job)}/tags/{name}", _tags, json={"step": step})
+
+
+def untag(job: str, name: str) -> Call[dict[str, int]]:
+    return Call("DELETE", f"{_job(job)}/tags/{name}", _tags)
+
+
+def space() -> Call[SpaceResult]:
+    return Call("GET", "/v1/space", answer(SpaceResult))

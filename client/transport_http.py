@@ -1,0 +1,358 @@
+"""What every HTTP face of a ckptd server shares, and the synchronous one.
+
+The async ``HttpTransport`` (``transport.py``: saves, restores) and the sync
+``SyncTransport`` (heartbeats, the health agent, the CLI) run the same ``Call``s
+(``calls.py``) with the same session (replicas and routing, bearer token, the
+``X-Ckptd-Job`` header, timeouts, TLS) and the same ``Attempts``: which answers
+return, which are retried with exponential backoff, and which typed error any
+other answer is. Only the waiting differs (``await`` or block).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlparse
+
+import httpx
+
+from ckptd import knobs
+from ckptd.api import (
+    ClusterView,
+    EventList,
+    ForgetResult,
+    GcResult,
+    Health,
+    HeartbeatReply,
+    JobList,
+    Overview,
+    RollbackReply,
+    ScrubResult,
+    SnapshotReply,
+    SpaceResult,
+)
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    InvalidRequest,
+    StoreCorrupt,
+    StoreFull,
+    Timeout,
+    Unavailable,
+    from_json,
+)
+from ckptd.format import CommitRecord, check_job
+
+from . import calls
+from .calls import Call
+from .routing import Members, SyncRouting, members_for, merge_overviews
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = ["CA_BUNDLE_ENV", "SyncTransport", "tls_trouble", "tls_verify"]
+
+
+class Session:
+    """Where one HTTP face goes and how: its replicas, headers, retries, timeout."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        job: str | None = None,
+        timeout: float | None = None,
+        retries: int | None = None,
+        backoff: float | None = None,
+        ca_bundle: str | None = None,
+    ) -> None:
+        # Several replicas (``http://a:8470,http://b:8470``): requests are routed to
+        # their home replica (routing.py). ``url`` names them all, so that every face
+        # given it routes over the same replicas.
+        self.members: Members = members_for(url)
+        self.url = ",".join(self.members.seeds)
+        self.retries = knobs.retries() if retries is None else retries
+        self.backoff = knobs.retry_backoff() if backoff is None else backoff
+        self.timeout = knobs.request_timeout() if timeout is None else timeout
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if job is not None:
+            # Chunk routes name no job: a scoped token says which of its jobs acts.
+            self.headers["X-Ckptd-Job"] = check_job(job)
+        self.verify = tls_verify(ca_bundle)
+
+
+class Attempts:
+    """The tries of one call: when to wait, which answers return, which are retried,
+    and the typed error when none got through."""
+
+    def __init__(self, session: Session, call: Call[Any]) -> None:
+        self.url = session.url
+        self.call = call
+        self.attempts = session.retries + 1
+        self.backoff = session.backoff
+        self.attempt = 0
+        self.last: BaseException | None = None
+
+    def waits(self) -> Iterator[float]:
+        """Seconds to wait before each try (0 before the first)."""
+        delay = self.backoff
+        for attempt in range(self.attempts):
+            self.attempt = attempt
+            if attempt:
+                yield delay
+                delay *= 2
+            else:
+                yield 0.0
+
+    def _note(self, what: object) -> None:
+        log.debug("%s %s %s (attempt %d/%d)", self.call.method, self.call.path, what,
+                  self.attempt + 1, self.attempts)
+
+    def timed_out(self, exc: httpx.TimeoutException) -> None:
+        self.last = exc
+        self._note("timed out")
+
+    def failed(self, exc: httpx.RequestError, trouble: CkptdError | None) -> None:
+        """The request did not get through; ``trouble``: what ``tls_trouble`` says."""
+        if trouble is not None:  # retrying cannot help a TLS mismatch
+            raise trouble from None
+        self.last = exc
+        self._note(f"failed: {exc}")
+
+    def answered(self, resp: httpx.Response) -> bool:
+        """True for an answer in ``ok``; False to try again; else raises its error."""
+        if resp.status_code in self.call.ok:
+            return True
+        error = http_error(resp)
+        if resp.status_code >= 500 and not isinstance(error, StoreFull | StoreCorrupt):
+            # (a full or damaged store answers the same on a retry)
+            self.last = error
+            self._note(f"answered {resp.status_code}")
+            return False
+        raise error
+
+    def give_up(self) -> NoReturn:
+        method, where, last = self.call.method, f"{self.url}{self.call.path}", self.last
+        if isinstance(last, httpx.TimeoutException):
+            raise Timeout(f"{method} {where} timed out {self.attempts} times",
+                          url=self.url) from last
+        if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
+            raise last
+        if self.attempts == 1 and isinstance(last, httpx.RequestError):
+            raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url) from None
+        raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
+                          url=self.url) from last
+
+
+class _UntypedServerError(CkptdError):
+    """A 5xx answer without a ckptd error body (a proxy, a crash): retried, then
+    reported as ``Unavailable``."""
+
+
+def http_error(resp: httpx.Response) -> CkptdError:
+    """The typed error of an answer that is not a success."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("code"), str):
+        return from_json(body, resp.status_code)
+    text = resp.text[:200]
+    if resp.status_code >= 500:
+        return _UntypedServerError(f"HTTP {resp.status_code}: {text}")
+    return CkptdError(f"HTTP {resp.status_code} from {resp.request.url}: {text}")
+
+
+class SyncTransport:
+    """A ckptd server, synchronously: the calls of the heartbeat thread, the health
+    agent's worker and the CLI, routed and retried as the async transport's."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        job: str | None = None,
+        timeout: float | None = None,
+        retries: int | None = None,
+        backoff: float | None = None,
+        ca_bundle: str | None = None,
+    ) -> None:
+        self.session = Session(url, token, job=job, timeout=timeout, retries=retries,
+                               backoff=backoff, ca_bundle=ca_bundle)
+        self.url = self.session.url
+        self.members = self.session.members
+        # httpx ignores a client's verify= once it is given a transport: the inner one
+        # carries the TLS settings.
+        self._client = httpx.Client(
+            base_url=self.members.seeds[0],
+            headers=self.session.headers,
+            timeout=httpx.Timeout(self.session.timeout),
+            transport=SyncRouting(self.members, httpx.HTTPTransport(verify=self.session.verify)),
+        )
+
+    def __repr__(self) -> str:
+        return f"<SyncTransport {self.url}>"
+
+    def run(self, call: Call[T]) -> T:
+        """One call, with retries; its answer read with the core's model."""
+        tries = Attempts(self.session, call)
+        for wait in tries.waits():
+            if wait:
+                time.sleep(wait)
+            try:
+                resp = self._client.request(call.method, call.path, **call.arguments())
+            except httpx.TimeoutException as exc:
+                tries.timed_out(exc)
+                continue
+            except httpx.RequestError as exc:
+                tries.failed(exc, tls_trouble(self.url, exc))
+                continue
+            if tries.answered(resp):
+                return call.read(resp)
+        tries.give_up()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> SyncTransport:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- the calls (calls.py says what each sends and reads) ------------------------------
+
+    def healthz(self) -> Health:
+        return self.run(calls.healthz())
+
+    def cluster(self) -> ClusterView:
+        return self.run(calls.cluster())
+
+    def heartbeat(self, job: str, rank: int, body: dict[str, Any]) -> HeartbeatReply:
+        return self.run(calls.heartbeat(job, rank, body))
+
+    def goodbye(self, job: str, rank: int, timeout: float) -> None:
+        self.run(calls.goodbye(job, rank, timeout))
+
+    def read_commit(self, job: str, step: int) -> CommitRecord:
+        return self.run(calls.read_commit(job, step))
+
+    def latest(self, job: str) -> int | None:
+        try:
+            return self.run(calls.latest(job)).step
+        except CheckpointNotFound:
+            return None
+
+    def jobs(self) -> JobList:
+        return self.run(calls.jobs())
+
+    def rollback(self, job: str) -> RollbackReply:
+        return self.run(calls.rollback(job))
+
+    def set_rollback(self, job: str, step: int, reason: str,
+                     from_epoch: int | None = None) -> RollbackReply:
+        return self.run(calls.set_rollback(job, step, reason, from_epoch))
+
+    def clear_rollback(self, job: str) -> RollbackReply:
+        return self.run(calls.clear_rollback(job))
+
+    def snapshot_request(self, job: str, rank: int, reason: str) -> SnapshotReply:
+        return self.run(calls.snapshot_request(job, rank, reason))
+
+    def events(self, job: str) -> EventList:
+        return self.run(calls.events(job))
+
+    def overview(self, params: dict[str, Any]) -> Overview:
+        """``GET /v1/overview``; over several replicas, each job as its home sees it
+        (only the home holds a job's soft state)."""
+        if "job" in params:
+            return self.run(calls.overview(params))
+        self.healthz()  # learns the replicas (GET /v1/cluster) first
+        urls = self.members.live()
+        if len(urls) < 2:
+            return self.run(calls.overview(params))
+        views = [self.run(calls.overview(params, replica=u)).model_dump(mode="json")
+                 for u in urls]
+        return Overview.model_validate(merge_overviews(views, urls), strict=False)
+
+    def forget(self, job: str, dry_run: bool, keep_last: int | None) -> ForgetResult:
+        return self.run(calls.forget(job, dry_run, keep_last))
+
+    def gc(self, dry_run: bool, grace: float | None) -> GcResult:
+        return self.run(calls.gc(dry_run, grace))
+
+    def scrub(self, budget_bytes: int | None) -> ScrubResult:
+        return self.run(calls.scrub(budget_bytes))
+
+    def tag(self, job: str, name: str, step: int) -> dict[str, int]:
+        return self.run(calls.tag(job, name, step))
+
+    def untag(self, job: str, name: str) -> dict[str, int]:
+        return self.run(calls.untag(job, name))
+
+    def space(self) -> SpaceResult:
+        return self.run(calls.space())
+
+
+# -- TLS ------------------------------------------------------------------------------
+
+# A PEM file of the CA(s) that signed an https:// server's certificate.
+CA_BUNDLE_ENV = "CKPTD_CA_BUNDLE"
+
+
+def tls_verify(ca_bundle: str | None = None) -> ssl.SSLContext | bool:
+    """What an https:// server's certificate is checked against: ``ca_bundle``,
+    else ``CKPTD_CA_BUNDLE``, else the default trust store (``True``)."""
+    path = ca_bundle or os.environ.get(CA_BUNDLE_ENV) or None
+    if path is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"CA bundle {path} ({CA_BUNDLE_ENV}) cannot be read: {exc}") from None
+
+
+def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:
+    """The error that says what to do when an https:// connection failed for a TLS
+    reason (a plain-HTTP server, an untrusted certificate); None for any other
+    failure. Blocking: it may try one plain-HTTP request to tell them apart."""
+    parsed = urlparse(url)
+    if parsed.scheme != "https" or parsed.hostname is None:
+        return None
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    host, port = parsed.hostname, parsed.port or 443
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return InvalidRequest(
+            f"{url}: the server's certificate is not trusted ({cause.verify_message}); give "
+            f"the CA that signed it: {CA_BUNDLE_ENV}=/path/ca.pem (or ca_bundle=)"
+        )
+    if _speaks_plain_http(host, port):
+        return InvalidRequest(
+            f"{host}:{port} speaks plain HTTP, not TLS: use http://{host}:{port}, or put TLS "
+            "in front of it (ckptd serve --tls-cert FILE --tls-key FILE, or a TLS-terminating "
+            "reverse proxy; README, 'TLS')"
+        )
+    return None
+
+
+def _speaks_plain_http(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as sock:
+            sock.sendall(b"HEAD /healthz HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+            return sock.recv(5) == b"HTTP/"
+    except OSError:
+        return False
