@@ -10,6 +10,7 @@ other answer is. Only the waiting differs (``await`` or block).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -310,16 +311,23 @@ class SyncTransport:
 CA_BUNDLE_ENV = "CKPTD_CA_BUNDLE"
 
 
-def tls_verify(ca_bundle: str | None = None) -> ssl.SSLContext | bool:
+def tls_verify(ca_bundle: str | None = None) -> ssl.SSLContext:
     """What an https:// server's certificate is checked against: ``ca_bundle``,
-    else ``CKPTD_CA_BUNDLE``, else the default trust store (``True``)."""
+    else ``CKPTD_CA_BUNDLE``, else the default trust store. One context per
+    bundle for the process: building one reads the whole bundle (tens to hundreds
+    of ms), and every client, plain-HTTP ones included, would build its own."""
     path = ca_bundle or os.environ.get(CA_BUNDLE_ENV) or None
-    if path is None:
-        return True
     try:
-        return ssl.create_default_context(cafile=path)
+        return _tls_context(path)
     except (OSError, ssl.SSLError) as exc:
         raise InvalidRequest(f"CA bundle {path} ({CA_BUNDLE_ENV}) cannot be read: {exc}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _tls_context(path: str | None) -> ssl.SSLContext:
+    if path is None:
+        return httpx.create_ssl_context()  # what verify=True builds (certifi, SSL_CERT_*)
+    return ssl.create_default_context(cafile=path)
 
 
 def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:
