@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from ckptd import knobs
+from ckptd import knobs, large_json
 from ckptd.errors import (
     AlreadyCommitted,
     CheckpointNotFound,
@@ -240,6 +240,18 @@ async def document_work(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
     return await loop.run_in_executor(_DOCUMENT_WORKER, functools.partial(fn, *args, **kwargs))
 
 
+async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
+    """``document_work`` for documents a server keeps (parsed manifests): built
+    with the cyclic collector paused, then frozen out of its scans
+    (``large_json.documents_kept_from_collector``)."""
+
+    def kept() -> _R:
+        with large_json.documents_kept_from_collector():
+            return fn(*args)
+
+    return await document_work(kept)
+
+
 # Tensor entries of parsed manifests kept for the commit and restore plans that
 # read them again (a 100,000-tensor manifest parses in about a second).
 MANIFEST_CACHE_ENTRIES = 1_000_000
@@ -251,6 +263,9 @@ class _ParsedManifests:
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
+        #: parse with the collector paused and freeze the result (a server's choice:
+        #: see large_json; a training process keeps its collector as it is)
+        self.kept_from_collector = False
         self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
         self._entries = 0
         self._lock = threading.Lock()
@@ -279,11 +294,16 @@ class _ParsedManifests:
         held = self.get(key, data)
         if held is not None:
             return held
-        manifest: RankManifest = await document_work(
-            parse_stored, RankManifest.parse, data, key
-        )
+        work = kept_document_work if self.kept_from_collector else document_work
+        manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
         self.put(key, data, manifest)
         return manifest
+
+    async def parse_put(self, data: bytes) -> RankManifest:
+        """A manifest a client puts, parsed and checked off the event loop
+        (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
+        work = kept_document_work if self.kept_from_collector else document_work
+        return await work(RankManifest.parse, data)
 
 
 class Repository:
@@ -407,6 +427,15 @@ class Repository:
         return data
 
     # -- manifests ----------------------------------------------------------------------
+
+    def keep_manifests_from_collector(self) -> None:
+        """Parsed manifests are built with the cyclic collector paused and frozen
+        out of its scans (a server: see ckptd.large_json)."""
+        self._manifests.kept_from_collector = True
+
+    async def parse_manifest(self, data: bytes) -> RankManifest:
+        """A rank manifest a client sent, parsed and checked off the event loop."""
+        return await self._manifests.parse_put(data)
 
     async def put_manifest(self, manifest: RankManifest | bytes) -> str:
         """Stores a rank manifest once every chunk it names is in the store.
