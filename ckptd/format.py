@@ -270,7 +270,10 @@ class RankManifest(_Document):
         _check_header(doc, MANIFEST_FORMAT, "rank manifest")
         entries = doc.get("entries")
         if not isinstance(entries, list) or len(entries) <= PARSE_SLICE:
-            manifest = _load(cls, data, MANIFEST_FORMAT, "rank manifest")
+            try:  # (the JSON is decoded once: _load would decode it again)
+                manifest = cls.model_validate(doc)
+            except ValidationError as exc:
+                raise _pydantic_error(exc, "rank manifest") from None
         else:
             try:
                 head = cls.model_validate({**doc, "entries": []})

@@ -257,6 +257,14 @@ async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
 MANIFEST_CACHE_ENTRIES = 1_000_000
 
 
+def _parse_and_hash(data: bytes) -> RankManifest:
+    # One job on the document thread: a second one for the digest waited behind
+    # every manifest parsing meanwhile.
+    manifest = RankManifest.parse(data)
+    manifest.digest()
+    return manifest
+
+
 class _ParsedManifests:
     """Parsed rank manifests by store key, each with the bytes it was parsed from:
     a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
@@ -303,7 +311,7 @@ class _ParsedManifests:
         """A manifest a client puts, parsed and checked off the event loop
         (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
         work = kept_document_work if self.kept_from_collector else document_work
-        return await work(RankManifest.parse, data)
+        return await work(_parse_and_hash, data)
 
 
 class Repository:
@@ -451,8 +459,9 @@ class Repository:
             manifest = RankManifest.parse(bytes(manifest))
         else:
             manifest.check()
-        # Encoded and hashed once, off the event loop (24 MiB for 100,000 tensors).
-        await document_work(manifest.digest)
+        # Encoded and hashed once, off the event loop (24 MiB for 100,000 tensors);
+        # a parsed manifest has both already, so not behind the document thread.
+        await asyncio.to_thread(manifest.digest)
         data = manifest.canonical()
         key = manifest_key(manifest.job, manifest.step, manifest.rank)
         record = await self._try_read_commit(manifest.job, manifest.step)
