@@ -1,7 +1,8 @@
-"""JSON for large documents: a depth check that needs no parser, and decoding and
+"""JSON for large documents: a depth check that needs no parser, decoding and
 encoding in pieces, so that a thread working on a 100,000-tensor manifest gives
-the GIL (and so the server's event loop) back between pieces. One ``json.loads``
-or ``json.dumps`` call over 24 MiB held it for all of its length."""
+the GIL (and so the server's event loop) back between pieces (one ``json.loads``
+or ``json.dumps`` call over 24 MiB held it for all of its length), and keeping
+the documents a server holds out of the cyclic garbage collector's scans."""
 
 from __future__ import annotations
 
