@@ -510,7 +510,7 @@ class Repository:
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(parse_stored(RankManifest.parse, existing, key)) >= epoch:
+            if manifest_epoch(await self._manifests.parse(key, existing)) >= epoch:
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -521,6 +521,7 @@ class Repository:
                 )
             # Saved before a rollback: this timeline's manifest takes its place.
             if await self.store.compare_and_swap(key, existing, data):
+                self._manifests.put(key, data, manifest)
                 log.info("%s step %d rank %d: a manifest of timeline %d replaces one saved "
                          "before the rollback", manifest.job, manifest.step, manifest.rank, epoch)
                 return manifest.digest()
