@@ -252,6 +252,9 @@ async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
     return await document_work(kept)
 
 
+# Chunk ids a manifest's put or commit asks the store about per call (see _lacking).
+PRESENCE_BATCH = 2_000
+
 # Tensor entries of parsed manifests kept for the commit and restore plans that
 # read them again (a 100,000-tensor manifest parses in about a second).
 MANIFEST_CACHE_ENTRIES = 1_000_000
@@ -483,10 +486,9 @@ class Repository:
         epoch = manifest_epoch(manifest)
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
                                 f"{manifest.step}")
-        ids = sorted(manifest.chunk_ids())
+        ids = await asyncio.to_thread(lambda: sorted(manifest.chunk_ids()))
         await gc_fence.wait_not_sweeping(self.store)  # no presence check during a sweep
-        present = await self.store.exists_many([chunk_key(c) for c in ids])
-        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        lacking = await self._lacking(ids)
         if lacking:
             raise MissingChunks(
                 f"manifest of rank {manifest.rank} names {len(lacking)} chunks the store "
@@ -527,6 +529,17 @@ class Repository:
                 return manifest.digest()
         raise Conflict(f"could not put rank {manifest.rank}'s manifest of step {manifest.step} "
                        f"of {manifest.job}: too much contention")
+
+    async def _lacking(self, ids: list[str]) -> list[str]:
+        """Which of the chunk ``ids`` the store lacks, asked PRESENCE_BATCH at a time:
+        the keys (and a local store's paths) of 100,000 chunks, made in one go, held
+        the event loop for a second."""
+        lacking: list[str] = []
+        for start in range(0, len(ids), PRESENCE_BATCH):
+            batch = ids[start:start + PRESENCE_BATCH]
+            present = await self.store.exists_many([chunk_key(c) for c in batch])
+            lacking.extend(cid for cid, ok in zip(batch, present, strict=True) if not ok)
+        return lacking
 
     async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
         """Refuses work of a timeline other than the job's current one."""
@@ -649,12 +662,12 @@ class Repository:
         report = await document_work(
             validate_step, manifests, replica_mismatch=self.replica_mismatch
         )
-        ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
+        ids = await asyncio.to_thread(
+            lambda: sorted({cid for m in manifests for cid in m.chunk_ids()}))
         # The GC fence: chunks found present while no sweep runs stay present, as
         # every later sweep lists these (already stored) manifests after it began.
         gc_state = await gc_fence.wait_not_sweeping(self.store)
-        present = await self.store.exists_many([chunk_key(c) for c in ids])
-        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        lacking = await self._lacking(ids)
         if lacking:  # a chunk deleted after its manifest went in
             raise MissingChunks(
                 f"step {step} references {len(lacking)} chunks the store lacks",
