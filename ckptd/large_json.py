@@ -174,24 +174,32 @@ def encode_tree(tree: Any) -> bytes:
 _pause_lock = threading.Lock()
 _pauses = 0
 _was_enabled = False
+_built = False  # a body finished since the collector was paused: freeze its work
 
 
 @contextmanager
 def documents_kept_from_collector() -> Iterator[None]:
     """Runs the body with the cyclic collector paused and freezes what it built
-    (see above); nests, and several threads may hold it at once."""
-    global _pauses, _was_enabled
+    (see above); nests, and several threads may hold it at once. A body that
+    raises freezes nothing: a refused document is garbage, and a stream of them
+    must not freeze what else the server made meanwhile."""
+    global _pauses, _was_enabled, _built
     with _pause_lock:
         if _pauses == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _pauses += 1
+    finished = False
     try:
         yield
+        finished = True
     finally:
         with _pause_lock:
             _pauses -= 1
+            _built = _built or finished
             if _pauses == 0:
-                gc.freeze()  # (moves the generations' lists: no scan, no pause)
+                if _built:
+                    gc.freeze()  # (moves the generations' lists: no scan, no pause)
+                _built = False
                 if _was_enabled:
                     gc.enable()

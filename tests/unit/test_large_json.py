@@ -78,5 +78,12 @@ def test_kept_documents_are_frozen_and_still_freed() -> None:
         assert frozen >= before + 10_000  # never scanned again
         del kept
         assert gc.get_freeze_count() <= frozen - 10_000  # and freed when dropped
+        refused: list[list[int]] = []
+        frozen = gc.get_freeze_count()
+        with pytest.raises(ValueError), large_json.documents_kept_from_collector():
+            refused.extend([i] for i in range(10_000))
+            raise ValueError("a bad document")
+        assert gc.isenabled() == enabled
+        assert gc.get_freeze_count() <= frozen  # nothing of a refused one is frozen
     finally:
         gc.unfreeze()
