@@ -2,6 +2,7 @@
 
     python -m bench.commit_scale            # 64 ranks x 2,000 tensors, 1 rank x 100,000
     python -m bench.commit_scale --quick    # 16 x 2,000 and 1 x 20,000
+    python -m bench.commit_scale --scaling  # adds 1 x 50,000 and 1 x 200,000 (near-linear?)
 
 For each shape it PUTs every rank's manifest (all ranks at once), commits, and asks
 for rank 0's restore plan, while a thread polls ``GET /healthz`` every 10 ms; it
@@ -140,9 +141,13 @@ def peers(tensors: int, root: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also 1 x 50,000 and 1 x 200,000 tensors, to see how time grows")
     parser.add_argument("--dir", default=None, help="scratch directory parent")
     args = parser.parse_args(argv)
     shapes = [(16, 2_000), (1, 20_000)] if args.quick else [(64, 2_000), (1, 100_000)]
+    if args.scaling:
+        shapes += [(1, 50_000), (1, 200_000)]
     load = os.getloadavg()
     print(f"commit_scale: {os.cpu_count()} CPUs seen, load average {load[0]:.1f} "
           f"{load[1]:.1f} {load[2]:.1f} (a shared machine: other work runs beside this)")
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                     server.url, f"scale-{world}x{tensors}", world, tensors)
                 print(f"  {world} x {tensors}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in r.items()), flush=True)
-        largest = max(t for _, t in shapes)
+        largest = max(t for _, t in shapes[:2])  # (the peers' state: --scaling adds none)
         peer = peers(largest, root)
     print(f"\n{'shape':>14} {'manifest':>9} {'put':>8} {'commit':>8} {'plan':>8} "
           f"{'/healthz worst (put, commit, plan)':>36}")
@@ -163,6 +168,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['commit_s']:>7.2f}s {r['plan_s']:>7.2f}s "
               f"{r['put_health_ms']:>10.0f} ms {r['commit_health_ms']:>7.0f} ms "
               f"{r['plan_health_ms']:>7.0f} ms")
+    if args.scaling:
+        print("\nper tensor, 1 rank (near-linear growth keeps these flat):")
+        for (world, tensors), r in sorted(results.items(), key=lambda kv: kv[0][1]):
+            if world == 1:
+                print(f"  {tensors:>7,} tensors: put {r['put_s'] / tensors * 1e6:5.1f} us, "
+                      f"commit {r['commit_s'] / tensors * 1e6:5.1f} us, "
+                      f"plan {r['plan_s'] / tensors * 1e6:5.1f} us")
     big = results[(1, largest)]
     print(f"\npeers on the same {largest:,} tensors: torch.save {peer['torch.save']:.2f}s, "
           f"dcp.save {peer['dcp.save']:.2f}s")

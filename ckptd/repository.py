@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from ckptd import knobs
+from ckptd import knobs, large_json
 from ckptd.errors import (
     AlreadyCommitted,
     CheckpointNotFound,
@@ -240,9 +240,32 @@ async def document_work(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
     return await loop.run_in_executor(_DOCUMENT_WORKER, functools.partial(fn, *args, **kwargs))
 
 
+async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
+    """``document_work`` for documents a server keeps (parsed manifests): built
+    with the cyclic collector paused, then frozen out of its scans
+    (``large_json.documents_kept_from_collector``)."""
+
+    def kept() -> _R:
+        with large_json.documents_kept_from_collector():
+            return fn(*args)
+
+    return await document_work(kept)
+
+
+# Chunk ids a manifest's put or commit asks the store about per call (see _lacking).
+PRESENCE_BATCH = 2_000
+
 # Tensor entries of parsed manifests kept for the commit and restore plans that
 # read them again (a 100,000-tensor manifest parses in about a second).
 MANIFEST_CACHE_ENTRIES = 1_000_000
+
+
+def _parse_and_hash(data: bytes) -> RankManifest:
+    # One job on the document thread: a second one for the digest waited behind
+    # every manifest parsing meanwhile.
+    manifest = RankManifest.parse(data)
+    manifest.digest()
+    return manifest
 
 
 class _ParsedManifests:
@@ -251,6 +274,9 @@ class _ParsedManifests:
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
+        #: parse with the collector paused and freeze the result (a server's choice:
+        #: see large_json; a training process keeps its collector as it is)
+        self.kept_from_collector = False
         self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
         self._entries = 0
         self._lock = threading.Lock()
@@ -279,11 +305,16 @@ class _ParsedManifests:
         held = self.get(key, data)
         if held is not None:
             return held
-        manifest: RankManifest = await document_work(
-            parse_stored, RankManifest.parse, data, key
-        )
+        work = kept_document_work if self.kept_from_collector else document_work
+        manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
         self.put(key, data, manifest)
         return manifest
+
+    async def parse_put(self, data: bytes) -> RankManifest:
+        """A manifest a client puts, parsed and checked off the event loop
+        (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
+        work = kept_document_work if self.kept_from_collector else document_work
+        return await work(_parse_and_hash, data)
 
 
 class Repository:
@@ -408,6 +439,15 @@ class Repository:
 
     # -- manifests ----------------------------------------------------------------------
 
+    def keep_manifests_from_collector(self) -> None:
+        """Parsed manifests are built with the cyclic collector paused and frozen
+        out of its scans (a server: see ckptd.large_json)."""
+        self._manifests.kept_from_collector = True
+
+    async def parse_manifest(self, data: bytes) -> RankManifest:
+        """A rank manifest a client sent, parsed and checked off the event loop."""
+        return await self._manifests.parse_put(data)
+
     async def put_manifest(self, manifest: RankManifest | bytes) -> str:
         """Stores a rank manifest once every chunk it names is in the store.
 
@@ -422,8 +462,9 @@ class Repository:
             manifest = RankManifest.parse(bytes(manifest))
         else:
             manifest.check()
-        # Encoded and hashed once, off the event loop (24 MiB for 100,000 tensors).
-        await document_work(manifest.digest)
+        # Encoded and hashed once, off the event loop (24 MiB for 100,000 tensors);
+        # a parsed manifest has both already, so not behind the document thread.
+        await asyncio.to_thread(manifest.digest)
         data = manifest.canonical()
         key = manifest_key(manifest.job, manifest.step, manifest.rank)
         record = await self._try_read_commit(manifest.job, manifest.step)
@@ -445,10 +486,9 @@ class Repository:
         epoch = manifest_epoch(manifest)
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
                                 f"{manifest.step}")
-        ids = sorted(manifest.chunk_ids())
+        ids = await asyncio.to_thread(lambda: sorted(manifest.chunk_ids()))
         await gc_fence.wait_not_sweeping(self.store)  # no presence check during a sweep
-        present = await self.store.exists_many([chunk_key(c) for c in ids])
-        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        lacking = await self._lacking(ids)
         if lacking:
             raise MissingChunks(
                 f"manifest of rank {manifest.rank} names {len(lacking)} chunks the store "
@@ -472,7 +512,7 @@ class Repository:
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(parse_stored(RankManifest.parse, existing, key)) >= epoch:
+            if manifest_epoch(await self._manifests.parse(key, existing)) >= epoch:
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -483,11 +523,23 @@ class Repository:
                 )
             # Saved before a rollback: this timeline's manifest takes its place.
             if await self.store.compare_and_swap(key, existing, data):
+                self._manifests.put(key, data, manifest)
                 log.info("%s step %d rank %d: a manifest of timeline %d replaces one saved "
                          "before the rollback", manifest.job, manifest.step, manifest.rank, epoch)
                 return manifest.digest()
         raise Conflict(f"could not put rank {manifest.rank}'s manifest of step {manifest.step} "
                        f"of {manifest.job}: too much contention")
+
+    async def _lacking(self, ids: list[str]) -> list[str]:
+        """Which of the chunk ``ids`` the store lacks, asked PRESENCE_BATCH at a time:
+        the keys (and a local store's paths) of 100,000 chunks, made in one go, held
+        the event loop for a second."""
+        lacking: list[str] = []
+        for start in range(0, len(ids), PRESENCE_BATCH):
+            batch = ids[start:start + PRESENCE_BATCH]
+            present = await self.store.exists_many([chunk_key(c) for c in batch])
+            lacking.extend(cid for cid, ok in zip(batch, present, strict=True) if not ok)
+        return lacking
 
     async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
         """Refuses work of a timeline other than the job's current one."""
@@ -610,12 +662,12 @@ class Repository:
         report = await document_work(
             validate_step, manifests, replica_mismatch=self.replica_mismatch
         )
-        ids = sorted({cid for m in manifests for cid in m.chunk_ids()})
+        ids = await asyncio.to_thread(
+            lambda: sorted({cid for m in manifests for cid in m.chunk_ids()}))
         # The GC fence: chunks found present while no sweep runs stay present, as
         # every later sweep lists these (already stored) manifests after it began.
         gc_state = await gc_fence.wait_not_sweeping(self.store)
-        present = await self.store.exists_many([chunk_key(c) for c in ids])
-        lacking = [cid for cid, ok in zip(ids, present, strict=True) if not ok]
+        lacking = await self._lacking(ids)
         if lacking:  # a chunk deleted after its manifest went in
             raise MissingChunks(
                 f"step {step} references {len(lacking)} chunks the store lacks",

@@ -125,21 +125,16 @@ def _check_tensor(
                 ranks=[rank0, rank],
             )
 
+    if len(held) == 1:  # one rank holds it (experts, one-rank jobs): no replica, no overlap
+        _check_inside(name, rank0, e0, e0.global_shape)
+        volume = math.prod(e0.global_shape)
+        _check_covered(name, math.prod(e0.shape), volume, e0.global_shape)
+        return volume * itemsize(e0.dtype)
+
     # Identical boxes are replicas of one shard; they must hold identical bytes.
     boxes: dict[Box, tuple[int, TensorEntry]] = {}
     for rank, e in held:
-        # RankManifest.check() refuses these already; the tiling sum below is only
-        # sound for boxes inside the global shape, so do not rely on the caller.
-        if not len(e.offsets) == len(e.shape) == len(e0.global_shape) or any(
-            o < 0 or s < 0 or o + s > g
-            for o, s, g in zip(e.offsets, e.shape, e0.global_shape, strict=False)
-        ):
-            raise ShardOutOfBounds(
-                f"{name!r}: rank {rank}'s shard {e.offsets}+{e.shape} is outside "
-                f"{e0.global_shape}",
-                name=name,
-                ranks=[rank],
-            )
+        _check_inside(name, rank, e, e0.global_shape)
         box = (tuple(e.offsets), tuple(e.shape))
         if box not in boxes:
             boxes[box] = (rank, e)
@@ -159,13 +154,32 @@ def _check_tensor(
     global_shape = tuple(e0.global_shape)
     volume = math.prod(global_shape)
     covered = sum(math.prod(shape) for _, shape in boxes)
-    _check_no_overlap(name, boxes)
+    if len(boxes) > 1:  # (one box overlaps nothing: replicas, and the sort is not free)
+        _check_no_overlap(name, boxes)
+    _check_covered(name, covered, volume, e0.global_shape)
+    return volume * itemsize(e0.dtype)
+
+
+def _check_inside(name: str, rank: int, e: TensorEntry, global_shape: list[int]) -> None:
+    # RankManifest.check() refuses these already; the tiling sum is only sound for
+    # boxes inside the global shape, so do not rely on the caller.
+    if not len(e.offsets) == len(e.shape) == len(global_shape) or any(
+        o < 0 or s < 0 or o + s > g
+        for o, s, g in zip(e.offsets, e.shape, global_shape, strict=False)
+    ):
+        raise ShardOutOfBounds(
+            f"{name!r}: rank {rank}'s shard {e.offsets}+{e.shape} is outside {global_shape}",
+            name=name,
+            ranks=[rank],
+        )
+
+
+def _check_covered(name: str, covered: int, volume: int, global_shape: list[int]) -> None:
     if covered != volume:
         raise TilingGap(
             f"{name!r}: shards cover {covered} of {volume} elements of {list(global_shape)}",
             name=name,
         )
-    return volume * itemsize(e0.dtype)
 
 
 def _check_no_overlap(name: str, boxes: dict[Box, tuple[int, TensorEntry]]) -> None:

@@ -49,6 +49,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = app.state.store_override or open_store(settings.store)
     repository = Repository(store, replica_mismatch=settings.replica_mismatch)
     app.state.repository = repository
+    repository.keep_manifests_from_collector()  # GC pauses stalled every request
     # Refs are re-read at most once per heartbeat interval per job.
     app.state.views = StoreViews(repository, ttl=settings.heartbeat_interval)
     app.state.tenants = TenantChunks(repository, app.state.views)

@@ -9,7 +9,6 @@ from ckptd.api import ManifestStored
 from ckptd.errors import InvalidRequest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
-from ckptd.repository import document_work
 from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
 from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
@@ -50,8 +49,8 @@ async def put_manifest(
     metrics: MetricsDep,
 ) -> ManifestStored:
     data = await read_body(request, knobs.max_manifest_bytes(), "manifest")
-    # Parsing a large manifest is CPU work: keep it off the event loop.
-    manifest = await document_work(RankManifest.parse, data)
+    # Parsing a large manifest is CPU work: kept off the event loop.
+    manifest = await repo.parse_manifest(data)
     if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
         raise InvalidRequest(
             f"the manifest is of job {manifest.job!r} step {manifest.step} rank "

@@ -1,0 +1,89 @@
+"""ckptd.large_json: decoding in runs gives exactly json.loads, and documents a
+server keeps are frozen out of the collector and still freed when dropped."""
+
+from __future__ import annotations
+
+import gc
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptd import large_json
+
+# Strings that look like the places a run may end ("},{", "],["), to tempt a
+# wrong cut inside a string.
+_TRICKY = st.sampled_from(["},{", "],[", '\\"},{"', "}, {", "]", "{", "é", ""])
+_JSON: st.SearchStrategy[Any] = st.recursive(
+    st.none() | st.booleans() | st.integers() | _TRICKY | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(
+        _TRICKY | st.text(max_size=3), inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON, indent=st.sampled_from([None, 0, 1, " , "]), batch=st.integers(1, 40),
+       cut=st.integers(0, 10_000), insert=st.sampled_from([",", "]", "}", "[", "{", '"']))
+def test_runs_decode_as_json_loads(value: Any, indent: int | str | None, batch: int, cut: int,
+                                   insert: str) -> None:
+    default = large_json.BATCH_CHARS
+    large_json.BATCH_CHARS = batch  # runs even in short text
+    try:
+        _decodes_as_json_loads(value, indent, cut, insert)
+    finally:
+        large_json.BATCH_CHARS = default
+
+
+def _decodes_as_json_loads(value: Any, indent: int | str | None, cut: int, insert: str) -> None:
+    if isinstance(indent, str):  # whitespace on both sides of every separator
+        text = json.dumps(value, separators=(indent, " : "), ensure_ascii=False)
+    else:
+        text = json.dumps(value, indent=indent, ensure_ascii=False)
+    assert large_json.decode_piecewise(text) == json.loads(text)
+    broken = text[:cut % (len(text) + 1)] + insert + text[cut % (len(text) + 1):]
+    try:
+        expected = json.loads(broken)
+    except ValueError:
+        with pytest.raises(ValueError):
+            large_json.decode_piecewise(broken)
+    else:
+        assert large_json.decode_piecewise(broken) == expected
+
+
+@pytest.mark.parametrize("text", [
+    '[{"a":1} , {"a":NaN},{"a":2}]', '[[1],[Infinity],[2]]', '[{"a":1},{"a":2},]',
+])
+def test_runs_refuse_what_json_refuses(text: str) -> None:
+    default = large_json.BATCH_CHARS
+    large_json.BATCH_CHARS = 1
+    try:
+        with pytest.raises(ValueError):
+            large_json.decode_piecewise(text)
+    finally:
+        large_json.BATCH_CHARS = default
+
+
+def test_kept_documents_are_frozen_and_still_freed() -> None:
+    enabled = gc.isenabled()
+    before = gc.get_freeze_count()
+    try:
+        with large_json.documents_kept_from_collector():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(10_000)]
+        assert gc.isenabled() == enabled
+        frozen = gc.get_freeze_count()
+        assert frozen >= before + 10_000  # never scanned again
+        del kept
+        assert gc.get_freeze_count() <= frozen - 10_000  # and freed when dropped
+        refused: list[list[int]] = []
+        frozen = gc.get_freeze_count()
+        with pytest.raises(ValueError), large_json.documents_kept_from_collector():
+            refused.extend([i] for i in range(10_000))
+            raise ValueError("a bad document")
+        assert gc.isenabled() == enabled
+        assert gc.get_freeze_count() <= frozen  # nothing of a refused one is frozen
+    finally:
+        gc.unfreeze()
