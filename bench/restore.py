@@ -208,7 +208,7 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[Table, list[tuple[s
                     p.kill()
                     p.wait()
                 # Killed peers leave their pools in /dev/shm, as a crash would.
-                from ckptd.client.staging import remove_stale_pools
+                from ckptd.client.staging.reader import remove_stale_pools
 
                 remove_stale_pools(job=JOB)
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, Shard
     from .failures import CloseResult, SnapshotFailureWarning
-    from .pipeline import SaveResult
-    from .restore import RestoreResult
+    from .restore.restorer import RestoreResult
+    from .save.snapshot import SaveResult
     from .stateful import ModelState, RNGState
     from .transport import HttpTransport, LocalTransport, Transport, open_transport
 
@@ -32,7 +32,7 @@ _EXPORTS = {
     "RestoreResult": "checkpointer",
     "SaveHandle": "checkpointer",
     "Shard": "checkpointer",
-    "SaveResult": "pipeline",
+    "SaveResult": "save.snapshot",
     "CloseResult": "failures",
     "SnapshotFailureWarning": "failures",
     "RNGState": "stateful",

@@ -1,13 +1,13 @@
 """The in-process client: ``Checkpointer.save`` stages and returns at once, a
 background pipeline uploads; ``Checkpointer.restore`` fills a state dict in place.
 
-Staging (``staging.py``) copies the state into a reusable shared-memory pool;
-the pipeline (``pipeline.py``) hashes, dedups and uploads from that pool. One
+Staging (``staging/``) copies the state into a reusable shared-memory pool;
+the save flow (``save/``) hashes, dedups and uploads from that pool. One
 snapshot per rank is in flight at a time, so the pool holds one staged copy.
 
 Failover (with a server): the checkpointer serves its pool's committed chunks to
 peers (``peer.py``) and heartbeats (``heartbeat.py``); ``restore`` takes each chunk
-from the first tier that has it right (``restore.py``): this node's pool, a local
+from the first tier that has it right (``restore/``): this node's pool, a local
 cache directory, peers, the store.
 """
 
@@ -53,17 +53,14 @@ from .cuda import CopyDone
 from .endpoint import endpoint
 from .failures import CloseResult, FailureLog, SnapshotFailureWarning, name_save_error
 from .heartbeat import HealthFn, Heartbeat, HeartbeatReply
+from .loop import EventLoopThread
 from .peer import PeerIndex, PeerServer, PeerService
-from .pipeline import (
-    EventLoopThread,
-    SaveResult,
-    Snapshot,
-    SnapshotUpload,
-    wrap_error,
-)
-from .restore import TIERS, RestoreOptions, RestoreResult, adopt_pool, restore_into
-from .staging import PAGE, StagedPiece, StagingPool
-from .state import flatten
+from .restore.restorer import RestoreOptions, RestoreResult, adopt_pool, restore_into
+from .restore.sources import TIERS
+from .save.flatten import flatten
+from .save.snapshot import SaveResult, Snapshot, SnapshotUpload, wrap_error
+from .staging.layout import PAGE, StagedPiece
+from .staging.pool import StagingPool
 from .stateful import restore_view
 from .transport import HttpTransport, Transport, open_transport
 

@@ -88,8 +88,10 @@ from ckptd.format import (
 from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MiB
 
-from .pipeline import upload_missing
-from .state import byte_view, dtype_name, torch_dtype, unflatten, value_tree
+from .dtypes import byte_view, dtype_name, torch_dtype
+from .restore.fill import unflatten
+from .save.chunks import upload_missing
+from .save.flatten import value_tree
 from .transport import Transport, open_transport
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from ckptd.errors import (
     Unavailable,
 )
 
-from .pipeline import wrap_error
+from .save.snapshot import wrap_error
 
 log = logging.getLogger("ckptd.client.checkpointer")
 
