@@ -26,7 +26,6 @@ a bare step for the writer's or reader's own url and job.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import io
 import logging
@@ -34,7 +33,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlparse, urlunparse
@@ -74,7 +73,6 @@ from ckptd.errors import (
     InvalidRequest,
     NotCommitted,
     RestoreError,
-    Timeout,
     UnsupportedValue,
 )
 from ckptd.format import (
@@ -89,6 +87,7 @@ from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MiB
 
 from .dtypes import byte_view, dtype_name, torch_dtype
+from .loop import bounded, run_private
 from .restore.fill import unflatten
 from .save.chunks import upload_missing
 from .save.flatten import value_tree
@@ -97,7 +96,6 @@ from .transport import Transport, open_transport
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Item = TypeVar("Item")
 
 # The manifest ``meta`` key that marks a DCP-written manifest: its tree is flat,
 # ``{fqn: node}``, and ``meta["dcp"]["paths"]`` maps each fqn to DCP's object path
@@ -206,48 +204,24 @@ def _run(
     timeout: float | None,
     job: str | None = None,
 ) -> T:
-    """Runs ``work`` with a fresh transport on a private event loop in a worker
-    thread, so it works from any thread (DCP's async_save calls from its own),
-    inside a running event loop or not. ``Timeout`` after ``timeout`` seconds."""
+    """Runs ``work`` with a fresh transport on a private event loop
+    (``loop.run_private``: from any thread, DCP's async_save calls from its own,
+    inside a running event loop or not). ``Timeout`` after ``timeout`` seconds."""
 
     async def body() -> T:
         transport = open_transport(url, token, job=job)
         try:
-            return await asyncio.wait_for(work(transport), timeout)
-        except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
-            raise
-        except TimeoutError:
-            raise Timeout(f"DCP storage call to {url} gave up after {timeout} s") from None
+            return await work(transport)
         finally:
             await transport.close()
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-dcp") as pool:
-        future = pool.submit(asyncio.run, body())
-        try:
-            return future.result()
-        except CkptdError:
-            raise
-        except Exception as exc:
-            raise CkptdError(f"DCP storage call failed: {type(exc).__name__}: {exc}") from exc
-
-
-async def _each(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:
-    """Runs ``fn`` over ``items``, at most ``limit`` at once; the first error cancels
-    the rest and is raised."""
-    gate = asyncio.Semaphore(max(1, limit))
-
-    async def one(item: Item) -> None:
-        async with gate:
-            await fn(item)
-
-    tasks = [asyncio.create_task(one(item)) for item in items]
     try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return run_private(body(), timeout, what=f"DCP storage call to {url}",
+                           name="ckptd-dcp")
+    except CkptdError:
         raise
+    except Exception as exc:
+        raise CkptdError(f"DCP storage call failed: {type(exc).__name__}: {exc}") from exc
 
 
 # -- the writer ---------------------------------------------------------------------------
@@ -950,7 +924,7 @@ async def _fetch_chunks(
             dest[:] = data
         received[0] += len(data)
 
-    await _each(list(wanted), fetch, concurrency)
+    await bounded(list(wanted), fetch, concurrency)
     return received[0]
 
 

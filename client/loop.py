@@ -1,4 +1,20 @@
-"""The client's event loop and its one rule for bounded concurrency."""
+"""The client's event loops and its one rule for bounded concurrency.
+
+Every coroutine of the client runs on one of two kinds of loop: the long-lived
+``EventLoopThread`` a ``Checkpointer`` owns (its transport lives there; saves,
+restores and heartbeats go through it), or a private loop that ``run_private``
+starts for one synchronous call (the DCP adapter, ``ckptd restore --to DIR``), so
+that the call works from any thread, inside a running event loop or not.
+
+The cancellation rule, one for save, restore and DCP alike (``bounded``): an
+error never cancels other work. On the first error no new item starts, the ones
+running finish, and that error is raised. A running item may be a thread reading
+the staging pool (hashing, a store writing a chunk, a copy into the target), and
+the pool is overwritten by the next save, and the target read by the caller, as
+soon as the call returns: it must not return under a reader. Only a caller's
+deadline cancels (``EventLoopThread.run``, ``run_private``), and then the
+coroutine unwinds (its ``finally`` blocks run) before the call returns.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +24,9 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from ckptd.errors import Timeout
+from ckptd.errors import CkptdError, Timeout
 
 T = TypeVar("T")
-
-
 Item = TypeVar("Item")
 
 
@@ -51,13 +65,29 @@ class EventLoopThread:
             self.loop.close()
 
 
+def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
+                what: str = "call", name: str = "ckptd-call") -> T:
+    """Runs ``coro`` to completion on a private event loop in a worker thread and
+    returns its result. Past ``timeout`` seconds it is cancelled, unwinds, and
+    ``Timeout`` says that ``what`` gave up."""
+
+    async def body() -> T:
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
+            raise
+        except TimeoutError:
+            raise Timeout(f"{what} gave up after {timeout} s") from None
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        return pool.submit(asyncio.run, body()).result()
+
+
 async def bounded(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:
     """Runs ``fn`` over ``items`` with at most ``limit`` at once.
 
     On the first error no new item starts, the ones running finish, and that error
-    is raised. Nothing is cancelled: a running item may be a thread reading the
-    staging pool (hashing, a store writing a chunk), and the pool is overwritten by
-    the next save as soon as this returns, so it must not return under a reader."""
+    is raised; nothing is cancelled (the module's rule)."""
     it = iter(items)
     failed: list[BaseException] = []
 

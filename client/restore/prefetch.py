@@ -4,7 +4,6 @@ documents only the repository writes (``Repository.import_step``)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from ckptd.errors import InvalidRequest
 from ckptd.format import check_job, check_rank
 from ckptd.hashing import chunk_spans
 
-from ..loop import EventLoopThread
+from ..loop import bounded, run_private
 from ..transport import open_transport
 from .fetch import ChunkFetcher, WantedChunks, failure
 from .plan import load_plan
@@ -64,12 +63,8 @@ def restore_command(
     if rank < 0:
         raise InvalidRequest(f"rank {rank} is negative")
     root = Path(to)
-    loop = EventLoopThread("ckptd-restore")
-    try:
-        return loop.run(_prefetch(url, token, job, rank, root, step, local, peers, progress,
-                                  console), timeout)
-    finally:
-        loop.stop()
+    return run_private(_prefetch(url, token, job, rank, root, step, local, peers, progress,
+                                 console), timeout, what="ckptd restore --to", name="ckptd-restore")
 
 
 async def _prefetch(
@@ -100,22 +95,20 @@ async def _prefetch(
         total = sum(sizes.values())
         bar, task = _progress(show, console, f"{job} step {plan.step} rank {rank}", total)
         done = {"bytes": 0}
-        budget = asyncio.Semaphore(fetcher.concurrency)
 
         async def one(cid: str) -> None:
-            async with budget:
-                buf = bytearray(sizes[cid])
-                tier = await fetcher.fetch(cid, memoryview(buf))
-                if tier is not None and tier != "cache":
-                    await target.put_chunk(cid, memoryview(buf), digest=cid)  # verified on arrival
-                done["bytes"] += sizes[cid]
-                if bar is not None:
-                    bar.update(task, completed=done["bytes"])
+            buf = bytearray(sizes[cid])
+            tier = await fetcher.fetch(cid, memoryview(buf))
+            if tier is not None and tier != "cache":
+                await target.put_chunk(cid, memoryview(buf), digest=cid)  # verified on arrival
+            done["bytes"] += sizes[cid]
+            if bar is not None:
+                bar.update(task, completed=done["bytes"])
 
         try:
             if bar is not None:
                 bar.start()
-            await asyncio.gather(*(one(cid) for cid in sizes))
+            await bounded(sizes, one, fetcher.concurrency)
         finally:
             if bar is not None:
                 bar.stop()
