@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, Shard
+    from .config import CheckpointerConfig
     from .failures import CloseResult, SnapshotFailureWarning
     from .restore.restorer import RestoreResult
     from .save.snapshot import SaveResult
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Checkpointer": "checkpointer",
+    "CheckpointerConfig": "config",
     "RestoreResult": "checkpointer",
     "SaveHandle": "checkpointer",
     "Shard": "checkpointer",
@@ -45,6 +47,7 @@ _EXPORTS = {
 
 __all__ = [
     "Checkpointer",
+    "CheckpointerConfig",
     "CloseResult",
     "HttpTransport",
     "LocalTransport",

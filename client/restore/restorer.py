@@ -1,6 +1,6 @@
-"""A whole restore for a Checkpointer: plan, layout, fetch through the tiers in
-two phases (verify everything, then deliver), fill the target; and adopting
-this rank's staging pool after a restart."""
+"""A whole restore for a Checkpointer (``Restorer``): plan, layout, fetch through
+the tiers in two phases (verify everything, then deliver), fill the target; and
+adopting this rank's staging pool after a restart."""
 
 from __future__ import annotations
 
@@ -9,24 +9,27 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ckptd import knobs
-from ckptd.errors import UnsupportedFormat
+from ckptd.errors import CheckpointNotFound, InvalidRequest, UnsupportedFormat
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id
 
 from ..peer import PeerClient, PeerIndex
+from ..session import Session
+from ..stateful import restore_view
 from ..transport import Transport
 from .fetch import ChunkFetcher, Landing, WantedChunks, deliver, failure
 from .fill import fill, plan_fill
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
 from .sources import (
+    TIERS,
     ChunkProblem,
     DirectoryCacheSource,
     LocalPoolSource,
@@ -37,6 +40,8 @@ from .sources import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,3 +309,83 @@ async def adopt_pool(
     log.info("%s/%d: staging pool holds %d of %d chunks of step %d", job, rank,
              len(verified), len(needed), step)
     return step, PeerIndex(step=step, chunks=verified, valid=pool.unchanged), pool
+
+
+class Restorer:
+    """Restores of one checkpointer (see ``Checkpointer.restore``)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def check(self, state: Any, tiers: Iterable[str] | None) -> set[str]:
+        """The tiers to use; refuses a target that is no mapping or unknown tiers."""
+        if not isinstance(state, MutableMapping):
+            raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
+        use = set(TIERS if tiers is None else tiers)
+        unknown = sorted(use - set(TIERS))
+        if unknown or not use:
+            raise InvalidRequest(f"tiers must be a non-empty subset of {list(TIERS)}, "
+                                 f"not {sorted(use)}")
+        return use
+
+    def restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None,
+        *,
+        use: set[str],
+        shards: Mapping[str, Any] | None,
+        atomic: bool,
+        timeout: float | None,
+        exclude_peers: tuple[str, ...],
+    ) -> tuple[RestoreResult, Fetched]:
+        """Fills ``state`` in place from the tiers in ``use`` (``check`` them first);
+        ``Stateful`` objects get their ``load_state_dict()`` once it is filled."""
+        s, c = self.session, self.session.config
+        timeout = s.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def call(coro: Coroutine[Any, Any, T]) -> T:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return s.call(coro, left)
+
+        cache = c.cache_dir if c.cache_dir is not None else knobs.cache_dir()
+        opts = RestoreOptions(
+            local="local" in use,
+            pool_root=s.staging.root,
+            cache_dir=cache if "cache" in use else "",
+            peers="peer" in use,
+            store="store" in use,
+            exclude_peers=exclude_peers,
+            token=c.token,
+            atomic=atomic,
+        )
+        # Stateful objects (model, optimizer, RNGState) restore through a view that
+        # holds their state_dict(); load_state_dict() gets it once it is filled.
+        target, load_stateful = restore_view(state)
+        # No save stages into the pool while a restore may read it.
+        with s.lock:
+            s.check_open()
+            result, fetched = restore_into(
+                call, s.transport, target, job=c.job, rank=c.rank,
+                world_size=c.world_size, step=step, shards=shards, opts=opts,
+            )
+        load_stateful()
+        return result, fetched
+
+    def adopt(
+        self, step: int | None, timeout: float | None
+    ) -> tuple[int, PeerIndex, LocalPoolSource] | None:
+        """This node's pool checked against a committed step (``adopt_pool``): the
+        step, its verified chunks and the source keeping them mapped, or None."""
+        s, c = self.session, self.session.config
+        timeout = s.timeout if timeout is None else timeout
+        with s.lock:
+            try:
+                held, index, pool = s.call(
+                    adopt_pool(s.transport, c.job, c.rank, step, s.staging.root), timeout)
+            except CheckpointNotFound:
+                return None
+        if index is None or pool is None:
+            return None
+        return held, index, pool

@@ -224,11 +224,3 @@ class SnapshotUpload:
             total_seconds=total,
         )
 
-
-def wrap_error(exc: BaseException, what: str) -> CkptdError:
-    """A typed error for anything that went wrong in the background."""
-    if isinstance(exc, CkptdError):
-        return exc
-    err = CkptdError(f"{what} failed: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err

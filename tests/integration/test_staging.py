@@ -19,6 +19,7 @@ from test_client_common import assert_bitwise, snapshot
 
 from ckptd.client import Checkpointer, Shard
 from ckptd.client.dtypes import byte_view
+from ckptd.client.save.placement import placements
 from ckptd.client.staging import pool as staging_pool
 from ckptd.client.staging.layout import SEGMENT_GRAIN
 from ckptd.client.staging.pool import StagingPool
@@ -347,7 +348,8 @@ def test_explicit_placements_win_over_dtensor_layouts_which_win_over_the_default
         "dtensor": ("sharded", [2, 6], [0, 3]),
     }
     with Checkpointer(url, "place", shm_dir=shm, default_placement="local") as ckpt:
-        got = ckpt._placements(tensors, {"explicit": Shard((6, 3), (4, 0))}, ["local"], layouts)
+        got = placements(tensors, {"explicit": Shard((6, 3), (4, 0))}, ["local"], layouts,
+                         ckpt.default_placement)
         assert got == {
             "explicit": ("sharded", [6, 3], [4, 0]),
             "local": ("local", [2, 3], [0, 0]),
@@ -355,4 +357,5 @@ def test_explicit_placements_win_over_dtensor_layouts_which_win_over_the_default
             "plain": ("local", [2, 3], [0, 0]),
         }
         with pytest.raises(InvalidRequest):
-            ckpt._placements(tensors, {}, [], {"plain": ("sharded", [2, 3], [1, 0])})
+            placements(tensors, {}, [], {"plain": ("sharded", [2, 3], [1, 0])},
+                       ckpt.default_placement)
