@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import io
 import logging
-import math
 import os
 import time
 import uuid
@@ -61,14 +60,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckptd import knobs
+from ckptd.dtypes import itemsize
 from ckptd.errors import (
     CheckpointNotFound,
-    ChunkHashMismatch,
-    ChunkNotFound,
-    ChunkSizeMismatch,
     CkptdError,
     Conflict,
-    IntegrityError,
     InvalidDocument,
     InvalidRequest,
     NotCommitted,
@@ -83,13 +79,16 @@ from ckptd.format import (
     check_job,
     check_step,
 )
-from ckptd.hashing import chunk_id, chunk_spans
+from ckptd.geometry import covering_chunks
+from ckptd.hashing import chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MiB
 
 from .dtypes import byte_view, dtype_name, torch_dtype
-from .loop import bounded, run_private
+from .loop import run_private
+from .restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
 from .restore.fill import unflatten
-from .save.chunks import upload_missing
+from .restore.sources import DirectoryCacheSource, LocalStoreSource, Source, StoreSource
+from .save.chunks import hash_views, upload_missing
 from .save.flatten import value_tree
 from .transport import Transport, open_transport
 
@@ -396,13 +395,9 @@ class Writer(StorageWriter):
                 tensor = _write_tensor(item, planner.resolve_data(item))
                 tensors.append((item, tensor))
                 tree.append([fqn, {"tensor": fqn}])
-        entries, data = _hash_tensors(tensors, self.chunk_size)
-        for (item, _), entry in zip(tensors, entries, strict=True):
+        entries, data = _entries(tensors, blobs, self.chunk_size, self.timeout)
+        for (item, _), entry in zip(tensors, entries, strict=False):
             results.append(WriteResult(item.index, entry.nbytes, None))
-        blob_entries, blob_data = _hash_blobs(blobs, self.chunk_size)
-        entries += blob_entries
-        for cid, view in blob_data.items():
-            data.setdefault(cid, view)
         manifest = RankManifest(
             job=self.job,
             step=info.step,
@@ -519,27 +514,6 @@ def _blob(data: Any, fqn: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _hash_blobs(
-    blobs: list[tuple[str, torch.Tensor]], chunk_size: int
-) -> tuple[list[TensorEntry], dict[str, memoryview]]:
-    """Entries of opaque blobs (1-D uint8, ``replicated``: DCP writes each item on
-    one rank) and their chunks' bytes."""
-    entries: list[TensorEntry] = []
-    data: dict[str, memoryview] = {}
-    for fqn, blob in blobs:
-        view = byte_view(blob)
-        ids = []
-        for a, b in chunk_spans(len(view), chunk_size):
-            cid = chunk_id(view[a:b])
-            ids.append(cid)
-            data.setdefault(cid, view[a:b])
-        n = int(blob.numel())
-        entries.append(TensorEntry(name=fqn, dtype="uint8", placement="replicated",
-                                   global_shape=[n], offsets=[0], shape=[n], nbytes=n,
-                                   chunks=ids))
-    return entries, data
-
-
 def _write_tensor(item: WriteItem, resolved: Any) -> torch.Tensor:
     """The item's tensor as a contiguous CPU tensor of the item's box shape."""
     fqn = item.index.fqn
@@ -556,34 +530,38 @@ def _write_tensor(item: WriteItem, resolved: Any) -> torch.Tensor:
     return tensor
 
 
-def _hash_tensors(
-    tensors: list[tuple[WriteItem, torch.Tensor]], chunk_size: int
+def _entries(
+    tensors: list[tuple[WriteItem, torch.Tensor]], blobs: list[tuple[str, torch.Tensor]],
+    chunk_size: int, timeout: float | None,
 ) -> tuple[list[TensorEntry], dict[str, memoryview]]:
-    """Entries (``sharded``: the item's box of its global tensor) and the unique
-    chunks' bytes, without copying the tensors."""
-    entries: list[TensorEntry] = []
+    """Entries of the items' tensors (``sharded``: the item's box of its global
+    tensor) and of opaque blobs (1-D uint8, ``replicated``: DCP writes each item on
+    one rank), and the unique chunks' bytes, hashed by the engine without a copy."""
+    views = [byte_view(t) for _, t in tensors] + [byte_view(b) for _, b in blobs]
+    ids = run_private(hash_views(views, chunk_size), timeout, what="hashing a DCP save")
     data: dict[str, memoryview] = {}
-    for item, tensor in tensors:
+    for view, chunk_ids in zip(views, ids, strict=True):
+        for cid, (a, b) in zip(chunk_ids, chunk_spans(len(view), chunk_size), strict=True):
+            data.setdefault(cid, view[a:b])
+    entries: list[TensorEntry] = []
+    for (item, tensor), view, chunk_ids in zip(tensors, views, ids, strict=False):
         if item.tensor_data is None:  # _write_tensor refused it already
             raise InvalidRequest(f"{item.index.fqn!r}: a tensor item without tensor data")
-        view = byte_view(tensor)
-        ids: list[str] = []
-        for a, b in chunk_spans(len(view), chunk_size):
-            cid = chunk_id(view[a:b])
-            ids.append(cid)
-            data.setdefault(cid, view[a:b])
-        entries.append(
-            TensorEntry(
-                name=item.index.fqn,
-                dtype=dtype_name(tensor.dtype),
-                placement="sharded",
-                global_shape=[int(d) for d in item.tensor_data.size],
-                offsets=[int(d) for d in item.tensor_data.chunk.offsets],
-                shape=[int(d) for d in tensor.shape],
-                nbytes=len(view),
-                chunks=ids,
-            )
-        )
+        entries.append(TensorEntry(
+            name=item.index.fqn,
+            dtype=dtype_name(tensor.dtype),
+            placement="sharded",
+            global_shape=[int(d) for d in item.tensor_data.size],
+            offsets=[int(d) for d in item.tensor_data.chunk.offsets],
+            shape=[int(d) for d in tensor.shape],
+            nbytes=len(view),
+            chunks=chunk_ids,
+        ))
+    for (fqn, blob), chunk_ids in zip(blobs, ids[len(tensors):], strict=True):
+        n = int(blob.numel())
+        entries.append(TensorEntry(name=fqn, dtype="uint8", placement="replicated",
+                                   global_shape=[n], offsets=[0], shape=[n], nbytes=n,
+                                   chunks=chunk_ids))
     return entries, data
 
 
@@ -803,12 +781,13 @@ class Reader(StorageReader):
         e = box.entry
         buf = torch.empty(e.nbytes, dtype=torch.uint8)
         view = byte_view(buf)
-        wanted: dict[str, list[tuple[str, memoryview]]] = {}
+        wanted = WantedChunks()
         for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
-            wanted.setdefault(cid, []).append((e.name, view[a:b]))
+            wanted.add(cid, view[a:b], e.name)
+        step = self._require_index().step
 
         async def work(transport: Transport) -> int:
-            return await _fetch_chunks(transport, wanted, self.concurrency)
+            return await _fetch_chunks(transport, wanted, self.concurrency, step)
 
         self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
         raw = buf.numpy().tobytes()
@@ -824,7 +803,7 @@ class Reader(StorageReader):
         """Fetches and verifies the chunks that cover the requested sub-boxes of a
         batch of stored shards, then copies each sub-box into its target."""
         buffers: list[torch.Tensor] = []
-        wanted: dict[str, list[tuple[str, memoryview]]] = {}  # chunk id -> destinations
+        wanted = WantedChunks()  # chunk id -> destinations
         for box, reqs in batch:
             e = box.entry
             buf = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
@@ -836,10 +815,11 @@ class Reader(StorageReader):
                 needed.update(_chunks_covering(e, box.chunk_size, req))
             for i in sorted(needed):
                 a, b = spans[i]
-                wanted.setdefault(e.chunks[i], []).append((e.name, view[a:b]))
+                wanted.add(e.chunks[i], view[a:b], e.name)
+        step = self._require_index().step
 
         async def work(transport: Transport) -> int:
-            return await _fetch_chunks(transport, wanted, self.concurrency)
+            return await _fetch_chunks(transport, wanted, self.concurrency, step)
 
         self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
         for (box, reqs), buf in zip(batch, buffers, strict=True):
@@ -858,8 +838,9 @@ class Reader(StorageReader):
                 planner.commit_tensor(req, target)
 
 
-def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> range:
-    """Indices of the chunks of a C-contiguous shard that hold a sub-box of it."""
+def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> list[int]:
+    """Indices of the chunks of a C-contiguous shard that hold a sub-box of it (the
+    restore's geometry, ``ckptd.geometry.covering_chunks``)."""
     offsets = [int(o) for o in req.storage_offsets]
     lengths = [int(n) for n in req.lengths]
     if len(offsets) != len(entry.shape) or len(lengths) != len(entry.shape) or any(
@@ -870,62 +851,30 @@ def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> rang
             entries=[entry.name],
         )
     if entry.nbytes == 0 or any(n == 0 for n in lengths):
-        return range(0)
-    itemsize = entry.nbytes // math.prod(entry.shape)
-    stride = 1
-    first = last = 0
-    for d in reversed(range(len(entry.shape))):
-        first += offsets[d] * stride
-        last += (offsets[d] + lengths[d] - 1) * stride
-        stride *= entry.shape[d]
-    start, end = first * itemsize, (last + 1) * itemsize
-    return range(start // chunk_size, (end - 1) // chunk_size + 1)
+        return []
+    hi = [o + n for o, n in zip(offsets, lengths, strict=True)]
+    return covering_chunks(entry.shape, itemsize(entry.dtype), chunk_size, offsets, hi)
 
 
-async def _fetch_chunks(
-    transport: Transport, wanted: dict[str, list[tuple[str, memoryview]]], concurrency: int
-) -> int:
-    """Downloads each wanted chunk once, verifies it against its id, and copies it to
-    every destination; the bytes received."""
-    received = [0]
-
-    async def fetch(cid: str) -> None:
-        names = sorted({name for name, _ in wanted[cid]})
-        try:
-            data = await transport.get_chunk(cid)
-        except ChunkNotFound as exc:
-            raise RestoreError(
-                f"chunk {cid} of {', '.join(map(repr, names[:5]))} is not in the store",
-                id=cid,
-                entries=names[:50],
-            ) from exc
-        except IntegrityError as exc:  # the server found its stored copy corrupt
-            if "entries" not in exc.detail:
-                exc.message = f"{exc.message} (it holds {', '.join(map(repr, names[:5]))})"
-                exc.args = (exc.message,)
-                exc.detail["entries"] = names[:50]
-            raise
-        actual = await asyncio.to_thread(chunk_id, data)
-        if actual != cid:
-            raise ChunkHashMismatch(
-                f"chunk {cid} of {', '.join(map(repr, names[:5]))} arrived corrupt "
-                f"(hashes to {actual})",
-                id=cid,
-                actual=actual,
-                entries=names[:50],
-            )
-        for name, dest in wanted[cid]:
-            if len(dest) != len(data):
-                raise ChunkSizeMismatch(
-                    f"chunk {cid} of {name!r} has {len(data)} bytes, expected {len(dest)}",
-                    id=cid,
-                    entries=[name],
-                )
-            dest[:] = data
-        received[0] += len(data)
-
-    await bounded(list(wanted), fetch, concurrency)
-    return received[0]
+async def _fetch_chunks(transport: Transport, wanted: WantedChunks, concurrency: int,
+                        step: int) -> int:
+    """Each wanted chunk through the restore engine (``ChunkFetcher``): from the
+    local cache directory (``CKPTD_CACHE_DIR``) or the store (mapped in place for
+    a ``file://`` one), verified against its id, then delivered to every
+    destination; the bytes read. A chunk no source had right raises the engine's
+    typed error naming its entries."""
+    cache = knobs.cache_dir()
+    sources: list[Source] = [DirectoryCacheSource(cache)] if cache else []
+    sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
+    fetcher = ChunkFetcher(sources, concurrency)
+    try:
+        found = await fetcher.locate_all(wanted)
+        if fetcher.failed:
+            raise failure(fetcher, wanted, step)
+        await deliver(found, wanted)
+    finally:
+        fetcher.close()
+    return sum(fetcher.bytes_from.values())
 
 
 def _index_manifest(index: _Index, manifest: RankManifest) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ckptd import knobs
 from ckptd.hashing import chunk_id, chunk_spans
@@ -21,12 +21,13 @@ log = logging.getLogger(__name__)
 _HASH_BATCH_BYTES = 16 << 20  # one worker's share of a span, in whole chunks
 
 
-def _hash_jobs(piece: StagedPiece, chunk_size: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """(span number, first chunk number in the span, byte ranges) per hashing job."""
+def _hash_jobs(sizes: Sequence[int], chunk_size: int
+               ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """(view number, first chunk number in the view, byte ranges) per hashing job."""
     per_job = max(1, _HASH_BATCH_BYTES // chunk_size)
     jobs = []
-    for k, span in enumerate(piece.spans):
-        ranges = list(chunk_spans(span.end - span.start, chunk_size))
+    for k, size in enumerate(sizes):
+        ranges = list(chunk_spans(size, chunk_size))
         for i in range(0, len(ranges), per_job):
             jobs.append((k, i, ranges[i : i + per_job]))
     return jobs
@@ -76,22 +77,26 @@ async def upload_missing(
     return sent[0], sent[1]
 
 
-async def _hash_piece(piece: StagedPiece, chunk_size: int) -> list[list[str]]:
-    """The chunk ids of every span of a staged piece, hashed in worker threads
-    straight from the pool (slices of its mapping: no copy). Chunks from
-    ``knobs.hash_threads_threshold()`` up also use blake3's own threads."""
-    ids: list[list[str]] = [
-        [""] * len(range(0, s.end - s.start, chunk_size)) for s in piece.spans
-    ]
+async def hash_views(views: Sequence[memoryview], chunk_size: int) -> list[list[str]]:
+    """The chunk ids of each view's bytes (cut at ``chunk_size``; an empty view has
+    one empty chunk), hashed in worker threads where the bytes lie (no copy).
+    Chunks from ``knobs.hash_threads_threshold()`` up also use blake3's own threads."""
+    ids: list[list[str]] = [[""] * len(range(0, len(v), chunk_size)) for v in views]
 
     async def one(job: tuple[int, int, list[tuple[int, int]]]) -> None:
         k, first, ranges = job
-        data = piece.spans[k].data
+        data = views[k]
 
         def run() -> list[str]:
             return [chunk_id(data[a:b]) for a, b in ranges]
 
         ids[k][first : first + len(ranges)] = await asyncio.to_thread(run)
 
-    await bounded(_hash_jobs(piece, chunk_size), one, min(4, os.cpu_count() or 2))
+    await bounded(_hash_jobs([len(v) for v in views], chunk_size), one,
+                  min(4, os.cpu_count() or 2))
     return ids
+
+
+async def _hash_piece(piece: StagedPiece, chunk_size: int) -> list[list[str]]:
+    """The chunk ids of every span of a staged piece, straight from the pool."""
+    return await hash_views([s.data for s in piece.spans], chunk_size)
