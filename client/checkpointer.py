@@ -6,7 +6,7 @@ the save flow (``save/``) hashes, dedups and uploads from that pool. One
 snapshot per rank is in flight at a time, so the pool holds one staged copy.
 
 Failover (with a server): the checkpointer serves its pool's committed chunks to
-peers (``peer.py``) and heartbeats (``heartbeat.py``); ``restore`` takes each chunk
+peers (``peer/``) and heartbeats (``heartbeat.py``); ``restore`` takes each chunk
 from the first tier that has it right (``restore/``): this node's pool, a local
 cache directory, peers, the store.
 """

@@ -50,9 +50,18 @@ from ckptd.hashing import chunk_spans
 from ckptd.knobs import MiB
 
 from ..dtypes import byte_view, torch_dtype
+from ..peer import PeerClient
 from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
 from ..restore.fill import unflatten
-from ..restore.sources import DirectoryCacheSource, LocalStoreSource, Source, StoreSource
+from ..restore.plan import fetch_restore_plan
+from ..restore.sources import (
+    DirectoryCacheSource,
+    LocalPoolSource,
+    LocalStoreSource,
+    PeerSource,
+    Source,
+    StoreSource,
+)
 from ..transport import Transport
 from .target import (
     META_KEY,
@@ -91,6 +100,10 @@ class _Index:
     # Opaque blobs: the stored box of their bytes, and whether DCP wrote them (then
     # they go back to the planner as written; a Checkpointer's bytes leaf is a value).
     blobs: dict[str, tuple[_StoredBox, bool]] = field(default_factory=dict)
+    # Live peers holding each chunk (from the server's restore plans) and the job's
+    # peer token they require: the peer tier, as a Checkpointer's restore has it.
+    peers: dict[str, list[str]] = field(default_factory=dict)
+    peer_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,10 @@ class Reader(StorageReader):
     cover the boxes it asks for, and verifies each against its id. ``url``,
     ``job`` and ``step`` may come from ``dcp.load(checkpoint_id=...)`` as for
     ``Writer``; ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``.
+
+    Chunks come through the restore engine's tiers, as for ``Checkpointer.restore``:
+    this rank's staging pool, the cache directory, live peers, the store;
+    ``bytes_from`` says how many bytes each gave (``bytes_read``: all of them).
 
     ``timeout`` bounds each storage call; ``read_budget`` bounds the bytes of
     shard buffers one batch of ``read_data`` holds."""
@@ -128,6 +145,7 @@ class Reader(StorageReader):
         self.read_budget = int(read_budget)
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
+        self.bytes_from: dict[str, int] = {}
         self._index: _Index | None = None
 
     def __repr__(self) -> str:
@@ -146,6 +164,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._index = None
         self.bytes_read = 0
+        self.bytes_from = {}
         if checkpoint_id is None:
             return
         step = _bare_step(checkpoint_id)
@@ -205,6 +224,12 @@ class Reader(StorageReader):
         index = _Index(step=step, world_size=record.world_size)
         for m in manifests:
             _index_manifest(index, m)
+        for r in range(record.world_size):  # no plan (a file:// store): no peers
+            _, peers, _, token = await fetch_restore_plan(transport, self.job, r, step)
+            index.peer_token = index.peer_token or token
+            for cid, urls in peers.items():
+                have = index.peers.setdefault(cid, [])
+                have.extend(u for u in urls if u not in have)
         return index
 
     def set_up_storage_reader(
@@ -277,6 +302,11 @@ class Reader(StorageReader):
         future.set_result(None)
         return future
 
+    def _count(self, bytes_from: dict[str, int]) -> None:
+        for tier, n in bytes_from.items():
+            self.bytes_from[tier] = self.bytes_from.get(tier, 0) + n
+        self.bytes_read += sum(bytes_from.values())
+
     def _read_blob(self, box: _StoredBox, written_by_dcp: bool) -> bytes:
         """An opaque blob's bytes, each chunk verified. A blob DCP wrote goes back as
         written (DCP's planner, not ckptd, decides how to read it); a Checkpointer's
@@ -287,12 +317,12 @@ class Reader(StorageReader):
         wanted = WantedChunks()
         for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
             wanted.add(cid, view[a:b], e.name)
-        step = self._require_index().step
+        index = self._require_index()
 
-        async def work(transport: Transport) -> int:
-            return await _fetch_chunks(transport, wanted, self.concurrency, step)
+        async def work(transport: Transport) -> dict[str, int]:
+            return await _fetch_chunks(transport, wanted, self.concurrency, index, self.job)
 
-        self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
+        self._count(_run(self.url, self.token, work, self.timeout, self.job))
         raw = buf.numpy().tobytes()
         if written_by_dcp:
             return raw
@@ -319,12 +349,12 @@ class Reader(StorageReader):
             for i in sorted(needed):
                 a, b = spans[i]
                 wanted.add(e.chunks[i], view[a:b], e.name)
-        step = self._require_index().step
+        index = self._require_index()
 
-        async def work(transport: Transport) -> int:
-            return await _fetch_chunks(transport, wanted, self.concurrency, step)
+        async def work(transport: Transport) -> dict[str, int]:
+            return await _fetch_chunks(transport, wanted, self.concurrency, index, self.job)
 
-        self.bytes_read += _run(self.url, self.token, work, self.timeout, self.job)
+        self._count(_run(self.url, self.token, work, self.timeout, self.job))
         for (box, reqs), buf in zip(batch, buffers, strict=True):
             for req in reqs:
                 source = buf
@@ -360,24 +390,47 @@ def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> list
 
 
 async def _fetch_chunks(transport: Transport, wanted: WantedChunks, concurrency: int,
-                        step: int) -> int:
-    """Each wanted chunk through the restore engine (``ChunkFetcher``): from the
-    local cache directory (``CKPTD_CACHE_DIR``) or the store (mapped in place for
-    a ``file://`` one), verified against its id, then delivered to every
-    destination; the bytes read. A chunk no source had right raises the engine's
-    typed error naming its entries."""
+                        index: _Index, job: str) -> dict[str, int]:
+    """Each wanted chunk through the restore engine's tiers (``ChunkFetcher``): this
+    rank's staging pool, the local cache directory (``CKPTD_CACHE_DIR``), live
+    peers, then the store (mapped in place for a ``file://`` one); each verified
+    against its id, then delivered to every destination; the bytes read. A chunk
+    no source had right raises the engine's typed error naming its entries."""
+    sources: list[Source] = []
+    entries = [(box.entry, box.chunk_size) for box in index.boxes.values()]
+    try:  # a pool we cannot read is a pool we do not have
+        pool = LocalPoolSource.open(job, _this_rank(), entries)
+    except Exception as exc:
+        log.warning("cannot read this rank's staging pool of %s: %s", job, exc)
+        pool = None
+    if pool is not None:
+        sources.append(pool)
     cache = knobs.cache_dir()
-    sources: list[Source] = [DirectoryCacheSource(cache)] if cache else []
+    if cache:
+        sources.append(DirectoryCacheSource(cache))
+    client = None
+    if index.peers:
+        client = PeerClient(index.peer_token)
+        sources.append(PeerSource(index.peers, client))
     sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
     fetcher = ChunkFetcher(sources, concurrency)
     try:
         found = await fetcher.locate_all(wanted)
         if fetcher.failed:
-            raise failure(fetcher, wanted, step)
+            raise failure(fetcher, wanted, index.step)
         await deliver(found, wanted)
     finally:
         fetcher.close()
-    return sum(fetcher.bytes_from.values())
+        if client is not None:
+            client.close()
+    return dict(fetcher.bytes_from)
+
+
+def _this_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _index_manifest(index: _Index, manifest: RankManifest) -> None:
