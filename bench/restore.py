@@ -348,7 +348,7 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[t
                     p.kill()
                     p.wait()
                 # Killed peers leave their pools in /dev/shm, as a crash would.
-                from ckptd.client.staging import remove_stale_pools
+                from ckptd.client.staging.reader import remove_stale_pools
 
                 remove_stale_pools(job=JOB)
 

@@ -1,5 +1,5 @@
 """Which chunks of a C-order tensor hold a sub-box: the one piece of geometry that
-restore (``ckptd.client.restore_geometry``) and the zarr view (``ckptd.zarr.grid``)
+restore (``ckptd.client.restore.geometry``) and the zarr view (``ckptd.zarr.grid``)
 share. Pure functions over shapes and sizes."""
 
 from __future__ import annotations

@@ -21,18 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, Shard
+    from .config import CheckpointerConfig
     from .failures import CloseResult, SnapshotFailureWarning
-    from .pipeline import SaveResult
-    from .restore import RestoreResult
+    from .restore.restorer import RestoreResult
+    from .save.snapshot import SaveResult
     from .stateful import ModelState, RNGState
     from .transport import HttpTransport, LocalTransport, Transport, open_transport
 
 _EXPORTS = {
     "Checkpointer": "checkpointer",
+    "CheckpointerConfig": "config",
     "RestoreResult": "checkpointer",
     "SaveHandle": "checkpointer",
     "Shard": "checkpointer",
-    "SaveResult": "pipeline",
+    "SaveResult": "save.snapshot",
     "CloseResult": "failures",
     "SnapshotFailureWarning": "failures",
     "RNGState": "stateful",
@@ -45,6 +47,7 @@ _EXPORTS = {
 
 __all__ = [
     "Checkpointer",
+    "CheckpointerConfig",
     "CloseResult",
     "HttpTransport",
     "LocalTransport",

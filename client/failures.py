@@ -18,9 +18,16 @@ from ckptd.errors import (
     Unavailable,
 )
 
-from .pipeline import wrap_error
-
 log = logging.getLogger("ckptd.client.checkpointer")
+
+
+def wrap_error(exc: BaseException, what: str) -> CkptdError:
+    """A typed error for anything that went wrong in the background."""
+    if isinstance(exc, CkptdError):
+        return exc
+    err = CkptdError(f"{what} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 class SnapshotFailureWarning(UserWarning):

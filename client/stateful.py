@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .state import is_stateful
+from .save.flatten import is_stateful
 
 
 class RNGState:

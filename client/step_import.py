@@ -33,7 +33,8 @@ from ckptd.errors import (
 )
 from ckptd.zarr.hierarchy import ATTR, RAW_DTYPES
 
-from .state import flatten, torch_dtype
+from .dtypes import torch_dtype
+from .save.flatten import flatten
 from .transport import open_transport
 
 log = logging.getLogger(__name__)

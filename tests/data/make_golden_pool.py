@@ -27,7 +27,7 @@ import struct
 import sys
 from pathlib import Path
 
-from ckptd.client.staging_format import (
+from ckptd.client.staging.format import (
     CONTROL_NAME,
     INDEX_NAME,
     ControlHeader,

@@ -231,3 +231,30 @@ def test_a_checkpointer_save_loads_through_dcp(tmp_path: Path) -> None:
     state["sched"].pop("best")
     assert_state_equal(state, target)
 
+
+
+def test_dcp_load_reads_this_ranks_staging_pool_before_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The restore engine's tiers under dcp.load: a step a Checkpointer saved is
+    # still in this rank's pool, so its chunks come from there (verified), and
+    # from the store once the pool is gone.
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(tmp_path / "shm"))
+    url = f"file://{tmp_path / 'store'}"
+    state = {"w": torch.randn(256, 64), "b": torch.arange(1000), "n": 7}
+
+    def empty() -> dict[str, Any]:
+        return {"w": torch.zeros(256, 64), "b": torch.zeros(1000, dtype=torch.int64), "n": 0}
+
+    with Checkpointer(url, "pooled", chunk_size=4096) as ckpt:
+        assert ckpt.save(1, state).wait(timeout=30).state == "committed"
+        target = empty()
+        reader = Reader(url, "pooled")
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert_state_equal(state, target)
+        assert reader.bytes_from.get("local", 0) == reader.bytes_read > 0
+    after = empty()
+    reader = Reader(url, "pooled")
+    dcp.load(after, storage_reader=reader, no_dist=True)
+    assert_state_equal(state, after)
+    assert reader.bytes_from.get("local", 0) == 0 and reader.bytes_from["store"] > 0

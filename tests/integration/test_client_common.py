@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ckptd.client.state import byte_view
+
+from ckptd.client.dtypes import byte_view
 
 
 @dataclass

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from ckptd.client import Checkpointer, LocalTransport, SaveResult, Shard, open_transport
-from ckptd.client.state import byte_view
 from test_client_common import (
     assert_bitwise,
     assert_trainer_equals,
@@ -21,6 +19,8 @@ from test_client_common import (
     training_state,
 )
 
+from ckptd.client import Checkpointer, LocalTransport, SaveResult, Shard, open_transport
+from ckptd.client.dtypes import byte_view
 from ckptd.errors import (
     AlreadyCommitted,
     CheckpointNotFound,
@@ -121,10 +121,10 @@ def test_staging_buffers_are_reused_between_saves(store: Path) -> None:
     state = {"w": torch.ones(1000), "b": torch.zeros(10)}
     with Checkpointer(url(store), "reuse") as ckpt:
         ckpt.save(1, state).wait(timeout=30)
-        first = dict(ckpt._staging._buffers)
+        first = dict(ckpt.staging._buffers)
         state["w"].add_(1)
         ckpt.save(2, state).wait(timeout=30)
-        second = dict(ckpt._staging._buffers)
+        second = dict(ckpt.staging._buffers)
         assert {k: v.data_ptr() for k, v in first.items()} == {
             k: v.data_ptr() for k, v in second.items()
         }
@@ -322,7 +322,7 @@ def test_sharded_and_local_entries_across_two_ranks(store: Path) -> None:
             manifest = await ckpts[1].transport.read_manifest("tp", 5, 1)
             return {e.name: (e.placement, e.global_shape, e.offsets) for e in manifest.entries}
 
-        assert ckpts[1]._loop.run(entries()) == {
+        assert ckpts[1]._call(entries(), 30) == {
             "w": ("sharded", [6, 4], [3, 0]),
             "bias": ("replicated", [4], [0]),
             "rng": ("local", [1], [0]),

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from ckptd.client import Checkpointer, HttpTransport, open_transport
-from ckptd.client.state import byte_view, flatten
 from test_client_common import (
     assert_bitwise,
     assert_trainer_equals,
@@ -21,6 +19,9 @@ from test_client_common import (
     training_state,
 )
 
+from ckptd.client import Checkpointer, HttpTransport, open_transport
+from ckptd.client.dtypes import byte_view
+from ckptd.client.save.flatten import flatten
 from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,

@@ -27,11 +27,11 @@ from rich.console import Console
 from test_client_common import assert_bitwise, snapshot
 
 from ckptd.client import Checkpointer, Shard
+from ckptd.client.dtypes import byte_view
 from ckptd.client.health.heartbeat import Heartbeat
 from ckptd.client.peer import PeerIndex, PeerServer
-from ckptd.client.restore import restore_command
-from ckptd.client.staging import StagingPool
-from ckptd.client.state import byte_view
+from ckptd.client.restore.prefetch import restore_command
+from ckptd.client.staging.pool import StagingPool
 from ckptd.errors import CheckpointNotFound, ChunkHashMismatch, NotCommitted, RestoreError
 from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.repository import Repository

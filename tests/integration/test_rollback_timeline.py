@@ -104,9 +104,11 @@ def test_saves_from_before_a_rollback_never_mix_into_a_step_saved_after_it(
 
 
 def test_the_epoch_key_of_meta_is_reserved(tmp_path: Path) -> None:
-    with Checkpointer(f"file://{tmp_path / 'store'}", "meta", shm_dir=tmp_path / "shm") as c:
-        with pytest.raises(Exception, match="epoch"):
-            c.save(1, state(1.0, 1), meta={"epoch": 3})
+    with (
+        Checkpointer(f"file://{tmp_path / 'store'}", "meta", shm_dir=tmp_path / "shm") as c,
+        pytest.raises(Exception, match="epoch"),
+    ):
+        c.save(1, state(1.0, 1), meta={"epoch": 3})
 
 
 def test_a_rank_that_restores_a_step_off_the_timeline_stays_fenced(

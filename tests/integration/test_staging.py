@@ -18,9 +18,13 @@ import torch
 from test_client_common import assert_bitwise, snapshot
 
 from ckptd.client import Checkpointer, Shard
-from ckptd.client import staging as staging_mod
-from ckptd.client.staging import StagingPool, pool_dir, remove_stale_pools
-from ckptd.client.state import byte_view
+from ckptd.client.dtypes import byte_view
+from ckptd.client.save.placement import placements
+from ckptd.client.staging import pool as staging_pool
+from ckptd.client.staging.layout import SEGMENT_GRAIN
+from ckptd.client.staging.pool import StagingPool
+from ckptd.client.staging.reader import remove_stale_pools
+from ckptd.client.staging.segments import pool_dir
 from ckptd.errors import InvalidRequest
 from ckptd.hashing import chunk_id
 
@@ -83,13 +87,13 @@ class CountingSegments:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[int] = []
-        real = staging_mod._create_segment
+        real = staging_pool._create_segment  # what the pool calls
 
         def counted(directory: Path, file: str, n: int, stats: Any) -> Any:
             self.calls.append(n)
             return real(directory, file, n, stats)
 
-        monkeypatch.setattr(staging_mod, "_create_segment", counted)
+        monkeypatch.setattr(staging_pool, "_create_segment", counted)
 
 
 def test_a_warm_save_allocates_nothing_and_copies_into_the_same_views(
@@ -186,7 +190,7 @@ def test_a_state_that_grows_adds_one_segment_and_keeps_the_old_one(
             ckpt.save(step, state).wait(timeout=30)
         assert len(created.calls) == 2
         need = 3 * 5 * 400_000
-        assert need <= ckpt.staging.stats.bytes_mapped <= need + 2 * staging_mod.SEGMENT_GRAIN
+        assert need <= ckpt.staging.stats.bytes_mapped <= need + 2 * SEGMENT_GRAIN
         assert_bitwise(restored(ckpt, 4), snapshot(state))
 
 
@@ -344,7 +348,8 @@ def test_explicit_placements_win_over_dtensor_layouts_which_win_over_the_default
         "dtensor": ("sharded", [2, 6], [0, 3]),
     }
     with Checkpointer(url, "place", shm_dir=shm, default_placement="local") as ckpt:
-        got = ckpt._placements(tensors, {"explicit": Shard((6, 3), (4, 0))}, ["local"], layouts)
+        got = placements(tensors, {"explicit": Shard((6, 3), (4, 0))}, ["local"], layouts,
+                         ckpt.default_placement)
         assert got == {
             "explicit": ("sharded", [6, 3], [4, 0]),
             "local": ("local", [2, 3], [0, 0]),
@@ -352,4 +357,5 @@ def test_explicit_placements_win_over_dtensor_layouts_which_win_over_the_default
             "plain": ("local", [2, 3], [0, 0]),
         }
         with pytest.raises(InvalidRequest):
-            ckpt._placements(tensors, {}, [], {"plain": ("sharded", [2, 3], [1, 0])})
+            placements(tensors, {}, [], {"plain": ("sharded", [2, 3], [1, 0])},
+                       ckpt.default_placement)

@@ -110,7 +110,7 @@ def test_checkpointer_saves_and_restores_over_https(
         assert torch.equal(back["w"], state["w"])
         # heartbeats get through over TLS too
         deadline = time.monotonic() + 20
-        while ckpt._service.heartbeat is not None and ckpt._service.heartbeat.beats == 0:
+        while ckpt.heartbeat is not None and ckpt.heartbeat.beats == 0:
             assert time.monotonic() < deadline, "no heartbeat got through over https"
             time.sleep(0.1)
     env = {**os.environ, "CKPTD_CA_BUNDLE": str(ca)}

@@ -3,8 +3,12 @@
 - The core (``ckptd/``, the CLI excepted) imports neither ``ckptd.client`` nor
   ``ckptd.server`` at module level.
 - The server never imports the client; the client never imports the server.
-- The restore flow (``client/restore*.py``) never writes a store directly: every
-  write goes through a ``Repository`` (``import_step``, ``put_chunk``).
+- The restore flow (``client/restore/``) never writes a store directly: every
+  write goes through a ``Repository`` (``import_step``, ``put_chunk``), and only
+  ``restore/prefetch.py`` (``ckptd restore --to DIR``) may import one at all.
+- The engine's packages depend one way: ``staging`` imports neither ``save`` nor
+  ``restore``; ``save`` and ``restore`` do not import each other; none of them
+  imports the faces built on them (``checkpointer``, ``dcp``).
 
 import-linter cannot see ``ckptd.client`` and ``ckptd.server`` (they live in
 ``client/`` and ``server/`` through setuptools' package-dir mapping), so this reads
@@ -170,3 +174,33 @@ def test_relative_imports_resolve_to_their_package(tmp_path: Path,
     path.write_text("from ...client import staging\nfrom ..deps import RepoDep\n")
     found = [i.module for i in imports(path)]
     assert "ckptd.client.staging" in found and "ckptd.server.deps" in found
+
+
+def package_sources(name: str) -> list[Path]:
+    return sorted((ROOT / "client" / name).rglob("*.py"))
+
+
+def test_only_the_prefetch_imports_a_repository_or_a_store_writer() -> None:
+    restore = [p for p in package_sources("restore") if p.name != "prefetch.py"]
+    assert restore
+    # Type-only imports (a Store in an annotation) are fine: nothing runs them.
+    assert violations(restore, ("ckptd.repository", "ckptd.store"),
+                      module_level_only=True) == []
+    assert [v for p in restore for v in violations(
+        [p], ("ckptd.repository", "ckptd.store.local", "ckptd.store.s3"),
+        module_level_only=False)] == []
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("staging", ("ckptd.client.save", "ckptd.client.restore")),
+        ("save", ("ckptd.client.restore",)),
+        ("restore", ("ckptd.client.save",)),
+    ],
+)
+def test_the_engine_packages_depend_one_way(package: str, forbidden: tuple[str, ...]) -> None:
+    paths = package_sources(package)
+    assert paths
+    faces = ("ckptd.client.checkpointer", "ckptd.client.dcp")
+    assert violations(paths, (*forbidden, *faces), module_level_only=False) == []

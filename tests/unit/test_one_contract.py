@@ -4,7 +4,7 @@
   outside ``client/transport*.py``, ``client/calls.py`` and ``client/routing.py``
   makes an httpx client or request, reaches into a transport's ``_request`` or
   ``_client``, or writes a server path (``/v1/...``, ``/healthz``) of its own. The
-  peer-to-peer client and server (``client/peer*.py``) talk to peers, not the server.
+  peer-to-peer client and server (``client/peer/``) talk to peers, not the server.
 - The client reads each answer with the very model the server's route answers with
   (``ckptd.api``, or the format's own documents).
 """
@@ -25,7 +25,7 @@ from ckptd.format import RankManifest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSPORT = {"transport.py", "transport_http.py", "calls.py", "routing.py"}
-PEERS = {"peer.py", "peer_http.py"}  # peer to peer: another protocol, another party
+PEERS = ROOT / "client" / "peer"  # peer to peer: another protocol, another party
 HTTPX_CALLS = {"Client", "AsyncClient", "get", "post", "put", "delete", "patch", "head",
                "request", "stream", "HTTPTransport", "AsyncHTTPTransport"}
 PRIVATE = {"_request", "_client"}
@@ -69,7 +69,8 @@ def hand_made_calls(source: str, name: str) -> list[str]:
 
 def sources() -> list[Path]:
     client = [p for p in sorted((ROOT / "client").rglob("*.py"))
-              if p.name not in TRANSPORT | PEERS or p.parent != ROOT / "client"]
+              if not (p.name in TRANSPORT and p.parent == ROOT / "client")
+              and PEERS not in p.parents]
     return client + sorted((ROOT / "ckptd" / "cli").rglob("*.py"))
 
 

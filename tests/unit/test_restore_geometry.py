@@ -1,4 +1,4 @@
-"""Properties of restore geometry (``ckptd.client.restore_geometry``): for any global
+"""Properties of restore geometry (``ckptd.client.restore.geometry``): for any global
 shape, tiling (world size), chunk size, element size and needed box, filling the
 box from the stored boxes' chunks writes each byte exactly once, from the chunk
 that holds it, and fetches only chunks that hold a needed byte."""
@@ -12,15 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptd.client.restore_geometry import (
-    Box,
-    c_strides,
-    chunk_ranges,
-    covering_chunks,
-    fills,
-    overlap,
-    slice_plan,
-)
+from ckptd.client.restore.geometry import Box, chunk_ranges, fills, overlap, slice_plan
+from ckptd.geometry import c_strides, covering_chunks
 
 
 @st.composite

@@ -12,7 +12,7 @@ def test_restore_to_shows_bytes_and_rate(tmp_path: Path) -> None:
     import torch
 
     from ckptd.client import Checkpointer
-    from ckptd.client.restore import restore_command
+    from ckptd.client.restore.prefetch import restore_command
 
     url = f"file://{tmp_path / 'store'}"
     with Checkpointer(url, job="pre", chunk_size=64 * 1024, shm_dir=tmp_path / "shm") as ckpt:

@@ -19,15 +19,16 @@ from types import ModuleType
 import pytest
 import torch
 
-from ckptd.client.restore import LocalPoolSource
-from ckptd.client.staging import StagingPool, pool_dir
-from ckptd.client.staging_format import (
+from ckptd.client.restore.sources import LocalPoolSource
+from ckptd.client.staging.format import (
     CONTROL_NAME,
     INDEX_NAME,
     POOL_VERSION,
     ControlHeader,
     PoolIndex,
 )
+from ckptd.client.staging.pool import StagingPool
+from ckptd.client.staging.segments import pool_dir
 from ckptd.errors import InvalidDocument, UnsupportedFormat
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id

@@ -1,4 +1,5 @@
-"""State dicts to the manifest's tree and named tensors, and back (ckptd.client.state)."""
+"""State dicts to the manifest's tree and named tensors, and back
+(``ckptd.client.save.flatten``, ``ckptd.client.restore.fill``)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.client.state import (
-    TensorSpec,
-    byte_view,
-    dtype_name,
-    fill,
-    flatten,
-    plan_fill,
-    tensor_specs,
-    torch_dtype,
-    unflatten,
-    value_tree,
-)
+from ckptd.client.dtypes import byte_view, dtype_name, torch_dtype
+from ckptd.client.restore.fill import TensorSpec, fill, plan_fill, tensor_specs, unflatten
+from ckptd.client.save.flatten import flatten, value_tree
 from ckptd.errors import InvalidDocument, RestoreError, UnsupportedValue
 from ckptd.format import TensorEntry, canonical_json, check_tree
 

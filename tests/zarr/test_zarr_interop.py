@@ -204,7 +204,7 @@ def test_cli_export_import_and_diff_against_a_server(server: ServerProcess,
 
 
 def test_every_dtype_reads_exports_and_imports_back_bitwise(tmp_path: Path, shm: Path) -> None:
-    from ckptd.client.state import _DTYPE_NAMES
+    from ckptd.client.dtypes import _DTYPE_NAMES
     from ckptd.dtypes import ITEMSIZE
     from ckptd.zarr import CheckpointStore
 

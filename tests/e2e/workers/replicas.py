@@ -13,7 +13,8 @@ import torch.distributed as dist
 from common import finish, global_tensor, init, same_bits
 
 from ckptd.client import Checkpointer
-from ckptd.client.state import byte_view, flatten
+from ckptd.client.dtypes import byte_view
+from ckptd.client.save.flatten import flatten
 from ckptd.hashing import chunk_id, chunk_spans
 
 

@@ -1,105 +1,26 @@
-"""The background side of the client: a thread with its own asyncio loop where the
-transport lives, and the snapshot pipeline (hash, ask what is missing, upload, put
-the manifest, commit). Restores run on the same loop (``restore.py``).
-
-The pipeline reads the staging pool in place: chunks are slices of the pool's
-mapping, hashed by blake3 in worker threads (it releases the GIL) and handed to the
-transport as memoryviews. It never cancels work that may still read the pool (see
-``bounded``), so a finished snapshot future means the pool is free to overwrite.
-"""
+"""A snapshot's upload: hash each staged piece, ask what is missing, upload it,
+put the manifest, commit; and what a finished snapshot did (``SaveResult``)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from ckptd import knobs
-from ckptd.errors import (
-    CkptdError,
-    Timeout,
-    Unavailable,
-)
+from ckptd.errors import CkptdError, Unavailable
 from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry
-from ckptd.hashing import chunk_count, chunk_id, chunk_spans
+from ckptd.hashing import chunk_count
 
-from .staging import StagedPiece, TensorInfo
-from .state import dtype_name
-from .transport import Transport
+from ..dtypes import dtype_name
+from ..staging.layout import StagedPiece, TensorInfo
+from ..transport import Transport
+from .chunks import _hash_piece, upload_missing
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-Item = TypeVar("Item")
-
-
-class EventLoopThread:
-    """A daemon thread running one asyncio loop; coroutines go in from any thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedules ``coro`` on the loop; the future completes with its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Runs ``coro`` on the loop and waits for it; ``Timeout`` after ``timeout``."""
-        future = self.submit(coro)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise Timeout(f"gave up after {timeout} s") from None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops the loop and joins the thread (after the caller's own cleanup)."""
-        if not self._thread.is_alive():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-async def bounded(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:
-    """Runs ``fn`` over ``items`` with at most ``limit`` at once.
-
-    On the first error no new item starts, the ones running finish, and that error
-    is raised. Nothing is cancelled: a running item may be a thread reading the
-    staging pool (hashing, a store writing a chunk), and the pool is overwritten by
-    the next save as soon as this returns, so it must not return under a reader."""
-    it = iter(items)
-    failed: list[BaseException] = []
-
-    async def worker() -> None:
-        for item in it:  # one shared iterator: each item goes to one worker
-            if failed:
-                return
-            try:
-                await fn(item)
-            except BaseException as exc:
-                failed.append(exc)
-                return
-
-    await asyncio.gather(*(worker() for _ in range(max(1, limit))))
-    if failed:
-        raise failed[0]
-
-
-# -- save -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,84 +68,7 @@ class Snapshot:
         return sum(t.nbytes for t in self.tensors)
 
 
-_HASH_BATCH_BYTES = 16 << 20  # one worker's share of a span, in whole chunks
 _PLACEHOLDER_ID = "0" * 64
-
-
-def _hash_jobs(piece: StagedPiece, chunk_size: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """(span number, first chunk number in the span, byte ranges) per hashing job."""
-    per_job = max(1, _HASH_BATCH_BYTES // chunk_size)
-    jobs = []
-    for k, span in enumerate(piece.spans):
-        ranges = list(chunk_spans(span.end - span.start, chunk_size))
-        for i in range(0, len(ranges), per_job):
-            jobs.append((k, i, ranges[i : i + per_job]))
-    return jobs
-
-
-async def upload_missing(
-    transport: Transport,
-    data: Mapping[str, memoryview],
-    claimer: str,
-    *,
-    poll: float = 0.05,
-    what: str = "",
-) -> tuple[int, int]:
-    """Sends the chunks of ``data`` the store lacks (claiming them for ``claimer``)
-    and waits for those another replica claimed; returns (chunks, bytes) sent.
-
-    The buffers in ``data`` stay the caller's until this returns: a claim that
-    lapses comes back missing, to us, and then we send it."""
-    sent = [0, 0]
-
-    async def upload(cid: str) -> None:
-        chunk = data[cid]
-        await transport.put_chunk(cid, chunk)
-        sent[0] += 1
-        sent[1] += len(chunk)
-
-    async def ask(ids: list[str]) -> list[str]:
-        """Sends what is missing among ``ids``; returns those in flight elsewhere."""
-        waiting: list[str] = []
-        batch = knobs.missing_batch()
-        for i in range(0, len(ids), batch):
-            answer = await transport.missing_chunks(ids[i : i + batch], claimer)
-            await bounded(answer.missing, upload, knobs.upload_concurrency())
-            waiting.extend(answer.in_flight)
-        return waiting
-
-    in_flight = await ask(list(data))
-    delay = poll
-    while in_flight:
-        # Another replica claimed these and is sending them. Ask again: sent ones
-        # are gone from the answer, and a claim that lapsed comes back missing.
-        log.debug("%s %s: waiting for %d chunks another replica sends",
-                  claimer, what, len(in_flight))
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
-        in_flight = await ask(in_flight)
-    return sent[0], sent[1]
-
-
-async def _hash_piece(piece: StagedPiece, chunk_size: int) -> list[list[str]]:
-    """The chunk ids of every span of a staged piece, hashed in worker threads
-    straight from the pool (slices of its mapping: no copy). Chunks from
-    ``knobs.hash_threads_threshold()`` up also use blake3's own threads."""
-    ids: list[list[str]] = [
-        [""] * len(range(0, s.end - s.start, chunk_size)) for s in piece.spans
-    ]
-
-    async def one(job: tuple[int, int, list[tuple[int, int]]]) -> None:
-        k, first, ranges = job
-        data = piece.spans[k].data
-
-        def run() -> list[str]:
-            return [chunk_id(data[a:b]) for a, b in ranges]
-
-        ids[k][first : first + len(ranges)] = await asyncio.to_thread(run)
-
-    await bounded(_hash_jobs(piece, chunk_size), one, min(4, os.cpu_count() or 2))
-    return ids
 
 
 class SnapshotUpload:
@@ -380,11 +224,3 @@ class SnapshotUpload:
             total_seconds=total,
         )
 
-
-def wrap_error(exc: BaseException, what: str) -> CkptdError:
-    """A typed error for anything that went wrong in the background."""
-    if isinstance(exc, CkptdError):
-        return exc
-    err = CkptdError(f"{what} failed: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err

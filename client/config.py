@@ -1,0 +1,107 @@
+"""One checkpointer's settings, as one frozen value (``CheckpointerConfig``): the
+``Checkpointer`` keyword arguments build it, ``Checkpointer.from_config`` takes it,
+and the saver, the restorer and the failover agent each read what they need."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from ckptd import knobs
+from ckptd.errors import InvalidRequest
+from ckptd.format import check_job, check_rank
+from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
+from .endpoint import endpoint
+from .staging.layout import PAGE
+
+if TYPE_CHECKING:
+    from .health.heartbeat import HealthFn
+    from .health.policy import Policy
+    from .health.probe import ReadingSource
+
+OnBusy = Literal["wait", "skip"]
+OnError = Literal["raise", "warn"]
+DefaultPlacement = Literal["replicated", "local"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointerConfig:
+    """What a ``Checkpointer`` is made of (see its docstring for each setting).
+
+    Built by ``CheckpointerConfig.of(...)`` (the ``Checkpointer`` keyword arguments,
+    with the environment's defaults filled in and every value checked) or directly
+    with resolved values; ``replace`` gives a changed copy, checked again."""
+
+    url: str
+    job: str
+    rank: int = 0
+    world_size: int = 1
+    token: str | None = None
+    chunk_size: int = field(default_factory=knobs.chunk_size)
+    default_placement: DefaultPlacement = "replicated"
+    on_busy: OnBusy = "wait"
+    on_error: OnError = "raise"
+    timeout: float | None = None
+    staging_budget: int | None = None
+    shm_dir: str | os.PathLike[str] | None = None
+    serve_peers: bool | None = None
+    peer_host: str | None = None
+    peer_port: int | None = None
+    heartbeat_interval: float | None = None
+    health: HealthFn | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    health_policy: Policy | str | os.PathLike[str] | None = None
+    health_sources: Iterable[ReadingSource] | None = None
+
+    def __post_init__(self) -> None:
+        check_job(self.job)
+        check_rank(self.rank, self.world_size, job=self.job)
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise InvalidRequest(
+                f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
+            )
+        if self.default_placement not in ("replicated", "local"):
+            raise InvalidRequest(
+                f"default_placement must be 'replicated' or 'local', not "
+                f"{self.default_placement!r}"
+            )
+        if self.on_busy not in ("wait", "skip"):
+            raise InvalidRequest(f"on_busy must be 'wait' or 'skip', not {self.on_busy!r}")
+        if self.on_error not in ("raise", "warn"):
+            raise InvalidRequest(f"on_error must be 'raise' or 'warn', not {self.on_error!r}")
+        if self.staging_budget is not None and self.staging_budget < self.chunk_size + PAGE:
+            raise InvalidRequest(
+                f"staging_budget {self.staging_budget} cannot hold one chunk of "
+                f"{self.chunk_size} bytes; it needs at least {self.chunk_size + PAGE}"
+            )
+
+    @classmethod
+    def of(
+        cls,
+        url: str | None = None,
+        job: str = "",
+        rank: int = 0,
+        world_size: int = 1,
+        token: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        on_error: OnError | None = None,
+        **settings: Any,
+    ) -> CheckpointerConfig:
+        """The config of ``Checkpointer(url, job, rank, world_size, token, ...)``:
+        ``url`` and ``token`` default to ``CKPTD_URL`` / ``CKPTD_TOKEN``, the chunk
+        size to ``CKPTD_CHUNK_SIZE``, ``on_error`` to ``CKPTD_ON_ERROR`` or "raise"."""
+        url, token = endpoint(url, token)
+        if on_error is None:
+            on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
+        size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
+        return cls(url, job, rank, world_size, token, chunk_size=size, on_error=on_error,
+                   **settings)
+
+    def replace(self, **changes: Any) -> CheckpointerConfig:
+        """A copy with ``changes`` (checked like a new one)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,144 @@
+"""A checkpointer's part in failover: serving the pool's committed chunks to
+peers, heartbeats to the server, and the training loop's health (probe,
+coordinated snapshots, rollback). The wiring into ``peer``, ``heartbeat`` and
+``health`` lives here, and only here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .health.heartbeat import Heartbeat, HeartbeatReply
+from .peer import PeerIndex, PeerServer, PeerService
+from .session import Session
+from .transport import HttpTransport
+
+if TYPE_CHECKING:
+    from .health.agent import HealthAgent
+    from .restore.sources import LocalPoolSource
+
+log = logging.getLogger("ckptd.client.checkpointer")
+
+
+class FailoverAgent:
+    """The peer server and heartbeats (with an HTTP server only: a ``file://`` store
+    has nobody to register with, so peers could not find this one), and the health
+    agent, which starts with the first ``step()`` so that checkpointers that never
+    report steps run no probe."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._health: HealthAgent | None = None
+        self.service = self._start_service()
+
+    def _start_service(self) -> PeerService:
+        s, c = self.session, self.session.config
+        if not isinstance(s.transport, HttpTransport):
+            return PeerService(None, None)
+        server = None
+        if c.serve_peers is None or c.serve_peers:
+            # No token yet: the job's peer token comes with the first heartbeat reply.
+            server = PeerServer(host=c.peer_host, port=c.peer_port, job=c.job, rank=c.rank,
+                                route_to=s.transport.url).start()
+        heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
+                              interval=c.heartbeat_interval, health=c.health)
+        service = PeerService(server, heartbeat)
+        service.start()
+        return service
+
+    # -- peers and heartbeats ---------------------------------------------------------
+
+    @property
+    def server(self) -> PeerServer | None:
+        return self.service.server
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        return self.service.heartbeat
+
+    @property
+    def last_heartbeat_reply(self) -> HeartbeatReply | None:
+        hb = self.service.heartbeat
+        return hb.last_reply if hb is not None else None
+
+    @property
+    def url(self) -> str | None:
+        """This rank's peer address (a restore does not ask itself)."""
+        return self.service.url
+
+    def note_step(self, step: int) -> None:
+        self.service.note_step(step)
+
+    def staging(self) -> None:
+        """What peers were served is about to be overwritten."""
+        self.service.staging()
+
+    def uploaded(self, index: PeerIndex, committed: bool) -> None:
+        """A snapshot is in: serve its chunks to peers (now if committed)."""
+        if committed:
+            self.service.committed(index)
+        else:
+            self.service.pending(index)
+
+    def adopted(self, index: PeerIndex, pool: LocalPoolSource, *, beat: bool) -> None:
+        """Serves the verified chunks of this node's pool (closes the pool when this
+        rank serves no peers)."""
+        if self.service.server is not None:
+            self.service.adopted(index, pool, beat=beat)
+        else:
+            pool.close()
+
+    def snapshot_failed(self, message: str) -> None:
+        hb = self.service.heartbeat
+        if hb is not None:
+            hb.note_snapshot_failure(message)
+
+    # -- health -----------------------------------------------------------------------
+
+    @property
+    def health_started(self) -> HealthAgent | None:
+        return self._health
+
+    def health(self, latest: Callable[[], int | None], epoch: Callable[[], int | None]
+               ) -> HealthAgent:
+        """The health agent, started on first use (call under the session's lock)."""
+        if self._health is None:
+            from .health.agent import HealthAgent
+
+            s, c = self.session, self.session.config
+            self._health = HealthAgent(
+                c.url, c.job, c.rank, c.world_size, c.token,
+                policy=c.health_policy, sources=c.health_sources,
+                heartbeat=self.service.heartbeat, latest=latest, epoch=epoch,
+                disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
+                timeout=s.timeout or 10.0,
+            ).start()
+        return self._health
+
+    def restored(self, step: int) -> None:
+        """The loop is back at committed ``step``: a rollback to it is done."""
+        if self._health is not None:
+            self._health.acknowledge_rollback(step)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def close(self, failed: bool) -> None:
+        """Stops the health agent, heartbeats and the peer server; a rank with failed
+        snapshots beats once more first (the last word on its failures)."""
+        c = self.session.config
+        hb = self.service.heartbeat
+        if hb is not None and failed:
+            hb.beat_now()
+        if self._health is not None:
+            try:
+                self._health.close()
+            except Exception as exc:  # closing must not fail the caller's shutdown
+                log.warning("%s/%d: stopping the health probe failed: %s", c.job, c.rank, exc)
+        try:
+            self.service.close()
+        except Exception as exc:  # closing must not fail the caller's shutdown
+            log.warning("%s/%d: stopping heartbeats and the peer server failed: %s",
+                        c.job, c.rank, exc)
+
+

@@ -1,0 +1,106 @@
+"""The client's event loops and its one rule for bounded concurrency.
+
+Every coroutine of the client runs on one of two kinds of loop: the long-lived
+``EventLoopThread`` a ``Checkpointer`` owns (its transport lives there; saves,
+restores and heartbeats go through it), or a private loop that ``run_private``
+starts for one synchronous call (the DCP adapter, ``ckptd restore --to DIR``), so
+that the call works from any thread, inside a running event loop or not.
+
+The cancellation rule, one for save, restore and DCP alike (``bounded``): an
+error never cancels other work. On the first error no new item starts, the ones
+running finish, and that error is raised. A running item may be a thread reading
+the staging pool (hashing, a store writing a chunk, a copy into the target), and
+the pool is overwritten by the next save, and the target read by the caller, as
+soon as the call returns: it must not return under a reader. Only a caller's
+deadline cancels (``EventLoopThread.run``, ``run_private``), and then the
+coroutine unwinds (its ``finally`` blocks run) before the call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from ckptd.errors import CkptdError, Timeout
+
+T = TypeVar("T")
+Item = TypeVar("Item")
+
+
+class EventLoopThread:
+    """A daemon thread running one asyncio loop; coroutines go in from any thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedules ``coro`` on the loop; the future completes with its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs ``coro`` on the loop and waits for it; ``Timeout`` after ``timeout``."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise Timeout(f"gave up after {timeout} s") from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the loop and joins the thread (after the caller's own cleanup)."""
+        if not self._thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
+                what: str = "call", name: str = "ckptd-call") -> T:
+    """Runs ``coro`` to completion on a private event loop in a worker thread and
+    returns its result. Past ``timeout`` seconds it is cancelled, unwinds, and
+    ``Timeout`` says that ``what`` gave up."""
+
+    async def body() -> T:
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
+            raise
+        except TimeoutError:
+            raise Timeout(f"{what} gave up after {timeout} s") from None
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        return pool.submit(asyncio.run, body()).result()
+
+
+async def bounded(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:
+    """Runs ``fn`` over ``items`` with at most ``limit`` at once.
+
+    On the first error no new item starts, the ones running finish, and that error
+    is raised; nothing is cancelled (the module's rule)."""
+    it = iter(items)
+    failed: list[BaseException] = []
+
+    async def worker() -> None:
+        for item in it:  # one shared iterator: each item goes to one worker
+            if failed:
+                return
+            try:
+                await fn(item)
+            except BaseException as exc:
+                failed.append(exc)
+                return
+
+    await asyncio.gather(*(worker() for _ in range(max(1, limit))))
+    if failed:
+        raise failed[0]

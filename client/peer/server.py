@@ -1,0 +1,325 @@
+"""``PeerServer``: serves, by chunk id over HTTP, the chunks of this rank's pool
+that a ``PeerIndex`` names, while they stay valid (the package docstring tells
+the design)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import re
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from ckptd import knobs
+from ckptd.errors import (
+    ChunkNotFound,
+    CkptdError,
+    Conflict,
+    Unauthorized,
+    Unavailable,
+)
+
+from .http import BoundedHTTPServer, PeerRequest
+
+log = logging.getLogger(__name__)
+
+
+_CHUNK_PATH = re.compile(r"^/v1/chunks/([0-9a-f]{64})$")
+
+
+_BUSY_WAIT = 2.0  # seconds a request waits for a serving slot before 503
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIndex:
+    """What a peer serves: chunk id -> its bytes (a view of the pool), the
+    committed step they belong to, and ``valid``, true while the views still hold
+    those bytes (the staging seqlock for a live pool)."""
+
+    step: int | None
+    chunks: Mapping[str, memoryview]
+    valid: Callable[[], bool] = _always
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.chunks.values())
+
+
+EMPTY_INDEX = PeerIndex(step=None, chunks={})
+
+
+@dataclass(slots=True)
+class PeerStats:
+    """Counts of what a peer server answered."""
+
+    served: int = 0
+    bytes_served: int = 0
+    not_found: int = 0
+    stale: int = 0  # refused: the buffer was being overwritten
+    busy: int = 0  # refused: too many requests at once
+    unauthorized: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        with self.lock:
+            return {k: getattr(self, k) for k in
+                    ("served", "bytes_served", "not_found", "stale", "busy", "unauthorized")}
+
+
+def route_address(toward: str | None = None) -> str:
+    """This host's address on the route toward ``toward`` (a URL or host; default:
+    the default route), as peers and the server see it: never ``localhost``. A UDP
+    ``connect`` sends nothing; it only asks the kernel which source it would use."""
+    host = urlparse(toward).hostname if toward and "//" in toward else toward
+    target = host or "10.255.255.255"
+    try:
+        infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class PeerServer:
+    """Serves the published chunks of this process's staging pool to peers.
+
+    ``start()`` binds ``host:port`` (``CKPTD_PEER_HOST``, default 127.0.0.1;
+    ``CKPTD_PEER_PORT``, default 0: the OS picks) and returns at once; ``url`` is
+    what peers should use. ``publish(index)`` replaces what is served;
+    ``close()`` stops serving and drops open connections. A request that finds all
+    ``concurrency`` slots taken waits ``busy_wait`` seconds for one, then gets 503.
+
+    Every request but ``/healthz`` must carry the job's peer token
+    (``set_token``, from the server's heartbeat replies; ``token`` to start with):
+    until one is set, nothing is served. Connections are served by a fixed pool of
+    threads with read deadlines (``peer.http.BoundedHTTPServer``)."""
+
+    def __init__(
+        self,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        token: str | None = None,
+        concurrency: int | None = None,
+        advertise_host: str | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        busy_wait: float = _BUSY_WAIT,
+        route_to: str | None = None,
+        head_timeout: float = 5.0,
+    ) -> None:
+        self.host = knobs.peer_host() if host is None else host
+        self.port = knobs.peer_port() if port is None else int(port)
+        self._tokens: tuple[str, ...] = (token,) if token else ()
+        self.route_to = route_to
+        self.head_timeout = head_timeout
+        self.concurrency = max(1, knobs.peer_concurrency() if concurrency is None
+                               else int(concurrency))
+        self.advertise_host = advertise_host or knobs.peer_advertise_host()
+        self.job = job
+        self.rank = rank
+        self.busy_wait = busy_wait
+        self.stats = PeerStats()
+        self._index = EMPTY_INDEX
+        self._slots = threading.BoundedSemaphore(self.concurrency)
+        self._scratch: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._httpd: BoundedHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> PeerServer:
+        """Binds and starts serving on a daemon thread. Idempotent."""
+        with self._lock:
+            if self._httpd is not None:
+                return self
+            try:
+                httpd = BoundedHTTPServer(
+                    (self.host, self.port), self._handle,
+                    workers=self.concurrency + 4, queued=64, head_timeout=self.head_timeout,
+                    idle_timeout=self.head_timeout, on_refused=lambda: self.stats.add("busy"),
+                )
+            except OSError as exc:
+                raise Unavailable(
+                    f"peer chunk server cannot bind {self.host}:{self.port}: {exc}",
+                    host=self.host, port=self.port,
+                ) from exc
+            self.port = int(httpd.server_address[1])
+            self._httpd = httpd
+            httpd.start()
+        log.info("peer chunk server for %s/%s at %s", self.job, self.rank, self.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` peers reach this server at."""
+        host = self.advertise_host
+        if host is None:
+            host = self.host
+            if host in ("", "0.0.0.0", "::"):
+                # The address on the route to the ckptd server: the one its
+                # heartbeats come from, which the server accepts (getfqdn() gave
+                # "localhost" on many hosts).
+                host = route_address(self.route_to)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None
+
+    def close(self) -> None:
+        """Stops serving, closes the listening socket and every open connection."""
+        with self._lock:
+            httpd, self._httpd = self._httpd, None
+        self._index = EMPTY_INDEX
+        if httpd is not None:
+            httpd.close()
+
+    def __enter__(self) -> PeerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- who may ask --------------------------------------------------------------------
+
+    def set_token(self, token: str | None) -> None:
+        """The job's peer token from now on (the one before it still counts, so
+        that restores planned just before a change go on)."""
+        if token and (not self._tokens or token != self._tokens[0]):
+            self._tokens = (token, *self._tokens[:1])
+
+    @property
+    def token(self) -> str | None:
+        return self._tokens[0] if self._tokens else None
+
+    def _authorized(self, request: PeerRequest) -> bool:
+        got = request.headers.get("authorization", "").encode()
+        ok = False
+        for token in self._tokens:  # every one compared: constant time in the token
+            ok |= hmac.compare_digest(got, f"Bearer {token}".encode())
+        if not ok:
+            self.stats.add("unauthorized")
+            request.json(401, Unauthorized("missing or wrong peer token").to_json(),
+                         {"WWW-Authenticate": "Bearer"})
+        return ok
+
+    def _handle(self, request: PeerRequest) -> None:
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            request.json(200, {"status": "ok"})
+            return
+        if not self._authorized(request):
+            return
+        if path == "/v1/peer":
+            request.json(200, self.describe())
+            return
+        match = _CHUNK_PATH.match(path)
+        if match is None:
+            request.json(404, CkptdError(f"no route {path[:200]}").to_json())
+            return
+        self.serve_chunk(request, match.group(1))
+
+    # -- what is served -----------------------------------------------------------------
+
+    def publish(self, index: PeerIndex) -> None:
+        """Serves ``index`` from now on (replacing what was served)."""
+        self._index = index
+        log.debug("peer %s/%s: serving %d chunks (%d bytes) of step %s",
+                  self.job, self.rank, len(index.chunks), index.nbytes, index.step)
+
+    def clear(self) -> None:
+        """Serves nothing (a new save is about to overwrite the pool)."""
+        self._index = EMPTY_INDEX
+
+    @property
+    def index(self) -> PeerIndex:
+        return self._index
+
+    @property
+    def held_step(self) -> int | None:
+        """The committed step whose chunks are served now, if they are still valid."""
+        index = self._index
+        return index.step if index.chunks and index.valid() else None
+
+    def describe(self) -> dict[str, Any]:
+        index = self._index
+        valid = bool(index.chunks) and index.valid()
+        return {
+            "job": self.job,
+            "rank": self.rank,
+            "step": index.step if valid else None,
+            "chunks": len(index.chunks) if valid else 0,
+            "stats": self.stats.as_dict(),
+        }
+
+    # -- serving ------------------------------------------------------------------------
+
+    def serve_chunk(self, request: PeerRequest, cid: str) -> None:
+        if not self._slots.acquire(timeout=self.busy_wait):
+            self.stats.add("busy")
+            request.json(503, Unavailable("peer busy: too many chunk requests at once")
+                         .to_json(), {"Retry-After": "1"})
+            return
+        try:
+            index = self._index
+            view = index.chunks.get(cid)
+            if view is None:
+                self.stats.add("not_found")
+                request.json(404, ChunkNotFound(f"this peer does not hold chunk {cid}", id=cid)
+                             .to_json())
+                return
+            # Seqlock read: valid before, copy out, valid after. A save that started
+            # overwriting the pool in between makes the copy worthless: refuse it.
+            if not index.valid():
+                self.stats.add("stale")
+                request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid).to_json())
+                return
+            n = len(view)
+            scratch = self._take_scratch(n)
+            try:
+                out = memoryview(scratch)[:n]
+                out[:] = view
+                if not index.valid():
+                    self.stats.add("stale")
+                    request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid)
+                                 .to_json())
+                    return
+                headers = {"Content-Type": "application/octet-stream"}
+                if index.step is not None:
+                    headers["X-Ckptd-Step"] = str(index.step)
+                request.send(200, headers, out)
+                out.release()
+            finally:
+                self._scratch.put(scratch)
+            self.stats.add("served")
+            self.stats.add("bytes_served", n)
+        finally:
+            self._slots.release()
+
+    def _take_scratch(self, n: int) -> bytearray:
+        try:
+            buf = self._scratch.get_nowait()
+        except queue.Empty:
+            buf = bytearray(n)
+        if len(buf) < n:
+            buf = bytearray(n)
+        return buf

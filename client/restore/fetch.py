@@ -1,0 +1,271 @@
+"""The fetch engine: each wanted chunk from the first source whose bytes verify,
+in place or landed in fresh memory, then delivered to its destinations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import mmap
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ckptd import knobs
+from ckptd.errors import (
+    ChunkHashMismatch,
+    ChunkNotFound,
+    ChunkSizeMismatch,
+    CkptdError,
+    RestoreError,
+)
+from ckptd.knobs import MiB
+
+from ..loop import bounded
+from .sources import ChunkProblem, ProblemKind, Source, copy_bytes, verify_hash
+
+HUGE_FROM = 4 * MiB  # fresh buffers this large come from huge-page-advised maps
+
+
+class Landing:
+    """Fresh memory for chunks that arrive over the network and have no fresh
+    buffer of their own to land in: anonymous maps in blocks, advised to use huge
+    pages (fresh 4 KiB pages cost more than the copy into them)."""
+
+    def __init__(self, block: int = 256 * MiB) -> None:
+        self.block = block
+        self._current: memoryview | None = None
+        self._used = 0
+
+    def take(self, n: int) -> memoryview:
+        if self._current is None or self._used + n > len(self._current):
+            self._current = fresh_bytes(max(n, self.block))
+            self._used = 0
+        view = self._current[self._used : self._used + n]
+        self._used += n
+        return view
+
+
+def fresh_bytes(n: int) -> memoryview:
+    """``n`` writable fresh bytes; large ones from an anonymous map advised to use
+    transparent huge pages (the kernel then zeroes 2 MiB at a time)."""
+    if n < HUGE_FROM:
+        return memoryview(bytearray(n))
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(mm)
+
+
+def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; large ones in huge-page-advised memory."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n < HUGE_FROM:
+        return torch.empty(tuple(shape), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about its own writability checks
+        flat = torch.frombuffer(fresh_bytes(n), dtype=torch.uint8)
+    return flat.view(dtype).view(tuple(shape))
+
+
+class ChunkFetcher:
+    """Finds each chunk in the first source whose bytes verify: in place for
+    in-place sources (the pool, the cache), else fetched into a landing buffer."""
+
+    def __init__(self, sources: Sequence[Source], concurrency: int | None = None) -> None:
+        self.sources = list(sources)
+        self.concurrency = concurrency or knobs.restore_concurrency()
+        self.bytes_from: dict[str, int] = {s.tier: 0 for s in self.sources}
+        self.problems: list[ChunkProblem] = []
+        self.failed: dict[str, list[ChunkProblem]] = {}
+        self.tier_of: dict[str, str] = {}  # chunk id -> tier it came from
+        self.holder_of: dict[str, str] = {}
+        self.source_of: dict[str, Source] = {}
+        self.landed_in_target = False
+
+    async def locate(
+        self, cid: str, size: int, land: Callable[[], memoryview]
+    ) -> memoryview | None:
+        """Verified bytes of chunk ``cid`` (a view where an in-place source holds
+        them, or ``land()`` filled by a fetch), or None when no source had them
+        right; every failed try is recorded."""
+        mine: list[ChunkProblem] = []
+        for source in self.sources:
+            for holder in list(source.holders(cid)):
+                problem: ChunkProblem | None = None
+                data: memoryview | None = None
+                hashed: str | None = None
+                try:
+                    if source.in_place:
+                        data = await source.view(holder, cid)
+                        if len(data) != size:
+                            raise ChunkSizeMismatch(f"{holder} holds {len(data)} bytes, the "
+                                                    f"chunk has {size}", id=cid)
+                    else:
+                        data = land()
+                        hashed = await source.fetch_into(holder, cid, data)
+                except ChunkNotFound as exc:
+                    problem = ChunkProblem(cid, source.tier, holder, "missing", str(exc))
+                except ChunkSizeMismatch as exc:
+                    problem = ChunkProblem(cid, source.tier, holder, "size", str(exc))
+                except ChunkHashMismatch as exc:  # a source that checks and says so
+                    actual = exc.detail.get("actual")
+                    problem = ChunkProblem(cid, source.tier, holder, "mismatch",
+                                           f"bytes hash to {actual}" if actual else str(exc))
+                except (CkptdError, OSError) as exc:
+                    reason = exc.detail.get("reason") if isinstance(exc, CkptdError) else None
+                    text = f"{type(exc).__name__}: {exc}" + (f" ({reason})" if reason else "")
+                    problem = ChunkProblem(cid, source.tier, holder, "failed", text)
+                else:
+                    assert data is not None
+                    actual = hashed or await asyncio.to_thread(verify_hash, data)
+                    if actual != cid:
+                        kind: ProblemKind = "stale" if source.tier == "local" else "mismatch"
+                        problem = ChunkProblem(cid, source.tier, holder, kind,
+                                               f"bytes hash to {actual}")
+                source.outcome(holder, problem)
+                if problem is None:
+                    assert data is not None
+                    self.bytes_from[source.tier] = self.bytes_from.get(source.tier, 0) + size
+                    self.tier_of[cid] = source.tier
+                    self.holder_of[cid] = holder
+                    self.source_of[cid] = source
+                    self.problems.extend(mine)
+                    return data
+                if problem.kind != "missing" or source.tier in ("peer", "store"):
+                    mine.append(problem)
+        self.problems.extend(mine)
+        self.failed[cid] = mine
+        return None
+
+    async def fetch(self, cid: str, dest: memoryview) -> str | None:
+        """Fills ``dest`` with verified chunk ``cid``; the tier it came from, or None."""
+        data = await self.locate(cid, len(dest), lambda: dest)
+        if data is None:
+            return None
+        if data.obj is not dest.obj or _address(data) != _address(dest):
+            await asyncio.to_thread(copy_bytes, dest, data)
+        return self.tier_of[cid]
+
+    async def locate_all(self, wanted: WantedChunks, atomic: bool = True) -> dict[str, memoryview]:
+        """Verified bytes of every wanted chunk (failures are left in ``failed``).
+
+        ``atomic``: nothing is written into the target; a chunk fetched over the
+        network lands in a fresh buffer it fills anyway, or in landing memory.
+        Otherwise it lands in its first destination, the target's own tensor
+        included (``landed_in_target`` records that)."""
+        landing = Landing()
+        found: dict[str, memoryview] = {}
+
+        async def one(cid: str) -> None:
+            dests = wanted.chunks[cid]
+            size = len(dests[0][0])
+            spot: list[memoryview] = []
+
+            def land() -> memoryview:
+                if not spot:
+                    fresh = next((d for d, in_target in dests if not in_target), None)
+                    if fresh is None and not atomic:
+                        fresh = dests[0][0]
+                        self.landed_in_target = True
+                    spot.append(fresh if fresh is not None else landing.take(size))
+                return spot[0]
+
+            data = await self.locate(cid, size, land)
+            if data is None:
+                return
+            source = self.source_of[cid]
+            if not atomic and source.in_place and source.tier != "local":
+                # Lands as it verifies, like a network chunk (the pool's views are
+                # kept: they are what an adopted pool serves to peers).
+                dest, in_target = dests[0]
+                await asyncio.to_thread(copy_bytes, dest, data)
+                self.landed_in_target = self.landed_in_target or in_target
+                data = dest
+            found[cid] = data
+
+        await bounded(list(wanted.chunks), one, self.concurrency)
+        return found
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+
+
+def _address(view: memoryview) -> int:
+    """Where a writable or read-only buffer's bytes start (to tell if two views
+    are the same memory)."""
+    if len(view) == 0:
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+async def deliver(
+    found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int = 2
+) -> None:
+    """Copies every verified chunk to each of its destinations (the target's own
+    tensors where they fit), then the slices of elastic boxes."""
+    jobs: list[tuple[memoryview, memoryview]] = []
+    for cid, dests in wanted.chunks.items():
+        data = found[cid]
+        here = _address(data)
+        for dest, _ in dests:
+            if len(dest) and _address(dest) != here:
+                jobs.append((dest, data))
+
+    async def copy(job: tuple[memoryview, memoryview]) -> None:
+        await asyncio.to_thread(copy_bytes, *job)
+
+    await bounded(jobs, copy, concurrency)
+    with torch.no_grad():
+        for dst, src in wanted.copies:
+            dst.copy_(src)
+
+
+@dataclass(slots=True)
+class WantedChunks:
+    """Chunk id -> the buffers it fills, and the slice copies to make afterwards."""
+
+    # chunk id -> (destination, whether it is the target's own memory)
+    chunks: dict[str, list[tuple[memoryview, bool]]] = field(default_factory=dict)
+    names: dict[str, set[str]] = field(default_factory=dict)  # chunk id -> entry names
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # dst, src
+    elastic: bool = False
+
+    def add(self, cid: str, dest: memoryview, name: str, in_target: bool = False) -> None:
+        self.chunks.setdefault(cid, []).append((dest, in_target))
+        self.names.setdefault(cid, set()).add(name)
+
+    def size(self, cid: str) -> int:
+        return len(self.chunks[cid][0][0])
+
+
+def failure(fetcher: ChunkFetcher, wanted: WantedChunks, step: int) -> CkptdError:
+    """The typed error for chunks no source had right."""
+    ids = sorted(fetcher.failed)
+    names = sorted({n for cid in ids for n in wanted.names.get(cid, ())})
+    problems = [p.to_json() for cid in ids[:20] for p in fetcher.failed[cid]]
+    def corrupt_only(problems: list[ChunkProblem]) -> bool:
+        seen = [p for p in problems if p.kind != "stale"]
+        return bool(seen) and all(p.kind == "mismatch" for p in seen)
+
+    corrupt = [cid for cid in ids if corrupt_only(fetcher.failed[cid])]
+    where = ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
+    if corrupt and len(corrupt) == len(ids):
+        first = corrupt[0]
+        actual = [p for p in fetcher.failed[first] if p.kind == "mismatch"][-1].message
+        actual = actual.removeprefix("bytes hash to ")
+        return ChunkHashMismatch(
+            f"chunk {first} of {where} arrived corrupt from every source "
+            f"({len(ids)} chunks in all)",
+            id=first, actual=actual, ids=ids[:100], entries=names[:50], problems=problems,
+            step=step,
+        )
+    return RestoreError(
+        f"{len(ids)} chunks of {where} could not be restored from any source "
+        f"(first: {ids[0]})",
+        ids=ids[:100], entries=names[:50], problems=problems, step=step,
+    )

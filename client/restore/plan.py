@@ -1,0 +1,147 @@
+"""The restore plan: the committed step, the manifest whose tree is restored,
+every rank's manifest when the boxes need them, and who holds each chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from ckptd.errors import CheckpointNotFound, CkptdError, NotCommitted
+from ckptd.format import CommitRecord, RankManifest, canonical_json, check_step
+from ckptd.hashing import document_hash
+
+from ..transport import HttpTransport, Transport
+from .sources import ChunkProblem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RestorePlan:
+    """A committed step to restore, this rank's manifest, and who holds its chunks."""
+
+    job: str
+    step: int
+    rank: int  # the rank whose manifest gives the tree
+    record: CommitRecord
+    manifest: RankManifest
+    peers: dict[str, list[str]] = field(default_factory=dict)
+    manifests: dict[int, RankManifest] = field(default_factory=dict)  # every rank, when read
+    peer_token: str | None = None  # the job's peer token, from the server's plan
+    # Damaged documents that made "latest" an older step (see restorable_step).
+    fallback: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.record.world_size
+
+
+async def resolve_step(transport: Transport, job: str, step: int | None) -> int:
+    if step is not None:
+        return check_step(step)
+    latest = await transport.latest(job)
+    if latest is None:
+        raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+    return latest
+
+
+async def fetch_restore_plan(
+    transport: Transport, job: str, rank: int, step: int
+) -> tuple[RankManifest | None, dict[str, list[str]], str | None, str | None]:
+    """The server's restore plan for ``rank`` at ``step``: its manifest (None when
+    the server sent none), the peers holding each chunk, the manifest's hash, and
+    the job's peer token (what those peers require).
+    An HTTP transport only; a server without the route gives no peers."""
+    if not isinstance(transport, HttpTransport):
+        return None, {}, None, None
+    try:
+        doc = await transport.restore_plan(job, rank, step)
+    except (CheckpointNotFound, NotCommitted):
+        raise
+    except CkptdError as exc:
+        log.info("no restore plan from %s (%s); restoring without peers", transport.url, exc)
+        return None, {}, None, None
+    peers_doc = doc.get("peers") or {}
+    peers = {str(cid): [str(u) for u in urls if isinstance(u, str)]
+             for cid, urls in peers_doc.items() if isinstance(urls, list)}
+    manifest = None
+    digest = doc.get("manifest_hash")
+    body = doc.get("manifest")
+    if isinstance(body, dict):
+        try:
+            manifest = RankManifest.parse(canonical_json(body))
+        except (CkptdError, TypeError, ValueError) as exc:
+            log.warning("restore plan's manifest does not parse (%s); reading it", exc)
+    token = doc.get("peer_token")
+    return (manifest, peers, digest if isinstance(digest, str) else None,
+            token if isinstance(token, str) else None)
+
+
+async def load_plan(
+    transport: Transport, job: str, rank: int, step: int | None, *, with_peers: bool = True
+) -> RestorePlan:
+    """Resolves the step, refuses a step that never committed, and reads the
+    manifest whose tree is restored (this rank's; rank 0's when this rank is
+    outside the committed world) with the peers that hold its chunks."""
+    fallback: list[str] = []
+    if step is None:
+        found, fallback = await transport.restorable(job)
+        if found is None:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        step = found
+    step = await resolve_step(transport, job, step)
+    record = await transport.read_commit(job, step)  # NotCommitted, CheckpointNotFound
+    source_rank = rank if rank < record.world_size else 0
+    manifest: RankManifest | None = None
+    peers: dict[str, list[str]] = {}
+    peer_token = None
+    if with_peers:
+        manifest, peers, _, peer_token = await fetch_restore_plan(
+            transport, job, source_rank, step)
+    expected = record.manifests[source_rank].hash
+    if manifest is not None and document_hash(manifest.canonical()) != expected:
+        log.warning("restore plan's manifest of rank %d is not the committed one; reading it",
+                    source_rank)
+        manifest = None
+    if manifest is None or (manifest.job, manifest.step, manifest.rank) != (
+        job, step, source_rank
+    ):
+        manifest = await transport.read_manifest(job, step, source_rank)
+    plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token,
+                       fallback=fallback)
+    plan.manifests[source_rank] = manifest
+    return plan
+
+
+async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers: bool) -> None:
+    """Reads every rank's manifest of the plan's step (and their peers)."""
+
+    async def one(r: int) -> None:
+        if r in plan.manifests:
+            return
+        manifest: RankManifest | None = None
+        if with_peers:
+            manifest, peers, _, token = await fetch_restore_plan(transport, plan.job, r,
+                                                                 plan.step)
+            plan.peer_token = plan.peer_token or token
+            for cid, urls in peers.items():
+                have = plan.peers.setdefault(cid, [])
+                have.extend(u for u in urls if u not in have)
+            if manifest is not None and document_hash(manifest.canonical()) != (
+                plan.record.manifests[r].hash
+            ):
+                manifest = None
+        if manifest is None:
+            manifest = await transport.read_manifest(plan.job, plan.step, r)
+        plan.manifests[r] = manifest
+
+    await asyncio.gather(*(one(r) for r in range(plan.world_size)))
+
+
+def fallback_problems(plan: RestorePlan) -> list[ChunkProblem]:
+    """The damaged documents that made a restore of "latest" use an older step."""
+    return [
+        ChunkProblem(chunk="", tier="store", source="latest", kind="damaged", message=m)
+        for m in plan.fallback
+    ]

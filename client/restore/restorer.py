@@ -1,0 +1,391 @@
+"""A whole restore for a Checkpointer (``Restorer``): plan, layout, fetch through
+the tiers in two phases (verify everything, then deliver), fill the target; and
+adopting this rank's staging pool after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from ckptd import knobs
+from ckptd.errors import CheckpointNotFound, InvalidRequest, UnsupportedFormat
+from ckptd.format import TensorEntry
+from ckptd.hashing import chunk_id
+
+from ..peer import PeerClient, PeerIndex
+from ..session import Session
+from ..stateful import restore_view
+from ..transport import Transport
+from .fetch import ChunkFetcher, Landing, WantedChunks, deliver, failure
+from .fill import fill, plan_fill
+from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
+from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
+from .sources import (
+    TIERS,
+    ChunkProblem,
+    DirectoryCacheSource,
+    LocalPoolSource,
+    LocalStoreSource,
+    PeerSource,
+    Source,
+    StoreSource,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What a restore did: the step, bytes and chunks restored, time, how many
+    bytes came from each tier (``local``, ``cache``, ``peer``, ``store``), and the
+    sources that failed on the way (each chunk still came from another)."""
+
+    step: int
+    bytes_restored: int
+    chunks: int
+    seconds: float
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    problems: list[ChunkProblem] = field(default_factory=list)
+    world_size: int | None = None  # the committed step's world size
+    elastic: bool = False  # boxes were cut from other ranks' entries
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(self.bytes_from.values())
+
+
+@dataclass(slots=True)
+class RestoreOptions:
+    """Which tiers a restore uses and how."""
+
+    local: bool = True
+    pool_root: str | os.PathLike[str] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    peers: bool = True
+    store: bool = True
+    exclude_peers: tuple[str, ...] = ()
+    token: str | None = None
+    concurrency: int | None = None
+    peer_timeout: float | None = None
+    atomic: bool = True  # nothing reaches the target before every chunk verified
+
+
+@dataclass(slots=True)
+class Fetched:
+    """Assembled, verified tensors of a layout, and what the fetch did."""
+
+    tensors: dict[str, torch.Tensor]
+    chunks: int
+    bytes_from: dict[str, int]
+    problems: list[ChunkProblem]
+    adopted: PeerIndex | None  # verified chunks of this rank's pool, to serve to peers
+    pool: LocalPoolSource | None  # keeps the adopted views mapped
+
+
+def make_sources(
+    transport: Transport,
+    plan: RestorePlan,
+    layout_entries: Iterable[tuple[TensorEntry, int]],
+    opts: RestoreOptions,
+    pool_rank: int,
+) -> tuple[list[Source], LocalPoolSource | None]:
+    sources: list[Source] = []
+    pool = None
+    if opts.local:
+        try:
+            pool = LocalPoolSource.open(plan.job, pool_rank, layout_entries, opts.pool_root)
+        except Exception as exc:  # a pool we cannot read is a pool we do not have
+            log.warning("cannot read the staging pool of %s/%d: %s", plan.job, pool_rank, exc)
+            pool = None
+        if pool is not None:
+            sources.append(pool)
+    cache = opts.cache_dir if opts.cache_dir is not None else knobs.cache_dir()
+    if cache:
+        sources.append(DirectoryCacheSource(cache))
+    if opts.peers and plan.peers:
+        # The job's peer token from the plan: never this client's server token.
+        client = PeerClient(plan.peer_token, timeout=opts.peer_timeout)
+        sources.append(PeerSource(plan.peers, client, exclude=opts.exclude_peers))
+    if opts.store:
+        sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
+    return sources, pool
+
+
+async def fetch_layout(
+    transport: Transport, plan: RestorePlan, layout: RestoreLayout, opts: RestoreOptions,
+    pool_rank: int,
+) -> Fetched:
+    """Fetches and verifies every chunk of ``layout`` through the tiers and
+    assembles the tensors; raises (nothing assembled) when a chunk had no good
+    source."""
+    sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank)
+    fetcher = ChunkFetcher(sources, opts.concurrency)
+    keep_pool = False
+    wanted = layout.wanted
+    t0 = time.perf_counter()
+    try:
+        # Phase 1: every chunk verified somewhere; nothing written into the target
+        # (unless not atomic: chunks from the network land in it as they verify).
+        found = await fetcher.locate_all(wanted, opts.atomic)
+        t1 = time.perf_counter()
+        if fetcher.failed:
+            err = failure(fetcher, wanted, plan.step)
+            if fetcher.landed_in_target:
+                err.detail["partial"] = True
+                err.message = err.args[0] + "; the target is partly restored (atomic=False)"
+                err.args = (err.message,)
+            raise err
+        if pool is not None and not pool.unchanged():
+            # A live owner staged into the pool meanwhile: what was verified there
+            # may be gone. Take those chunks from the other tiers.
+            await _relocate(fetcher, wanted, found, [s for s in sources if s is not pool])
+        # Phase 2: deliver (into the target's own tensors where they fit).
+        await deliver(found, wanted)
+        log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
+                  plan.step, t1 - t0, time.perf_counter() - t1)
+        if pool is not None and not pool.unchanged():
+            await _recheck(fetcher, wanted, [s for s in sources if s is not pool])
+        adopted = None
+        if pool is not None and pool.unchanged():
+            verified = {cid: found[cid] for cid, tier in fetcher.tier_of.items()
+                        if tier == "local"}
+            if verified:
+                # Served while nobody stages into that pool (its seqlock generation).
+                adopted = PeerIndex(step=plan.step, chunks=verified, valid=pool.unchanged)
+                keep_pool = True
+        return Fetched(
+            tensors=layout.buffers,
+            chunks=len(wanted.chunks),
+            bytes_from=dict(fetcher.bytes_from),
+            problems=list(fetcher.problems),
+            adopted=adopted,
+            pool=pool if keep_pool else None,
+        )
+    finally:
+        for s in sources:
+            if s is pool and keep_pool:
+                continue
+            s.close()
+            if isinstance(s, PeerSource):
+                s.client.close()
+
+
+async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str, memoryview],
+                    others: Sequence[Source]) -> None:
+    """Finds again, in ``others``, the chunks that were found in the local pool."""
+    local = [cid for cid, tier in fetcher.tier_of.items() if tier == "local"]
+    log.warning("the staging pool changed during the restore; %d chunks from other tiers",
+                len(local))
+    again = ChunkFetcher(others, fetcher.concurrency)
+    landing = Landing()
+    for cid in local:
+        fetcher.bytes_from["local"] -= wanted.size(cid)
+        size = wanted.size(cid)
+        data = await again.locate(cid, size, functools.partial(landing.take, size))
+        if data is None:
+            fetcher.failed[cid] = again.failed[cid]
+        else:
+            found[cid] = data
+            fetcher.tier_of[cid] = again.tier_of[cid]
+    for tier, n in again.bytes_from.items():
+        fetcher.bytes_from[tier] = fetcher.bytes_from.get(tier, 0) + n
+    fetcher.problems.extend(again.problems)
+    if fetcher.failed:
+        raise failure(fetcher, wanted, -1)
+
+
+async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence[Source]) -> None:
+    """The pool changed while it was being copied out: re-hashes what it gave,
+    where it landed, and fetches again from ``others`` whatever no longer verifies."""
+    again = ChunkFetcher(others, fetcher.concurrency)
+    for cid, tier in list(fetcher.tier_of.items()):
+        if tier != "local":
+            continue
+        for dest, _ in wanted.chunks[cid]:
+            if await asyncio.to_thread(chunk_id, dest) == cid:
+                continue
+            if await again.fetch(cid, dest) is None:
+                raise failure(again, wanted, -1)
+    fetcher.problems.extend(again.problems)
+
+
+def restore_into(
+    call: Callable[[Coroutine[Any, Any, Any]], Any],
+    transport: Transport,
+    state: Any,
+    *,
+    job: str,
+    rank: int,
+    world_size: int,
+    step: int | None = None,
+    shards: Mapping[str, Any] | None = None,
+    opts: RestoreOptions | None = None,
+) -> tuple[RestoreResult, Fetched]:
+    """Restores ``state`` in place (see ``Checkpointer.restore``); ``call`` runs a
+    coroutine on the loop the transport lives on and returns its result."""
+    t0 = time.perf_counter()
+    opts = opts or RestoreOptions()
+    plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=opts.peers))
+    t_plan = time.perf_counter()
+    if plan.rank != rank:
+        log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
+                    "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
+    boxes, other = needed_boxes(plan, state, shards or {}, world_size)
+    if other:
+        call(load_all_manifests(transport, plan, opts.peers))
+    values = _target_values(plan.manifest.tree, state)
+    layout = build_layout(plan, boxes, values)
+    plan_fill(state, layout.tree, layout.specs)  # refuses before anything changes
+    t_layout = time.perf_counter()
+    fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank))
+    t_fetch = time.perf_counter()
+    fill(state, layout.tree, fetched.tensors)
+    log.debug("%s/%d: plan %.3f s, layout %.3f s, fetch %.3f s, fill %.3f s", job, rank,
+              t_plan - t0, t_layout - t_plan, t_fetch - t_layout, time.perf_counter() - t_fetch)
+    seconds = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in fetched.tensors.values())
+    result = RestoreResult(
+        step=plan.step,
+        bytes_restored=nbytes,
+        chunks=fetched.chunks,
+        seconds=seconds,
+        bytes_from=fetched.bytes_from,
+        problems=[*fallback_problems(plan), *fetched.problems],
+        world_size=plan.world_size,
+        elastic=layout.wanted.elastic,
+    )
+    log.info("%s/%d: restored step %d, %d bytes in %d chunks, %.3f s (%s)%s", job, rank,
+             plan.step, nbytes, fetched.chunks, seconds,
+             ", ".join(f"{t} {n}" for t, n in fetched.bytes_from.items() if n),
+             f", {len(fetched.problems)} source problems" if fetched.problems else "")
+    return result, fetched
+
+
+async def adopt_pool(
+    transport: Transport, job: str, rank: int, step: int | None,
+    pool_root: str | os.PathLike[str] | None = None,
+) -> tuple[int, PeerIndex | None, LocalPoolSource | None]:
+    """Verifies this rank's staging pool against the manifest of a committed step
+    (the latest when None), hashing in place: (step, the verified chunks as a
+    ``PeerIndex``, the source keeping them mapped). No pool or no match: None."""
+    step = await resolve_step(transport, job, step)
+    record = await transport.read_commit(job, step)
+    if rank >= record.world_size:
+        return step, None, None
+    manifest = await transport.read_manifest(job, step, rank)
+    entries = [(e, manifest.chunk_size) for e in manifest.entries]
+    try:
+        pool = LocalPoolSource.open(job, rank, entries, pool_root)
+    except UnsupportedFormat as exc:  # another ckptd's pool: nothing to adopt
+        log.warning("%s/%d: %s", job, rank, exc)
+        return step, None, None
+    if pool is None:
+        return step, None, None
+    needed = manifest.chunk_ids()
+    verified: dict[str, memoryview] = {}
+
+    def check() -> None:
+        for cid in needed:
+            for holder in pool.holders(cid):
+                view = pool.bytes_of(holder)
+                if chunk_id(view) == cid:
+                    verified[cid] = view
+                    break
+
+    await asyncio.to_thread(check)
+    if not verified:
+        pool.close()
+        return step, None, None
+    log.info("%s/%d: staging pool holds %d of %d chunks of step %d", job, rank,
+             len(verified), len(needed), step)
+    return step, PeerIndex(step=step, chunks=verified, valid=pool.unchanged), pool
+
+
+class Restorer:
+    """Restores of one checkpointer (see ``Checkpointer.restore``)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def check(self, state: Any, tiers: Iterable[str] | None) -> set[str]:
+        """The tiers to use; refuses a target that is no mapping or unknown tiers."""
+        if not isinstance(state, MutableMapping):
+            raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
+        use = set(TIERS if tiers is None else tiers)
+        unknown = sorted(use - set(TIERS))
+        if unknown or not use:
+            raise InvalidRequest(f"tiers must be a non-empty subset of {list(TIERS)}, "
+                                 f"not {sorted(use)}")
+        return use
+
+    def restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None,
+        *,
+        use: set[str],
+        shards: Mapping[str, Any] | None,
+        atomic: bool,
+        timeout: float | None,
+        exclude_peers: tuple[str, ...],
+    ) -> tuple[RestoreResult, Fetched]:
+        """Fills ``state`` in place from the tiers in ``use`` (``check`` them first);
+        ``Stateful`` objects get their ``load_state_dict()`` once it is filled."""
+        s, c = self.session, self.session.config
+        timeout = s.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def call(coro: Coroutine[Any, Any, T]) -> T:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return s.call(coro, left)
+
+        cache = c.cache_dir if c.cache_dir is not None else knobs.cache_dir()
+        opts = RestoreOptions(
+            local="local" in use,
+            pool_root=s.staging.root,
+            cache_dir=cache if "cache" in use else "",
+            peers="peer" in use,
+            store="store" in use,
+            exclude_peers=exclude_peers,
+            token=c.token,
+            atomic=atomic,
+        )
+        # Stateful objects (model, optimizer, RNGState) restore through a view that
+        # holds their state_dict(); load_state_dict() gets it once it is filled.
+        target, load_stateful = restore_view(state)
+        # No save stages into the pool while a restore may read it.
+        with s.lock:
+            s.check_open()
+            result, fetched = restore_into(
+                call, s.transport, target, job=c.job, rank=c.rank,
+                world_size=c.world_size, step=step, shards=shards, opts=opts,
+            )
+        load_stateful()
+        return result, fetched
+
+    def adopt(
+        self, step: int | None, timeout: float | None
+    ) -> tuple[int, PeerIndex, LocalPoolSource] | None:
+        """This node's pool checked against a committed step (``adopt_pool``): the
+        step, its verified chunks and the source keeping them mapped, or None."""
+        s, c = self.session, self.session.config
+        timeout = s.timeout if timeout is None else timeout
+        with s.lock:
+            try:
+                held, index, pool = s.call(
+                    adopt_pool(s.transport, c.job, c.rank, step, s.staging.root), timeout)
+            except CheckpointNotFound:
+                return None
+        if index is None or pool is None:
+            return None
+        return held, index, pool

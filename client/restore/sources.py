@@ -1,0 +1,366 @@
+"""The restore tiers: where a chunk may come from (this rank's staging pool, a
+local cache directory, live peers, the store), each a ``Source``; and what a
+source that did not give a chunk right did (``ChunkProblem``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import mmap
+import os
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import blake3
+import numpy as np
+
+from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Unavailable
+from ckptd.format import TensorEntry, chunk_key
+from ckptd.hashing import chunk_spans
+
+from ..peer import PeerClient
+from ..staging.format import SpanRecord
+from ..staging.pool import StagingPool
+from ..staging.reader import StagedPoolReader
+from ..transport import LocalTransport, Transport
+
+if TYPE_CHECKING:
+    from ckptd.store import Store
+
+
+log = logging.getLogger(__name__)
+
+
+Tier = Literal["local", "cache", "peer", "store"]
+
+
+TIERS: tuple[Tier, ...] = ("local", "cache", "peer", "store")
+
+
+ProblemKind = Literal["mismatch", "stale", "missing", "failed", "size", "damaged"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkProblem:
+    """One source that did not give a chunk right: ``mismatch`` (bytes that do not
+    hash to the id), ``stale`` (the local pool's bytes for it were overwritten since:
+    a pool holds the last staged snapshot, not every step), ``size`` (wrong
+    length), ``missing`` (the source lacks it) or ``failed`` (an error: a peer that
+    went away, a store error)."""
+
+    chunk: str
+    tier: str
+    source: str
+    kind: ProblemKind
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"chunk": self.chunk, "tier": self.tier, "source": self.source,
+                "kind": self.kind, "message": self.message}
+
+
+class Source(ABC):
+    """Where chunks may come from. ``holders`` names the places in this source
+    that may hold a chunk, best first. A source whose bytes are already in this
+    host's memory or page cache (``in_place``) gives a read-only ``view`` of them,
+    hashed where it lies and copied only once everything verified; the others
+    ``fetch_into`` a buffer. Both raise ``ChunkNotFound`` when the place lacks the
+    chunk, another typed error when it fails; the engine verifies every byte."""
+
+    tier: ClassVar[Tier]
+    in_place: ClassVar[bool] = False
+
+    @abstractmethod
+    def holders(self, cid: str) -> Sequence[str]: ...
+
+    async def view(self, holder: str, cid: str) -> memoryview:
+        raise NotImplementedError
+
+    async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
+        """Fills ``dest``; may return the blake3 of what it wrote when it hashed it
+        on the way (while the bytes are in cache), else None."""
+        data = await self.view(holder, cid)
+        if len(data) != len(dest):
+            raise ChunkSizeMismatch(f"{holder} holds {len(data)} bytes for chunk {cid}, "
+                                    f"expected {len(dest)}", id=cid)
+        await asyncio.to_thread(copy_bytes, dest, data)
+        return None
+
+    def outcome(self, holder: str, problem: ChunkProblem | None) -> None:  # noqa: B027
+        """What came of a fetch from ``holder`` (None: verified)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Releases what the source holds (maps, connections)."""
+
+
+def verify_hash(data: memoryview) -> str:
+    """A chunk's id, hashed on one thread: a restore hashes many chunks at once
+    already, and blake3's own threads would only fight them for the cores."""
+    return blake3.blake3(data).hexdigest()
+
+
+def copy_bytes(dest: memoryview, src: memoryview) -> None:
+    """``dest[:] = src`` without holding the GIL (numpy releases it for plain copies)."""
+    np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class LocalPoolSource(Source):
+    """This rank's staging pool in shared memory (``StagedPoolReader``).
+
+    When the pool is consistent (its generation is the even one its index was
+    written at), the chunk ids its index claims locate the chunks. Otherwise (a
+    stage was overwriting it when the process died) every span of a tensor with
+    the entry's name, dtype and shape is a candidate, and the hash decides."""
+
+    tier = "local"
+    in_place = True
+
+    def __init__(
+        self, reader: StagedPoolReader, entries: Iterable[tuple[TensorEntry, int]]
+    ) -> None:
+        self.reader = reader
+        self.generation: int | None = reader.generation()
+        self._views: dict[str, memoryview] = {}
+        self._by_chunk: dict[str, list[str]] = {}
+        self.step: int | None = reader.step
+        consistent = bool(reader.consistent())
+        spans: list[tuple[SpanRecord, memoryview]] = list(reader.spans())
+        size = reader.index.chunk_size
+        if consistent and size > 0:
+            for entry, data in spans:
+                for k, cid in enumerate(entry.chunks or ()):
+                    view = data[k * size : (k + 1) * size]
+                    self._add(cid, f"{entry.segment}@{entry.offset}#{entry.first_chunk + k}",
+                              view)
+        else:
+            by_name: dict[str, list[tuple[SpanRecord, memoryview]]] = {}
+            for entry, data in spans:
+                by_name.setdefault(entry.name, []).append((entry, data))
+            for e, chunk_size in entries:
+                for entry, data in by_name.get(e.name, ()):
+                    if entry.dtype != e.dtype or list(entry.shape) != list(e.shape):
+                        continue
+                    start, end = entry.start, entry.end
+                    for k, (a, b) in enumerate(chunk_spans(e.nbytes, chunk_size)):
+                        if a >= start and b <= end and b - a <= len(data) - (a - start):
+                            self._add(e.chunks[k], f"{entry.segment}@{entry.offset}#{k}",
+                                      data[a - start : b - start])
+        log.debug("local pool %s: %d candidate chunks (%s)", reader.directory,
+                  len(self._by_chunk), "indexed" if consistent else "by name")
+
+    def _add(self, cid: str, label: str, view: memoryview) -> None:
+        if label in self._views:
+            return
+        self._views[label] = view
+        self._by_chunk.setdefault(cid, []).append(label)
+
+    @classmethod
+    def open(
+        cls,
+        job: str,
+        rank: int,
+        entries: Iterable[tuple[TensorEntry, int]],
+        root: str | os.PathLike[str] | None = None,
+    ) -> LocalPoolSource | None:
+        """The pool ``job``/``rank`` on this host, or None when there is none
+        (``UnsupportedFormat`` for a pool of another version)."""
+        reader = StagingPool.open_existing(job, rank, root)
+        if reader is None:
+            return None
+        return cls(reader, entries)
+
+    def holders(self, cid: str) -> Sequence[str]:
+        return self._by_chunk.get(cid, ())
+
+    async def view(self, holder: str, cid: str) -> memoryview:
+        return self._views[holder]
+
+    def bytes_of(self, holder: str) -> memoryview:
+        return self._views[holder]
+
+    def unchanged(self) -> bool:
+        """True while nobody staged into the pool since it was opened (its views
+        still hold the bytes that were verified)."""
+        return bool(self.reader.generation() == self.generation)
+
+    def close(self) -> None:
+        self._views = {}
+        self._by_chunk = {}
+        with contextlib.suppress(Exception):
+            self.reader.close()
+
+
+class DirectoryCacheSource(Source):
+    """A local directory store's chunk files (``<dir>/chunks/<id[0:2]>/<id>``),
+    mapped read-only (from the page cache, without a copy until delivery)."""
+
+    tier: ClassVar[Tier] = "cache"
+    in_place = True
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._maps: list[mmap.mmap] = []
+
+    def _path(self, cid: str) -> Path:
+        return self.root / chunk_key(cid)
+
+    def holders(self, cid: str) -> Sequence[str]:
+        path = self._path(cid)
+        return (str(path),) if path.is_file() else ()
+
+    async def view(self, holder: str, cid: str) -> memoryview:
+        return await asyncio.to_thread(self._map, Path(holder), cid)
+
+    def _map(self, path: Path, cid: str) -> memoryview:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ChunkNotFound(f"chunk {cid} is not in {path.parent}", id=cid) from None
+        try:
+            if os.fstat(fd).st_size == 0:
+                return memoryview(b"")
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        return memoryview(mm)
+
+    def close(self) -> None:
+        for mm in self._maps:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._maps = []
+
+
+_GONE = frozenset({"unreachable", "disconnected", "timeout", "failed", "short"})
+
+
+class PeerSource(Source):
+    """Live peers of the restore plan. A chunk goes to the least busy peer that
+    holds it (ties spread by the chunk id), at most ``per_peer`` requests per peer
+    at once; a peer that is unreachable, went away or sent bad bytes is not asked
+    again during this restore."""
+
+    tier = "peer"
+
+    def __init__(
+        self,
+        peers: Mapping[str, Sequence[str]],
+        client: PeerClient,
+        *,
+        exclude: Iterable[str] = (),
+        per_peer: int = 4,
+        threads: int | None = None,
+    ) -> None:
+        skip = {u for u in exclude if u}
+        self.peers = {cid: [u for u in urls if u not in skip] for cid, urls in peers.items()}
+        self.client = client
+        self.per_peer = max(1, per_peer)
+        self.dead: set[str] = set()
+        self.bad: set[str] = set()
+        self.busy: dict[str, int] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        every = {u for urls in self.peers.values() for u in urls}
+        workers = threads or max(2, min(32, len(every) * self.per_peer))
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckptd-peer")
+
+    @property
+    def urls(self) -> set[str]:
+        return {u for urls in self.peers.values() for u in urls}
+
+    def holders(self, cid: str) -> Sequence[str]:
+        urls = [u for u in self.peers.get(cid, ()) if u not in self.dead and u not in self.bad]
+        return sorted(urls, key=lambda u: (self.busy.get(u, 0),
+                                           zlib.crc32(f"{cid}{u}".encode())))
+
+    def _fetch_and_hash(self, holder: str, cid: str, dest: memoryview) -> str:
+        self.client.fetch_into(holder, cid, dest)
+        return verify_hash(dest)  # in the same thread, while the bytes are in cache
+
+    async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
+        if holder in self.dead or holder in self.bad:
+            raise Unavailable(f"peer {holder} was dropped earlier in this restore", peer=holder,
+                              reason="dropped")
+        slot = self._slots.setdefault(holder, asyncio.Semaphore(self.per_peer))
+        self.busy[holder] = self.busy.get(holder, 0) + 1
+        try:
+            async with slot:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._pool, self._fetch_and_hash, holder, cid,
+                                                  dest)
+        except Unavailable as exc:
+            # Refused, reset, timed out, cut short: the peer is gone (a 503 "busy"
+            # carries no such reason and leaves it in the running).
+            if exc.detail.get("reason") in _GONE and holder not in self.dead:
+                log.warning("peer %s is gone (%s); not asking it again", holder, exc)
+                self.dead.add(holder)
+            raise
+        finally:
+            self.busy[holder] -= 1
+
+    def outcome(self, holder: str, problem: ChunkProblem | None) -> None:
+        if problem is not None and problem.kind in ("mismatch", "size"):
+            if holder not in self.bad:
+                log.warning("peer %s sent bad bytes for chunk %s; not asking it again",
+                            holder, problem.chunk)
+            self.bad.add(holder)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StoreSource(Source):
+    """The repository, through a transport (the last tier)."""
+
+    tier = "store"
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def holders(self, cid: str) -> Sequence[str]:
+        return ("store",)
+
+    async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
+        data = await self.transport.get_chunk(cid)
+        if len(data) != len(dest):
+            raise ChunkSizeMismatch(f"the store has {len(data)} bytes for chunk {cid}, "
+                                    f"expected {len(dest)}", id=cid)
+        # Off the event loop, and hashed while the bytes are in cache.
+        return await asyncio.to_thread(_copy_and_hash, dest, memoryview(data))
+
+
+def _copy_and_hash(dest: memoryview, data: memoryview) -> str:
+    copy_bytes(dest, data)
+    return verify_hash(dest)
+
+
+class LocalStoreSource(DirectoryCacheSource):
+    """The store, when it is a directory on this host (``file://``): its chunk files
+    mapped read-only and hashed where they lie, then copied once into the target,
+    like the cache tier. Reading them into fresh memory instead would cost more
+    than the read itself (page faults), and the store is only ever read here."""
+
+    tier = "store"
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(".")
+        self.store = store
+
+    @classmethod
+    def of(cls, transport: Transport) -> LocalStoreSource | None:
+        """The in-place source of ``transport``'s store, or None when its chunks are
+        not files on this host."""
+        if not isinstance(transport, LocalTransport):
+            return None
+        store = transport.repository.store
+        return cls(store) if store.local_path(chunk_key("0" * 64)) is not None else None
+
+    def holders(self, cid: str) -> Sequence[str]:
+        path = self.store.local_path(chunk_key(cid))
+        return (str(path),) if path is not None else ()

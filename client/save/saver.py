@@ -1,0 +1,336 @@
+"""The save flow for one checkpointer (``Saver``): flatten the state, place its
+tensors, stage it into the pool piece by piece, hand each piece to the upload on
+the background loop; one snapshot in flight at a time; failed snapshots recorded
+and surfaced; pending commits asked about until they commit or never can."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Coroutine, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from ckptd.errors import (
+    CkptdError,
+    Conflict,
+    Timeout,
+    UnsupportedValue,
+    ValidationFailed,
+)
+from ckptd.format import EPOCH_META, Placement, canonical_json, check_step
+
+from ..cuda import CopyDone
+from ..failures import FailureLog, SnapshotFailureWarning, name_save_error
+from ..peer import PeerIndex
+from ..session import Session
+from ..staging.layout import StagedPiece
+from ..timeline import Timeline
+from .flatten import flatten
+from .handle import SaveHandle
+from .placement import Shard
+from .placement import placements as place
+from .snapshot import SaveResult, Snapshot, SnapshotUpload
+
+if TYPE_CHECKING:
+    from ..failover import FailoverAgent
+
+log = logging.getLogger("ckptd.client.checkpointer")
+
+# Pending steps a rank keeps asking about (the oldest first); older ones are let go.
+MAX_PENDING_ASKED = 8
+
+T = TypeVar("T")
+
+
+class Saver:
+    """Saves of one checkpointer (see ``Checkpointer.save``)."""
+
+    def __init__(self, session: Session, timeline: Timeline, failover: FailoverAgent) -> None:
+        self.session = session
+        self.config = session.config
+        self.timeline = timeline
+        self.failover = failover
+        self.failures = FailureLog(self.config.job, self.config.rank)
+        # Steps this rank uploaded whose commit was pending (other ranks to come),
+        # oldest first, with their meta, and the background question whether the
+        # oldest committed: a step that can never commit (replicas disagree) fails
+        # on the rank whose manifest came last, and every other rank learns it by
+        # asking again; a later pending step must not make it forget an earlier one.
+        self._pending_commits: dict[int, dict[str, Any]] = {}
+        self._pending_lock = threading.Lock()
+        self._pending_check: concurrent.futures.Future[Any] | None = None
+        self._pending_asked = 0.0
+        # The future of the last snapshot's work that reads the staging pool: the
+        # pool is overwritten only once it is done.
+        self._inflight: concurrent.futures.Future[Any] | None = None
+        self._inflight_step: int | None = None  # the step _inflight uploads
+
+    @property
+    def inflight(self) -> concurrent.futures.Future[Any] | None:
+        """The work of the last snapshot that may still read the pool."""
+        return self._inflight
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        *,
+        shards: Mapping[str, Shard] | None = None,
+        local: Iterable[str] = (),
+        meta: dict[str, Any] | None = None,
+        block_training: bool = True,
+        tag: str | None = None,
+    ) -> SaveHandle:
+        """Stages ``state`` and hands it to the upload (``Checkpointer.save``)."""
+        started = time.perf_counter()
+        self.session.check_open()
+        self.surface_failure(stacklevel=4)
+        self.ask_pending()
+        check_step(step)
+        self.failover.note_step(step)
+        flat = flatten(state)
+        layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
+            getattr(flat, "layouts", None) or {}
+        )
+        # Rank-private Stateful objects (RNGState) are local unless named otherwise.
+        local = list(local)
+        explicit = set(shards or {}) | set(local)
+        local += sorted(getattr(flat, "local", set()) - explicit)
+        placements = place(flat.tensors, shards or {}, local, layouts,
+                           self.config.default_placement)
+        meta = dict(meta or {})
+        if tag is not None:
+            meta["tag"] = tag  # the commit tags the step (ckptd.lifecycle.tags.TAG_META)
+        if EPOCH_META in meta:
+            raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
+        try:
+            canonical_json(meta)
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedValue(f"meta is not plain JSON: {exc}") from None
+        # Never waits: an epoch not known yet is awaited by the upload, off this thread.
+        epoch, pending = self.timeline.current()
+        if epoch:
+            meta[EPOCH_META] = epoch
+        with self.session.lock:
+            self.session.check_open()
+            waited = 0.0
+            busy = self._inflight
+            if busy is not None and not busy.done():
+                if self.config.on_busy == "skip":
+                    log.info("%s/%d: step %d skipped, a snapshot is in flight",
+                             self.config.job, self.config.rank, step)
+                    self.failures.skipped += 1
+                    return SaveHandle(step, None, skipped=True,
+                                      stall_seconds=time.perf_counter() - started)
+                t_wait = time.perf_counter()
+                concurrent.futures.wait([busy], self.session.timeout)
+                waited = time.perf_counter() - t_wait
+                if not busy.done():
+                    raise Timeout(
+                        f"save of step {step}: the snapshot in flight did not finish "
+                        f"within {self.session.timeout} s",
+                        step=step,
+                    )
+                # The snapshot waited for may have failed just now; its done-callback
+                # may not have run yet. Record it (once per step) and surface it here,
+                # before a new snapshot is staged past it.
+                failed = None if busy.cancelled() else busy.exception()
+                if failed is not None and self._inflight_step is not None:
+                    self._snapshot_failed(self._inflight_step, failed)
+                self.surface_failure(stacklevel=4)
+            future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
+                                                               placements, meta, started,
+                                                               pending)
+            self.failures.saves += 1
+        future.add_done_callback(functools.partial(self._snapshot_done, step=step, meta=meta))
+        if block_training and copy_done is not None:
+            copy_done.block_streams()
+        stall = time.perf_counter() - started
+        log.debug("%s/%d: step %d staged in %d piece(s), save() took %.4f s",
+                  self.config.job, self.config.rank, step, pieces, stall)
+        return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
+                          waited_seconds=waited, pieces=pieces,
+                          on_failure_seen=self.failures.seen)
+
+    def _stage_and_submit(
+        self,
+        step: int,
+        tree: dict[str, Any],
+        tensors: list[tuple[str, torch.Tensor]],
+        placements: dict[str, tuple[Placement, list[int], list[int]]],
+        meta: dict[str, Any],
+        started: float,
+        epoch_pending: concurrent.futures.Future[int] | None = None,
+    ) -> tuple[concurrent.futures.Future[SaveResult], CopyDone | None, int]:
+        """Stages the state piece by piece and hands each to the pipeline; every
+        piece but the last is uploaded before the next overwrites the pool. Runs
+        under ``self._lock`` with no snapshot in flight."""
+        c = self.config
+        plan = self.session.staging.prepare(tensors, c.chunk_size)
+        snap = Snapshot(
+            job=c.job,
+            step=step,
+            rank=c.rank,
+            world_size=c.world_size,
+            chunk_size=c.chunk_size,
+            tree=tree,
+            tensors=plan.infos,
+            placements=placements,
+            meta=meta,
+            started=started,
+            epoch_pending=epoch_pending,
+        )
+        upload = SnapshotUpload(self.session.transport, snap, plan.piece_count)
+        self.failover.staging()  # what peers were served is about to be overwritten
+        for number in range(plan.piece_count):
+            piece = self.session.staging.stage(plan, number, step)
+            if piece.last:
+                future = self.session.loop.submit(self._named(upload.finish(piece), step))
+                future.add_done_callback(functools.partial(self._uploaded, upload=upload,
+                                                           piece=piece))
+                self._inflight, self._inflight_step = future, step
+                return future, piece.copy_done, plan.piece_count
+            sent = self.session.loop.submit(upload.send(piece))
+            # It reads the pool: nothing may overwrite the pool before it is sent.
+            self._inflight, self._inflight_step = sent, step
+            done, _ = concurrent.futures.wait([sent], self.session.timeout)
+            if not done:
+                return _failed(self._name(Timeout(
+                    f"piece {number + 1} of {plan.piece_count} was not "
+                    f"uploaded within {self.session.timeout} s; the snapshot is abandoned",
+                    step=step,
+                ), step)), None, plan.piece_count
+            exc = sent.exception()
+            if exc is not None:
+                return _failed(self._name(exc, step)), None, plan.piece_count
+        raise AssertionError("a staging plan has at least one piece")
+
+    def _name(self, exc: BaseException, step: int) -> CkptdError:
+        return name_save_error(exc, self.config.job, step, self.config.rank)
+
+    async def _named(self, work: Coroutine[Any, Any, T], step: int) -> T:
+        """``work``, its error typed and naming this save (job, step, rank) before
+        anyone waiting on the snapshot sees it."""
+        try:
+            return await work
+        except Exception as exc:
+            err = self._name(exc, step)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def _snapshot_done(
+        self, future: concurrent.futures.Future[SaveResult], *, step: int,
+        meta: dict[str, Any],
+    ) -> None:
+        """A snapshot finished: a failure is recorded (logged, held for the loop,
+        sent in heartbeats); a pending commit is remembered, to be asked about."""
+        if future.cancelled():
+            self._snapshot_failed(step, CkptdError("the snapshot was cancelled"))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._snapshot_failed(step, exc)
+            return
+        with self._pending_lock:
+            if future.result().state == "pending":
+                self._pending_commits[step] = meta
+                while len(self._pending_commits) > MAX_PENDING_ASKED:
+                    del self._pending_commits[next(iter(self._pending_commits))]
+            else:  # committed: what was pending before it no longer matters
+                for older in [s for s in self._pending_commits if s <= step]:
+                    del self._pending_commits[older]
+
+    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
+        err = self.failures.record(step, exc)
+        if err is not None:
+            self.failover.snapshot_failed(str(err))
+
+    def ask_pending(self, timeout: float | None = None) -> None:
+        """Asks, in the background (at most twice a second), whether the oldest step
+        that was pending here committed; a step that cannot commit is recorded as
+        this rank's failure too. With ``timeout`` (closing), asks about every
+        pending step and waits up to that long for each answer."""
+        with self._pending_lock:
+            pending = list(self._pending_commits.items())
+        if not pending:
+            return
+        if timeout is None:
+            check = self._pending_check
+            if (check is not None and not check.done()) or (
+                time.monotonic() - self._pending_asked < 0.5
+            ):
+                return
+            pending = pending[:1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for step, meta in pending:
+            self._pending_asked = time.monotonic()
+            check = self.session.loop.submit(
+                self.session.transport.commit(self.config.job, step, meta or None))
+            check.add_done_callback(functools.partial(self._pending_answer, step=step))
+            self._pending_check = check
+            if deadline is not None:  # all the questions together, within ``timeout``
+                left = deadline - time.monotonic()
+                if left <= 0 or not concurrent.futures.wait([check], left).done:
+                    break
+
+    def _pending_answer(self, future: concurrent.futures.Future[Any], *, step: int) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            if future.result().state == "committed":
+                with self._pending_lock:
+                    self._pending_commits.pop(step, None)
+            return
+        if isinstance(exc, ValidationFailed | Conflict):  # never commits: a failure
+            with self._pending_lock:
+                self._pending_commits.pop(step, None)
+            self._snapshot_failed(step, exc)
+        else:  # the server may be back next time
+            log.debug("%s/%d: cannot ask whether step %d committed: %s", self.config.job,
+                      self.config.rank,
+                      step, exc)
+
+    def surface_failure(self, stacklevel: int = 3) -> None:
+        """Raises (or warns of) a failed snapshot the loop has not seen yet."""
+        err = self.failures.take()
+        if err is None:
+            return
+        if self.config.on_error == "raise":
+            raise err
+        warnings.warn(str(err), SnapshotFailureWarning, stacklevel=stacklevel)
+
+    def _uploaded(
+        self,
+        future: concurrent.futures.Future[SaveResult],
+        *,
+        upload: SnapshotUpload,
+        piece: StagedPiece,
+    ) -> None:
+        """Once a snapshot is in: its last piece is what the pool holds; serve it to
+        peers when the step is committed, while the pool still holds it."""
+        if future.cancelled() or future.exception() is not None or self.session.closed:
+            return
+        result = future.result()
+        pool, generation = self.session.staging, piece.generation
+        index = PeerIndex(step=result.step, chunks=upload.chunks_of(piece),
+                          valid=lambda: pool.generation == generation)
+        try:
+            self.failover.uploaded(index, result.state == "committed")
+        except Exception as exc:  # serving peers is best effort; the save succeeded
+            log.warning("%s/%d: cannot serve step %d to peers: %s", self.config.job,
+                        self.config.rank,
+                        result.step, exc)
+
+
+def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:
+    future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+    future.set_exception(exc)
+    return future

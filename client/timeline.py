@@ -1,0 +1,93 @@
+"""The job's timeline this rank is in: how many rollbacks the job had when the
+checkpointer started or last restored (its *epoch*), stamped on every manifest
+so that saves of a timeline a rollback ended are refused; and joining the
+current timeline after a restore."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+
+from ckptd.format import EPOCH_META
+
+from .session import Session
+
+log = logging.getLogger("ckptd.client.checkpointer")
+
+
+class Timeline:
+    """This rank's epoch: asked for at start, in the background, and again after a
+    failed question (the server may be back); joined anew after a restore."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._epoch: int | None = None
+        self._lock = threading.Lock()
+        self._call = session.loop.submit(session.transport.epoch(session.config.job))
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this rank saves in, or None while not known."""
+        return self.current()[0]
+
+    def current(self) -> tuple[int | None, concurrent.futures.Future[int] | None]:
+        """(the epoch this rank saves in, or None and the question still out). A
+        question that failed is asked again (the server may be back)."""
+        s = self.session
+        with self._lock:
+            if self._epoch is not None:
+                return self._epoch, None
+            call = self._call
+            if not call.done():
+                return None, call
+            try:
+                self._epoch = call.result()
+            except Exception as exc:
+                log.warning("%s/%d: cannot learn the job's timeline: %s", s.config.job,
+                            s.config.rank, exc)
+                self._call = s.loop.submit(s.transport.epoch(s.config.job))
+                return None, self._call
+            return self._epoch, None
+
+    def rollback_state(self) -> tuple[int | None, int] | None:
+        s = self.session
+        try:
+            return s.loop.run(s.transport.rollback_state(s.config.job), s.timeout)
+        except Exception as exc:
+            log.warning("%s/%d: cannot read the job's rollback state: %s", s.config.job,
+                        s.config.rank, exc)
+            return None
+
+    def join(self, step: int, before: tuple[int | None, int] | None) -> None:
+        """After restoring committed ``step``, this rank's saves belong to the job's
+        current timeline, if that step is on it: the job is not marked for a
+        rollback elsewhere, or is marked for this step, or the step was committed
+        in the current timeline; and no rollback began while it restored. Otherwise
+        the rank keeps its epoch, and its saves stay refused until it restores the
+        rollback's step."""
+        s = self.session
+        job, rank = s.config.job, s.config.rank
+        after = self.rollback_state()
+        if after is None:
+            return
+        marker, epoch = after
+        if before is not None and before[1] != epoch:
+            log.warning("%s/%d: a rollback began while step %d was restored; saves stay "
+                        "refused until the rollback's step is restored", job, rank, step)
+            return
+        joins = marker is None or marker == step
+        if not joins:
+            try:
+                record = s.loop.run(s.transport.read_commit(job, step), s.timeout)
+                joins = record.meta.get(EPOCH_META, 0) == epoch
+            except Exception as exc:
+                log.warning("%s/%d: cannot read the commit record of step %d: %s",
+                            job, rank, step, exc)
+        if not joins:
+            log.warning("%s/%d: step %d is not on the job's current timeline (it is marked "
+                        "for rollback to step %d); saves stay refused until that step is "
+                        "restored", job, rank, step, marker)
+            return
+        with self._lock:
+            self._epoch = epoch

@@ -1,0 +1,59 @@
+"""One config object for a Checkpointer (``CheckpointerConfig``): the keyword
+arguments build it, ``from_config`` takes it, and it refuses what the
+constructor refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.client.config import CheckpointerConfig
+from ckptd.errors import InvalidRequest
+
+
+def test_the_keyword_constructor_builds_the_config(tmp_path: Path, shm: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_ON_ERROR", "warn")
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, "cfg", rank=1, world_size=2, shm_dir=shm, chunk_size=8192,
+                      on_busy="skip", timeout=5.0) as ckpt:
+        cfg = ckpt.config
+        assert cfg == CheckpointerConfig(url, "cfg", 1, 2, None, chunk_size=8192,
+                                         on_busy="skip", on_error="warn", timeout=5.0,
+                                         shm_dir=shm)
+        assert (ckpt.job, ckpt.rank, ckpt.chunk_size, ckpt.on_error) == ("cfg", 1, 8192, "warn")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            cfg.job = "other"  # type: ignore[misc]
+
+
+def test_from_config_saves_and_restores(tmp_path: Path, shm: Path) -> None:
+    cfg = CheckpointerConfig.of(f"file://{tmp_path / 'store'}", "cfg", shm_dir=shm)
+    state = {"w": torch.arange(10.0), "n": 3}
+    with Checkpointer.from_config(cfg) as ckpt:
+        assert ckpt.save(1, state).wait(timeout=30).state == "committed"
+        target: dict[str, object] = {}
+        assert ckpt.restore(target).step == 1
+        assert torch.equal(target["w"], state["w"]) and target["n"] == 3  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"chunk_size": 100},
+        {"on_busy": "queue"},
+        {"on_error": "ignore"},
+        {"default_placement": "sharded"},
+        {"staging_budget": 4096},
+        {"rank": 2},
+        {"job": "no/slash"},
+    ],
+)
+def test_a_bad_setting_is_refused_by_the_config(tmp_path: Path, changes: dict[str, object]
+                                                ) -> None:
+    cfg = CheckpointerConfig.of(f"file://{tmp_path}", "cfg", rank=0, world_size=2)
+    with pytest.raises(InvalidRequest):
+        cfg.replace(**changes)
