@@ -156,7 +156,7 @@ class Saver:
                   self.config.job, self.config.rank, step, pieces, stall)
         return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
                           waited_seconds=waited, pieces=pieces,
-                          on_failure_seen=self.failures.seen)
+                          on_failure_seen=functools.partial(self._failure_seen, step))
 
     def _stage_and_submit(
         self,
@@ -246,6 +246,12 @@ class Saver:
             else:  # committed: what was pending before it no longer matters
                 for older in [s for s in self._pending_commits if s <= step]:
                     del self._pending_commits[older]
+
+    def _failure_seen(self, step: int, exc: BaseException) -> None:
+        """``wait()`` is about to raise ``exc``: recorded (named, logged) first, since
+        the snapshot's done-callback may run only after the waiter woke, then seen."""
+        self._snapshot_failed(step, exc)
+        self.failures.seen(exc)
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         err = self.failures.record(step, exc)
