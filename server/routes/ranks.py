@@ -186,7 +186,8 @@ async def restore_plan(
     async def held_ids(peer: int) -> frozenset[str]:
         async with sem:
             try:
-                return await views.chunk_ids(job, step, peer)
+                ids: frozenset[str] = await views.chunk_ids(job, step, peer)
+                return ids
             except CkptdError as exc:  # one bad peer manifest must not sink the plan
                 log.warning("%s step %d: no peer ids of rank %d: %s", job, step, peer, exc)
                 return frozenset()
