@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .health.agent import HealthAgent
     from .health.heartbeat import HealthFn
     from .health.policy import Policy
-    from .health.probe import ReadingSource
+    from .health.readings import ReadingSource
 
 log = logging.getLogger(__name__)
 

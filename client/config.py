@@ -21,7 +21,7 @@ from .staging.layout import PAGE
 if TYPE_CHECKING:
     from .health.heartbeat import HealthFn
     from .health.policy import Policy
-    from .health.probe import ReadingSource
+    from .health.readings import ReadingSource
 
 OnBusy = Literal["wait", "skip"]
 OnError = Literal["raise", "warn"]

@@ -124,7 +124,7 @@ def wait_dead(client: httpx.Client, job: str, rank: int) -> None:
 
 
 def ok(temp: float, mem: float) -> dict[str, Any]:
-    """A healthy rank's probe readings (names as client/health/probe.py sends them)."""
+    """A healthy rank's probe readings (names as client/health/ sends them)."""
     return {"state": "ok", "reasons": [],
             "signals": {"gpu_temperature_c[0]": temp, "gpu_ecc_uncorrected_volatile[0]": 0,
                         "host_memory_percent": mem, "host_cpu_percent": 31.0}}

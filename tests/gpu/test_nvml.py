@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from ckptd.client.health.nvml import NvmlSource
 from ckptd.client.health.policy import GPU_SIGNALS, default_policy
-from ckptd.client.health.probe import HealthProbe, NvmlSource
+from ckptd.client.health.probe import HealthProbe
 
 pynvml = pytest.importorskip("pynvml")
 

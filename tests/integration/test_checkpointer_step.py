@@ -11,7 +11,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.client.health.policy import parse_policy
-from ckptd.client.health.probe import ScriptedSource
+from ckptd.client.health.readings import ScriptedSource
 from ckptd.errors import RollbackRequested
 
 FAST = parse_policy("[probe]\ninterval_s = 0.05\n\n[actions]\nsnapshot_min_interval_s = 0\n")

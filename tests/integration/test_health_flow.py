@@ -20,7 +20,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.client.health.agent import HealthAgent, StepDecision
-from ckptd.client.health.probe import ScriptedSource
+from ckptd.client.health.readings import ScriptedSource
 from ckptd.errors import RollbackRequested
 from tests.conftest import ServerProcess
 

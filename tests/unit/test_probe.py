@@ -16,19 +16,15 @@ from typing import Any
 
 import pytest
 
+from ckptd.client.health.nvml import NvmlSource, decode_throttle_reasons
 from ckptd.client.health.policy import GPU_SIGNALS, Policy, default_policy, parse_policy
-from ckptd.client.health.probe import (
-    Action,
-    HealthProbe,
-    HealthStatus,
+from ckptd.client.health.probe import Action, HealthProbe, HealthStatus, default_sources
+from ckptd.client.health.readings import (
     HostSource,
     LoopSource,
-    NvmlSource,
     ReadingSource,
     RttSource,
     ScriptedSource,
-    decode_throttle_reasons,
-    default_sources,
 )
 from ckptd.errors import CkptdError, InvalidRequest, RollbackRequested
 
