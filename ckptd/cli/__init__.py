@@ -677,7 +677,7 @@ def policy_check(
     file: Annotated[str, typer.Argument(help="A policy TOML file.")],
 ) -> None:
     """Validate a policy file and print the effective policy (defaults merged)."""
-    from ckptd.client.health.policy import check_command
+    from ckptd.client.health.policy_file import check_command
 
     code, text = check_command(file)
     if code == 0:

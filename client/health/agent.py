@@ -49,7 +49,8 @@ from ckptd.format import check_job, check_rank, check_step
 
 from ..transport_http import SyncTransport
 from .heartbeat import Heartbeat, HeartbeatReply
-from .policy import Policy, default_policy, load_policy
+from .policy import Policy, default_policy
+from .policy_file import load_policy
 from .probe import Action, HealthProbe, HealthStatus, default_sources
 from .readings import LoopSource, ReadingSource, RttSource
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.client.health.policy import parse_policy
+from ckptd.client.health.policy_file import parse_policy
 from ckptd.client.health.readings import ScriptedSource
 from ckptd.errors import RollbackRequested
 

@@ -16,17 +16,14 @@ from ckptd.client.health.policy import (
     GPU_SIGNALS,
     SIGNALS,
     ActionSettings,
-    InvalidPolicy,
     Policy,
     ProbeSettings,
     SignalThreshold,
-    check_command,
     default_policy,
-    load_policy,
-    parse_policy,
     split_signal_key,
 )
-from ckptd.errors import CkptdError, InvalidRequest
+from ckptd.client.health.policy_file import check_command, load_policy, parse_policy
+from ckptd.errors import CkptdError, InvalidPolicy, InvalidRequest
 
 EXAMPLE = """\
 # a policy for a cluster with hot GPUs

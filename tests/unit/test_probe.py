@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from ckptd.client.health.nvml import NvmlSource, decode_throttle_reasons
-from ckptd.client.health.policy import GPU_SIGNALS, Policy, default_policy, parse_policy
+from ckptd.client.health.policy import GPU_SIGNALS, Policy, default_policy
+from ckptd.client.health.policy_file import parse_policy
 from ckptd.client.health.probe import Action, HealthProbe, HealthStatus, default_sources
 from ckptd.client.health.readings import (
     HostSource,
