@@ -15,7 +15,8 @@ import httpx
 import pytest
 from rich.console import Console
 
-from ckptd.cli import SERVE_DEFAULTS, status_view
+from ckptd.cli import SERVE_DEFAULTS
+from ckptd.cli.status import status_view
 
 if TYPE_CHECKING:
     from tests.conftest import ServerProcess
