@@ -4,22 +4,33 @@ Write order is chunks, rank manifests, commit record, ``latest`` ref; reads go
 the other way. A crash anywhere leaves only unreferenced objects, never a torn
 checkpoint: a step exists only once its commit record does, and the record is
 written only after every rank's manifest validated together.
+
+Longer than the house's ~500 lines on purpose: every write of a document (chunk,
+manifest, commit record, refs, timeline, rollback, an imported step) and its order
+lives in this one class, so the invariants of DESIGN.md are checked in one place.
+What is not a write moved out: the document thread and the parsed-manifest cache
+(``documents.py``), dedup leases (``chunk_claims.py``), validation
+(``validation.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from ckptd import knobs, large_json
+from ckptd import knobs
+from ckptd.chunk_claims import ChunkClaims
+from ckptd.documents import (
+    MANIFEST_CACHE_ENTRIES,
+    ParsedManifests,
+    document_work,
+    parse_stored,
+)
 from ckptd.errors import (
     AlreadyCommitted,
     CheckpointNotFound,
@@ -70,15 +81,6 @@ from ckptd.validation import ReplicaPolicy, validate_step
 log = logging.getLogger(__name__)
 
 _Doc = TypeVar("_Doc")
-
-
-def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
-    """A document read from the store, parsed: one that does not parse is store
-    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input."""
-    try:
-        return parse(data)
-    except InvalidDocument as exc:
-        raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
 
 
 # Which of these stored chunk ids a tenant may know of (see missing_chunks).
@@ -156,165 +158,8 @@ class RollbackSet(NamedTuple):
     started: bool
 
 
-class _Claims:
-    """Short leases on chunk ids a caller promised to send (soft state).
-
-    A missing-chunks call checks the store, then takes leases: two steps, with
-    awaits between them. A replica that finishes a chunk in that gap releases its
-    lease before the late caller looks, so the late caller would see the chunk
-    absent and unclaimed and send it again. Each call therefore opens a window
-    (``begin``) before it checks the store, and ``split`` treats an id stored
-    since its window opened as present. Stored ids are remembered only while a
-    window older than them is still open."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._leases: dict[str, tuple[str, float]] = {}
-        self._seq = 0
-        self._open: dict[int, int] = {}  # window start -> calls open since then
-        self._stored: dict[str, int] = {}  # id -> seq at which it was stored
-        self._stored_order: deque[tuple[int, str]] = deque()  # the same, oldest first
-
-    def begin(self) -> int:
-        with self._lock:
-            self._open[self._seq] = self._open.get(self._seq, 0) + 1
-            return self._seq
-
-    def split(
-        self, ids: Iterable[str], claimer: str, lease: float, since: int
-    ) -> tuple[list[str], list[str]]:
-        """(ids now leased to ``claimer``, ids another claimer holds). Ids stored
-        after window ``since`` opened are in neither."""
-        now = time.monotonic()
-        mine: list[str] = []
-        theirs: list[str] = []
-        with self._lock:
-            for cid in ids:
-                if self._stored.get(cid, -1) >= since:
-                    continue  # stored while the caller was checking the store
-                held = self._leases.get(cid)
-                if held is None or held[1] <= now or held[0] == claimer:
-                    self._leases[cid] = (claimer, now + lease)
-                    mine.append(cid)
-                else:
-                    theirs.append(cid)
-            if len(self._leases) > 1_000_000:  # drop expired leases now and then
-                self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
-        return mine, theirs
-
-    def end(self, since: int) -> None:
-        with self._lock:
-            left = self._open.pop(since) - 1
-            if left:
-                self._open[since] = left
-            oldest = min(self._open, default=self._seq + 1)
-            # Forget what no open window can have missed.
-            while self._stored_order and self._stored_order[0][0] < oldest:
-                seq, cid = self._stored_order.popleft()
-                if self._stored.get(cid) == seq:
-                    del self._stored[cid]
-
-    def release(self, cid: str, *, stored: bool) -> None:
-        with self._lock:
-            self._leases.pop(cid, None)
-            if stored and self._open:
-                self._stored[cid] = self._seq
-                self._stored_order.append((self._seq, cid))
-                self._seq += 1
-
-
-# One thread parses and validates documents. CPU-bound threads share the GIL with
-# the event loop, which waits a switch interval (5 ms) behind each of them: with
-# 16 manifests parsing at once, /healthz waited seconds; behind one, milliseconds.
-_DOCUMENT_WORKER = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="ckptd-documents"
-)
-
-_R = TypeVar("_R")
-
-
-async def document_work(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-    """Runs CPU work on documents (parse, validate, encode) off the event loop, on
-    the one document thread."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_DOCUMENT_WORKER, functools.partial(fn, *args, **kwargs))
-
-
-async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
-    """``document_work`` for documents a server keeps (parsed manifests): built
-    with the cyclic collector paused, then frozen out of its scans
-    (``large_json.documents_kept_from_collector``)."""
-
-    def kept() -> _R:
-        with large_json.documents_kept_from_collector():
-            return fn(*args)
-
-    return await document_work(kept)
-
-
 # Chunk ids a manifest's put or commit asks the store about per call (see _lacking).
 PRESENCE_BATCH = 2_000
-
-# Tensor entries of parsed manifests kept for the commit and restore plans that
-# read them again (a 100,000-tensor manifest parses in about a second).
-MANIFEST_CACHE_ENTRIES = 1_000_000
-
-
-def _parse_and_hash(data: bytes) -> RankManifest:
-    # One job on the document thread: a second one for the digest waited behind
-    # every manifest parsing meanwhile.
-    manifest = RankManifest.parse(data)
-    manifest.digest()
-    return manifest
-
-
-class _ParsedManifests:
-    """Parsed rank manifests by store key, each with the bytes it was parsed from:
-    a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
-
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        #: parse with the collector paused and freeze the result (a server's choice:
-        #: see large_json; a training process keeps its collector as it is)
-        self.kept_from_collector = False
-        self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
-        self._entries = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str, data: bytes) -> RankManifest | None:
-        with self._lock:
-            held = self._held.get(key)
-            if held is None or held[0] != data:
-                return None
-            self._held.move_to_end(key)
-            return held[1]
-
-    def put(self, key: str, data: bytes, manifest: RankManifest) -> None:
-        with self._lock:
-            old = self._held.pop(key, None)
-            if old is not None:
-                self._entries -= len(old[1].entries)
-            self._held[key] = (data, manifest)
-            self._entries += len(manifest.entries)
-            while self._entries > self.max_entries and len(self._held) > 1:
-                _, (_, dropped) = self._held.popitem(last=False)
-                self._entries -= len(dropped.entries)
-
-    async def parse(self, key: str, data: bytes) -> RankManifest:
-        """The manifest in ``data`` (stored at ``key``), parsed off the event loop."""
-        held = self.get(key, data)
-        if held is not None:
-            return held
-        work = kept_document_work if self.kept_from_collector else document_work
-        manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
-        self.put(key, data, manifest)
-        return manifest
-
-    async def parse_put(self, data: bytes) -> RankManifest:
-        """A manifest a client puts, parsed and checked off the event loop
-        (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
-        work = kept_document_work if self.kept_from_collector else document_work
-        return await work(_parse_and_hash, data)
 
 
 class Repository:
@@ -330,14 +175,14 @@ class Repository:
         self.store = store
         self.replica_mismatch = replica_mismatch
         self._clock = clock
-        self._claims = _Claims()
+        self._claims = ChunkClaims()
         # Leases of scoped tenants, apart: another tenant's lease must not show.
-        self._tenants: dict[str, _Claims] = {}
+        self._tenants: dict[str, ChunkClaims] = {}
         self._tenants_lock = threading.Lock()
         #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
-        self._manifests = _ParsedManifests(MANIFEST_CACHE_ENTRIES)
+        self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES)
 
     async def close(self) -> None:
         await self.store.close()
@@ -385,11 +230,11 @@ class Repository:
             claims.end(since)
         return MissingResult(missing=mine, in_flight=theirs)
 
-    def _tenant_claims(self, tenant: str) -> _Claims:
+    def _tenant_claims(self, tenant: str) -> ChunkClaims:
         with self._tenants_lock:
             claims = self._tenants.get(tenant)
             if claims is None:
-                claims = self._tenants[tenant] = _Claims()
+                claims = self._tenants[tenant] = ChunkClaims()
             return claims
 
     async def has_chunk(self, cid: str) -> bool:

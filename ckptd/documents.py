@@ -1,0 +1,119 @@
+"""Documents off the event loop: the one document thread that parses, checks and
+encodes them, and the cache of parsed rank manifests a repository keeps for the
+commit and the restore plans that read them again (docs/design/010)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ckptd import large_json
+from ckptd.errors import InvalidDocument, StoreCorrupt
+from ckptd.format import RankManifest
+
+_Doc = TypeVar("_Doc")
+
+
+def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
+    """A document read from the store, parsed: one that does not parse is store
+    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input."""
+    try:
+        return parse(data)
+    except InvalidDocument as exc:
+        raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
+
+
+# One thread parses and validates documents. CPU-bound threads share the GIL with
+# the event loop, which waits a switch interval (5 ms) behind each of them: with
+# 16 manifests parsing at once, /healthz waited seconds; behind one, milliseconds.
+_DOCUMENT_WORKER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="ckptd-documents"
+)
+
+_R = TypeVar("_R")
+
+
+async def document_work(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """Runs CPU work on documents (parse, validate, encode) off the event loop, on
+    the one document thread."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_DOCUMENT_WORKER, functools.partial(fn, *args, **kwargs))
+
+
+async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
+    """``document_work`` for documents a server keeps (parsed manifests): built
+    with the cyclic collector paused, then frozen out of its scans
+    (``large_json.documents_kept_from_collector``)."""
+
+    def kept() -> _R:
+        with large_json.documents_kept_from_collector():
+            return fn(*args)
+
+    return await document_work(kept)
+
+
+# Tensor entries of parsed manifests kept for the commit and restore plans that
+# read them again (a 100,000-tensor manifest parses in about a second).
+MANIFEST_CACHE_ENTRIES = 1_000_000
+
+
+def _parse_and_hash(data: bytes) -> RankManifest:
+    # One job on the document thread: a second one for the digest waited behind
+    # every manifest parsing meanwhile.
+    manifest = RankManifest.parse(data)
+    manifest.digest()
+    return manifest
+
+
+class ParsedManifests:
+    """Parsed rank manifests by store key, each with the bytes it was parsed from:
+    a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        #: parse with the collector paused and freeze the result (a server's choice:
+        #: see large_json; a training process keeps its collector as it is)
+        self.kept_from_collector = False
+        self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
+        self._entries = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str, data: bytes) -> RankManifest | None:
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held[0] != data:
+                return None
+            self._held.move_to_end(key)
+            return held[1]
+
+    def put(self, key: str, data: bytes, manifest: RankManifest) -> None:
+        with self._lock:
+            old = self._held.pop(key, None)
+            if old is not None:
+                self._entries -= len(old[1].entries)
+            self._held[key] = (data, manifest)
+            self._entries += len(manifest.entries)
+            while self._entries > self.max_entries and len(self._held) > 1:
+                _, (_, dropped) = self._held.popitem(last=False)
+                self._entries -= len(dropped.entries)
+
+    async def parse(self, key: str, data: bytes) -> RankManifest:
+        """The manifest in ``data`` (stored at ``key``), parsed off the event loop."""
+        held = self.get(key, data)
+        if held is not None:
+            return held
+        work = kept_document_work if self.kept_from_collector else document_work
+        manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
+        self.put(key, data, manifest)
+        return manifest
+
+    async def parse_put(self, data: bytes) -> RankManifest:
+        """A manifest a client puts, parsed and checked off the event loop
+        (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
+        work = kept_document_work if self.kept_from_collector else document_work
+        return await work(_parse_and_hash, data)
