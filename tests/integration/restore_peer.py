@@ -7,19 +7,27 @@ Usage: restore_peer.py URL JOB RANK WORLD STEP SEED NBYTES CHUNK DIE_AFTER [stag
 
 Prints ``READY <peer url>`` once its save is done. ``stage-only`` saves and then
 SIGKILLs itself at once (a crashed worker whose pool stays in shared memory).
-Reads the token from ``CKPTD_TEST_TOKEN``.
+Reads the token from ``CKPTD_TEST_TOKEN``. The tests start it with ``spawn`` and
+wait for it with ``wait_ready`` and ``wait_held`` (below).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
+
+HELPER = Path(__file__)
+TOKEN = "tier-token"
+CHUNK = 16384
 
 
 def make_state(seed: int, nbytes: int) -> dict[str, Any]:
@@ -37,6 +45,50 @@ def make_state(seed: int, nbytes: int) -> dict[str, Any]:
                   "param_groups": [{"lr": 0.001, "params": [0]}]},
         "step": 5,
     }
+
+
+# -- starting it from a test -----------------------------------------------------------
+
+
+def spawn(url: str, job: str, rank: int, world: int, step: int, seed: int, nbytes: int,
+          die_after: int = 0, stage_only: bool = False) -> subprocess.Popen[str]:
+    env = dict(os.environ, CKPTD_TEST_TOKEN=TOKEN)
+    args = [sys.executable, str(HELPER), url, job, str(rank), str(world), str(step), str(seed),
+            str(nbytes), str(CHUNK), str(die_after)] + (["stage-only"] if stage_only else [])
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+def wait_ready(proc: subprocess.Popen[str], timeout: float = 60) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("READY "):
+            return line.split()[1]
+    proc.kill()
+    raise AssertionError("peer process did not get ready:\n" + "".join(lines))
+
+
+def held_steps(server: Any, job: str) -> dict[int, Any]:
+    resp = httpx.get(f"{server.url}/v1/jobs/{job}/ranks", headers=server.headers(), timeout=10)
+    if resp.status_code != 200:
+        return {}
+    return {r["rank"]: r["held_step"] for r in resp.json()["ranks"] if r["state"] != "dead"}
+
+
+def wait_held(server: Any, job: str, ranks: list[int], step: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = held_steps(server, job)
+        if all(held.get(r) == step for r in ranks):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"ranks {ranks} never held step {step}: {held_steps(server, job)}")
 
 
 def main() -> None:

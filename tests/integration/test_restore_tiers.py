@@ -13,9 +13,7 @@ import secrets
 import shutil
 import signal
 import struct
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,13 +36,17 @@ from ckptd.repository import Repository
 from tests.conftest import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
-from restore_peer import make_state  # noqa: E402
+from restore_peer import (  # noqa: E402
+    CHUNK,
+    TOKEN,
+    make_state,
+    spawn,
+    wait_held,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
-HELPER = Path(__file__).parent / "restore_peer.py"
-TOKEN = "tier-token"
-CHUNK = 16384
 
 
 @pytest.fixture
@@ -97,47 +99,6 @@ def distinct_bytes(state: Any, chunk: int = CHUNK) -> dict[str, int]:
         for a, b in chunk_spans(len(view), chunk):
             out[chunk_id(view[a:b])] = b - a
     return out
-
-
-def spawn(url: str, job: str, rank: int, world: int, step: int, seed: int, nbytes: int,
-          die_after: int = 0, stage_only: bool = False) -> subprocess.Popen[str]:
-    env = dict(os.environ, CKPTD_TEST_TOKEN=TOKEN)
-    args = [sys.executable, str(HELPER), url, job, str(rank), str(world), str(step), str(seed),
-            str(nbytes), str(CHUNK), str(die_after)] + (["stage-only"] if stage_only else [])
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-
-
-def wait_ready(proc: subprocess.Popen[str], timeout: float = 60) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("READY "):
-            return line.split()[1]
-    proc.kill()
-    raise AssertionError("peer process did not get ready:\n" + "".join(lines))
-
-
-def held_steps(server: ServerProcess, job: str) -> dict[int, Any]:
-    resp = httpx.get(f"{server.url}/v1/jobs/{job}/ranks", headers=server.headers(), timeout=10)
-    if resp.status_code != 200:
-        return {}
-    return {r["rank"]: r["held_step"] for r in resp.json()["ranks"] if r["state"] != "dead"}
-
-
-def wait_held(server: ServerProcess, job: str, ranks: list[int], step: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        held = held_steps(server, job)
-        if all(held.get(r) == step for r in ranks):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"ranks {ranks} never held step {step}: {held_steps(server, job)}")
 
 
 def target_like(state: Any) -> Any:

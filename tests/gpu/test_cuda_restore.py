@@ -1,0 +1,114 @@
+"""Restore into CUDA tensors, every tier (issue 11): this rank's staging pool, the
+store read in place (``file://``), the server's store over HTTP, and live peers.
+The target holds CUDA tensors of the right shapes (a constructed model on the
+GPU); each restore must leave them bitwise the saved state, still on the device.
+Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from tests.conftest import ServerProcess
+from tests.integration.restore_peer import (
+    CHUNK,
+    TOKEN,
+    make_state,
+    spawn,
+    wait_held,
+    wait_ready,
+)
+
+DEVICE = "cuda"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                       reason="needs a CUDA device"),
+    pytest.mark.timeout(180),
+]
+
+NBYTES = 8 << 20
+
+
+def on_device(state: Any) -> Any:
+    """The state with every tensor zeroed on the device: a target to restore into."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state, device=DEVICE)
+    if isinstance(state, dict):
+        return {k: on_device(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [on_device(v) for v in state]
+    return state
+
+
+def assert_bitwise_on_device(target: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(target, torch.Tensor) and target.device.type == DEVICE
+        got, want = target.cpu(), expected.cpu()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
+                           want.contiguous().reshape(-1).view(torch.uint8))
+    elif isinstance(expected, dict):
+        assert target.keys() == expected.keys()
+        for k in expected:
+            assert_bitwise_on_device(target[k], expected[k])
+    elif isinstance(expected, list):
+        assert len(target) == len(expected)
+        for a, b in zip(target, expected, strict=True):
+            assert_bitwise_on_device(a, b)
+    else:
+        assert target == expected
+
+
+@pytest.fixture
+def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("CKPTD_HEARTBEAT_INTERVAL", "0.2")
+    server = ServerProcess(store=tmp_path / "store", token=TOKEN)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("tier", ["local", "store", "store-file"])
+def test_restore_into_cuda_tensors_from_each_tier(srv: ServerProcess, shm: Path,
+                                                 tier: str) -> None:
+    expected = make_state(11, NBYTES)
+    url = f"file://{srv.store}" if tier == "store-file" else srv.url
+    target = on_device(expected)
+    # The saver stays open: its staging pool is the local tier of the restore.
+    with Checkpointer(srv.url, "gpu", token=TOKEN, chunk_size=CHUNK, shm_dir=shm) as saver:
+        saver.save(3, expected).wait(timeout=60)
+        with Checkpointer(url, "gpu", token=TOKEN, chunk_size=CHUNK, shm_dir=shm) as ckpt:
+            result = ckpt.restore(target, tiers=(tier.removesuffix("-file"),))
+    assert result.step == 3
+    assert result.bytes_from.get(tier.removesuffix("-file"), 0) == result.bytes_fetched > 0
+    assert_bitwise_on_device(target, expected)
+
+
+def test_restore_into_cuda_tensors_from_peers(srv: ServerProcess, shm: Path) -> None:
+    expected = make_state(12, NBYTES)
+    procs = [spawn(srv.url, "gpu-peers", r, 3, 7, seed=12, nbytes=NBYTES) for r in (0, 1)]
+    try:
+        with Checkpointer(srv.url, "gpu-peers", rank=2, world_size=3, token=TOKEN,
+                          chunk_size=CHUNK, shm_dir=shm) as ckpt:
+            ckpt.save(7, expected).wait(timeout=60)
+        for p in procs:
+            wait_ready(p)
+        wait_held(srv, "gpu-peers", [0, 1], 7)
+        target = on_device(expected)
+        with Checkpointer(srv.url, "gpu-peers", rank=2, world_size=3, token=TOKEN,
+                          chunk_size=CHUNK, shm_dir=shm / "new-node") as ckpt:
+            result = ckpt.restore(target, tiers=("peer",))
+        assert result.bytes_from.get("peer", 0) == result.bytes_fetched > 0
+        assert_bitwise_on_device(target, expected)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
