@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from urllib.parse import urlparse
 
 from ckptd import knobs
@@ -68,10 +69,18 @@ class PeerClient:
     ``http.client``'s reads, and a third of httpx's)."""
 
     def __init__(
-        self, token: str | None = None, *, timeout: float | None = None, idle_per_peer: int = 8
+        self, token: str | None = None, *, timeout: float | None = None, idle_per_peer: int = 8,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.timeout = knobs.peer_timeout() if timeout is None else timeout
-        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        # ``headers``: sent with every request (a ckptd server's chunk route reads the
+        # same way, given its bearer token and the job a scoped token acts for).
+        lines = [f"{k}: {v}\r\n" for k, v in (headers or {}).items()]
+        if token:
+            lines.append(f"Authorization: Bearer {token}\r\n")
+        if any("\r" in line[:-2] or "\n" in line[:-2] for line in lines):
+            raise InvalidRequest("a header of a chunk request holds a line break")
+        self._auth = "".join(lines)
         self._idle: dict[str, list[_Conn]] = {}
         self._idle_per_peer = idle_per_peer
         self._lock = threading.Lock()

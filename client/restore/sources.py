@@ -12,7 +12,7 @@ import mmap
 import os
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -322,17 +322,32 @@ class StoreSource(Source):
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self._read = transport.chunk_reader()
 
     def holders(self, cid: str) -> Sequence[str]:
         return ("store",)
 
     async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
+        if self._read is not None:
+            # Straight into ``dest`` and hashed there, in one worker thread. Any
+            # failure goes the transport's way below (its retries, replica
+            # failover and typed errors); the bytes are verified either way.
+            try:
+                return await asyncio.to_thread(_read_and_hash, self._read, cid, dest)
+            except Exception as exc:
+                log.debug("direct read of chunk %s failed (%s); through the transport",
+                          cid, exc)
         data = await self.transport.get_chunk(cid)
         if len(data) != len(dest):
             raise ChunkSizeMismatch(f"the store has {len(data)} bytes for chunk {cid}, "
                                     f"expected {len(dest)}", id=cid)
         # Off the event loop, and hashed while the bytes are in cache.
         return await asyncio.to_thread(_copy_and_hash, dest, memoryview(data))
+
+
+def _read_and_hash(read: Callable[[str, memoryview], None], cid: str, dest: memoryview) -> str:
+    read(cid, dest)
+    return verify_hash(dest)
 
 
 def _copy_and_hash(dest: memoryview, data: memoryview) -> str:

@@ -25,6 +25,7 @@ from ckptd.client.save.flatten import flatten
 from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
+    ChunkNotFound,
     Unauthorized,
     Unavailable,
 )
@@ -205,3 +206,36 @@ def test_http_and_local_transports_answer_alike(server: Any) -> None:
     assert [s["step"] for s in steps] == [1, 2] and steps[1]["is_latest"]
     assert report["ok"] and report["steps"] == [1, 2] and report1["steps"] == [1]
     assert (latest, none) == (2, None)
+
+
+def test_chunks_are_read_straight_into_a_buffer_from_their_home_replica(
+    token_server: Any,
+) -> None:
+    """The store tier's direct read (the transport's ``chunk_reader``) gets the same
+    bytes as ``get_chunk``, with the token, into the caller's buffer; a chunk the
+    store lacks is an error the caller then takes the transport's way."""
+    state = {"w": torch.arange(50_000, dtype=torch.float32)}
+    with Checkpointer(token_server.url, "direct", token=token_server.token) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+    view = byte_view(state["w"])
+    cid = chunk_id(view)  # one chunk: 200,000 bytes < the default chunk size
+
+    async def run() -> None:
+        transport = open_transport(token_server.url, token_server.token, job="direct")
+        try:
+            read = transport.chunk_reader()
+            assert read is not None
+            dest = memoryview(bytearray(len(view)))
+            await asyncio.to_thread(read, cid, dest)
+            assert bytes(dest) == bytes(view) == await transport.get_chunk(cid)
+            with pytest.raises(ChunkNotFound):
+                await asyncio.to_thread(read, "0" * 64, memoryview(bytearray(len(view))))
+        finally:
+            await transport.close()
+        tls = open_transport("https://127.0.0.1:1", "t")
+        try:
+            assert tls.chunk_reader() is None  # TLS replicas: through httpx only
+        finally:
+            await tls.close()
+
+    asyncio.run(run())
