@@ -108,9 +108,11 @@ class FailureLog:
             self.last = err
             if not superseded and err is not self._seen:
                 self._unseen = err
-        log.log(logging.WARNING if superseded else logging.ERROR,
-                "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
-                advice(err))
+            # Logged under the lock: a second caller for this step (wait() racing
+            # the snapshot's done-callback) returns only once it is in the log.
+            log.log(logging.WARNING if superseded else logging.ERROR,
+                    "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
+                    advice(err))
         return err
 
     def seen(self, exc: BaseException) -> None:
