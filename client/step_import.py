@@ -11,6 +11,7 @@ repository like any save; then the step is read back and compared bitwise.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import io
 import logging
 import pickle
@@ -161,8 +162,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata dataclasses and torch dtypes; refuses every other global."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES or (module, name) in _SAFE_GLOBALS:
+        if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
+        if module in _DCP_MODULES and "." not in name:
+            # Only a class the module itself defines: a module also holds what it
+            # imported (``os``, functions), and a dotted name would walk into them.
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, "
