@@ -83,8 +83,9 @@ def max_manifest_bytes() -> int:
 
 
 def restore_concurrency() -> int:
-    """Chunks one restore fetches at once (over all its sources)."""
-    return _env_int("CKPTD_RESTORE_CONCURRENCY", 8)
+    """Chunks one restore fetches at once (over all its sources): at least one per
+    core, since each verifies its chunk on a worker thread."""
+    return _env_int("CKPTD_RESTORE_CONCURRENCY", max(8, os.cpu_count() or 1))
 
 
 def peer_host() -> str:

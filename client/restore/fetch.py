@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import math
 import mmap
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -162,13 +163,13 @@ class ChunkFetcher:
 
         async def one(cid: str) -> None:
             dests = wanted.chunks[cid]
-            size = len(dests[0][0])
+            size = wanted.size(cid)
             spot: list[memoryview] = []
 
             def land() -> memoryview:
                 if not spot:
                     fresh = next((d for d, in_target in dests if not in_target), None)
-                    if fresh is None and not atomic:
+                    if fresh is None and not atomic and dests:
                         fresh = dests[0][0]
                         self.landed_in_target = True
                     spot.append(fresh if fresh is not None else landing.take(size))
@@ -178,7 +179,7 @@ class ChunkFetcher:
             if data is None:
                 return
             source = self.source_of[cid]
-            if not atomic and source.in_place and source.tier != "local":
+            if not atomic and source.in_place and source.tier != "local" and dests:
                 # Lands as it verifies, like a network chunk (the pool's views are
                 # kept: they are what an adopted pool serves to peers).
                 dest, in_target = dests[0]
@@ -204,10 +205,13 @@ def _address(view: memoryview) -> int:
 
 
 async def deliver(
-    found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int = 2
+    found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None
 ) -> None:
     """Copies every verified chunk to each of its destinations (the target's own
-    tensors where they fit), then the slices of elastic boxes."""
+    tensors where they fit, on the host or a device), then the slices of elastic
+    boxes; ``concurrency`` host copies at once (by default one per core, up to 8:
+    more only fight over memory bandwidth)."""
+    concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
     jobs: list[tuple[memoryview, memoryview]] = []
     for cid, dests in wanted.chunks.items():
         data = found[cid]
@@ -220,9 +224,36 @@ async def deliver(
         await asyncio.to_thread(copy_bytes, *job)
 
     await bounded(jobs, copy, concurrency)
+    if wanted.devices:
+        await asyncio.to_thread(to_devices, found, wanted.devices)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
+
+
+def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]]) -> None:
+    """Copies verified chunks straight from where they lie (the staging pool, the
+    cache, a landing buffer) into device tensors: on a side stream per CUDA
+    device, ordered after the work already queued on the device's current stream,
+    and finished before returning (so the host bytes may go once this returns)."""
+    from ..cuda import CopyStreams  # only with device tensors: no CUDA otherwise
+
+    streams = CopyStreams()
+    cuda = {d.device for dsts in devices.values() for d in dsts if d.device.type == "cuda"}
+    streams.begin(cuda)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
+            for cid, dsts in devices.items():
+                src = torch.frombuffer(found[cid], dtype=torch.uint8)
+                for dst in dsts:
+                    if dst.device.type != "cuda":
+                        dst.copy_(src)
+                        continue
+                    with streams.on(dst.device):
+                        dst.copy_(src, non_blocking=True)
+    finally:
+        streams.finish().synchronize()
 
 
 @dataclass(slots=True)
@@ -234,13 +265,25 @@ class WantedChunks:
     names: dict[str, set[str]] = field(default_factory=dict)  # chunk id -> entry names
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # dst, src
     elastic: bool = False
+    # chunk id -> uint8 slices of the target's own device tensors (filled by
+    # ``to_devices`` from the verified host bytes; never before every chunk verified)
+    devices: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     def add(self, cid: str, dest: memoryview, name: str, in_target: bool = False) -> None:
         self.chunks.setdefault(cid, []).append((dest, in_target))
         self.names.setdefault(cid, set()).add(name)
+        self.sizes.setdefault(cid, len(dest))
+
+    def add_device(self, cid: str, dest: torch.Tensor, name: str) -> None:
+        """A slice of a device tensor that chunk ``cid`` fills (its bytes, as uint8)."""
+        self.chunks.setdefault(cid, [])
+        self.devices.setdefault(cid, []).append(dest)
+        self.names.setdefault(cid, set()).add(name)
+        self.sizes.setdefault(cid, dest.numel())
 
     def size(self, cid: str) -> int:
-        return len(self.chunks[cid][0][0])
+        return self.sizes[cid]
 
 
 def failure(fetcher: ChunkFetcher, wanted: WantedChunks, step: int) -> CkptdError:

@@ -140,6 +140,8 @@ def _build(
         return tensors[body].contiguous().numpy().tobytes()
     if kind == "tensor":
         restored = tensors[body]
+        if restored is existing:  # filled where it lies (its own memory, or on its device)
+            return existing
         if is_dtensor(existing):  # never replaced by a plain tensor: filled in place
             fill_dtensor(existing, restored, body)
             return existing

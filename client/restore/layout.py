@@ -183,6 +183,23 @@ def _direct(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     )
 
 
+def _on_device(existing: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether the restore may copy chunks straight into this device tensor (once
+    every chunk verified): dense and contiguous off the host, of the right dtype
+    and shape, so that its bytes are the entry's bytes."""
+    return (
+        existing.device.type not in ("cpu", "meta")
+        and not is_dtensor(existing)
+        and existing.layout == torch.strided
+        and existing.dtype == dtype
+        and tuple(existing.shape) == shape
+        and existing.is_contiguous()
+        and not existing.is_conj()
+        and not existing.is_neg()
+        and existing.numel() > 0
+    )
+
+
 def build_layout(
     plan: RestorePlan, boxes: Mapping[str, Box], values: Mapping[str, Any] | None = None
 ) -> RestoreLayout:
@@ -211,12 +228,22 @@ def build_layout(
         box = boxes[e.name]
         dtype = torch_dtype(e.dtype)
         existing = values.get(e.name)
+        specs[e.name] = TensorSpec(dtype, box[1], tuple(e.global_shape), box[0])
+        own_box = e.placement == "local" or box == (tuple(e.offsets), tuple(e.shape))
+        if own_box and isinstance(existing, torch.Tensor) and _on_device(existing, dtype, box[1]):
+            # Straight from the verified host bytes into the device tensor: no
+            # host buffer in between, no second copy (see ``fetch.to_devices``).
+            flat = existing.detach().reshape(-1).view(torch.uint8)
+            for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, cs), strict=True):
+                wanted.add_device(cid, flat[a:b], e.name)
+            buffers[e.name] = existing
+            used[(e.name, id(e))] = (e, cs)
+            continue
         in_target = _direct(existing, dtype, box[1])
         buf = existing if in_target and isinstance(existing, torch.Tensor) else fresh_tensor(
             box[1], dtype)
         buffers[e.name] = buf
-        specs[e.name] = TensorSpec(dtype, box[1], tuple(e.global_shape), box[0])
-        if e.placement == "local" or box == (tuple(e.offsets), tuple(e.shape)):
+        if own_box:
             _fill_from_entry(wanted, e.name, buf, box, e, cs, in_target)
             used[(e.name, id(e))] = (e, cs)
             continue

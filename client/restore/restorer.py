@@ -24,7 +24,7 @@ from ..peer import PeerClient, PeerIndex
 from ..session import Session
 from ..stateful import restore_view
 from ..transport import Transport
-from .fetch import ChunkFetcher, Landing, WantedChunks, deliver, failure
+from .fetch import ChunkFetcher, Landing, WantedChunks, deliver, failure, to_devices
 from .fill import fill, plan_fill
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
@@ -208,6 +208,7 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
     """The pool changed while it was being copied out: re-hashes what it gave,
     where it landed, and fetches again from ``others`` whatever no longer verifies."""
     again = ChunkFetcher(others, fetcher.concurrency)
+    landing = Landing()
     for cid, tier in list(fetcher.tier_of.items()):
         if tier != "local":
             continue
@@ -216,6 +217,15 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
                 continue
             if await again.fetch(cid, dest) is None:
                 raise failure(again, wanted, -1)
+        for device_dest in wanted.devices.get(cid, ()):
+            copied = device_dest.cpu()
+            if await asyncio.to_thread(chunk_id, copied.numpy().data) == cid:
+                continue
+            size = wanted.size(cid)
+            data = await again.locate(cid, size, functools.partial(landing.take, size))
+            if data is None:
+                raise failure(again, wanted, -1)
+            await asyncio.to_thread(to_devices, {cid: data}, {cid: [device_dest]})
     fetcher.problems.extend(again.problems)
 
 

@@ -82,6 +82,7 @@ def test_restore_into_cuda_tensors_from_each_tier(srv: ServerProcess, shm: Path,
     expected = make_state(11, NBYTES)
     url = f"file://{srv.store}" if tier == "store-file" else srv.url
     target = on_device(expected)
+    ptrs = [t.data_ptr() for t in tensors(target)]
     # The saver stays open: its staging pool is the local tier of the restore.
     with Checkpointer(srv.url, "gpu", token=TOKEN, chunk_size=CHUNK, shm_dir=shm) as saver:
         saver.save(3, expected).wait(timeout=60)
@@ -90,6 +91,18 @@ def test_restore_into_cuda_tensors_from_each_tier(srv: ServerProcess, shm: Path,
     assert result.step == 3
     assert result.bytes_from.get(tier.removesuffix("-file"), 0) == result.bytes_fetched > 0
     assert_bitwise_on_device(target, expected)
+    # Filled where they lie (straight from the verified host bytes), not replaced.
+    assert [t.data_ptr() for t in tensors(target)] == ptrs
+
+
+def tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors(v)]
+    if isinstance(state, list):
+        return [t for v in state for t in tensors(v)]
+    return []
 
 
 def test_restore_into_cuda_tensors_from_peers(srv: ServerProcess, shm: Path) -> None:
