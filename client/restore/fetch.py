@@ -26,7 +26,7 @@ from ckptd.errors import (
 from ckptd.knobs import MiB
 
 from ..loop import bounded
-from .sources import ChunkProblem, ProblemKind, Source, copy_bytes, verify_hash
+from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
 HUGE_FROM = 4 * MiB  # fresh buffers this large come from huge-page-advised maps
 
@@ -86,13 +86,16 @@ class ChunkFetcher:
         self.holder_of: dict[str, str] = {}
         self.source_of: dict[str, Source] = {}
         self.landed_in_target = False
+        self.prefilled: dict[str, int] = {}  # chunk id -> the destination it was copied to
 
     async def locate(
-        self, cid: str, size: int, land: Callable[[], memoryview]
+        self, cid: str, size: int, land: Callable[[], memoryview],
+        fill: memoryview | None = None,
     ) -> memoryview | None:
         """Verified bytes of chunk ``cid`` (a view where an in-place source holds
         them, or ``land()`` filled by a fetch), or None when no source had them
-        right; every failed try is recorded."""
+        right; every failed try is recorded. ``fill``: copy what an in-place source
+        holds into it and hash it there, in one pass (``prefilled`` records it)."""
         mine: list[ChunkProblem] = []
         for source in self.sources:
             for holder in list(source.holders(cid)):
@@ -105,6 +108,8 @@ class ChunkFetcher:
                         if len(data) != size:
                             raise ChunkSizeMismatch(f"{holder} holds {len(data)} bytes, the "
                                                     f"chunk has {size}", id=cid)
+                        if fill is not None:
+                            hashed = await asyncio.to_thread(copy_and_hash, fill, data)
                     else:
                         data = land()
                         hashed = await source.fetch_into(holder, cid, data)
@@ -130,6 +135,8 @@ class ChunkFetcher:
                 source.outcome(holder, problem)
                 if problem is None:
                     assert data is not None
+                    if fill is not None and source.in_place:
+                        self.prefilled[cid] = _address(fill)
                     self.bytes_from[source.tier] = self.bytes_from.get(source.tier, 0) + size
                     self.tier_of[cid] = source.tier
                     self.holder_of[cid] = holder
@@ -175,17 +182,17 @@ class ChunkFetcher:
                     spot.append(fresh if fresh is not None else landing.take(size))
                 return spot[0]
 
-            data = await self.locate(cid, size, land)
+            # Not atomic: an in-place source's bytes are copied into the first
+            # destination and hashed there, one pass (a network chunk lands there).
+            first = dests[0] if dests and not atomic else None
+            data = await self.locate(cid, size, land, first[0] if first else None)
             if data is None:
                 return
             source = self.source_of[cid]
-            if not atomic and source.in_place and source.tier != "local" and dests:
-                # Lands as it verifies, like a network chunk (the pool's views are
-                # kept: they are what an adopted pool serves to peers).
-                dest, in_target = dests[0]
-                await asyncio.to_thread(copy_bytes, dest, data)
-                self.landed_in_target = self.landed_in_target or in_target
-                data = dest
+            if first is not None and source.in_place:
+                self.landed_in_target = self.landed_in_target or first[1]
+                if source.tier != "local":  # (the pool's views are kept: an adopted
+                    data = first[0]         # pool serves them to peers)
             found[cid] = data
 
         await bounded(list(wanted.chunks), one, self.concurrency)
@@ -205,7 +212,8 @@ def _address(view: memoryview) -> int:
 
 
 async def deliver(
-    found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None
+    found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None,
+    prefilled: Mapping[str, int] | None = None,
 ) -> None:
     """Copies every verified chunk to each of its destinations (the target's own
     tensors where they fit, on the host or a device), then the slices of elastic
@@ -213,11 +221,12 @@ async def deliver(
     more only fight over memory bandwidth)."""
     concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
     jobs: list[tuple[memoryview, memoryview]] = []
+    prefilled = prefilled or {}
     for cid, dests in wanted.chunks.items():
         data = found[cid]
-        here = _address(data)
+        done = {_address(data), prefilled.get(cid, -1)}
         for dest, _ in dests:
-            if len(dest) and _address(dest) != here:
+            if len(dest) and _address(dest) not in done:
                 jobs.append((dest, data))
 
     async def copy(job: tuple[memoryview, memoryview]) -> None:

@@ -150,7 +150,7 @@ async def fetch_layout(
             # may be gone. Take those chunks from the other tiers.
             await _relocate(fetcher, wanted, found, [s for s in sources if s is not pool])
         # Phase 2: deliver (into the target's own tensors where they fit).
-        await deliver(found, wanted)
+        await deliver(found, wanted, prefilled=fetcher.prefilled)
         log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
         if pool is not None and not pool.unchanged():
@@ -189,6 +189,7 @@ async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str
     again = ChunkFetcher(others, fetcher.concurrency)
     landing = Landing()
     for cid in local:
+        fetcher.prefilled.pop(cid, None)  # what was copied from the pool is suspect too
         fetcher.bytes_from["local"] -= wanted.size(cid)
         size = wanted.size(cid)
         data = await again.locate(cid, size, functools.partial(landing.take, size))

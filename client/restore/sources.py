@@ -342,7 +342,7 @@ class StoreSource(Source):
             raise ChunkSizeMismatch(f"the store has {len(data)} bytes for chunk {cid}, "
                                     f"expected {len(dest)}", id=cid)
         # Off the event loop, and hashed while the bytes are in cache.
-        return await asyncio.to_thread(_copy_and_hash, dest, memoryview(data))
+        return await asyncio.to_thread(copy_and_hash, dest, memoryview(data))
 
 
 def _read_and_hash(read: Callable[[str, memoryview], None], cid: str, dest: memoryview) -> str:
@@ -350,7 +350,8 @@ def _read_and_hash(read: Callable[[str, memoryview], None], cid: str, dest: memo
     return verify_hash(dest)
 
 
-def _copy_and_hash(dest: memoryview, data: memoryview) -> str:
+def copy_and_hash(dest: memoryview, data: memoryview) -> str:
+    """Copies ``data`` into ``dest`` and hashes ``dest`` while its bytes are in cache."""
     copy_bytes(dest, data)
     return verify_hash(dest)
 
