@@ -190,6 +190,22 @@ def documents_kept_from_collector() -> Iterator[None]:
     (see above); nests, and several threads may hold it at once. A body that
     raises freezes nothing: a refused document is garbage, and a stream of them
     must not freeze what else the server made meanwhile."""
+    with _collector_paused(keep=True):
+        yield
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Runs the body with the cyclic collector paused, freezing nothing of its own:
+    for documents parsed and dropped again (a garbage collection's mark reads
+    every manifest; its objects go by reference count, with no collection
+    scanning them meanwhile)."""
+    with _collector_paused(keep=False):
+        yield
+
+
+@contextmanager
+def _collector_paused(keep: bool) -> Iterator[None]:
     global _pauses, _was_enabled, _built
     with _pause_lock:
         if _pauses == 0:
@@ -203,7 +219,7 @@ def documents_kept_from_collector() -> Iterator[None]:
     finally:
         with _pause_lock:
             _pauses -= 1
-            _built = _built or finished
+            _built = _built or (finished and keep)
             if _pauses == 0:
                 if _built:
                     gc.freeze()  # (moves the generations' lists: no scan, no pause)

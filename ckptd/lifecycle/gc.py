@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckptd import large_json
+from ckptd.documents import document_work
 from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
@@ -139,6 +141,12 @@ async def _manifest_keys(store: Store) -> tuple[set[str], set[tuple[str, str]]]:
     return manifests, committed
 
 
+def _chunk_ids_of(data: bytes) -> set[str]:
+    """The chunk ids a rank manifest names (its parse dropped once they are out)."""
+    with large_json.collector_paused():
+        return set(RankManifest.parse(data).chunk_ids())
+
+
 async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
     """Adds the chunk ids every manifest in ``keys`` names to ``into``."""
     sem = asyncio.Semaphore(_READ_CONCURRENCY)
@@ -150,7 +158,9 @@ async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
             except NotFound:
                 return  # forgotten since it was listed: it protects nothing now
         try:
-            into.update(RankManifest.parse(data).chunk_ids())
+            # Off the event loop (a server's /healthz keeps answering while a
+            # 100,000-tensor manifest parses), with no collection scanning it.
+            into.update(await document_work(_chunk_ids_of, data))
         except InvalidDocument as exc:
             # Its chunks are unknown, so none may be deleted on a guess.
             raise InvalidDocument(

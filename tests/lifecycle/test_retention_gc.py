@@ -121,3 +121,33 @@ def test_retention_file() -> None:
                 '[retention]\nkeep_within = "soon"\n', "[retention\n"):
         with pytest.raises(InvalidPolicy):
             parse_retention(bad)
+
+
+async def test_the_mark_parses_manifests_off_the_event_loop_with_the_collector_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server's background collection reads every manifest: parsed on the event
+    loop (a 100,000-tensor one takes about a second), or with collections scanning
+    its objects, /healthz would stall meanwhile."""
+    import gc
+    import threading
+
+    from ckptd.format import RankManifest
+    from ckptd.store.memory import MemoryStore
+
+    repo = Repository(MemoryStore())
+    await commit_step(repo, 1)
+    seen: list[tuple[str, bool]] = []
+    parse = RankManifest.parse
+
+    def watched(data: bytes) -> RankManifest:
+        seen.append((threading.current_thread().name, gc.isenabled()))
+        return parse(data)
+
+    monkeypatch.setattr(RankManifest, "parse", staticmethod(watched))
+    was = gc.isenabled()
+    report = await collect_garbage(repo.store, grace=0.0)
+    assert report.manifests_read == len(seen) == 2
+    loop_thread = threading.current_thread().name
+    assert all(name != loop_thread and not enabled for name, enabled in seen), seen
+    assert gc.isenabled() == was
