@@ -165,14 +165,12 @@ def needed_boxes(
     return boxes, other
 
 
-def _direct(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether the restore may assemble straight into the target's tensor (once
-    every chunk verified): a dense, contiguous CPU tensor of the right dtype and
-    shape, so that its bytes are the entry's bytes."""
+def _holds_entry_bytes(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """A dense, contiguous tensor of the right dtype and shape: its bytes are the
+    entry's bytes, wherever it lives."""
     return (
         isinstance(existing, torch.Tensor)
         and not is_dtensor(existing)
-        and existing.device.type == "cpu"
         and existing.layout == torch.strided
         and existing.dtype == dtype
         and tuple(existing.shape) == shape
@@ -181,23 +179,19 @@ def _direct(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         and not existing.is_neg()
         and existing.numel() > 0
     )
+
+
+def _direct(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether the restore may assemble straight into the target's tensor (once
+    every chunk verified): one on the host that holds the entry's bytes."""
+    return _holds_entry_bytes(existing, dtype, shape) and existing.device.type == "cpu"
 
 
 def _on_device(existing: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether the restore may copy chunks straight into this device tensor (once
-    every chunk verified): dense and contiguous off the host, of the right dtype
-    and shape, so that its bytes are the entry's bytes."""
-    return (
-        existing.device.type not in ("cpu", "meta")
-        and not is_dtensor(existing)
-        and existing.layout == torch.strided
-        and existing.dtype == dtype
-        and tuple(existing.shape) == shape
-        and existing.is_contiguous()
-        and not existing.is_conj()
-        and not existing.is_neg()
-        and existing.numel() > 0
-    )
+    every chunk verified): one off the host that holds the entry's bytes."""
+    return existing.device.type not in ("cpu", "meta") and _holds_entry_bytes(
+        existing, dtype, shape)
 
 
 def build_layout(

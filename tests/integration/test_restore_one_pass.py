@@ -6,9 +6,6 @@ ends bitwise the checkpoint; ``atomic=True`` verifies first and gets the same.""
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,20 +17,15 @@ CHUNK = 64 << 10
 
 
 @pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    root = base / f"ckptd-test-{secrets.token_hex(4)}"
-    root.mkdir()
-    monkeypatch.setenv("CKPTD_SHM_DIR", str(root))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def pool_root(monkeypatch: pytest.MonkeyPatch, shm: Path) -> Path:
+    """This test's staging root (the shared ``shm`` fixture), for every Checkpointer."""
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+    return shm
 
 
 @pytest.mark.parametrize("atomic", [False, True])
 def test_a_chunk_the_pool_holds_wrong_comes_from_the_store(
-    tmp_path: Path, shm: Path, atomic: bool
+    tmp_path: Path, pool_root: Path, atomic: bool
 ) -> None:
     g = torch.Generator().manual_seed(9)
     state = {f"t{i}": torch.randn(3 * CHUNK // 4 + 101 * i, generator=g) for i in range(6)}
