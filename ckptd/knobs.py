@@ -88,6 +88,14 @@ def restore_concurrency() -> int:
     return _env_int("CKPTD_RESTORE_CONCURRENCY", max(8, os.cpu_count() or 1))
 
 
+def restore_huge_pages() -> bool:
+    """Advise a restore's fresh memory (landing and assembly buffers) to use
+    transparent huge pages. Off by default: on a host whose memory is fragmented
+    (page cache, long uptime) the kernel compacts memory at the first touch, and a
+    1 GiB restore from peers measured 3.2-4.7 s with the advice and 2.0 s without."""
+    return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
+
+
 def peer_host() -> str:
     """Address the peer chunk server binds (127.0.0.1: this host only; 0.0.0.0 for
     peers on other nodes)."""

@@ -28,13 +28,12 @@ from ckptd.knobs import MiB
 from ..loop import bounded
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
-HUGE_FROM = 4 * MiB  # fresh buffers this large come from huge-page-advised maps
+MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
 
 
 class Landing:
     """Fresh memory for chunks that arrive over the network and have no fresh
-    buffer of their own to land in: anonymous maps in blocks, advised to use huge
-    pages (fresh 4 KiB pages cost more than the copy into them)."""
+    buffer of their own to land in: anonymous maps in blocks."""
 
     def __init__(self, block: int = 256 * MiB) -> None:
         self.block = block
@@ -51,20 +50,22 @@ class Landing:
 
 
 def fresh_bytes(n: int) -> memoryview:
-    """``n`` writable fresh bytes; large ones from an anonymous map advised to use
-    transparent huge pages (the kernel then zeroes 2 MiB at a time)."""
-    if n < HUGE_FROM:
+    """``n`` writable fresh bytes; large ones from an anonymous map of their own
+    (given back whole when dropped), advised to use transparent huge pages only
+    when ``CKPTD_RESTORE_HUGE_PAGES`` asks (see ``knobs.restore_huge_pages``)."""
+    if n < MAP_FROM:
         return memoryview(bytearray(n))
     mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):
-        mm.madvise(mmap.MADV_HUGEPAGE)
+    if knobs.restore_huge_pages():
+        with contextlib.suppress(AttributeError, OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
     return memoryview(mm)
 
 
 def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; large ones in huge-page-advised memory."""
+    """An uninitialised CPU tensor; large ones in a map of their own (``fresh_bytes``)."""
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if n < HUGE_FROM:
+    if n < MAP_FROM:
         return torch.empty(tuple(shape), dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about its own writability checks
