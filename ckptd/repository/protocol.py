@@ -6,6 +6,7 @@ Reads, rollbacks and timelines, listings and verify are the classes it builds on
 exists stay in this one class, so the invariants of DESIGN.md are checked in one
 place. Rollback's own writes and their order are in ``timelines``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import ckptd.repository as package
+import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
 from ckptd import knobs
 from ckptd.chunk_claims import ChunkClaims
 from ckptd.documents import MANIFEST_CACHE_ENTRIES, ParsedManifests, document_work
