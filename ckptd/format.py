@@ -3,6 +3,9 @@
 ``docs/FORMAT.md`` is the prose of this module; keep them in agreement. Documents
 are JSON in a canonical encoding (sorted keys, no spaces, UTF-8, no NaN), so the
 same content always gives the same bytes and the same blake3.
+
+One module past the house's ~500 lines on purpose: it is FORMAT.md's code (names,
+keys, canonical JSON and every document of the version), read beside that page.
 """
 
 from __future__ import annotations

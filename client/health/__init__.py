@@ -6,7 +6,7 @@
 - ``heartbeat``: the ``Heartbeat`` thread that carries the verdict to the server;
 - ``agent``: the ``HealthAgent`` that turns the probe's actions into requests
   (coordinated snapshots, rollbacks) and the server's replies into decisions at
-  the training loop's ``step`` calls.
+  the training loop's ``step`` calls; ``rollback``: its rollback half.
 
 Import from the modules (``from ckptd.client.health.agent import HealthAgent``):
 this file imports nothing, so ``ckptd policy check`` pays only for the policy.

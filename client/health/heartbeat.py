@@ -329,3 +329,13 @@ class Heartbeat:
 
 
 __all__ = ["Heartbeat", "HeartbeatReply", "default_health"]
+
+
+# The longest text the server takes in a heartbeat's health or a request's reason
+# (ckptd.api: Reason, HealthReport).
+MAX_REASON_TEXT = 1024
+
+
+def clip_reason(text: str) -> str:
+    """``text`` cut to ``MAX_REASON_TEXT`` characters, marked with "..." when cut."""
+    return text if len(text) <= MAX_REASON_TEXT else text[: MAX_REASON_TEXT - 3] + "..."

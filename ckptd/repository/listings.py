@@ -1,0 +1,133 @@
+"""Listings: jobs, steps, the newest step scrub has not marked damaged, and the
+one choice of the step a restore of ``latest`` gets."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ckptd.errors import CheckpointNotFound, StoreCorrupt
+from ckptd.format import JOB_RE, MAX_STEP, check_step, commit_key, job_prefix
+from ckptd.lifecycle.documents import damage_key, damage_prefix
+from ckptd.repository.reads import StoredReads
+from ckptd.repository.results import RestorableStep, StepInfo
+
+log = logging.getLogger(__name__)
+
+
+class Listings(StoredReads):
+    """Jobs and steps as the server and the CLI show them, and which step a
+    restore of ``latest`` gets."""
+
+    async def latest(self, job: str) -> int | None:
+        """The newest committed step of ``job`` that scrub has not marked damaged
+        (what a restore of ``latest`` gets), or None."""
+        step = await self.latest_ref_step(job)
+        if step is not None and await self.store.exists(damage_key(job, step)):
+            return await self.newest_undamaged_step(job)
+        return step
+
+    async def newest_undamaged_step(self, job: str) -> int | None:
+        """The newest committed step without a scrub damage marker, or None."""
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        for step in reversed(await self.step_numbers(job)):
+            if str(step) not in damaged and await self.store.exists(commit_key(job, step)):
+                return step
+        return None
+
+    async def resolve_step(self, job: str, step: int | None) -> int:
+        if step is not None:
+            return check_step(step)
+        latest = await self.latest(job)
+        if latest is None:
+            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        return latest
+
+    async def list_jobs(self) -> list[str]:
+        jobs = []
+        for name in await self.store.list_dir("jobs/"):
+            if JOB_RE.fullmatch(name):
+                jobs.append(name)
+            else:  # made by hand, or a stray directory: not a job, and not fatal
+                log.warning("ignoring %r under jobs/: not a valid job name", name[:200])
+        return jobs
+
+    async def list_steps(self, job: str) -> list[StepInfo]:
+        names = await self.store.list_dir(f"{job_prefix(job)}steps/")
+        steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
+        try:
+            latest = await self.latest(job)
+        except StoreCorrupt as exc:  # the steps are still worth showing
+            log.warning("%s: %s", job, exc)
+            latest = None
+        damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        sem = asyncio.Semaphore(16)
+
+        async def info(step: int) -> StepInfo:
+            async with sem:
+                ranks = await self._ranks_present(job, step)
+                try:
+                    record = await self._try_read_commit(job, step)
+                except StoreCorrupt as exc:  # one damaged step hides nothing else
+                    log.warning("%s step %d: %s", job, step, exc)
+                    return StepInfo(step, False, None, len(ranks), None, None, False,
+                                    damaged=exc.message)
+                if record is not None:
+                    return StepInfo(
+                        step, True, record.world_size, len(ranks),
+                        record.report.logical_bytes, record.committed_at, step == latest,
+                        damaged=(f"scrub found corrupt chunks ({damage_key(job, step)})"
+                                 if str(step) in damaged else None),
+                    )
+                world = None
+                if ranks:
+                    try:
+                        world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
+                    except StoreCorrupt as exc:  # one bad pending manifest hides nothing else
+                        log.warning("%s step %d: unreadable manifest: %s", job, step, exc)
+                return StepInfo(step, False, world, len(ranks), None, None, False)
+
+        return list(await asyncio.gather(*(info(s) for s in steps)))
+
+    async def restorable_step(self, job: str) -> RestorableStep:
+        """The newest committed step whose ``latest`` ref and commit record read
+        cleanly: ``latest`` itself unless damage makes it unusable, then the newest
+        committed step below it, with the problems that made it fall back.
+
+        This is the one place that chooses the step a restore of "latest" gets
+        (scrub's damage markers belong here too)."""
+        problems: list[str] = []
+        ref_read = True
+        try:
+            newest = await self.latest(job)  # skips steps scrub marked damaged
+            named = await self.latest_ref_step(job)
+            if named is not None and named != newest:
+                problems.append(f"step {named} of {job} is marked damaged by scrub "
+                                f"({damage_key(job, named)})")
+        except StoreCorrupt as exc:
+            problems.append(exc.message)
+            newest, ref_read = None, False
+        if newest is not None and ref_read:
+            try:
+                if await self._try_read_commit(job, newest) is not None:
+                    return RestorableStep(newest, problems)  # (a scrub fallback, if any)
+                problems.append(f"latest names step {newest} of {job}, which has no commit "
+                                "record")
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        steps = await self.step_numbers(job)
+        marked = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        below = [s for s in reversed(steps)
+                 if (newest is None or s < newest) and str(s) not in marked]
+        chosen: int | None = None
+        for step in below:
+            try:
+                if await self._try_read_commit(job, step) is not None:
+                    chosen = step
+                    break
+            except StoreCorrupt as exc:
+                problems.append(exc.message)
+        if problems:
+            log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
+                        "; ".join(problems))
+        return RestorableStep(chosen, problems)

@@ -1,0 +1,134 @@
+"""Rollback and timeline: their reads, and their writes in their order (the
+timeline first, then the marker; docs/design/005-rollback-timelines.md)."""
+
+from __future__ import annotations
+
+import logging
+
+from ckptd.documents import parse_stored
+from ckptd.errors import Conflict, NotFound, Superseded
+from ckptd.format import Ref, Timeline, check_job, job_prefix, timeline_key
+from ckptd.repository.reads import StoredReads
+from ckptd.repository.results import RollbackSet
+
+log = logging.getLogger(__name__)
+
+
+class Timelines(StoredReads):
+    """Rollbacks and timelines: the marker that sends a job back to a committed
+    step, and the epoch that refuses work saved before it."""
+
+    @staticmethod
+    def _rollback_key(job: str) -> str:
+        return f"{job_prefix(job)}refs/rollback"
+
+    async def read_rollback(self, job: str) -> Ref | None:
+        """The job's rollback marker (a Ref to a committed step), or None."""
+        try:
+            data = await self.store.get(self._rollback_key(job))
+        except NotFound:
+            return None
+        return parse_stored(Ref.parse, data, self._rollback_key(job))
+
+    async def rollback_state(self, job: str) -> tuple[Ref | None, int]:
+        """The rollback marker (None when clear) and the job's epoch, as one pair.
+
+        ``set_rollback`` writes the timeline, then the marker: between the two a
+        reader sees the new epoch with the previous marker. The timeline holds the
+        newest rollback's target, so while a marker is set, that is the answer."""
+        timeline = await self.timeline(job)
+        marker = await self.read_rollback(job)
+        if timeline is None:
+            return marker, 0
+        if marker is None:
+            return None, timeline.epoch
+        return Ref(step=timeline.step, commit=timeline.commit), timeline.epoch
+
+    async def epoch(self, job: str) -> int:
+        """The job's current timeline: how many rollbacks it has had (0: none)."""
+        timeline = await self.timeline(job)
+        return timeline.epoch if timeline is not None else 0
+
+    async def timeline(self, job: str) -> Timeline | None:
+        try:
+            data = await self.store.get(timeline_key(check_job(job)))
+        except NotFound:
+            return None
+        return parse_stored(Timeline.parse, data, timeline_key(job))
+
+    async def set_rollback(self, job: str, step: int, *, from_epoch: int | None = None
+                           ) -> RollbackSet:
+        """Marks ``job`` to go back to committed ``step`` (``NotCommitted`` or
+        ``CheckpointNotFound`` otherwise) and starts a new timeline: manifests saved
+        before it are refused from now on.
+
+        ``from_epoch`` is the timeline the asking rank is in. A rank that has not yet
+        rolled back to the latest rollback asks from an ended timeline: while that
+        rollback is marked, its request is already answered, and the current marker
+        and epoch come back unchanged."""
+        record = await self.read_commit(job, step)
+        new = Ref(step=step, commit=record.digest())
+        # The timeline first: between the two writes, saves are refused until the
+        # marker tells the ranks to roll back; the other order could let a rank
+        # restore, see the old epoch and keep it.
+        key = timeline_key(job)
+        for _ in range(100):
+            try:
+                current: bytes | None = await self.store.get(key)
+            except NotFound:
+                current = None
+            done = parse_stored(Timeline.parse, current, key) if current is not None else None
+            epoch = done.epoch if done is not None else 0
+            # Asked from an ended timeline while its rollback is still marked: that
+            # rollback answers it. (Once the marker is cleared, it is a new one.)
+            if (done is not None and from_epoch is not None and from_epoch < epoch
+                    and await self.read_rollback(job) is not None):
+                return RollbackSet(Ref(step=done.step, commit=done.commit), epoch,
+                                   started=False)
+            data = Timeline(epoch=epoch + 1, step=step, commit=new.commit).canonical()
+            if await self.store.compare_and_swap(key, current, data):
+                epoch += 1
+                break
+        else:
+            raise Conflict(f"could not start a new timeline of {job}: too much contention")
+        data = new.canonical()
+        key = self._rollback_key(job)
+        for _ in range(100):
+            try:
+                current = await self.store.get(key)
+            except NotFound:
+                current = None
+            if current == data or await self.store.compare_and_swap(key, current, data):
+                log.info("rollback of %s set to step %d (timeline %d)", job, step, epoch)
+                return RollbackSet(new, epoch, started=True)
+        raise Conflict(f"could not set the rollback marker of {job}: too much contention")
+
+    async def clear_rollback(self, job: str) -> bool:
+        """Removes the job's rollback marker; True when there was one."""
+        key = self._rollback_key(check_job(job))
+        try:
+            seen = await self.store.get(key)
+        except NotFound:
+            return False
+        # Compare-and-delete: a rollback set after we looked (a newer one) stays.
+        if not await self.store.compare_and_delete(key, seen):
+            log.info("rollback of %s changed while clearing it; the newer one stays", job)
+            return False
+        log.info("rollback of %s cleared", job)
+        return True
+
+    async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
+        """Refuses work of a timeline other than the job's current one."""
+        current = await self.epoch(job)
+        if epoch < current:
+            raise Superseded(
+                f"{what} of {job} was saved in timeline {epoch}, which a rollback ended "
+                f"(the job is in timeline {current}); restore the rollback's step first",
+                job=job, epoch=epoch, current=current,
+            )
+        if epoch > current:
+            raise Conflict(
+                f"{what} of {job} names timeline {epoch}, but the job is in timeline "
+                f"{current}", job=job, epoch=epoch, current=current,
+            )
+        return current

@@ -1,0 +1,208 @@
+"""A rank's side of a rollback, one half of ``HealthAgent`` (``agent.py``): the
+request a non-finite loss makes (the job's marker, set through the server), the
+markers heartbeat replies name, told to the loop once per rollback, and the marker
+this rank set, cleared once the job committed past it in the new timeline
+(docs/design/005-rollback-timelines.md)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ckptd.errors import CkptdError, RollbackRequested
+from ckptd.format import check_step
+
+from ..transport_http import SyncTransport
+from .heartbeat import Heartbeat, HeartbeatReply, clip_reason
+from .probe import Action, HealthProbe
+
+log = logging.getLogger(__name__)
+
+
+class AgentRollbacks:
+    """The rollback state and steps of a ``HealthAgent``, under the agent's lock."""
+
+    # Set by HealthAgent.__init__.
+    job: str
+    rank: int
+    timeout: float
+    probe: HealthProbe
+    _lock: threading.Lock
+    _heartbeat: Heartbeat | None
+    _server: SyncTransport | None
+    _latest_fn: Callable[[], int | None] | None
+    _epoch_fn: Callable[[], int | None] | None
+
+    def _init_rollbacks(self) -> None:
+        # The non-finite step and the request for it, not yet raised; the
+        # marker step this rank was told of (and when); the step told, not yet
+        # acknowledged; the marker this rank set (it clears it once the job moved on).
+        self._local_rollback: tuple[int | None, concurrent.futures.Future[int | None]] | None = None
+        # (step, epoch): the epoch tells two rollbacks to one step apart (None: the
+        # rollback this rank asked for, whose epoch the reply did not say).
+        self._told: tuple[int, int | None] | None = None
+        self._told_at = 0.0
+        self._asked_epoch: int | None = None
+        self._unacked: int | None = None
+        self._marker_set: int | None = None
+        self._marker_checked = 0.0
+
+    @property
+    def rollback_to(self) -> int | None:
+        """The step this rank must go back to and has not acknowledged yet, or None.
+        Reading it counts as being told: ``step`` does not raise for it again."""
+        self._rollback_news()
+        with self._lock:
+            return self._unacked
+
+    def acknowledge_rollback(self, step: int) -> None:
+        """The loop restored ``step``: forget the non-finite loss and step timings;
+        a marker naming ``step`` needs no further rollback on this rank."""
+        step = check_step(step)
+        self.probe.reset_loop()
+        marker = self._marker()
+        with self._lock:
+            self._unacked = None
+            self._local_rollback = None
+            if marker is not None and marker[0] == step and not _same(self._told, marker):
+                self._told, self._told_at = marker, time.time()
+        log.info("%s/%d: rolled back to step %d", self.job, self.rank, step)
+
+    def _marker(self) -> tuple[int, int] | None:
+        """The rollback marker the last heartbeat reply named, with the job's epoch."""
+        reply = self._heartbeat.last_reply if self._heartbeat is not None else None
+        if reply is None or reply.rollback_to is None:
+            return None
+        return reply.rollback_to, reply.rollback_epoch
+
+    def _rollback_news(self) -> RollbackRequested | None:
+        """A rollback this rank was not told of yet, as the error to raise (now told)."""
+        with self._lock:
+            local, self._local_rollback = self._local_rollback, None
+        if local is not None:
+            bad_step, request = local
+            try:
+                target = request.result(self.timeout)
+            except Exception as exc:  # a timeout or a cancelled request: still stop the loop
+                log.warning("%s/%d: the rollback request did not finish: %s",
+                            self.job, self.rank, exc)
+                target = None
+            with self._lock:
+                self._unacked = target
+                if target is not None:
+                    self._told, self._told_at = (target, self._asked_epoch), time.time()
+            where = (f"go back to step {target}" if target is not None
+                     else "no committed step to go back to")
+            return RollbackRequested(
+                f"{self.job}/{self.rank}: the loss at step {bad_step} is not finite: {where}",
+                step=bad_step, rollback_to=target,
+            )
+        reply = self._heartbeat.last_reply if self._heartbeat is not None else None
+        if reply is None:
+            return None
+        marker = self._marker()
+        with self._lock:
+            if marker is None:
+                # Forget the marker once a heartbeat sent after it was told says it is
+                # gone, so that a marker set again at the same step is told again.
+                sent = reply.received_at - reply.rtt_ms / 1000.0
+                if self._told is not None and sent > self._told_at:
+                    self._told = None
+                return None
+            if _same(self._told, marker):
+                if self._told != marker:
+                    self._told = marker  # the epoch of the rollback this rank asked for
+                return None
+            self._told, self._told_at = marker, time.time()
+            self._unacked = marker[0]
+        log.warning("%s/%d: the job is marked for rollback to step %d (timeline %d)", self.job,
+                    self.rank, marker[0], marker[1])
+        return RollbackRequested(f"job {self.job} is marked for rollback to step {marker[0]}",
+                                 rollback_to=marker[0])
+
+    def _request_rollback(self, action: Action) -> int | None:
+        with self._lock:
+            self._asked_epoch = None  # until this request's answer says
+        target = self._latest()
+        if target is None:
+            log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
+                      "step to go back to", self.job, self.rank, action.step)
+            return None
+        if self._server is None:
+            log.error("%s/%d: the loss at step %s is not finite: this rank goes back to step "
+                      "%d (no server: no rollback marker for the other ranks)", self.job,
+                      self.rank, action.step, target)
+            return target
+        reason = clip_reason(f"rank {self.rank}: {action.reason}")
+        # The timeline this rank is in: when a rollback already ended it (another
+        # rank's NaN), this request is answered by that rollback, not a new one.
+        epoch = self._epoch_fn() if self._epoch_fn is not None else None
+        try:
+            answer = self._server.set_rollback(self.job, target, reason, from_epoch=epoch)
+        except CkptdError as exc:
+            log.error("%s/%d: setting the rollback marker to step %d failed: [%s] %s",
+                      self.job, self.rank, target, exc.code, exc.message)
+            return target
+        step = answer.rollback_to if answer.rollback_to is not None else target
+        with self._lock:
+            self._asked_epoch = answer.epoch
+            self._marker_set = step
+            self._marker_checked = time.monotonic()
+        log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
+                  "to step %d", self.job, self.rank, action.step, step)
+        if self._heartbeat is not None:
+            self._heartbeat.beat_now()  # the health (loss_nonfinite) goes out at once
+        return step
+
+    def _latest(self) -> int | None:
+        if self._latest_fn is not None:
+            return self._latest_fn()
+        if self._server is None:
+            return None
+        return self._server.latest(self.job)
+
+    def _marker_due(self, reply: HeartbeatReply) -> int | None:
+        """The marker this rank set, when it is time to look whether the job moved
+        past it (called under the lock; the look runs on the worker)."""
+        owned = self._marker_set
+        if owned is None:
+            return None
+        if reply.rollback_to != owned:
+            self._marker_set = None  # cleared or replaced by someone else
+            return None
+        period = min(60.0, max(1.0, 5 * reply.interval_s))
+        now = time.monotonic()
+        if now - self._marker_checked < period:
+            return None
+        self._marker_checked = now
+        return owned
+
+    def _clear_marker_if_passed(self, marker: int) -> None:
+        """Whoever set the marker clears it once a step after it committed."""
+        assert self._server is not None
+        latest = self._latest()
+        if latest is None or latest <= marker:
+            return
+        # Only a commit of the rollback's own timeline shows the job moved on: one of
+        # the ended timeline can land after the marker (a commit in flight), and
+        # clearing then would leave ranks that never heard of the rollback behind.
+        state = self._server.rollback(self.job)
+        record = self._server.read_commit(self.job, latest)
+        if record.meta.get("epoch", 0) != state.epoch:
+            return
+        with self._lock:
+            if self._marker_set != marker:
+                return
+            self._marker_set = None
+        self._server.clear_rollback(self.job)
+        log.info("%s/%d: step %d committed after the rollback to step %d: marker cleared",
+                 self.job, self.rank, latest, marker)
+
+
+def _same(told: tuple[int, int | None] | None, marker: tuple[int, int]) -> bool:
+    """Whether the rollback told of is the marker's (an unknown epoch matches any)."""
+    return told is not None and told[0] == marker[0] and told[1] in (None, marker[1])
+

@@ -1,0 +1,105 @@
+"""Short-lived copies of the store's refs and cached immutable documents, so that
+a heartbeat does not cost a store read (the registry's durable side)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ckptd.errors import CkptdError
+from ckptd.format import CommitRecord, Ref
+from ckptd.repository import Repository
+
+log = logging.getLogger(__name__)
+
+
+class _Lru(OrderedDict[Any, Any]):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+class StoreViews:
+    """Short-lived copies of the store's refs (``latest``, the rollback marker) and
+    cached immutable documents (commit records, the chunk ids of rank manifests)."""
+
+    def __init__(
+        self, repo: Repository, ttl: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.repo = repo
+        self.ttl = ttl
+        self._clock = clock
+        self._latest: dict[str, tuple[float, int | None]] = {}
+        self._rollback: dict[str, tuple[float, Ref | None, int]] = {}
+        self._commits: _Lru = _Lru(4096)
+        self._chunk_ids: _Lru = _Lru(8192)
+
+    async def latest(self, job: str, *, fresh: bool = False) -> int | None:
+        now = self._clock()
+        held = self._latest.get(job)
+        if held is not None and not fresh and now - held[0] < self.ttl:
+            return held[1]
+        try:
+            step = await self.repo.latest(job)
+        except CkptdError as exc:  # keep answering heartbeats while the store hiccups
+            log.warning("%s: cannot read latest: %s", job, exc)
+            return held[1] if held is not None else None
+        self._latest[job] = (now, step)
+        return step
+
+    async def rollback(self, job: str, *, fresh: bool = False) -> Ref | None:
+        """The job's rollback marker, at most ``ttl`` old."""
+        return (await self._rollback_view(job, fresh))[0]
+
+    async def epoch(self, job: str, *, fresh: bool = False) -> int:
+        """The job's timeline (rollbacks so far), read with the marker."""
+        return (await self._rollback_view(job, fresh))[1]
+
+    async def _rollback_view(self, job: str, fresh: bool) -> tuple[Ref | None, int]:
+        now = self._clock()
+        held = self._rollback.get(job)
+        if held is not None and not fresh and now - held[0] < self.ttl:
+            return held[1], held[2]
+        try:
+            ref, epoch = await self.repo.rollback_state(job)
+        except CkptdError as exc:
+            log.warning("%s: cannot read the rollback marker: %s", job, exc)
+            return (held[1], held[2]) if held is not None else (None, 0)
+        self._rollback[job] = (now, ref, epoch)
+        return ref, epoch
+
+    def note_commit(self, job: str, step: int) -> None:
+        """A step committed through this server: ``latest`` is at least ``step`` now."""
+        held = self._latest.get(job)
+        if held is not None and (held[1] is None or held[1] < step):
+            self._latest[job] = (held[0], step)
+
+    def set_rollback(self, job: str, ref: Ref | None, epoch: int) -> None:
+        self._rollback[job] = (self._clock(), ref, epoch)
+
+    async def commit(self, job: str, step: int) -> CommitRecord | None:
+        """The commit record of ``step`` or None; records are immutable, so kept."""
+        record: CommitRecord | None = self._commits.get((job, step))
+        if record is None:
+            record = await self.repo.try_read_commit(job, step)
+            if record is not None:
+                self._commits.put((job, step), record)
+        return record
+
+    async def chunk_ids(self, job: str, step: int, rank: int) -> frozenset[str]:
+        """The chunk ids of a committed rank manifest (hash-checked when read)."""
+        ids: frozenset[str] | None = self._chunk_ids.get((job, step, rank))
+        if ids is None:
+            manifest = await self.repo.read_manifest(job, step, rank)
+            ids = frozenset(manifest.chunk_ids())
+            self._chunk_ids.put((job, step, rank), ids)
+        return ids
