@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -89,6 +89,16 @@ class CopyDone:
             torch.cuda.current_stream(device).wait_event(e)
 
 
+def record_ready(devices: Iterable[torch.device]) -> dict[torch.device, torch.cuda.Event]:
+    """An event recorded now on each device's current stream (of this thread)."""
+    out: dict[torch.device, torch.cuda.Event] = {}
+    for device in devices:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        out[device] = event
+    return out
+
+
 class CopyStreams:
     """One side stream per device for staging copies, kept for the pool's lifetime.
 
@@ -107,12 +117,16 @@ class CopyStreams:
             s = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return s
 
-    def begin(self, devices: Iterable[torch.device]) -> None:
+    def begin(self, devices: Iterable[torch.device],
+              ready: Mapping[torch.device, torch.cuda.Event] | None = None) -> None:
+        """Orders each side stream after ``ready[device]`` (events the caller
+        recorded on its own thread's streams) or else after this thread's current
+        stream: CUDA's current stream is per thread."""
         self._active = sorted(set(devices), key=lambda d: d.index or 0)
+        here = record_ready([d for d in self._active if ready is None or d not in ready])
         for device in self._active:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(device))
-            self.stream(device).wait_event(ready)
+            event = ready[device] if ready is not None and device in ready else here[device]
+            self.stream(device).wait_event(event)
 
     @contextmanager
     def on(self, device: torch.device) -> Iterator[torch.cuda.Stream]:

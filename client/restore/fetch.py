@@ -9,8 +9,9 @@ import math
 import mmap
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,12 +92,14 @@ class ChunkFetcher:
 
     async def locate(
         self, cid: str, size: int, land: Callable[[], memoryview],
-        fill: memoryview | None = None,
+        fill: memoryview | None = None, fill_in_target: bool = False,
     ) -> memoryview | None:
         """Verified bytes of chunk ``cid`` (a view where an in-place source holds
         them, or ``land()`` filled by a fetch), or None when no source had them
         right; every failed try is recorded. ``fill``: copy what an in-place source
-        holds into it and hash it there, in one pass (``prefilled`` records it)."""
+        holds into it and hash it there, in one pass (``prefilled`` records it;
+        ``fill_in_target``: it is the target's memory, which is then touched
+        whatever the hash says)."""
         mine: list[ChunkProblem] = []
         for source in self.sources:
             for holder in list(source.holders(cid)):
@@ -110,6 +113,7 @@ class ChunkFetcher:
                             raise ChunkSizeMismatch(f"{holder} holds {len(data)} bytes, the "
                                                     f"chunk has {size}", id=cid)
                         if fill is not None:
+                            self.landed_in_target = self.landed_in_target or fill_in_target
                             hashed = await asyncio.to_thread(copy_and_hash, fill, data)
                     else:
                         data = land()
@@ -186,14 +190,13 @@ class ChunkFetcher:
             # Not atomic: an in-place source's bytes are copied into the first
             # destination and hashed there, one pass (a network chunk lands there).
             first = dests[0] if dests and not atomic else None
-            data = await self.locate(cid, size, land, first[0] if first else None)
+            data = await self.locate(cid, size, land, first[0] if first else None,
+                                     first is not None and first[1])
             if data is None:
                 return
             source = self.source_of[cid]
-            if first is not None and source.in_place:
-                self.landed_in_target = self.landed_in_target or first[1]
-                if source.tier != "local":  # (the pool's views are kept: an adopted
-                    data = first[0]         # pool serves them to peers)
+            if first is not None and source.in_place and source.tier != "local":
+                data = first[0]  # (the pool's views are kept: an adopted pool serves them)
             found[cid] = data
 
         await bounded(list(wanted.chunks), one, self.concurrency)
@@ -235,24 +238,45 @@ async def deliver(
 
     await bounded(jobs, copy, concurrency)
     if wanted.devices:
-        await asyncio.to_thread(to_devices, found, wanted.devices)
+        await asyncio.to_thread(to_devices, found, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
 
 
-def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]]) -> None:
+@dataclass(frozen=True, slots=True)
+class DeviceOrder:
+    """What device copies made on another thread must follow, taken on the
+    caller's thread (CUDA's current stream and inference mode are per thread):
+    an event recorded on each device's current stream, and the inference mode."""
+
+    ready: Mapping[torch.device, Any]
+    inference: bool
+
+    @classmethod
+    def here(cls, devices: Iterable[torch.device]) -> DeviceOrder:
+        """Taken now, on the calling thread (before the restore's own work)."""
+        from ..cuda import record_ready  # only with device tensors: no CUDA otherwise
+
+        cuda = [d for d in set(devices) if d.type == "cuda"]
+        return cls(record_ready(cuda) if cuda else {}, torch.is_inference_mode_enabled())
+
+
+def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]],
+               order: DeviceOrder | None = None) -> None:
     """Copies verified chunks straight from where they lie (the staging pool, the
     cache, a landing buffer) into device tensors: on a side stream per CUDA
-    device, ordered after the work already queued on the device's current stream,
-    and finished before returning (so the host bytes may go once this returns)."""
+    device, ordered after the work the caller had queued on the device's current
+    stream (``order``; else this thread's), and finished before returning (so the
+    host bytes may go once this returns)."""
     from ..cuda import CopyStreams  # only with device tensors: no CUDA otherwise
 
     streams = CopyStreams()
     cuda = {d.device for dsts in devices.values() for d in dsts if d.device.type == "cuda"}
-    streams.begin(cuda)
+    streams.begin(cuda, order.ready if order is not None else None)
+    inference = order.inference if order is not None else torch.is_inference_mode_enabled()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.inference_mode(inference), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
             for cid, dsts in devices.items():
                 src = torch.frombuffer(found[cid], dtype=torch.uint8)
@@ -278,6 +302,7 @@ class WantedChunks:
     # chunk id -> uint8 slices of the target's own device tensors (filled by
     # ``to_devices`` from the verified host bytes; never before every chunk verified)
     devices: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    device_order: DeviceOrder | None = None  # taken on the caller's thread
     sizes: dict[str, int] = field(default_factory=dict)
 
     def add(self, cid: str, dest: memoryview, name: str, in_target: bool = False) -> None:

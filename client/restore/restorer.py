@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptd import knobs
-from ckptd.errors import CheckpointNotFound, InvalidRequest, UnsupportedFormat
+from ckptd.errors import CheckpointNotFound, CkptdError, InvalidRequest, UnsupportedFormat
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id
 
@@ -24,7 +24,15 @@ from ..peer import PeerClient, PeerIndex
 from ..session import Session
 from ..stateful import restore_view
 from ..transport import Transport
-from .fetch import ChunkFetcher, Landing, WantedChunks, deliver, failure, to_devices
+from .fetch import (
+    ChunkFetcher,
+    DeviceOrder,
+    Landing,
+    WantedChunks,
+    deliver,
+    failure,
+    to_devices,
+)
 from .fill import fill, plan_fill
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
@@ -139,22 +147,24 @@ async def fetch_layout(
         found = await fetcher.locate_all(wanted, opts.atomic)
         t1 = time.perf_counter()
         if fetcher.failed:
-            err = failure(fetcher, wanted, plan.step)
-            if fetcher.landed_in_target:
-                err.detail["partial"] = True
-                err.message = err.args[0] + "; the target is partly restored (atomic=False)"
-                err.args = (err.message,)
-            raise err
+            raise _stated(failure(fetcher, wanted, plan.step), plan.step,
+                          fetcher.landed_in_target)
         if pool is not None and not pool.unchanged():
             # A live owner staged into the pool meanwhile: what was verified there
             # may be gone. Take those chunks from the other tiers.
-            await _relocate(fetcher, wanted, found, [s for s in sources if s is not pool])
+            try:
+                await _relocate(fetcher, wanted, found, [s for s in sources if s is not pool])
+            except CkptdError as exc:
+                raise _stated(exc, plan.step, fetcher.landed_in_target) from None
         # Phase 2: deliver (into the target's own tensors where they fit).
         await deliver(found, wanted, prefilled=fetcher.prefilled)
         log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
         if pool is not None and not pool.unchanged():
-            await _recheck(fetcher, wanted, [s for s in sources if s is not pool])
+            try:
+                await _recheck(fetcher, wanted, [s for s in sources if s is not pool])
+            except CkptdError as exc:  # after delivery: the target holds what the pool gave
+                raise _stated(exc, plan.step, True) from None
         adopted = None
         if pool is not None and pool.unchanged():
             verified = {cid: found[cid] for cid, tier in fetcher.tier_of.items()
@@ -178,6 +188,17 @@ async def fetch_layout(
             s.close()
             if isinstance(s, PeerSource):
                 s.client.close()
+
+
+def _stated(err: CkptdError, step: int, partial: bool) -> CkptdError:
+    """``err`` naming the step, and saying so when the target was written."""
+    if err.detail.get("step", -1) == -1:
+        err.detail["step"] = step
+    if partial:
+        err.detail["partial"] = True
+        err.message = err.args[0] + "; the target is partly restored"
+        err.args = (err.message,)
+    return err
 
 
 async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str, memoryview],
@@ -219,14 +240,15 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
             if await again.fetch(cid, dest) is None:
                 raise failure(again, wanted, -1)
         for device_dest in wanted.devices.get(cid, ()):
-            copied = device_dest.cpu()
+            copied = await asyncio.to_thread(device_dest.cpu)  # (the copies finished)
             if await asyncio.to_thread(chunk_id, copied.numpy().data) == cid:
                 continue
             size = wanted.size(cid)
             data = await again.locate(cid, size, functools.partial(landing.take, size))
             if data is None:
                 raise failure(again, wanted, -1)
-            await asyncio.to_thread(to_devices, {cid: data}, {cid: [device_dest]})
+            await asyncio.to_thread(to_devices, {cid: data}, {cid: [device_dest]},
+                                    wanted.device_order)
     fetcher.problems.extend(again.problems)
 
 
@@ -257,6 +279,9 @@ def restore_into(
     values = _target_values(plan.manifest.tree, state)
     layout = build_layout(plan, boxes, values)
     plan_fill(state, layout.tree, layout.specs)  # refuses before anything changes
+    if layout.wanted.devices:  # device copies run on another thread: follow this one's
+        layout.wanted.device_order = DeviceOrder.here(
+            t.device for dests in layout.wanted.devices.values() for t in dests)
     t_layout = time.perf_counter()
     fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank))
     t_fetch = time.perf_counter()

@@ -125,3 +125,22 @@ def test_restore_into_cuda_tensors_from_peers(srv: ServerProcess, shm: Path) -> 
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_restore_follows_the_callers_stream(srv: ServerProcess, shm: Path) -> None:
+    """The copies run on a worker thread's side stream; they must still come after
+    work the caller queued on its own current stream (here a long sleep, then a
+    fill of the target that a racing copy would land under)."""
+    expected = make_state(13, NBYTES)
+    target = on_device(expected)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with Checkpointer(f"file://{srv.store}", "gpu-order", chunk_size=CHUNK,
+                      shm_dir=shm) as ckpt:
+        ckpt.save(1, expected).wait(timeout=60)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s, then the fill
+            for t in tensors(target):
+                t.fill_(7) if t.dtype != torch.bool else t.fill_(True)
+            ckpt.restore(target, tiers=("local",))
+    torch.cuda.synchronize()
+    assert_bitwise_on_device(target, expected)

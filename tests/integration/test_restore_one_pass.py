@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.errors import RestoreError
 
 CHUNK = 64 << 10
 
@@ -49,3 +50,29 @@ def test_a_chunk_the_pool_holds_wrong_comes_from_the_store(
     assert result.bytes_from["local"] > 0 and result.bytes_from["store"] > 0
     assert result.bytes_from["local"] + result.bytes_from["store"] == result.bytes_fetched
     assert [p.tier for p in result.problems] == ["local"]
+
+
+def test_a_one_pass_restore_that_fails_says_the_target_was_written(
+    tmp_path: Path, pool_root: Path
+) -> None:
+    """Every staged byte corrupt and only the pool asked: the copies into the
+    target happened before the hashes failed, so the error says it is partial."""
+    state = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(2))}
+    url = f"file://{tmp_path / 'store'}"
+    writer = Checkpointer(url, "onepass", chunk_size=CHUNK, serve_peers=False)
+    writer.save(1, state).wait(timeout=60)
+    seg = max((p for p in writer.staging.directory.iterdir() if p.name.startswith("seg-")),
+              key=lambda p: p.stat().st_size)
+    with open(seg, "r+b") as f:  # the generation stays even: the index still claims it
+        size = f.seek(0, 2)
+        f.seek(0)
+        f.write(os.urandom(size))
+    target = {"t": torch.zeros_like(state["t"])}
+    with Checkpointer(url, "onepass", serve_peers=False) as reader, pytest.raises(
+        RestoreError
+    ) as info:
+        reader.restore(target, tiers=("local",), atomic=False)
+    writer.close()
+    assert target["t"].view(torch.int32).any()  # what the pool gave did land
+    assert info.value.detail["partial"] is True and "partly restored" in str(info.value)
+    assert info.value.detail["step"] == 1

@@ -41,9 +41,9 @@ def as_device(monkeypatch: pytest.MonkeyPatch, shm: Path) -> set[int]:
     monkeypatch.setattr(layout, "_on_device", on_device)
     real_copy = fetch.to_devices
 
-    def to_devices(found: Any, devices: Any) -> None:
+    def to_devices(found: Any, devices: Any, order: Any = None) -> None:
         calls.append(sum(len(d) for d in devices.values()))
-        real_copy(found, devices)
+        real_copy(found, devices, order)
 
     monkeypatch.setattr(fetch, "to_devices", to_devices)
     return chosen
@@ -90,3 +90,23 @@ def test_device_targets_stay_untouched_when_a_chunk_has_no_source(
             c.restore(target, tiers=("store",))
     for v in target.values():
         assert not v.view(torch.uint8).any()  # atomic: nothing written
+
+
+def test_a_restore_inside_inference_mode_fills_inference_tensors(
+    tmp_path: Path, as_device: set[int]
+) -> None:
+    """The device copies run on a worker thread; inference mode is per thread, so
+    they re-enter the caller's (an in-place copy into an inference tensor outside
+    it is refused)."""
+    state = _state()
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, "dev", rank=0, world_size=1, chunk_size=4096, serve_peers=False) as c:
+        c.save(1, state).wait(timeout=60)
+        with torch.inference_mode():
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            as_device.update(id(v) for v in target.values())
+            calls.clear()
+            c.restore(target, tiers=("store",))
+    assert calls
+    for k, v in state.items():
+        assert torch.equal(target[k].view(torch.uint8), v.view(torch.uint8))
