@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -47,13 +48,19 @@ class EventLoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Runs ``coro`` on the loop and waits for it; ``Timeout`` after ``timeout``."""
-        future = self.submit(coro)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise Timeout(f"gave up after {timeout} s") from None
+        """Runs ``coro`` on the loop and waits for it; past ``timeout`` it is
+        cancelled, unwinds (its worker threads included: ``in_thread``), and then
+        ``Timeout`` is raised."""
+
+        async def body() -> T:
+            try:
+                return await asyncio.wait_for(coro, timeout)
+            except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
+                raise
+            except TimeoutError:
+                raise Timeout(f"gave up after {timeout} s") from None
+
+        return self.submit(body()).result()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the loop and joins the thread (after the caller's own cleanup)."""
@@ -81,6 +88,19 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
         return pool.submit(asyncio.run, body()).result()
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread of the loop's executor. Cancelled, it still
+    waits for the thread to finish before it unwinds (``asyncio.to_thread`` lets
+    the thread run on after its caller is gone: a copy into the target, or a read
+    of the staging pool, after the call that started it returned)."""
+    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 async def bounded(items: Iterable[Item], fn: Callable[[Item], Awaitable[None]], limit: int) -> None:

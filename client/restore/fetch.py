@@ -3,7 +3,6 @@ in place or landed in fresh memory, then delivered to its destinations."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import mmap
@@ -26,7 +25,7 @@ from ckptd.errors import (
 )
 from ckptd.knobs import MiB
 
-from ..loop import bounded
+from ..loop import bounded, in_thread
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
 MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
@@ -114,7 +113,7 @@ class ChunkFetcher:
                                                     f"chunk has {size}", id=cid)
                         if fill is not None:
                             self.landed_in_target = self.landed_in_target or fill_in_target
-                            hashed = await asyncio.to_thread(copy_and_hash, fill, data)
+                            hashed = await in_thread(copy_and_hash, fill, data)
                     else:
                         data = land()
                         hashed = await source.fetch_into(holder, cid, data)
@@ -132,7 +131,7 @@ class ChunkFetcher:
                     problem = ChunkProblem(cid, source.tier, holder, "failed", text)
                 else:
                     assert data is not None
-                    actual = hashed or await asyncio.to_thread(verify_hash, data)
+                    actual = hashed or await in_thread(verify_hash, data)
                     if actual != cid:
                         kind: ProblemKind = "stale" if source.tier == "local" else "mismatch"
                         problem = ChunkProblem(cid, source.tier, holder, kind,
@@ -160,7 +159,7 @@ class ChunkFetcher:
         if data is None:
             return None
         if data.obj is not dest.obj or _address(data) != _address(dest):
-            await asyncio.to_thread(copy_bytes, dest, data)
+            await in_thread(copy_bytes, dest, data)
         return self.tier_of[cid]
 
     async def locate_all(self, wanted: WantedChunks, atomic: bool = True) -> dict[str, memoryview]:
@@ -234,11 +233,11 @@ async def deliver(
                 jobs.append((dest, data))
 
     async def copy(job: tuple[memoryview, memoryview]) -> None:
-        await asyncio.to_thread(copy_bytes, *job)
+        await in_thread(copy_bytes, *job)
 
     await bounded(jobs, copy, concurrency)
     if wanted.devices:
-        await asyncio.to_thread(to_devices, found, wanted.devices, wanted.device_order)
+        await in_thread(to_devices, found, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)

@@ -4,7 +4,6 @@ adopting this rank's staging pool after a restart."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -20,6 +19,7 @@ from ckptd.errors import CheckpointNotFound, CkptdError, InvalidRequest, Unsuppo
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id
 
+from ..loop import in_thread
 from ..peer import PeerClient, PeerIndex
 from ..session import Session
 from ..stateful import restore_view
@@ -235,19 +235,19 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
         if tier != "local":
             continue
         for dest, _ in wanted.chunks[cid]:
-            if await asyncio.to_thread(chunk_id, dest) == cid:
+            if await in_thread(chunk_id, dest) == cid:
                 continue
             if await again.fetch(cid, dest) is None:
                 raise failure(again, wanted, -1)
         for device_dest in wanted.devices.get(cid, ()):
-            copied = await asyncio.to_thread(device_dest.cpu)  # (the copies finished)
-            if await asyncio.to_thread(chunk_id, copied.numpy().data) == cid:
+            copied = await in_thread(device_dest.cpu)  # (the copies finished)
+            if await in_thread(chunk_id, copied.numpy().data) == cid:
                 continue
             size = wanted.size(cid)
             data = await again.locate(cid, size, functools.partial(landing.take, size))
             if data is None:
                 raise failure(again, wanted, -1)
-            await asyncio.to_thread(to_devices, {cid: data}, {cid: [device_dest]},
+            await in_thread(to_devices, {cid: data}, {cid: [device_dest]},
                                     wanted.device_order)
     fetcher.problems.extend(again.problems)
 
@@ -338,7 +338,7 @@ async def adopt_pool(
                     verified[cid] = view
                     break
 
-    await asyncio.to_thread(check)
+    await in_thread(check)
     if not verified:
         pool.close()
         return step, None, None

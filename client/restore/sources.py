@@ -24,6 +24,7 @@ from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Unavailable
 from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
 
+from ..loop import in_thread
 from ..peer import PeerClient
 from ..staging.format import SpanRecord
 from ..staging.pool import StagingPool
@@ -89,7 +90,7 @@ class Source(ABC):
         if len(data) != len(dest):
             raise ChunkSizeMismatch(f"{holder} holds {len(data)} bytes for chunk {cid}, "
                                     f"expected {len(dest)}", id=cid)
-        await asyncio.to_thread(copy_bytes, dest, data)
+        await in_thread(copy_bytes, dest, data)
         return None
 
     def outcome(self, holder: str, problem: ChunkProblem | None) -> None:  # noqa: B027
@@ -215,7 +216,7 @@ class DirectoryCacheSource(Source):
         return (str(path),) if path.is_file() else ()
 
     async def view(self, holder: str, cid: str) -> memoryview:
-        return await asyncio.to_thread(self._map, Path(holder), cid)
+        return await in_thread(self._map, Path(holder), cid)
 
     def _map(self, path: Path, cid: str) -> memoryview:
         try:
@@ -333,7 +334,7 @@ class StoreSource(Source):
             # failure goes the transport's way below (its retries, replica
             # failover and typed errors); the bytes are verified either way.
             try:
-                return await asyncio.to_thread(_read_and_hash, self._read, cid, dest)
+                return await in_thread(_read_and_hash, self._read, cid, dest)
             except Exception as exc:
                 log.debug("direct read of chunk %s failed (%s); through the transport",
                           cid, exc)
@@ -342,7 +343,7 @@ class StoreSource(Source):
             raise ChunkSizeMismatch(f"the store has {len(data)} bytes for chunk {cid}, "
                                     f"expected {len(dest)}", id=cid)
         # Off the event loop, and hashed while the bytes are in cache.
-        return await asyncio.to_thread(copy_and_hash, dest, memoryview(data))
+        return await in_thread(copy_and_hash, dest, memoryview(data))
 
 
 def _read_and_hash(read: Callable[[str, memoryview], None], cid: str, dest: memoryview) -> str:

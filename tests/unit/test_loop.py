@@ -89,3 +89,30 @@ def test_run_private_keeps_a_ckptd_error() -> None:
 
     with pytest.raises(Boom):
         run_private(fails(), 5)
+
+
+def test_a_deadline_on_the_loop_thread_waits_for_the_worker_threads() -> None:
+    """``EventLoopThread.run``: past the deadline the coroutine is cancelled, and
+    a copy it started on a worker thread (``in_thread``) has finished before
+    ``Timeout`` reaches the caller, who may then read or reuse that memory."""
+    import time
+
+    from ckptd.client.loop import EventLoopThread, in_thread
+
+    finished = threading.Event()
+
+    def copy() -> None:
+        time.sleep(0.3)
+        finished.set()
+
+    async def restore() -> None:
+        await bounded(range(2), lambda _: in_thread(copy), 2)
+
+    loop = EventLoopThread("test-loop")
+    try:
+        with pytest.raises(Timeout):
+            loop.run(restore(), 0.05)
+        assert finished.is_set()
+        assert loop.run(asyncio.sleep(0, "still serves"), 5) == "still serves"
+    finally:
+        loop.stop()
