@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from ckptd import knobs
 from ckptd.hashing import chunk_id, chunk_spans
 
-from ..loop import bounded
+from ..loop import bounded, in_thread
 from ..staging.layout import StagedPiece
 from ..transport import Transport
 
@@ -90,7 +90,7 @@ async def hash_views(views: Sequence[memoryview], chunk_size: int) -> list[list[
         def run() -> list[str]:
             return [chunk_id(data[a:b]) for a, b in ranges]
 
-        ids[k][first : first + len(ranges)] = await asyncio.to_thread(run)
+        ids[k][first : first + len(ranges)] = await in_thread(run)
 
     await bounded(_hash_jobs([len(v) for v in views], chunk_size), one,
                   min(4, os.cpu_count() or 2))

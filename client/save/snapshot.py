@@ -16,6 +16,7 @@ from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry
 from ckptd.hashing import chunk_count
 
 from ..dtypes import dtype_name
+from ..loop import in_thread
 from ..staging.layout import StagedPiece, TensorInfo
 from ..transport import Transport
 from .chunks import _hash_piece, upload_missing
@@ -135,10 +136,10 @@ class SnapshotUpload:
                 # itself first, so a bad state sends nothing.
                 self._manifest().check()
         if not piece.copied:
-            await asyncio.to_thread(piece.wait_copied)  # the GPU copy-done event
+            await in_thread(piece.wait_copied)  # the GPU copy-done event
         self.stage_seconds += piece.seconds
         ids = await _hash_piece(piece, self.snap.chunk_size)
-        await asyncio.to_thread(piece.publish, ids)  # the index: a JSON file in the pool
+        await in_thread(piece.publish, ids)  # the index: a JSON file in the pool
         data: dict[str, memoryview] = {}
         cs = self.snap.chunk_size
         for span, span_ids in zip(piece.spans, ids, strict=True):
