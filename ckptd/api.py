@@ -439,6 +439,27 @@ class GcResult(BaseModel):
     deleted: list[str] = Field(description="Chunk ids deleted (or, dry, that would be).")
 
 
+class GcRunBody(BaseModel):
+    """A collection running in the background on the server that answers."""
+
+    id: str
+    started_at: float = Field(description="Unix time it started.")
+    grace: float = Field(description="Seconds it waits before it sweeps (saves in flight "
+                         "finish meanwhile).")
+    ended_at: float | None = None
+    report: GcResult | None = Field(None, description="Its report, once it ended well.")
+    error: dict[str, Any] | None = Field(None, description="Its typed error, once it failed.")
+
+
+class GcStatus(BaseModel):
+    state: dict[str, Any] = Field(description="The store's GC state (generation, lease).")
+    last: dict[str, Any] | None = Field(
+        description="This server's last collection (deleted: how many chunks).")
+    running: GcRunBody | None = Field(None, description="A collection started with POST "
+                                      "/v1/gc/runs that has not ended.")
+    last_run: GcRunBody | None = Field(None, description="The last one that ended.")
+
+
 class StepDecisionBody(BaseModel):
     step: int
     committed: bool

@@ -24,6 +24,8 @@ from ckptd.api import (
     EventList,
     ForgetResult,
     GcResult,
+    GcRunBody,
+    GcStatus,
     Health,
     HeartbeatReply,
     JobList,
@@ -315,6 +317,17 @@ def gc(dry_run: bool, grace: float | None) -> Call[GcResult]:
     if grace is not None:
         params["grace"] = grace
     return Call("POST", "/v1/gc", answer(GcResult), params=params, timeout=None)
+
+
+def start_gc(grace: float | None) -> Call[GcRunBody]:
+    """A collection started in the background: the answer comes at once, and
+    ``gc_status`` follows it (no request lasts its grace period)."""
+    params: dict[str, Any] = {} if grace is None else {"grace": grace}
+    return Call("POST", "/v1/gc/runs", answer(GcRunBody), params=params, ok=(202,))
+
+
+def gc_status() -> Call[GcStatus]:
+    return Call("GET", "/v1/gc", answer(GcStatus))
 
 
 def scrub(budget_bytes: int | None) -> Call[ScrubResult]:

@@ -29,6 +29,8 @@ from ckptd.api import (
     EventList,
     ForgetResult,
     GcResult,
+    GcRunBody,
+    GcStatus,
     Health,
     HeartbeatReply,
     JobList,
@@ -291,6 +293,12 @@ class SyncTransport:
 
     def gc(self, dry_run: bool, grace: float | None) -> GcResult:
         return self.run(calls.gc(dry_run, grace))
+
+    def start_gc(self, grace: float | None) -> GcRunBody:
+        return self.run(calls.start_gc(grace))
+
+    def gc_status(self) -> GcStatus:
+        return self.run(calls.gc_status())
 
     def scrub(self, budget_bytes: int | None) -> ScrubResult:
         return self.run(calls.scrub(budget_bytes))

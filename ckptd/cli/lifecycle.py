@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -113,10 +114,17 @@ def gc(
         return dataclasses.asdict(report)
 
     # A collection waits out its grace period (so saves in flight finish) before it
-    # sweeps: the request lasts that long, past any ordinary read timeout (calls.gc).
+    # sweeps. Through a server it runs in the background and this follows it, so
+    # no request lasts that long (a reverse proxy's read timeout would cut it).
     wait = "" if grace is None else f", after a {grace:g} s grace period"
-    with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait):
-        r = _run(url, token, lambda server: server.gc(dry_run, grace), direct)
+    with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait
+                        ) as status:
+        def remote(server: SyncTransport) -> Any:
+            if dry_run:
+                return server.gc(dry_run, grace)
+            return _follow(server, server.start_gc(grace), status)
+
+        r = _run(url, token, remote, direct)
     if dry_run:
         for cid in r["deleted"]:
             console.print(f"would delete chunk {cid}", soft_wrap=True)
@@ -126,6 +134,28 @@ def gc(
         f"chunks; kept {r['chunks_kept']} of {r['chunks_total']} "
         f"({_human(r['bytes_total'] - r['bytes_freed'])}); {r['seconds']:.2f} s"
     )
+
+
+def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
+    """Polls the server until the background collection ``run`` ended; its report
+    (or its typed error, raised)."""
+    from ckptd.errors import from_json
+
+    while True:
+        now = server.gc_status()
+        ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
+        if ended is not None:
+            if ended.error is not None or ended.report is None:
+                raise from_json(ended.error or {"code": "internal",
+                                                "message": "the collection left no report"})
+            return ended.report
+        if now.running is None or now.running.id != run.id:
+            raise InvalidRequest(f"the server no longer knows collection {run.id} (was it "
+                                 "restarted?); see `ckptd gc` again, or GET /v1/gc")
+        left = now.running.started_at + now.running.grace - time.time()
+        status.update(f"collecting garbage: waiting out the grace period, {left:.0f} s left"
+                      if left > 0 else "collecting garbage: marking and sweeping")
+        time.sleep(1.0)
 
 
 @app.command()

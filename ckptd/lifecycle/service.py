@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptd.errors import CkptdError
 from ckptd.lifecycle.capacity import StoreSpace, census
@@ -35,6 +37,19 @@ class LifecycleSettings:
     census_interval: float = 60.0
 
 
+@dataclass(slots=True)
+class GcRun:
+    """One background collection: when it started, its grace period, and (once it
+    ended) its report or its error."""
+
+    id: str
+    started_at: float
+    grace: float
+    ended_at: float | None = None
+    report: GcReport | None = None
+    error: dict[str, Any] | None = None
+
+
 class LifecycleService:
     """Runs the tasks and keeps their last results for views and metrics."""
 
@@ -58,6 +73,10 @@ class LifecycleService:
         self.scrub_corrupt = 0
         self._seen_latest: dict[str, int | None] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # A collection a client started and does not wait for (POST /v1/gc/runs).
+        self.gc_run: GcRun | None = None
+        self._gc_task: asyncio.Task[None] | None = None
+        self.last_run: GcRun | None = None  # the last one that ended, with its outcome
 
     def start(self) -> None:
         s = self.settings
@@ -73,7 +92,36 @@ class LifecycleService:
             if every > 0:
                 self._tasks.append(asyncio.create_task(self._loop(name, every, work)))
 
+    def start_collection(self, grace: float | None = None) -> GcRun:
+        """Starts a collection in the background and returns at once (a client
+        polls ``gc_run`` / ``last_run``): its grace period alone may outlast a
+        reverse proxy's read timeout. One at a time on a server: while one runs,
+        that one is returned."""
+        if self.gc_run is not None:
+            return self.gc_run
+        wait = self.settings.gc_grace if grace is None else grace
+        run = GcRun(id=uuid.uuid4().hex[:12], started_at=time.time(), grace=wait)
+        self.gc_run = run
+
+        async def body() -> None:
+            try:
+                run.report = await self.collect(grace=wait)
+            except (CkptdError, OSError) as exc:
+                run.error = (exc.to_json() if isinstance(exc, CkptdError)
+                             else {"code": "internal", "message": str(exc)})
+                log.warning("garbage collection %s failed: %s", run.id, exc)
+            finally:
+                run.ended_at = time.time()
+                self.last_run, self.gc_run = run, None
+
+        self._gc_task = asyncio.create_task(body())
+        return run
+
     async def stop(self) -> None:
+        if self._gc_task is not None and not self._gc_task.done():
+            self._gc_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gc_task
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

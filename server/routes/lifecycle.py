@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from prometheus_client.core import GaugeMetricFamily
@@ -15,6 +15,8 @@ from prometheus_client.registry import Collector
 from ckptd.api import (
     ForgetResult,
     GcResult,
+    GcRunBody,
+    GcStatus,
     JobSpaceBody,
     ScrubResult,
     SpaceResult,
@@ -24,11 +26,11 @@ from ckptd.api import (
 )
 from ckptd.errors import InvalidRequest, NotFound
 from ckptd.lifecycle.capacity import SpaceGuard
-from ckptd.lifecycle.gc import gc_state
+from ckptd.lifecycle.gc import GcReport, gc_state
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
 from ckptd.lifecycle.retention import RetentionPolicy, load_retention
 from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
-from ckptd.lifecycle.service import LifecycleService, LifecycleSettings
+from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings
 from ckptd.lifecycle.tags import read_tags, remove_tag, set_tag
 from ckptd.repository import Repository
 from ckptd.server.auth import ADMIN, READ, STORE_ADMIN, STORE_READ, WRITE, scope
@@ -68,18 +70,46 @@ async def collect(
     dry_run: Annotated[bool, Query(description="List what would go; delete nothing.")] = False,
     grace: Annotated[float | None, Query(ge=0, description="Grace period (s).")] = None,
 ) -> GcResult:
-    report = await service.collect(dry_run=dry_run, grace=grace)
-    return GcResult(**{k: v for k, v in dataclasses.asdict(report).items() if k != "touched"})
+    return _gc_result(await service.collect(dry_run=dry_run, grace=grace))
+
+
+@router.post(
+    "/gc/runs",
+    dependencies=scope(STORE_ADMIN),
+    status_code=202,
+    response_model=GcRunBody,
+    summary="Start a collection in the background (GET /v1/gc follows it)",
+)
+async def start_collection(
+    service: ServiceDep,
+    grace: Annotated[float | None, Query(ge=0, description="Grace period (s).")] = None,
+) -> GcRunBody:
+    return _run_body(service.start_collection(grace))
 
 
 @router.get(
     "/gc",
     dependencies=scope(STORE_READ),
-    summary="The store's GC state and this server's last collection")
-async def gc_status(repo: RepoDep, service: ServiceDep) -> dict[str, Any]:
+    response_model=GcStatus,
+    summary="The store's GC state and this server's last and running collections")
+async def gc_status(repo: RepoDep, service: ServiceDep) -> GcStatus:
     last = service.last_gc
-    return {"state": await gc_state(repo.store),
-            "last": dataclasses.asdict(last) | {"deleted": len(last.deleted)} if last else None}
+    return GcStatus(
+        state=await gc_state(repo.store),
+        last=dataclasses.asdict(last) | {"deleted": len(last.deleted)} if last else None,
+        running=_run_body(service.gc_run) if service.gc_run else None,
+        last_run=_run_body(service.last_run) if service.last_run else None,
+    )
+
+
+def _gc_result(report: GcReport) -> GcResult:
+    return GcResult(**{k: v for k, v in dataclasses.asdict(report).items() if k != "touched"})
+
+
+def _run_body(run: GcRun) -> GcRunBody:
+    return GcRunBody(id=run.id, started_at=run.started_at, grace=run.grace,
+                     ended_at=run.ended_at, error=run.error,
+                     report=_gc_result(run.report) if run.report is not None else None)
 
 
 @router.post("/jobs/{job}/forget", dependencies=scope(ADMIN), response_model=ForgetResult,

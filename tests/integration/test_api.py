@@ -198,6 +198,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         # the store lifecycle (server/routes/lifecycle.py)
         ("/v1/gc", "post"),
         ("/v1/gc", "get"),
+        ("/v1/gc/runs", "post"),
         ("/v1/jobs/{job}/forget", "post"),
         ("/v1/scrub", "post"),
         ("/v1/jobs/{job}/tags", "get"),
@@ -646,7 +647,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 32  # 22, the lifecycle's 9 and GET /v1/cluster
+    assert len(routes) == 33  # 22, the lifecycle's 10 and GET /v1/cluster
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},

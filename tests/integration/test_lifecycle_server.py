@@ -118,3 +118,35 @@ def test_gc_through_the_server_outlasts_the_clients_read_timeout(tmp_path: Path)
         assert "freed" in out and "1 chunks" in out, out
     finally:
         srv.stop()
+
+
+def test_a_background_collection_answers_at_once_and_is_followed(tmp_path: Path) -> None:
+    """POST /v1/gc/runs answers before the grace period ends (no request lasts it,
+    so no proxy's read timeout cuts one), one at a time; GET /v1/gc shows it
+    running, then its report."""
+    root = tmp_path / "store"
+    asyncio.run(_fill(root, range(1, 2)))
+    srv = ServerProcess(store=root)
+    srv.start()
+    try:
+        started = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
+        assert r.status_code == 202 and time.monotonic() - started < 2.5, r.text
+        run = r.json()
+        assert run["grace"] == 3 and run["ended_at"] is None
+        again = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10).json()
+        assert again["id"] == run["id"]  # one at a time: the running one
+        status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
+        assert status["running"]["id"] == run["id"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
+            if status["running"] is None:
+                break
+            time.sleep(0.2)
+        assert status["running"] is None and status["last_run"]["id"] == run["id"]
+        report = status["last_run"]["report"]
+        assert status["last_run"]["error"] is None and report["chunks_deleted"] == 1
+        assert status["last_run"]["ended_at"] - run["started_at"] >= 3
+    finally:
+        srv.stop()

@@ -147,7 +147,7 @@ def operation(openapi: dict[str, Any], call: Call[Any]) -> dict[str, Any]:
 
 def answer_model(op: dict[str, Any]) -> str | None:
     """The name of the model the operation's success answer is, if one."""
-    for status in ("200", "201"):
+    for status in ("200", "201", "202"):
         content = op["responses"].get(status, {}).get("content", {})
         ref = content.get("application/json", {}).get("schema", {}).get("$ref")
         if ref is not None:
