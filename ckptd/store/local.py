@@ -13,7 +13,7 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,9 +77,11 @@ class LocalStore(Store):
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(self._path(key).is_file)
 
-    async def exists_many(self, keys: object) -> list[bool]:
-        paths = [self._path(k) for k in keys]  # type: ignore[attr-defined]
-        return await asyncio.to_thread(lambda: [p.is_file() for p in paths])
+    async def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        # Paths are checked and built in the thread too: 2,000 at a time is
+        # milliseconds the event loop need not spend.
+        wanted = list(keys)
+        return await asyncio.to_thread(lambda: [self._path(k).is_file() for k in wanted])
 
     def _list(self, prefix: str) -> list[str]:
         # The prefix may end inside a name ("chunks/ab"): walk its directory part.

@@ -265,14 +265,17 @@ class S3Store(Store):
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         # One HEAD per key (S3 has no batch HEAD), at most `concurrency` at a time.
+        # `concurrency` workers over the keys: no task per key (a batch is 2,000).
         keys = [check_key(k) for k in keys]
-        sem = asyncio.Semaphore(self.concurrency)
+        found = [False] * len(keys)
+        todo = iter(enumerate(keys))
 
-        async def one(key: str) -> bool:
-            async with sem:
-                return await self.exists(key)
+        async def worker() -> None:
+            for i, key in todo:
+                found[i] = await self.exists(key)
 
-        return list(await asyncio.gather(*(one(k) for k in keys)))
+        await asyncio.gather(*(worker() for _ in range(max(1, min(self.concurrency, len(keys))))))
+        return found
 
     async def _pages(self, prefix: str, op: str, **extra: str) -> AsyncIterator[dict[str, Any]]:
         client = await self._client()

@@ -508,3 +508,29 @@ async def test_repository_commits_over_s3(s3: Callable[..., S3Store]) -> None:
         == rank_step(job, 20, 1, 2)[1][manifest.entries[1].chunks[0]]
     )
     await repo.close()
+
+
+async def test_exists_many_runs_concurrency_requests_and_no_task_per_key(
+    s3: Callable[..., S3Store]
+) -> None:
+    """A presence batch is 2,000 keys: it goes through `concurrency` workers, not a
+    task (and a waiting coroutine) per key."""
+    store = s3(concurrency=4)
+    await store.put_if_absent("present", b"x")
+    keys = ["present" if i % 50 == 0 else f"absent-{i}" for i in range(300)]
+    in_flight = peak = tasks = 0
+    head = store.exists
+
+    async def watched(key: str) -> bool:
+        nonlocal in_flight, peak, tasks
+        in_flight += 1
+        peak, tasks = max(peak, in_flight), max(tasks, len(asyncio.all_tasks()))
+        try:
+            return await head(key)
+        finally:
+            in_flight -= 1
+
+    store.exists = watched  # type: ignore[method-assign]
+    found = await store.exists_many(keys)
+    assert found == [k == "present" for k in keys]
+    assert peak == 4 and tasks <= 4 + 2, (peak, tasks)
