@@ -81,6 +81,12 @@ log = logging.getLogger(__name__)
 DEFAULT_READ_BUDGET = 256 * MiB
 
 
+# Chunks one batch fetches at most: a ``file://`` store's (or the cache's) chunk
+# files stay mapped until their batch is delivered, and a process may hold only so
+# many maps (``vm.max_map_count``, 65530 by default).
+BATCH_CHUNKS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class _StoredBox:
     """One stored shard: where its chunks are and what they hold."""
@@ -318,7 +324,7 @@ class Reader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 batch.fresh += _plan_read(batch.wanted, box, req, target)
                 batch.reads.append((req, target))
-                if batch.fresh >= self.read_budget:
+                if batch.fresh >= self.read_budget or len(batch.wanted.chunks) >= BATCH_CHUNKS:
                     await _fetch_batch(fetcher, batch, index.step, planner)
                     batch = _Batch()
             await _fetch_batch(fetcher, batch, index.step, planner)
@@ -407,6 +413,9 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
         planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp)))
     for req, target in batch.reads:
         planner.commit_tensor(req, target)
+    for source in fetcher.sources:
+        if isinstance(source, DirectoryCacheSource):
+            source.close()  # its maps (it maps again on the next batch's first view)
 
 
 def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool) -> bytes:

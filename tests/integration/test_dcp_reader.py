@@ -21,6 +21,7 @@ from test_client_common import assert_bitwise
 
 from ckptd.client import Checkpointer, Shard
 from ckptd.client.dcp import Reader
+from ckptd.client.dcp import reader as dcp_reader
 from tests.conftest import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -112,12 +113,18 @@ def test_metadata_of_a_three_rank_step_is_one_request_and_chunks_come_from_peers
             p.wait()
 
 
-@pytest.mark.parametrize("transport", ["file", "http"])
+@pytest.mark.parametrize(("transport", "batch_chunks"), [("file", None), ("http", None),
+                                                        ("file", 3)])
 def test_a_sharded_step_loads_bitwise_into_every_kind_of_target(
-    transport: str, tmp_path: Path, shm: Path, request: pytest.FixtureRequest
+    transport: str, batch_chunks: int | None, tmp_path: Path, shm: Path,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Rows of a contiguous target are its own bytes (chunks land in it); columns,
     # a transposed target and another dtype go through fresh memory and a copy.
+    # With batches of 3 chunks, each batch is delivered (and its maps released)
+    # before the next starts.
+    if batch_chunks is not None:
+        monkeypatch.setattr(dcp_reader, "BATCH_CHUNKS", batch_chunks)
     if transport == "http":
         server = request.getfixturevalue("srv")
         url, token = server.url, TOKEN
