@@ -6,13 +6,9 @@ lands straight in its target tensor or goes through fresh memory."""
 from __future__ import annotations
 
 import re
-import secrets
-import shutil
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from ckptd.client.dcp import reader as dcp_reader
 from tests.conftest import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
+import test_restore_tiers as tiers  # noqa: E402
 from restore_peer import (  # noqa: E402
     CHUNK,
     TOKEN,
@@ -34,32 +31,13 @@ from restore_peer import (  # noqa: E402
     wait_ready,
 )
 
+# The tier tests' fixtures: a private staging root, a server with a token.
+shm = tiers.shm
+srv = tiers.srv
+
 pytestmark = pytest.mark.timeout(180)
 
 _REQUEST = re.compile(r'"(GET|HEAD|POST|PUT|DELETE) (/v1/\S+) HTTP/1\.1"')
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    root = base / f"ckptd-test-{secrets.token_hex(4)}"
-    root.mkdir()
-    monkeypatch.setenv("CKPTD_SHM_DIR", str(root))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
-    monkeypatch.setenv("CKPTD_HEARTBEAT_INTERVAL", "0.2")
-    server = ServerProcess(store=tmp_path / "store", token=TOKEN)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def requests_in_log(server: ServerProcess) -> list[str]:
@@ -67,16 +45,6 @@ def requests_in_log(server: ServerProcess) -> list[str]:
     peers send them all along)."""
     return [f"{m[1]} {m[2]}" for m in _REQUEST.finditer(server.log())
             if not m[2].endswith("/heartbeat")]
-
-
-def zeros_like(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: zeros_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [zeros_like(v) for v in state]
-    return state
 
 
 def test_metadata_of_a_three_rank_step_is_one_request_and_chunks_come_from_peers(
@@ -99,7 +67,7 @@ def test_metadata_of_a_three_rank_step_is_one_request_and_chunks_come_from_peers
         asked = requests_in_log(srv)[len(before):]
         # Not a request per rank (latest, commit, each manifest, each rank's plan).
         assert len(asked) == 1 and asked[0].startswith("GET /v1/jobs/dcp-peers/step-plan?"), asked
-        target = zeros_like(expected)
+        target = tiers.target_like(expected)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's no_dist warning
             dcp.load(target, storage_reader=reader, no_dist=True)
