@@ -40,7 +40,6 @@ from ckptd.errors import (
     RestoreError,
 )
 from ckptd.format import (
-    RankManifest,
     TensorEntry,
     check_step,
 )
@@ -63,8 +62,8 @@ from ..restore.sources import (
     StoreSource,
 )
 from ..transport import Transport
+from .index import StepIndex, StoredBox, index_manifest
 from .target import (
-    META_KEY,
     _bare_step,
     _is_checkpoint_id,
     _require_where,
@@ -85,32 +84,6 @@ DEFAULT_READ_BUDGET = 256 * MiB
 # files stay mapped until their batch is delivered, and a process may hold only so
 # many maps (``vm.max_map_count``, 65530 by default).
 BATCH_CHUNKS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class _StoredBox:
-    """One stored shard: where its chunks are and what they hold."""
-
-    entry: TensorEntry
-    chunk_size: int
-
-
-@dataclass(slots=True)
-class _Index:
-    """A committed step as DCP sees it, built from its manifests (never unpickled)."""
-
-    step: int
-    world_size: int
-    boxes: dict[tuple[str, tuple[int, ...]], _StoredBox] = field(default_factory=dict)
-    values: dict[str, dict[str, Any]] = field(default_factory=dict)
-    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
-    # Opaque blobs: the stored box of their bytes, and whether DCP wrote them (then
-    # they go back to the planner as written; a Checkpointer's bytes leaf is a value).
-    blobs: dict[str, tuple[_StoredBox, bool]] = field(default_factory=dict)
-    # Live peers holding each chunk (from the server's restore plans) and the job's
-    # peer token they require: the peer tier, as a Checkpointer's restore has it.
-    peers: dict[str, list[str]] = field(default_factory=dict)
-    peer_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +127,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
         self.bytes_from: dict[str, int] = {}
-        self._index: _Index | None = None
+        self._index: StepIndex | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
@@ -217,7 +190,7 @@ class Reader(StorageReader):
             storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, load_id=self.load_id),
         )
 
-    async def _read_index(self, transport: Transport) -> _Index:
+    async def _read_index(self, transport: Transport) -> StepIndex:
         # One request to a server (its step plan: the commit, every rank's manifest
         # and the live peers holding the step), each manifest checked against the
         # commit; a file:// store is read directly.
@@ -225,10 +198,10 @@ class Reader(StorageReader):
         if plan.fallback:
             log.warning("loading step %d of %s, not the latest: %s", plan.step, self.job,
                         "; ".join(plan.fallback))
-        index = _Index(step=plan.step, world_size=plan.world_size, peers=plan.peers,
+        index = StepIndex(step=plan.step, world_size=plan.world_size, peers=plan.peers,
                        peer_token=plan.peer_token)
         for r in range(plan.world_size):
-            _index_manifest(index, plan.manifests[r])
+            index_manifest(index, plan.manifests[r])
         return index
 
     def set_up_storage_reader(
@@ -247,7 +220,7 @@ class Reader(StorageReader):
         data = _LoadPlanData(self.job, index.step)
         return [dataclasses.replace(plan, storage_data=data) for plan in plans]
 
-    def _require_index(self) -> _Index:
+    def _require_index(self) -> StepIndex:
         if self._index is None:
             raise InvalidRequest("Reader.read_metadata has not run")
         return self._index
@@ -261,8 +234,8 @@ class Reader(StorageReader):
                 f"{info.step}, this rank {self.job} step {index.step}; pass step= to Reader",
                 step=info.step,
             )
-        reads: list[tuple[_StoredBox, ReadItem]] = []
-        blobs: list[tuple[ReadItem, _StoredBox, bool]] = []
+        reads: list[tuple[StoredBox, ReadItem]] = []
+        blobs: list[tuple[ReadItem, StoredBox, bool]] = []
         for req in plan.items:
             fqn = req.storage_index.fqn
             if req.type == LoadItemType.BYTE_IO and fqn in index.blobs:
@@ -305,9 +278,9 @@ class Reader(StorageReader):
     async def _load(
         self,
         transport: Transport,
-        index: _Index,
-        reads: list[tuple[_StoredBox, ReadItem]],
-        blobs: list[tuple[ReadItem, _StoredBox, bool]],
+        index: StepIndex,
+        reads: list[tuple[StoredBox, ReadItem]],
+        blobs: list[tuple[ReadItem, StoredBox, bool]],
         planner: LoadPlanner,
     ) -> dict[str, int]:
         """Every read item through one set of sources (one transport, one pool map):
@@ -358,7 +331,7 @@ def _check_read(entry: TensorEntry, req: ReadItem) -> None:
         )
 
 
-def _plan_read(wanted: WantedChunks, box: _StoredBox, req: ReadItem,
+def _plan_read(wanted: WantedChunks, box: StoredBox, req: ReadItem,
                target: torch.Tensor) -> int:
     """Plans one read item into ``target`` with the restore's layout
     (``fill_from_entry``): its chunks straight into the target when the item is the
@@ -388,7 +361,7 @@ def _plan_read(wanted: WantedChunks, box: _StoredBox, req: ReadItem,
     return 0 if whole else n * itemsize(e.dtype) + 2 * box.chunk_size
 
 
-def _plan_blob(batch: _Batch, req: ReadItem, box: _StoredBox, written_by_dcp: bool) -> int:
+def _plan_blob(batch: _Batch, req: ReadItem, box: StoredBox, written_by_dcp: bool) -> int:
     e = box.entry
     buf = torch.empty(e.nbytes, dtype=torch.uint8)
     view = byte_view(buf)
@@ -430,7 +403,7 @@ def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool) -> bytes:
     return out.getvalue()
 
 
-def _fetcher(transport: Transport, index: _Index, job: str,
+def _fetcher(transport: Transport, index: StepIndex, job: str,
              concurrency: int) -> tuple[ChunkFetcher, PeerClient | None]:
     """The restore engine's fetcher over its tiers, as for ``Checkpointer.restore``:
     this rank's staging pool, the local cache directory (``CKPTD_CACHE_DIR``), live
@@ -462,64 +435,3 @@ def _this_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _index_manifest(index: _Index, manifest: RankManifest) -> None:
-    """Adds one rank manifest's boxes and values to the index.
-
-    A DCP-written manifest has a flat tree ``{fqn: node}``; another (a
-    ``Checkpointer`` save) is walked as DCP flattens a state dict, so its dotted
-    tensor names are DCP's fully qualified names."""
-    entries = {e.name: e for e in manifest.entries}
-    dcp_meta = manifest.meta.get(META_KEY)
-    leaves: list[tuple[str, tuple[str | int, ...], dict[str, Any]]] = []
-    if isinstance(dcp_meta, dict):
-        paths = dcp_meta.get("paths") or {}
-        for fqn, node in manifest.tree.get("dict", []):
-            path = paths.get(fqn)
-            leaves.append((str(fqn), tuple(path) if isinstance(path, list) else (str(fqn),), node))
-    else:
-        _walk_tree(manifest.tree, (), leaves)
-    for fqn, path, node in leaves:
-        index.paths.setdefault(fqn, path)
-        if set(node) == {"bytes"}:
-            index.blobs.setdefault(fqn, (_StoredBox(entries[node["bytes"]],
-                                                    manifest.chunk_size),
-                                         isinstance(dcp_meta, dict)))
-            continue
-        if set(node) != {"tensor"}:
-            index.values.setdefault(fqn, node)  # replicas of a value: the lowest rank's
-            continue
-        e = entries[node["tensor"]]
-        if e.placement == "local" and manifest.world_size > 1:
-            log.debug("skipping rank-local entry %r of rank %d", e.name, manifest.rank)
-            continue
-        # Replicated entries and HSDP replicas share a box: one is enough to read.
-        index.boxes.setdefault((fqn, tuple(e.offsets)), _StoredBox(e, manifest.chunk_size))
-
-
-def _walk_tree(
-    node: dict[str, Any],
-    path: tuple[str | int, ...],
-    leaves: list[tuple[str, tuple[str | int, ...], dict[str, Any]]],
-) -> None:
-    """DCP's traversal of a state dict, over a tree: mappings are always entered,
-    lists only when they hold a tensor or a mapping; everything else is a leaf."""
-    ((kind, body),) = node.items()
-    if kind == "dict":
-        for key, child in body:
-            _walk_tree(child, (*path, str(key)), leaves)
-    elif kind in ("list", "tuple") and _holds_tensor_or_dict(node):
-        for i, child in enumerate(body):
-            _walk_tree(child, (*path, i), leaves)
-    elif path:
-        leaves.append((".".join(map(str, path)), path, node))
-
-
-def _holds_tensor_or_dict(node: dict[str, Any]) -> bool:
-    ((kind, body),) = node.items()
-    if kind in ("tensor", "dict"):
-        return True
-    if kind in ("list", "tuple"):
-        return any(_holds_tensor_or_dict(child) for child in body)
-    return False
