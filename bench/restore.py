@@ -181,8 +181,13 @@ def wait_peers(url: str, ranks: list[int], timeout: float = 300) -> None:
     raise RuntimeError(f"peers {ranks} never held step {STEP}")
 
 
-def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[tuple[str, str]]]:
+def run(size: int, rounds: int, parent: str | None,
+        only: str | None = None) -> tuple[list[Table], list[tuple[str, str]]]:
     from ckptd.client import Checkpointer
+
+    # ``--only dcp``: the dcp.load rows alone (no peers, no Checkpointer save), for
+    # quick iterations on the DCP Reader; their ratios are still in one run.
+    dcp_only = only == "dcp"
 
     with scratch_dir(parent) as scratch:
         info = machine(scratch)
@@ -190,19 +195,21 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[t
         with Server(scratch / "store", scratch / "server.log") as server:
             state = make_state(size)
             nbytes = state_nbytes(state)
-            peers = [subprocess.Popen(
+            peers = [] if dcp_only else [subprocess.Popen(
                 [sys.executable, "-m", "bench.restore", "--peer", server.url, str(r),
                  str(size)], stdout=subprocess.PIPE, text=True) for r in (1, 2)]
             try:
                 owner = Checkpointer(server.url, JOB, rank=0, world_size=WORLD, chunk_size=CHUNK,
                                      serve_peers=False)
-                owner.save(STEP, state).wait(timeout=600)
+                if not dcp_only:
+                    owner.save(STEP, state).wait(timeout=600)
                 for p in peers:
                     assert p.stdout is not None
                     line = p.stdout.readline()
                     if not line.startswith("READY"):
                         raise RuntimeError("a peer process failed to start")
-                wait_peers(server.url, [1, 2])
+                if peers:
+                    wait_peers(server.url, [1, 2])
                 path = scratch / "state.pt"
                 torch.save(state, path)
                 with open(path, "rb+") as f:
@@ -314,6 +321,8 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[t
                            "dcp.load http", "dcp.load file", "dcp.load fs"]
                 if h2d is not None:
                     systems += ["local cuda", "h2d pinned"]
+                if dcp_only:
+                    systems = [s for s in systems if s.startswith("dcp.load")]
                 for rnd in range(rounds):
                     for system in rotated(systems, rnd):
                         quiesce()
@@ -352,6 +361,8 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[t
 
                 remove_stale_pools(job=JOB)
 
+    if dcp_only:
+        return [targets_table(samples, nbytes, rounds)], info
     base = samples.median("torch.load", "s")
     base_copy = samples.median("torch.load + copy", "s")
     table = Table(
@@ -402,8 +413,9 @@ def targets_table(samples: Samples, nbytes: int, rounds: int) -> Table:
                   ["target", "ckptd", "floor / peer", "ratio", "met"])
     for row, base, most, label in TARGETS:
         if row not in samples.values or base not in samples.values:
-            table.add(label, "-", "-", "-", "not measured (no CUDA)" if "cuda" in row else "-")
-            continue
+            if "cuda" in row:
+                table.add(label, "-", "-", "-", "not measured (no CUDA)")
+            continue  # (another row left out by --only)
         t, b = samples.median(row, "s"), samples.median(base, "s")
         x = ratio(t, b)
         table.add(label, fmt_s(t), fmt_s(b), fmt_x(x), "yes" if x <= most else "NO")
@@ -422,13 +434,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scratch", default=None, help="parent of the scratch directory")
     parser.add_argument("--markdown", default=None, help="write the tables to this file")
+    parser.add_argument("--only", choices=["dcp"], default=None,
+                        help="run only these rows (dcp: the dcp.load rows)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     gc.collect()
     size = parse_size(args.size)
     if size > 8 * GiB:
         parser.error("sizes above 8 GiB need more memory than this benchmark plans for")
-    tables, info = run(size, args.rounds, args.scratch)
+    tables, info = run(size, args.rounds, args.scratch, args.only)
     for table in tables:
         table.print()
     if args.markdown:

@@ -319,6 +319,32 @@ class RestorePlan(_Body):
     )
 
 
+class StepHolder(_Body):
+    rank: int
+    url: str
+
+
+class StepPlan(_Body):
+    """A whole committed step in one answer: what a load into any world size reads."""
+
+    job: str
+    step: int
+    world_size: int
+    commit: CommitRecord
+    manifests: list[RankManifest] = Field(description="Every rank's manifest, in rank order.")
+    holders: list[StepHolder] = Field(
+        description="Live ranks (not the asking one) whose pools hold the step, each "
+        "serving its own manifest's chunks at its peer URL, best first."
+    )
+    peer_token: str | None = Field(
+        default=None, description="The job's peer token, to send to those peers."
+    )
+    fallback: list[str] = Field(
+        default_factory=list,
+        description="Damaged documents that made a load of the latest step an older one.",
+    )
+
+
 class SnapshotRequest(_Body):
     rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
     reason: Annotated[str, Field(min_length=1, max_length=1024)]

@@ -39,11 +39,19 @@ from ckptd.api import (
     SnapshotReply,
     SpaceResult,
     StepList,
+    StepPlan,
     VerifyResult,
 )
 from ckptd.cluster import chunk_key
 from ckptd.errors import InvalidDocument
-from ckptd.format import CommitRecord, RankManifest, check_chunk_id, check_job, check_step
+from ckptd.format import (
+    CommitRecord,
+    RankManifest,
+    canonical_json,
+    check_chunk_id,
+    check_job,
+    check_step,
+)
 
 from .routing import ROUTE_HEADER
 
@@ -258,6 +266,30 @@ def restore_plan(job: str, rank: int, step: int) -> Call[dict[str, Any]]:
     checked against ``RestorePlan``)."""
     return Call("GET", f"{_job(job)}/restore-plan", Reads(RestorePlan, _as_sent),
                 params={"rank": int(rank), "step": check_step(step)})
+
+
+def step_plan(job: str, rank: int, step: int | None) -> Call[StepPlan]:
+    """Every rank's manifest of a committed step (the latest restorable one when
+    ``step`` is None) and the live peers holding it, asked by ``rank``: one request."""
+    params: dict[str, Any] = {"rank": int(rank)}
+    if step is not None:
+        params["step"] = check_step(step)
+    return Call("GET", f"{_job(job)}/step-plan", Reads(StepPlan, _itself, parse=_step_plan),
+                params=params)
+
+
+def _step_plan(data: bytes) -> StepPlan:
+    # The documents are read by the format's own parsers (each re-encoded as the
+    # canonical bytes it came as, so that the caller can hash it against the commit).
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise InvalidDocument(f"a step plan that is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifests"), list):
+        raise InvalidDocument("a step plan without its manifests")
+    record = CommitRecord.parse(canonical_json(doc.get("commit")))
+    manifests = [RankManifest.parse(canonical_json(m)) for m in doc["manifests"]]
+    return StepPlan.model_validate({**doc, "commit": record, "manifests": manifests})
 
 
 def snapshot_request(job: str, rank: int, reason: str) -> Call[SnapshotReply]:

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ckptd import knobs
-from ckptd.api import ClusterView
+from ckptd.api import ClusterView, StepPlan
 from ckptd.cluster import chunk_key as chunk_route_key
 from ckptd.errors import (
     CheckpointNotFound,
@@ -393,6 +393,12 @@ class HttpTransport(Transport):
         """The job's home replica's restore plan for ``rank`` at ``step`` (the JSON of
         ``GET /v1/jobs/{job}/restore-plan``, checked against ``RestorePlan``)."""
         return await self.run(calls.restore_plan(job, rank, step))
+
+    async def step_plan(self, job: str, rank: int, step: int | None) -> StepPlan:
+        """Every rank's manifest of ``step`` and its live holders, from the job's home
+        replica in one request (``GET /v1/jobs/{job}/step-plan``); not yet checked
+        against the commit record (``restore.plan.load_step`` does)."""
+        return await self.run(calls.step_plan(job, rank, step))
 
     async def cluster(self) -> ClusterView:
         """The live replicas, as the first live one lists them (``GET /v1/cluster``)."""

@@ -4,10 +4,10 @@ engine from the chunks that cover it."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -34,26 +34,25 @@ from torch.futures import Future
 from ckptd import knobs
 from ckptd.dtypes import itemsize
 from ckptd.errors import (
-    CheckpointNotFound,
     Conflict,
     InvalidDocument,
     InvalidRequest,
     RestoreError,
 )
 from ckptd.format import (
-    RankManifest,
     TensorEntry,
     check_step,
 )
-from ckptd.geometry import covering_chunks
 from ckptd.hashing import chunk_spans
 from ckptd.knobs import MiB
 
 from ..dtypes import byte_view, torch_dtype
 from ..peer import PeerClient
-from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
+from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure, fresh_tensor
 from ..restore.fill import unflatten
-from ..restore.plan import fetch_restore_plan
+from ..restore.geometry import Box
+from ..restore.layout import fill_from_entry, fits_in_place
+from ..restore.plan import load_step
 from ..restore.sources import (
     DirectoryCacheSource,
     LocalPoolSource,
@@ -63,8 +62,8 @@ from ..restore.sources import (
     StoreSource,
 )
 from ..transport import Transport
+from .index import StepIndex, StoredBox, index_manifest
 from .target import (
-    META_KEY,
     _bare_step,
     _is_checkpoint_id,
     _require_where,
@@ -76,34 +75,15 @@ from .target import (
 log = logging.getLogger(__name__)
 
 
-# Shard buffers one ``read_data`` batch may hold at once (bytes).
+# Fresh memory (bytes) one ``read_data`` batch may hold at once for chunks that do
+# not land straight in their targets.
 DEFAULT_READ_BUDGET = 256 * MiB
 
 
-@dataclass(frozen=True, slots=True)
-class _StoredBox:
-    """One stored shard: where its chunks are and what they hold."""
-
-    entry: TensorEntry
-    chunk_size: int
-
-
-@dataclass(slots=True)
-class _Index:
-    """A committed step as DCP sees it, built from its manifests (never unpickled)."""
-
-    step: int
-    world_size: int
-    boxes: dict[tuple[str, tuple[int, ...]], _StoredBox] = field(default_factory=dict)
-    values: dict[str, dict[str, Any]] = field(default_factory=dict)
-    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
-    # Opaque blobs: the stored box of their bytes, and whether DCP wrote them (then
-    # they go back to the planner as written; a Checkpointer's bytes leaf is a value).
-    blobs: dict[str, tuple[_StoredBox, bool]] = field(default_factory=dict)
-    # Live peers holding each chunk (from the server's restore plans) and the job's
-    # peer token they require: the peer tier, as a Checkpointer's restore has it.
-    peers: dict[str, list[str]] = field(default_factory=dict)
-    peer_token: str | None = None
+# Chunks one batch fetches at most: a ``file://`` store's (or the cache's) chunk
+# files stay mapped until their batch is delivered, and a process may hold only so
+# many maps (``vm.max_map_count``, 65530 by default).
+BATCH_CHUNKS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +103,9 @@ class Reader(StorageReader):
     this rank's staging pool, the cache directory, live peers, the store;
     ``bytes_from`` says how many bytes each gave (``bytes_read``: all of them).
 
-    ``timeout`` bounds each storage call; ``read_budget`` bounds the bytes of
-    shard buffers one batch of ``read_data`` holds."""
+    ``timeout`` bounds each storage call; ``read_budget`` bounds the fresh memory
+    one batch of ``read_data`` holds (chunks that are not landed straight in their
+    target tensors)."""
 
     def __init__(
         self,
@@ -146,7 +127,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
         self.bytes_from: dict[str, int] = {}
-        self._index: _Index | None = None
+        self._index: StepIndex | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
@@ -209,27 +190,18 @@ class Reader(StorageReader):
             storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, load_id=self.load_id),
         )
 
-    async def _read_index(self, transport: Transport) -> _Index:
-        step = self.step
-        if step is None:
-            step = await transport.latest(self.job)
-            if step is None:
-                raise CheckpointNotFound(
-                    f"job {self.job} has no committed checkpoint", job=self.job
-                )
-        record = await transport.read_commit(self.job, step)
-        manifests = await asyncio.gather(
-            *(transport.read_manifest(self.job, step, r) for r in range(record.world_size))
-        )
-        index = _Index(step=step, world_size=record.world_size)
-        for m in manifests:
-            _index_manifest(index, m)
-        for r in range(record.world_size):  # no plan (a file:// store): no peers
-            _, peers, _, token = await fetch_restore_plan(transport, self.job, r, step)
-            index.peer_token = index.peer_token or token
-            for cid, urls in peers.items():
-                have = index.peers.setdefault(cid, [])
-                have.extend(u for u in urls if u not in have)
+    async def _read_index(self, transport: Transport) -> StepIndex:
+        # One request to a server (its step plan: the commit, every rank's manifest
+        # and the live peers holding the step), each manifest checked against the
+        # commit; a file:// store is read directly.
+        plan = await load_step(transport, self.job, _this_rank(), self.step)
+        if plan.fallback:
+            log.warning("loading step %d of %s, not the latest: %s", plan.step, self.job,
+                        "; ".join(plan.fallback))
+        index = StepIndex(step=plan.step, world_size=plan.world_size, peers=plan.peers,
+                       peer_token=plan.peer_token)
+        for r in range(plan.world_size):
+            index_manifest(index, plan.manifests[r])
         return index
 
     def set_up_storage_reader(
@@ -248,7 +220,7 @@ class Reader(StorageReader):
         data = _LoadPlanData(self.job, index.step)
         return [dataclasses.replace(plan, storage_data=data) for plan in plans]
 
-    def _require_index(self) -> _Index:
+    def _require_index(self) -> StepIndex:
         if self._index is None:
             raise InvalidRequest("Reader.read_metadata has not run")
         return self._index
@@ -262,11 +234,12 @@ class Reader(StorageReader):
                 f"{info.step}, this rank {self.job} step {index.step}; pass step= to Reader",
                 step=info.step,
             )
-        by_box: dict[tuple[str, tuple[int, ...]], list[ReadItem]] = {}
+        reads: list[tuple[StoredBox, ReadItem]] = []
+        blobs: list[tuple[ReadItem, StoredBox, bool]] = []
         for req in plan.items:
             fqn = req.storage_index.fqn
             if req.type == LoadItemType.BYTE_IO and fqn in index.blobs:
-                planner.load_bytes(req, io.BytesIO(self._read_blob(*index.blobs[fqn])))
+                blobs.append((req, *index.blobs[fqn]))
                 continue
             if req.type == LoadItemType.BYTE_IO:
                 node = index.values.get(fqn)
@@ -285,19 +258,14 @@ class Reader(StorageReader):
                     f"step {index.step} holds no shard of {fqn!r} at {list(key[1])}",
                     entries=[fqn],
                 )
-            by_box.setdefault(key, []).append(req)
-
-        batch: list[tuple[_StoredBox, list[ReadItem]]] = []
-        held = 0
-        for key, reqs in by_box.items():
             box = index.boxes[key]
-            if batch and held + box.entry.nbytes > self.read_budget:
-                self._read_batch(batch, planner)
-                batch, held = [], 0
-            batch.append((box, reqs))
-            held += box.entry.nbytes
-        if batch:
-            self._read_batch(batch, planner)
+            _check_read(box.entry, req)
+            reads.append((box, req))
+        if reads or blobs:
+            async def work(transport: Transport) -> dict[str, int]:
+                return await self._load(transport, index, reads, blobs, planner)
+
+            self._count(_run(self.url, self.token, work, self.timeout, self.job))
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -307,73 +275,51 @@ class Reader(StorageReader):
             self.bytes_from[tier] = self.bytes_from.get(tier, 0) + n
         self.bytes_read += sum(bytes_from.values())
 
-    def _read_blob(self, box: _StoredBox, written_by_dcp: bool) -> bytes:
-        """An opaque blob's bytes, each chunk verified. A blob DCP wrote goes back as
-        written (DCP's planner, not ckptd, decides how to read it); a Checkpointer's
-        bytes leaf is a value, so it is ``torch.save``-d for the planner like one."""
-        e = box.entry
-        buf = torch.empty(e.nbytes, dtype=torch.uint8)
-        view = byte_view(buf)
-        wanted = WantedChunks()
-        for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
-            wanted.add(cid, view[a:b], e.name)
-        index = self._require_index()
-
-        async def work(transport: Transport) -> dict[str, int]:
-            return await _fetch_chunks(transport, wanted, self.concurrency, index, self.job)
-
-        self._count(_run(self.url, self.token, work, self.timeout, self.job))
-        raw = buf.numpy().tobytes()
-        if written_by_dcp:
-            return raw
-        out = io.BytesIO()
-        torch.save(raw, out)  # our own bytes of a bytes value, for the planner's torch.load
-        return out.getvalue()
-
-    def _read_batch(
-        self, batch: list[tuple[_StoredBox, list[ReadItem]]], planner: LoadPlanner
-    ) -> None:
-        """Fetches and verifies the chunks that cover the requested sub-boxes of a
-        batch of stored shards, then copies each sub-box into its target."""
-        buffers: list[torch.Tensor] = []
-        wanted = WantedChunks()  # chunk id -> destinations
-        for box, reqs in batch:
-            e = box.entry
-            buf = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
-            buffers.append(buf)
-            view = byte_view(buf)
-            spans = list(chunk_spans(e.nbytes, box.chunk_size))
-            needed: set[int] = set()
-            for req in reqs:
-                needed.update(_chunks_covering(e, box.chunk_size, req))
-            for i in sorted(needed):
-                a, b = spans[i]
-                wanted.add(e.chunks[i], view[a:b], e.name)
-        index = self._require_index()
-
-        async def work(transport: Transport) -> dict[str, int]:
-            return await _fetch_chunks(transport, wanted, self.concurrency, index, self.job)
-
-        self._count(_run(self.url, self.token, work, self.timeout, self.job))
-        for (box, reqs), buf in zip(batch, buffers, strict=True):
-            for req in reqs:
-                source = buf
-                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                    source = source.narrow(d, int(o), int(n))
+    async def _load(
+        self,
+        transport: Transport,
+        index: StepIndex,
+        reads: list[tuple[StoredBox, ReadItem]],
+        blobs: list[tuple[ReadItem, StoredBox, bool]],
+        planner: LoadPlanner,
+    ) -> dict[str, int]:
+        """Every read item through one set of sources (one transport, one pool map):
+        chunks land straight in the planner's target tensors where their bytes are
+        the target's bytes, else in fresh memory (at most ``read_budget`` bytes of it
+        per batch) and are copied from there. DCP's load writes its targets as it
+        goes, as ``FileSystemReader`` does: a failed load leaves them partly loaded."""
+        fetcher, peer_client = _fetcher(transport, index, self.job, self.concurrency)
+        batch = _Batch()
+        try:
+            for req, box, written_by_dcp in blobs:
+                batch.fresh += _plan_blob(batch, req, box, written_by_dcp)
+            for box, req in reads:
                 target = planner.resolve_tensor(req).detach()
-                if target.size() != source.size():
-                    raise RestoreError(
-                        f"{box.entry.name!r}: the target slice is {list(target.size())}, the "
-                        f"stored slice {list(source.size())}",
-                        entries=[box.entry.name],
-                    )
-                target.copy_(source)
-                planner.commit_tensor(req, target)
+                batch.fresh += _plan_read(batch.wanted, box, req, target)
+                batch.reads.append((req, target))
+                if batch.fresh >= self.read_budget or len(batch.wanted.chunks) >= BATCH_CHUNKS:
+                    await _fetch_batch(fetcher, batch, index.step, planner)
+                    batch = _Batch()
+            await _fetch_batch(fetcher, batch, index.step, planner)
+        finally:
+            fetcher.close()
+            if peer_client is not None:
+                peer_client.close()
+        return dict(fetcher.bytes_from)
 
 
-def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> list[int]:
-    """Indices of the chunks of a C-contiguous shard that hold a sub-box of it (the
-    restore's geometry, ``ckptd.geometry.covering_chunks``)."""
+@dataclass(slots=True)
+class _Batch:
+    """Read items whose chunks are fetched together, and the fresh bytes they hold."""
+
+    wanted: WantedChunks = field(default_factory=WantedChunks)
+    reads: list[tuple[ReadItem, torch.Tensor]] = field(default_factory=list)
+    blobs: list[tuple[ReadItem, torch.Tensor, bool]] = field(default_factory=list)
+    fresh: int = 0
+
+
+def _check_read(entry: TensorEntry, req: ReadItem) -> None:
+    """A read item must ask for a sub-box of the stored shard."""
     offsets = [int(o) for o in req.storage_offsets]
     lengths = [int(n) for n in req.lengths]
     if len(offsets) != len(entry.shape) or len(lengths) != len(entry.shape) or any(
@@ -383,19 +329,87 @@ def _chunks_covering(entry: TensorEntry, chunk_size: int, req: ReadItem) -> list
             f"{entry.name!r}: asked for {offsets}+{lengths} of a shard of shape {entry.shape}",
             entries=[entry.name],
         )
-    if entry.nbytes == 0 or any(n == 0 for n in lengths):
-        return []
-    hi = [o + n for o, n in zip(offsets, lengths, strict=True)]
-    return covering_chunks(entry.shape, itemsize(entry.dtype), chunk_size, offsets, hi)
 
 
-async def _fetch_chunks(transport: Transport, wanted: WantedChunks, concurrency: int,
-                        index: _Index, job: str) -> dict[str, int]:
-    """Each wanted chunk through the restore engine's tiers (``ChunkFetcher``): this
-    rank's staging pool, the local cache directory (``CKPTD_CACHE_DIR``), live
-    peers, then the store (mapped in place for a ``file://`` one); each verified
-    against its id, then delivered to every destination; the bytes read. A chunk
-    no source had right raises the engine's typed error naming its entries."""
+def _plan_read(wanted: WantedChunks, box: StoredBox, req: ReadItem,
+               target: torch.Tensor) -> int:
+    """Plans one read item into ``target`` with the restore's layout
+    (``fill_from_entry``): its chunks straight into the target when the item is the
+    whole stored shard and the target holds its bytes (a dense CPU tensor of its
+    dtype), else landed in fresh memory and copied (the fresh bytes it needs)."""
+    e = box.entry
+    lengths = tuple(int(n) for n in req.lengths)
+    if tuple(target.size()) != lengths:
+        raise RestoreError(
+            f"{e.name!r}: the target slice is {list(target.size())}, the stored slice "
+            f"{list(lengths)}",
+            entries=[e.name],
+        )
+    if math.prod(lengths) == 0:
+        return 0  # nothing to read
+    needed: Box = (tuple(o + int(s) for o, s in zip(e.offsets, req.storage_offsets,
+                                                    strict=True)), lengths)
+    dtype = torch_dtype(e.dtype)
+    whole = needed == (tuple(e.offsets), tuple(e.shape))
+    if whole and not fits_in_place(target, dtype, lengths):
+        buf = fresh_tensor(lengths, dtype)  # then copied (and cast) into the target
+        fill_from_entry(wanted, e.name, buf, needed, e, box.chunk_size, False)
+        wanted.copies.append((target, buf))
+        return e.nbytes
+    n = fill_from_entry(wanted, e.name, target, needed, e, box.chunk_size, whole)
+    # Another box: the chunks covering it land in fresh memory, then are sliced.
+    return 0 if whole else n * itemsize(e.dtype) + 2 * box.chunk_size
+
+
+def _plan_blob(batch: _Batch, req: ReadItem, box: StoredBox, written_by_dcp: bool) -> int:
+    e = box.entry
+    buf = torch.empty(e.nbytes, dtype=torch.uint8)
+    view = byte_view(buf)
+    for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
+        batch.wanted.add(cid, view[a:b], e.name)
+    batch.blobs.append((req, buf, written_by_dcp))
+    return e.nbytes
+
+
+async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
+                       planner: LoadPlanner) -> None:
+    """Fetches and verifies a batch's chunks, delivers them, and hands the planner
+    its tensors and blobs."""
+    if batch.wanted.chunks:
+        # Chunks may land in the targets as they verify (DCP writes its targets as it
+        # goes); every chunk is still verified before anything reads it.
+        found = await fetcher.locate_all(batch.wanted, atomic=False)
+        if fetcher.failed:
+            raise failure(fetcher, batch.wanted, step)
+        await deliver(found, batch.wanted, prefilled=fetcher.prefilled)
+    for req, buf, written_by_dcp in batch.blobs:
+        planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp)))
+    for req, target in batch.reads:
+        planner.commit_tensor(req, target)
+    for source in fetcher.sources:
+        if isinstance(source, DirectoryCacheSource):
+            source.close()  # its maps (it maps again on the next batch's first view)
+
+
+def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool) -> bytes:
+    """An opaque blob's bytes for the planner. A blob DCP wrote goes back as
+    written (DCP's planner, not ckptd, decides how to read it); a Checkpointer's
+    bytes leaf is a value, so it is ``torch.save``-d for the planner like one."""
+    raw = buf.numpy().tobytes()
+    if written_by_dcp:
+        return raw
+    out = io.BytesIO()
+    torch.save(raw, out)  # our own bytes of a bytes value, for the planner's torch.load
+    return out.getvalue()
+
+
+def _fetcher(transport: Transport, index: StepIndex, job: str,
+             concurrency: int) -> tuple[ChunkFetcher, PeerClient | None]:
+    """The restore engine's fetcher over its tiers, as for ``Checkpointer.restore``:
+    this rank's staging pool, the local cache directory (``CKPTD_CACHE_DIR``), live
+    peers, then the store (mapped in place for a ``file://`` one). Every chunk is
+    verified against its id; a chunk no source had right is the engine's typed
+    error naming its entries."""
     sources: list[Source] = []
     entries = [(box.entry, box.chunk_size) for box in index.boxes.values()]
     try:  # a pool we cannot read is a pool we do not have
@@ -413,17 +427,7 @@ async def _fetch_chunks(transport: Transport, wanted: WantedChunks, concurrency:
         client = PeerClient(index.peer_token)
         sources.append(PeerSource(index.peers, client))
     sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
-    fetcher = ChunkFetcher(sources, concurrency)
-    try:
-        found = await fetcher.locate_all(wanted)
-        if fetcher.failed:
-            raise failure(fetcher, wanted, index.step)
-        await deliver(found, wanted)
-    finally:
-        fetcher.close()
-        if client is not None:
-            client.close()
-    return dict(fetcher.bytes_from)
+    return ChunkFetcher(sources, concurrency), client
 
 
 def _this_rank() -> int:
@@ -431,64 +435,3 @@ def _this_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _index_manifest(index: _Index, manifest: RankManifest) -> None:
-    """Adds one rank manifest's boxes and values to the index.
-
-    A DCP-written manifest has a flat tree ``{fqn: node}``; another (a
-    ``Checkpointer`` save) is walked as DCP flattens a state dict, so its dotted
-    tensor names are DCP's fully qualified names."""
-    entries = {e.name: e for e in manifest.entries}
-    dcp_meta = manifest.meta.get(META_KEY)
-    leaves: list[tuple[str, tuple[str | int, ...], dict[str, Any]]] = []
-    if isinstance(dcp_meta, dict):
-        paths = dcp_meta.get("paths") or {}
-        for fqn, node in manifest.tree.get("dict", []):
-            path = paths.get(fqn)
-            leaves.append((str(fqn), tuple(path) if isinstance(path, list) else (str(fqn),), node))
-    else:
-        _walk_tree(manifest.tree, (), leaves)
-    for fqn, path, node in leaves:
-        index.paths.setdefault(fqn, path)
-        if set(node) == {"bytes"}:
-            index.blobs.setdefault(fqn, (_StoredBox(entries[node["bytes"]],
-                                                    manifest.chunk_size),
-                                         isinstance(dcp_meta, dict)))
-            continue
-        if set(node) != {"tensor"}:
-            index.values.setdefault(fqn, node)  # replicas of a value: the lowest rank's
-            continue
-        e = entries[node["tensor"]]
-        if e.placement == "local" and manifest.world_size > 1:
-            log.debug("skipping rank-local entry %r of rank %d", e.name, manifest.rank)
-            continue
-        # Replicated entries and HSDP replicas share a box: one is enough to read.
-        index.boxes.setdefault((fqn, tuple(e.offsets)), _StoredBox(e, manifest.chunk_size))
-
-
-def _walk_tree(
-    node: dict[str, Any],
-    path: tuple[str | int, ...],
-    leaves: list[tuple[str, tuple[str | int, ...], dict[str, Any]]],
-) -> None:
-    """DCP's traversal of a state dict, over a tree: mappings are always entered,
-    lists only when they hold a tensor or a mapping; everything else is a leaf."""
-    ((kind, body),) = node.items()
-    if kind == "dict":
-        for key, child in body:
-            _walk_tree(child, (*path, str(key)), leaves)
-    elif kind in ("list", "tuple") and _holds_tensor_or_dict(node):
-        for i, child in enumerate(body):
-            _walk_tree(child, (*path, i), leaves)
-    elif path:
-        leaves.append((".".join(map(str, path)), path, node))
-
-
-def _holds_tensor_or_dict(node: dict[str, Any]) -> bool:
-    ((kind, body),) = node.items()
-    if kind in ("tensor", "dict"):
-        return True
-    if kind in ("list", "tuple"):
-        return any(_holds_tensor_or_dict(child) for child in body)
-    return False

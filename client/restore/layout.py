@@ -22,7 +22,7 @@ from .geometry import Box, slice_plan
 from .plan import RestorePlan
 
 
-def _fill_from_entry(wanted: WantedChunks, name: str, buf: torch.Tensor, box: Box,
+def fill_from_entry(wanted: WantedChunks, name: str, buf: torch.Tensor, box: Box,
                      e: TensorEntry, chunk_size: int, in_target: bool) -> int:
     """Plans filling the part of ``buf`` (the needed ``box``; the target's own
     tensor when ``in_target``) that stored entry ``e`` overlaps; the number of
@@ -181,7 +181,7 @@ def _holds_entry_bytes(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]
     )
 
 
-def _direct(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+def fits_in_place(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether the restore may assemble straight into the target's tensor (once
     every chunk verified): one on the host that holds the entry's bytes."""
     return _holds_entry_bytes(existing, dtype, shape) and existing.device.type == "cpu"
@@ -233,12 +233,12 @@ def build_layout(
             buffers[e.name] = existing
             used[(e.name, id(e))] = (e, cs)
             continue
-        in_target = _direct(existing, dtype, box[1])
+        in_target = fits_in_place(existing, dtype, box[1])
         buf = existing if in_target and isinstance(existing, torch.Tensor) else fresh_tensor(
             box[1], dtype)
         buffers[e.name] = buf
         if own_box:
-            _fill_from_entry(wanted, e.name, buf, box, e, cs, in_target)
+            fill_from_entry(wanted, e.name, buf, box, e, cs, in_target)
             used[(e.name, id(e))] = (e, cs)
             continue
         covered = 0
@@ -246,7 +246,7 @@ def build_layout(
             if se.dtype != e.dtype or tuple(se.global_shape) != tuple(e.global_shape):
                 raise RestoreError(f"{e.name!r}: ranks disagree on its dtype or global shape",
                                    entries=[e.name])
-            n = _fill_from_entry(wanted, e.name, buf, box, se, scs, in_target)
+            n = fill_from_entry(wanted, e.name, buf, box, se, scs, in_target)
             if n:
                 covered += n
                 used[(se.name, id(se))] = (se, scs)

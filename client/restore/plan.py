@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from ckptd.errors import CheckpointNotFound, CkptdError, NotCommitted
+from ckptd.errors import CheckpointNotFound, CkptdError, InvalidDocument, NotCommitted
 from ckptd.format import CommitRecord, RankManifest, canonical_json, check_step
 from ckptd.hashing import document_hash
 
@@ -78,18 +78,24 @@ async def fetch_restore_plan(
             token if isinstance(token, str) else None)
 
 
+async def _restorable(transport: Transport, job: str, step: int | None) -> tuple[int, list[str]]:
+    """``step``, or the step a restore of "latest" gets and the damaged documents
+    that made it older than ``latest``."""
+    if step is not None:
+        return step, []
+    found, fallback = await transport.restorable(job)
+    if found is None:
+        raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+    return found, fallback
+
+
 async def load_plan(
     transport: Transport, job: str, rank: int, step: int | None, *, with_peers: bool = True
 ) -> RestorePlan:
     """Resolves the step, refuses a step that never committed, and reads the
     manifest whose tree is restored (this rank's; rank 0's when this rank is
     outside the committed world) with the peers that hold its chunks."""
-    fallback: list[str] = []
-    if step is None:
-        found, fallback = await transport.restorable(job)
-        if found is None:
-            raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
-        step = found
+    step, fallback = await _restorable(transport, job, step)
     step = await resolve_step(transport, job, step)
     record = await transport.read_commit(job, step)  # NotCommitted, CheckpointNotFound
     source_rank = rank if rank < record.world_size else 0
@@ -137,6 +143,52 @@ async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers
         plan.manifests[r] = manifest
 
     await asyncio.gather(*(one(r) for r in range(plan.world_size)))
+
+
+async def load_step(transport: Transport, job: str, rank: int, step: int | None) -> RestorePlan:
+    """A committed step with every rank's manifest (the latest restorable step when
+    ``step`` is None) and the live peers holding its chunks, for a load into any
+    world size: one request to a server (its step plan), each manifest checked
+    against the commit record; read from the store itself over ``file://`` (no
+    peers). ``rank``: the loading rank (never its own peer; the tree's manifest)."""
+    if not isinstance(transport, HttpTransport):
+        step, fallback = await _restorable(transport, job, step)
+        record = await transport.read_commit(job, step)
+        read = await asyncio.gather(*(transport.read_manifest(job, step, r)
+                                      for r in range(record.world_size)))
+        source = rank if rank < record.world_size else 0
+        return RestorePlan(job, step, source, record, read[source],
+                           manifests=dict(enumerate(read)), fallback=fallback)
+    doc = await transport.step_plan(job, rank, step)
+    record = doc.commit
+    if (record.job, record.step, doc.job, doc.world_size) != (job, doc.step, job,
+                                                              record.world_size) or (
+            step is not None and doc.step != step) or len(doc.manifests) != record.world_size:
+        raise InvalidDocument(f"the step plan of {job} step {doc.step} does not match its "
+                              "commit record")
+
+    async def checked(r: int, manifest: RankManifest) -> RankManifest:
+        if document_hash(manifest.canonical()) == record.manifests[r].hash and (
+            manifest.job, manifest.step, manifest.rank) == (job, doc.step, r):
+            return manifest
+        # Read on its own: that read checks the stored bytes and names the damage.
+        log.warning("step plan's manifest of rank %d is not the committed one; reading it", r)
+        return await transport.read_manifest(job, doc.step, r)
+
+    manifests = await asyncio.gather(*(checked(r, m) for r, m in enumerate(doc.manifests)))
+    # A holder's pool holds its own manifest's chunks (the server's restore plan says
+    # the same per rank); the holders come best first.
+    peers: dict[str, list[str]] = {}
+    for holder in doc.holders:
+        if 0 <= holder.rank < record.world_size:
+            for cid in manifests[holder.rank].chunk_ids():
+                urls = peers.setdefault(cid, [])
+                if holder.url not in urls:
+                    urls.append(holder.url)
+    source = rank if rank < record.world_size else 0
+    return RestorePlan(job, doc.step, source, record, manifests[source], peers,
+                       dict(enumerate(manifests)), peer_token=doc.peer_token,
+                       fallback=list(doc.fallback))
 
 
 def fallback_problems(plan: RestorePlan) -> list[ChunkProblem]:

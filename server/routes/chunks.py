@@ -3,12 +3,23 @@
 Each chunk is verified once per hop: the server hashes what it receives (it does not
 trust the client), and the client hashes what it receives (it does not trust the
 server), so the server does not hash again what it serves; ``ckptd verify`` (and
-``Repository.verify``) checks the store at rest."""
+``Repository.verify``) checks the store at rest.
+
+A chunk of a store on this host's filesystem is served from a read-only map of its
+file (the socket copies straight from the page cache): reading it into memory
+first cost a third of the server's CPU per byte served. Chunk files are written
+once under a temporary name and renamed, never changed or truncated; garbage
+collection unlinks them, which leaves a map valid."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import mmap
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -17,6 +28,7 @@ from fastapi.responses import StreamingResponse
 from ckptd import knobs
 from ckptd.api import ChunkStored, MissingRequest, MissingResponse
 from ckptd.errors import ChunkNotFound, CkptdError
+from ckptd.format import chunk_key
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
 from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
@@ -127,7 +139,10 @@ async def get_chunk(
     if not await _visible(request, tenants, cid):
         raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)
     # Not re-hashed: every reader verifies a chunk against its id on arrival.
-    data = await repo.get_chunk(cid, verify=False)
+    path = repo.store.local_path(chunk_key(cid))
+    data = await asyncio.to_thread(_mapped, path) if path is not None else None
+    if data is None:
+        data = await repo.get_chunk(cid, verify=False)
     return StreamingResponse(
         _pieces(data, metrics, started),
         media_type="application/octet-stream",
@@ -141,8 +156,25 @@ async def _visible(request: Request, tenants: TenantChunks, cid: str) -> bool:
     return job is None or cid in await tenants.known(job, [cid])
 
 
-async def _pieces(data: bytes, metrics: Metrics, started: float) -> AsyncIterator[memoryview]:
-    view = memoryview(data)  # slices of immutable bytes: no copy, nothing to release
+def _mapped(path: Path) -> memoryview | None:
+    """A read-only map of a chunk file (None when it is not there: the store then
+    says so). The map closes when the last piece sent from it is released."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        with contextlib.suppress(ValueError):  # an empty file cannot be mapped
+            return memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+        return memoryview(b"")
+    finally:
+        os.close(fd)
+
+
+async def _pieces(
+    data: bytes | memoryview, metrics: Metrics, started: float
+) -> AsyncIterator[memoryview]:
+    view = memoryview(data)  # slices of immutable bytes or a read-only map: no copy
     for start in range(0, len(view), READ_PIECE):
         yield view[start : start + READ_PIECE]
     # Counted once the last piece went out: a reader that went away mid-chunk is not.

@@ -17,9 +17,11 @@ from ckptd.api import (
     RankList,
     RankStatus,
     RestorePlan,
+    StepPlan,
 )
 from ckptd.errors import CkptdError
-from ckptd.format import check_rank
+from ckptd.format import CommitRecord, RankManifest, check_rank
+from ckptd.repository import Repository
 from ckptd.server.auth import READ, WRITE, peer_token, scope
 from ckptd.server.deps import (
     JobDep,
@@ -33,7 +35,7 @@ from ckptd.server.deps import (
     ViewsDep,
 )
 from ckptd.server.peering import refuse_peer_url
-from ckptd.server.registry import RankView
+from ckptd.server.registry import RankView, StoreViews
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 
@@ -149,6 +151,24 @@ async def list_ranks(job: JobDep, registry: RegistryDep, views: ViewsDep) -> Ran
     )
 
 
+async def _committed(
+    job: str, asked: int | None, repo: Repository, views: StoreViews
+) -> tuple[int, CommitRecord, list[str]]:
+    """The step a plan is for (``asked``, else the newest restorable one), its commit
+    record, and the damaged documents that made "latest" an older step."""
+    fallback: list[str] = []
+    if asked is not None:
+        step = asked
+    else:
+        found = await repo.restorable_step(job)  # falls back past a damaged latest
+        fallback = list(found.problems)
+        step = found.step if found.step is not None else await repo.resolve_step(job, None)
+    record = await views.commit(job, step)
+    if record is None:
+        record = await repo.read_commit(job, step)  # raises not_committed / not found
+    return step, record, fallback
+
+
 @router.get(
     "/{job}/restore-plan",
     response_class=Response,
@@ -167,14 +187,7 @@ async def restore_plan(
     rank: QueryRankDep,
     asked: QueryStepDep,
 ) -> Response:
-    if asked is not None:
-        step = asked
-    else:
-        found = await repo.restorable_step(job)  # falls back past a damaged latest
-        step = found.step if found.step is not None else await repo.resolve_step(job, None)
-    record = await views.commit(job, step)
-    if record is None:
-        record = await repo.read_commit(job, step)  # raises not_committed / not found
+    step, record, _ = await _committed(job, asked, repo, views)
     manifest = await repo.read_manifest(job, step, rank)
     holders = [
         (peer, url)
@@ -222,5 +235,59 @@ async def restore_plan(
         return head.replace(b'"manifest":null', b'"manifest":' + manifest.canonical(), 1)
 
     # A large manifest is CPU work: off the event loop.
+    data = await asyncio.to_thread(encode)
+    return Response(data, media_type="application/json")
+
+
+@router.get(
+    "/{job}/step-plan",
+    response_class=Response,
+    summary="Every rank's manifest of a committed step and the live peers holding it, "
+    "in one answer (a load into any world size: DCP's Reader)",
+    responses={
+        200: {"model": StepPlan, "description": "The plan"},
+        **error_responses(404, 409, 422),
+    },
+)
+async def step_plan(
+    job: JobDep,
+    repo: RepoDep,
+    registry: RegistryDep,
+    views: ViewsDep,
+    request: Request,
+    rank: QueryRankDep,
+    asked: QueryStepDep,
+) -> Response:
+    step, record, fallback = await _committed(job, asked, repo, views)
+    sem = asyncio.Semaphore(PLAN_READS)
+
+    async def manifest(r: int) -> bytes:
+        async with sem:
+            manifest: RankManifest = await repo.read_manifest(job, step, r)
+            return manifest.canonical()
+
+    # A damaged manifest fails the plan with its typed error: a load needs them all.
+    manifests = await asyncio.gather(*(manifest(r) for r in range(record.world_size)))
+    holders = [{"rank": peer, "url": url}
+               for peer, url in registry.peers_holding(job, step, exclude=rank)
+               if peer < record.world_size]
+
+    def encode() -> bytes:
+        plan: dict[str, Any] = {
+            "job": job,
+            "step": step,
+            "world_size": record.world_size,
+            "holders": holders,
+            "peer_token": peer_token(request.app.state.peer_secret, job),
+            "fallback": fallback,
+            "commit": None,
+            "manifests": None,
+        }
+        # The documents' canonical bytes are their JSON: spliced in, not encoded again.
+        head = json.dumps(plan, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        head = head.replace(b'"commit":null', b'"commit":' + record.canonical(), 1)
+        return head.replace(b'"manifests":null', b'"manifests":[' + b",".join(manifests) + b"]",
+                            1)
+
     data = await asyncio.to_thread(encode)
     return Response(data, media_type="application/json")

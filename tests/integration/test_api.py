@@ -186,6 +186,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/jobs/{job}/ranks/{rank}/heartbeat", "delete"),
         ("/v1/jobs/{job}/ranks", "get"),
         ("/v1/jobs/{job}/restore-plan", "get"),
+        ("/v1/jobs/{job}/step-plan", "get"),
         ("/v1/jobs/{job}/snapshot-requests", "post"),
         ("/v1/jobs/{job}/rollback", "post"),
         ("/v1/jobs/{job}/rollback", "delete"),
@@ -647,7 +648,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 33  # 22, the lifecycle's 10 and GET /v1/cluster
+    assert len(routes) == 34  # 23 (the step plan too), the lifecycle's 10 and GET /v1/cluster
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},
