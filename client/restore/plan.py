@@ -121,7 +121,18 @@ async def load_plan(
 
 
 async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers: bool) -> None:
-    """Reads every rank's manifest of the plan's step (and their peers)."""
+    """Reads every rank's manifest of the plan's step (and their peers): from a
+    server, one step plan (``load_step``); else a read per rank."""
+    if with_peers and isinstance(transport, HttpTransport):
+        full = await load_step(transport, plan.job, plan.rank, plan.step)
+        if full.step == plan.step and full.record.manifests == plan.record.manifests:
+            for r, manifest in full.manifests.items():
+                plan.manifests.setdefault(r, manifest)
+            plan.peer_token = plan.peer_token or full.peer_token
+            for cid, urls in full.peers.items():
+                have = plan.peers.setdefault(cid, [])
+                have.extend(u for u in urls if u not in have)
+            return
 
     async def one(r: int) -> None:
         if r in plan.manifests:

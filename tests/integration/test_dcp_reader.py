@@ -1,7 +1,8 @@
 """DCP's ``Reader`` against a real ``ckptd serve``: its metadata of a step saved by
 several ranks is one request (the server's step plan), its chunks come through the
 restore engine's tiers (live peers here), and loads are bitwise, whether a chunk
-lands straight in its target tensor or goes through fresh memory."""
+lands straight in its target tensor or goes through fresh memory. A Checkpointer's
+elastic restore reads the same step plan."""
 
 from __future__ import annotations
 
@@ -125,3 +126,31 @@ def test_a_sharded_step_loads_bitwise_into_every_kind_of_target(
     assert torch.equal(target["half"].contiguous().view(torch.int16),
                        full["half"].view(torch.int16))
     assert reader.bytes_read == sum(t.numel() * t.element_size() for t in full.values())
+
+
+def test_an_elastic_restore_reads_every_manifest_in_one_step_plan(
+    srv: ServerProcess, shm: Path
+) -> None:
+    """A Checkpointer restoring a 4-rank step into 2 ranks needs every rank's
+    manifest and holders: one step plan, not a restore plan (or a manifest read)
+    per saving rank."""
+    full = tiers.global_state(5)
+    for r in range(4):
+        state, shards = tiers.shard_of(full, r, 4)
+        with Checkpointer(srv.url, "elastic-plan", rank=r, world_size=4, token=TOKEN,
+                          chunk_size=4096) as ckpt:
+            ckpt.save(2, state, shards=shards, local=["rng"]).wait(timeout=60)
+    expected, shards = tiers.shard_of(full, 1, 2)
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+              for k, v in expected.items()}
+    with Checkpointer(srv.url, "elastic-plan", rank=1, world_size=2, token=TOKEN) as ckpt:
+        before = requests_in_log(srv)
+        result = ckpt.restore(target, shards=shards)
+        asked = [a for a in requests_in_log(srv)[len(before):] if "/chunks/" not in a]
+    assert result.elastic
+    for name in ("rows", "cols", "cube", "bias"):
+        assert_bitwise(target[name], expected[name], name)
+    plans = [a for a in asked if "/restore-plan" in a or "/step-plan" in a]
+    manifests = [a for a in asked if re.search(r"/ranks/\d+(\?|$)", a.split(" ")[1])]
+    assert len(plans) == 2 and any("/step-plan" in a for a in plans), asked
+    assert manifests == [], asked
