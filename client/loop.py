@@ -52,15 +52,7 @@ class EventLoopThread:
         cancelled, unwinds (its worker threads included: ``in_thread``), and then
         ``Timeout`` is raised."""
 
-        async def body() -> T:
-            try:
-                return await asyncio.wait_for(coro, timeout)
-            except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
-                raise
-            except TimeoutError:
-                raise Timeout(f"gave up after {timeout} s") from None
-
-        return self.submit(body()).result()
+        return self.submit(_within(coro, timeout, "gave up")).result()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the loop and joins the thread (after the caller's own cleanup)."""
@@ -78,16 +70,19 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
     returns its result. Past ``timeout`` seconds it is cancelled, unwinds, and
     ``Timeout`` says that ``what`` gave up."""
 
-    async def body() -> T:
-        try:
-            return await asyncio.wait_for(coro, timeout)
-        except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
-            raise
-        except TimeoutError:
-            raise Timeout(f"{what} gave up after {timeout} s") from None
-
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
-        return pool.submit(asyncio.run, body()).result()
+        return pool.submit(asyncio.run, _within(coro, timeout, f"{what} gave up")).result()
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: str) -> T:
+    """``coro``'s result; past ``timeout`` it is cancelled and unwinds, then
+    ``Timeout`` ("<gave_up> after N s")."""
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
+        raise
+    except TimeoutError:
+        raise Timeout(f"{gave_up} after {timeout} s") from None
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -103,50 +104,52 @@ def test_lifecycle_through_the_server(tmp_path: Path, monkeypatch: pytest.Monkey
         srv.stop()
 
 
-@pytest.mark.slow
-def test_gc_through_the_server_outlasts_the_clients_read_timeout(tmp_path: Path) -> None:
-    """A collection waits out its grace period before it answers: the CLI must not give
-    up after its ordinary 10 s read timeout while the server is still collecting."""
+@pytest.fixture
+def one_step(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server over a store of one committed step and one orphan chunk."""
     root = tmp_path / "store"
     asyncio.run(_fill(root, range(1, 2)))
     srv = ServerProcess(store=root)
     srv.start()
     try:
-        started = time.monotonic()
-        out = _cli("gc", "--grace", "11", "--url", srv.url)
-        assert time.monotonic() - started >= 11
-        assert "freed" in out and "1 chunks" in out, out
+        yield srv
     finally:
         srv.stop()
 
 
-def test_a_background_collection_answers_at_once_and_is_followed(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_gc_through_the_server_outlasts_the_clients_read_timeout(one_step: ServerProcess
+                                                                 ) -> None:
+    """A collection waits out its grace period before it sweeps: the CLI follows it
+    past its ordinary 10 s read timeout while the server is still collecting."""
+    started = time.monotonic()
+    out = _cli("gc", "--grace", "11", "--url", one_step.url)
+    assert time.monotonic() - started >= 11
+    assert "freed" in out and "1 chunks" in out, out
+
+
+def test_a_background_collection_answers_at_once_and_is_followed(one_step: ServerProcess
+                                                                  ) -> None:
     """POST /v1/gc/runs answers before the grace period ends (no request lasts it,
     so no proxy's read timeout cuts one), one at a time; GET /v1/gc shows it
     running, then its report."""
-    root = tmp_path / "store"
-    asyncio.run(_fill(root, range(1, 2)))
-    srv = ServerProcess(store=root)
-    srv.start()
-    try:
-        started = time.monotonic()
-        r = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
-        assert r.status_code == 202 and time.monotonic() - started < 2.5, r.text
-        run = r.json()
-        assert run["grace"] == 3 and run["ended_at"] is None
-        again = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10).json()
-        assert again["id"] == run["id"]  # one at a time: the running one
+    srv = one_step
+    started = time.monotonic()
+    r = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
+    assert r.status_code == 202 and time.monotonic() - started < 2.5, r.text
+    run = r.json()
+    assert run["grace"] == 3 and run["ended_at"] is None
+    again = httpx.post(f"{srv.url}/v1/gc/runs", params={"grace": 3}, timeout=10).json()
+    assert again["id"] == run["id"]  # one at a time: the running one
+    status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
+    assert status["running"]["id"] == run["id"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
-        assert status["running"]["id"] == run["id"]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
-            if status["running"] is None:
-                break
-            time.sleep(0.2)
-        assert status["running"] is None and status["last_run"]["id"] == run["id"]
-        report = status["last_run"]["report"]
-        assert status["last_run"]["error"] is None and report["chunks_deleted"] == 1
-        assert status["last_run"]["ended_at"] - run["started_at"] >= 3
-    finally:
-        srv.stop()
+        if status["running"] is None:
+            break
+        time.sleep(0.2)
+    assert status["running"] is None and status["last_run"]["id"] == run["id"]
+    report = status["last_run"]["report"]
+    assert status["last_run"]["error"] is None and report["chunks_deleted"] == 1
+    assert status["last_run"]["ended_at"] - run["started_at"] >= 3
