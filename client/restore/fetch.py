@@ -4,6 +4,7 @@ in place or landed in fresh memory, then delivered to its destinations."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import mmap
 import os
@@ -29,6 +30,7 @@ from ..loop import bounded, in_thread
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
 MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
+COPY_PIECE_MIN = 16 * MiB  # delivery cuts its merged copies no smaller than this
 
 
 class Landing:
@@ -223,24 +225,49 @@ async def deliver(
     boxes; ``concurrency`` host copies at once (by default one per core, up to 8:
     more only fight over memory bandwidth)."""
     concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
-    jobs: list[tuple[memoryview, memoryview]] = []
+    spans: list[tuple[int, int, int]] = []  # (destination, source, length): addresses
     prefilled = prefilled or {}
     for cid, dests in wanted.chunks.items():
         data = found[cid]
-        done = {_address(data), prefilled.get(cid, -1)}
+        here = _address(data)
+        done = {here, prefilled.get(cid, -1)}
         for dest, _ in dests:
             if len(dest) and _address(dest) not in done:
-                jobs.append((dest, data))
+                spans.append((_address(dest), here, len(dest)))
 
-    async def copy(job: tuple[memoryview, memoryview]) -> None:
-        await in_thread(copy_bytes, *job)
+    async def copy(run: tuple[int, int, int]) -> None:
+        await in_thread(ctypes.memmove, *run)
 
-    await bounded(jobs, copy, concurrency)
+    # ``found`` and ``wanted`` keep every view alive until the copies are done.
+    await bounded(copy_runs(spans, concurrency), copy, concurrency)
     if wanted.devices:
         await in_thread(to_devices, found, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
+
+
+def copy_runs(spans: Iterable[tuple[int, int, int]], parts: int
+              ) -> list[tuple[int, int, int]]:
+    """The copies (destination, source, length) to make for ``spans``: a chunk that
+    follows its neighbour both in the target and where it lies (a tensor's chunks
+    in the pool or a landing block) joins it into one copy, since large copies run
+    faster (memcpy streams them past the cache); then runs are cut so that
+    ``parts`` threads share the bytes."""
+    runs: list[list[int]] = []
+    for d, s, n in sorted(spans):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
+            last[2] += n
+        else:
+            runs.append([d, s, n])
+    total = sum(r[2] for r in runs)
+    piece = max(COPY_PIECE_MIN, -(-total // max(1, parts)))
+    out: list[tuple[int, int, int]] = []
+    for d, s, n in runs:
+        for off in range(0, n, piece):
+            out.append((d + off, s + off, min(piece, n - off)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
