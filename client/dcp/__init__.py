@@ -14,7 +14,11 @@ tensors of its write items as ``sharded`` entries (the fully qualified name, the
 global size and the item's box), turns the non-tensor items (which DCP hands over
 ``torch.save``-d) back into plain values stored as JSON in its manifest's tree,
 and puts its manifest; the coordinator's ``finish`` commits, which validates that
-the boxes tile every tensor. Nothing is pickled into the store: ``read_metadata``
+the boxes tile every tensor. A value that is no plain JSON but loads with
+``weights_only=True`` (a set, an ``io.BytesIO``) is kept as DCP handed it over, a
+verified blob; on load it is read with ``weights_only=True`` again and the planner
+gets bytes ckptd saved itself, so nothing from the store is ever unpickled; any
+other object is refused at save (``UnsupportedValue``). ``read_metadata``
 rebuilds DCP's ``Metadata`` from the committed manifests, and ``read_data`` reads
 any sub-box of a stored shard from the chunks that cover it (verifying each), so a
 checkpoint saved by N ranks loads into M ranks.

@@ -38,6 +38,7 @@ from ckptd.errors import (
     InvalidDocument,
     InvalidRequest,
     RestoreError,
+    UnsupportedValue,
 )
 from ckptd.format import (
     TensorEntry,
@@ -71,6 +72,7 @@ from .target import (
     _where,
     parse_checkpoint_id,
 )
+from .writer import load_value
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +385,8 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
             raise failure(fetcher, batch.wanted, step)
         await deliver(found, batch.wanted, prefilled=fetcher.prefilled)
     for req, buf, written_by_dcp in batch.blobs:
-        planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp)))
+        planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp,
+                                                       req.storage_index.fqn)))
     for req, target in batch.reads:
         planner.commit_tensor(req, target)
     for source in fetcher.sources:
@@ -391,15 +394,24 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
             source.close()  # its maps (it maps again on the next batch's first view)
 
 
-def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool) -> bytes:
-    """An opaque blob's bytes for the planner. A blob DCP wrote goes back as
-    written (DCP's planner, not ckptd, decides how to read it); a Checkpointer's
-    bytes leaf is a value, so it is ``torch.save``-d for the planner like one."""
+def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str) -> bytes:
+    """An opaque blob's bytes for the planner, which ``torch.load``s them with
+    ``weights_only=False``: always bytes ckptd made itself. A blob DCP wrote (a
+    ``torch.save`` of a value that is no plain JSON) is the store's content, so it
+    is read here with ``weights_only=True`` and saved again; a Checkpointer's bytes
+    leaf is a value, saved for the planner like one."""
     raw = buf.numpy().tobytes()
+    value: Any = raw
     if written_by_dcp:
-        return raw
+        try:
+            value = load_value(io.BytesIO(raw))
+        except Exception as exc:  # (UnpicklingError, or any failure of a bad pickle)
+            raise UnsupportedValue(
+                f"{fqn!r} is stored as an object that weights_only loading refuses "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); ckptd "
+                "never unpickles objects from the store", name=fqn) from None
     out = io.BytesIO()
-    torch.save(raw, out)  # our own bytes of a bytes value, for the planner's torch.load
+    torch.save(value, out)  # our own bytes, for the planner's torch.load
     return out.getvalue()
 
 

@@ -317,13 +317,18 @@ def _decode_value(data: Any, fqn: str) -> dict[str, Any] | None:
     or None when it is not a plain value (then it is stored as an opaque blob).
 
     Loaded with ``weights_only=True`` (no code runs) and stored as JSON, never as
-    the pickle."""
+    the pickle. One that loading refuses (an arbitrary object) is refused here, at
+    save: a load would have to unpickle it from the store."""
     if isinstance(data, io.BytesIO):
         data.seek(0)
         try:
-            value = torch.load(data, weights_only=True)
-        except Exception:
-            return None
+            value = load_value(data)
+        except Exception as exc:
+            raise UnsupportedValue(
+                f"{fqn!r} is an object that weights_only loading refuses "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); ckptd "
+                "never unpickles objects from the store: save plain values, tensors or "
+                "bytes", name=fqn) from None
     elif isinstance(data, bytes | bytearray | memoryview):
         return None
     else:  # a custom planner may resolve to the object itself
@@ -334,6 +339,14 @@ def _decode_value(data: Any, fqn: str) -> dict[str, Any] | None:
         if isinstance(data, io.BytesIO):
             return None
         raise
+
+
+def load_value(data: io.BytesIO) -> Any:
+    """A ``torch.save``-d non-tensor value, loaded with ``weights_only=True``: plain
+    types, tensors and ``io.BytesIO`` (which DCP's planner pickles for a BytesIO
+    item of a state dict) are built, any other object refused, no code run."""
+    with torch.serialization.safe_globals([io.BytesIO]):
+        return torch.load(data, weights_only=True)
 
 
 def _blob(data: Any, fqn: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     InvalidRequest,
+    UnsupportedValue,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -172,8 +173,8 @@ def failure(info: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
 
 def test_values_that_are_not_plain_json_are_opaque_blobs(tmp_path: Path) -> None:
     # What DCP torch.save-s and torch.load(weights_only=True) cannot read back as a
-    # plain value is stored as DCP handed it over: an opaque, verified blob that
-    # ckptd never unpickles (DCP's own planner reads it on load).
+    # plain value is stored as DCP handed it over: an opaque, verified blob, read
+    # back with weights_only=True (the planner gets bytes ckptd saved itself).
     store = tmp_path / "store"
     url = f"file://{store}"
     dcp.save({"w": torch.ones(2), "x": {1, 2}, "raw": b"raw"},
@@ -258,3 +259,43 @@ def test_dcp_load_reads_this_ranks_staging_pool_before_the_store(
     dcp.load(after, storage_reader=reader, no_dist=True)
     assert_state_equal(state, after)
     assert reader.bytes_from.get("local", 0) == 0 and reader.bytes_from["store"] > 0
+
+
+class _Planted:
+    """An object whose unpickling runs code (it would create ``marker``)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_an_object_that_weights_only_loading_refuses_is_refused_at_save(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2), "obj": _Planted(str(tmp_path / "ran"))},
+                 storage_writer=Writer(f"file://{tmp_path / 'store'}", "j", 1), no_dist=True)
+    assert isinstance(failure(info), UnsupportedValue) and "'obj'" in str(failure(info))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile (or older) writer stored an object's pickle as a blob: the Reader
+    reads it with weights_only=True and refuses it; DCP's planner, which would
+    unpickle it with weights_only=False, never sees the store's bytes."""
+    from ckptd.client.dcp import writer as dcp_writer
+
+    url = f"file://{tmp_path / 'store'}"
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(dcp_writer, "_decode_value", lambda data, fqn: None)
+    dcp.save({"w": torch.ones(2), "obj": _Planted(str(marker))},
+             storage_writer=Writer(url, "j", 1), no_dist=True)
+    monkeypatch.undo()
+    assert not marker.exists()
+    target: dict[str, Any] = {"w": torch.zeros(2), "obj": None}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=Reader(url, "j"), no_dist=True)
+    assert isinstance(failure(info), UnsupportedValue) and "'obj'" in str(failure(info))
+    assert not marker.exists()
