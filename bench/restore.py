@@ -14,6 +14,8 @@ shapes (a constructed model and optimizer), with a fresh ``Checkpointer`` and on
 tier allowed at a time:
 
 - ``local shm``: rank 0's staging pool in /dev/shm (what a restarted worker finds),
+  atomic, and with ``atomic=False`` (each chunk copied into the target and hashed
+  there in one pass, where an atomic restore hashes all, then copies),
 - ``peers``: ranks 1 and 2's pools over loopback HTTP, in parallel (atomic, and
   with ``atomic=False``: straight into the target),
 - ``store``: the server (chunks read from its directory store over HTTP), and the
@@ -22,9 +24,10 @@ tier allowed at a time:
 - ``torch.load``: the same state ``torch.save``d to the scratch directory, loaded
   back (page cache warm: its best case), and the same plus the copy into the
   target that ``load_state_dict`` would do;
-- cold cache: the ``file://`` store tier, ``torch.load`` and a plain read of the
-  store's chunk files (the floor), each after the files' pages are dropped from
-  the page cache (``posix_fadvise(DONTNEED)``; clean pages only, so no root needed);
+- cold cache: the ``file://`` store tier (atomic, and ``atomic=False``),
+  ``torch.load`` and a plain read of the store's chunk files (the floor), each
+  after the files' pages are dropped from the page cache
+  (``posix_fadvise(DONTNEED)``; clean pages only, so no root needed);
 - ``dcp.load``: the same state through ckptd's DCP ``Reader`` (over HTTP and over
   ``file://``) against DCP's own ``FileSystemReader`` of a ``dcp.save`` directory;
 - with CUDA: the local tier into CUDA tensors against the pinned host-to-device
@@ -233,11 +236,14 @@ def run(size: int, rounds: int, parent: str | None,
                 def restore(system: str) -> float:
                     tier, _, mode = system.partition(" ")
                     # "store file": the same store read as a local directory (file://).
-                    url = f"file://{server.store}" if mode == "file" else server.url
+                    # "in-place": atomic=False (verified chunks written straight into the
+                    # target, one pass from the pool, a store file or a socket).
+                    url = f"file://{server.store}" if "file" in mode.split() else server.url
                     with Checkpointer(url, JOB, rank=0, world_size=WORLD,
                                       serve_peers=False) as ckpt:
                         t0 = time.perf_counter()
-                        result = ckpt.restore(target, tiers=(tier,), atomic=mode != "in-place")
+                        result = ckpt.restore(target, tiers=(tier,),
+                                              atomic="in-place" not in mode.split())
                         seconds = time.perf_counter() - t0
                     tiers[tier] = result.bytes_from
                     assert result.bytes_from.get(tier, 0) == result.bytes_fetched, result
@@ -256,9 +262,9 @@ def run(size: int, rounds: int, parent: str | None,
                         t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
                     return seconds
 
-                def cold_store() -> float:
+                def cold_store(system: str) -> float:
                     drop_cached(chunk_files)
-                    return restore("store file")
+                    return restore(system.replace(" cold", ""))
 
                 def cold_raw() -> float:
                     drop_cached(chunk_files)
@@ -316,8 +322,9 @@ def run(size: int, rounds: int, parent: str | None,
                     del loaded
                     return t1 - t0, t2 - t0
 
-                systems = ["local", "peer", "peer in-place", "store", "store file", "copy_",
-                           "torch.load", "store file cold", "raw read cold", "torch.load cold",
+                systems = ["local", "local in-place", "peer", "peer in-place", "store",
+                           "store file", "copy_", "torch.load", "store file cold",
+                           "store file cold in-place", "raw read cold", "torch.load cold",
                            "dcp.load http", "dcp.load file", "dcp.load fs"]
                 if h2d is not None:
                     systems += ["local cuda", "h2d pinned"]
@@ -333,8 +340,8 @@ def run(size: int, rounds: int, parent: str | None,
                             plain, copied = load()
                             samples.add("torch.load", "s", plain)
                             samples.add("torch.load + copy", "s", copied)
-                        elif system == "store file cold":
-                            samples.add(system, "s", cold_store())
+                        elif system.startswith("store file cold"):
+                            samples.add(system, "s", cold_store(system))
                         elif system == "raw read cold":
                             samples.add(system, "s", cold_raw())
                         elif system == "torch.load cold":
@@ -370,7 +377,9 @@ def run(size: int, rounds: int, parent: str | None,
         f"median of {rounds}",
         ["source", "time", "GB/s", "vs torch.load", "vs torch.load + copy", "vs copy_", "range"],
     )
-    names = {"local": "ckptd, local shared memory", "peer": "ckptd, 2 peers (loopback HTTP)",
+    names = {"local": "ckptd, local shared memory",
+             "local in-place": "ckptd, local shared memory, atomic=False",
+             "peer": "ckptd, 2 peers (loopback HTTP)",
              "peer in-place": "ckptd, 2 peers, atomic=False",
              "store": "ckptd, server store (HTTP)",
              "store file": "ckptd, store as a local directory (file://)",
@@ -378,8 +387,8 @@ def run(size: int, rounds: int, parent: str | None,
              "torch.load": "torch.load, local disk",
              "torch.load + copy": "torch.load + copy into the state"}
     base_floor = samples.median("copy_", "s")
-    for system in ("local", "peer", "peer in-place", "store", "store file", "copy_",
-                   "torch.load", "torch.load + copy"):
+    for system in ("local", "local in-place", "peer", "peer in-place", "store", "store file",
+                   "copy_", "torch.load", "torch.load + copy"):
         t = samples.median(system, "s")
         table.add(names[system], fmt_s(t), fmt_gbps(nbytes, t), fmt_x(ratio(t, base)),
                   fmt_x(ratio(t, base_copy)), fmt_x(ratio(t, base_floor)),
@@ -387,8 +396,9 @@ def run(size: int, rounds: int, parent: str | None,
     table.note("ckptd hash-checks every chunk (blake3) and fills the state in place; "
                "torch.load checks nothing and allocates fresh tensors. Ratios below 1 are "
                "faster than torch.load. Page cache warm for torch.load and the store. "
-               "atomic=False: chunks from peers land in the state's tensors as they verify "
-               "(no landing memory, no second copy; a failed restore leaves the state "
+               "atomic=False: chunks land in the state's tensors as they verify "
+               "(from peers: no landing memory; from the pool or a file: copied and hashed "
+               "in one pass, not hashed and then copied; a failed restore leaves the state "
                "partly restored). The peers are two processes on the same cores as the "
                "restoring rank: their serving CPU competes with it here, not across nodes.")
     return [table, targets_table(samples, nbytes, rounds)], info
@@ -397,8 +407,11 @@ def run(size: int, rounds: int, parent: str | None,
 # The issue-11 targets: (row, its floor or peer, the most the ratio may be).
 TARGETS = [
     ("local", "copy_", 2.0, "local tier on the CPU <= 2x copy_"),
+    ("local in-place", "copy_", 2.0, "local tier, atomic=False <= 2x copy_"),
     ("store file", "torch.load", 0.7, "store tier (file://), warm <= 0.7x torch.load"),
     ("store file cold", "raw read cold", 1.1, "store tier (file://), cold <= 1.1x a raw read"),
+    ("store file cold in-place", "raw read cold", 1.1,
+     "store tier (file://), cold, atomic=False <= 1.1x a raw read"),
     ("peer", "torch.load", 0.8, "peers over loopback <= 0.8x torch.load"),
     ("peer in-place", "torch.load", 0.8, "peers, atomic=False <= 0.8x torch.load"),
     ("dcp.load http", "dcp.load fs", 1.0, "dcp.load via Reader (HTTP) <= 1.0x FileSystemReader"),
