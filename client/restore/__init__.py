@@ -27,7 +27,8 @@ source had right. ``RestoreResult.bytes_from`` says how many bytes each tier gav
 
 Two phases. First every chunk is verified somewhere: the in-place tiers (pool,
 cache) are hashed where they lie, without a copy; chunks from peers or the store
-land in fresh memory (an assembly buffer they fill anyway, else landing memory).
+land in fresh memory (an assembly buffer they fill anyway, else landing memory,
+faulted in ahead of them by a worker thread).
 Then, only when all verified, they are copied into
 place: straight into the target's own tensors where those fit (contiguous CPU
 tensors of the right dtype and shape), so a restore into a constructed model
