@@ -49,10 +49,11 @@ from ckptd.knobs import MiB
 
 from ..dtypes import byte_view, torch_dtype
 from ..peer import PeerClient
-from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure, fresh_tensor
+from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
 from ..restore.fill import unflatten
 from ..restore.geometry import Box
 from ..restore.layout import fill_from_entry, fits_in_place
+from ..restore.memory import fresh_tensor
 from ..restore.plan import load_step
 from ..restore.sources import (
     DirectoryCacheSource,

@@ -3,13 +3,8 @@ in place or landed in fresh memory, then delivered to its destinations."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import math
-import mmap
 import os
-import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,135 +24,10 @@ from ckptd.errors import (
 from ckptd.knobs import MiB
 
 from ..loop import bounded, in_thread
+from .memory import Landing, Prefault, Span, span_of
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
-MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
 COPY_PIECE_MIN = 16 * MiB  # delivery cuts its merged copies no smaller than this
-
-
-class Landing:
-    """Fresh memory for chunks that arrive over the network and have no fresh
-    buffer of their own to land in: anonymous maps in blocks.
-
-    ``expect``: the bytes that will land, when known. Then the first block holds
-    them all and a worker thread faults it in ahead of the chunks
-    (``Prefault``): a page the kernel first meets inside a socket read costs a
-    fault each (0.7 s per GiB on one core here), one populated in bulk less than
-    half that, and off the thread that receives. ``close`` stops it."""
-
-    def __init__(self, block: int = 256 * MiB, expect: int = 0) -> None:
-        self.block = block
-        self.expect = expect
-        self._current: memoryview | None = None
-        self._used = 0
-        self._prefault: Prefault | None = None
-
-    def take(self, n: int) -> memoryview:
-        if self._current is None or self._used + n > len(self._current):
-            size = max(n, self.block)
-            if self._current is None and self.expect >= n:
-                size = self.expect
-            self._current = fresh_bytes(size)
-            self._used = 0
-            if self._prefault is None and size == self.expect:
-                self._prefault = Prefault.start(self._current, self)
-        view = self._current[self._used : self._used + n]
-        self._used += n
-        return view
-
-    def taken(self) -> int:
-        """How far into the current block chunks have landed."""
-        return self._used
-
-    def close(self) -> None:
-        """Stops faulting in ahead (what landed stays valid)."""
-        if self._prefault is not None:
-            self._prefault.stop()
-            self._prefault = None
-
-
-class Prefault:
-    """Faults in a fresh map ahead of the chunks landing in it, on a thread of its
-    own, in pieces (``MADV_POPULATE_WRITE``, Linux 5.14; where the kernel has no
-    such advice, the pages fault in as chunks land, as before)."""
-
-    PIECE = 16 * MiB
-    ADVICE = 23  # MADV_POPULATE_WRITE
-
-    def __init__(self, view: memoryview, landing: Landing) -> None:
-        self._base = _address(view)
-        self._size = len(view)
-        self._view = view  # keeps the map alive while the thread advises it
-        self._landing = landing
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckptd-prefault", daemon=True)
-
-    @classmethod
-    def start(cls, view: memoryview, landing: Landing) -> Prefault | None:
-        if _MADVISE is None or len(view) < MAP_FROM:
-            return None
-        pre = cls(view, landing)
-        pre._thread.start()
-        return pre
-
-    def _run(self) -> None:
-        advise = _MADVISE
-        page = mmap.PAGESIZE
-        pos = 0
-        while advise is not None and pos < self._size and not self._stop.is_set():
-            # Never behind the chunks: what they reach faults in as they land.
-            pos = max(pos, -(-self._landing.taken() // page) * page)
-            n = min(self.PIECE, self._size - pos)
-            if n <= 0 or advise(ctypes.c_void_p(self._base + pos), ctypes.c_size_t(n),
-                                  self.ADVICE) != 0:
-                return  # no such advice here, or memory is short: fault as they land
-            pos += n
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._view = memoryview(b"")
-
-
-def _libc_madvise() -> Callable[..., int] | None:
-    """libc's ``madvise`` through ctypes (which lets the GIL go while it runs;
-    ``mmap.madvise`` holds it), on Linux only."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-
-
-def fresh_bytes(n: int) -> memoryview:
-    """``n`` writable fresh bytes; large ones from an anonymous map of their own
-    (given back whole when dropped), advised to use transparent huge pages only
-    when ``CKPTD_RESTORE_HUGE_PAGES`` asks (see ``knobs.restore_huge_pages``)."""
-    if n < MAP_FROM:
-        return memoryview(bytearray(n))
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if knobs.restore_huge_pages():
-        with contextlib.suppress(AttributeError, OSError):
-            mm.madvise(mmap.MADV_HUGEPAGE)
-    return memoryview(mm)
-
-
-def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; large ones in a map of their own (``fresh_bytes``)."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if n < MAP_FROM:
-        return torch.empty(tuple(shape), dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns about its own writability checks
-        flat = torch.frombuffer(fresh_bytes(n), dtype=torch.uint8)
-    return flat.view(dtype).view(tuple(shape))
 
 
 class ChunkFetcher:
@@ -175,6 +45,7 @@ class ChunkFetcher:
         self.source_of: dict[str, Source] = {}
         self.landed_in_target = False
         self.prefilled: dict[str, int] = {}  # chunk id -> the destination it was copied to
+        self.prefault: Prefault | None = None
 
     async def locate(
         self, cid: str, size: int, land: Callable[[], memoryview],
@@ -256,10 +127,19 @@ class ChunkFetcher:
         network lands in a fresh buffer it fills anyway, or in landing memory.
         Otherwise it lands in its first destination, the target's own tensor
         included (``landed_in_target`` records that)."""
-        landing = Landing(expect=self._landing_bytes(wanted) if atomic else 0)
+        self.stop_prefault()  # (a fetcher that locates batches: the last one's)
+        in_place = [s for s in self.sources if s.in_place]
+        held = {cid for cid in wanted.chunks if any(s.holders(cid) for s in in_place)}
+        landing = Landing(expect=sum(
+            wanted.size(cid) for cid, dests in wanted.chunks.items()
+            if atomic and cid not in held and all(in_target for _, in_target in dests)))
+        reached = [0]
+        first, then = _fresh_spans(wanted, atomic, held, landing)
+        self.prefault = Prefault.start(first, then, lambda: reached[0], [wanted, landing])
         found: dict[str, memoryview] = {}
 
         async def one(cid: str) -> None:
+            reached[0] += 1
             dests = wanted.chunks[cid]
             size = wanted.size(cid)
             spot: list[memoryview] = []
@@ -287,21 +167,54 @@ class ChunkFetcher:
 
         try:
             await bounded(list(wanted.chunks), one, self.concurrency)
-        finally:
-            landing.close()
+        except BaseException:
+            self.stop_prefault()
+            raise
+        if self.failed:
+            self.stop_prefault()
         return found
 
-    def _landing_bytes(self, wanted: WantedChunks) -> int:
-        """The bytes an atomic restore of ``wanted`` will land: chunks with no fresh
-        buffer of their own that no in-place source (the pool, the cache) holds."""
-        in_place = [s for s in self.sources if s.in_place]
-        return sum(wanted.size(cid) for cid, dests in wanted.chunks.items()
-                   if all(in_target for _, in_target in dests)
-                   and not any(s.holders(cid) for s in in_place))
+    def stop_prefault(self) -> None:
+        """Stops faulting in fresh memory ahead (a restore that ends; what was
+        faulted in stays valid). Left alone, the worker ends when it is done."""
+        if self.prefault is not None:
+            self.prefault.stop()
+            self.prefault = None
 
     def close(self) -> None:
+        self.stop_prefault()
         for s in self.sources:
             s.close()
+
+
+def _fresh_spans(wanted: WantedChunks, atomic: bool, held: set[str], landing: Landing
+                 ) -> tuple[list[Span], list[Span]]:
+    """Where ``locate_all`` will land each chunk in fresh memory, in the order it
+    fetches them ((0, 0) for one that lands in none: it is held in place, or lands
+    in the target), and the fresh memory that delivery fills afterwards: the
+    plan of a ``Prefault``. ``held``: the chunks an in-place source holds."""
+    first: list[Span] = []
+    then: list[Span] = []
+    ahead = landing.ahead()
+    base, room = span_of(ahead) if ahead is not None else (0, 0)
+    used = 0
+    for cid, dests in wanted.chunks.items():
+        size = wanted.size(cid)
+        fresh = [d for d, in_target in dests if not in_target]
+        spot: Span = (0, 0)
+        if not atomic and dests:
+            if not dests[0][1]:
+                spot = span_of(dests[0][0])
+                fresh = fresh[1:]
+        elif cid not in held and fresh:
+            spot = span_of(fresh[0])
+            fresh = fresh[1:]
+        elif cid not in held and atomic and used + size <= room:
+            spot = (base + used, size)
+            used += size
+        first.append(spot)
+        then.extend(span_of(d) for d in fresh)
+    return first, then
 
 
 def _address(view: memoryview) -> int:

@@ -16,9 +16,10 @@ from ckptd.hashing import chunk_spans
 
 from ..dtypes import byte_view, torch_dtype
 from ..sharding import dtensor_layout, is_dtensor
-from .fetch import WantedChunks, fresh_tensor
+from .fetch import WantedChunks
 from .fill import TensorSpec
 from .geometry import Box, slice_plan
+from .memory import fresh_tensor
 from .plan import RestorePlan
 
 

@@ -27,7 +27,6 @@ from ..transport import Transport
 from .fetch import (
     ChunkFetcher,
     DeviceOrder,
-    Landing,
     WantedChunks,
     deliver,
     failure,
@@ -35,6 +34,7 @@ from .fetch import (
 )
 from .fill import fill, plan_fill
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
+from .memory import Landing
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
 from .sources import (
     TIERS,
@@ -182,6 +182,7 @@ async def fetch_layout(
             pool=pool if keep_pool else None,
         )
     finally:
+        fetcher.stop_prefault()
         for s in sources:
             if s is pool and keep_pool:
                 continue
