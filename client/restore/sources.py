@@ -30,6 +30,7 @@ from ..staging.format import SpanRecord
 from ..staging.pool import StagingPool
 from ..staging.reader import StagedPoolReader
 from ..transport import LocalTransport, Transport
+from .memory import fresh_bytes
 
 if TYPE_CHECKING:
     from ckptd.store import Store
@@ -199,14 +200,21 @@ class LocalPoolSource(Source):
 
 class DirectoryCacheSource(Source):
     """A local directory store's chunk files (``<dir>/chunks/<id[0:2]>/<id>``),
-    mapped read-only (from the page cache, without a copy until delivery)."""
+    mapped read-only (from the page cache, without a copy until delivery).
+
+    A map stays open until the source closes, and CPython's keeps a descriptor
+    open with it: past ``max_maps`` (``map_budget()``: a quarter of the process's
+    open-file limit), a chunk is read into fresh memory instead, so a restore of
+    any size stays within the limit (1,024 files is a common one: 4 GiB of 4 MiB
+    chunks)."""
 
     tier: ClassVar[Tier] = "cache"
     in_place = True
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_maps: int | None = None) -> None:
         self.root = Path(root)
         self._maps: list[mmap.mmap] = []
+        self.max_maps = map_budget() if max_maps is None else max_maps
 
     def _path(self, cid: str) -> Path:
         return self.root / chunk_key(cid)
@@ -224,8 +232,11 @@ class DirectoryCacheSource(Source):
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {cid} is not in {path.parent}", id=cid) from None
         try:
-            if os.fstat(fd).st_size == 0:
+            size = os.fstat(fd).st_size
+            if size == 0:
                 return memoryview(b"")
+            if len(self._maps) >= self.max_maps:
+                return _read_whole(fd, size)
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
@@ -237,6 +248,34 @@ class DirectoryCacheSource(Source):
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps = []
+
+
+def map_budget() -> int:
+    """How many chunk files one in-place source keeps mapped at once: a quarter of
+    the soft limit on open files (each map holds a descriptor), at most 16,384
+    (maps count against ``vm.max_map_count`` too)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    if soft < 0:  # RLIM_INFINITY
+        soft = 1 << 20
+    return max(16, min(soft // 4, 16384))
+
+
+def _read_whole(fd: int, size: int) -> memoryview:
+    """A file's ``size`` bytes read into fresh memory (short reads continued; a file
+    that ends early gives what it had, which the size check then refuses)."""
+    buf = fresh_bytes(size)
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [buf[got:]], got)
+        if n == 0:
+            return buf[:got]
+        got += n
+    return buf
 
 
 _GONE = frozenset({"unreachable", "disconnected", "timeout", "failed", "short"})
