@@ -44,7 +44,8 @@ class ChunkFetcher:
         self.holder_of: dict[str, str] = {}
         self.source_of: dict[str, Source] = {}
         self.landed_in_target = False
-        self.prefilled: dict[str, int] = {}  # chunk id -> the destination it was copied to
+        # chunk id -> the destination it was copied to and verified in
+        self.prefilled: dict[str, memoryview] = {}
         self.prefault: Prefault | None = None
 
     async def locate(
@@ -98,7 +99,7 @@ class ChunkFetcher:
                 if problem is None:
                     assert data is not None
                     if fill is not None and source.in_place:
-                        self.prefilled[cid] = _address(fill)
+                        self.prefilled[cid] = fill
                     self.bytes_from[source.tier] = self.bytes_from.get(source.tier, 0) + size
                     self.tier_of[cid] = source.tier
                     self.holder_of[cid] = holder
@@ -112,11 +113,15 @@ class ChunkFetcher:
         return None
 
     async def fetch(self, cid: str, dest: memoryview) -> str | None:
-        """Fills ``dest`` with verified chunk ``cid``; the tier it came from, or None."""
-        data = await self.locate(cid, len(dest), lambda: dest)
+        """Fills ``dest`` with verified chunk ``cid``; the tier it came from, or None.
+        What an in-place source holds is copied into ``dest`` and hashed there: the
+        bytes verified are the bytes ``dest`` holds (a live pool may change between
+        a hash where they lie and a copy)."""
+        data = await self.locate(cid, len(dest), lambda: dest, fill=dest)
         if data is None:
             return None
-        if data.obj is not dest.obj or _address(data) != _address(dest):
+        copied = self.prefilled.pop(cid, None) is not None
+        if not copied and (data.obj is not dest.obj or _address(data) != _address(dest)):
             await in_thread(copy_bytes, dest, data)
         return self.tier_of[cid]
 
@@ -227,19 +232,21 @@ def _address(view: memoryview) -> int:
 
 async def deliver(
     found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None,
-    prefilled: Mapping[str, int] | None = None,
+    prefilled: Mapping[str, memoryview] | None = None,
 ) -> None:
     """Copies every verified chunk to each of its destinations (the target's own
     tensors where they fit, on the host or a device), then the slices of elastic
     boxes; ``concurrency`` host copies at once (by default one per core, up to 8:
-    more only fight over memory bandwidth)."""
+    more only fight over memory bandwidth). A chunk in ``prefilled`` was copied
+    into one destination and verified there: the others are copied from that
+    copy, not from where it lies (a live pool may have changed since)."""
     concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
     spans: list[tuple[int, int, int]] = []  # (destination, source, length): addresses
     prefilled = prefilled or {}
+    sources = {cid: prefilled.get(cid, data) for cid, data in found.items()}
     for cid, dests in wanted.chunks.items():
-        data = found[cid]
-        here = _address(data)
-        done = {here, prefilled.get(cid, -1)}
+        here = _address(sources[cid])
+        done = {here, _address(found[cid])}
         for dest, _ in dests:
             if len(dest) and _address(dest) not in done:
                 spans.append((_address(dest), here, len(dest)))
@@ -247,10 +254,10 @@ async def deliver(
     async def copy(run: tuple[int, int, int]) -> None:
         await in_thread(ctypes.memmove, *run)
 
-    # ``found`` and ``wanted`` keep every view alive until the copies are done.
+    # ``sources`` and ``wanted`` keep every view alive until the copies are done.
     await bounded(copy_runs(spans, concurrency), copy, concurrency)
     if wanted.devices:
-        await in_thread(to_devices, found, wanted.devices, wanted.device_order)
+        await in_thread(to_devices, sources, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)

@@ -89,6 +89,14 @@ class RestoreOptions:
 
 
 @dataclass(slots=True)
+class Written:
+    """Whether a restore has written into its target yet: an error after that says
+    the target is partly restored (a deadline can pass during delivery)."""
+
+    target: bool = False
+
+
+@dataclass(slots=True)
 class Fetched:
     """Assembled, verified tensors of a layout, and what the fetch did."""
 
@@ -131,15 +139,16 @@ def make_sources(
 
 async def fetch_layout(
     transport: Transport, plan: RestorePlan, layout: RestoreLayout, opts: RestoreOptions,
-    pool_rank: int,
+    pool_rank: int, written: Written | None = None,
 ) -> Fetched:
     """Fetches and verifies every chunk of ``layout`` through the tiers and
     assembles the tensors; raises (nothing assembled) when a chunk had no good
-    source."""
+    source. ``written`` learns when the target is first written."""
     sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank)
     fetcher = ChunkFetcher(sources, opts.concurrency)
     keep_pool = False
     wanted = layout.wanted
+    written = written if written is not None else Written()
     t0 = time.perf_counter()
     try:
         # Phase 1: every chunk verified somewhere; nothing written into the target
@@ -157,6 +166,7 @@ async def fetch_layout(
             except CkptdError as exc:
                 raise _stated(exc, plan.step, fetcher.landed_in_target) from None
         # Phase 2: deliver (into the target's own tensors where they fit).
+        written.target = True
         await deliver(found, wanted, prefilled=fetcher.prefilled)
         log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
@@ -182,6 +192,7 @@ async def fetch_layout(
             pool=pool if keep_pool else None,
         )
     finally:
+        written.target = written.target or fetcher.landed_in_target
         fetcher.stop_prefault()
         for s in sources:
             if s is pool and keep_pool:
@@ -195,7 +206,7 @@ def _stated(err: CkptdError, step: int, partial: bool) -> CkptdError:
     """``err`` naming the step, and saying so when the target was written."""
     if err.detail.get("step", -1) == -1:
         err.detail["step"] = step
-    if partial:
+    if partial and not err.detail.get("partial"):
         err.detail["partial"] = True
         err.message = err.args[0] + "; the target is partly restored"
         err.args = (err.message,)
@@ -250,7 +261,17 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
                 raise failure(again, wanted, -1)
             await in_thread(to_devices, {cid: data}, {cid: [device_dest]},
                                     wanted.device_order)
+    # An elastic box's slices were cut from those destinations before they were
+    # checked: cut them again from what is there now.
+    if wanted.copies:
+        await in_thread(_copy_slices, wanted.copies)
     fetcher.problems.extend(again.problems)
+
+
+def _copy_slices(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src)
 
 
 def restore_into(
@@ -284,7 +305,11 @@ def restore_into(
         layout.wanted.device_order = DeviceOrder.here(
             t.device for dests in layout.wanted.devices.values() for t in dests)
     t_layout = time.perf_counter()
-    fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank))
+    written = Written()
+    try:
+        fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written))
+    except CkptdError as exc:  # (a deadline that passed during delivery, too)
+        raise _stated(exc, plan.step, written.target) from None
     t_fetch = time.perf_counter()
     fill(state, layout.tree, fetched.tensors)
     log.debug("%s/%d: plan %.3f s, layout %.3f s, fetch %.3f s, fill %.3f s", job, rank,
