@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import warnings
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,15 @@ def zeros_like(state: Any) -> Any:
     if isinstance(state, list):
         return [zeros_like(v) for v in state]
     return state
+
+
+def replacement_target(state: Any) -> Any:
+    """What a replacement rank restores into: a constructed model (every page
+    touched) and a fresh optimizer, whose moments do not exist yet."""
+    optim = state["optim"]
+    return {"model": zeros_like(state["model"]),
+            "optim": {"state": {}, "param_groups": deepcopy(optim["param_groups"])},
+            "step": 0}
 
 
 def same_bits(a: Any, b: Any) -> bool:
@@ -252,6 +262,21 @@ def run(size: int, rounds: int, parent: str | None,
                         t.view(torch.uint8).zero_() if t.dtype != torch.bool else t.zero_()
                     return seconds
 
+                def restore_fresh(system: str) -> float:
+                    """A restore into a replacement rank's state: the optimizer's
+                    moments are created (fresh memory, as ``torch.load`` makes)."""
+                    tier = system.split()[0]
+                    fresh = replacement_target(state)
+                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                                      serve_peers=False) as ckpt:
+                        t0 = time.perf_counter()
+                        result = ckpt.restore(fresh, tiers=(tier,))
+                        seconds = time.perf_counter() - t0
+                    assert result.bytes_from.get(tier, 0) == result.bytes_fetched, result
+                    assert same_bits(fresh, state), system
+                    del fresh
+                    return seconds
+
                 def copy() -> float:
                     """The floor of the local tier on the CPU: ``copy_`` of the state."""
                     t0 = time.perf_counter()
@@ -322,7 +347,8 @@ def run(size: int, rounds: int, parent: str | None,
                     del loaded
                     return t1 - t0, t2 - t0
 
-                systems = ["local", "local in-place", "peer", "peer in-place", "store",
+                systems = ["local", "local in-place", "local fresh", "peer", "peer in-place",
+                           "peer fresh", "store",
                            "store file", "copy_", "torch.load", "store file cold",
                            "store file cold in-place", "raw read cold", "torch.load cold",
                            "dcp.load http", "dcp.load file", "dcp.load fs"]
@@ -348,6 +374,8 @@ def run(size: int, rounds: int, parent: str | None,
                             samples.add(system, "s", cold_load())
                         elif system.startswith("dcp.load"):
                             samples.add(system, "s", dcp_load(system))
+                        elif system.endswith(" fresh"):
+                            samples.add(system, "s", restore_fresh(system))
                         elif system == "local cuda":
                             samples.add(system, "s", restore_cuda())
                         elif system == "h2d pinned":
@@ -379,6 +407,8 @@ def run(size: int, rounds: int, parent: str | None,
     )
     names = {"local": "ckptd, local shared memory",
              "local in-place": "ckptd, local shared memory, atomic=False",
+             "local fresh": "ckptd, local shared memory, into a fresh optimizer",
+             "peer fresh": "ckptd, 2 peers, into a fresh optimizer",
              "peer": "ckptd, 2 peers (loopback HTTP)",
              "peer in-place": "ckptd, 2 peers, atomic=False",
              "store": "ckptd, server store (HTTP)",
@@ -387,7 +417,8 @@ def run(size: int, rounds: int, parent: str | None,
              "torch.load": "torch.load, local disk",
              "torch.load + copy": "torch.load + copy into the state"}
     base_floor = samples.median("copy_", "s")
-    for system in ("local", "local in-place", "peer", "peer in-place", "store", "store file",
+    for system in ("local", "local in-place", "local fresh", "peer", "peer in-place",
+                   "peer fresh", "store", "store file",
                    "copy_", "torch.load", "torch.load + copy"):
         t = samples.median(system, "s")
         table.add(names[system], fmt_s(t), fmt_gbps(nbytes, t), fmt_x(ratio(t, base)),
@@ -399,8 +430,11 @@ def run(size: int, rounds: int, parent: str | None,
                "atomic=False: chunks land in the state's tensors as they verify "
                "(from peers: no landing memory; from the pool or a file: copied and hashed "
                "in one pass, not hashed and then copied; a failed restore leaves the state "
-               "partly restored). The peers are two processes on the same cores as the "
-               "restoring rank: their serving CPU competes with it here, not across nodes.")
+               "partly restored). A fresh optimizer: the target a replacement rank "
+               "holds (a constructed model, an optimizer with no moments yet), which the "
+               "restore creates, as torch.load creates every tensor. The peers are two "
+               "processes on the same cores as the restoring rank: their serving CPU "
+               "competes with it here, not across nodes.")
     return [table, targets_table(samples, nbytes, rounds)], info
 
 
