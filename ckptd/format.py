@@ -117,6 +117,13 @@ def commit_key(job: str, step: int) -> str:
     return f"{step_prefix(job, step)}commit.json"
 
 
+def removal_key(job: str, step: int) -> str:
+    """Retention's claim on a step whose documents it removes (FORMAT.md,
+    Lifecycle): a commit that lands meanwhile waits for it to go, then stands only
+    if the step's manifests are all still there."""
+    return f"{step_prefix(job, step)}removing.json"
+
+
 def latest_key(job: str) -> str:
     return f"{job_prefix(job)}refs/latest"
 

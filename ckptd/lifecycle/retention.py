@@ -9,6 +9,8 @@ its chunks go at the next garbage collection."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import time
 import tomllib
@@ -18,10 +20,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptd.errors import InvalidPolicy
-from ckptd.format import commit_key, step_prefix
+from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository import Repository
+
+log = logging.getLogger(__name__)
+
+DELETES_AT_ONCE = 64  # a step's documents are removed this many at a time
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -216,17 +222,44 @@ async def forget(
         return plan
     for d in plan.steps:
         if d.decision == "forget":
+            await _claim(repo, job, d.step)
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.
             await repo.store.delete(commit_key(job, d.step))
             await _remove_step(repo, job, d.step)
         elif d.decision == "abandon":
-            await _remove_step(repo, job, d.step)
+            await _abandon(repo, job, d.step)
     return plan
+
+
+async def _claim(repo: Repository, job: str, step: int) -> str:
+    """Claims the removal of a step's documents (``removal_key``): a commit of the
+    step that lands meanwhile (a late rank's, or a retry) waits until the claim
+    goes, then stands only if every manifest is still there, else takes its
+    record back and fails. No committed step ever lacks a manifest."""
+    claim = removal_key(job, step)
+    await repo.store.put_if_absent(claim, canonical_json(
+        {"format": "ckptd.removal", "version": 1, "since": time.time()}))
+    return claim
+
+
+async def _abandon(repo: Repository, job: str, step: int) -> bool:
+    """Removes a pending step, unless it committed before the claim (False then:
+    it is kept)."""
+    claim = await _claim(repo, job, step)
+    if await repo.store.exists(commit_key(job, step)):
+        await repo.store.delete(claim)
+        log.info("%s step %d committed while retention meant to abandon it; kept", job, step)
+        return False
+    await _remove_step(repo, job, step)
+    return True
 
 
 async def _remove_step(repo: Repository, job: str, step: int) -> None:
     keys = [k async for k in repo.store.list_prefix(step_prefix(job, step))]
-    for key in keys:
-        await repo.store.delete(key)
-    await repo.store.delete(damage_key(job, step))
+    claim = removal_key(job, step)
+    doomed = [k for k in keys if k != claim] + [damage_key(job, step)]
+    for start in range(0, len(doomed), DELETES_AT_ONCE):  # (a commit may be waiting)
+        await asyncio.gather(*(repo.store.delete(k)
+                               for k in doomed[start:start + DELETES_AT_ONCE]))
+    await repo.store.delete(claim)  # last: a commit waiting on it then decides

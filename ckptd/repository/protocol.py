@@ -23,12 +23,14 @@ from ckptd.documents import MANIFEST_CACHE_ENTRIES, ParsedManifests, document_wo
 from ckptd.errors import (
     AlreadyCommitted,
     ChunkHashMismatch,
+    CkptdError,
     Conflict,
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
     ManifestNotFound,
     MissingChunks,
+    NotCommitted,
     NotFound,
     StoreError,
     Superseded,
@@ -49,6 +51,7 @@ from ckptd.format import (
     latest_key,
     manifest_epoch,
     manifest_key,
+    removal_key,
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
@@ -60,6 +63,11 @@ from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
 log = logging.getLogger(__name__)
+
+# How long a commit waits for retention to finish removing its step (a removal
+# takes moments; a retention pass that died leaves its claim behind, and the step
+# then stays uncommitted until the next pass removes it).
+REMOVAL_WAIT = 30.0
 
 
 class Repository(Verification, Listings):
@@ -292,6 +300,12 @@ class Repository(Verification, Listings):
             check_tag(tag)
         existing = await self._try_read_commit(job, step)
         if existing is not None:
+            # Checked only while retention removes it: an imported step (``restore
+            # --to``) holds only the ranks it copied.
+            if await self.store.exists(removal_key(job, step)):
+                await self._outlast_removal(job, step, existing.world_size, False)
+            if tag is not None:  # a retry repairs a tag the first try could not set
+                await self._tag_or_say(job, tag, step)
             moved = await self._advance_latest_or_say(job, existing)
             return CommitStatus("committed", job, step, existing.world_size, [], existing,
                                 latest_moved=moved)
@@ -334,6 +348,10 @@ class Repository(Verification, Listings):
                 f"step {step} of {job} mixes manifests from before and after a rollback; "
                 "it cannot commit", job=job, step=step, current=epoch,
             )
+        if tag is None:  # any rank may have asked for it, not only the one committing
+            tag = _tag_of(manifests)
+            if tag is not None:
+                meta = {**(meta or {}), TAG_META: tag}
         # CPU work that grows with the tensor count: off the event loop.
         report = await document_work(
             validate_step, manifests, replica_mismatch=self.replica_mismatch
@@ -368,16 +386,47 @@ class Repository(Verification, Listings):
             )
         if not await gc_fence.unchanged(self.store, gc_state):  # a sweep began meanwhile
             return await self.commit(job, step, meta=meta)  # look again, after it
-        if not await self.store.put_if_absent(commit_key(job, step), record.canonical()):
+        won = await self.store.put_if_absent(commit_key(job, step), record.canonical())
+        if not won:
             record = await self.read_commit(job, step)  # a concurrent commit won
-        else:
+        await self._outlast_removal(job, step, world, won)
+        if won:
             log.info("committed %s step %d (%d ranks)", job, step, world)
-            if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
-                await set_tag(self.store, job, tag, step)
+        if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
+            await self._tag_or_say(job, tag, step)
         # The record is durable: the step is committed whatever happens to the ref,
         # and the answer says so (a retry of the commit moves the ref).
         moved = await self._advance_latest_or_say(job, record)
         return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+
+    async def _outlast_removal(self, job: str, step: int, world: int, won: bool) -> None:
+        """A commit record was written (``won``) or found: the step stands only if
+        every rank's manifest is still there once retention is done removing the
+        step (its claim, ``removal_key``, gone). Else the writer takes its record back
+        and the commit fails: retention removed the step while it committed (a
+        commit reads the manifests long before it writes the record)."""
+        claim = removal_key(job, step)
+        deadline = time.monotonic() + REMOVAL_WAIT
+        while await self.store.exists(claim) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        keys = [manifest_key(job, step, r) for r in range(world)]
+        if not await self.store.exists(claim) and all(await self.store.exists_many(keys)):
+            return
+        if won:
+            await self.store.delete(commit_key(job, step))
+        raise NotCommitted(
+            f"step {step} of {job} was removed by retention while it committed; it is not "
+            "committed", job=job, step=step,
+        )
+
+    async def _tag_or_say(self, job: str, tag: str, step: int) -> None:
+        """Tags a committed step; a failure is logged, not raised (the step is
+        committed; a retry of the commit tags it)."""
+        try:
+            await set_tag(self.store, job, tag, step)
+        except CkptdError as exc:
+            log.warning("%s step %d is committed, but its tag %r could not be set: %s; a "
+                        "retry of the commit sets it", job, step, tag, exc)
 
     async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
         """``_advance_latest``; False (logged) when the store refused the ref write."""
@@ -442,3 +491,17 @@ class Repository(Verification, Listings):
         """Puts an immutable object, or finds the same bytes already there."""
         if not await self.store.put_if_absent(key, data) and await self.store.get(key) != data:
             raise Conflict(f"{key} already holds a different document")
+
+
+def _tag_of(manifests: Iterable[RankManifest]) -> str | None:
+    """The tag a rank's save asked for (the lowest such rank's; one that is no
+    tag is left out: its rank's save refused it already)."""
+    for m in manifests:
+        tag = m.meta.get(TAG_META)
+        if isinstance(tag, str):
+            try:
+                check_tag(tag)
+            except InvalidRequest:
+                continue
+            return tag
+    return None

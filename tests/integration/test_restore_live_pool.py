@@ -151,9 +151,8 @@ def test_a_deadline_that_passes_during_delivery_says_partial(
     monkeypatch.setattr(fetch, "in_thread", slow_copies)
     monkeypatch.setattr(fetch, "COPY_PIECE_MIN", CHUNK)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    with Checkpointer(url, "j", serve_peers=False) as ckpt:
-        with pytest.raises(Timeout) as info:
-            ckpt.restore(target, tiers=("store",), timeout=0.5)
+    with Checkpointer(url, "j", serve_peers=False) as ckpt, pytest.raises(Timeout) as info:
+        ckpt.restore(target, tiers=("store",), timeout=0.5)
     assert any(v.view(torch.int32).any() for v in target.values()), "delivery never began"
     assert info.value.detail.get("partial") is True
     assert info.value.detail.get("step") == 1

@@ -1,0 +1,166 @@
+"""Retention removes a step's documents while a commit of that step lands (a late
+rank's, or a retry): one of the two gives way, and no committed step ever lacks
+a manifest (``removal_key``, FORMAT.md Lifecycle). Also: a commit's tag."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.errors import CkptdError, NotCommitted, StoreError
+from ckptd.format import removal_key
+from ckptd.lifecycle.retention import RetentionPolicy, forget
+from ckptd.lifecycle.tags import read_tags
+from ckptd.repository import Repository
+from ckptd.store.local import LocalStore
+from ckptd.testing.manifests import rank_manifest, tensor_entry
+
+
+async def _pending_step(repo: Repository, job: str, step: int, world: int = 2) -> None:
+    """Every rank's manifest is in; the commit that should have followed failed."""
+    for r in range(world):
+        e, chunks = tensor_entry("w", "float32", [16], seed="w")
+        for cid, data in chunks.items():
+            await repo.put_chunk(cid, data)
+        await repo.put_manifest(rank_manifest(job, step, r, world, [e]))
+
+
+async def _whole(repo: Repository, job: str, step: int, world: int = 2) -> bool:
+    """The step is committed with every manifest readable."""
+    if await repo.try_read_commit(job, step) is None:
+        return False
+    for r in range(world):
+        await repo.read_manifest(job, step, r)
+    return True
+
+
+def test_a_commit_that_lands_while_a_pending_step_is_abandoned_gives_way(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        real = store.delete
+        commits: list[asyncio.Task[object]] = []
+
+        async def delete(key: str) -> None:
+            if not commits:
+                # Another rank commits the step right now, as retention begins to
+                # remove it (after its check for a record).
+                commits.append(asyncio.ensure_future(repo.commit("j", 5)))
+            for _ in range(200):  # until that commit wrote its record
+                if await store.exists("jobs/j/steps/5/commit.json") or commits[0].done():
+                    break
+                await asyncio.sleep(0.02)
+            await real(key)
+
+        store.delete = delete  # type: ignore[method-assign]
+        plan = await forget(repo, "j", RetentionPolicy(abandon_pending_after=60.0),
+                            now=time.time() + 3600)
+        store.delete = real  # type: ignore[method-assign]
+        assert [d.decision for d in plan.steps] == ["abandon"]
+        with pytest.raises(NotCommitted):
+            await commits[0]
+        assert await repo.try_read_commit("j", 5) is None  # taken back
+        assert await repo.latest_ref_step("j") is None
+        assert not [k async for k in store.list_prefix("jobs/j/steps/5/")]
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_committed_before_the_claim_is_kept(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        real = store.put_if_absent
+
+        async def put_if_absent(key: str, data: bytes | memoryview) -> bool:
+            if key == removal_key("j", 5):
+                await repo.commit("j", 5)  # lands just before retention claims
+            return await real(key, data)
+
+        store.put_if_absent = put_if_absent  # type: ignore[method-assign]
+        await forget(repo, "j", RetentionPolicy(abandon_pending_after=60.0),
+                     now=time.time() + 3600)
+        store.put_if_absent = real  # type: ignore[method-assign]
+        assert await _whole(repo, "j", 5)
+        assert await repo.latest_ref_step("j") == 5
+        assert not await store.exists(removal_key("j", 5))
+
+    asyncio.run(scenario())
+
+
+def test_a_commit_record_written_after_a_step_was_removed_is_taken_back(
+    tmp_path: Path,
+) -> None:
+    """The commit read every manifest, then retention removed the whole step (claim
+    included) before the commit wrote its record: the record must not stand."""
+
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        real = store.put_if_absent
+
+        async def put_if_absent(key: str, data: bytes | memoryview) -> bool:
+            if key.endswith("/commit.json"):
+                await forget(repo, "j", RetentionPolicy(abandon_pending_after=60.0),
+                             now=time.time() + 3600)
+            return await real(key, data)
+
+        store.put_if_absent = put_if_absent  # type: ignore[method-assign]
+        with pytest.raises(NotCommitted):
+            await repo.commit("j", 5)
+        store.put_if_absent = real  # type: ignore[method-assign]
+        assert await repo.try_read_commit("j", 5) is None
+        assert await repo.latest_ref_step("j") is None
+
+    asyncio.run(scenario())
+
+
+def test_a_tag_that_cannot_be_written_leaves_the_step_committed(tmp_path: Path) -> None:
+    with Checkpointer(f"file://{tmp_path}/store", "j", shm_dir=tmp_path / "shm",
+                      serve_peers=False) as ckpt:
+        store = ckpt._transport.repository.store  # type: ignore[attr-defined]
+        real = store.compare_and_swap
+        fail = [True]
+
+        async def cas(key: str, expected: bytes | None, data: bytes) -> bool:
+            if key.endswith("refs/tags") and fail[0]:
+                raise StoreError("tags write failed (injected)")
+            return bool(await real(key, expected, data))
+
+        store.compare_and_swap = cas
+        result = ckpt.save(7, {"w": torch.arange(10.0)}, tag="best").wait(30)
+        assert result.state == "committed"
+        repo = Repository(LocalStore(str(tmp_path / "store")))
+        assert asyncio.run(repo.latest_ref_step("j")) == 7
+        fail[0] = False  # a retry of the commit sets the tag
+        asyncio.run(repo.commit("j", 7, meta={"tag": "best"}))
+        assert asyncio.run(read_tags(repo.store, "j")).get("best") == 7
+
+
+def test_a_tag_asked_for_by_any_rank_tags_the_step(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    state = {"w": torch.arange(8.0)}
+    with Checkpointer(url, "j", rank=0, world_size=2, shm_dir=tmp_path / "s0",
+                      serve_peers=False) as c0, \
+            Checkpointer(url, "j", rank=1, world_size=2, shm_dir=tmp_path / "s1",
+                         serve_peers=False) as c1:
+        assert c0.save(4, state, tag="best").wait(30).state == "pending"
+        assert c1.save(4, state).wait(30).state == "committed"  # rank 1 commits, untagged
+    repo = Repository(LocalStore(str(tmp_path / "store")))
+    assert asyncio.run(read_tags(repo.store, "j")).get("best") == 4
+    record = asyncio.run(repo.read_commit("j", 4))
+    assert record.meta.get("tag") == "best"
+
+
+def test_errors_of_a_removal_race_are_typed() -> None:
+    assert issubclass(NotCommitted, CkptdError)
