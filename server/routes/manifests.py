@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request, Response
 
 from ckptd import knobs
 from ckptd.api import ManifestStored
-from ckptd.errors import InvalidRequest
+from ckptd.cluster import chunk_key, rank_members
+from ckptd.errors import InvalidRequest, MissingChunks
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
 from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
-from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep
+from ckptd.server.cluster import Membership
+from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep, TenantsDep
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
+from ckptd.server.tenancy import TenantChunks
+from ckptd.tokens import Grant
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -46,7 +52,7 @@ MANIFEST_HASH_HEADER = "X-Ckptd-Manifest-Hash"
 )
 async def put_manifest(
     job: JobDep, step: StepDep, rank: RankDep, request: Request, repo: RepoDep,
-    metrics: MetricsDep,
+    metrics: MetricsDep, tenants: TenantsDep,
 ) -> ManifestStored:
     data = await read_body(request, knobs.max_manifest_bytes(), "manifest")
     # Parsing a large manifest is CPU work: kept off the event loop.
@@ -56,6 +62,9 @@ async def put_manifest(
             f"the manifest is of job {manifest.job!r} step {manifest.step} rank "
             f"{manifest.rank}, the path names job {job!r} step {step} rank {rank}",
         )
+    grant: Grant = request.state.caller
+    if not (grant.every_job and grant.may("read", None)):  # a tenant: it acts for ``job``
+        await _refuse_unknown_chunks(manifest, job, tenants, request.app.state.membership)
     digest = await repo.put_manifest(manifest)
     metrics.manifest_stored()
     return ManifestStored(hash=digest)
@@ -85,3 +94,30 @@ async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep)
     return Response(
         data, media_type="application/json", headers={MANIFEST_HASH_HEADER: document_hash(data)}
     )
+
+
+async def _refuse_unknown_chunks(manifest: RankManifest, job: str, tenants: TenantChunks,
+                                 membership: Membership) -> None:
+    """A scoped caller's manifest may name only chunks its job may know of
+    (``TenantChunks``: uploaded by it, or named by its committed steps), else a
+    chunk id learnt elsewhere would let it commit a step naming another tenant's
+    chunk and then read it, and the answer would tell whether the store holds it.
+    An unknown chunk is refused as one the store lacks (the same answer, whether
+    stored or not); the caller sends its bytes. With replicas, a chunk another
+    replica is home of was uploaded there, where this one cannot see it: only
+    those this replica is home of are checked (docs/design/006-tenants.md)."""
+    ids = await asyncio.to_thread(lambda: sorted(manifest.chunk_ids()))
+    known = await tenants.known(job, ids)
+    unknown = [cid for cid in ids if cid not in known]
+    if unknown and membership.mode != "single":
+        urls = [m.url for m in await membership.members()]
+        if len(urls) > 1:
+            unknown = [cid for cid in unknown
+                       if rank_members(chunk_key(cid), urls)[0] == membership.self_url]
+    if unknown:
+        raise MissingChunks(
+            f"manifest of rank {manifest.rank} names {len(unknown)} chunks the store "
+            f"does not hold (first {unknown[0]})",
+            count=len(unknown),
+            ids=unknown[:20],
+        )

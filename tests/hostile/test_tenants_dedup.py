@@ -108,3 +108,45 @@ def test_committed_chunks_of_the_job_dedup_without_being_resent(
         assert a.post("/v1/chunks/missing", json={"ids": ids}).json()["missing"] == []
         assert b.post("/v1/chunks/missing", json={"ids": ids}).json()["missing"] == ids
         assert b.get("/v1/jobs/alpha/restore-plan", params={"rank": 0}).status_code == 403
+
+
+def test_a_manifest_may_name_only_chunks_its_job_knows(
+    tenants: tuple[ServerProcess, dict[str, str]],
+) -> None:
+    """Naming another tenant's chunk id in a manifest neither tells whether it is
+    stored nor, once the step commits, lets the job read it (found by review)."""
+    from ckptd.format import TensorEntry
+    from ckptd.testing.manifests import rank_manifest
+
+    srv, tokens = tenants
+    secret = b"beta's private weights" * 100
+    cid = chunk_id(secret)
+    mine = b"alpha's own weights" * 100
+    nobody = "ab" * 32
+
+    def manifest(step: int, ids: list[str], size: int) -> bytes:
+        entry = TensorEntry(name="w", dtype="uint8", placement="replicated",
+                            global_shape=[size], offsets=[0], shape=[size], nbytes=size,
+                            chunks=ids)
+        return rank_manifest("alpha", step, 0, 1, [entry], chunk_size=1 << 20).canonical()
+
+    with client(srv, tokens["b"]) as b, client(srv, tokens["a"]) as a:
+        assert b.put(f"/v1/chunks/{cid}", content=secret).status_code == 201
+        answers = []
+        for step, named in ((1, cid), (2, nobody)):
+            r = a.put(f"/v1/jobs/alpha/steps/{step}/ranks/0", content=manifest(
+                step, [named], len(secret)), headers={"Content-Type": "application/json"})
+            answers.append((r.status_code, r.json()["code"], r.json()["detail"]["count"]))
+        # Stored by beta or by nobody: the same answer.
+        assert answers[0] == answers[1] == (409, "missing_chunks", 1)
+        assert a.post("/v1/jobs/alpha/steps/1/commit", json={}).status_code != 200
+        assert a.get(f"/v1/chunks/{cid}").status_code == 404
+        # Its own chunk, once sent, it may name; and beta's, once it sent the bytes.
+        assert a.put(f"/v1/chunks/{chunk_id(mine)}", content=mine).status_code == 201
+        r = a.put("/v1/jobs/alpha/steps/3/ranks/0", content=manifest(
+            3, [chunk_id(mine)], len(mine)), headers={"Content-Type": "application/json"})
+        assert r.status_code == 201, r.text
+        assert a.put(f"/v1/chunks/{cid}", content=secret).status_code in (200, 201)
+        r = a.put("/v1/jobs/alpha/steps/1/ranks/0", content=manifest(1, [cid], len(secret)),
+                  headers={"Content-Type": "application/json"})
+        assert r.status_code == 201, r.text
