@@ -316,9 +316,11 @@ class Repository(Verification, Listings):
         # One manifest says the world size; the others are read once all are in.
         first = await self._read_manifest_raw(job, step, ranks[0])
         current: dict[int, RankManifest] = {first.rank: first}
-        if epoch and len(ranks) >= first.world_size:
+        if epoch and (len(ranks) >= first.world_size or ranks[-1] >= first.world_size
+                      or manifest_epoch(first) != epoch):
             # Manifests saved before the last rollback count as absent: their ranks
-            # put this timeline's manifest in their place when they get there.
+            # put this timeline's manifest in their place when they get there (a
+            # job that came back smaller leaves ranks past its world size too).
             read = [first, *await asyncio.gather(
                 *(self._read_manifest_raw(job, step, r) for r in ranks[1:]))]
             current = {m.rank: m for m in read if manifest_epoch(m) == epoch}
