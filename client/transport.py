@@ -42,6 +42,7 @@ from .transport_http import Attempts, Session, SyncTransport, http_error, tls_tr
 
 if TYPE_CHECKING:
     from .peer.client import PeerClient
+    from .transport_reads import BatchedChunkReads
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,12 @@ class Transport(ABC):
         """A blocking reader of one chunk straight into a buffer of its exact size
         (unverified), for a worker thread; None where this transport has none and
         ``get_chunk`` is the way."""
+        return None
+
+    def chunk_reads(self, finish: Callable[[memoryview], str]) -> BatchedChunkReads | None:
+        """Chunk reads batched per home replica (``transport_reads.py``), each chunk
+        passed to ``finish`` (its verification) in the reading thread; None where this
+        transport has none. The caller closes it."""
         return None
 
     @abstractmethod
@@ -414,19 +421,38 @@ class HttpTransport(Transport):
         straight into the caller's buffer (the peer client's wire code: a GET and a
         Content-Length body, about a third of httpx's CPU). Plain-HTTP replicas
         only; a read that fails is retried through ``get_chunk`` by the caller."""
+        raw = self._raw_client()
+        if raw is None:
+            return None
+
+        def read(cid: str, dest: memoryview) -> None:
+            raw.fetch_into(self._home(cid), cid, dest)
+
+        return read
+
+    def chunk_reads(self, finish: Callable[[memoryview], str]) -> BatchedChunkReads | None:
+        """Several chunks of one home replica per request (``POST /v1/chunks/read``),
+        over the same kept-alive sockets as ``chunk_reader``; plain-HTTP replicas
+        only. A read that fails is retried through ``get_chunk`` by the caller."""
+        raw = self._raw_client()
+        if raw is None:
+            return None
+        from .transport_reads import BatchedChunkReads
+
+        return BatchedChunkReads(raw.fetch_many_into, self._home, finish)
+
+    def _home(self, cid: str) -> str:
+        return self.members.order(chunk_route_key(cid))[0]
+
+    def _raw_client(self) -> PeerClient | None:
+        """The raw-socket client of chunk reads (made on first use); None for TLS."""
         if not all(u.startswith("http://") for u in self.members.seeds):
             return None
         if self._raw is None:
             from .peer.client import PeerClient
 
             self._raw = PeerClient(headers=self.session.headers, timeout=self.timeout)
-        raw, members = self._raw, self.members
-
-        def read(cid: str, dest: memoryview) -> None:
-            home = members.order(chunk_route_key(cid))[0]
-            raw.fetch_into(home, cid, dest)
-
-        return read
+        return self._raw
 
     def describe(self) -> str:
         return self.url

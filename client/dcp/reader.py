@@ -125,7 +125,9 @@ class Reader(StorageReader):
         self.url, self.job, self.token = _where(url, job, token)
         self.step = None if step is None else check_step(step)
         self.timeout = timeout
-        self.concurrency = concurrency or knobs.upload_concurrency()
+        # Twice a restore's: over HTTP the store tier sends the reads that wait
+        # together (two requests at once per replica), so more waiting is fewer requests.
+        self.concurrency = concurrency or 2 * knobs.restore_concurrency()
         self.read_budget = int(read_budget)
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0

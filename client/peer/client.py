@@ -12,10 +12,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from ckptd import knobs
+from ckptd.api import CHUNK_SIZES_HEADER, parse_chunk_sizes
 from ckptd.errors import (
     ChunkNotFound,
     ChunkSizeMismatch,
@@ -27,6 +29,8 @@ from ckptd.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _peer_address(url: str) -> tuple[str, int]:
@@ -104,6 +108,34 @@ class PeerClient:
     def fetch_into(self, url: str, cid: str, dest: memoryview) -> int:
         """Reads chunk ``cid`` from the peer at ``url`` into ``dest`` (which must be
         exactly the chunk's length); returns the bytes read. Unverified."""
+        return self._exchange(url, lambda conn: self._fetch(conn, url, cid, dest))
+
+    def fetch_many_into(
+        self, url: str, chunks: Sequence[tuple[str, memoryview]],
+        each: Callable[[int, CkptdError | None], None],
+    ) -> None:
+        """Reads several chunks of a ckptd server in one request (``POST
+        /v1/chunks/read``), each into its buffer (exactly the chunk's length).
+        ``each(i, None)`` runs, in this thread, as soon as chunk ``i`` is in its
+        buffer (unverified), ``each(i, error)`` for one the answer does not hold right
+        (``ChunkNotFound``, ``ChunkSizeMismatch``); a request that fails as a whole
+        raises its typed error, and the chunks not given to ``each`` by then were not
+        read."""
+        body = json.dumps({"ids": [cid for cid, _ in chunks]}).encode("ascii")
+        given: list[int] = []
+
+        def counted(i: int, error: CkptdError | None) -> None:
+            given.append(i)
+            each(i, error)
+
+        self._exchange(url, lambda conn: self._fetch_many(conn, url, chunks, body, counted),
+                       again=lambda: not given)
+
+    def _exchange(self, url: str, talk: Callable[[_Conn], T],
+                  again: Callable[[], bool] = lambda: True) -> T:
+        """``talk`` over a kept-alive connection to ``url``, once more over a fresh one
+        when the peer had closed the idle one (and ``again()``: nothing of the answer
+        was handed on yet); typed errors."""
         for attempt in range(2):
             try:
                 # The retry takes a fresh connection: another idle one may be closed too.
@@ -116,12 +148,12 @@ class PeerClient:
                 raise Unavailable(f"peer {url}: {type(exc).__name__}: {exc}", peer=url,
                                   reason=reason) from exc
             try:
-                return self._fetch(conn, url, cid, dest)
+                return talk(conn)
             except CkptdError:
                 raise  # an answer (the connection was returned or closed already)
             except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()
-                if reused and attempt == 0:
+                if reused and attempt == 0 and again():
                     continue  # the peer closed an idle connection: once more, fresh
                 raise Unavailable(f"peer {url} dropped the connection: {exc}", peer=url,
                                   reason="disconnected") from exc
@@ -142,33 +174,11 @@ class PeerClient:
         sock = conn.sock
         sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
                      .encode("ascii"))
-        head = bytearray()
-        scratch = bytearray(16384)
-        end = -1
-        while end < 0:
-            k = sock.recv_into(scratch)
-            if not k:
-                raise _Disconnected("connection closed before the answer")
-            head += memoryview(scratch)[:k]
-            end = head.find(b"\r\n\r\n", max(0, len(head) - k - 3))
-            if end < 0 and len(head) > 65536:
-                raise ValueError("answer headers longer than 64 KiB")
-        status, headers = _parse_head(bytes(head[:end]))
-        extra = memoryview(head)[end + 4 :]
-        length = headers.get("content-length", "")
-        n = int(length) if length.isdigit() else -1
-        keep = headers.get("connection", "").lower() != "close"
+        status, headers, extra = _read_head(sock)
+        n, keep = _length(headers), _keep_alive(headers)
         if status != 200:
-            body = bytearray(extra)
-            if n > len(body):
-                more = bytearray(min(n, 1 << 20) - len(body))
-                got = sock.recv_into(more, len(more), socket.MSG_WAITALL) if more else 0
-                body += more[:got]
-            if keep and n >= 0 and len(body) == n:
-                self._give(conn)
-            else:
-                conn.close()
-            raise _error(status, bytes(body), url, cid)
+            body = self._error_body(conn, extra, n, keep)
+            raise _error(status, body, url, cid)
         if n != len(dest) or len(extra) > n:
             conn.close()
             raise ChunkSizeMismatch(
@@ -190,6 +200,52 @@ class PeerClient:
             conn.close()
         return got
 
+    def _fetch_many(
+        self, conn: _Conn, url: str, chunks: Sequence[tuple[str, memoryview]], body: bytes,
+        each: Callable[[int, CkptdError | None], None],
+    ) -> None:
+        sock = conn.sock
+        sock.sendall(f"POST /v1/chunks/read HTTP/1.1\r\nHost: peer\r\n{self._auth}"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode("ascii") + body)
+        status, headers, extra = _read_head(sock)
+        n, keep = _length(headers), _keep_alive(headers)
+        if status != 200:
+            answer = self._error_body(conn, extra, n, keep)
+            raise _error(status, answer, url, None)
+        sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
+        if n != sum(k or 0 for k in sizes):
+            raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
+        stream = _BodyStream(sock, extra)
+        for i, ((cid, dest), size) in enumerate(zip(chunks, sizes, strict=True)):
+            if size is None:
+                each(i, ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url))
+            elif size != len(dest):
+                stream.skip(size)
+                each(i, ChunkSizeMismatch(f"{url} sent {size} bytes for chunk {cid}, "
+                                          f"expected {len(dest)}", id=cid, peer=url))
+            else:
+                stream.read_into(dest)
+                each(i, None)
+        if keep and not stream.extra:
+            self._give(conn)
+        else:
+            conn.close()
+
+    def _error_body(self, conn: _Conn, extra: memoryview, n: int, keep: bool) -> bytes:
+        """An error answer's body (its first MiB); the connection goes back when the
+        body was read whole."""
+        body = bytearray(extra)
+        if n > len(body):
+            more = bytearray(min(n, 1 << 20) - len(body))
+            got = conn.sock.recv_into(more, len(more), socket.MSG_WAITALL) if more else 0
+            body += more[:got]
+        if keep and n >= 0 and len(body) == n:
+            self._give(conn)
+        else:
+            conn.close()
+        return bytes(body)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -206,7 +262,59 @@ class PeerClient:
 
 
 class _Disconnected(ConnectionError):
-    """The peer closed the connection before answering."""
+    """The peer closed the connection."""
+
+
+def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], memoryview]:
+    """An answer's status and headers, and what was received past them."""
+    head = bytearray()
+    scratch = bytearray(16384)
+    end = -1
+    while end < 0:
+        k = sock.recv_into(scratch)
+        if not k:
+            raise _Disconnected("connection closed before the answer")
+        head += memoryview(scratch)[:k]
+        end = head.find(b"\r\n\r\n", max(0, len(head) - k - 3))
+        if end < 0 and len(head) > 65536:
+            raise ValueError("answer headers longer than 64 KiB")
+    status, headers = _parse_head(bytes(head[:end]))
+    return status, headers, memoryview(head)[end + 4 :]
+
+
+def _length(headers: Mapping[str, str]) -> int:
+    length = headers.get("content-length", "")
+    return int(length) if length.isdigit() else -1
+
+
+def _keep_alive(headers: Mapping[str, str]) -> bool:
+    return headers.get("connection", "").lower() != "close"
+
+
+class _BodyStream:
+    """An answer's body, read in order: first what came with the headers, then the
+    socket, straight into the caller's buffers."""
+
+    def __init__(self, sock: socket.socket, extra: memoryview) -> None:
+        self.sock = sock
+        self.extra = extra
+
+    def read_into(self, dest: memoryview) -> None:
+        got = min(len(self.extra), len(dest))
+        dest[:got] = self.extra[:got]
+        self.extra = self.extra[got:]
+        while got < len(dest):
+            k = self.sock.recv_into(dest[got:], len(dest) - got, socket.MSG_WAITALL)
+            if not k:
+                raise _Disconnected(f"the answer ended {len(dest) - got} bytes short")
+            got += k
+
+    def skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n > 0:
+            k = min(n, len(scratch))
+            self.read_into(scratch[:k])
+            n -= k
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
@@ -222,7 +330,9 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     return int(parts[1]), headers
 
 
-def _error(status: int, body: bytes, url: str, cid: str) -> CkptdError:
+def _error(status: int, body: bytes, url: str, cid: str | None) -> CkptdError:
+    """The typed error of an answer that is not a 200 (``cid`` None: a read of several
+    chunks, whose answer without a ckptd error body says nothing of any one chunk)."""
     try:
         doc = json.loads(body)
     except ValueError:
@@ -231,6 +341,9 @@ def _error(status: int, body: bytes, url: str, cid: str) -> CkptdError:
         err = from_json(doc, status)
         err.detail.setdefault("peer", url)
         return err
+    if cid is None:
+        return Unavailable(f"{url} answered {status} to a read of several chunks", peer=url,
+                           reason="status")
     if status == 404:
         return ChunkNotFound(f"peer {url} does not hold chunk {cid}", id=cid, peer=url)
     if status == 409:

@@ -363,12 +363,22 @@ class StoreSource(Source):
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self._read = transport.chunk_reader()
+        # The chunks asked at once go in one request per replica (each verified in
+        # the reading thread as it arrives).
+        self._reads = transport.chunk_reads(verify_hash)
 
     def holders(self, cid: str) -> Sequence[str]:
         return ("store",)
 
     async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
-        if self._read is not None:
+        if self._reads is not None and not self._reads.refused:
+            # As the direct read below: any failure goes the transport's way.
+            try:
+                return await self._reads.read(cid, dest)
+            except Exception as exc:
+                log.debug("batched read of chunk %s failed (%s); through the transport",
+                          cid, exc)
+        elif self._read is not None:
             # Straight into ``dest`` and hashed there, in one worker thread. Any
             # failure goes the transport's way below (its retries, replica
             # failover and typed errors); the bytes are verified either way.
@@ -383,6 +393,10 @@ class StoreSource(Source):
                                     f"expected {len(dest)}", id=cid)
         # Off the event loop, and hashed while the bytes are in cache.
         return await in_thread(copy_and_hash, dest, memoryview(data))
+
+    def close(self) -> None:
+        if self._reads is not None:
+            self._reads.close()
 
 
 def _read_and_hash(read: Callable[[str, memoryview], None], cid: str, dest: memoryview) -> str:

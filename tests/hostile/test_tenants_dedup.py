@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ckptd.api import CHUNK_SIZES_HEADER
 from ckptd.hashing import chunk_id
 from ckptd.tokens import create_token
 from tests.conftest import ServerProcess
@@ -59,11 +60,16 @@ def test_a_chunk_of_another_tenant_looks_absent(
         assert a.head(f"/v1/chunks/{cid}").status_code == 404
         assert a.get(f"/v1/chunks/{cid}").status_code == 404
         assert a_read.get(f"/v1/chunks/{cid}").status_code == 404
+        r = a_read.post("/v1/chunks/read", json={"ids": [cid]})
+        assert (r.status_code, r.headers[CHUNK_SIZES_HEADER], r.content) == (200, "-", b"")
         # Sending the bytes proves alpha holds them: stored once, answered as new.
         r = a.put(f"/v1/chunks/{cid}", content=secret)
         assert (r.status_code, r.json()["created"]) == (201, True)
         assert a.post("/v1/chunks/missing", json={"ids": [cid]}).json()["missing"] == []
         assert a.get(f"/v1/chunks/{cid}").content == secret
+        r = a_read.post("/v1/chunks/read", json={"ids": [cid, cid]})
+        assert r.headers[CHUNK_SIZES_HEADER] == f"{len(secret)},{len(secret)}"
+        assert r.content == secret + secret
         r = a.put(f"/v1/chunks/{cid}", content=secret)
         assert (r.status_code, r.json()["created"]) == (200, False)
     files = [p for p in (srv.store / "chunks").rglob("*") if p.is_file()]

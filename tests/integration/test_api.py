@@ -174,6 +174,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/chunks/{id}", "put"),
         ("/v1/chunks/{id}", "head"),
         ("/v1/chunks/{id}", "get"),
+        ("/v1/chunks/read", "post"),
         ("/v1/jobs/{job}/steps/{step}/ranks/{rank}", "put"),
         ("/v1/jobs/{job}/steps/{step}/ranks/{rank}", "get"),
         ("/v1/jobs/{job}/steps/{step}/commit", "post"),
@@ -648,7 +649,8 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    assert len(routes) == 34  # 23 (the step plan too), the lifecycle's 10 and GET /v1/cluster
+    # 23 (the step plan too), the lifecycle's 10, GET /v1/cluster and POST /v1/chunks/read
+    assert len(routes) == 35
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},
