@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+# Imported here, at collection: hypothesis's pytest plugin imports it at the end
+# of a session that ran none of its tests, from deep in pytest's hooks, where
+# CPython 3.11.7's parser (under pytest's assertion rewriting) fails with
+# "SystemError: AST constructor recursion depth mismatch" and the run exits 1.
+import hypothesis  # noqa: F401
 import pytest
 
 

@@ -30,6 +30,10 @@ from ckptd.errors import (
 
 log = logging.getLogger(__name__)
 
+# The slowest a peer may send and still be waited for: a request's deadline is the
+# timeout plus its body at this rate (each read has the timeout on its own too).
+MIN_RATE = float(knobs.MiB)
+
 T = TypeVar("T")
 
 
@@ -45,11 +49,12 @@ class _Conn:
     be read with ``MSG_WAITALL``, one system call per chunk) whose send and receive
     timeouts are set in the kernel."""
 
-    __slots__ = ("sock", "url")
+    __slots__ = ("deadline", "sock", "url")
 
     def __init__(self, url: str, timeout: float) -> None:
         host, port = _peer_address(url)
         self.url = url
+        self.deadline = float("inf")  # of the request under way (``PeerClient._exchange``)
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.settimeout(None)  # blocking: MSG_WAITALL then waits for the whole body
         sec = int(timeout)
@@ -89,16 +94,29 @@ class PeerClient:
         self._idle_per_peer = idle_per_peer
         self._lock = threading.Lock()
         self._closed = False
+        self._busy: set[_Conn] = set()
 
     def _take(self, url: str) -> tuple[_Conn, bool]:
         with self._lock:
             idle = self._idle.get(url)
             if idle:
-                return idle.pop(), True
-        return _Conn(url, self.timeout), False
+                conn = idle.pop()
+                self._busy.add(conn)
+                return conn, True
+        return self._open(url), False
+
+    def _open(self, url: str) -> _Conn:
+        conn = _Conn(url, self.timeout)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise _Disconnected("the peer client was aborted")
+            self._busy.add(conn)
+        return conn
 
     def _give(self, conn: _Conn) -> None:
         with self._lock:
+            self._busy.discard(conn)
             idle = self._idle.setdefault(conn.url, [])
             if not self._closed and len(idle) < self._idle_per_peer:
                 idle.append(conn)
@@ -140,13 +158,16 @@ class PeerClient:
             try:
                 # The retry takes a fresh connection: another idle one may be closed too.
                 conn, reused = self._take(url) if attempt == 0 else (
-                    _Conn(url, self.timeout), False)
+                    self._open(url), False)
             except OSError as exc:
                 reason = "unreachable" if isinstance(exc, ConnectionRefusedError) else "failed"
                 if isinstance(exc, TimeoutError):
                     reason = "timeout"
                 raise Unavailable(f"peer {url}: {type(exc).__name__}: {exc}", peer=url,
                                   reason=reason) from exc
+            # The whole request has a deadline, not only each read: a peer that
+            # trickles a byte at a time would keep every read alive forever.
+            conn.deadline = time.monotonic() + self.timeout
             try:
                 return talk(conn)
             except CkptdError:
@@ -168,17 +189,21 @@ class PeerClient:
             except BaseException:
                 conn.close()
                 raise
+            finally:
+                with self._lock:
+                    self._busy.discard(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _fetch(self, conn: _Conn, url: str, cid: str, dest: memoryview) -> int:
         sock = conn.sock
         sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
                      .encode("ascii"))
-        status, headers, extra = _read_head(sock)
+        status, headers, extra = _read_head(sock, conn.deadline)
         n, keep = _length(headers), _keep_alive(headers)
         if status != 200:
             body = self._error_body(conn, extra, n, keep)
             raise _error(status, body, url, cid)
+        conn.deadline += max(n, 0) / MIN_RATE
         if n != len(dest) or len(extra) > n:
             conn.close()
             raise ChunkSizeMismatch(
@@ -194,6 +219,7 @@ class PeerClient:
                 raise Unavailable(f"peer {url} sent {got} of {n} bytes of chunk {cid}",
                                   peer=url, reason="short")
             got += k
+            _check(conn.deadline, got < n)
         if keep:
             self._give(conn)
         else:
@@ -208,15 +234,16 @@ class PeerClient:
         sock.sendall(f"POST /v1/chunks/read HTTP/1.1\r\nHost: peer\r\n{self._auth}"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      .encode("ascii") + body)
-        status, headers, extra = _read_head(sock)
+        status, headers, extra = _read_head(sock, conn.deadline)
         n, keep = _length(headers), _keep_alive(headers)
         if status != 200:
             answer = self._error_body(conn, extra, n, keep)
             raise _error(status, answer, url, None)
+        conn.deadline += max(n, 0) / MIN_RATE
         sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
         if n != sum(k or 0 for k in sizes):
             raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
-        stream = _BodyStream(sock, extra)
+        stream = _BodyStream(sock, extra, conn.deadline)
         for i, ((cid, dest), size) in enumerate(zip(chunks, sizes, strict=True)):
             if size is None:
                 each(i, ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url))
@@ -246,6 +273,18 @@ class PeerClient:
             conn.close()
         return bytes(body)
 
+    def abort(self) -> None:
+        """Ends every request under way at once (their reads fail, ``disconnected``)
+        and refuses new ones: for a caller whose deadline passed, so that no thread
+        goes on receiving into its buffers after it returned."""
+        with self._lock:
+            self._closed = True
+            conns = [*self._busy, *(c for idle in self._idle.values() for c in idle)]
+            self._idle = {}
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -265,7 +304,14 @@ class _Disconnected(ConnectionError):
     """The peer closed the connection."""
 
 
-def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], memoryview]:
+def _check(deadline: float, more: bool = True) -> None:
+    """Past the request's deadline with more to read: the peer is too slow."""
+    if more and time.monotonic() > deadline:
+        raise TimeoutError("the answer did not arrive in time")
+
+
+def _read_head(sock: socket.socket, deadline: float = float("inf")
+               ) -> tuple[int, dict[str, str], memoryview]:
     """An answer's status and headers, and what was received past them."""
     head = bytearray()
     scratch = bytearray(16384)
@@ -278,6 +324,7 @@ def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], memoryview]:
         end = head.find(b"\r\n\r\n", max(0, len(head) - k - 3))
         if end < 0 and len(head) > 65536:
             raise ValueError("answer headers longer than 64 KiB")
+        _check(deadline, end < 0)
     status, headers = _parse_head(bytes(head[:end]))
     return status, headers, memoryview(head)[end + 4 :]
 
@@ -295,9 +342,11 @@ class _BodyStream:
     """An answer's body, read in order: first what came with the headers, then the
     socket, straight into the caller's buffers."""
 
-    def __init__(self, sock: socket.socket, extra: memoryview) -> None:
+    def __init__(self, sock: socket.socket, extra: memoryview,
+                 deadline: float = float("inf")) -> None:
         self.sock = sock
         self.extra = extra
+        self.deadline = deadline
 
     def read_into(self, dest: memoryview) -> None:
         got = min(len(self.extra), len(dest))
@@ -308,6 +357,7 @@ class _BodyStream:
             if not k:
                 raise _Disconnected(f"the answer ended {len(dest) - got} bytes short")
             got += k
+            _check(self.deadline, got < len(dest))
 
     def skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))

@@ -332,8 +332,18 @@ class PeerSource(Source):
         try:
             async with slot:
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._pool, self._fetch_and_hash, holder, cid,
-                                                  dest)
+                work = loop.run_in_executor(self._pool, self._fetch_and_hash, holder, cid, dest)
+                try:
+                    return await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    # A deadline passed: no thread may go on receiving into ``dest``
+                    # (the target's own memory when not atomic) after the caller
+                    # returned. End the reads under way, then wait for them.
+                    self.client.abort()
+                    await asyncio.wait([work])
+                    if not work.cancelled():
+                        work.exception()  # (its failure is the abort's: not news)
+                    raise
         except Unavailable as exc:
             # Refused, reset, timed out, cut short: the peer is gone (a 503 "busy"
             # carries no such reason and leaves it in the running).
