@@ -25,6 +25,7 @@ from ckptd.errors import (
     ValidationFailed,
 )
 from ckptd.format import EPOCH_META, Placement, canonical_json, check_step
+from ckptd.lifecycle.tags import TAG_META, check_tag
 
 from ..cuda import CopyDone
 from ..failures import FailureLog, SnapshotFailureWarning, name_save_error
@@ -98,6 +99,9 @@ class Saver:
         self.surface_failure(stacklevel=4)
         self.ask_pending()
         check_step(step)
+        if tag is not None or (isinstance(meta, Mapping) and meta.get(TAG_META) is not None):
+            # The commit would refuse it only after the whole upload: the step lost.
+            check_tag(tag if tag is not None else meta[TAG_META])  # type: ignore[index]
         self.failover.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
@@ -111,7 +115,7 @@ class Saver:
                            self.config.default_placement)
         meta = dict(meta or {})
         if tag is not None:
-            meta["tag"] = tag  # the commit tags the step (ckptd.lifecycle.tags.TAG_META)
+            meta[TAG_META] = tag  # the commit tags the step
         if EPOCH_META in meta:
             raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
         try:
