@@ -20,6 +20,7 @@ import torch
 from ckptd.errors import (
     CkptdError,
     Conflict,
+    InvalidRequest,
     Timeout,
     UnsupportedValue,
     ValidationFailed,
@@ -99,23 +100,17 @@ class Saver:
         self.surface_failure(stacklevel=4)
         self.ask_pending()
         check_step(step)
-        if tag is not None or (isinstance(meta, Mapping) and meta.get(TAG_META) is not None):
-            # The commit would refuse it only after the whole upload: the step lost.
-            check_tag(tag if tag is not None else meta[TAG_META])  # type: ignore[index]
+        shards, local, meta = _save_args(shards, local, meta, tag)
         self.failover.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
             getattr(flat, "layouts", None) or {}
         )
         # Rank-private Stateful objects (RNGState) are local unless named otherwise.
-        local = list(local)
-        explicit = set(shards or {}) | set(local)
+        explicit = set(shards) | set(local)
         local += sorted(getattr(flat, "local", set()) - explicit)
-        placements = place(flat.tensors, shards or {}, local, layouts,
+        placements = place(flat.tensors, shards, local, layouts,
                            self.config.default_placement)
-        meta = dict(meta or {})
-        if tag is not None:
-            meta[TAG_META] = tag  # the commit tags the step
         if EPOCH_META in meta:
             raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
         try:
@@ -351,6 +346,39 @@ class Saver:
             log.warning("%s/%d: cannot serve step %d to peers: %s", self.config.job,
                         self.config.rank,
                         result.step, exc)
+
+
+def _save_args(
+    shards: Mapping[str, Shard] | None, local: Iterable[str], meta: Mapping[str, Any] | None,
+    tag: str | None,
+) -> tuple[Mapping[str, Shard], list[str], dict[str, Any]]:
+    """``save()``'s arguments checked before anything is staged (a mistake is the
+    caller's to fix, not a background failure after the upload): the shards, the
+    local names as a list, and the meta with the tag in it."""
+    if shards is None:
+        shards = {}
+    elif not isinstance(shards, Mapping):
+        raise InvalidRequest(f"shards must map tensor names to Shard(global_shape, offsets), "
+                             f"not {type(shards).__name__}")
+    if isinstance(local, str | bytes):
+        raise InvalidRequest(f"local={local!r} is one string: pass a list of tensor names, "
+                             f"local=[{local!r}]")
+    try:
+        names = list(local)
+    except TypeError:
+        raise InvalidRequest(f"local must be a list of tensor names, not "
+                             f"{type(local).__name__}") from None
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, Mapping):
+        raise InvalidRequest(f"meta must be a dict of JSON values, not {type(meta).__name__}")
+    out = dict(meta)
+    if tag is not None:
+        out[TAG_META] = tag  # the commit tags the step
+    if out.get(TAG_META) is not None:
+        # The commit would refuse it only after the whole upload: the step lost.
+        check_tag(out[TAG_META])
+    return shards, names, out
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:
