@@ -374,6 +374,9 @@ def _save_args(
         raise InvalidRequest(f"meta must be a dict of JSON values, not {type(meta).__name__}")
     out = dict(meta)
     if tag is not None:
+        if out.get(TAG_META) not in (None, tag):
+            raise InvalidRequest(f"tag={tag!r} and meta['tag']={out[TAG_META]!r} differ: "
+                                 "pass the tag once, as tag=")
         out[TAG_META] = tag  # the commit tags the step
     if out.get(TAG_META) is not None:
         # The commit would refuse it only after the whole upload: the step lost.

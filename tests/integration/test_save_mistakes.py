@@ -49,6 +49,7 @@ MISTAKES: dict[str, tuple[dict[str, Any], str]] = {
     "local one string": ({"local": "m"}, r"local=\['m'\]"),
     "local not a list": ({"local": 5}, "list of tensor names"),
     "meta not a dict": ({"meta": 5}, "dict of JSON values"),
+    "two tags": ({"tag": "a", "meta": {"tag": "b"}}, "pass the tag once"),
 }
 
 
