@@ -288,7 +288,8 @@ class Checkpointer:
         A snapshot already in flight is waited for (``on_busy="wait"``, at most
         ``timeout`` seconds, then ``Timeout``) or this save is skipped
         (``on_busy="skip"``: ``handle.skipped``). Raises at once for a state that
-        cannot be stored (``UnsupportedValue``, naming the path); errors of the
+        cannot be stored (``UnsupportedValue``, naming the path) and for mistaken
+        arguments, a malformed ``tag`` included (``InvalidRequest``); errors of the
         upload come out of ``SaveHandle.wait()``, and out of the next ``save()``,
         ``step()`` or ``close()`` (see ``on_error``). Objects with ``state_dict()``
         and ``load_state_dict()`` (a module, optimizer, scheduler, ``RNGState``) are
