@@ -288,7 +288,8 @@ class Checkpointer:
         A snapshot already in flight is waited for (``on_busy="wait"``, at most
         ``timeout`` seconds, then ``Timeout``) or this save is skipped
         (``on_busy="skip"``: ``handle.skipped``). Raises at once for a state that
-        cannot be stored (``UnsupportedValue``, naming the path); errors of the
+        cannot be stored (``UnsupportedValue``, naming the path) and for mistaken
+        arguments, a malformed ``tag`` included (``InvalidRequest``); errors of the
         upload come out of ``SaveHandle.wait()``, and out of the next ``save()``,
         ``step()`` or ``close()`` (see ``on_error``). Objects with ``state_dict()``
         and ``load_state_dict()`` (a module, optimizer, scheduler, ``RNGState``) are
@@ -377,7 +378,9 @@ class Checkpointer:
         the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` and carry on. A poisoned step is never
-        snapshotted. A failed earlier snapshot comes out here (see ``on_error``)."""
+        snapshotted. A failed earlier snapshot comes out here (see ``on_error``).
+        ``save_kwargs`` go to ``save()``; a ``meta`` there is recorded with the
+        snapshot's reason."""
         self._session.check_open()
         self._saver.surface_failure()
         self._saver.ask_pending()
@@ -390,7 +393,12 @@ class Checkpointer:
             log.warning("%s/%d: coordinated snapshot due at step %d, but step() got no state",
                         self.job, self.rank, step)
             return None
-        return self.save(step, state, meta=decision.meta, **save_kwargs)
+        meta = save_kwargs.pop("meta", None)
+        if meta is None:
+            meta = decision.meta
+        elif isinstance(meta, Mapping):  # the caller's, and the reason for the commit
+            meta = {**meta, **decision.meta}
+        return self.save(step, state, meta=meta, **save_kwargs)
 
     @property
     def rollback_to(self) -> int | None:

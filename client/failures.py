@@ -90,25 +90,29 @@ class FailureLog:
         # What handle.wait() last raised: a snapshot's done-callback may record its
         # failure only after wait() returned, and must not hold it as unseen then.
         self._seen: BaseException | None = None
-        self._steps: set[int] = set()
+        # Snapshots (save serials) whose failure is recorded: several paths report
+        # one failure (its done-callback, wait(), a save that waited for it, the
+        # answers about its pending commit). Per snapshot, not per step: a step
+        # number saved again (a rollback replays it) may fail again.
+        self._snapshots: set[int] = set()
         self._lock = threading.Lock()
 
-    def record(self, step: int, exc: BaseException) -> CkptdError | None:
-        """Notes a failed snapshot of ``step``; the named error, or None when this
-        step's failure was recorded already."""
+    def record(self, step: int, exc: BaseException, snapshot: int) -> CkptdError | None:
+        """Notes that snapshot ``snapshot`` (its save serial) of ``step`` failed; the
+        named error, or None when this snapshot's failure was recorded already."""
         err = name_save_error(exc, self.job, step, self.rank)
         # A save refused because a rollback ended its timeline is what a rollback
         # means, not a mistake: step() raises RollbackRequested for it already.
         superseded = isinstance(err, Superseded)
         with self._lock:
-            if step in self._steps:
+            if snapshot in self._snapshots:
                 return None
-            self._steps.add(step)
+            self._snapshots.add(snapshot)
             self.failed += 1
             self.last = err
             if not superseded and err is not self._seen:
                 self._unseen = err
-            # Logged under the lock: a second caller for this step (wait() racing
+            # Logged under the lock: a second caller for this snapshot (wait() racing
             # the snapshot's done-callback) returns only once it is in the log.
             log.log(logging.WARNING if superseded else logging.ERROR,
                     "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,8 +23,8 @@ class Shard:
     offsets: Sequence[int]
 
     def __post_init__(self) -> None:
-        g = tuple(int(d) for d in self.global_shape)
-        o = tuple(int(d) for d in self.offsets)
+        g = _dims(self.global_shape, "global_shape")
+        o = _dims(self.offsets, "offsets")
         if len(g) != len(o):
             raise InvalidRequest(
                 f"Shard: global_shape {list(g)} and offsets {list(o)} differ in rank"
@@ -31,6 +33,17 @@ class Shard:
             raise InvalidRequest("Shard: negative dimension or offset")
         object.__setattr__(self, "global_shape", g)
         object.__setattr__(self, "offsets", o)
+
+
+def _dims(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; a typed error for anything else."""
+    try:
+        return tuple(operator.index(d) for d in values)
+    except TypeError:
+        raise InvalidRequest(
+            f"Shard: {what} must be a list of ints, e.g. Shard([8, 4], [0, 0]), not "
+            f"{values!r:.80}"
+        ) from None
 
 
 def placements(
@@ -60,6 +73,12 @@ def placements(
         shape = [int(d) for d in tensor.shape]
         shard = shards.get(name)
         if shard is not None:
+            if not isinstance(shard, Shard):
+                raise InvalidRequest(
+                    f"shards[{name!r}] is a {type(shard).__name__}: pass "
+                    f"Shard(global_shape, offsets)",
+                    name=name,
+                )
             g, o = list(shard.global_shape), list(shard.offsets)
             if len(g) != len(shape) or any(
                 a + s > d for a, s, d in zip(o, shape, g, strict=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -19,11 +20,13 @@ import torch
 from ckptd.errors import (
     CkptdError,
     Conflict,
+    InvalidRequest,
     Timeout,
     UnsupportedValue,
     ValidationFailed,
 )
 from ckptd.format import EPOCH_META, Placement, canonical_json, check_step
+from ckptd.lifecycle.tags import TAG_META, check_tag
 
 from ..cuda import CopyDone
 from ..failures import FailureLog, SnapshotFailureWarning, name_save_error
@@ -62,7 +65,8 @@ class Saver:
         # oldest committed: a step that can never commit (replicas disagree) fails
         # on the rank whose manifest came last, and every other rank learns it by
         # asking again; a later pending step must not make it forget an earlier one.
-        self._pending_commits: dict[int, dict[str, Any]] = {}
+        # Each with the serial of the snapshot that put its manifest.
+        self._pending_commits: dict[int, tuple[int, dict[str, Any]]] = {}
         self._pending_lock = threading.Lock()
         self._pending_check: concurrent.futures.Future[Any] | None = None
         self._pending_asked = 0.0
@@ -70,6 +74,9 @@ class Saver:
         # pool is overwritten only once it is done.
         self._inflight: concurrent.futures.Future[Any] | None = None
         self._inflight_step: int | None = None  # the step _inflight uploads
+        self._inflight_serial = 0  # and the serial of its snapshot
+        # Each save's serial: a failure is recorded once per snapshot (FailureLog).
+        self._serials = itertools.count(1)
 
     @property
     def inflight(self) -> concurrent.futures.Future[Any] | None:
@@ -93,20 +100,17 @@ class Saver:
         self.surface_failure(stacklevel=4)
         self.ask_pending()
         check_step(step)
+        shards, local, meta = _save_args(shards, local, meta, tag)
         self.failover.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
             getattr(flat, "layouts", None) or {}
         )
         # Rank-private Stateful objects (RNGState) are local unless named otherwise.
-        local = list(local)
-        explicit = set(shards or {}) | set(local)
+        explicit = set(shards) | set(local)
         local += sorted(getattr(flat, "local", set()) - explicit)
-        placements = place(flat.tensors, shards or {}, local, layouts,
+        placements = place(flat.tensors, shards, local, layouts,
                            self.config.default_placement)
-        meta = dict(meta or {})
-        if tag is not None:
-            meta["tag"] = tag  # the commit tags the step (ckptd.lifecycle.tags.TAG_META)
         if EPOCH_META in meta:
             raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
         try:
@@ -142,13 +146,15 @@ class Saver:
                 # before a new snapshot is staged past it.
                 failed = None if busy.cancelled() else busy.exception()
                 if failed is not None and self._inflight_step is not None:
-                    self._snapshot_failed(self._inflight_step, failed)
+                    self._snapshot_failed(self._inflight_step, self._inflight_serial, failed)
                 self.surface_failure(stacklevel=4)
-            future, copy_done, pieces = self._stage_and_submit(step, flat.tree, flat.tensors,
-                                                               placements, meta, started,
-                                                               pending)
+            serial = next(self._serials)
+            future, copy_done, pieces = self._stage_and_submit(step, serial, flat.tree,
+                                                               flat.tensors, placements, meta,
+                                                               started, pending)
             self.failures.saves += 1
-        future.add_done_callback(functools.partial(self._snapshot_done, step=step, meta=meta))
+        future.add_done_callback(functools.partial(self._snapshot_done, step=step,
+                                                   serial=serial, meta=meta))
         if block_training and copy_done is not None:
             copy_done.block_streams()
         stall = time.perf_counter() - started
@@ -156,11 +162,12 @@ class Saver:
                   self.config.job, self.config.rank, step, pieces, stall)
         return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
                           waited_seconds=waited, pieces=pieces,
-                          on_failure_seen=functools.partial(self._failure_seen, step))
+                          on_failure_seen=functools.partial(self._failure_seen, step, serial))
 
     def _stage_and_submit(
         self,
         step: int,
+        serial: int,
         tree: dict[str, Any],
         tensors: list[tuple[str, torch.Tensor]],
         placements: dict[str, tuple[Placement, list[int], list[int]]],
@@ -195,10 +202,12 @@ class Saver:
                 future.add_done_callback(functools.partial(self._uploaded, upload=upload,
                                                            piece=piece))
                 self._inflight, self._inflight_step = future, step
+                self._inflight_serial = serial
                 return future, piece.copy_done, plan.piece_count
             sent = self.session.loop.submit(upload.send(piece))
             # It reads the pool: nothing may overwrite the pool before it is sent.
             self._inflight, self._inflight_step = sent, step
+            self._inflight_serial = serial
             done, _ = concurrent.futures.wait([sent], self.session.timeout)
             if not done:
                 return _failed(self._name(Timeout(
@@ -226,35 +235,35 @@ class Saver:
             raise err from exc
 
     def _snapshot_done(
-        self, future: concurrent.futures.Future[SaveResult], *, step: int,
+        self, future: concurrent.futures.Future[SaveResult], *, step: int, serial: int,
         meta: dict[str, Any],
     ) -> None:
         """A snapshot finished: a failure is recorded (logged, held for the loop,
         sent in heartbeats); a pending commit is remembered, to be asked about."""
         if future.cancelled():
-            self._snapshot_failed(step, CkptdError("the snapshot was cancelled"))
+            self._snapshot_failed(step, serial, CkptdError("the snapshot was cancelled"))
             return
         exc = future.exception()
         if exc is not None:
-            self._snapshot_failed(step, exc)
+            self._snapshot_failed(step, serial, exc)
             return
         with self._pending_lock:
             if future.result().state == "pending":
-                self._pending_commits[step] = meta
+                self._pending_commits[step] = (serial, meta)
                 while len(self._pending_commits) > MAX_PENDING_ASKED:
                     del self._pending_commits[next(iter(self._pending_commits))]
             else:  # committed: what was pending before it no longer matters
                 for older in [s for s in self._pending_commits if s <= step]:
                     del self._pending_commits[older]
 
-    def _failure_seen(self, step: int, exc: BaseException) -> None:
+    def _failure_seen(self, step: int, serial: int, exc: BaseException) -> None:
         """``wait()`` is about to raise ``exc``: recorded (named, logged) first, since
         the snapshot's done-callback may run only after the waiter woke, then seen."""
-        self._snapshot_failed(step, exc)
+        self._snapshot_failed(step, serial, exc)
         self.failures.seen(exc)
 
-    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
-        err = self.failures.record(step, exc)
+    def _snapshot_failed(self, step: int, serial: int, exc: BaseException) -> None:
+        err = self.failures.record(step, exc, serial)
         if err is not None:
             self.failover.snapshot_failed(str(err))
 
@@ -275,18 +284,21 @@ class Saver:
                 return
             pending = pending[:1]
         deadline = None if timeout is None else time.monotonic() + timeout
-        for step, meta in pending:
+        for step, (serial, meta) in pending:
             self._pending_asked = time.monotonic()
             check = self.session.loop.submit(
                 self.session.transport.commit(self.config.job, step, meta or None))
-            check.add_done_callback(functools.partial(self._pending_answer, step=step))
+            check.add_done_callback(functools.partial(self._pending_answer, step=step,
+                                                      serial=serial))
             self._pending_check = check
             if deadline is not None:  # all the questions together, within ``timeout``
                 left = deadline - time.monotonic()
                 if left <= 0 or not concurrent.futures.wait([check], left).done:
                     break
 
-    def _pending_answer(self, future: concurrent.futures.Future[Any], *, step: int) -> None:
+    def _pending_answer(
+        self, future: concurrent.futures.Future[Any], *, step: int, serial: int
+    ) -> None:
         if future.cancelled():
             return
         exc = future.exception()
@@ -298,7 +310,7 @@ class Saver:
         if isinstance(exc, ValidationFailed | Conflict):  # never commits: a failure
             with self._pending_lock:
                 self._pending_commits.pop(step, None)
-            self._snapshot_failed(step, exc)
+            self._snapshot_failed(step, serial, exc)
         else:  # the server may be back next time
             log.debug("%s/%d: cannot ask whether step %d committed: %s", self.config.job,
                       self.config.rank,
@@ -334,6 +346,42 @@ class Saver:
             log.warning("%s/%d: cannot serve step %d to peers: %s", self.config.job,
                         self.config.rank,
                         result.step, exc)
+
+
+def _save_args(
+    shards: Mapping[str, Shard] | None, local: Iterable[str], meta: Mapping[str, Any] | None,
+    tag: str | None,
+) -> tuple[Mapping[str, Shard], list[str], dict[str, Any]]:
+    """``save()``'s arguments checked before anything is staged (a mistake is the
+    caller's to fix, not a background failure after the upload): the shards, the
+    local names as a list, and the meta with the tag in it."""
+    if shards is None:
+        shards = {}
+    elif not isinstance(shards, Mapping):
+        raise InvalidRequest(f"shards must map tensor names to Shard(global_shape, offsets), "
+                             f"not {type(shards).__name__}")
+    if isinstance(local, str | bytes):
+        raise InvalidRequest(f"local={local!r} is one string: pass a list of tensor names, "
+                             f"local=[{local!r}]")
+    try:
+        names = list(local)
+    except TypeError:
+        raise InvalidRequest(f"local must be a list of tensor names, not "
+                             f"{type(local).__name__}") from None
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, Mapping):
+        raise InvalidRequest(f"meta must be a dict of JSON values, not {type(meta).__name__}")
+    out = dict(meta)
+    if tag is not None:
+        if out.get(TAG_META) not in (None, tag):
+            raise InvalidRequest(f"tag={tag!r} and meta['tag']={out[TAG_META]!r} differ: "
+                                 "pass the tag once, as tag=")
+        out[TAG_META] = tag  # the commit tags the step
+    if out.get(TAG_META) is not None:
+        # The commit would refuse it only after the whole upload: the step lost.
+        check_tag(out[TAG_META])
+    return shards, names, out
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:

@@ -191,7 +191,15 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, non_blocki
     if b <= a:
         return
     if src.is_contiguous():
-        dst.copy_(src.reshape(-1).view(torch.uint8)[a:b], non_blocking=non_blocking)
+        flat = src.reshape(-1)
+        if flat.is_conj() or flat.is_neg():
+            # A conjugate or negated view has no bytes of its own to view (copy_ to
+            # a typed tensor resolves it): resolve only the elements [a, b) covers.
+            size = src.element_size()
+            first = a // size
+            flat = flat[first : -(-b // size)].resolve_conj().resolve_neg()
+            a, b = a - first * size, b - first * size
+        dst.copy_(flat.view(torch.uint8)[a:b], non_blocking=non_blocking)
         return
     row = (src[0].numel() if src.shape[0] else 0) * src.element_size()
     pos = a
@@ -202,7 +210,7 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, non_blocki
             _copy_bytes(dst[pos - a : hi - a], src[r], pos - r * row, hi - r * row, non_blocking)
         else:
             r2 = min(src.shape[0], r + max(1, _BOUNCE // row), math.ceil(b / row))
-            block = src[r:r2].contiguous()
+            block = src[r:r2].contiguous().resolve_conj().resolve_neg()
             hi = min(b, r2 * row)
             flat = block.reshape(-1).view(torch.uint8)
             dst[pos - a : hi - a].copy_(flat[pos - r * row : hi - r * row],

@@ -47,3 +47,19 @@ def test_a_degraded_signal_makes_the_loop_save_with_the_reason(tmp_path: Path) -
         assert handle.wait(timeout=60).state == "committed"
         record = ckpt._call(ckpt.transport.read_commit("ecc", handle.step), 30)
         assert record.meta["reason"] == "health"
+
+
+def test_meta_and_tag_given_to_step_go_with_the_snapshot_reason(tmp_path: Path) -> None:
+    ecc = "gpu_ecc_uncorrected_volatile[0]"
+    source = ScriptedSource([{ecc: 0}])
+    state = {"w": torch.arange(2048.0)}
+    with Checkpointer(f"file://{tmp_path}/s", job="ecc", health_sources=[source]) as ckpt:
+        assert ckpt.step(1, loss=1.0, state=state) is None
+        source.push({ecc: 2})
+        ckpt._health_agent().probe.evaluate_now()  # degraded: a snapshot at the next step
+        # meta= reaches save() with the snapshot's own (a TypeError before: twice meta=).
+        handle = ckpt.step(2, loss=0.5, state=state, meta={"loss": 0.5, "reason": "mine"},
+                           tag="hot")
+        assert handle is not None and handle.wait(timeout=60).state == "committed"
+        record = ckpt._call(ckpt.transport.read_commit("ecc", 2), 30)
+    assert record.meta == {"loss": 0.5, "reason": "health", "requested_by": 0, "tag": "hot"}

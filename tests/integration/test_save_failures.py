@@ -13,8 +13,11 @@ import httpx
 import pytest
 import torch
 
-from ckptd.client import Checkpointer, SnapshotFailureWarning
-from ckptd.errors import ReplicaMismatch, Unavailable
+from ckptd.client import Checkpointer, LocalTransport, SnapshotFailureWarning
+from ckptd.errors import ReplicaMismatch, StoreError, Superseded, Unavailable
+from ckptd.repository import Repository
+from ckptd.store import LocalStore
+from ckptd.testing.faults import FaultyStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,3 +143,36 @@ def test_url_and_token_come_from_the_environment(
     with Checkpointer(job="env", shm_dir=shm) as ckpt:
         assert ckpt.save(0, {"w": torch.ones(4)}).wait(30).state == "committed"
         assert ckpt.latest() == 0
+
+
+def test_a_step_number_that_fails_again_after_a_rollback_is_not_silent(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failures are told once per snapshot, not once per step number: a rollback
+    replays step numbers, and a step that failed before may fail again."""
+    caplog.set_level(logging.WARNING, logger="ckptd")
+    store = FaultyStore(LocalStore(tmp_path / "store"))
+    ckpt = Checkpointer(f"file://{tmp_path / 'store'}", job="j", shm_dir=shm)
+    repo = Repository(store)
+    ckpt._transport = LocalTransport(repo)
+    w = {"w": torch.arange(64.0)}
+    try:
+        for step in (1, 2):
+            assert ckpt.save(step, w).wait(30).state == "committed"
+        ckpt._call(repo.set_rollback("j", 1), 30)  # an operator rolls the job back
+        with pytest.raises(Superseded):  # the loop has not heard of the rollback yet
+            ckpt.save(3, w).wait(30)
+        ckpt.restore({"w": torch.zeros(64)}, step=1)
+        # The replayed step 3 fails again, for another reason: its manifest write.
+        store.fail_at("put_if_absent", match="/steps/3/ranks/")
+        caplog.clear()
+        ckpt.save(3, w)
+        with pytest.raises(StoreError) as info:  # the next save waits for it, raises it
+            ckpt.save(4, w)
+        assert "save of j step 3 rank 0 failed" in str(info.value)
+        assert store.failures["put_if_absent"] == 1
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "step 3" in errors[0].getMessage()
+    finally:
+        result = ckpt.close()
+    assert result.failed == 2 and isinstance(result.last_error, StoreError)

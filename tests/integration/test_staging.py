@@ -165,6 +165,36 @@ def test_a_state_three_times_the_budget_stays_within_it_and_chunks_alike(
     assert files(shm) == []
 
 
+def test_conjugate_and_negated_views_stage_as_their_values_in_pieces_too(
+    shm: Path, url: str
+) -> None:
+    """``x.conj()`` and the negated views torch makes of it hold no bytes of their
+    own: staging copies their values, whole or split inside an element."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(6000, dtype=torch.complex64, generator=g)
+    state = {
+        "conj": base.conj(),  # contiguous, conjugate bit
+        "conj_t": torch.randn(50, 90, dtype=torch.complex64, generator=g).conj().t(),
+        "neg": base.conj().imag,  # a strided view with the negative bit
+    }
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    sent = []
+    for budget in (40_000, None):
+        with Checkpointer(url, f"views{budget or 0}", chunk_size=CS, staging_budget=budget,
+                          shm_dir=shm) as ckpt:
+            try:
+                handle = ckpt.save(1, state)
+            except RuntimeError as exc:
+                # Not chained: its traceback holds views of the pool, which is
+                # unmapped once the checkpointer closes; printing them would crash.
+                raise AssertionError(f"staging refused a view: {exc}") from None
+            sent.append(handle.wait(timeout=30).chunks_sent)
+            assert (handle.pieces > 1) == (budget is not None)
+            assert_bitwise(restored(ckpt, 1), expected)
+    assert sent[0] > 0 and sent[1] == 0  # whole, the same chunks as in pieces
+
+
 def test_a_budget_below_one_chunk_is_refused(url: str, shm: Path) -> None:
     with pytest.raises(InvalidRequest):
         Checkpointer(url, "tiny", chunk_size=8192, staging_budget=8192, shm_dir=shm)
