@@ -10,8 +10,10 @@ its chunks go at the next garbage collection."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import secrets
 import time
 import tomllib
 from collections.abc import Callable, Mapping
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptd.errors import InvalidPolicy
+from ckptd.errors import InvalidPolicy, NotFound, StoreError
 from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.tags import read_tags
@@ -222,44 +224,79 @@ async def forget(
         return plan
     for d in plan.steps:
         if d.decision == "forget":
-            await _claim(repo, job, d.step)
+            claim = await _claim(repo, job, d.step)
+            if claim is None:
+                continue  # another pass is removing it
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.
             await repo.store.delete(commit_key(job, d.step))
-            await _remove_step(repo, job, d.step)
+            await _remove_step(repo, job, d.step, claim)
         elif d.decision == "abandon":
             await _abandon(repo, job, d.step)
     return plan
 
 
-async def _claim(repo: Repository, job: str, step: int) -> str:
-    """Claims the removal of a step's documents (``removal_key``): a commit of the
-    step that lands meanwhile (a late rank's, or a retry) waits until the claim
-    goes, then stands only if every manifest is still there, else takes its
-    record back and fails. No committed step ever lacks a manifest."""
-    claim = removal_key(job, step)
-    await repo.store.put_if_absent(claim, canonical_json(
-        {"format": "ckptd.removal", "version": 1, "since": time.time()}))
-    return claim
+# A removal claim this old is a dead pass's: another pass takes it over.
+STALE_CLAIM = 600.0
+
+
+async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
+    """Claims the removal of a step's documents (``removal_key``), or None when
+    another retention pass holds the claim (it removes the step; this pass leaves
+    it alone). A commit of the step that lands meanwhile (a late rank's, or a
+    retry) waits until the claim goes, then stands only if every manifest is
+    still there, else takes its record back and fails: no committed step ever
+    lacks a manifest. The claim's bytes are this pass's own (a random token), so
+    only this pass deletes it."""
+    key = removal_key(job, step)
+    mine = canonical_json({"format": "ckptd.removal", "version": 1, "since": time.time(),
+                           "token": secrets.token_hex(16)})
+    if await repo.store.put_if_absent(key, mine):
+        return mine
+    try:
+        held = await repo.store.get(key)
+        since = float(json.loads(held)["since"])
+    except NotFound:
+        return None  # released meanwhile: the next pass looks again
+    except (ValueError, KeyError, TypeError):
+        since = 0.0  # unreadable: as good as stale
+        held = b""
+    if time.time() - since < STALE_CLAIM or not held:
+        return None
+    # A dead pass's claim: take it over (one pass wins the swap).
+    return mine if await repo.store.compare_and_swap(key, held, mine) else None
 
 
 async def _abandon(repo: Repository, job: str, step: int) -> bool:
-    """Removes a pending step, unless it committed before the claim (False then:
-    it is kept)."""
+    """Removes a pending step, unless it committed before the claim or another pass
+    is removing it (False then)."""
     claim = await _claim(repo, job, step)
+    if claim is None:
+        return False
     if await repo.store.exists(commit_key(job, step)):
-        await repo.store.delete(claim)
+        await _release(repo, job, step, claim)
         log.info("%s step %d committed while retention meant to abandon it; kept", job, step)
         return False
-    await _remove_step(repo, job, step)
+    await _remove_step(repo, job, step, claim)
     return True
 
 
-async def _remove_step(repo: Repository, job: str, step: int) -> None:
-    keys = [k async for k in repo.store.list_prefix(step_prefix(job, step))]
-    claim = removal_key(job, step)
-    doomed = [k for k in keys if k != claim] + [damage_key(job, step)]
-    for start in range(0, len(doomed), DELETES_AT_ONCE):  # (a commit may be waiting)
-        await asyncio.gather(*(repo.store.delete(k)
-                               for k in doomed[start:start + DELETES_AT_ONCE]))
-    await repo.store.delete(claim)  # last: a commit waiting on it then decides
+async def _release(repo: Repository, job: str, step: int, claim: bytes) -> None:
+    """Deletes this pass's claim (only its own: compare-and-delete)."""
+    try:
+        await repo.store.compare_and_delete(removal_key(job, step), claim)
+    except StoreError:  # a backend without an atomic delete: the claim is ours anyway
+        await repo.store.delete(removal_key(job, step))
+
+
+async def _remove_step(repo: Repository, job: str, step: int, claim: bytes) -> None:
+    key = removal_key(job, step)
+    # Twice: a commit whose record landed after the first listing takes it back
+    # itself, unless it died first; the second listing removes what it left.
+    for _ in range(2):
+        keys = [k async for k in repo.store.list_prefix(step_prefix(job, step))]
+        doomed = [k for k in keys if k != key] + [damage_key(job, step)]
+        for start in range(0, len(doomed), DELETES_AT_ONCE):  # (a commit may be waiting)
+            await asyncio.gather(*(repo.store.delete(k)
+                                   for k in doomed[start:start + DELETES_AT_ONCE]))
+    await _release(repo, job, step, claim)  # last: a commit waiting on it then decides

@@ -164,3 +164,72 @@ def test_a_tag_asked_for_by_any_rank_tags_the_step(tmp_path: Path) -> None:
 
 def test_errors_of_a_removal_race_are_typed() -> None:
     assert issubclass(NotCommitted, CkptdError)
+
+
+def test_two_retention_passes_remove_a_step_once(tmp_path: Path) -> None:
+    """Every replica runs retention: a second pass that finds the step claimed leaves
+    it to the first, and never drops the first pass's claim while a commit waits on
+    it (found by review)."""
+    import contextvars
+
+    who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="")
+
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        real = store.delete
+        paused, resume = asyncio.Event(), asyncio.Event()
+
+        async def delete(key: str) -> None:
+            if who.get() == "P1" and not resume.is_set():  # every delete of P1 waits
+                paused.set()
+                await resume.wait()
+            await real(key)
+
+        store.delete = delete  # type: ignore[method-assign]
+        policy = RetentionPolicy(abandon_pending_after=60.0)
+        now = time.time() + 3600
+
+        async def run(name: str) -> object:
+            who.set(name)
+            return await forget(repo, "j", policy, now=now)
+
+        first = asyncio.ensure_future(run("P1"))
+        await asyncio.wait_for(paused.wait(), 30)  # P1 claimed and began removing
+        await run("P2")  # finds the claim: leaves the step to P1
+        assert await store.exists(removal_key("j", 5))
+        assert await store.exists("jobs/j/steps/5/ranks/1.json")
+        commit = asyncio.ensure_future(repo.commit("j", 5))
+        for _ in range(300):  # until the late commit wrote its record
+            if await store.exists("jobs/j/steps/5/commit.json") or commit.done():
+                break
+            await asyncio.sleep(0.01)
+        resume.set()
+        await first
+        with pytest.raises(NotCommitted):
+            await commit
+        store.delete = real  # type: ignore[method-assign]
+        assert await repo.try_read_commit("j", 5) is None
+        assert await repo.latest_ref_step("j") is None
+        assert not [k async for k in store.list_prefix("jobs/j/steps/5/")]
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_pass_claim_is_taken_over_once_stale(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        policy = RetentionPolicy(abandon_pending_after=60.0)
+        key = removal_key("j", 5)
+        fresh = b'{"format":"ckptd.removal","since":%d,"token":"x","version":1}'
+        await store.put_if_absent(key, fresh % int(time.time()))
+        await forget(repo, "j", policy, now=time.time() + 3600)  # a live pass holds it
+        assert await store.exists("jobs/j/steps/5/ranks/0.json")
+        await store.compare_and_swap(key, fresh % int(time.time()), fresh % 0)  # it died
+        await forget(repo, "j", policy, now=time.time() + 3600)
+        assert not [k async for k in store.list_prefix("jobs/j/steps/5/")]
+
+    asyncio.run(scenario())
