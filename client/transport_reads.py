@@ -29,7 +29,7 @@ LANES = 2
 MOST = min(16, MAX_CHUNK_READ)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # (found by identity)
 class _Read:
     cid: str
     dest: memoryview
@@ -68,7 +68,12 @@ class BatchedChunkReads:
         try:
             return await asyncio.shield(one.future)
         except asyncio.CancelledError:
-            # As ``in_thread``: not before the thread is done with ``dest``.
+            waiting = self._waiting.get(home, [])
+            if one in waiting:  # not sent yet: nothing will touch ``dest``
+                waiting.remove(one)
+                raise
+            # As ``in_thread``: not before the thread is done with ``dest`` (a request
+            # has a deadline of its own, ``PeerClient``).
             await asyncio.wait([one.future])
             raise
 

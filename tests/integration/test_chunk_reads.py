@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import httpx
 import pytest
 
 from ckptd.api import CHUNK_SIZES_HEADER, MAX_CHUNK_READ
@@ -203,3 +204,29 @@ def test_dcp_load_over_http_reads_its_chunks_in_two_requests(
     assert log_requests(server, "GET /v1/chunks/") == 0
     assert log_requests(server, "POST /v1/chunks/read") == 2
 
+
+
+def test_a_multi_chunk_answer_holds_little_memory_from_a_store_of_no_files(
+    tmp_path: Path,
+) -> None:
+    """From a store whose chunks are not files here (memory://, S3), one answer
+    reads at most READ_HOLD into memory; the rest say "-" and the reader asks for
+    them again (found by review: 64 chunks of 4 MiB were held at once)."""
+    from ckptd.server.routes.chunks import READ_HOLD
+
+    srv = ServerProcess(store="memory://", log_dir=tmp_path)
+    srv.start()
+    try:
+        blobs = [bytes([k]) * (4 << 20) for k in range(8)]  # 32 MiB, over READ_HOLD
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for b in blobs:
+                assert c.put(f"/v1/chunks/{chunk_id(b)}", content=b).status_code == 201
+            r = c.post("/v1/chunks/read", json={"ids": [chunk_id(b) for b in blobs]})
+        assert r.status_code == 200
+        sizes = r.headers[CHUNK_SIZES_HEADER].split(",")
+        sent = [s for s in sizes if s != "-"]
+        assert 0 < sum(map(int, sent)) <= READ_HOLD + (4 << 20)
+        assert "-" in sizes  # the rest are asked for again
+        assert len(r.content) == sum(map(int, sent))
+    finally:
+        srv.stop()
