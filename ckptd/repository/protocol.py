@@ -227,12 +227,7 @@ class Repository(Verification, Listings):
         await gc_fence.wait_not_sweeping(self.store)  # no presence check during a sweep
         lacking = await self._lacking(ids)
         if lacking:
-            raise MissingChunks(
-                f"manifest of rank {manifest.rank} names {len(lacking)} chunks the store "
-                f"does not hold (first {lacking[0]})",
-                count=len(lacking),
-                ids=lacking[:20],
-            )
+            raise manifest_lacks(manifest.rank, lacking)
         for _ in range(100):
             if await self.store.put_if_absent(key, data):
                 self._manifests.put(key, data, manifest)  # commit reads it next
@@ -507,3 +502,14 @@ def _tag_of(manifests: Iterable[RankManifest]) -> str | None:
                 continue
             return tag
     return None
+
+
+def manifest_lacks(rank: int, lacking: list[str]) -> MissingChunks:
+    """The answer to a manifest naming chunks the store lacks: the same words
+    whether they are absent or only unknown to a tenant (``server.routes.manifests``)."""
+    return MissingChunks(
+        f"manifest of rank {rank} names {len(lacking)} chunks the store does not hold "
+        f"(first {lacking[0]})",
+        count=len(lacking),
+        ids=lacking[:20],
+    )

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request, Response
 from ckptd import knobs
 from ckptd.api import ManifestStored
 from ckptd.cluster import chunk_key, rank_members
-from ckptd.errors import InvalidRequest, MissingChunks
+from ckptd.errors import InvalidRequest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
+from ckptd.repository.protocol import manifest_lacks
 from ckptd.server.auth import READ, WRITE, scope
 from ckptd.server.bodies import read_body
 from ckptd.server.cluster import Membership
@@ -115,9 +116,4 @@ async def _refuse_unknown_chunks(manifest: RankManifest, job: str, tenants: Tena
             unknown = [cid for cid in unknown
                        if rank_members(chunk_key(cid), urls)[0] == membership.self_url]
     if unknown:
-        raise MissingChunks(
-            f"manifest of rank {manifest.rank} names {len(unknown)} chunks the store "
-            f"does not hold (first {unknown[0]})",
-            count=len(unknown),
-            ids=unknown[:20],
-        )
+        raise manifest_lacks(manifest.rank, unknown)
