@@ -15,7 +15,7 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptd.api import MAX_CHUNK_READ
+from ckptd.chunk_reads import MAX_CHUNK_READ
 from ckptd.errors import CkptdError, Unavailable
 
 # (replica URL, [(chunk id, its buffer)], each(i, error or None)): PeerClient.fetch_many_into

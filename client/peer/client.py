@@ -17,7 +17,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from ckptd import knobs
-from ckptd.api import CHUNK_SIZES_HEADER, parse_chunk_sizes
+from ckptd.chunk_reads import CHUNK_SIZES_HEADER, parse_chunk_sizes
 from ckptd.errors import (
     ChunkNotFound,
     ChunkSizeMismatch,

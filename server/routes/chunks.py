@@ -24,13 +24,11 @@ from fastapi import APIRouter, Request, Response
 from starlette.types import Receive, Scope, Send
 
 from ckptd import knobs
-from ckptd.api import (
+from ckptd.api import ChunkStored, MissingRequest, MissingResponse
+from ckptd.chunk_reads import (
     CHUNK_SIZES_HEADER,
     MISSING_SIZE,
     ChunkReadRequest,
-    ChunkStored,
-    MissingRequest,
-    MissingResponse,
     chunk_sizes_header,
 )
 from ckptd.errors import ChunkNotFound, CkptdError

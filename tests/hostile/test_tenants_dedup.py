@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckptd.api import CHUNK_SIZES_HEADER
+from ckptd.chunk_reads import CHUNK_SIZES_HEADER
 from ckptd.hashing import chunk_id
 from ckptd.tokens import create_token
 from tests.conftest import ServerProcess

@@ -17,7 +17,7 @@ import blake3
 import httpx
 import pytest
 
-from ckptd.api import CHUNK_SIZES_HEADER, MAX_CHUNK_READ
+from ckptd.chunk_reads import CHUNK_SIZES_HEADER, MAX_CHUNK_READ
 from ckptd.client.restore.sources import verify_hash
 from ckptd.client.transport import HttpTransport, open_transport
 from ckptd.errors import ChunkNotFound
