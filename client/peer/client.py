@@ -198,12 +198,7 @@ class PeerClient:
         sock = conn.sock
         sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
                      .encode("ascii"))
-        status, headers, extra = _read_head(sock, conn.deadline)
-        n, keep = _length(headers), _keep_alive(headers)
-        if status != 200:
-            body = self._error_body(conn, extra, n, keep)
-            raise _error(status, body, url, cid)
-        conn.deadline += max(n, 0) / MIN_RATE
+        headers, extra, n, keep = self._answer(conn, url, cid)
         if n != len(dest) or len(extra) > n:
             conn.close()
             raise ChunkSizeMismatch(
@@ -234,12 +229,7 @@ class PeerClient:
         sock.sendall(f"POST /v1/chunks/read HTTP/1.1\r\nHost: peer\r\n{self._auth}"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      .encode("ascii") + body)
-        status, headers, extra = _read_head(sock, conn.deadline)
-        n, keep = _length(headers), _keep_alive(headers)
-        if status != 200:
-            answer = self._error_body(conn, extra, n, keep)
-            raise _error(status, answer, url, None)
-        conn.deadline += max(n, 0) / MIN_RATE
+        headers, extra, n, keep = self._answer(conn, url, None)
         sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
         if n != sum(k or 0 for k in sizes):
             raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
@@ -258,6 +248,18 @@ class PeerClient:
             self._give(conn)
         else:
             conn.close()
+
+    def _answer(self, conn: _Conn, url: str, cid: str | None
+                ) -> tuple[dict[str, str], memoryview, int, bool]:
+        """A 200 answer's headers, what came past them, its body length and whether
+        the connection is kept; another status raises its typed error. The
+        request's deadline grows by the body at the slowest rate waited for."""
+        status, headers, extra = _read_head(conn.sock, conn.deadline)
+        n, keep = _length(headers), _keep_alive(headers)
+        if status != 200:
+            raise _error(status, self._error_body(conn, extra, n, keep), url, cid)
+        conn.deadline += max(n, 0) / MIN_RATE
+        return headers, extra, n, keep
 
     def _error_body(self, conn: _Conn, extra: memoryview, n: int, keep: bool) -> bytes:
         """An error answer's body (its first MiB); the connection goes back when the
