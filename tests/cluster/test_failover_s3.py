@@ -129,23 +129,31 @@ def test_a_replica_that_joins_takes_only_new_chunks(
             old = referenced_chunks(a.url, job, [1], world)
             c = cluster.add()
             time.sleep(1.0)  # the clients re-read the members
-            # Step 2 keeps `w` (its chunks are old) and changes `b` (new chunks).
-            handles = []
-            for r, ckpt in enumerate(ckpts):
-                state, shards = rank_state(r, 1, dp=1)
-                state["b"] = torch.randn(16 * CHUNK // 4,
-                                         generator=torch.Generator().manual_seed(77))
-                handles.append(ckpt.save(2, state, shards=shards))
-            assert "committed" in {h.wait(timeout=120).state for h in handles}
+            urls = [a.url, b.url, c.url]
+            # Each later step keeps `w` (its chunks are old) and changes `b` (new
+            # chunks). Where the newcomer is home of none of a step's new chunks
+            # (their ids fall as they may), the next step draws `b` anew: at most
+            # five steps, each of 16 new chunks.
+            new: set[str] = set()
+            mine: set[str] = set()
+            for step in range(2, 7):
+                handles = []
+                for r, ckpt in enumerate(ckpts):
+                    state, shards = rank_state(r, 1, dp=1)
+                    state["b"] = torch.randn(16 * CHUNK // 4,
+                                             generator=torch.Generator().manual_seed(75 + step))
+                    handles.append(ckpt.save(step, state, shards=shards))
+                assert "committed" in {h.wait(timeout=120).state for h in handles}
+                new |= referenced_chunks(a.url, job, [step], world) - old
+                mine = {cid for cid in new if home(chunk_key(cid), urls) == c.url}
+                if mine:
+                    break
         finally:
             for ckpt in ckpts:
                 ckpt.close()
-        new = referenced_chunks(a.url, job, [2], world) - old
-        assert new
-        urls = [a.url, b.url, c.url]
-        mine = {cid for cid in new if home(chunk_key(cid), urls) == c.url}
+        assert len(new) >= 16, len(new)
         # The newcomer stored exactly the new chunks it is home of, none of the old.
-        assert c.metric("ckptd_chunks_stored_total") == len(mine) > 0
+        assert c.metric("ckptd_chunks_stored_total") == len(mine) > 0, (len(new), len(mine))
         assert c.metric("ckptd_chunk_upload_seconds_count") == len(mine)
         assert a.metric("ckptd_chunks_stored_total") + b.metric(
             "ckptd_chunks_stored_total") == len(old) + len(new) - len(mine)

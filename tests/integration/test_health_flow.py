@@ -213,7 +213,10 @@ def test_ecc_errors_on_one_rank_snapshot_every_rank_at_one_target(
 
     def loop(r: Rank) -> None:
         def hook(step: int) -> bool:
-            if r is bad and step == 3:
+            # Before step 4: this rank has noted step 3, and its request beats
+            # that to the server first, so the target is at least 3 + LEAD. (The
+            # probe reads on its own thread and may ask before step 4 is noted.)
+            if r is bad and step == 4:
                 r.source.push({ECC: 2})  # degraded from 1, critical from 10
             return False
 
