@@ -9,15 +9,15 @@ A chunk of a store on this host's filesystem is served from a read-only map of i
 file (the socket copies straight from the page cache): reading it into memory
 first cost a third of the server's CPU per byte served. Chunk files are written
 once under a temporary name and renamed, never changed or truncated; garbage
-collection unlinks them, which leaves a map valid."""
+collection unlinks them, which leaves a map valid. Every page of a map is read in
+before it is served (``ckptd.pages``): a page the disk cannot give back is then an
+error for that one chunk (it is read through the store instead, and fails there),
+not a SIGBUS that kills the server."""
 
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -33,6 +33,7 @@ from ckptd.chunk_reads import (
 )
 from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.format import check_chunk_id, chunk_key
+from ckptd.pages import map_readable
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
 from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
@@ -196,10 +197,11 @@ async def get_chunk(
         raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)
     # Not re-hashed: every reader verifies a chunk against its id on arrival.
     path = repo.store.local_path(chunk_key(cid))
-    # Opened and mapped on the loop: both return in microseconds (no byte is read;
-    # the pages are read by the socket send, which runs on the loop anyway), where a
-    # worker thread's round trip cost a tenth of the server's CPU per request.
-    data = _mapped(path) if path is not None else None
+    # Opened, mapped and read in on the loop: microseconds for a chunk in the page
+    # cache (a cold one's pages are read here, where the socket send that runs on the
+    # loop would read them anyway), where a worker thread's round trip cost a tenth
+    # of the server's CPU per request.
+    data = map_readable(path) if path is not None else None
     if data is None:
         data = await repo.get_chunk(cid, verify=False)
     return ChunkResponse(data, metrics, started)
@@ -237,7 +239,7 @@ async def read_chunks(
         data: bytes | memoryview | None = None
         if cid in seen:
             path = repo.store.local_path(chunk_key(cid))
-            data = _mapped(path) if path is not None else None
+            data = map_readable(path) if path is not None else None
             if data is None and held < READ_HOLD:
                 with contextlib.suppress(ChunkNotFound):
                     data = await repo.get_chunk(cid, verify=False)
@@ -252,18 +254,3 @@ async def _visible(request: Request, tenants: TenantChunks, cid: str) -> bool:
     """Whether the caller may see chunk ``cid`` (a scoped caller: its job knows it)."""
     job: str | None = request.state.acting_job
     return job is None or cid in await tenants.known(job, [cid])
-
-
-def _mapped(path: Path) -> memoryview | None:
-    """A read-only map of a chunk file (None when it is not there: the store then
-    says so). The map closes when the transport has sent the last byte of it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        with contextlib.suppress(ValueError):  # an empty file cannot be mapped
-            return memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-        return memoryview(b"")
-    finally:
-        os.close(fd)
