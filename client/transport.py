@@ -3,6 +3,9 @@ process (``file:///path``). Both speak the same small async interface. Every cal
 to a server is in ``calls.py``; ``transport_http.py`` holds what the async
 ``HttpTransport`` here and the sync ``SyncTransport`` (heartbeats, the health
 agent, the CLI) share.
+
+A little past the house's ~500 lines on purpose: the interface and its two
+implementations read side by side, method against method.
 """
 
 from __future__ import annotations
