@@ -29,9 +29,9 @@ Design
         when it is full the pool falls back to an anonymous ``memfd`` segment, which
         works but does not survive the process, with a warning), mapped
         ``MAP_SHARED | MAP_POPULATE`` and viewed as one uint8 tensor each
-        (``torch.frombuffer``). Staged tensors are views at 64-byte (4 KiB from 64
-        KiB up) aligned offsets. On CUDA every segment is pinned with
-        ``cudaHostRegister`` (portable) once a state with CUDA tensors is staged.
+        (``torch.from_numpy``, so a view keeps its map). Staged tensors are views
+        at 64-byte (4 KiB from 64 KiB up) aligned offsets. On CUDA every segment is
+        pinned with ``cudaHostRegister`` (portable) once a state with CUDA tensors is staged.
     ``index.json``
         Written atomically (temporary name, rename): the step, the generation, the
         state (``"staging"`` while copies of a new layout run, ``"staged"`` once the
