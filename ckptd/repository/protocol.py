@@ -167,7 +167,10 @@ class Repository(Verification, Listings):
                 raise ChunkHashMismatch(
                     f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
                 )
-            created = await self.store.put_if_absent(chunk_key(cid), data)
+            key = chunk_key(cid)
+            # A chunk stored already may be garbage a running sweep deletes: kept.
+            created = await gc_fence.fenced_put(
+                self.store, cid, lambda: self.store.put_if_absent(key, data))
             stored = True
             return created
         finally:
