@@ -77,14 +77,17 @@ Design
     enqueued; the pipeline's hashing thread waits on the done event before reading.
     On the CPU the copies are plain synchronous ``copy_`` calls.
 
-    *Lifetime.* ``close()`` waits for the copies, unpins, unmaps, and removes the
+    *Lifetime.* ``close()`` waits for the copies, unpins, unmaps (a segment that a
+    view still holds, say an error's traceback, once the view goes), and removes the
     segments, the index, the control file and the empty directories. A pool that
     is garbage collected, or alive at a normal interpreter exit, is removed the
     same way (a finalizer and an ``atexit`` hook). A process killed by a signal,
     ``os._exit``, or an interpreter exit on an uncaught exception (other than
     ``KeyboardInterrupt``) leaves its pool: that is the crash the failover tier
     restores from. ``StagingPool.open_existing`` reads such a pool;
-    ``remove_stale_pools`` removes pools whose owner is gone.
+    ``remove_stale_pools`` removes pools whose owner is gone (renamed away under
+    the dead owner's lock first, so a process that claims the name meanwhile keeps
+    its new pool).
 
 Alternatives
     Per-tensor ``torch.empty`` buffers (the previous staging): private memory that
