@@ -429,9 +429,26 @@ class Repository(Verification, Listings):
             log.warning("%s step %d is committed, but its tag %r could not be set: %s; a "
                         "retry of the commit sets it", job, step, tag, exc)
             return
+        await self._tag_stands(job, tag, step, world)
+
+    async def tag(self, job: str, name: str, step: int) -> None:
+        """Points tag ``name`` at committed ``step`` (retention keeps it); the
+        errors of ``read_commit``, and ``NotCommitted`` (the tag taken back) when
+        retention removed the step meanwhile."""
+        record = await self.read_commit(job, step)
+        await set_tag(self.store, job, name, step)
+        await self._tag_stands(job, name, step, record.world_size)
+
+    async def _tag_stands(self, job: str, tag: str, step: int, world: int) -> None:
+        """A tag just set on ``step`` stands only if the step outlasts any removal;
+        else it is taken back and ``NotCommitted`` raised: no tag names a removed step."""
         # Retention that read the tags before this one was set may be removing the
-        # step (it reads them again once it claimed the step, and then keeps it): the
-        # tag stands only if the step outlasts that removal, else it would dangle.
+        # step (it reads them again once it holds the removal claim, and keeps a step
+        # tagged by then). No claim and the record there: not removed (retention that
+        # claims later sees the tag). Else as a commit: wait for the claim to go.
+        if not await self.store.exists(removal_key(job, step)) and await self.store.exists(
+                commit_key(job, step)):
+            return
         try:
             await self._outlast_removal(job, step, world, False)
         except NotCommitted:

@@ -243,12 +243,13 @@ async def _two_committed(repo: Repository) -> None:
         assert (await repo.commit("j", step)).state == "committed"
 
 
-def test_a_commit_retry_that_tags_a_step_retention_removed_takes_the_tag_back(
-    tmp_path: Path,
+@pytest.mark.parametrize("how", ["commit retry", "ckptd tag"])
+def test_a_tag_set_on_a_step_retention_removed_meanwhile_is_taken_back(
+    tmp_path: Path, how: str
 ) -> None:
-    """The retry read step 5's record (no removal claim yet); retention then removed
-    the whole step before the retry wrote its tag: the answer is not_committed and
-    no tag names the removed step."""
+    """A commit retry (or ``ckptd tag``) read step 5's record (no removal claim yet);
+    retention then removed the whole step before the tag was written: the answer is
+    not_committed and no tag names the removed step."""
 
     async def scenario() -> None:
         store = FaultyStore(LocalStore(str(tmp_path / "store")))
@@ -266,7 +267,10 @@ def test_a_commit_retry_that_tags_a_step_retention_removed_takes_the_tag_back(
 
         store.get = get  # type: ignore[method-assign]
         with pytest.raises(NotCommitted):
-            await repo.commit("j", 5, meta={"tag": "best"})
+            if how == "commit retry":
+                await repo.commit("j", 5, meta={"tag": "best"})
+            else:
+                await repo.tag("j", "best", 5)
         store.get = real  # type: ignore[method-assign]
         assert removed[0].forgotten == [5]
         assert await repo.try_read_commit("j", 5) is None
