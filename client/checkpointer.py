@@ -13,7 +13,6 @@ cache directory, peers, the store.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 from collections.abc import Coroutine, Iterable, Mapping, MutableMapping
@@ -459,11 +458,10 @@ class Checkpointer:
             self._session.closed = True
             busy = saver.inflight
         timeout = self.timeout if timeout is None else timeout
-        if busy is not None:
-            done, _ = concurrent.futures.wait([busy], timeout)
-            if not done:
-                log.warning("%s/%d: closing with the snapshot of a save still in flight",
-                            self.job, self.rank)
+        # The snapshot and its done-callback: what it failed is in the report below.
+        if busy is not None and not saver.settle(timeout):
+            log.warning("%s/%d: closing with the snapshot of a save still in flight",
+                        self.job, self.rank)
         try:  # a step that can never commit is this rank's failure too
             saver.ask_pending(timeout=min(timeout, 10.0) if timeout is not None else 10.0)
         except Exception as exc:  # closing must not fail the caller's shutdown

@@ -203,10 +203,9 @@ def tag(
     """Tag a committed step so that retention keeps it."""
 
     async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.tags import read_tags, set_tag
+        from ckptd.lifecycle.tags import read_tags
 
-        await repo.read_commit(job, step)
-        await set_tag(repo.store, job, name, step)
+        await repo.tag(job, name, step)
         return await read_tags(repo.store, job)
 
     _run(url, token, lambda server: server.tag(job, name, step), direct)

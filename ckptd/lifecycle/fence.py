@@ -82,3 +82,38 @@ async def fenced_presence(
     if not await unchanged(store, before):
         return [False] * len(present)
     return present
+
+
+#: how often a chunk put starts over when the GC state changes under it
+_PUT_TRIES = 10
+
+
+async def fenced_put(
+    store: Store, cid: str, put: Callable[[], Awaitable[bool]]
+) -> bool:
+    """``put()`` (stores chunk ``cid`` if absent; True when it wrote it), made safe to
+    act on under a running GC; True when the chunk was written here.
+
+    A chunk written here is newer than any running collection's listing, so no
+    sweep deletes it. One that was stored already may be garbage a collection is
+    about to sweep: an upload told "missing" while the GC state changed (the
+    missing-chunks call then answers every id missing and records none) would be
+    a no-op, and the save's manifest would find the chunk gone. It is kept like a
+    present id of a missing-chunks call: put again once no sweep runs (a sweep
+    that deleted it meanwhile is past it), recorded as touched while a
+    collection marks, and checked against a GC state that changed meanwhile."""
+    if await put():
+        return True
+    for _ in range(_PUT_TRIES):
+        before = await wait_not_sweeping(store)
+        if await put():
+            return True  # a sweep deleted it since: written again, after that sweep
+        if before.phase == "marking":
+            doc = GcTouched(generation=before.generation, ids=[cid]).canonical()
+            await store.put_if_absent(f"{touched_prefix(before.generation)}{uuid.uuid4().hex}",
+                                      doc)
+        if await unchanged(store, before):
+            return False
+    state, _ = await read_state(store)
+    raise GcInProgress(f"garbage collection {state.generation} kept changing phase while "
+                       f"chunk {cid} was put; retry", generation=state.generation)

@@ -222,11 +222,17 @@ async def forget(
     plan.dry_run = dry_run
     if dry_run:
         return plan
-    for d in plan.steps:
+    for i, d in enumerate(plan.steps):
         if d.decision == "forget":
             claim = await _claim(repo, job, d.step)
             if claim is None:
                 continue  # another pass is removing it
+            # Tagged since the plan read the tags (a commit's retry): kept. A tag set
+            # after this read finds the claim, and its writer takes it back.
+            if policy.keep_tagged and d.step in (await read_tags(repo.store, job)).values():
+                await _release(repo, job, d.step, claim)
+                plan.steps[i] = StepDecision(d.step, True, "keep", ("tagged meanwhile",))
+                continue
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.
             await repo.store.delete(commit_key(job, d.step))

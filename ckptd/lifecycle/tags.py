@@ -30,7 +30,8 @@ async def read_tags(store: Store, job: str) -> dict[str, int]:
         return {}
 
 
-async def _change(store: Store, job: str, name: str, step: int | None) -> bool:
+async def _change(store: Store, job: str, name: str, step: int | None,
+                  naming: int | None = None) -> bool:
     key = tags_key(check_job(job))
     for _ in range(100):
         try:
@@ -39,7 +40,7 @@ async def _change(store: Store, job: str, name: str, step: int | None) -> bool:
             current = None
         tags = dict(Tags.parse(current).tags) if current is not None else {}
         if step is None:
-            if name not in tags:
+            if name not in tags or (naming is not None and tags[name] != naming):
                 return False
             del tags[name]
         else:
@@ -59,3 +60,9 @@ async def set_tag(store: Store, job: str, name: str, step: int) -> None:
 async def remove_tag(store: Store, job: str, name: str) -> bool:
     """Removes tag ``name``; True when it existed."""
     return await _change(store, job, check_tag(name), None)
+
+
+async def take_back_tag(store: Store, job: str, name: str, step: int) -> bool:
+    """Removes tag ``name`` if it still names ``step`` (a tag just set on a step that
+    retention removed meanwhile); True when it did."""
+    return await _change(store, job, check_tag(name), None, naming=check_step(step))

@@ -56,7 +56,7 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
-from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag
+from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag, take_back_tag
 from ckptd.repository.listings import Listings
 from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
 from ckptd.repository.verify import Verification
@@ -168,7 +168,10 @@ class Repository(Verification, Listings):
                 raise ChunkHashMismatch(
                     f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
                 )
-            created = await self.store.put_if_absent(chunk_key(cid), data)
+            key = chunk_key(cid)
+            # A chunk stored already may be garbage a running sweep deletes: kept.
+            created = await gc_fence.fenced_put(
+                self.store, cid, lambda: self.store.put_if_absent(key, data))
             stored = True
             return created
         finally:
@@ -301,7 +304,7 @@ class Repository(Verification, Listings):
             if await self.store.exists(removal_key(job, step)):
                 await self._outlast_removal(job, step, existing.world_size, False)
             if tag is not None:  # a retry repairs a tag the first try could not set
-                await self._tag_or_say(job, tag, step)
+                await self._tag_or_say(job, tag, step, existing.world_size)
             moved = await self._advance_latest_or_say(job, existing)
             return CommitStatus("committed", job, step, existing.world_size, [], existing,
                                 latest_moved=moved)
@@ -391,7 +394,7 @@ class Repository(Verification, Listings):
         if won:
             log.info("committed %s step %d (%d ranks)", job, step, world)
         if tag is not None:  # ckpt.save(..., tag=...): retention keeps the step
-            await self._tag_or_say(job, tag, step)
+            await self._tag_or_say(job, tag, step, world)
         # The record is durable: the step is committed whatever happens to the ref,
         # and the answer says so (a retry of the commit moves the ref).
         moved = await self._advance_latest_or_say(job, record)
@@ -417,14 +420,41 @@ class Repository(Verification, Listings):
             "committed", job=job, step=step,
         )
 
-    async def _tag_or_say(self, job: str, tag: str, step: int) -> None:
+    async def _tag_or_say(self, job: str, tag: str, step: int, world: int) -> None:
         """Tags a committed step; a failure is logged, not raised (the step is
-        committed; a retry of the commit tags it)."""
+        committed; a retry of the commit tags it). ``NotCommitted`` (the tag taken
+        back) when retention removed the step meanwhile."""
         try:
             await set_tag(self.store, job, tag, step)
         except CkptdError as exc:
             log.warning("%s step %d is committed, but its tag %r could not be set: %s; a "
                         "retry of the commit sets it", job, step, tag, exc)
+            return
+        await self._tag_stands(job, tag, step, world)
+
+    async def tag(self, job: str, name: str, step: int) -> None:
+        """Points tag ``name`` at committed ``step`` (retention keeps it); the
+        errors of ``read_commit``, and ``NotCommitted`` (the tag taken back) when
+        retention removed the step meanwhile."""
+        record = await self.read_commit(job, step)
+        await set_tag(self.store, job, name, step)
+        await self._tag_stands(job, name, step, record.world_size)
+
+    async def _tag_stands(self, job: str, tag: str, step: int, world: int) -> None:
+        """A tag just set on ``step`` stands only if the step outlasts any removal;
+        else it is taken back and ``NotCommitted`` raised: no tag names a removed step."""
+        # Retention that read the tags before this one was set may be removing the
+        # step (it reads them again once it holds the removal claim, and keeps a step
+        # tagged by then). No claim and the record there: not removed (retention that
+        # claims later sees the tag). Else as a commit: wait for the claim to go.
+        if not await self.store.exists(removal_key(job, step)) and await self.store.exists(
+                commit_key(job, step)):
+            return
+        try:
+            await self._outlast_removal(job, step, world, False)
+        except NotCommitted:
+            await take_back_tag(self.store, job, tag, step)
+            raise
 
     async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
         """``_advance_latest``; False (logged) when the store refused the ref write."""

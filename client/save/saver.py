@@ -77,6 +77,9 @@ class Saver:
         self._inflight_serial = 0  # and the serial of its snapshot
         # Each save's serial: a failure is recorded once per snapshot (FailureLog).
         self._serials = itertools.count(1)
+        # Set once the last snapshot's done-callback ran: its future is done before
+        # its callbacks run, and close() must not report before they did.
+        self._settled: threading.Event | None = None
 
     @property
     def inflight(self) -> concurrent.futures.Future[Any] | None:
@@ -153,8 +156,10 @@ class Saver:
                                                                flat.tensors, placements, meta,
                                                                started, pending)
             self.failures.saves += 1
+            settled = self._settled = threading.Event()
         future.add_done_callback(functools.partial(self._snapshot_done, step=step,
                                                    serial=serial, meta=meta))
+        future.add_done_callback(lambda _: settled.set())  # runs after _snapshot_done
         if block_training and copy_done is not None:
             copy_done.block_streams()
         stall = time.perf_counter() - started
@@ -255,6 +260,18 @@ class Saver:
             else:  # committed: what was pending before it no longer matters
                 for older in [s for s in self._pending_commits if s <= step]:
                     del self._pending_commits[older]
+
+    def settle(self, timeout: float | None) -> bool:
+        """Waits up to ``timeout`` seconds for the last snapshot and its done-callback
+        (its failure recorded and reported, its pending commit noted); False when
+        the time ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        busy, settled = self._inflight, self._settled
+        if busy is not None and not concurrent.futures.wait([busy], timeout).done:
+            return False
+        if settled is None:
+            return True
+        return settled.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _failure_seen(self, step: int, serial: int, exc: BaseException) -> None:
         """``wait()`` is about to raise ``exc``: recorded (named, logged) first, since

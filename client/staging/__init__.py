@@ -29,9 +29,9 @@ Design
         when it is full the pool falls back to an anonymous ``memfd`` segment, which
         works but does not survive the process, with a warning), mapped
         ``MAP_SHARED | MAP_POPULATE`` and viewed as one uint8 tensor each
-        (``torch.frombuffer``). Staged tensors are views at 64-byte (4 KiB from 64
-        KiB up) aligned offsets. On CUDA every segment is pinned with
-        ``cudaHostRegister`` (portable) once a state with CUDA tensors is staged.
+        (``torch.from_numpy``, so a view keeps its map). Staged tensors are views
+        at 64-byte (4 KiB from 64 KiB up) aligned offsets. On CUDA every segment is
+        pinned with ``cudaHostRegister`` (portable) once a state with CUDA tensors is staged.
     ``index.json``
         Written atomically (temporary name, rename): the step, the generation, the
         state (``"staging"`` while copies of a new layout run, ``"staged"`` once the
@@ -77,14 +77,17 @@ Design
     enqueued; the pipeline's hashing thread waits on the done event before reading.
     On the CPU the copies are plain synchronous ``copy_`` calls.
 
-    *Lifetime.* ``close()`` waits for the copies, unpins, unmaps, and removes the
+    *Lifetime.* ``close()`` waits for the copies, unpins, unmaps (a segment that a
+    view still holds, say an error's traceback, once the view goes), and removes the
     segments, the index, the control file and the empty directories. A pool that
     is garbage collected, or alive at a normal interpreter exit, is removed the
     same way (a finalizer and an ``atexit`` hook). A process killed by a signal,
     ``os._exit``, or an interpreter exit on an uncaught exception (other than
     ``KeyboardInterrupt``) leaves its pool: that is the crash the failover tier
     restores from. ``StagingPool.open_existing`` reads such a pool;
-    ``remove_stale_pools`` removes pools whose owner is gone.
+    ``remove_stale_pools`` removes pools whose owner is gone (renamed away under
+    the dead owner's lock first, so a process that claims the name meanwhile keeps
+    its new pool).
 
 Alternatives
     Per-tensor ``torch.empty`` buffers (the previous staging): private memory that

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import mmap
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,11 +191,19 @@ def _remove_if_stale(d: Path) -> bool:
     if opened is None:
         return False  # a live owner
     fd, mm = opened
+    # Renamed away while its lock is held, then removed: a process that claims the
+    # name from here on (it unlinks as we remove, and locks a control file of its
+    # own) finds no directory and makes a new one, which this never touches.
+    doomed = d.with_name(f"{d.name}.removing-{secrets.token_hex(4)}")
     try:
-        _remove_pool_files(d)
+        try:
+            d.rename(doomed)
+        except OSError:
+            return False  # gone already, or not ours to rename
+        _remove_pool_files(doomed)
     finally:
         mm.close()
         os.close(fd)
     with contextlib.suppress(OSError):
-        shutil.rmtree(d) if any(d.iterdir()) else d.rmdir()
+        shutil.rmtree(doomed) if any(doomed.iterdir()) else doomed.rmdir()
     return True

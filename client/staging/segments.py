@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ckptd.errors import StagingError
@@ -61,7 +62,11 @@ class _Segment:
         self.mm = mm
         self.nbytes = nbytes
         self.view = memoryview(mm)
-        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        # Through numpy, every tensor view holds a buffer export of the map, as the
+        # memoryviews do: ``mm.close()`` then refuses while a view lives (an error's
+        # traceback frames may keep one past ``close``), and the unmap waits for the
+        # views to go. ``torch.frombuffer`` holds no export: its views would dangle.
+        self.tensor = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
         self.pinned = False
 
     def release(self) -> None:

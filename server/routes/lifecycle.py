@@ -31,7 +31,7 @@ from ckptd.lifecycle.housekeeping import remove_stale_temporaries
 from ckptd.lifecycle.retention import RetentionPolicy, load_retention
 from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
 from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings
-from ckptd.lifecycle.tags import read_tags, remove_tag, set_tag
+from ckptd.lifecycle.tags import read_tags, remove_tag
 from ckptd.repository import Repository
 from ckptd.server.auth import ADMIN, READ, STORE_ADMIN, STORE_READ, WRITE, scope
 from ckptd.server.deps import JobDep, RepoDep
@@ -163,8 +163,7 @@ async def list_tags(job: JobDep, repo: RepoDep) -> dict[str, int]:
 )
 async def put_tag(job: JobDep, name: str, repo: RepoDep,
                   body: Annotated[TagBody, Body()]) -> dict[str, int]:
-    await repo.read_commit(job, body.step)  # only committed steps are tagged
-    await set_tag(repo.store, job, name, body.step)
+    await repo.tag(job, name, body.step)  # only committed steps are tagged
     return await read_tags(repo.store, job)
 
 

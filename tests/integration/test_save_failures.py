@@ -5,6 +5,7 @@ close(), and reported in heartbeats, ``ckptd status`` and ``/metrics``."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -176,3 +177,47 @@ def test_a_step_number_that_fails_again_after_a_rollback_is_not_silent(
     finally:
         result = ckpt.close()
     assert result.failed == 2 and isinstance(result.last_error, StoreError)
+
+
+class _SlowErrorLog(logging.Handler):
+    """Holds up a background thread that logs an ERROR (a snapshot's done-callback
+    logging its failure), as a slow log sink would."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(logging.ERROR)
+        self.seconds = seconds
+        self.held = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.held += 1
+            time.sleep(self.seconds)
+
+
+def test_close_reports_the_last_snapshots_failure_whose_callback_runs_late(
+    server: object, shm: Path
+) -> None:
+    """close() waits for the last snapshot's done-callback, not only its future (which
+    is done before its callbacks run): the failure is in close()'s result and in
+    the last heartbeat the server got."""
+    url = server.url  # type: ignore[attr-defined]
+    a, b = _pair(url, shm, on_error="warn")
+    a.save(0, _state(0)).wait(30)
+    slow = _SlowErrorLog(2.0)
+    logger = logging.getLogger("ckptd.client.checkpointer")
+    logger.addHandler(slow)
+    try:
+        b.save(0, _state(1))  # replicas disagree: fails once its manifest is in
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = b.close()  # at once: the snapshot is still in flight
+    finally:
+        logger.removeHandler(slow)
+    assert slow.held == 1  # the failure was recorded by the done-callback, held up
+    assert result.failed == 1 and isinstance(result.last_error, ReplicaMismatch)
+    assert [w.category for w in caught] == [SnapshotFailureWarning]
+    r1 = [r for r in httpx.get(f"{url}/v1/jobs/j/ranks").json()["ranks"] if r["rank"] == 1][0]
+    assert r1["health"]["signals"].get("snapshot_failures") == 1, r1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a.close()

@@ -14,10 +14,11 @@ import torch
 from ckptd.client import Checkpointer
 from ckptd.errors import CkptdError, NotCommitted, StoreError
 from ckptd.format import removal_key
-from ckptd.lifecycle.retention import RetentionPolicy, forget
+from ckptd.lifecycle.retention import ForgetPlan, RetentionPolicy, forget
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository import Repository
 from ckptd.store.local import LocalStore
+from ckptd.testing.faults import FaultyStore
 from ckptd.testing.manifests import rank_manifest, tensor_entry
 
 
@@ -231,5 +232,77 @@ def test_a_dead_pass_claim_is_taken_over_once_stale(tmp_path: Path) -> None:
         await store.compare_and_swap(key, fresh % int(time.time()), fresh % 0)  # it died
         await forget(repo, "j", policy, now=time.time() + 3600)
         assert not [k async for k in store.list_prefix("jobs/j/steps/5/")]
+
+    asyncio.run(scenario())
+
+
+async def _two_committed(repo: Repository) -> None:
+    """Steps 5 and 6 committed, untagged: retention with keep_last=1 forgets 5."""
+    for step in (5, 6):
+        await _pending_step(repo, "j", step)
+        assert (await repo.commit("j", step)).state == "committed"
+
+
+@pytest.mark.parametrize("how", ["commit retry", "ckptd tag"])
+def test_a_tag_set_on_a_step_retention_removed_meanwhile_is_taken_back(
+    tmp_path: Path, how: str
+) -> None:
+    """A commit retry (or ``ckptd tag``) read step 5's record (no removal claim yet);
+    retention then removed the whole step before the tag was written: the answer is
+    not_committed and no tag names the removed step."""
+
+    async def scenario() -> None:
+        store = FaultyStore(LocalStore(str(tmp_path / "store")))
+        repo = Repository(store)
+        await _two_committed(repo)
+        real = store.get
+        removed: list[ForgetPlan] = []
+        started = []
+
+        async def get(key: str) -> bytes:
+            if key.endswith("refs/tags") and not started:  # the retry is about to tag
+                started.append(True)
+                removed.append(await forget(repo, "j", RetentionPolicy(keep_last=1)))
+            return await real(key)
+
+        store.get = get  # type: ignore[method-assign]
+        with pytest.raises(NotCommitted):
+            if how == "commit retry":
+                await repo.commit("j", 5, meta={"tag": "best"})
+            else:
+                await repo.tag("j", "best", 5)
+        store.get = real  # type: ignore[method-assign]
+        assert removed[0].forgotten == [5]
+        assert await repo.try_read_commit("j", 5) is None
+        assert await read_tags(store, "j") == {}  # no tag names the removed step
+        assert store.count("compare_and_swap", "refs/tags") == 2  # set, then taken back
+
+    asyncio.run(scenario())
+
+
+def test_a_step_tagged_after_retention_planned_to_forget_it_is_kept(tmp_path: Path) -> None:
+    """The retry tagged step 5 after retention's plan read the tags, before its
+    claim: retention reads the tags again once it holds the claim, and keeps it."""
+
+    async def scenario() -> None:
+        store = FaultyStore(LocalStore(str(tmp_path / "store")))
+        repo = Repository(store)
+        await _two_committed(repo)
+        real = store.put_if_absent
+        answers: list[str] = []
+
+        async def put_if_absent(key: str, data: bytes | memoryview) -> bool:
+            if key == removal_key("j", 5) and not answers:
+                answers.append((await repo.commit("j", 5, meta={"tag": "best"})).state)
+            return await real(key, data)
+
+        store.put_if_absent = put_if_absent  # type: ignore[method-assign]
+        plan = await forget(repo, "j", RetentionPolicy(keep_last=1))
+        store.put_if_absent = real  # type: ignore[method-assign]
+        assert answers == ["committed"]
+        assert plan.forgotten == []
+        assert await _whole(repo, "j", 5)
+        assert await read_tags(store, "j") == {"best": 5}
+        assert not await store.exists(removal_key("j", 5))
 
     asyncio.run(scenario())

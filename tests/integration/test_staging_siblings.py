@@ -1,0 +1,87 @@
+"""Removing a stale pool never removes the pool of a live process that claimed the
+same directory meanwhile (two processes: this one removes, a child claims)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptd.client.staging import reader
+from ckptd.client.staging.reader import remove_stale_pools
+from ckptd.client.staging.segments import _open_control, pool_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+# Claims the pool directory the way StagingPool._claim does (make it, lock its
+# control file, again while it vanishes), reports, then holds it until asked
+# whether the directory and its control file are still its own.
+CLAIMER = """
+    import os, sys, time
+    from pathlib import Path
+    from ckptd.client.staging.format import CONTROL_NAME
+    from ckptd.client.staging.segments import _open_control
+
+    d = Path(sys.argv[1])
+    deadline = time.monotonic() + 20
+    opened = None
+    while opened is None and time.monotonic() < deadline:
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            opened = _open_control(d, lock=True)
+        except FileNotFoundError:
+            continue
+        if opened is None:
+            time.sleep(0.001)
+    print("locked" if opened else "never", flush=True)
+    sys.stdin.readline()
+    fd = opened[0]
+    try:
+        mine = os.stat(d / CONTROL_NAME).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        mine = False
+    print("intact" if mine else "destroyed", flush=True)
+"""
+
+
+def test_a_stale_pool_removed_while_a_live_process_claims_its_name_keeps_the_new_pool(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stale = pool_dir("j", 0, shm).with_name("rank-0.4242-abcdef")  # its owner died
+    stale.mkdir(parents=True)
+    opened = _open_control(stale, lock=True)
+    assert opened is not None
+    opened[1].close()
+    os.close(opened[0])  # the lock dies with its owner
+    (stale / "seg-dead-0").write_bytes(b"x" * 4096)
+
+    real = reader._remove_pool_files
+    claimers: list[subprocess.Popen[str]] = []
+
+    def remove_pool_files(directory: Path) -> None:
+        real(directory)  # the stale control file is unlinked; its lock still held here
+        # Now a live process (same job and rank) claims the name: it takes the lock
+        # of a control file of its own before this removal is done.
+        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CLAIMER), str(stale)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        claimers.append(child)
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "locked"
+
+    monkeypatch.setattr(reader, "_remove_pool_files", remove_pool_files)
+    try:
+        assert remove_stale_pools(shm, "j") == [stale]
+        assert len(claimers) == 1
+        out, _ = claimers[0].communicate("check\n", timeout=30)
+        assert out.split() == ["intact"], out
+        assert claimers[0].returncode == 0
+    finally:
+        for child in claimers:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert sorted(p.name for p in stale.parent.iterdir()) == ["rank-0.4242-abcdef"]
