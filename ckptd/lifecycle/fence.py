@@ -36,9 +36,21 @@ async def read_state(store: Store) -> tuple[GcState, bytes | None]:
     return GcState.parse(data), data
 
 
+def sweep_live_until(state: GcState) -> float:
+    """Until when a sweeping state counts as live on a writer's clock: its lease,
+    then a margin of ``expires_at - started_at`` (the lease at least, as
+    ``started_at`` is when the sweep began and every renewal adds the lease).
+
+    The collector ends every delete before ``expires_at`` on its own clock; the
+    margin covers a writer's clock running ahead of the collector's by less than
+    that, and a delete the store carries out after the collector gave up on it."""
+    return state.expires_at + max(0.0, state.expires_at - state.started_at)
+
+
 def sweeping(state: GcState, now: float) -> bool:
-    """A sweep holds the lease; an expired one is a collector that died."""
-    return state.phase == "sweeping" and state.expires_at > now
+    """A sweep holds the lease; one expired for longer than its margin is a
+    collector that died."""
+    return state.phase == "sweeping" and sweep_live_until(state) > now
 
 
 async def wait_not_sweeping(

@@ -30,7 +30,7 @@ from ckptd.documents import document_work
 from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
-from ckptd.lifecycle.fence import read_state, sweeping
+from ckptd.lifecycle.fence import read_state, sweep_live_until, sweeping
 from ckptd.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -76,14 +76,29 @@ class _Lease:
         self.holder = uuid.uuid4().hex
         self.state: GcState | None = None
         self._bytes: bytes | None = None
+        # One renewal at a time: concurrent deletes each hold() the lease, and two
+        # compare-and-swaps from the same bytes would lose it to each other.
+        self._renewal = asyncio.Lock()
+        #: a delete was given up on (timed out, cancelled): the store may still carry
+        #: it out, so the lease must run out (and its margin) before writers go on
+        self.abandoned = False
+
+    @property
+    def generation(self) -> int:
+        return self.state.generation if self.state is not None else 0
 
     async def acquire(self) -> GcState:
         current, data = await read_state(self.store)
         now = self.clock()
-        if current.phase != "idle" and current.expires_at > now:
+        # A marking collector deletes nothing: once expired it can be taken over (its
+        # switch to sweeping would fail its compare-and-swap). A sweeping one may
+        # still have deletes in flight: it is dead only after its margin too.
+        live_until = (sweep_live_until(current) if current.phase == "sweeping"
+                      else current.expires_at)
+        if current.phase != "idle" and (current.expires_at > now or sweeping(current, now)):
             raise GcInProgress(
                 f"garbage collection {current.generation} is already {current.phase} "
-                f"(until {current.expires_at - now:.0f} s from now)",
+                f"(until {live_until - now:.0f} s from now)",
                 generation=current.generation,
             )
         if current.phase != "idle":
@@ -98,25 +113,35 @@ class _Lease:
 
     async def move(self, phase: str) -> GcState:
         """Renews the lease, optionally entering another phase; ``gc_in_progress`` if gone."""
+        async with self._renewal:
+            return await self._move(phase)
+
+    async def _move(self, phase: str) -> GcState:
         assert self.state is not None
         now = self.clock()
-        new = self.state.model_copy(update={"phase": phase, "expires_at": now + self.lease_s})
+        update: dict[str, object] = {"phase": phase, "expires_at": now + self.lease_s}
+        if phase != self.state.phase:
+            update["started_at"] = now  # writers measure a dead sweep's margin from it
+        new = self.state.model_copy(update=update)
         data = new.canonical()
         if not await self.store.compare_and_swap(GC_STATE_KEY, self._bytes, data):
             raise _lease_lost(self.state.generation, "lost its lease")
         self.state, self._bytes = new, data
         return new
 
-    async def hold(self) -> None:
+    async def hold(self) -> float:
         """Renews the lease once a quarter of it is gone; refuses to go on with
         under a quarter left (a paused collector must not delete after its lease
-        may have run out: writers then stop waiting for it)."""
+        may have run out: writers then stop waiting for it). Returns how long work
+        that must end within the lease may take: until a quarter before it ends."""
         assert self.state is not None
-        left = self.state.expires_at - self.clock()
-        if left < self.lease_s / 4:
-            raise _lease_lost(self.state.generation, "is out of lease time")
-        if left < self.lease_s * 3 / 4:
-            await self.move(self.state.phase)
+        async with self._renewal:
+            left = self.state.expires_at - self.clock()
+            if left < self.lease_s / 4:
+                raise _lease_lost(self.state.generation, "is out of lease time")
+            if left < self.lease_s * 3 / 4:
+                await self._move(self.state.phase)
+            return self.state.expires_at - self.clock() - self.lease_s / 4
 
 
 async def _chunks(store: Store) -> dict[str, int]:
@@ -237,7 +262,8 @@ async def collect_garbage(
         await _forget_touched(store, state.generation)
         await held.move("idle")
     except BaseException as exc:
-        if not (isinstance(exc, GcInProgress) and exc.detail.get("lease_lost")):
+        if not held.abandoned and not (
+                isinstance(exc, GcInProgress) and exc.detail.get("lease_lost")):
             # Give the lease back: writers need not wait for it to expire. What was
             # deleted so far was garbage; writers that waited re-check presence.
             with contextlib.suppress(CkptdError):
@@ -260,14 +286,36 @@ def _fill(report: GcReport, sizes: dict[str, int], doomed: list[str], t0: float)
 
 async def _sweep(store: Store, held: _Lease, doomed: list[str]) -> None:
     sem = asyncio.Semaphore(_DELETE_CONCURRENCY)
+    failed: list[Exception] = []
 
     async def one(cid: str) -> None:
         async with sem:
-            await store.delete(f"chunks/{cid[:2]}/{cid}")
+            if failed:
+                return  # start no delete after one failed; let those begun end
+            key = f"chunks/{cid[:2]}/{cid}"
+            try:
+                # Before every delete, not once per batch: one delete can stall (an
+                # S3 client retries for minutes), and writers stop waiting for the
+                # sweep once its lease is over. So each delete also ends, answered
+                # or not, a quarter of the lease before it runs out.
+                budget = await held.hold()
+                try:
+                    await asyncio.wait_for(store.delete(key), budget)
+                except TimeoutError:
+                    held.abandoned = True
+                    raise _lease_lost(held.generation, f"stopped: deleting {key} took over "
+                                      f"{budget:.1f} s, too close to the end of its lease"
+                                      ) from None
+                except asyncio.CancelledError:
+                    held.abandoned = True
+                    raise
+            except Exception as exc:  # the first failure stops the sweep; raised below
+                failed.append(exc)
 
     for i in range(0, len(doomed), _DELETE_BATCH):
-        await held.hold()  # never delete on a lease that may have run out
         await asyncio.gather(*(one(c) for c in doomed[i : i + _DELETE_BATCH]))
+        if failed:
+            raise failed[0]
 
 
 async def _forget_touched(store: Store, generation: int) -> None:
