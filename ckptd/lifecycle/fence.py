@@ -18,7 +18,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
-from ckptd.errors import GcInProgress, NotFound
+from ckptd.documents import parse_stored
+from ckptd.errors import GcInProgress, NotFound, StoreCorrupt
 from ckptd.lifecycle.documents import GC_STATE_KEY, IDLE, GcState, GcTouched, touched_prefix
 from ckptd.store.base import Store
 
@@ -28,12 +29,23 @@ _POLL_S = 0.05
 
 
 async def read_state(store: Store) -> tuple[GcState, bytes | None]:
-    """The GC state and its stored bytes (None: never collected)."""
+    """The GC state and its stored bytes (None: never collected).
+
+    A damaged state is ``StoreCorrupt`` naming ``gc/state``, and every write that
+    fences on it fails with that until a collection rewrites it: the state cannot
+    say whether a sweep is live, and if one is, answering "present" or committing
+    could name a chunk it is about to delete. Failing the save loses no chunk; the
+    client sends the step again later. (``_Lease.acquire`` takes a damaged state
+    over.)"""
     try:
         data = await store.get(GC_STATE_KEY)
     except NotFound:
         return IDLE, None
-    return GcState.parse(data), data
+    try:
+        return parse_stored(GcState.parse, data, GC_STATE_KEY), data
+    except StoreCorrupt as exc:
+        raise StoreCorrupt(f"{exc.message}; saves fail until a garbage collection "
+                           "(`ckptd gc`) rewrites it", key=GC_STATE_KEY) from None
 
 
 def sweep_live_until(state: GcState) -> float:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd import large_json
-from ckptd.documents import document_work
-from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound
+from ckptd.documents import document_work, parse_stored
+from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound, StoreCorrupt
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
 from ckptd.lifecycle.fence import read_state, sweep_live_until, sweeping
@@ -88,7 +88,12 @@ class _Lease:
         return self.state.generation if self.state is not None else 0
 
     async def acquire(self) -> GcState:
-        current, data = await read_state(self.store)
+        try:
+            current, data = await read_state(self.store)
+        except StoreCorrupt as exc:
+            if exc.detail.get("key") != GC_STATE_KEY:
+                raise
+            return await self._repair()
         now = self.clock()
         # A marking collector deletes nothing: once expired it can be taken over (its
         # switch to sweeping would fail its compare-and-swap). A sweeping one may
@@ -110,6 +115,34 @@ class _Lease:
             raise GcInProgress("another garbage collection started just now")
         self.state, self._bytes = new, new.canonical()
         return new
+
+    async def _repair(self) -> GcState:
+        """Takes over a damaged ``gc/state`` (compare-and-swap against its bytes),
+        then marks as usual.
+
+        Whether a sweep was live when it was damaged is unknown. One that was stops
+        at its next renewal (its compare-and-swap fails) and ends every delete
+        within its lease; writers failed meanwhile (``read_state``). So the state
+        written first is a sweep of this collector's that deletes nothing: writers
+        wait for it one lease (collectors of a store share one lease length), then
+        it turns to marking. Its generation is above any left in the damaged bytes
+        or in a touched document, so no writer takes it for the one it read."""
+        data = await self.store.get(GC_STATE_KEY)
+        found = [int(m) for m in re.findall(rb'"generation":\s*(\d+)', data)]
+        generation = max([*found, *await _touched_generations(self.store), 0]) + 1
+        now = self.clock()
+        fence = GcState(generation=generation, phase="sweeping", holder=self.holder,
+                        started_at=now, expires_at=now + self.lease_s)
+        if not await self.store.compare_and_swap(GC_STATE_KEY, data, fence.canonical()):
+            raise GcInProgress("another garbage collection took the damaged GC state over",
+                               generation=generation)
+        log.warning("GC state %s was damaged; generation %d took it over and waits %g s "
+                    "for any collector that held it", GC_STATE_KEY, generation, self.lease_s)
+        self.state, self._bytes = fence, fence.canonical()
+        while (left := now + self.lease_s - self.clock()) > 0:
+            await asyncio.sleep(min(left, self.lease_s / 8))
+            await self.hold()
+        return await self.move("marking")
 
     async def move(self, phase: str) -> GcState:
         """Renews the lease, optionally entering another phase; ``gc_in_progress`` if gone."""
@@ -187,10 +220,11 @@ async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
             # 100,000-tensor manifest parses), with no collection scanning it.
             into.update(await document_work(_chunk_ids_of, data))
         except InvalidDocument as exc:
-            # Its chunks are unknown, so none may be deleted on a guess.
-            raise InvalidDocument(
-                f"garbage collection stopped: rank manifest {key} does not parse ({exc}); "
-                "forget that step, then collect again", key=key,
+            # Its chunks are unknown, so none may be deleted on a guess. Store damage
+            # (a 5xx naming the manifest), not the caller's request.
+            raise StoreCorrupt(
+                f"garbage collection stopped: rank manifest {key} does not parse "
+                f"({exc.message}); forget that step, then collect again", key=key,
             ) from None
 
     await asyncio.gather(*(one(k) for k in keys))
@@ -202,11 +236,16 @@ def _is_pending(key: str, committed: set[tuple[str, str]]) -> bool:
     return m is not None and (m.group(1), m.group(2)) not in committed
 
 
+async def _touched_generations(store: Store) -> list[int]:
+    """The generations that have touched documents."""
+    return [int(name) for name in await store.list_dir("gc/touched/") if name.isdigit()]
+
+
 async def _touched(store: Store, generation: int) -> set[str]:
     ids: set[str] = set()
     async for key in store.list_prefix(touched_prefix(generation)):
         try:
-            ids.update(GcTouched.parse(await store.get(key)).ids)
+            ids.update(parse_stored(GcTouched.parse, await store.get(key), key).ids)
         except NotFound:
             continue
     return ids
