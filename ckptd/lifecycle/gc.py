@@ -22,7 +22,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ckptd import large_json
@@ -144,6 +144,30 @@ class _Lease:
             await self.hold()
         return await self.move("marking")
 
+    @contextlib.asynccontextmanager
+    async def renewing(self) -> AsyncIterator[None]:
+        """Renews the lease in the background while the body reads: writers wait
+        for a sweep meanwhile, and a lease run out would stop it for nothing."""
+        stop = asyncio.Event()
+
+        async def renew() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.lease_s / 8)
+                if not stop.is_set():
+                    await self.hold()
+
+        # Stopped, never cancelled: a renewal cut off mid compare-and-swap would
+        # leave this collector not knowing its own state's bytes.
+        task = asyncio.create_task(renew(), name="ckptd-gc-lease")
+        try:
+            yield
+        finally:
+            stop.set()
+            renewal = (await asyncio.gather(task, return_exceptions=True))[0]
+        if isinstance(renewal, BaseException):
+            raise renewal
+
     async def move(self, phase: str) -> GcState:
         """Renews the lease, optionally entering another phase; ``gc_in_progress`` if gone."""
         async with self._renewal:
@@ -241,14 +265,22 @@ async def _touched_generations(store: Store) -> list[int]:
     return [int(name) for name in await store.list_dir("gc/touched/") if name.isdigit()]
 
 
-async def _touched(store: Store, generation: int) -> set[str]:
-    ids: set[str] = set()
-    async for key in store.list_prefix(touched_prefix(generation)):
-        try:
-            ids.update(parse_stored(GcTouched.parse, await store.get(key), key).ids)
-        except NotFound:
-            continue
-    return ids
+async def _touched(store: Store, generation: int, ids: set[str], seen: set[str]) -> None:
+    """Adds to ``ids`` those of the generation's touched documents not in ``seen``
+    (each is written once and never changed), read a few at a time."""
+    sem = asyncio.Semaphore(_READ_CONCURRENCY)
+    keys = [k async for k in store.list_prefix(touched_prefix(generation)) if k not in seen]
+
+    async def one(key: str) -> None:
+        async with sem:
+            try:
+                data = await store.get(key)
+            except NotFound:
+                return
+        ids.update(parse_stored(GcTouched.parse, data, key).ids)
+        seen.add(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
 
 
 async def collect_garbage(
@@ -277,7 +309,8 @@ async def collect_garbage(
     state = await held.acquire()
     report.generation = state.generation
     try:
-        sizes = await _chunks(store)
+        async with held.renewing():  # millions of chunks take minutes to list
+            sizes = await _chunks(store)
         # The grace period: a save answered "present" before the mark began has
         # put its manifest by now, so the listing below sees it.
         while (left := state.started_at + grace - clock()) > 0:
@@ -285,26 +318,35 @@ async def collect_garbage(
             await held.hold()
         keys, committed = await _manifest_keys(store)
         referenced = set()
-        report.manifests_read = await _read_ids(store, keys, referenced)
+        touched: set[str] = set()
+        seen: set[str] = set()
+        async with held.renewing():
+            report.manifests_read = await _read_ids(store, keys, referenced)
+            # The touched documents so far, read while writers run: the sweep then
+            # reads only those written since.
+            await _touched(store, state.generation, touched, seen)
         await held.move("sweeping")
         # From here on no write checks presence. What was answered or put before
         # is visible now: touched ids, and manifests (new ones, and pending ones,
-        # which a rollback's timeline may have replaced).
-        touched = await _touched(store, state.generation)
-        report.touched = len(touched)
-        again, committed = await _manifest_keys(store)
-        fresh = {k for k in again if k not in keys or _is_pending(k, committed)}
-        report.manifests_read += await _read_ids(store, fresh, referenced)
+        # which a rollback's timeline may have replaced). Writers wait meanwhile.
+        async with held.renewing():
+            await _touched(store, state.generation, touched, seen)
+            report.touched = len(touched)
+            again, committed = await _manifest_keys(store)
+            fresh = {k for k in again if k not in keys or _is_pending(k, committed)}
+            report.manifests_read += await _read_ids(store, fresh, referenced)
         doomed = sorted(set(sizes) - referenced - touched)
         await _sweep(store, held, doomed)
         _fill(report, sizes, doomed, t0)
-        await _forget_touched(store, state.generation)
         await held.move("idle")
-    except BaseException as exc:
-        if not held.abandoned and not (
-                isinstance(exc, GcInProgress) and exc.detail.get("lease_lost")):
+        # Only this generation's sweep read them: writers need not wait for this.
+        await _forget_touched(store, state.generation)
+    except BaseException:
+        if not held.abandoned:
             # Give the lease back: writers need not wait for it to expire. What was
             # deleted so far was garbage; writers that waited re-check presence.
+            # (No delete is under way: the sweep waits for those it began. One lost
+            # to another collector fails this compare-and-swap, harmlessly.)
             with contextlib.suppress(CkptdError):
                 await held.move("idle")
         raise
