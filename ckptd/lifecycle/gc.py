@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 
 from ckptd import large_json
 from ckptd.documents import document_work, parse_stored
-from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound, StoreCorrupt
+from ckptd.errors import (
+    CkptdError,
+    GcInProgress,
+    InvalidDocument,
+    NotFound,
+    StoreCorrupt,
+    UnsupportedFormat,
+)
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
 from ckptd.lifecycle.fence import read_state, sweep_live_until, sweeping
@@ -93,7 +100,7 @@ class _Lease:
         except StoreCorrupt as exc:
             if exc.detail.get("key") != GC_STATE_KEY:
                 raise
-            return await self._repair()
+            return await self._repair(exc)
         now = self.clock()
         # A marking collector deletes nothing: once expired it can be taken over (its
         # switch to sweeping would fail its compare-and-swap). A sweeping one may
@@ -116,7 +123,7 @@ class _Lease:
         self.state, self._bytes = new, new.canonical()
         return new
 
-    async def _repair(self) -> GcState:
+    async def _repair(self, damage: StoreCorrupt) -> GcState:
         """Takes over a damaged ``gc/state`` (compare-and-swap against its bytes),
         then marks as usual.
 
@@ -128,6 +135,12 @@ class _Lease:
         it turns to marking. Its generation is above any left in the damaged bytes
         or in a touched document, so no writer takes it for the one it read."""
         data = await self.store.get(GC_STATE_KEY)
+        try:
+            GcState.parse(data)
+        except UnsupportedFormat:
+            raise damage from None  # a newer ckptd's state: not ours to overwrite
+        except InvalidDocument:
+            pass
         found = [int(m) for m in re.findall(rb'"generation":\s*(\d+)', data)]
         generation = max([*found, *await _touched_generations(self.store), 0]) + 1
         now = self.clock()

@@ -80,6 +80,16 @@ async def test_a_collection_takes_a_damaged_gc_state_over_and_repairs_it() -> No
     assert (await repo.verify(JOB, 1)).ok
 
 
+async def test_a_gc_state_of_a_newer_format_version_is_not_taken_over() -> None:
+    store = MemoryStore()
+    newer = (b'{"expires_at":0,"format":"ckptd.gc_state","generation":1,"holder":"",'
+             b'"phase":"idle","started_at":0,"version":9}')
+    await store.put_if_absent(GC_STATE_KEY, newer)
+    with pytest.raises(StoreCorrupt):
+        await collect_garbage(store, grace=0.0, lease=0.2)
+    assert await store.get(GC_STATE_KEY) == newer
+
+
 async def test_a_damaged_manifest_stops_the_collection_as_store_damage() -> None:
     store = MemoryStore()
     repo = Repository(store)
