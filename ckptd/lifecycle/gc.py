@@ -141,6 +141,8 @@ class _Lease:
             raise damage from None  # a newer ckptd's state: not ours to overwrite
         except InvalidDocument:
             pass
+        else:  # whole again: another collection took it over since we read it
+            raise GcInProgress("another garbage collection took the damaged GC state over")
         found = [int(m) for m in re.findall(rb'"generation":\s*(\d+)', data)]
         generation = max([*found, *await _touched_generations(self.store), 0]) + 1
         now = self.clock()

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckptd.errors import StoreCorrupt
+from ckptd.errors import GcInProgress, StoreCorrupt
 from ckptd.format import chunk_key
 from ckptd.hashing import chunk_id
-from ckptd.lifecycle.documents import GC_STATE_KEY, touched_prefix
+from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, touched_prefix
 from ckptd.lifecycle.fence import read_state
 from ckptd.lifecycle.gc import collect_garbage
 from ckptd.repository import Repository
@@ -141,3 +141,28 @@ def test_the_server_answers_a_damaged_gc_document_with_a_500_naming_it(
         assert r.status_code == 500, r.text
         assert r.json()["code"] == "store_corrupt"
         assert r.json()["detail"]["key"] == GC_STATE_KEY
+
+
+class RepairedMeanwhile(MemoryStore):
+    """The first read of ``gc/state`` finds it damaged; another collection has
+    taken it over by the time this one reads it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = True
+
+    async def get(self, key: str) -> bytes:
+        if key == GC_STATE_KEY and self.first:
+            self.first = False
+            return DAMAGED_STATE
+        return await super().get(key)
+
+
+async def test_a_collection_does_not_take_over_a_state_another_just_repaired() -> None:
+    store = RepairedMeanwhile()
+    theirs = GcState(generation=6, phase="sweeping", holder="other", started_at=time.time(),
+                     expires_at=time.time() + 60).canonical()
+    await store.put_if_absent(GC_STATE_KEY, theirs)
+    with pytest.raises(GcInProgress):
+        await collect_garbage(store, grace=0.0, lease=0.3)
+    assert await store.get(GC_STATE_KEY) == theirs
