@@ -18,7 +18,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
-from ckptd.errors import GcInProgress, NotFound
+from ckptd.documents import parse_stored
+from ckptd.errors import GcInProgress, NotFound, StoreCorrupt
 from ckptd.lifecycle.documents import GC_STATE_KEY, IDLE, GcState, GcTouched, touched_prefix
 from ckptd.store.base import Store
 
@@ -28,17 +29,40 @@ _POLL_S = 0.05
 
 
 async def read_state(store: Store) -> tuple[GcState, bytes | None]:
-    """The GC state and its stored bytes (None: never collected)."""
+    """The GC state and its stored bytes (None: never collected).
+
+    A damaged state is ``StoreCorrupt`` naming ``gc/state``, and every write that
+    fences on it fails with that until a collection rewrites it: the state cannot
+    say whether a sweep is live, and if one is, answering "present" or committing
+    could name a chunk it is about to delete. Failing the save loses no chunk; the
+    client sends the step again later. (``_Lease.acquire`` takes a damaged state
+    over.)"""
     try:
         data = await store.get(GC_STATE_KEY)
     except NotFound:
         return IDLE, None
-    return GcState.parse(data), data
+    try:
+        return parse_stored(GcState.parse, data, GC_STATE_KEY), data
+    except StoreCorrupt as exc:
+        raise StoreCorrupt(f"{exc.message}; saves fail until a garbage collection "
+                           "(`ckptd gc`) rewrites it", key=GC_STATE_KEY) from None
+
+
+def sweep_live_until(state: GcState) -> float:
+    """Until when a sweeping state counts as live on a writer's clock: its lease,
+    then a margin of ``expires_at - started_at`` (the lease at least, as
+    ``started_at`` is when the sweep began and every renewal adds the lease).
+
+    The collector ends every delete before ``expires_at`` on its own clock; the
+    margin covers a writer's clock running ahead of the collector's by less than
+    that, and a delete the store carries out after the collector gave up on it."""
+    return state.expires_at + max(0.0, state.expires_at - state.started_at)
 
 
 def sweeping(state: GcState, now: float) -> bool:
-    """A sweep holds the lease; an expired one is a collector that died."""
-    return state.phase == "sweeping" and state.expires_at > now
+    """A sweep holds the lease; one expired for longer than its margin is a
+    collector that died."""
+    return state.phase == "sweeping" and sweep_live_until(state) > now
 
 
 async def wait_not_sweeping(

@@ -22,15 +22,22 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ckptd import large_json
-from ckptd.documents import document_work
-from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound
+from ckptd.documents import document_work, parse_stored
+from ckptd.errors import (
+    CkptdError,
+    GcInProgress,
+    InvalidDocument,
+    NotFound,
+    StoreCorrupt,
+    UnsupportedFormat,
+)
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
-from ckptd.lifecycle.fence import read_state, sweeping
+from ckptd.lifecycle.fence import read_state, sweep_live_until, sweeping
 from ckptd.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -76,14 +83,34 @@ class _Lease:
         self.holder = uuid.uuid4().hex
         self.state: GcState | None = None
         self._bytes: bytes | None = None
+        # One renewal at a time: concurrent deletes each hold() the lease, and two
+        # compare-and-swaps from the same bytes would lose it to each other.
+        self._renewal = asyncio.Lock()
+        #: a delete was given up on (timed out, cancelled): the store may still carry
+        #: it out, so the lease must run out (and its margin) before writers go on
+        self.abandoned = False
+
+    @property
+    def generation(self) -> int:
+        return self.state.generation if self.state is not None else 0
 
     async def acquire(self) -> GcState:
-        current, data = await read_state(self.store)
+        try:
+            current, data = await read_state(self.store)
+        except StoreCorrupt as exc:
+            if exc.detail.get("key") != GC_STATE_KEY:
+                raise
+            return await self._repair(exc)
         now = self.clock()
-        if current.phase != "idle" and current.expires_at > now:
+        # A marking collector deletes nothing: once expired it can be taken over (its
+        # switch to sweeping would fail its compare-and-swap). A sweeping one may
+        # still have deletes in flight: it is dead only after its margin too.
+        live_until = (sweep_live_until(current) if current.phase == "sweeping"
+                      else current.expires_at)
+        if current.phase != "idle" and (current.expires_at > now or sweeping(current, now)):
             raise GcInProgress(
                 f"garbage collection {current.generation} is already {current.phase} "
-                f"(until {current.expires_at - now:.0f} s from now)",
+                f"(until {live_until - now:.0f} s from now)",
                 generation=current.generation,
             )
         if current.phase != "idle":
@@ -96,27 +123,97 @@ class _Lease:
         self.state, self._bytes = new, new.canonical()
         return new
 
+    async def _repair(self, damage: StoreCorrupt) -> GcState:
+        """Takes over a damaged ``gc/state`` (compare-and-swap against its bytes),
+        then marks as usual.
+
+        Whether a sweep was live when it was damaged is unknown. One that was stops
+        at its next renewal (its compare-and-swap fails) and ends every delete
+        within its lease; writers failed meanwhile (``read_state``). So the state
+        written first is a sweep of this collector's that deletes nothing: writers
+        wait for it one lease (collectors of a store share one lease length), then
+        it turns to marking. Its generation is above any left in the damaged bytes
+        or in a touched document, so no writer takes it for the one it read."""
+        data = await self.store.get(GC_STATE_KEY)
+        try:
+            GcState.parse(data)
+        except UnsupportedFormat:
+            raise damage from None  # a newer ckptd's state: not ours to overwrite
+        except InvalidDocument:
+            pass
+        else:  # whole again: another collection took it over since we read it
+            raise GcInProgress("another garbage collection took the damaged GC state over")
+        found = [int(m) for m in re.findall(rb'"generation":\s*(\d+)', data)]
+        generation = max([*found, *await _touched_generations(self.store), 0]) + 1
+        now = self.clock()
+        fence = GcState(generation=generation, phase="sweeping", holder=self.holder,
+                        started_at=now, expires_at=now + self.lease_s)
+        if not await self.store.compare_and_swap(GC_STATE_KEY, data, fence.canonical()):
+            raise GcInProgress("another garbage collection took the damaged GC state over",
+                               generation=generation)
+        log.warning("GC state %s was damaged; generation %d took it over and waits %g s "
+                    "for any collector that held it", GC_STATE_KEY, generation, self.lease_s)
+        self.state, self._bytes = fence, fence.canonical()
+        while (left := now + self.lease_s - self.clock()) > 0:
+            await asyncio.sleep(min(left, self.lease_s / 8))
+            await self.hold()
+        return await self.move("marking")
+
+    @contextlib.asynccontextmanager
+    async def renewing(self) -> AsyncIterator[None]:
+        """Renews the lease in the background while the body reads: writers wait
+        for a sweep meanwhile, and a lease run out would stop it for nothing."""
+        stop = asyncio.Event()
+
+        async def renew() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.lease_s / 8)
+                if not stop.is_set():
+                    await self.hold()
+
+        # Stopped, never cancelled: a renewal cut off mid compare-and-swap would
+        # leave this collector not knowing its own state's bytes.
+        task = asyncio.create_task(renew(), name="ckptd-gc-lease")
+        try:
+            yield
+        finally:
+            stop.set()
+            renewal = (await asyncio.gather(task, return_exceptions=True))[0]
+        if isinstance(renewal, BaseException):
+            raise renewal
+
     async def move(self, phase: str) -> GcState:
         """Renews the lease, optionally entering another phase; ``gc_in_progress`` if gone."""
+        async with self._renewal:
+            return await self._move(phase)
+
+    async def _move(self, phase: str) -> GcState:
         assert self.state is not None
         now = self.clock()
-        new = self.state.model_copy(update={"phase": phase, "expires_at": now + self.lease_s})
+        update: dict[str, object] = {"phase": phase, "expires_at": now + self.lease_s}
+        if phase != self.state.phase:
+            update["started_at"] = now  # writers measure a dead sweep's margin from it
+        new = self.state.model_copy(update=update)
         data = new.canonical()
         if not await self.store.compare_and_swap(GC_STATE_KEY, self._bytes, data):
             raise _lease_lost(self.state.generation, "lost its lease")
         self.state, self._bytes = new, data
         return new
 
-    async def hold(self) -> None:
+    async def hold(self) -> float:
         """Renews the lease once a quarter of it is gone; refuses to go on with
         under a quarter left (a paused collector must not delete after its lease
-        may have run out: writers then stop waiting for it)."""
+        may have run out: writers then stop waiting for it). Returns how long work
+        that must end within the lease may take: until a quarter before it ends."""
         assert self.state is not None
-        left = self.state.expires_at - self.clock()
-        if left < self.lease_s / 4:
-            raise _lease_lost(self.state.generation, "is out of lease time")
-        if left < self.lease_s * 3 / 4:
-            await self.move(self.state.phase)
+        async with self._renewal:
+            left = self.state.expires_at - self.clock()
+            if left < self.lease_s / 4:
+                raise _lease_lost(self.state.generation, "is out of lease time")
+            if left < self.lease_s * 3 / 4:
+                await self._move(self.state.phase)
+            return self.state.expires_at - self.clock() - self.lease_s / 4
 
 
 async def _chunks(store: Store) -> dict[str, int]:
@@ -162,10 +259,11 @@ async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
             # 100,000-tensor manifest parses), with no collection scanning it.
             into.update(await document_work(_chunk_ids_of, data))
         except InvalidDocument as exc:
-            # Its chunks are unknown, so none may be deleted on a guess.
-            raise InvalidDocument(
-                f"garbage collection stopped: rank manifest {key} does not parse ({exc}); "
-                "forget that step, then collect again", key=key,
+            # Its chunks are unknown, so none may be deleted on a guess. Store damage
+            # (a 5xx naming the manifest), not the caller's request.
+            raise StoreCorrupt(
+                f"garbage collection stopped: rank manifest {key} does not parse "
+                f"({exc.message}); forget that step, then collect again", key=key,
             ) from None
 
     await asyncio.gather(*(one(k) for k in keys))
@@ -177,14 +275,27 @@ def _is_pending(key: str, committed: set[tuple[str, str]]) -> bool:
     return m is not None and (m.group(1), m.group(2)) not in committed
 
 
-async def _touched(store: Store, generation: int) -> set[str]:
-    ids: set[str] = set()
-    async for key in store.list_prefix(touched_prefix(generation)):
-        try:
-            ids.update(GcTouched.parse(await store.get(key)).ids)
-        except NotFound:
-            continue
-    return ids
+async def _touched_generations(store: Store) -> list[int]:
+    """The generations that have touched documents."""
+    return [int(name) for name in await store.list_dir("gc/touched/") if name.isdigit()]
+
+
+async def _touched(store: Store, generation: int, ids: set[str], seen: set[str]) -> None:
+    """Adds to ``ids`` those of the generation's touched documents not in ``seen``
+    (each is written once and never changed), read a few at a time."""
+    sem = asyncio.Semaphore(_READ_CONCURRENCY)
+    keys = [k async for k in store.list_prefix(touched_prefix(generation)) if k not in seen]
+
+    async def one(key: str) -> None:
+        async with sem:
+            try:
+                data = await store.get(key)
+            except NotFound:
+                return
+        ids.update(parse_stored(GcTouched.parse, data, key).ids)
+        seen.add(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
 
 
 async def collect_garbage(
@@ -213,7 +324,8 @@ async def collect_garbage(
     state = await held.acquire()
     report.generation = state.generation
     try:
-        sizes = await _chunks(store)
+        async with held.renewing():  # millions of chunks take minutes to list
+            sizes = await _chunks(store)
         # The grace period: a save answered "present" before the mark began has
         # put its manifest by now, so the listing below sees it.
         while (left := state.started_at + grace - clock()) > 0:
@@ -221,25 +333,35 @@ async def collect_garbage(
             await held.hold()
         keys, committed = await _manifest_keys(store)
         referenced = set()
-        report.manifests_read = await _read_ids(store, keys, referenced)
+        touched: set[str] = set()
+        seen: set[str] = set()
+        async with held.renewing():
+            report.manifests_read = await _read_ids(store, keys, referenced)
+            # The touched documents so far, read while writers run: the sweep then
+            # reads only those written since.
+            await _touched(store, state.generation, touched, seen)
         await held.move("sweeping")
         # From here on no write checks presence. What was answered or put before
         # is visible now: touched ids, and manifests (new ones, and pending ones,
-        # which a rollback's timeline may have replaced).
-        touched = await _touched(store, state.generation)
-        report.touched = len(touched)
-        again, committed = await _manifest_keys(store)
-        fresh = {k for k in again if k not in keys or _is_pending(k, committed)}
-        report.manifests_read += await _read_ids(store, fresh, referenced)
+        # which a rollback's timeline may have replaced). Writers wait meanwhile.
+        async with held.renewing():
+            await _touched(store, state.generation, touched, seen)
+            report.touched = len(touched)
+            again, committed = await _manifest_keys(store)
+            fresh = {k for k in again if k not in keys or _is_pending(k, committed)}
+            report.manifests_read += await _read_ids(store, fresh, referenced)
         doomed = sorted(set(sizes) - referenced - touched)
         await _sweep(store, held, doomed)
         _fill(report, sizes, doomed, t0)
-        await _forget_touched(store, state.generation)
         await held.move("idle")
-    except BaseException as exc:
-        if not (isinstance(exc, GcInProgress) and exc.detail.get("lease_lost")):
+        # Only this generation's sweep read them: writers need not wait for this.
+        await _forget_touched(store, state.generation)
+    except BaseException:
+        if not held.abandoned:
             # Give the lease back: writers need not wait for it to expire. What was
             # deleted so far was garbage; writers that waited re-check presence.
+            # (No delete is under way: the sweep waits for those it began. One lost
+            # to another collector fails this compare-and-swap, harmlessly.)
             with contextlib.suppress(CkptdError):
                 await held.move("idle")
         raise
@@ -260,14 +382,36 @@ def _fill(report: GcReport, sizes: dict[str, int], doomed: list[str], t0: float)
 
 async def _sweep(store: Store, held: _Lease, doomed: list[str]) -> None:
     sem = asyncio.Semaphore(_DELETE_CONCURRENCY)
+    failed: list[Exception] = []
 
     async def one(cid: str) -> None:
         async with sem:
-            await store.delete(f"chunks/{cid[:2]}/{cid}")
+            if failed:
+                return  # start no delete after one failed; let those begun end
+            key = f"chunks/{cid[:2]}/{cid}"
+            try:
+                # Before every delete, not once per batch: one delete can stall (an
+                # S3 client retries for minutes), and writers stop waiting for the
+                # sweep once its lease is over. So each delete also ends, answered
+                # or not, a quarter of the lease before it runs out.
+                budget = await held.hold()
+                try:
+                    await asyncio.wait_for(store.delete(key), budget)
+                except TimeoutError:
+                    held.abandoned = True
+                    raise _lease_lost(held.generation, f"stopped: deleting {key} took over "
+                                      f"{budget:.1f} s, too close to the end of its lease"
+                                      ) from None
+                except asyncio.CancelledError:
+                    held.abandoned = True
+                    raise
+            except Exception as exc:  # the first failure stops the sweep; raised below
+                failed.append(exc)
 
     for i in range(0, len(doomed), _DELETE_BATCH):
-        await held.hold()  # never delete on a lease that may have run out
         await asyncio.gather(*(one(c) for c in doomed[i : i + _DELETE_BATCH]))
+        if failed:
+            raise failed[0]
 
 
 async def _forget_touched(store: Store, generation: int) -> None:

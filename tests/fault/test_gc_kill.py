@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.errors import GcInProgress, MissingChunks
+from ckptd.lifecycle.fence import read_state, sweep_live_until
 from ckptd.lifecycle.gc import collect_garbage
 from ckptd.lifecycle.retention import RetentionPolicy, forget
 from ckptd.repository import Repository
@@ -44,6 +45,13 @@ async def _save(repo: Repository, step: int) -> None:
         except (MissingChunks, GcInProgress):
             await asyncio.sleep(0.05)
     raise AssertionError(f"step {step} never committed")
+
+
+async def _outlast_dead_collector(repo: Repository) -> None:
+    """Waits until a killed collector's lease has run out (a sweep's: and its margin)."""
+    state, _ = await read_state(repo.store)
+    until = sweep_live_until(state) if state.phase == "sweeping" else state.expires_at
+    await asyncio.sleep(max(0.0, until - time.time()) + 0.05)
 
 
 @pytest.mark.slow
@@ -88,12 +96,12 @@ async def test_killing_the_collector_loses_nothing_committed(tmp_path: Path) -> 
             # Let the dead collector's lease run out, so the next round's collector
             # takes it over and then really collects (were it to wait out the lease
             # instead, its kill would land in the wait and its time inflate ``span``).
-            await asyncio.sleep(LEASE)
+            await _outlast_dead_collector(repo)
         for s in await repo.step_numbers(JOB):
             if await repo.try_read_commit(JOB, s) is not None:
                 assert (await repo.verify(JOB, s)).ok, s
     assert kills >= 3  # rounds that really killed it mid-way
-    await asyncio.sleep(LEASE)  # a dead collector's lease runs out
+    await _outlast_dead_collector(repo)
     report = await collect_garbage(repo.store, grace=0.0, lease=LEASE)
     assert report.chunks_kept > 0
     committed = [s for s in await repo.step_numbers(JOB)
