@@ -1,5 +1,7 @@
 """``latest()`` is the step a restore of latest uses, over ``file://`` as over a
-server."""
+server; a job whose committed steps are all damaged raises ``StoreCorrupt``
+naming the damage, never "no checkpoint" (which the restart idiom reads as
+"train from step 0")."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.errors import StoreCorrupt
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,3 +74,22 @@ def test_latest_is_the_step_a_restore_uses_past_a_damaged_latest_ref(
             with opened(url, shm) as ckpt:
                 assert ckpt.latest() == 3, url
                 assert ckpt.restore({"w": torch.zeros(8)}).step == 3, url
+
+
+def test_a_job_whose_steps_are_all_damaged_is_store_corrupt_not_empty(
+    tmp_path: Path, shm: Path
+) -> None:
+    def all_records(root: Path) -> None:
+        for step in (1, 2, 3):
+            cut(commit_record(root, step))
+
+    damaged = {f"jobs/j/steps/{s}/commit.json" for s in (1, 2, 3)}
+    with stores(tmp_path, shm, all_records) as urls:
+        for url in urls:
+            with opened(url, shm) as ckpt:
+                with pytest.raises(StoreCorrupt) as err:
+                    ckpt.latest()
+                assert err.value.detail["key"] in damaged, url
+                with pytest.raises(StoreCorrupt) as err:
+                    ckpt.restore({"w": torch.zeros(8)})
+                assert err.value.detail["key"] in damaged, url
