@@ -159,4 +159,4 @@ def restore_view(
     return top, apply
 
 
-__all__ = ["ModelState", "RNGState", "has_stateful", "restore_view"]
+__all__ = ["ModelState", "RNGState", "has_stateful", "is_stateful", "restore_view"]

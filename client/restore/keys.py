@@ -19,8 +19,7 @@ import torch
 from ckptd.errors import RestoreError
 
 from ..dtypes import path_str
-from ..save.flatten import is_stateful
-from ..stateful import ModelState, has_stateful
+from ..stateful import ModelState, has_stateful, is_stateful
 
 Path = tuple[str | int, ...]
 Kind = Literal["module", "own"]  # checked key by key / checked by its own load_state_dict
