@@ -13,19 +13,32 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckptd import large_json
-from ckptd.errors import InvalidDocument, StoreCorrupt
-from ckptd.format import RankManifest
+from ckptd.errors import InvalidDocument, StoreCorrupt, UnsupportedFormat
+from ckptd.format import FORMAT_VERSION, RankManifest
 
 _Doc = TypeVar("_Doc")
 
 
 def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
     """A document read from the store, parsed: one that does not parse is store
-    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input."""
+    damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input;
+    one of a format version this ckptd does not know is ``UnsupportedFormat``
+    naming the key (a newer ckptd wrote it: not damage, never to be replaced)."""
     try:
         return parse(data)
+    except UnsupportedFormat as exc:
+        raise unsupported_stored(exc, key) from None
     except InvalidDocument as exc:
         raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
+
+
+def unsupported_stored(exc: UnsupportedFormat, key: str) -> UnsupportedFormat:
+    """``exc`` of a stored document, naming its key and, for a version above this
+    ckptd's, what to do."""
+    version = exc.detail.get("version")
+    newer = type(version) is int and version > FORMAT_VERSION
+    hint = "; it was written by a newer ckptd: upgrade ckptd" if newer else ""
+    return UnsupportedFormat(f"{key}: {exc.message}{hint}", **{**exc.detail, "key": key})
 
 
 # One thread parses and validates documents. CPU-bound threads share the GIL with

@@ -307,6 +307,7 @@ class Checkpointer:
         tiers: Iterable[str] | None = None,
         atomic: bool = True,
         timeout: float | None = None,
+        strict: bool = True,
     ) -> RestoreResult:
         """Fills ``state`` in place with this rank's tensors and values of a
         committed step (the latest when ``step`` is None), bitwise.
@@ -336,6 +337,14 @@ class Checkpointer:
         no source has leaves the target partly restored (the error's detail says
         ``partial``). The bytes restored are the committed ones either way.
 
+        ``strict`` (default, as torch's ``load_state_dict``): an entry the target
+        holds that the checkpoint lacks (a module's new parameter, a plain key), or
+        an entry of the checkpoint that a module has no place for, raises
+        ``RestoreError`` naming the first few before anything changes;
+        ``strict=False`` leaves the first as they are and skips the second (modules
+        get ``load_state_dict(strict=False)``). Entries a plain mapping lacks are
+        created either way; optimizers, schedulers and ``RNGState`` check their own.
+
         Objects with ``state_dict()`` and ``load_state_dict()`` (a module, an
         optimizer, a scheduler, ``RNGState``) are restored through their
         ``state_dict()`` and get it back by ``load_state_dict()``. The result's
@@ -347,7 +356,7 @@ class Checkpointer:
         before = self._timeline.rollback_state()
         result, fetched = self._restorer.restore(
             state, step, use=use, shards=shards, atomic=atomic, timeout=timeout,
-            exclude_peers=tuple(u for u in (self._failover.url,) if u),
+            strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
         )
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)

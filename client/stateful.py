@@ -116,11 +116,12 @@ def has_stateful(state: Any) -> bool:
 
 
 def restore_view(
-    state: MutableMapping[Any, Any],
+    state: MutableMapping[Any, Any], *, strict: bool = True,
 ) -> tuple[MutableMapping[Any, Any], Callable[[], None]]:
     """A target for ``restore`` that holds each Stateful object's ``state_dict()``
     in its place, and the function that, once the view is filled, loads each
-    object's part and puts the other restored values back into ``state``."""
+    object's part and puts the other restored values back into ``state``
+    (a module's with ``strict``, as torch's ``load_state_dict`` takes it)."""
     if not has_stateful(state):
         return state, lambda: None
     loads: list[tuple[Any, MutableMapping[Any, Any], Any]] = []
@@ -143,7 +144,10 @@ def restore_view(
 
     def apply() -> None:
         for obj, view, key in loads:
-            obj.load_state_dict(view[key])
+            if isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(view[key], strict=strict)
+            else:
+                obj.load_state_dict(view[key])
         for original, view in copies:
             for key, value in view.items():
                 if key in original and (is_stateful(original[key]) or (
@@ -155,4 +159,4 @@ def restore_view(
     return top, apply
 
 
-__all__ = ["ModelState", "RNGState", "has_stateful", "restore_view"]
+__all__ = ["ModelState", "RNGState", "has_stateful", "is_stateful", "restore_view"]

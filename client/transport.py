@@ -183,7 +183,8 @@ class LocalTransport(Transport):
         return await self.repository.commit(job, step, meta=meta)
 
     async def latest(self, job: str) -> int | None:
-        return await self.repository.latest(check_job(job))
+        # What a server answers (and a restore of latest uses): the newest usable step.
+        return (await self.restorable(job))[0]
 
     async def restorable(self, job: str) -> tuple[int | None, list[str]]:
         found = await self.repository.restorable_step(check_job(job))

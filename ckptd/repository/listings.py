@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from ckptd.errors import CheckpointNotFound, StoreCorrupt
-from ckptd.format import JOB_RE, MAX_STEP, check_step, commit_key, job_prefix
+from ckptd.format import JOB_RE, MAX_STEP, check_step, commit_key, job_prefix, latest_key
 from ckptd.lifecycle.documents import damage_key, damage_prefix
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RestorableStep, StepInfo
@@ -95,8 +95,11 @@ class Listings(StoredReads):
         committed step below it, with the problems that made it fall back.
 
         This is the one place that chooses the step a restore of "latest" gets
-        (scrub's damage markers belong here too)."""
+        (scrub's damage markers belong here too). Committed steps none of which is
+        usable raise ``StoreCorrupt`` naming the first damaged document: never
+        "no checkpoint", which a restarted job reads as "start from step 0"."""
         problems: list[str] = []
+        damaged: list[str] = []  # the key of each problem's document
         ref_read = True
         try:
             newest = await self.latest(job)  # skips steps scrub marked damaged
@@ -104,8 +107,10 @@ class Listings(StoredReads):
             if named is not None and named != newest:
                 problems.append(f"step {named} of {job} is marked damaged by scrub "
                                 f"({damage_key(job, named)})")
+                damaged.append(damage_key(job, named))
         except StoreCorrupt as exc:
             problems.append(exc.message)
+            damaged.append(str(exc.detail.get("key", latest_key(job))))
             newest, ref_read = None, False
         if newest is not None and ref_read:
             try:
@@ -113,8 +118,10 @@ class Listings(StoredReads):
                     return RestorableStep(newest, problems)  # (a scrub fallback, if any)
                 problems.append(f"latest names step {newest} of {job}, which has no commit "
                                 "record")
+                damaged.append(commit_key(job, newest))
             except StoreCorrupt as exc:
                 problems.append(exc.message)
+                damaged.append(str(exc.detail.get("key", commit_key(job, newest))))
         steps = await self.step_numbers(job)
         marked = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
         below = [s for s in reversed(steps)
@@ -127,6 +134,12 @@ class Listings(StoredReads):
                     break
             except StoreCorrupt as exc:
                 problems.append(exc.message)
+                damaged.append(str(exc.detail.get("key", commit_key(job, step))))
+        if chosen is None and problems:
+            raise StoreCorrupt(
+                f"job {job} has committed steps but none is usable: " + "; ".join(problems),
+                key=damaged[0], keys=damaged, job=job, problems=problems,
+            )
         if problems:
             log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
                         "; ".join(problems))

@@ -11,6 +11,7 @@ own writes and their order are in ``timelines``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -20,7 +21,12 @@ from typing import Any
 import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
 from ckptd import knobs
 from ckptd.chunk_claims import ChunkClaims
-from ckptd.documents import MANIFEST_CACHE_ENTRIES, ParsedManifests, document_work
+from ckptd.documents import (
+    MANIFEST_CACHE_ENTRIES,
+    ParsedManifests,
+    document_work,
+    unsupported_stored,
+)
 from ckptd.errors import (
     AlreadyCommitted,
     ChunkHashMismatch,
@@ -33,9 +39,11 @@ from ckptd.errors import (
     MissingChunks,
     NotCommitted,
     NotFound,
+    StoreCorrupt,
     StoreError,
     Superseded,
     TooLarge,
+    UnsupportedFormat,
     WorldSizeMismatch,
 )
 from ckptd.format import (
@@ -387,6 +395,10 @@ class Repository(Verification, Listings):
             )
         if not await gc_fence.unchanged(self.store, gc_state):  # a sweep began meanwhile
             return await self.commit(job, step, meta=meta)  # look again, after it
+        # A newer ckptd's latest ref (UnsupportedFormat): no record written beside it;
+        # a damaged one is replaced by this commit's.
+        with contextlib.suppress(StoreCorrupt):
+            await self._latest_ref(job)
         won = await self.store.put_if_absent(commit_key(job, step), record.canonical())
         if not won:
             record = await self.read_commit(job, step)  # a concurrent commit won
@@ -479,6 +491,8 @@ class Repository(Verification, Listings):
                 try:
                     if Ref.parse(current).step >= record.step:
                         return
+                except UnsupportedFormat as exc:  # a newer ckptd's: never replaced
+                    raise unsupported_stored(exc, key) from None
                 except InvalidDocument as exc:  # damaged: a committed step repairs it
                     log.warning("%s: replacing the damaged latest ref: %s", job, exc)
             if await self.store.compare_and_swap(key, current, new):

@@ -34,6 +34,7 @@ from torch.futures import Future
 from ckptd import knobs
 from ckptd.dtypes import itemsize
 from ckptd.errors import (
+    CkptdError,
     Conflict,
     InvalidDocument,
     InvalidRequest,
@@ -133,6 +134,9 @@ class Reader(StorageReader):
         self.bytes_read = 0
         self.bytes_from: dict[str, int] = {}
         self._index: StepIndex | None = None
+        # Why the last read_metadata failed: DCP replaces that error with its own
+        # AssertionError("metadata is None; ..."), and ckptd_error finds it here.
+        self.metadata_error: CkptdError | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
@@ -165,8 +169,13 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata rebuilt from the step's committed manifests: per tensor its
         dtype, global size and every stored box; a bytes entry per plain value."""
-        _require_where(self.url, self.job, "Reader")
-        index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
+        self.metadata_error = None
+        try:
+            _require_where(self.url, self.job, "Reader")
+            index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
+        except CkptdError as exc:
+            self.metadata_error = exc
+            raise
         self._index = index
         state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for (fqn, _), box in sorted(index.boxes.items()):

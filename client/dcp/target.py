@@ -107,16 +107,51 @@ def _require_where(url: str, job: str, who: str) -> None:
 def ckptd_error(exc: BaseException) -> CkptdError | None:
     """The ckptd error inside what ``dcp.save`` / ``dcp.load`` raised: DCP wraps a
     storage error in a ``CheckpointException`` whose ``failures[rank]`` is
-    ``(error, traceback)``; the first rank's ckptd error (None when there is none)."""
-    if isinstance(exc, CkptdError):
-        return exc
+    ``(error, traceback)``; the first rank's ckptd error (None when there is none).
+    A failed ``read_metadata`` DCP replaces with ``AssertionError("metadata is
+    None; ...")``: its error is found on the ``Reader`` that the failing load ran
+    with (``Reader.metadata_error``). Causes and contexts are looked through."""
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CkptdError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for rank in sorted(failures):
+                inner = failures[rank]
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                if isinstance(inner, BaseException):
+                    pending.append(inner)
+        pending.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return _metadata_error(exc, set())
+
+
+def _metadata_error(exc: BaseException, seen: set[int]) -> CkptdError | None:
+    """The failed ``read_metadata``'s error of a ``Reader`` that a frame of the
+    load that raised ``exc`` (or of an error inside it) held."""
+    from .reader import Reader  # (reader imports this module)
+
+    if id(exc) in seen:
+        return None
+    seen.add(id(exc))
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, Reader) and value.metadata_error is not None:
+                return value.metadata_error
+        tb = tb.tb_next
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for rank in sorted(failures):
-            inner = failures[rank]
-            inner = inner[0] if isinstance(inner, tuple) else inner
-            if isinstance(inner, CkptdError):
-                return inner
+    inner = list(failures.values()) if isinstance(failures, dict) else []
+    for e in [*(i[0] if isinstance(i, tuple) else i for i in inner),
+              exc.__cause__, exc.__context__]:
+        if isinstance(e, BaseException):
+            found = _metadata_error(e, seen)
+            if found is not None:
+                return found
     return None
 
 

@@ -33,6 +33,7 @@ from .fetch import (
     to_devices,
 )
 from .fill import fill, plan_fill
+from .keys import Kind, Path, check_keys, stateful_kinds
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .memory import Landing
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
@@ -86,6 +87,8 @@ class RestoreOptions:
     concurrency: int | None = None
     peer_timeout: float | None = None
     atomic: bool = True  # nothing reaches the target before every chunk verified
+    strict: bool = True  # the target's keys match the checkpoint's (``keys.check_keys``)
+    stateful: dict[Path, Kind] = field(default_factory=dict)  # where Stateful objects sit
 
 
 @dataclass(slots=True)
@@ -295,6 +298,8 @@ def restore_into(
     if plan.rank != rank:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
+    if opts.strict:  # before anything changes, like plan_fill below
+        check_keys(plan.manifest.tree, state, opts.stateful, plan.step)
     boxes, other = needed_boxes(plan, state, shards or {}, world_size)
     if other:
         call(load_all_manifests(transport, plan, opts.peers))
@@ -400,6 +405,7 @@ class Restorer:
         atomic: bool,
         timeout: float | None,
         exclude_peers: tuple[str, ...],
+        strict: bool = True,
     ) -> tuple[RestoreResult, Fetched]:
         """Fills ``state`` in place from the tiers in ``use`` (``check`` them first);
         ``Stateful`` objects get their ``load_state_dict()`` once it is filled."""
@@ -421,10 +427,12 @@ class Restorer:
             exclude_peers=exclude_peers,
             token=c.token,
             atomic=atomic,
+            strict=strict,
+            stateful=stateful_kinds(state),
         )
         # Stateful objects (model, optimizer, RNGState) restore through a view that
         # holds their state_dict(); load_state_dict() gets it once it is filled.
-        target, load_stateful = restore_view(state)
+        target, load_stateful = restore_view(state, strict=strict)
         # No save stages into the pool while a restore may read it.
         with s.lock:
             s.check_open()

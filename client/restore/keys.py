@@ -1,0 +1,113 @@
+"""The target's keys against the checkpoint's tree, before a restore writes anything.
+
+``strict`` (the default, like torch's ``load_state_dict``): an entry the target
+holds that the checkpoint lacks, or an entry of the checkpoint that a module's
+``state_dict()`` has no place for, is refused with ``RestoreError`` while the
+target is still as it was. A module's ``load_state_dict()`` would raise the same
+only after its other tensors were overwritten. Optimizers, schedulers and
+``RNGState`` are left to their own ``load_state_dict()``: a fresh optimizer has
+no state yet, and the generators a machine has (CUDA, NumPy) vary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from ckptd.errors import RestoreError
+
+from ..dtypes import path_str
+from ..stateful import ModelState, has_stateful, is_stateful
+
+Path = tuple[str | int, ...]
+Kind = Literal["module", "own"]  # checked key by key / checked by its own load_state_dict
+
+_SHOWN = 5
+
+
+def stateful_kinds(state: Any) -> dict[Path, Kind]:
+    """Where ``restore_view`` puts each Stateful object's ``state_dict()``, and how
+    its keys are checked: a module's (or ``ModelState``'s model) key by key, the
+    others by their own ``load_state_dict()``."""
+    kinds: dict[Path, Kind] = {}
+
+    def walk(mapping: Mapping[Any, Any], path: Path) -> None:
+        for key, value in mapping.items():
+            here = (*path, key)
+            if isinstance(value, torch.nn.Module):
+                kinds[here] = "module"
+            elif isinstance(value, ModelState):
+                kinds[(*here, "model")] = "module"
+                kinds[(*here, "optim")] = "own"
+            elif is_stateful(value):
+                kinds[here] = "own"
+            elif isinstance(value, Mapping) and has_stateful(value):
+                walk(value, here)
+
+    if isinstance(state, Mapping):
+        walk(state, ())
+    return kinds
+
+
+def check_keys(
+    tree: Mapping[str, Any], target: Any, kinds: Mapping[Path, Kind], step: int
+) -> None:
+    """Raises ``RestoreError`` naming the first entries the target holds that the
+    checkpoint's ``tree`` lacks, or that a module has no place for."""
+    missing: list[Path] = []
+    unexpected: list[Path] = []
+
+    def walk(node: Mapping[str, Any], existing: Any, path: Path, in_module: bool) -> None:
+        kind = kinds.get(path)
+        if kind == "module":
+            in_module = True
+        elif kind == "own":
+            return
+        ((what, body),) = node.items()
+        if what == "dict" and isinstance(existing, Mapping):
+            stored = {key for key, _ in body}
+            missing.extend((*path, key) for key, value in existing.items()
+                           if key not in stored and _holds(value))
+            for key, child in body:
+                if key in existing:
+                    walk(child, existing[key], (*path, key), in_module)
+                elif in_module:
+                    unexpected.append((*path, key))
+        elif what in ("list", "tuple") and isinstance(existing, Sequence) and not isinstance(
+            existing, str | bytes
+        ):
+            for i, child in enumerate(body[: len(existing)]):
+                walk(child, existing[i], (*path, i), in_module)
+            missing.extend((*path, i) for i in range(len(body), len(existing))
+                           if _holds(existing[i]))
+
+    walk(tree, target, (), False)
+    if missing:
+        raise RestoreError(
+            f"the checkpoint of step {step} lacks {len(missing)} entries the target holds: "
+            f"{_names(missing)}; restore(..., strict=False) leaves them as they are",
+            entries=[path_str(p) for p in missing[:50]], step=step,
+        )
+    if unexpected:
+        raise RestoreError(
+            f"the checkpoint of step {step} holds {len(unexpected)} entries the target's "
+            f"modules have no place for: {_names(unexpected)}; restore(..., strict=False) "
+            "skips them",
+            entries=[path_str(p) for p in unexpected[:50]], step=step,
+        )
+
+
+def _holds(value: Any) -> bool:
+    """Whether a value of the target would be restored (an empty container is not)."""
+    if isinstance(value, Mapping):
+        return bool(value)
+    if isinstance(value, list | tuple):
+        return len(value) > 0
+    return True
+
+
+def _names(paths: Sequence[Path]) -> str:
+    shown = ", ".join(path_str(p) for p in paths[:_SHOWN])
+    return shown + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")

@@ -1,0 +1,53 @@
+"""Documents of a format version this ckptd does not know (a newer ckptd wrote
+them) are ``unsupported_format`` saying to upgrade, not damage, and are never
+overwritten (docs/FORMAT.md: readers MUST refuse them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckptd.cli import app
+from ckptd.client import Checkpointer
+from ckptd.errors import UnsupportedFormat
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def as_version_2(path: Path) -> bytes:
+    data = path.read_bytes().replace(b'"version":1', b'"version":2')
+    path.write_bytes(data)
+    return data
+
+
+@pytest.fixture
+def newer(tmp_path: Path, shm: Path) -> Path:
+    root = tmp_path / "store"
+    with Checkpointer(f"file://{root}", "j", shm_dir=shm) as ckpt:
+        ckpt.save(1, {"a": torch.ones(3)}).wait(60)
+    as_version_2(root / "jobs/j/refs/latest")
+    as_version_2(root / "jobs/j/steps/1/commit.json")
+    return root
+
+
+@pytest.mark.parametrize("command", [["ls"], ["ls", "j"], ["verify", "j"]])
+def test_listing_and_verify_say_upgrade_not_damaged(newer: Path, command: list[str]) -> None:
+    result = CliRunner().invoke(app, [*command, "--url", f"file://{newer}"])
+    assert result.exit_code != 0
+    assert "unsupported_format" in result.output and "upgrade ckptd" in result.output
+    assert "damaged" not in result.output
+
+
+def test_a_save_refuses_and_never_overwrites_the_newer_ref(newer: Path, shm: Path) -> None:
+    ref = newer / "jobs/j/refs/latest"
+    before = ref.read_bytes()
+    with Checkpointer(f"file://{newer}", "j", shm_dir=shm) as ckpt, pytest.raises(
+        UnsupportedFormat
+    ) as err:
+        ckpt.save(2, {"a": torch.zeros(3)}).wait(60)
+    assert "upgrade ckptd" in str(err.value)
+    assert ref.read_bytes() == before
+    assert not (newer / "jobs/j/steps/2/commit.json").exists()
