@@ -86,7 +86,24 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
                 f"--tls-cert {settings.tls_cert} / --tls-key {settings.tls_key}: cannot load "
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
+    _check_server_files(settings)
     return settings, open_store(settings.store)
+
+
+def _check_server_files(settings: Settings) -> None:
+    """The retention file, the peers and the tokens file, read as the server will read
+    them: a mistake there is one line now, not a traceback from uvicorn's lifespan."""
+    from ckptd.cluster import parse_urls
+    from ckptd.lifecycle.retention import load_retention
+
+    if settings.retention is not None:
+        load_retention(settings.retention)
+    if settings.peers is not None:
+        try:
+            parse_urls(settings.peers)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"--peers: {exc.message}; give every replica's URL, "
+                                 "comma-separated (http://a:8470,http://b:8470)") from None
 
 
 def existing_store(url: str) -> str:
