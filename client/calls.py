@@ -337,7 +337,7 @@ def cluster() -> Call[ClusterView]:
 
 def forget(job: str, dry_run: bool, keep_last: int | None) -> Call[ForgetResult]:
     params: dict[str, Any] = {"dry_run": dry_run}
-    if keep_last:
+    if keep_last is not None:  # 0 too: the server refuses it, it must not mean "none"
         params["keep_last"] = keep_last
     return Call("POST", f"{_job(job)}/forget", answer(ForgetResult), params=params)
 

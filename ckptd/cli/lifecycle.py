@@ -61,7 +61,7 @@ def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
 def forget(
     job: Annotated[str, typer.Argument(help="Job whose retention to apply.")],
     dry_run: DryRunOpt = False,
-    keep_last: Annotated[int | None, typer.Option(help="Keep the last N steps (and the "
+    keep_last: Annotated[int | None, typer.Option(min=1, help="Keep the last N steps (and the "
                                                   "tagged, latest and rollback ones).")] = None,
     retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
                          ] = None,
@@ -69,6 +69,10 @@ def forget(
     token: TokenOpt = None,
 ) -> None:
     """Apply a job's retention: forget the steps it does not keep (chunks go at the next gc)."""
+    if retention is not None and _remote(url):
+        _fail(InvalidRequest("--retention applies to a store (--url file:///path or s3://); "
+                             "a server applies its own (ckptd serve --retention): pass "
+                             "--keep-last N"))
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.retention import RetentionPolicy, load_retention
@@ -99,7 +103,7 @@ def forget(
 @app.command()
 def gc(
     dry_run: DryRunOpt = False,
-    grace: Annotated[float | None, typer.Option(help="Seconds; longer than the longest save "
+    grace: Annotated[float | None, typer.Option(min=0, help="Seconds; longer than the longest save "
                                                 "(server default, or 600 direct).")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
@@ -160,7 +164,7 @@ def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
 
 @app.command()
 def scrub(
-    budget: Annotated[int | None, typer.Option(help="Bytes to read (default: a whole pass).")
+    budget: Annotated[int | None, typer.Option(min=0, help="Bytes to read (default: a whole pass).")
                       ] = None,
     replica: Annotated[str | None, typer.Option(help="A replica store to repair from "
                                                 "(direct store only).")] = None,
@@ -168,6 +172,9 @@ def scrub(
     token: TokenOpt = None,
 ) -> None:
     """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps."""
+    if replica is not None and _remote(url):
+        _fail(InvalidRequest("--replica applies to a store (--url file:///path or s3://); a "
+                             "server repairs from its live peers and CKPTD_SCRUB_REPLICA"))
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.scrub import scrub as run

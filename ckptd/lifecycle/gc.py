@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ckptd import large_json
 from ckptd.documents import document_work
-from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, NotFound
+from ckptd.errors import CkptdError, GcInProgress, InvalidDocument, InvalidRequest, NotFound
 from ckptd.format import RankManifest
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
 from ckptd.lifecycle.fence import read_state, sweeping
@@ -197,6 +197,8 @@ async def collect_garbage(
 ) -> GcReport:
     """Deletes every chunk that no rank manifest names (or, with ``dry_run``, lists
     them without taking the lease or deleting anything)."""
+    if grace < 0:  # a negative grace would sweep chunks of saves still in flight
+        raise InvalidRequest(f"grace must be >= 0 seconds, not {grace:g}")
     t0 = time.perf_counter()
     report = GcReport(dry_run=dry_run)
     if dry_run:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptd.errors import InvalidPolicy, NotFound, StoreError
+from ckptd.errors import InvalidPolicy, InvalidRequest, NotFound, StoreError
 from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.tags import read_tags
@@ -218,6 +218,10 @@ async def forget(
 ) -> ForgetPlan:
     """Applies ``policy`` to ``job``: removes the documents of the steps it does not
     keep (chunks are freed by the next garbage collection)."""
+    for name in ("keep_last", "keep_every"):  # 0 or fewer would forget every step
+        n = getattr(policy, name)
+        if n is not None and n < 1:
+            raise InvalidRequest(f"{name} must be >= 1, not {n}")
     plan = await plan_forget(repo, job, policy, now=now if now is not None else clock())
     plan.dry_run = dry_run
     if dry_run:

@@ -5,10 +5,14 @@ file:// store) answer a bad lifecycle option alike."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.integration.test_cli_mistakes import _save_one, assert_short_usage_error, ckptd
+
+if TYPE_CHECKING:
+    from tests.conftest import ServerProcess
 
 
 @pytest.fixture
@@ -45,3 +49,61 @@ def test_serve_checks_its_files_and_peers_before_it_starts(
 ) -> None:
     done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", "0", *args)
     assert_short_usage_error(done, *needles)
+
+
+# -- 2. lifecycle options: checked alike on both transports ------------------------------
+
+
+LIFECYCLE_BAD = [
+    (["forget", "llm-7b", "--keep-last", "0"], "--keep-last"),
+    (["forget", "llm-7b", "--keep-last", "-3"], "--keep-last"),
+    (["gc", "--grace", "-5"], "--grace"),
+    (["scrub", "--budget", "-1"], "--budget"),
+]
+
+
+def test_bad_lifecycle_options_are_refused_alike_by_both_transports(
+    server: ServerProcess, saved_store: str
+) -> None:
+    for url in (server.url, saved_store):
+        for args, option in LIFECYCLE_BAD:
+            assert_short_usage_error(ckptd(*args, "--url", url), option)
+    listed = ckptd("ls", "llm-7b", "--url", saved_store)
+    assert listed.returncode == 0 and "committed" in listed.stdout, listed.stdout
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["forget", "llm-7b", "--retention", "r.toml"], ["--retention", "--keep-last"]),
+    (["scrub", "--replica", "file:///tmp/r"], ["--replica", "file:///"]),
+])
+def test_store_only_options_through_a_server_are_refused(
+    args: list[str], needles: list[str], server: ServerProcess
+) -> None:
+    assert_short_usage_error(ckptd(*args, "--url", server.url), *needles)
+
+
+async def test_lifecycle_functions_refuse_negative_limits(tmp_path: Path) -> None:
+    from ckptd.errors import InvalidRequest
+    from ckptd.lifecycle.gc import collect_garbage
+    from ckptd.lifecycle.retention import RetentionPolicy, forget
+    from ckptd.lifecycle.scrub import scrub
+    from ckptd.repository import Repository
+    from ckptd.store import open_store
+
+    repo = Repository(open_store(str(tmp_path / "s")))
+    try:
+        for policy in (RetentionPolicy(keep_last=0), RetentionPolicy(keep_every=-2)):
+            with pytest.raises(InvalidRequest, match="must be >= 1"):
+                await forget(repo, "j", policy)
+        with pytest.raises(InvalidRequest, match="grace"):
+            await collect_garbage(repo.store, grace=-5)
+        with pytest.raises(InvalidRequest, match="budget"):
+            await scrub(repo, budget_bytes=-1)
+    finally:
+        await repo.close()
+
+
+def test_keep_last_zero_is_sent_not_dropped() -> None:
+    from ckptd.client import calls
+
+    assert calls.forget("j", False, 0).params == {"dry_run": False, "keep_last": 0}
