@@ -82,6 +82,10 @@ def forget(
         if keep_last is not None:
             policy = dataclasses.replace(policy, keep_last=keep_last)
         if not policy.forgets and policy.abandon_pending_after is None:
+            if retention:  # the file has rules, for other jobs only
+                raise InvalidRequest(f"{retention} has no rule for {job} (its [retention] table "
+                                     f"keeps every step): add [retention.jobs.{job}] or pass "
+                                     "--keep-last N")
             raise InvalidRequest("no retention rule: pass --keep-last N or --retention FILE")
         plan = await apply(repo, job, policy, dry_run=dry_run)
         return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,

@@ -34,6 +34,9 @@ DELETES_AT_ONCE = 64  # a step's documents are removed this many at a time
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _FIELDS = ("keep_last", "keep_every", "keep_within", "keep_tagged", "abandon_pending_after")
+# What a retention file should look like, said when one does not.
+_SHAPE = ("rules go in a [retention] table, e.g. `[retention]` then `keep_last = 5`, and "
+          "[retention.jobs.<job>] per job (see docs/retention.md)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +106,24 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidPolicy(f"{source}: {exc}", reason=str(exc)) from None
+    # A rule outside [retention] (a top-level keep_last) was once read as no rule at
+    # all: a server then started with it and never forgot a step.
+    unknown = sorted(set(data) - {"retention"})
+    if unknown:
+        raise InvalidPolicy(f"{source}: unknown top-level keys {unknown}; {_SHAPE}",
+                            reason="unknown top-level key")
     table = data.get("retention", {})
     if not isinstance(table, dict):
         raise InvalidPolicy(f"{source}: [retention] must be a table", reason="not a table")
     jobs = table.pop("jobs", {})
     default = _policy(table, RetentionPolicy(), f"{source}: retention")
-    return RetentionConfig(default, {
+    config = RetentionConfig(default, {
         job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
     })
+    if not any(p.forgets or p.abandon_pending_after is not None
+               for p in (config.default, *config.jobs.values())):
+        raise InvalidPolicy(f"{source} holds no retention rule; {_SHAPE}", reason="no rule")
+    return config
 
 
 def load_retention(path: str | Path) -> RetentionConfig:

@@ -107,3 +107,31 @@ def test_keep_last_zero_is_sent_not_dropped() -> None:
     from ckptd.client import calls
 
     assert calls.forget("j", False, 0).params == {"dry_run": False, "keep_last": 0}
+
+
+# -- 3. a retention file that holds no rule is refused, saying what it should look like ----
+
+
+@pytest.mark.parametrize("text", ["keep_last = 1\n", "# nothing yet\n",
+                                  "[retention]\nkeep_tagged = false\n"])
+def test_retention_file_without_a_rule_is_refused(text: str, saved_store: str,
+                                                  tmp_path: Path) -> None:
+    from ckptd.errors import InvalidPolicy
+    from ckptd.lifecycle.retention import parse_retention
+
+    with pytest.raises(InvalidPolicy, match=r"\[retention\]"):
+        parse_retention(text, "r.toml")
+    rules = tmp_path / "r.toml"
+    rules.write_text(text)
+    for args in (["forget", "llm-7b", "--retention", str(rules), "--url", saved_store],
+                 ["serve", "--store", str(tmp_path / "s"), "--port", "0",
+                  "--retention", str(rules)]):
+        assert_short_usage_error(ckptd(*args), str(rules), "[retention]", "docs/retention.md")
+
+
+def test_retention_file_with_rules_for_other_jobs_says_so(saved_store: str,
+                                                         tmp_path: Path) -> None:
+    rules = tmp_path / "r.toml"
+    rules.write_text("[retention.jobs.other]\nkeep_last = 1\n")
+    done = ckptd("forget", "llm-7b", "--retention", str(rules), "--url", saved_store)
+    assert_short_usage_error(done, "no rule for llm-7b", "[retention.jobs.llm-7b]")
