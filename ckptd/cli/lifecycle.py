@@ -4,6 +4,7 @@ lifecycle, through a server (http://) or directly on a store (a path, file://, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,17 @@ from pydantic import BaseModel
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, _server, app, console
+from ckptd.cli import (
+    DEFAULT_URL,
+    TokenOpt,
+    UrlOpt,
+    _fail,
+    _human,
+    _server,
+    app,
+    console,
+    err_console,
+)
 from ckptd.errors import CkptdError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -125,14 +136,32 @@ def gc(
     # sweeps. Through a server it runs in the background and this follows it, so
     # no request lasts that long (a reverse proxy's read timeout would cut it).
     wait = "" if grace is None else f", after a {grace:g} s grace period"
-    with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait
-                        ) as status:
-        def remote(server: SyncTransport) -> Any:
-            if dry_run:
-                return server.gc(dry_run, grace)
-            return _follow(server, server.start_gc(grace), status)
+    if not dry_run and not _remote(url) and (grace is None or grace > 0):
+        err_console.print(f"collecting garbage: waits out a {600.0 if grace is None else grace:g}"
+                          " s grace period first (saves in flight finish meanwhile)",
+                          highlight=False, soft_wrap=True)
+    doing = "collecting garbage" + (" (dry run)" if dry_run else "") + wait
 
-        r = _run(url, token, remote, direct)
+    def remote(server: SyncTransport) -> Any:
+        if dry_run:
+            with _spinner(doing):
+                return server.gc(dry_run, grace)
+        before = server.gc_status().running
+        run = server.start_gc(grace)
+        try:
+            _say_run(run, joined=before is not None and before.id == run.id, asked=grace)
+            with _spinner(doing) as status:
+                return _follow(server, run, status)
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted: collection {run.id} goes on on the server; "
+                              "`ckptd gc` again follows it", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=130) from None
+
+    async def direct_with_spinner(repo: Any) -> Any:
+        with _spinner(doing):
+            return await direct(repo)
+
+    r = _run(url, token, remote, direct_with_spinner)
     if dry_run:
         for cid in r["deleted"]:
             console.print(f"would delete chunk {cid}", soft_wrap=True)
@@ -142,6 +171,34 @@ def gc(
         f"chunks; kept {r['chunks_kept']} of {r['chunks_total']} "
         f"({_human(r['bytes_total'] - r['bytes_freed'])}); {r['seconds']:.2f} s"
     )
+
+
+class _NoSpinner:
+    """Stands in for rich's status where stderr is no terminal (a log keeps the lines)."""
+
+    def update(self, text: str) -> None:
+        pass
+
+
+def _spinner(text: str) -> contextlib.AbstractContextManager[Any]:
+    """A rich status on stderr in a terminal; nothing elsewhere."""
+    return err_console.status(text) if err_console.is_terminal else contextlib.nullcontext(
+        _NoSpinner())
+
+
+def _say_run(run: Any, joined: bool, asked: float | None) -> None:
+    """One line on stderr: the collection followed, and the grace period it waits out."""
+    left = max(0.0, run.started_at + run.grace - time.time())
+    if joined:
+        err_console.print(
+            f"a collection is already under way on the server (grace {run.grace:g} s"
+            + (f", not the {asked:g} s asked" if asked is not None and asked != run.grace else "")
+            + f"); following it: {left:.0f} s of its grace period left",
+            highlight=False, soft_wrap=True)
+    elif left > 0:
+        err_console.print(f"collecting garbage: waiting out the {run.grace:g} s grace period "
+                          f"(saves in flight finish meanwhile), {left:.0f} s left",
+                          highlight=False, soft_wrap=True)
 
 
 def _follow(server: SyncTransport, run: Any, status: Any) -> Any:

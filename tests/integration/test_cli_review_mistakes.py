@@ -4,6 +4,10 @@ file:// store) answer a bad lifecycle option alike."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,3 +139,36 @@ def test_retention_file_with_rules_for_other_jobs_says_so(saved_store: str,
     rules.write_text("[retention.jobs.other]\nkeep_last = 1\n")
     done = ckptd("forget", "llm-7b", "--retention", str(rules), "--url", saved_store)
     assert_short_usage_error(done, "no rule for llm-7b", "[retention.jobs.llm-7b]")
+
+
+# -- 4. gc through a server says what it waits for, whom it follows, and what Ctrl-C leaves -
+
+
+@pytest.mark.slow
+def test_gc_through_a_server_says_what_it_waits_for(server: ServerProcess) -> None:
+    import httpx
+
+    started = httpx.post(f"{server.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
+    assert started.status_code == 202, started.text
+    joined = ckptd("gc", "--grace", "0", "--url", server.url)
+    assert joined.returncode == 0, joined.stderr
+    assert "already under way" in joined.stderr and "grace 3 s" in joined.stderr, joined.stderr
+    assert "not the 0 s asked" in joined.stderr, joined.stderr
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "gc", "--grace", "30", "--url",
+                             server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=base)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # blocks until the line (or the end of stderr)
+        assert "waiting out the 30 s grace period" in first and "s left" in first, first
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "goes on on the server" in rest and "Traceback" not in rest, rest
+    running = httpx.get(f"{server.url}/v1/gc", timeout=10).json()["running"]
+    assert running is not None and running["grace"] == 30, running
