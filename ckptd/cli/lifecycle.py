@@ -44,8 +44,7 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     from ckptd.store import open_store
 
     async def go() -> Any:
-        repo = Repository(open_store(url.removeprefix("file://") if url.startswith("file://")
-                                     else url))
+        repo = Repository(open_store(url))  # open_store reads file:// URLs itself
         try:
             return await work(repo)
         finally:

@@ -110,6 +110,9 @@ def existing_store(url: str) -> str:
     """``url`` unchanged when it is not a local path, or names a store directory that
     exists: a reading command never creates a store where none was."""
     parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
+                             "directory is file:///absolute/path (three slashes)")
     if parsed.scheme == "file" and parsed.path:
         path = Path(parsed.path)
         if not path.is_dir():

@@ -172,3 +172,14 @@ def test_gc_through_a_server_says_what_it_waits_for(server: ServerProcess) -> No
     assert "goes on on the server" in rest and "Traceback" not in rest, rest
     running = httpx.get(f"{server.url}/v1/gc", timeout=10).json()["running"]
     assert running is not None and running["grace"] == 30, running
+
+
+# -- 5. a file:// URL with a host is refused, not read as another path ---------------------
+
+
+@pytest.mark.parametrize("args", [["ls"], ["gc", "--dry-run"], ["serve", "--port", "0"]])
+def test_file_url_with_a_host_is_refused(args: list[str], tmp_path: Path) -> None:
+    (tmp_path / "relative" / "x").mkdir(parents=True)
+    option = "--store" if args[0] == "serve" else "--url"
+    done = ckptd(*args, option, "file://relative/x", cwd=tmp_path)
+    assert_short_usage_error(done, "file:///absolute/path")
