@@ -43,7 +43,7 @@ from ckptd.api import (
     VerifyResult,
 )
 from ckptd.cluster import chunk_key
-from ckptd.errors import InvalidDocument
+from ckptd.errors import InvalidDocument, InvalidRequest
 from ckptd.format import (
     CommitRecord,
     RankManifest,
@@ -110,6 +110,8 @@ class Reads(Generic[M, T]):
             else:
                 doc = self.model.model_validate_json(resp.content)
         except ValidationError as exc:
+            if "json" not in resp.headers.get("content-type", ""):  # another program's page
+                raise not_a_server(resp) from None
             first = exc.errors()[0] if exc.errors() else None
             where = f" ({'.'.join(map(str, first['loc']))}: {first['msg']})" if first else ""
             raise InvalidDocument(
@@ -118,6 +120,22 @@ class Reads(Generic[M, T]):
                 "version?"
             ) from None
         return self.pick(doc, resp)
+
+
+def answer_excerpt(resp: httpx.Response) -> str:
+    """The start of an answer's body on one line (an HTML page runs to dozens)."""
+    text = " ".join(resp.text.split())
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def not_a_server(resp: httpx.Response) -> InvalidRequest:
+    """The error for an answer that no ckptd server gives (another program's)."""
+    url = resp.request.url
+    return InvalidRequest(
+        f"{url.scheme}://{url.netloc.decode('ascii')} does not answer as a ckptd server "
+        f"(HTTP {resp.status_code} to {resp.request.method} {url.path}: "
+        f"{answer_excerpt(resp)}); check the URL and its port"
+    )
 
 
 def _itself(doc: M, resp: httpx.Response) -> M:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -183,3 +184,33 @@ def test_file_url_with_a_host_is_refused(args: list[str], tmp_path: Path) -> Non
     option = "--store" if args[0] == "serve" else "--url"
     done = ckptd(*args, option, "file://relative/x", cwd=tmp_path)
     assert_short_usage_error(done, "file:///absolute/path")
+
+
+# -- 6. another program on the port is named as such, in one line -------------------------
+
+
+@pytest.fixture
+def web_server(tmp_path: Path) -> Iterator[str]:
+    """A plain HTTP file server (not ckptd) on loopback: /v1/jobs is an HTML page."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    (tmp_path / "www" / "v1").mkdir(parents=True)
+    (tmp_path / "www" / "v1" / "jobs").write_text("<!DOCTYPE HTML>\n<html>\n<body>\n" * 10)
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> None:
+    for args in (["ls"], ["ls", "llm-7b"]):  # a 200 HTML page, and a 404 one
+        done = ckptd(*args, "--url", web_server)
+        assert_short_usage_error(done, f"{web_server} does not answer as a ckptd server")
+        assert "<html> <body>" in done.stderr or "HTTP 404" in done.stderr, done.stderr
