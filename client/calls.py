@@ -52,6 +52,7 @@ from ckptd.format import (
     check_job,
     check_step,
 )
+from ckptd.lifecycle.tags import check_tag
 
 from .routing import ROUTE_HEADER
 
@@ -386,11 +387,13 @@ def scrub(budget_bytes: int | None) -> Call[ScrubResult]:
 
 
 def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:
-    return Call("PUT", f"{_job(job)}/tags/{name}", _tags, json={"step": step})
+    # Checked here as the store checks it: a name with a '/' or a space would reach
+    # no route at all (a 404 that says nothing of the name).
+    return Call("PUT", f"{_job(job)}/tags/{check_tag(name)}", _tags, json={"step": step})
 
 
 def untag(job: str, name: str) -> Call[dict[str, int]]:
-    return Call("DELETE", f"{_job(job)}/tags/{name}", _tags)
+    return Call("DELETE", f"{_job(job)}/tags/{check_tag(name)}", _tags)
 
 
 def space() -> Call[SpaceResult]:

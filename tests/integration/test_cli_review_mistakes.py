@@ -214,3 +214,14 @@ def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> 
         done = ckptd(*args, "--url", web_server)
         assert_short_usage_error(done, f"{web_server} does not answer as a ckptd server")
         assert "<html> <body>" in done.stderr or "HTTP 404" in done.stderr, done.stderr
+
+
+# -- 7. a bad tag name is named before any request ----------------------------------------
+
+
+def test_bad_tag_name_is_refused_as_the_store_refuses_it(server: ServerProcess,
+                                                         saved_store: str) -> None:
+    for url in (server.url, saved_store):
+        for args in (["tag", "llm-7b", "1", "bad name/x"], ["untag", "llm-7b", "bad name/x"]):
+            done = ckptd(*args, "--url", url)
+            assert_short_usage_error(done, "[invalid_name]", "bad name/x")
