@@ -85,12 +85,21 @@ async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: 
         raise Timeout(f"{gave_up} after {timeout} s") from None
 
 
+class ClientClosing(CkptdError):
+    """The loop's executor takes no more work: the program is exiting (Ctrl-C, the end
+    of the script) or the checkpointer closed while a call was under way."""
+
+
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a worker thread of the loop's executor. Cancelled, it still
     waits for the thread to finish before it unwinds (``asyncio.to_thread`` lets
     the thread run on after its caller is gone: a copy into the target, or a read
     of the staging pool, after the call that started it returned)."""
-    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    try:
+        future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    except RuntimeError as exc:  # submit() refuses work only once its executor shut down
+        raise ClientClosing("interrupted: the program is exiting (Ctrl-C, or the end of "
+                            "the script) or the checkpointer closed") from exc
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
