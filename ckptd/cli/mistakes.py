@@ -98,6 +98,10 @@ def _check_server_files(settings: Settings) -> None:
 
     if settings.retention is not None:
         load_retention(settings.retention)
+    if settings.tokens_file is not None and not Path(settings.tokens_file).is_file():
+        # A server over no tokens file would answer 401 to every request.
+        raise InvalidRequest(f"--tokens-file {settings.tokens_file}: no such file; create it "
+                             "with `ckptd token create --job JOB --role ROLE --file FILE`")
     if settings.peers is not None:
         try:
             parse_urls(settings.peers)
