@@ -70,8 +70,24 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
     returns its result. Past ``timeout`` seconds it is cancelled, unwinds, and
     ``Timeout`` says that ``what`` gave up."""
 
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        return await _within(coro, timeout, f"{what} gave up")
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
-        return pool.submit(asyncio.run, _within(coro, timeout, f"{what} gave up")).result()
+        future = pool.submit(asyncio.run, main())
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            # Ctrl-C: the call is cancelled and unwinds (leaving the pool waits for
+            # that), where it would otherwise run on to its end, however far.
+            for loop, task in running:
+                loop.call_soon_threadsafe(task.cancel)
+            raise
 
 
 async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: str) -> T:

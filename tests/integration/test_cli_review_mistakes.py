@@ -225,3 +225,80 @@ def test_bad_tag_name_is_refused_as_the_store_refuses_it(server: ServerProcess,
         for args in (["tag", "llm-7b", "1", "bad name/x"], ["untag", "llm-7b", "bad name/x"]):
             done = ckptd(*args, "--url", url)
             assert_short_usage_error(done, "[invalid_name]", "bad name/x")
+
+
+# -- 9. smaller ones -----------------------------------------------------------------------
+
+
+def test_verify_of_an_unknown_job_names_the_jobs_there(saved_store: str) -> None:
+    assert_short_usage_error(ckptd("verify", "nosuch", "--url", saved_store),
+                             "nosuch", "llm-7b")
+
+
+@pytest.mark.parametrize("args", [["token", "list", "--file", "/nonexist/tokens.json"],
+                                  ["serve", "--port", "0", "--tokens-file",
+                                   "/nonexist/tokens.json"]])
+def test_a_tokens_file_that_is_not_there_is_named(args: list[str], tmp_path: Path) -> None:
+    done = ckptd(*args, cwd=tmp_path)
+    assert_short_usage_error(done, "/nonexist/tokens.json", "token create")
+
+
+def test_every_serve_option_names_its_environment_variable() -> None:
+    from typer.main import get_command
+
+    from ckptd.cli import app
+
+    serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    for param in serve.params:
+        if param.name != "help":
+            assert f"Env CKPTD_{param.name.upper()}" in (param.help or ""), param.name
+
+
+def test_client_urls_and_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.client import Checkpointer
+    from ckptd.errors import InvalidRequest
+    from ckptd.zarr import CheckpointStore
+
+    with pytest.raises(InvalidRequest, match="url must be a string"):
+        Checkpointer(1234)  # type: ignore[arg-type]
+    monkeypatch.setenv("CKPTD_TOKEN", "from-the-environment")
+    assert CheckpointStore("http://127.0.0.1:9", "j").token == "from-the-environment"
+
+
+def test_one_replica_is_not_said_to_fail_over(caplog: pytest.LogCaptureFixture) -> None:
+    from ckptd.client.routing import Members
+
+    with caplog.at_level("WARNING"):
+        Members(["http://127.0.0.1:9"]).mark_down("http://127.0.0.1:9", ConnectionError())
+        assert "next one" not in caplog.text
+        Members(["http://127.0.0.1:9", "http://127.0.0.1:10"]).mark_down(
+            "http://127.0.0.1:9", ConnectionError())
+        assert "next one" in caplog.text
+
+
+def test_interrupted_restore_says_so(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    # A server that takes connections and never answers: the restore waits in its
+    # first request until the interrupt.
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "restore", "--job", "j",
+                                 "--rank", "0", "--to", str(tmp_path / "to"), "--url", url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=base)
+        time.sleep(4.0)  # imports, then the first request
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        mute.close()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and str(tmp_path / "to") in err and "Traceback" not in err, err
