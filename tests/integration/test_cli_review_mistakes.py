@@ -216,6 +216,18 @@ def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> 
         assert "<html> <body>" in done.stderr or "HTTP 404" in done.stderr, done.stderr
 
 
+def test_checkpointer_latest_against_another_program_says_so(web_server: str) -> None:
+    from ckptd.client import Checkpointer
+    from ckptd.errors import InvalidRequest
+
+    ckpt = Checkpointer(web_server, job="j", rank=0, world_size=1)
+    try:
+        with pytest.raises(InvalidRequest, match="does not answer as a ckptd server") as caught:
+            ckpt.latest()
+        assert "\n" not in str(caught.value) and len(str(caught.value)) < 300, caught.value
+    finally:
+        ckpt.close()
+
 # -- 7. a bad tag name is named before any request ----------------------------------------
 
 
