@@ -72,10 +72,12 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
                 f"{path} holds objects that weights_only loading refuses ({first}); "
                 "save plain tensors and containers"
             ) from None
-        except (RuntimeError, OSError, EOFError, IndexError, ValueError, KeyError) as exc:
-            # A damaged file trips torch's unpickler anywhere (an IndexError on its stack).
+        except Exception as exc:  # noqa: BLE001 - see below
+            # A damaged file trips torch's unpickler anywhere, with whatever its parsing
+            # raised (an IndexError on its stack, a struct.error on a cut file).
+            said = " ".join(str(exc).split())[:200]  # one line: torch's texts run to several
             raise InvalidRequest(f"{path} is not a readable torch.save file: "
-                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
+                                 f"{type(exc).__name__}: {said}") from None
         if not isinstance(state, dict):
             state = {"state": state}
         return "torch", state

@@ -43,6 +43,11 @@ def test_import_of_files_that_are_no_checkpoint(tmp_path: Path) -> None:
     for source in ("/proc/self/status", str(script)):
         done = ckptd("import", source, "--job", "imp", "--step", "9", "--url", url)
         assert_short_usage_error(done, source, "neither a zarr v3 hierarchy")
+    # a torch.save file cut short (the legacy format's magic number, then nothing)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9")
+    done = ckptd("import", str(cut), "--job", "imp", "--step", "9", "--url", url)
+    assert_short_usage_error(done, str(cut), "not a readable torch.save file")
 
 
 @pytest.mark.parametrize("args,needles", [
