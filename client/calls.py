@@ -43,7 +43,7 @@ from ckptd.api import (
     VerifyResult,
 )
 from ckptd.cluster import chunk_key
-from ckptd.errors import InvalidDocument
+from ckptd.errors import InvalidDocument, InvalidRequest
 from ckptd.format import (
     CommitRecord,
     RankManifest,
@@ -52,6 +52,7 @@ from ckptd.format import (
     check_job,
     check_step,
 )
+from ckptd.lifecycle.tags import check_tag
 
 from .routing import ROUTE_HEADER
 
@@ -110,6 +111,8 @@ class Reads(Generic[M, T]):
             else:
                 doc = self.model.model_validate_json(resp.content)
         except ValidationError as exc:
+            if "json" not in resp.headers.get("content-type", ""):  # another program's page
+                raise not_a_server(resp) from None
             first = exc.errors()[0] if exc.errors() else None
             where = f" ({'.'.join(map(str, first['loc']))}: {first['msg']})" if first else ""
             raise InvalidDocument(
@@ -118,6 +121,22 @@ class Reads(Generic[M, T]):
                 "version?"
             ) from None
         return self.pick(doc, resp)
+
+
+def answer_excerpt(resp: httpx.Response) -> str:
+    """The start of an answer's body on one line (an HTML page runs to dozens)."""
+    text = " ".join(resp.text.split())
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def not_a_server(resp: httpx.Response) -> InvalidRequest:
+    """The error for an answer that no ckptd server gives (another program's)."""
+    url = resp.request.url
+    return InvalidRequest(
+        f"{url.scheme}://{url.netloc.decode('ascii')} does not answer as a ckptd server "
+        f"(HTTP {resp.status_code} to {resp.request.method} {url.path}: "
+        f"{answer_excerpt(resp)}); check the URL and its port"
+    )
 
 
 def _itself(doc: M, resp: httpx.Response) -> M:
@@ -337,7 +356,7 @@ def cluster() -> Call[ClusterView]:
 
 def forget(job: str, dry_run: bool, keep_last: int | None) -> Call[ForgetResult]:
     params: dict[str, Any] = {"dry_run": dry_run}
-    if keep_last:
+    if keep_last is not None:  # 0 too: the server refuses it, it must not mean "none"
         params["keep_last"] = keep_last
     return Call("POST", f"{_job(job)}/forget", answer(ForgetResult), params=params)
 
@@ -368,11 +387,13 @@ def scrub(budget_bytes: int | None) -> Call[ScrubResult]:
 
 
 def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:
-    return Call("PUT", f"{_job(job)}/tags/{name}", _tags, json={"step": step})
+    # Checked here as the store checks it: a name with a '/' or a space would reach
+    # no route at all (a 404 that says nothing of the name).
+    return Call("PUT", f"{_job(job)}/tags/{check_tag(name)}", _tags, json={"step": step})
 
 
 def untag(job: str, name: str) -> Call[dict[str, int]]:
-    return Call("DELETE", f"{_job(job)}/tags/{name}", _tags)
+    return Call("DELETE", f"{_job(job)}/tags/{check_tag(name)}", _tags)
 
 
 def space() -> Call[SpaceResult]:

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 
 from ckptd.errors import (
+    AlreadyCommitted,
     CkptdError,
     ReplicaMismatch,
     Superseded,
@@ -17,6 +18,8 @@ from ckptd.errors import (
     Unauthorized,
     Unavailable,
 )
+
+from .loop import ClientClosing
 
 log = logging.getLogger("ckptd.client.checkpointer")
 
@@ -59,6 +62,12 @@ def advice(exc: CkptdError) -> str:
         return "the job was rolled back: restore the rollback's step, then save again"
     if isinstance(exc, Unauthorized):
         return "pass the server's token (token= or CKPTD_TOKEN)"
+    if isinstance(exc, AlreadyCommitted):
+        return ("that step number is committed already (by an earlier run?): its manifests "
+                "cannot change; save later steps under new numbers (resume after `latest`)")
+    if isinstance(exc, ClientClosing):
+        return ("the upload was interrupted before it committed: the step is not committed; "
+                "a restore gets the last committed step")
     if isinstance(exc, Unavailable | Timeout):
         return ("check that the ckptd server is up and reachable; training goes on, and "
                 "saves fail until it answers")

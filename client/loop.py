@@ -70,8 +70,24 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
     returns its result. Past ``timeout`` seconds it is cancelled, unwinds, and
     ``Timeout`` says that ``what`` gave up."""
 
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        return await _within(coro, timeout, f"{what} gave up")
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
-        return pool.submit(asyncio.run, _within(coro, timeout, f"{what} gave up")).result()
+        future = pool.submit(asyncio.run, main())
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            # Ctrl-C: the call is cancelled and unwinds (leaving the pool waits for
+            # that), where it would otherwise run on to its end, however far.
+            for loop, task in running:
+                loop.call_soon_threadsafe(task.cancel)
+            raise
 
 
 async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: str) -> T:
@@ -85,12 +101,21 @@ async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: 
         raise Timeout(f"{gave_up} after {timeout} s") from None
 
 
+class ClientClosing(CkptdError):
+    """The loop's executor takes no more work: the program is exiting (Ctrl-C, the end
+    of the script) or the checkpointer closed while a call was under way."""
+
+
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a worker thread of the loop's executor. Cancelled, it still
     waits for the thread to finish before it unwinds (``asyncio.to_thread`` lets
     the thread run on after its caller is gone: a copy into the target, or a read
     of the staging pool, after the call that started it returned)."""
-    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    try:
+        future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    except RuntimeError as exc:  # submit() refuses work only once its executor shut down
+        raise ClientClosing("interrupted: the program is exiting (Ctrl-C, or the end of "
+                            "the script) or the checkpointer closed") from exc
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:

@@ -100,8 +100,9 @@ class Members:
             self._down[url] = now
             self.failovers += 1
             self._next_refresh = min(self._next_refresh, time.monotonic())
-        log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
-                    url, type(exc).__name__)
+        if len(self.urls) > 1:  # with one replica there is no next one to go to
+            log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
+                        url, type(exc).__name__)
 
     def refresh_due(self) -> bool:
         # refresh_s <= 0: route over the URLs given only, never asking for more.

@@ -62,16 +62,22 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
             raise InvalidRequest(f"{path} is not a readable zarr v3 hierarchy: {exc}") from None
     if path.is_dir() and (path / ".metadata").is_file():
         return "dcp", read_dcp(path)
-    if path.is_file():
+    if path.is_file() and _looks_like_torch_save(path):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
+            # torch's text runs to a dozen lines; its first says what it refused.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedValue(
-                f"{path} holds objects that weights_only loading refuses ({exc}); "
+                f"{path} holds objects that weights_only loading refuses ({first}); "
                 "save plain tensors and containers"
             ) from None
-        except (RuntimeError, OSError, EOFError) as exc:
-            raise InvalidRequest(f"{path} is not a torch.save file: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - see below
+            # A damaged file trips torch's unpickler anywhere, with whatever its parsing
+            # raised (an IndexError on its stack, a struct.error on a cut file).
+            said = " ".join(str(exc).split())[:200]  # one line: torch's texts run to several
+            raise InvalidRequest(f"{path} is not a readable torch.save file: "
+                                 f"{type(exc).__name__}: {said}") from None
         if not isinstance(state, dict):
             state = {"state": state}
         return "torch", state
@@ -79,6 +85,17 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
         raise NotFound(f"{path} does not exist")
     raise InvalidRequest(f"{path} is neither a zarr v3 hierarchy (zarr.json), a DCP "
                          "directory (.metadata) nor a torch.save file")
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    """A zip archive (torch.save since 1.6) or a pickle (the legacy format): anything
+    else is not a checkpoint, and torch's unpickler would only say so in a traceback."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 # -- zarr ----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from ckptd.errors import (
 from ckptd.format import CommitRecord, check_job
 
 from . import calls
-from .calls import Call
+from .calls import Call, answer_excerpt, not_a_server
 from .routing import Members, SyncRouting, members_for, merge_overviews
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,12 @@ def http_error(resp: httpx.Response) -> CkptdError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("code"), str):
         return from_json(body, resp.status_code)
-    text = resp.text[:200]
+    text = answer_excerpt(resp)
     if resp.status_code >= 500:
         return _UntypedServerError(f"HTTP {resp.status_code}: {text}")
-    return CkptdError(f"HTTP {resp.status_code} from {resp.request.url}: {text}")
+    # Every answer of a ckptd server that is not a success carries a typed error body:
+    # one without is another program on that port (a wrong --url).
+    return not_a_server(resp)
 
 
 class SyncTransport:

@@ -86,6 +86,12 @@ def export_step(
         raise InvalidRequest(f"{target} exists and is not an empty directory; "
                              "export into a new one")
     compressor = _compressor(codec)
+    created = not target.exists()
+    try:  # before reading anything: a directory that cannot be made is a usage mistake
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot create {target}: {exc.strerror}; export into a "
+                             "directory you can write") from None
     t0 = time.perf_counter()
     view = CheckpointStore(url, job, step, token, transport=transport)
     try:
@@ -103,6 +109,10 @@ def export_step(
         assert view.step is not None
         result = ExportResult(view.step, len(h.arrays), chunks, nbytes,
                               time.perf_counter() - t0, str(target))
+    except BaseException:
+        if created and target.is_dir() and not any(target.iterdir()):
+            target.rmdir()  # an unknown job or step leaves no empty directory behind
+        raise
     finally:
         view.close()
     log.info("exported step %d of %s: %d arrays, %d bytes in %.2f s", result.step, job,

@@ -37,6 +37,7 @@ from ckptd.format import canonical_json, chunk_key
 from ckptd.zarr.grid import assemble, needed_chunks
 from ckptd.zarr.hierarchy import ArrayNode, Hierarchy, build, join
 
+from .endpoint import endpoint
 from .transport import Transport, open_transport, read_step
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,11 @@ class CheckpointStore(Store):
         concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
         super().__init__(read_only=True)
-        self.url = url
+        # The token defaults to CKPTD_TOKEN as the Checkpointer's, Reader's and CLI's do.
+        self.url, self.token = endpoint(url, token)
         self.job = job
         self.step = step  # the step asked for; after the first read, the step read
         self._asked = step
-        self.token = token
         self.fetched = 0  # chunks read from the store (the transport)
         self.fetched_ids: list[str] = []
         self.bytes_from = {"cache": 0, "store": 0}

@@ -140,7 +140,8 @@ def serve(
     ] = None,
     replica_mismatch: Annotated[
         ReplicaMismatchMode | None,
-        typer.Option(help="'reject' (default) or 'warn' when data-parallel replicas differ."),
+        typer.Option(help="'reject' (default) or 'warn' when data-parallel replicas differ. "
+                     "Env CKPTD_REPLICA_MISMATCH."),
     ] = None,
     heartbeat_interval: Annotated[
         float | None,
@@ -148,15 +149,18 @@ def serve(
     ] = None,
     dead_after: Annotated[
         int | None,
-        typer.Option(help="Missed heartbeat intervals before a rank is dead (3)."),
+        typer.Option(help="Missed heartbeat intervals before a rank is dead (3). "
+                     "Env CKPTD_DEAD_AFTER."),
     ] = None,
     snapshot_lead: Annotated[
         int | None,
-        typer.Option(help="Steps past the fastest rank a coordinated snapshot is set (2)."),
+        typer.Option(help="Steps past the fastest rank a coordinated snapshot is set (2). "
+                     "Env CKPTD_SNAPSHOT_LEAD."),
     ] = None,
     snapshot_min_interval: Annotated[
         float | None,
-        typer.Option(help="Seconds between accepted snapshot requests of a job (30)."),
+        typer.Option(help="Seconds between accepted snapshot requests of a job (30). "
+                     "Env CKPTD_SNAPSHOT_MIN_INTERVAL."),
     ] = None,
     tls_cert: Annotated[
         str | None,
@@ -181,16 +185,20 @@ def serve(
                      "address, or 'any'. Env CKPTD_PEER_NETWORKS."),
     ] = None,
     retention: Annotated[
-        str | None, typer.Option(help="Retention TOML, applied after commits. CKPTD_RETENTION.")
+        str | None, typer.Option(help="Retention TOML (docs/retention.md), applied after commits. "
+                               "Env CKPTD_RETENTION.")
     ] = None,
     gc_interval: Annotated[
-        float | None, typer.Option(help="Seconds between background GC runs (0: off).")
+        float | None, typer.Option(help="Seconds between background GC runs (0: off). "
+                                   "Env CKPTD_GC_INTERVAL.")
     ] = None,
     gc_grace: Annotated[
-        float | None, typer.Option(help="GC grace period, longer than the longest save (600).")
+        float | None, typer.Option(help="GC grace period, longer than the longest save (600). "
+                                   "Env CKPTD_GC_GRACE.")
     ] = None,
     scrub_interval: Annotated[
-        float | None, typer.Option(help="Seconds between background scrub runs (0: off).")
+        float | None, typer.Option(help="Seconds between background scrub runs (0: off). "
+                                   "Env CKPTD_SCRUB_INTERVAL.")
     ] = None,
     peers: Annotated[
         str | None,
@@ -346,9 +354,18 @@ def verify(
         bar.update(task, completed=done, total=total)
 
     async def go() -> Any:
+        from ckptd.errors import NotFound
+
         transport = _transport(url, token)
         try:
             return await transport.verify(job, step, on_bytes=on_bytes)
+        except NotFound:
+            if await transport.list_steps(job):
+                raise
+            from ckptd.cli.mistakes import job_not_found  # a job not there: name those there
+
+            jobs = [_field(j, "job") for j in await transport.list_jobs()]
+            raise job_not_found(job, jobs, transport.describe()) from None
         finally:
             await transport.close()
 
@@ -459,6 +476,10 @@ def restore(
     except CkptdError as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: the restore into {escape(to)} did not finish; run the "
+                          "same command again", soft_wrap=True)
+        raise typer.Exit(code=130) from None
     tiers = ", ".join(f"{tier} {_human(n)}" for tier, n in result.bytes_from.items() if n)
     console.print(
         f"[green]ok[/]: step {result.step} of {job} rank {rank}: {result.chunks} chunks, "

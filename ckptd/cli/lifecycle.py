@@ -4,6 +4,7 @@ lifecycle, through a server (http://) or directly on a store (a path, file://, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,17 @@ from pydantic import BaseModel
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, _server, app, console
+from ckptd.cli import (
+    DEFAULT_URL,
+    TokenOpt,
+    UrlOpt,
+    _fail,
+    _human,
+    _server,
+    app,
+    console,
+    err_console,
+)
 from ckptd.errors import CkptdError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -33,8 +44,7 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     from ckptd.store import open_store
 
     async def go() -> Any:
-        repo = Repository(open_store(url.removeprefix("file://") if url.startswith("file://")
-                                     else url))
+        repo = Repository(open_store(url))  # open_store reads file:// URLs itself
         try:
             return await work(repo)
         finally:
@@ -61,7 +71,7 @@ def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
 def forget(
     job: Annotated[str, typer.Argument(help="Job whose retention to apply.")],
     dry_run: DryRunOpt = False,
-    keep_last: Annotated[int | None, typer.Option(help="Keep the last N steps (and the "
+    keep_last: Annotated[int | None, typer.Option(min=1, help="Keep the last N steps (and the "
                                                   "tagged, latest and rollback ones).")] = None,
     retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
                          ] = None,
@@ -69,6 +79,10 @@ def forget(
     token: TokenOpt = None,
 ) -> None:
     """Apply a job's retention: forget the steps it does not keep (chunks go at the next gc)."""
+    if retention is not None and _remote(url):
+        _fail(InvalidRequest("--retention applies to a store (--url file:///path or s3://); "
+                             "a server applies its own (ckptd serve --retention): pass "
+                             "--keep-last N"))
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.retention import RetentionPolicy, load_retention
@@ -78,6 +92,10 @@ def forget(
         if keep_last is not None:
             policy = dataclasses.replace(policy, keep_last=keep_last)
         if not policy.forgets and policy.abandon_pending_after is None:
+            if retention:  # the file has rules, for other jobs only
+                raise InvalidRequest(f"{retention} has no rule for {job} (its [retention] table "
+                                     f"keeps every step): add [retention.jobs.{job}] or pass "
+                                     "--keep-last N")
             raise InvalidRequest("no retention rule: pass --keep-last N or --retention FILE")
         plan = await apply(repo, job, policy, dry_run=dry_run)
         return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
@@ -99,7 +117,7 @@ def forget(
 @app.command()
 def gc(
     dry_run: DryRunOpt = False,
-    grace: Annotated[float | None, typer.Option(help="Seconds; longer than the longest save "
+    grace: Annotated[float | None, typer.Option(min=0, help="Seconds; longer than the longest save "
                                                 "(server default, or 600 direct).")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
@@ -117,14 +135,32 @@ def gc(
     # sweeps. Through a server it runs in the background and this follows it, so
     # no request lasts that long (a reverse proxy's read timeout would cut it).
     wait = "" if grace is None else f", after a {grace:g} s grace period"
-    with console.status("collecting garbage" + (" (dry run)" if dry_run else "") + wait
-                        ) as status:
-        def remote(server: SyncTransport) -> Any:
-            if dry_run:
-                return server.gc(dry_run, grace)
-            return _follow(server, server.start_gc(grace), status)
+    if not dry_run and not _remote(url) and (grace is None or grace > 0):
+        err_console.print(f"collecting garbage: waits out a {600.0 if grace is None else grace:g}"
+                          " s grace period first (saves in flight finish meanwhile)",
+                          highlight=False, soft_wrap=True)
+    doing = "collecting garbage" + (" (dry run)" if dry_run else "") + wait
 
-        r = _run(url, token, remote, direct)
+    def remote(server: SyncTransport) -> Any:
+        if dry_run:
+            with _spinner(doing):
+                return server.gc(dry_run, grace)
+        before = server.gc_status().running
+        run = server.start_gc(grace)
+        try:
+            _say_run(run, joined=before is not None and before.id == run.id, asked=grace)
+            with _spinner(doing) as status:
+                return _follow(server, run, status)
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted: collection {run.id} goes on on the server; "
+                              "`ckptd gc` again follows it", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=130) from None
+
+    async def direct_with_spinner(repo: Any) -> Any:
+        with _spinner(doing):
+            return await direct(repo)
+
+    r = _run(url, token, remote, direct_with_spinner)
     if dry_run:
         for cid in r["deleted"]:
             console.print(f"would delete chunk {cid}", soft_wrap=True)
@@ -134,6 +170,34 @@ def gc(
         f"chunks; kept {r['chunks_kept']} of {r['chunks_total']} "
         f"({_human(r['bytes_total'] - r['bytes_freed'])}); {r['seconds']:.2f} s"
     )
+
+
+class _NoSpinner:
+    """Stands in for rich's status where stderr is no terminal (a log keeps the lines)."""
+
+    def update(self, text: str) -> None:
+        pass
+
+
+def _spinner(text: str) -> contextlib.AbstractContextManager[Any]:
+    """A rich status on stderr in a terminal; nothing elsewhere."""
+    return err_console.status(text) if err_console.is_terminal else contextlib.nullcontext(
+        _NoSpinner())
+
+
+def _say_run(run: Any, joined: bool, asked: float | None) -> None:
+    """One line on stderr: the collection followed, and the grace period it waits out."""
+    left = max(0.0, run.started_at + run.grace - time.time())
+    if joined:
+        err_console.print(
+            f"a collection is already under way on the server (grace {run.grace:g} s"
+            + (f", not the {asked:g} s asked" if asked is not None and asked != run.grace else "")
+            + f"); following it: {left:.0f} s of its grace period left",
+            highlight=False, soft_wrap=True)
+    elif left > 0:
+        err_console.print(f"collecting garbage: waiting out the {run.grace:g} s grace period "
+                          f"(saves in flight finish meanwhile), {left:.0f} s left",
+                          highlight=False, soft_wrap=True)
 
 
 def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
@@ -160,7 +224,7 @@ def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
 
 @app.command()
 def scrub(
-    budget: Annotated[int | None, typer.Option(help="Bytes to read (default: a whole pass).")
+    budget: Annotated[int | None, typer.Option(min=0, help="Bytes to read (default: a whole pass).")
                       ] = None,
     replica: Annotated[str | None, typer.Option(help="A replica store to repair from "
                                                 "(direct store only).")] = None,
@@ -168,6 +232,9 @@ def scrub(
     token: TokenOpt = None,
 ) -> None:
     """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps."""
+    if replica is not None and _remote(url):
+        _fail(InvalidRequest("--replica applies to a store (--url file:///path or s3://); a "
+                             "server repairs from its live peers and CKPTD_SCRUB_REPLICA"))
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.scrub import scrub as run

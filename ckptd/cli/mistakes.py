@@ -86,13 +86,37 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
                 f"--tls-cert {settings.tls_cert} / --tls-key {settings.tls_key}: cannot load "
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
+    _check_server_files(settings)
     return settings, open_store(settings.store)
+
+
+def _check_server_files(settings: Settings) -> None:
+    """The retention file, the peers and the tokens file, read as the server will read
+    them: a mistake there is one line now, not a traceback from uvicorn's lifespan."""
+    from ckptd.cluster import parse_urls
+    from ckptd.lifecycle.retention import load_retention
+
+    if settings.retention is not None:
+        load_retention(settings.retention)
+    if settings.tokens_file is not None and not Path(settings.tokens_file).is_file():
+        # A server over no tokens file would answer 401 to every request.
+        raise InvalidRequest(f"--tokens-file {settings.tokens_file}: no such file; create it "
+                             "with `ckptd token create --job JOB --role ROLE --file FILE`")
+    if settings.peers is not None:
+        try:
+            parse_urls(settings.peers)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"--peers: {exc.message}; give every replica's URL, "
+                                 "comma-separated (http://a:8470,http://b:8470)") from None
 
 
 def existing_store(url: str) -> str:
     """``url`` unchanged when it is not a local path, or names a store directory that
     exists: a reading command never creates a store where none was."""
     parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
+                             "directory is file:///absolute/path (three slashes)")
     if parsed.scheme == "file" and parsed.path:
         path = Path(parsed.path)
         if not path.is_dir():

@@ -57,8 +57,14 @@ def token_create(
 @token_app.command("list")
 def token_list(file: FileOpt = DEFAULT_FILE) -> None:
     """List the tokens of a file (ids, scopes; never the tokens)."""
+    from pathlib import Path
+
+    from ckptd.errors import NotFound
     from ckptd.tokens import list_tokens
 
+    if not Path(file).is_file():  # an empty table would say the file has no tokens
+        _fail(NotFound(f"no tokens file {file}: pass --file (or CKPTD_TOKENS_FILE), or create "
+                       "one with ckptd token create"))
     try:
         entries = list_tokens(file)
     except CkptdError as exc:

@@ -31,6 +31,7 @@ from ckptd.errors import (
     CkptdError,
     GcInProgress,
     InvalidDocument,
+    InvalidRequest,
     NotFound,
     StoreCorrupt,
     UnsupportedFormat,
@@ -308,6 +309,8 @@ async def collect_garbage(
 ) -> GcReport:
     """Deletes every chunk that no rank manifest names (or, with ``dry_run``, lists
     them without taking the lease or deleting anything)."""
+    if grace < 0:  # a negative grace would sweep chunks of saves still in flight
+        raise InvalidRequest(f"grace must be >= 0 seconds, not {grace:g}")
     t0 = time.perf_counter()
     report = GcReport(dry_run=dry_run)
     if dry_run:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptd.errors import InvalidPolicy, NotFound, StoreError
+from ckptd.errors import InvalidPolicy, InvalidRequest, NotFound, StoreError
 from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.tags import read_tags
@@ -34,6 +34,9 @@ DELETES_AT_ONCE = 64  # a step's documents are removed this many at a time
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _FIELDS = ("keep_last", "keep_every", "keep_within", "keep_tagged", "abandon_pending_after")
+# What a retention file should look like, said when one does not.
+_SHAPE = ("rules go in a [retention] table, e.g. `[retention]` then `keep_last = 5`, and "
+          "[retention.jobs.<job>] per job (see docs/retention.md)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +106,24 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidPolicy(f"{source}: {exc}", reason=str(exc)) from None
+    # A rule outside [retention] (a top-level keep_last) was once read as no rule at
+    # all: a server then started with it and never forgot a step.
+    unknown = sorted(set(data) - {"retention"})
+    if unknown:
+        raise InvalidPolicy(f"{source}: unknown top-level keys {unknown}; {_SHAPE}",
+                            reason="unknown top-level key")
     table = data.get("retention", {})
     if not isinstance(table, dict):
         raise InvalidPolicy(f"{source}: [retention] must be a table", reason="not a table")
     jobs = table.pop("jobs", {})
     default = _policy(table, RetentionPolicy(), f"{source}: retention")
-    return RetentionConfig(default, {
+    config = RetentionConfig(default, {
         job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
     })
+    if not any(p.forgets or p.abandon_pending_after is not None
+               for p in (config.default, *config.jobs.values())):
+        raise InvalidPolicy(f"{source} holds no retention rule; {_SHAPE}", reason="no rule")
+    return config
 
 
 def load_retention(path: str | Path) -> RetentionConfig:
@@ -218,6 +231,10 @@ async def forget(
 ) -> ForgetPlan:
     """Applies ``policy`` to ``job``: removes the documents of the steps it does not
     keep (chunks are freed by the next garbage collection)."""
+    for name in ("keep_last", "keep_every"):  # 0 or fewer would forget every step
+        n = getattr(policy, name)
+        if n is not None and n < 1:
+            raise InvalidRequest(f"{name} must be >= 1, not {n}")
     plan = await plan_forget(repo, job, policy, now=now if now is not None else clock())
     plan.dry_run = dry_run
     if dry_run:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptd.errors import CkptdError, InvalidDocument, NotFound
+from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound
 from ckptd.format import chunk_key, commit_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.capacity import committed_steps
@@ -76,6 +76,8 @@ async def scrub(
 ) -> ScrubReport:
     """Verifies stored chunks from the cursor on, until ``budget_bytes`` were read
     (None: one whole pass), at most ``rate_bytes_per_s``; repairs or marks damage."""
+    if budget_bytes is not None and budget_bytes < 0:
+        raise InvalidRequest(f"budget must be >= 0 bytes, not {budget_bytes}")
     store = repo.store
     t0 = time.perf_counter()
     report = ScrubReport()

@@ -31,6 +31,9 @@ def open_store(url: str) -> Store:
     if url.startswith("memory://"):
         return MemoryStore()
     if url.startswith("file://"):
+        if urlparse(url).netloc not in ("", "localhost"):  # file://x/y: host x, path /y
+            raise InvalidRequest(f"file URL {url!r} names a host; a store directory is "
+                                 "file:///absolute/path (three slashes), or the path itself")
         return LocalStore(urlparse(url).path)
     if url.startswith("s3://"):
         parsed = urlparse(url)

@@ -1,0 +1,321 @@
+"""Mistakes a reviewer made on the command line (review r1): each is one or two lines
+that say what to do, exit code 2, never a traceback; both transports (a server and a
+file:// store) answer a bad lifecycle option alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.integration.test_cli_mistakes import _save_one, assert_short_usage_error, ckptd
+
+if TYPE_CHECKING:
+    from tests.conftest import ServerProcess
+
+
+@pytest.fixture
+def saved_store(tmp_path: Path, shm: Path) -> str:
+    """A file:// store holding step 1 of job llm-7b."""
+    url = f"file://{tmp_path / 'files'}"
+    _save_one(url, "llm-7b", shm)
+    return url
+
+
+# -- 1. tracebacks ------------------------------------------------------------------------
+
+
+def test_export_into_a_directory_that_cannot_be_made(saved_store: str, tmp_path: Path) -> None:
+    done = ckptd("export", "llm-7b", "1", "--zarr", "/proc/x.zarr", "--url", saved_store)
+    assert_short_usage_error(done, "/proc/x.zarr", "directory you can write")
+
+
+def test_import_of_files_that_are_no_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "mk.py"
+    script.write_text("import torch\nprint(torch.ones(2))\n")
+    url = f"file://{tmp_path / 'store'}"
+    for source in ("/proc/self/status", str(script)):
+        done = ckptd("import", source, "--job", "imp", "--step", "9", "--url", url)
+        assert_short_usage_error(done, source, "neither a zarr v3 hierarchy")
+    # a torch.save file cut short (the legacy format's magic number, then nothing)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9")
+    done = ckptd("import", str(cut), "--job", "imp", "--step", "9", "--url", url)
+    assert_short_usage_error(done, str(cut), "not a readable torch.save file")
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--retention", "/nonexist.toml"], ["/nonexist.toml"]),
+    (["--peers", "garbage"], ["--peers", "garbage", "http://"]),
+])
+def test_serve_checks_its_files_and_peers_before_it_starts(
+    args: list[str], needles: list[str], tmp_path: Path
+) -> None:
+    done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", "0", *args)
+    assert_short_usage_error(done, *needles)
+
+
+# -- 2. lifecycle options: checked alike on both transports ------------------------------
+
+
+LIFECYCLE_BAD = [
+    (["forget", "llm-7b", "--keep-last", "0"], "--keep-last"),
+    (["forget", "llm-7b", "--keep-last", "-3"], "--keep-last"),
+    (["gc", "--grace", "-5"], "--grace"),
+    (["scrub", "--budget", "-1"], "--budget"),
+]
+
+
+def test_bad_lifecycle_options_are_refused_alike_by_both_transports(
+    server: ServerProcess, saved_store: str
+) -> None:
+    for url in (server.url, saved_store):
+        for args, option in LIFECYCLE_BAD:
+            assert_short_usage_error(ckptd(*args, "--url", url), option)
+    listed = ckptd("ls", "llm-7b", "--url", saved_store)
+    assert listed.returncode == 0 and "committed" in listed.stdout, listed.stdout
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["forget", "llm-7b", "--retention", "r.toml"], ["--retention", "--keep-last"]),
+    (["scrub", "--replica", "file:///tmp/r"], ["--replica", "file:///"]),
+])
+def test_store_only_options_through_a_server_are_refused(
+    args: list[str], needles: list[str], server: ServerProcess
+) -> None:
+    assert_short_usage_error(ckptd(*args, "--url", server.url), *needles)
+
+
+async def test_lifecycle_functions_refuse_negative_limits(tmp_path: Path) -> None:
+    from ckptd.errors import InvalidRequest
+    from ckptd.lifecycle.gc import collect_garbage
+    from ckptd.lifecycle.retention import RetentionPolicy, forget
+    from ckptd.lifecycle.scrub import scrub
+    from ckptd.repository import Repository
+    from ckptd.store import open_store
+
+    repo = Repository(open_store(str(tmp_path / "s")))
+    try:
+        for policy in (RetentionPolicy(keep_last=0), RetentionPolicy(keep_every=-2)):
+            with pytest.raises(InvalidRequest, match="must be >= 1"):
+                await forget(repo, "j", policy)
+        with pytest.raises(InvalidRequest, match="grace"):
+            await collect_garbage(repo.store, grace=-5)
+        with pytest.raises(InvalidRequest, match="budget"):
+            await scrub(repo, budget_bytes=-1)
+    finally:
+        await repo.close()
+
+
+def test_keep_last_zero_is_sent_not_dropped() -> None:
+    from ckptd.client import calls
+
+    assert calls.forget("j", False, 0).params == {"dry_run": False, "keep_last": 0}
+
+
+# -- 3. a retention file that holds no rule is refused, saying what it should look like ----
+
+
+@pytest.mark.parametrize("text", ["keep_last = 1\n", "# nothing yet\n",
+                                  "[retention]\nkeep_tagged = false\n"])
+def test_retention_file_without_a_rule_is_refused(text: str, saved_store: str,
+                                                  tmp_path: Path) -> None:
+    from ckptd.errors import InvalidPolicy
+    from ckptd.lifecycle.retention import parse_retention
+
+    with pytest.raises(InvalidPolicy, match=r"\[retention\]"):
+        parse_retention(text, "r.toml")
+    rules = tmp_path / "r.toml"
+    rules.write_text(text)
+    for args in (["forget", "llm-7b", "--retention", str(rules), "--url", saved_store],
+                 ["serve", "--store", str(tmp_path / "s"), "--port", "0",
+                  "--retention", str(rules)]):
+        assert_short_usage_error(ckptd(*args), str(rules), "[retention]", "docs/retention.md")
+
+
+def test_retention_file_with_rules_for_other_jobs_says_so(saved_store: str,
+                                                         tmp_path: Path) -> None:
+    rules = tmp_path / "r.toml"
+    rules.write_text("[retention.jobs.other]\nkeep_last = 1\n")
+    done = ckptd("forget", "llm-7b", "--retention", str(rules), "--url", saved_store)
+    assert_short_usage_error(done, "no rule for llm-7b", "[retention.jobs.llm-7b]")
+
+
+# -- 4. gc through a server says what it waits for, whom it follows, and what Ctrl-C leaves -
+
+
+@pytest.mark.slow
+def test_gc_through_a_server_says_what_it_waits_for(server: ServerProcess) -> None:
+    import httpx
+
+    started = httpx.post(f"{server.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
+    assert started.status_code == 202, started.text
+    joined = ckptd("gc", "--grace", "0", "--url", server.url)
+    assert joined.returncode == 0, joined.stderr
+    assert "already under way" in joined.stderr and "grace 3 s" in joined.stderr, joined.stderr
+    assert "not the 0 s asked" in joined.stderr, joined.stderr
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "gc", "--grace", "30", "--url",
+                             server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=base)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # blocks until the line (or the end of stderr)
+        assert "waiting out the 30 s grace period" in first and "s left" in first, first
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "goes on on the server" in rest and "Traceback" not in rest, rest
+    running = httpx.get(f"{server.url}/v1/gc", timeout=10).json()["running"]
+    assert running is not None and running["grace"] == 30, running
+
+
+# -- 5. a file:// URL with a host is refused, not read as another path ---------------------
+
+
+@pytest.mark.parametrize("args", [["ls"], ["gc", "--dry-run"], ["serve", "--port", "0"]])
+def test_file_url_with_a_host_is_refused(args: list[str], tmp_path: Path) -> None:
+    (tmp_path / "relative" / "x").mkdir(parents=True)
+    option = "--store" if args[0] == "serve" else "--url"
+    done = ckptd(*args, option, "file://relative/x", cwd=tmp_path)
+    assert_short_usage_error(done, "file:///absolute/path")
+
+
+# -- 6. another program on the port is named as such, in one line -------------------------
+
+
+@pytest.fixture
+def web_server(tmp_path: Path) -> Iterator[str]:
+    """A plain HTTP file server (not ckptd) on loopback: /v1/jobs is an HTML page."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    (tmp_path / "www" / "v1").mkdir(parents=True)
+    (tmp_path / "www" / "v1" / "jobs").write_text("<!DOCTYPE HTML>\n<html>\n<body>\n" * 10)
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> None:
+    for args in (["ls"], ["ls", "llm-7b"]):  # a 200 HTML page, and a 404 one
+        done = ckptd(*args, "--url", web_server)
+        assert_short_usage_error(done, f"{web_server} does not answer as a ckptd server")
+        assert "<html> <body>" in done.stderr or "HTTP 404" in done.stderr, done.stderr
+
+
+def test_checkpointer_latest_against_another_program_says_so(web_server: str) -> None:
+    from ckptd.client import Checkpointer
+    from ckptd.errors import InvalidRequest
+
+    ckpt = Checkpointer(web_server, job="j", rank=0, world_size=1)
+    try:
+        with pytest.raises(InvalidRequest, match="does not answer as a ckptd server") as caught:
+            ckpt.latest()
+        assert "\n" not in str(caught.value) and len(str(caught.value)) < 300, caught.value
+    finally:
+        ckpt.close()
+
+# -- 7. a bad tag name is named before any request ----------------------------------------
+
+
+def test_bad_tag_name_is_refused_as_the_store_refuses_it(server: ServerProcess,
+                                                         saved_store: str) -> None:
+    for url in (server.url, saved_store):
+        for args in (["tag", "llm-7b", "1", "bad name/x"], ["untag", "llm-7b", "bad name/x"]):
+            done = ckptd(*args, "--url", url)
+            assert_short_usage_error(done, "[invalid_name]", "bad name/x")
+
+
+# -- 9. smaller ones -----------------------------------------------------------------------
+
+
+def test_verify_of_an_unknown_job_names_the_jobs_there(saved_store: str) -> None:
+    assert_short_usage_error(ckptd("verify", "nosuch", "--url", saved_store),
+                             "nosuch", "llm-7b")
+
+
+@pytest.mark.parametrize("args", [["token", "list", "--file", "/nonexist/tokens.json"],
+                                  ["serve", "--port", "0", "--tokens-file",
+                                   "/nonexist/tokens.json"]])
+def test_a_tokens_file_that_is_not_there_is_named(args: list[str], tmp_path: Path) -> None:
+    done = ckptd(*args, cwd=tmp_path)
+    assert_short_usage_error(done, "/nonexist/tokens.json", "token create")
+
+
+def test_every_serve_option_names_its_environment_variable() -> None:
+    from typer.main import get_command
+
+    from ckptd.cli import app
+
+    serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    for param in serve.params:
+        if param.name != "help":
+            assert f"Env CKPTD_{param.name.upper()}" in (param.help or ""), param.name
+
+
+def test_client_urls_and_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.client import Checkpointer
+    from ckptd.errors import InvalidRequest
+    from ckptd.zarr import CheckpointStore
+
+    with pytest.raises(InvalidRequest, match="url must be a string"):
+        Checkpointer(1234)  # type: ignore[arg-type]
+    monkeypatch.setenv("CKPTD_TOKEN", "from-the-environment")
+    assert CheckpointStore("http://127.0.0.1:9", "j").token == "from-the-environment"
+
+
+def test_one_replica_is_not_said_to_fail_over(caplog: pytest.LogCaptureFixture) -> None:
+    from ckptd.client.routing import Members
+
+    with caplog.at_level("WARNING"):
+        Members(["http://127.0.0.1:9"]).mark_down("http://127.0.0.1:9", ConnectionError())
+        assert "next one" not in caplog.text
+        Members(["http://127.0.0.1:9", "http://127.0.0.1:10"]).mark_down(
+            "http://127.0.0.1:9", ConnectionError())
+        assert "next one" in caplog.text
+
+
+def test_interrupted_restore_says_so(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    # A server that takes connections and never answers: the restore waits in its
+    # first request until the interrupt.
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "restore", "--job", "j",
+                                 "--rank", "0", "--to", str(tmp_path / "to"), "--url", url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=base)
+        time.sleep(4.0)  # imports, then the first request
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        mute.close()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and str(tmp_path / "to") in err and "Traceback" not in err, err
