@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckptd.errors import GcInProgress, StoreCorrupt
+from ckptd.errors import GcInProgress, StoreCorrupt, UnsupportedFormat
 from ckptd.format import chunk_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, touched_prefix
@@ -85,8 +85,10 @@ async def test_a_gc_state_of_a_newer_format_version_is_not_taken_over() -> None:
     newer = (b'{"expires_at":0,"format":"ckptd.gc_state","generation":1,"holder":"",'
              b'"phase":"idle","started_at":0,"version":9}')
     await store.put_if_absent(GC_STATE_KEY, newer)
-    with pytest.raises(StoreCorrupt):
+    # A newer ckptd's document: unsupported_format naming it (upgrade), never damage.
+    with pytest.raises(UnsupportedFormat) as exc:
         await collect_garbage(store, grace=0.0, lease=0.2)
+    assert exc.value.detail["key"] == GC_STATE_KEY
     assert await store.get(GC_STATE_KEY) == newer
 
 
