@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from ckptd.errors import CheckpointNotFound, StoreCorrupt
-from ckptd.format import JOB_RE, MAX_STEP, check_step, commit_key, job_prefix
+from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt
+from ckptd.format import (
+    JOB_RE,
+    MAX_STEP,
+    CommitRecord,
+    check_step,
+    commit_key,
+    job_prefix,
+    manifest_key,
+)
+from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import damage_key, damage_prefix
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RestorableStep, StepInfo
 
 log = logging.getLogger(__name__)
+
+# How long a step whose rank manifests all matched its record stays checked for the
+# choice of "latest" (every rank of a restore asks; each plan still hash-checks the
+# manifests it serves), and how many such checks a repository keeps.
+INTACT_FOR = 10.0
+INTACT_CHECKS = 1024
 
 
 class Listings(StoredReads):
@@ -109,10 +125,15 @@ class Listings(StoredReads):
             newest, ref_read = None, False
         if newest is not None and ref_read:
             try:
-                if await self._try_read_commit(job, newest) is not None:
-                    return RestorableStep(newest, problems)  # (a scrub fallback, if any)
-                problems.append(f"latest names step {newest} of {job}, which has no commit "
-                                "record")
+                record = await self._try_read_commit(job, newest)
+                if record is not None:
+                    damage = await self._manifests_damage(record)
+                    if damage is None:
+                        return RestorableStep(newest, problems)  # (a scrub fallback, if any)
+                    problems.append(damage)
+                else:
+                    problems.append(f"latest names step {newest} of {job}, which has no "
+                                    "commit record")
             except StoreCorrupt as exc:
                 problems.append(exc.message)
         steps = await self.step_numbers(job)
@@ -122,12 +143,66 @@ class Listings(StoredReads):
         chosen: int | None = None
         for step in below:
             try:
-                if await self._try_read_commit(job, step) is not None:
-                    chosen = step
-                    break
+                record = await self._try_read_commit(job, step)
+                if record is not None:
+                    damage = await self._manifests_damage(record)
+                    if damage is None:
+                        chosen = step
+                        break
+                    problems.append(damage)
             except StoreCorrupt as exc:
                 problems.append(exc.message)
         if problems:
             log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
                         "; ".join(problems))
         return RestorableStep(chosen, problems)
+
+    async def _manifests_damage(self, record: CommitRecord) -> str | None:
+        """None when every rank manifest of a committed step is the one its record
+        names, else the damaged document: all ranks of a restore must fall back
+        together, not only the rank whose manifest is bad. One check at a time per
+        step, kept ``INTACT_FOR``."""
+        # (job, step) -> (checked until, the record's manifest hashes, the check)
+        checks: dict[tuple[str, int], tuple[float, tuple[str, ...], asyncio.Task[str | None]]]
+        checks = self.__dict__.setdefault("_intact_checks", {})
+        key = (record.job, record.step)
+        hashes = tuple(m.hash for m in record.manifests)
+        now = time.monotonic()
+        held = checks.get(key)
+        loop = asyncio.get_running_loop()
+        if held is not None and held[1] == hashes and now < held[0] and (
+                held[2].done() or held[2].get_loop() is loop):
+            task = held[2]
+        else:
+            task = loop.create_task(self._check_manifests(record))
+            checks.pop(key, None)
+            checks[key] = (now + INTACT_FOR, hashes, task)
+            while len(checks) > INTACT_CHECKS:
+                checks.pop(next(iter(checks)))
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if checks.get(key, (0.0, (), None))[2] is task and task.done():
+                del checks[key]  # a store error is not kept: the next call asks again
+            raise
+
+    async def _check_manifests(self, record: CommitRecord) -> str | None:
+        sem = asyncio.Semaphore(16)
+
+        async def damage(rank: int) -> str | None:
+            key = manifest_key(record.job, record.step, rank)
+            async with sem:
+                try:
+                    data = await self.store.get(key)
+                except NotFound:
+                    return f"damaged step: {key}, named by its commit record, is missing"
+                if await asyncio.to_thread(document_hash, data) != record.manifests[rank].hash:
+                    return f"damaged document {key}: its bytes are not those its commit " \
+                           "record names"
+                return None
+
+        found = [d for d in await asyncio.gather(*(damage(r) for r in range(record.world_size)))
+                 if d is not None]
+        return None if not found else found[0] + (
+            f" (and {len(found) - 1} more manifests of step {record.step})" if len(found) > 1
+            else "")
