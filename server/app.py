@@ -99,6 +99,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         snapshot_lead=settings.snapshot_lead,
         snapshot_min_interval=settings.snapshot_min_interval,
         snapshot_timeout=settings.snapshot_timeout,
+        max_jobs=settings.heartbeat_max_jobs,
+        max_ranks=settings.heartbeat_max_ranks,
+        signal_bytes=settings.heartbeat_signal_bytes,
     )
     app.state.metrics = Metrics(app.state.registry)
     # Scoped tokens (read at startup: a bad file stops the server with its name) and
