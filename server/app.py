@@ -204,6 +204,10 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,
              scheme, settings.host, settings.port, parser, loop)
     if parser == "h11":
-        log.warning("httptools is not installed: the pure-Python h11 parser makes uploads "
-                    "slower; pip install 'uvicorn[standard]'")
+        # Not only slower: the guarded protocol is httptools', so nothing of it holds.
+        log.warning("httptools is not installed, so this server runs the pure-Python h11 "
+                    "parser WITHOUT a request-header timeout (CKPTD_HEADER_TIMEOUT: slow "
+                    "connections are never closed) or a connection cap "
+                    "(CKPTD_MAX_CONNECTIONS: connections can exhaust its file descriptors), "
+                    "and uploads are slower; pip install 'uvicorn[standard]'")
     server.run()
