@@ -186,6 +186,12 @@ class Listings(StoredReads):
                 del checks[key]  # a store error is not kept: the next call asks again
             raise
 
+    def recheck_manifests(self, job: str, step: int) -> bool:
+        """Drops what a check kept of ``step``'s manifests (a read of one found it
+        damaged since); True when a finding was kept, so choosing again may differ."""
+        checks = self.__dict__.get("_intact_checks", {})
+        return checks.pop((job, step), None) is not None
+
     async def _check_manifests(self, record: CommitRecord) -> str | None:
         sem = asyncio.Semaphore(16)
 

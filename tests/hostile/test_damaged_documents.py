@@ -19,7 +19,8 @@ from ckptd.store.local import LocalStore
 from ckptd.testing.manifests import demo_step, put_rank
 from tests.conftest import ServerProcess
 
-STEPS = {"tags": 2, "badman": 2, "badver": 2, "badrecord": 2, "claim": 3, "claimed": 2}
+STEPS = {"tags": 2, "badman": 2, "badver": 2, "badrecord": 2, "claim": 3, "claimed": 2,
+         "rot": 2}
 
 
 async def _fill(root: Path) -> None:
@@ -114,3 +115,15 @@ def test_a_commit_retry_is_not_held_by_an_unreadable_removal_claim(api: httpx.Cl
     r = api.post("/v1/jobs/claimed/steps/1/commit", json={})
     assert r.status_code == 200 and r.json()["state"] == "committed", r.text
     assert time.monotonic() - t0 < 10  # not the 30 s wait for a live removal
+
+
+def test_a_manifest_damaged_after_latest_was_checked_falls_back_at_its_first_read(
+    damaged: ServerProcess, api: httpx.Client
+) -> None:
+    r = api.get("/v1/jobs/rot/restore-plan", params={"rank": 0})
+    assert r.status_code == 200 and r.json()["step"] == 2, r.text  # checked intact, kept
+    man = Path(damaged.store) / "jobs" / "rot" / "steps" / "2" / "ranks" / "1.json"
+    man.write_bytes(man.read_bytes()[:100])
+    for rank in (1, 0):  # the rank that meets the damage, then every other rank
+        r = api.get("/v1/jobs/rot/restore-plan", params={"rank": rank})
+        assert r.status_code == 200 and r.json()["step"] == 1, r.text
