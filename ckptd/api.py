@@ -535,6 +535,9 @@ class SpaceResult(BaseModel):
     total_bytes: int | None
     taken_at: float
     jobs: list[JobSpaceBody]
+    damaged: list[str] = Field(
+        default_factory=list,
+        description="Damaged documents whose steps are not counted, each named.")
 
 
 # -- replicas ------------------------------------------------------------------------

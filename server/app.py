@@ -99,6 +99,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         snapshot_lead=settings.snapshot_lead,
         snapshot_min_interval=settings.snapshot_min_interval,
         snapshot_timeout=settings.snapshot_timeout,
+        max_jobs=settings.heartbeat_max_jobs,
+        max_ranks=settings.heartbeat_max_ranks,
+        signal_bytes=settings.heartbeat_signal_bytes,
     )
     app.state.metrics = Metrics(app.state.registry)
     # Scoped tokens (read at startup: a bad file stops the server with its name) and
@@ -201,6 +204,10 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,
              scheme, settings.host, settings.port, parser, loop)
     if parser == "h11":
-        log.warning("httptools is not installed: the pure-Python h11 parser makes uploads "
-                    "slower; pip install 'uvicorn[standard]'")
+        # Not only slower: the guarded protocol is httptools', so nothing of it holds.
+        log.warning("httptools is not installed, so this server runs the pure-Python h11 "
+                    "parser WITHOUT a request-header timeout (CKPTD_HEADER_TIMEOUT: slow "
+                    "connections are never closed) or a connection cap "
+                    "(CKPTD_MAX_CONNECTIONS: connections can exhaust its file descriptors), "
+                    "and uploads are slower; pip install 'uvicorn[standard]'")
     server.run()

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -15,7 +15,7 @@ from fastapi import Request
 from starlette.types import Message, Receive
 
 from ckptd import knobs
-from ckptd.errors import BodyTimeout, TooLarge, Unavailable
+from ckptd.errors import BodyTimeout, CkptdError, TooLarge, Unavailable
 from ckptd.hashing import StreamingHasher
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,20 @@ class BodyBuffers:
 BUFFERS = BodyBuffers(BUFFERS_KEEP, BUFFERS_IDLE_S)
 
 
+async def wait_for_room(room: Callable[[], bool], wait_s: float,
+                        refusal: Callable[[], CkptdError]) -> None:
+    """Calls ``room`` until it is True, for ``wait_s`` at most, then raises
+    ``refusal()``. Polling (with a growing pause) rather than a condition: tests
+    serve apps on several loops in one process, and a wait for room is short."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.005
+    while not room():
+        if time.monotonic() >= deadline:
+            raise refusal()
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 class IngestBudget:
     """Bytes of upload bodies held at once, by every upload together: a request
     reserves what its Content-Length declares before a buffer exists, waits up to
@@ -179,18 +193,10 @@ class IngestBudget:
 
     @asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        deadline = time.monotonic() + self.wait_s
-        pause = 0.005
-        # Polling (with a growing pause) rather than a condition: tests serve apps on
-        # several loops in one process, and an upload's wait is short.
-        while not self._try(nbytes):
-            if time.monotonic() >= deadline:
-                raise Unavailable(
-                    f"the server holds {self.held} bytes of uploads (its budget is "
-                    f"{self.capacity}); try again shortly", retry_after_s=1,
-                )
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+        await wait_for_room(lambda: self._try(nbytes), self.wait_s, lambda: Unavailable(
+            f"the server holds {self.held} bytes of uploads (its budget is "
+            f"{self.capacity}); try again shortly", retry_after_s=1,
+        ))
         try:
             yield
         finally:
@@ -203,6 +209,14 @@ def declared_chunk_bytes(request: Request) -> int:
     if declared.isdigit() and len(declared) <= 18:
         return min(int(declared), knobs.MAX_CHUNK_SIZE)
     return knobs.MAX_CHUNK_SIZE
+
+
+def declared_body_bytes(request: Request, limit: int) -> int:
+    """What a body read whole will hold: its Content-Length, or ``limit`` at most."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and len(declared) <= 18:
+        return min(int(declared), limit)
+    return limit
 
 
 def ingest_budget(request: Request) -> IngestBudget:

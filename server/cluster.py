@@ -76,8 +76,10 @@ class Membership:
                 await self._task
             self._task = None
         if self.mode == "lease" and self._lease is not None:
+            # Only the lease it wrote: a successor with the same id (a restarted pod)
+            # may have taken it over, and its lease must stay.
             with contextlib.suppress(CkptdError, OSError):
-                await self.store.delete(self.key)
+                await self.store.compare_and_delete(self.key, self._lease)
             self._lease = None
 
     async def renew(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptd.errors import WorldSizeMismatch
+from ckptd.errors import TooLarge, WorldSizeMismatch
 
 # Its old home: server/app.py, deps.py, dashboard.py and tenancy.py import it from here.
 from ckptd.server.store_views import StoreViews as StoreViews
@@ -39,6 +39,29 @@ _PREFERENCE: dict[RankState, int] = {
 }
 
 EVENTS_PER_JOB = 200
+
+
+# The signal that says how many of a heartbeat's signals were dropped.
+DROPPED_SIGNALS = "ckptd_signals_dropped"
+
+
+def _clipped(health: dict[str, Any], limit: int) -> dict[str, Any]:
+    """``health`` with its signals cut to ``limit`` bytes of names and values (in
+    the order sent), and a count of those dropped."""
+    signals = health.get("signals")
+    if not isinstance(signals, dict):
+        return health
+    kept: dict[str, Any] = {}
+    size = 0
+    for name, value in signals.items():
+        size += len(name) + (len(value) if isinstance(value, str) else 8)
+        if size > limit:
+            break
+        kept[name] = value
+    if len(kept) == len(signals):
+        return health
+    kept[DROPPED_SIGNALS] = len(signals) - len(kept)
+    return {**health, "signals": kept}
 
 
 def rank_state(
@@ -149,8 +172,15 @@ class Registry:
         snapshot_timeout: float,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        max_jobs: int = 4096,
+        max_ranks: int = 65536,
+        signal_bytes: int = 16 << 10,
     ) -> None:
         self.interval = interval
+        # Soft state is bounded: jobs, ranks (all jobs together) and each rank's signals.
+        self.max_jobs = max_jobs
+        self.max_ranks = max_ranks
+        self.signal_bytes = signal_bytes
         self.dead_after = dead_after
         self.snapshot_lead = snapshot_lead
         self.snapshot_min_interval = snapshot_min_interval
@@ -187,8 +217,10 @@ class Registry:
         or no other rank of the old world is alive: one rank must not drop live
         ranks from restore plans and status."""
         now = self._clock()
+        health = _clipped(health, self.signal_bytes) if health is not None else None
         with self._lock:
             self._sweep(now)
+            self._check_room(job, rank)
             j = self._jobs.setdefault(job, _Job(since=now))
             if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
                 live = [b.rank for b in j.ranks.values()
@@ -221,6 +253,18 @@ class Registry:
                 seen_wall=self._wall(),
             )
             j.touched = now
+
+    def _check_room(self, job: str, rank: int) -> None:
+        # Under the lock. Refuses a job or a rank this server does not know yet once
+        # it keeps as many as it may; those it knows keep beating.
+        j = self._jobs.get(job)
+        if j is None and len(self._jobs) >= self.max_jobs:
+            raise TooLarge(f"this server keeps the heartbeats of {self.max_jobs} jobs "
+                           "already (CKPTD_HEARTBEAT_MAX_JOBS)", limit=self.max_jobs)
+        if (j is None or rank not in j.ranks) and sum(
+                len(o.ranks) for o in self._jobs.values()) >= self.max_ranks:
+            raise TooLarge(f"this server keeps the heartbeats of {self.max_ranks} ranks "
+                           "already (CKPTD_HEARTBEAT_MAX_RANKS)", limit=self.max_ranks)
 
     def goodbye(self, job: str, rank: int, *, step: int | None = None) -> bool:
         """The rank closed cleanly: it shows as ``left`` (never ``dead``) until it

@@ -137,6 +137,30 @@ class Settings(BaseSettings):
     max_upload_s: float = Field(
         default=3600.0, gt=0, description="Temporaries older than this are removed at start."
     )
+    egress_budget: int = Field(
+        default=256 << 20, ge=1 << 20,
+        description="Bytes of chunk answers held in memory at once by all reads together "
+        "(a store whose chunks are not files here, such as S3; files are served mapped).",
+    )
+    egress_wait: float = Field(
+        default=10.0, ge=0, le=600,
+        description="Seconds a chunk read waits for room in the egress budget before a 503.",
+    )
+    heartbeat_signal_bytes: int = Field(
+        default=16 << 10, ge=1024,
+        description="Bytes of health signals (names and values) kept per rank; the rest of "
+        "a heartbeat's signals are dropped.",
+    )
+    heartbeat_max_ranks: int = Field(
+        default=65536, ge=1,
+        description="Ranks whose heartbeats this server keeps, all jobs together; a new rank "
+        "past it is refused (too_large) until others are forgotten.",
+    )
+    heartbeat_max_jobs: int = Field(
+        default=4096, ge=1,
+        description="Jobs whose heartbeats this server keeps; a new job past it is refused "
+        "(too_large) until others are forgotten.",
+    )
 
     @model_validator(mode="after")
     def _tls_cert_and_key_together(self) -> Settings:

@@ -327,3 +327,5 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     console.print(f"chunks in store: {s['chunks']} ({_human(s['chunk_bytes'])}); space left: "
                   + (f"{_human(free)} of {_human(s['total_bytes'])}" if free is not None
                      else "not reported by this store"))
+    for damage in s.get("damaged", []):  # (an older server does not say)
+        console.print(f"not counted, damaged: {escape(damage)}")

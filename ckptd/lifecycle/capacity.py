@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ckptd.errors import CkptdError, StoreFull
+from ckptd.errors import CkptdError, StoreCorrupt, StoreFull
 from ckptd.format import CommitRecord
 from ckptd.lifecycle.gc import _CHUNK_KEY
 from ckptd.repository import Repository
@@ -48,6 +48,7 @@ class StoreSpace:
     total_bytes: int | None = None
     jobs: list[JobSpace] = field(default_factory=list)
     taken_at: float = field(default_factory=time.time)
+    damaged: list[str] = field(default_factory=list)  # documents not counted, each named
 
 
 def disk_space(store: Store) -> tuple[int, int] | None:
@@ -59,13 +60,20 @@ def disk_space(store: Store) -> tuple[int, int] | None:
 
 
 async def committed_steps(
-    repo: Repository,
+    repo: Repository, damaged: list[str] | None = None
 ) -> AsyncIterator[tuple[str, int, CommitRecord, set[str]]]:
     """(job, step, commit record, chunk ids its verified manifests name) of every
-    committed step; a manifest that does not verify is skipped (verify names it)."""
+    committed step; a manifest that does not verify is skipped (verify names it),
+    and so is a damaged commit record (named in ``damaged``, when given)."""
     for job in await repo.list_jobs():
         for step in await repo.step_numbers(job):
-            record = await repo.try_read_commit(job, step)
+            try:
+                record = await repo.try_read_commit(job, step)
+            except StoreCorrupt as exc:  # one damaged step hides nothing else
+                log.warning("%s step %d: %s", job, step, exc)
+                if damaged is not None:
+                    damaged.append(exc.message)
+                continue
             if record is None:
                 continue
             ids: set[str] = set()
@@ -90,7 +98,7 @@ async def census(repo: Repository) -> StoreSpace:
         space.free_bytes, space.total_bytes = disk
     named: dict[tuple[str, int], set[str]] = {}
     logical: dict[tuple[str, int], int] = {}
-    async for job, step, record, ids in committed_steps(repo):
+    async for job, step, record, ids in committed_steps(repo, space.damaged):
         named[(job, step)] = ids
         logical[(job, step)] = record.report.logical_bytes
     refs: Counter[str] = Counter()

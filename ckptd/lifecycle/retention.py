@@ -282,9 +282,10 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
     except NotFound:
         return None  # released meanwhile: the next pass looks again
     except (ValueError, KeyError, TypeError):
-        since = 0.0  # unreadable: as good as stale
-        held = b""
-    if time.time() - since < STALE_CLAIM or not held:
+        # Unreadable (damaged): no live pass wrote it, so as good as stale; taken
+        # over by a swap against its own bytes, which ``held`` still are.
+        since = 0.0
+    if time.time() - since < STALE_CLAIM:
         return None
     # A dead pass's claim: take it over (one pass wins the swap).
     return mine if await repo.store.compare_and_swap(key, held, mine) else None

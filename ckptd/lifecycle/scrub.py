@@ -16,7 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound
+from ckptd.documents import parse_stored
+from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound, StoreCorrupt
 from ckptd.format import chunk_key, commit_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.capacity import committed_steps
@@ -163,7 +164,12 @@ async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now
             current: bytes | None = await store.get(key)
         except NotFound:
             current = None
-        known = set(Damage.parse(current).chunks) if current is not None else set()
+        known: set[str] = set()
+        try:
+            if current is not None:
+                known = set(parse_stored(Damage.parse, current, key).chunks)
+        except StoreCorrupt as exc:  # what it said is lost; the marker written now repairs it
+            log.warning("%s; replacing it", exc.message)
         if chunks <= known:
             return
         doc = Damage(job=job, step=step, chunks=sorted(known | chunks), found_at=now)

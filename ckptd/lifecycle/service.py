@@ -146,16 +146,22 @@ class LifecycleService:
         if config is None:
             return
         for job in await self.repo.list_jobs():
-            latest = await self.repo.latest_ref_step(job)
-            if job in self._seen_latest and self._seen_latest[job] == latest:
-                continue
-            self._seen_latest[job] = latest
-            policy = config.for_job(job)
-            if policy.forgets or policy.abandon_pending_after is not None:
-                plan = await forget(self.repo, job, policy)
-                self.last_forget[job] = plan
-                if plan.forgotten:
-                    log.info("retention of %s forgot steps %s", job, plan.forgotten)
+            try:
+                await self._apply_retention_to(job, config)
+            except CkptdError as exc:  # one job's damaged document stops only its own
+                log.warning("retention of %s failed: [%s] %s", job, exc.code, exc)
+
+    async def _apply_retention_to(self, job: str, config: RetentionConfig) -> None:
+        latest = await self.repo.latest_ref_step(job)
+        if job in self._seen_latest and self._seen_latest[job] == latest:
+            return
+        policy = config.for_job(job)
+        if policy.forgets or policy.abandon_pending_after is not None:
+            plan = await forget(self.repo, job, policy)
+            self.last_forget[job] = plan
+            if plan.forgotten:
+                log.info("retention of %s forgot steps %s", job, plan.forgotten)
+        self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
 
     async def collect(self, *, dry_run: bool = False, grace: float | None = None) -> GcReport:
         report = await collect_garbage(

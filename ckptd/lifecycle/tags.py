@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
-from ckptd.errors import Conflict, InvalidName, NotFound
+from ckptd.documents import parse_stored
+from ckptd.errors import Conflict, InvalidName, NotFound, StoreCorrupt
 from ckptd.format import check_job, check_step
 from ckptd.lifecycle.documents import Tags, tags_key
 from ckptd.store.base import Store
+
+log = logging.getLogger(__name__)
 
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: the commit meta key that tags the step being committed (``ckpt.save(..., tag=)``)
@@ -23,11 +27,14 @@ def check_tag(name: object) -> str:
 
 
 async def read_tags(store: Store, job: str) -> dict[str, int]:
-    """Tag name -> step of ``job`` (empty when it has none)."""
+    """Tag name -> step of ``job`` (empty when it has none); ``StoreCorrupt`` naming
+    the document when it is damaged (setting or removing a tag replaces it)."""
+    key = tags_key(check_job(job))
     try:
-        return dict(Tags.parse(await store.get(tags_key(check_job(job)))).tags)
+        data = await store.get(key)
     except NotFound:
         return {}
+    return dict(parse_stored(Tags.parse, data, key).tags)
 
 
 async def _change(store: Store, job: str, name: str, step: int | None,
@@ -38,7 +45,13 @@ async def _change(store: Store, job: str, name: str, step: int | None,
             current: bytes | None = await store.get(key)
         except NotFound:
             current = None
-        tags = dict(Tags.parse(current).tags) if current is not None else {}
+        try:
+            tags = dict(parse_stored(Tags.parse, current, key).tags) if current is not None else {}
+        except StoreCorrupt as exc:
+            # Its tags are lost already; a tag written now is the repair (swapped
+            # against the damaged bytes, so a concurrent repair is not undone).
+            log.warning("%s; replacing it, its tags are lost", exc.message)
+            tags = {}
         if step is None:
             if name not in tags or (naming is not None and tags[name] != naming):
                 return False

@@ -5,14 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from ckptd.errors import CheckpointNotFound, StoreCorrupt
-from ckptd.format import JOB_RE, MAX_STEP, check_step, commit_key, job_prefix, latest_key
+from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt
+from ckptd.format import (
+    JOB_RE,
+    MAX_STEP,
+    CommitRecord,
+    check_step,
+    commit_key,
+    job_prefix,
+    latest_key,
+    manifest_key,
+)
+from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import damage_key, damage_prefix
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RestorableStep, StepInfo
 
 log = logging.getLogger(__name__)
+
+# How long a step whose rank manifests all matched its record stays checked for the
+# choice of "latest" (every rank of a restore asks; each plan still hash-checks the
+# manifests it serves), and how many such checks a repository keeps.
+INTACT_FOR = 10.0
+INTACT_CHECKS = 1024
 
 
 class Listings(StoredReads):
@@ -114,11 +131,17 @@ class Listings(StoredReads):
             newest, ref_read = None, False
         if newest is not None and ref_read:
             try:
-                if await self._try_read_commit(job, newest) is not None:
-                    return RestorableStep(newest, problems)  # (a scrub fallback, if any)
-                problems.append(f"latest names step {newest} of {job}, which has no commit "
-                                "record")
-                damaged.append(commit_key(job, newest))
+                record = await self._try_read_commit(job, newest)
+                if record is not None:
+                    damage = await self._manifests_damage(record)
+                    if damage is None:
+                        return RestorableStep(newest, problems)  # (a scrub fallback, if any)
+                    damaged.append(damage[0])
+                    problems.append(damage[1])
+                else:
+                    problems.append(f"latest names step {newest} of {job}, which has no "
+                                    "commit record")
+                    damaged.append(commit_key(job, newest))
             except StoreCorrupt as exc:
                 problems.append(exc.message)
                 damaged.append(str(exc.detail.get("key", commit_key(job, newest))))
@@ -129,9 +152,14 @@ class Listings(StoredReads):
         chosen: int | None = None
         for step in below:
             try:
-                if await self._try_read_commit(job, step) is not None:
-                    chosen = step
-                    break
+                record = await self._try_read_commit(job, step)
+                if record is not None:
+                    damage = await self._manifests_damage(record)
+                    if damage is None:
+                        chosen = step
+                        break
+                    damaged.append(damage[0])
+                    problems.append(damage[1])
             except StoreCorrupt as exc:
                 problems.append(exc.message)
                 damaged.append(str(exc.detail.get("key", commit_key(job, step))))
@@ -144,3 +172,62 @@ class Listings(StoredReads):
             log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
                         "; ".join(problems))
         return RestorableStep(chosen, problems)
+
+    async def _manifests_damage(self, record: CommitRecord) -> tuple[str, str] | None:
+        """None when every rank manifest of a committed step is the one its record
+        names, else the first damaged document's key and what is wrong: all ranks of
+        a restore must fall back together, not only the rank whose manifest is bad.
+        One check at a time per step, kept ``INTACT_FOR``."""
+        # (job, step) -> (checked until, the record's manifest hashes, the check)
+        checks: dict[tuple[str, int],
+                     tuple[float, tuple[str, ...], asyncio.Task[tuple[str, str] | None]]]
+        checks = self.__dict__.setdefault("_intact_checks", {})
+        key = (record.job, record.step)
+        hashes = tuple(m.hash for m in record.manifests)
+        now = time.monotonic()
+        held = checks.get(key)
+        loop = asyncio.get_running_loop()
+        if held is not None and held[1] == hashes and now < held[0] and (
+                held[2].done() or held[2].get_loop() is loop):
+            task = held[2]
+        else:
+            task = loop.create_task(self._check_manifests(record))
+            checks.pop(key, None)
+            checks[key] = (now + INTACT_FOR, hashes, task)
+            while len(checks) > INTACT_CHECKS:
+                checks.pop(next(iter(checks)))
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if checks.get(key, (0.0, (), None))[2] is task and task.done():
+                del checks[key]  # a store error is not kept: the next call asks again
+            raise
+
+    def recheck_manifests(self, job: str, step: int) -> bool:
+        """Drops what a check kept of ``step``'s manifests (a read of one found it
+        damaged since); True when a finding was kept, so choosing again may differ."""
+        checks = self.__dict__.get("_intact_checks", {})
+        return checks.pop((job, step), None) is not None
+
+    async def _check_manifests(self, record: CommitRecord) -> tuple[str, str] | None:
+        sem = asyncio.Semaphore(16)
+
+        async def damage(rank: int) -> tuple[str, str] | None:
+            key = manifest_key(record.job, record.step, rank)
+            async with sem:
+                try:
+                    data = await self.store.get(key)
+                except NotFound:
+                    return key, f"damaged step: {key}, named by its commit record, is missing"
+                if await asyncio.to_thread(document_hash, data) != record.manifests[rank].hash:
+                    return key, (f"damaged document {key}: its bytes are not those its "
+                                 "commit record names")
+                return None
+
+        found = [d for d in await asyncio.gather(*(damage(r) for r in range(record.world_size)))
+                 if d is not None]
+        if not found:
+            return None
+        more = len(found) - 1
+        return found[0][0], found[0][1] + (
+            f" (and {more} more manifests of step {record.step})" if more else "")

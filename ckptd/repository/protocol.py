@@ -64,6 +64,7 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
+from ckptd.lifecycle.removals import drop_damaged_claim
 from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag, take_back_tag
 from ckptd.repository.listings import Listings
 from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
@@ -421,6 +422,8 @@ class Repository(Verification, Listings):
         claim = removal_key(job, step)
         deadline = time.monotonic() + REMOVAL_WAIT
         while await self.store.exists(claim) and time.monotonic() < deadline:
+            if await drop_damaged_claim(self.store, job, step):  # no pass removes under it
+                break
             await asyncio.sleep(0.05)
         keys = [manifest_key(job, step, r) for r in range(world)]
         if not await self.store.exists(claim) and all(await self.store.exists_many(keys)):

@@ -78,6 +78,11 @@ class StoredReads:
         record = await self.read_commit(job, step)
         if not 0 <= rank < record.world_size:
             raise InvalidRequest(f"rank {rank} is outside world size {record.world_size}")
+        return await self._read_committed_manifest(record, rank)
+
+    async def _read_committed_manifest(self, record: CommitRecord, rank: int) -> RankManifest:
+        """``read_manifest`` with the commit record already read."""
+        job, step = record.job, record.step
         try:
             data = await self.store.get(manifest_key(job, step, rank))
         except NotFound:

@@ -158,8 +158,23 @@ class LocalStore(Store):
 
     # -- writes ---------------------------------------------------------------------
 
+    def _make_dirs(self, directory: Path) -> None:
+        """Creates ``directory`` and its missing parents. With fsync, the parent of
+        each one created is fsync'd too: a file fsync'd into a directory whose own
+        name a crash lost is lost with it."""
+        if directory.is_dir():
+            return
+        missing = []
+        while not directory.exists() and directory != directory.parent:
+            missing.append(directory)
+            directory = directory.parent
+        for made in reversed(missing):
+            made.mkdir(exist_ok=True)  # (a concurrent writer may make it first)
+            if self.fsync:
+                _fsync_dir(made.parent)
+
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_dirs(path.parent)
         tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
@@ -258,7 +273,11 @@ class LocalStore(Store):
                 if current != expected:
                     return False
                 tmp = self._write_temp(path, new)
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)  # not left behind beside the ref
+                    raise
                 if self.fsync:
                     _fsync_dir(path.parent)
                 return True

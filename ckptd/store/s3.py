@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
@@ -26,6 +27,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from ckptd import knobs
 from ckptd.errors import InvalidRequest, NotFound, StoreError
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
+
+log = logging.getLogger(__name__)
 
 # Error codes S3 (and its look-alikes) return for "no such object". HeadObject has
 # no body, so botocore can only give the status as the code.
@@ -209,9 +212,10 @@ class S3Store(Store):
     async def _put(self, key: str, data: bytes | memoryview, **condition: str) -> bool:
         """A conditional PutObject; False when the condition failed.
 
-        A retry of a write that did succeed also ends here (its own object now fails
-        the condition): the caller sees False and re-reads, which is safe for
-        write-once objects and for refs that only move forward."""
+        A retry (botocore's, after an attempt whose answer was lost) of a write that
+        did succeed fails the condition against its own object: then the object is
+        read back, and holding exactly the bytes sent, the write is this call's
+        (claims, leases and records carry a random token or are the same state)."""
         name = self._key(key)
         body = data if isinstance(data, bytes) else bytes(data)
         client = await self._client()
@@ -219,6 +223,8 @@ class S3Store(Store):
             await client.put_object(Bucket=self.bucket, Key=name, Body=body, **condition)
         except ClientError as exc:
             if _code(exc) in _PRECONDITION_FAILED or _status(exc) == 412:
+                if exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+                    return await self._landed(key, body)
                 return False
             if _code(exc) in _CONFLICT or _status(exc) == 409:
                 raise _Conflict from exc
@@ -228,6 +234,17 @@ class S3Store(Store):
         except BotoCoreError as exc:
             raise self._failed("PutObject", key, exc) from exc
         return True
+
+    async def _landed(self, key: str, body: bytes) -> bool:
+        """Whether ``key`` holds exactly ``body``: an earlier attempt of a retried
+        conditional write landed (so the write is this call's), or not (lost)."""
+        try:
+            landed = await self.get(key) == body
+        except NotFound:
+            return False
+        if landed:
+            log.info("a retried write of %s had landed on an earlier attempt", self._url(key))
+        return landed
 
     # -- reads --------------------------------------------------------------------------
 

@@ -16,8 +16,10 @@ not a SIGBUS that kills the server."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import logging
 import time
+import weakref
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -35,12 +37,21 @@ from ckptd.errors import ChunkNotFound, CkptdError
 from ckptd.format import check_chunk_id, chunk_key
 from ckptd.pages import map_readable
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, scope
-from ckptd.server.bodies import BUFFERS, declared_chunk_bytes, ingest_budget, read_chunk
+from ckptd.server.bodies import (
+    BUFFERS,
+    body_timeout,
+    declared_chunk_bytes,
+    ingest_budget,
+    read_chunk,
+)
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
+from ckptd.server.egress import EgressHold, egress_budget
 from ckptd.server.metrics import Metrics
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 from ckptd.server.tenancy import TenantChunks
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(
     prefix="/v1/chunks",
@@ -67,17 +78,33 @@ class ChunkResponse(Response):
     Not a ``StreamingResponse``: its task group (a disconnect listener beside the
     sender) and a send per piece were most of the server's CPU per chunk read."""
 
-    def __init__(self, data: bytes | memoryview, metrics: Metrics, started: float) -> None:
+    def __init__(self, data: bytes | memoryview, metrics: Metrics, started: float,
+                 hold: EgressHold | None = None, send_timeout: float = 60.0) -> None:
         # (No media type on the class: the OpenAPI document would then give the
         # route's JSON error answers as octet-stream.)
         super().__init__(memoryview(data), media_type="application/octet-stream")
         self._metrics = metrics
         self._started = started
+        self._hold = hold
+        self._send_timeout = send_timeout
+        if hold is not None:  # (an answer never sent releases when it goes)
+            weakref.finalize(self, hold.release)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": self.body})
+        if self._hold is None:
+            await send({"type": "http.response.body", "body": self.body})
+        else:
+            # Read into memory under the egress budget: sent in pieces, so that the
+            # budget is given back only once the connection took (nearly) all of it
+            # (each send waits for the one before to drain; one whole body would
+            # return at once and sit in the transport's buffer, uncounted).
+            try:
+                if not await _send_held(send, [memoryview(self.body)], self._send_timeout):
+                    return  # a reader that stopped reading: its connection is closed
+            finally:
+                self._hold.release()
         # Counted once the whole chunk was handed to the connection, as the last
         # piece of a streamed one was.
         self._metrics.chunk_read(len(self.body), time.perf_counter() - self._started)
@@ -88,25 +115,66 @@ class ChunksResponse(Response):
     its map), their sizes in the ``X-Ckptd-Chunk-Sizes`` header; each is counted in
     the metrics once it was handed over, as a GET's is."""
 
-    def __init__(self, parts: list[memoryview | None], metrics: Metrics, started: float) -> None:
+    def __init__(self, parts: list[memoryview | None], metrics: Metrics, started: float,
+                 holds: dict[int, EgressHold] | None = None, send_timeout: float = 60.0
+                 ) -> None:
         sizes = [None if p is None else len(p) for p in parts]
         super().__init__(
             media_type="application/octet-stream",
             headers={"Content-Length": str(sum(n or 0 for n in sizes)),
                      CHUNK_SIZES_HEADER: chunk_sizes_header(sizes)},
         )
+        # Each part with its budget hold, if it was read into memory.
         self._parts = [p for p in parts if p is not None]
+        self._holds = list((holds or {}).values())
         self._metrics = metrics
         self._started = started
+        self._send_timeout = send_timeout
+        for hold in self._holds:
+            weakref.finalize(self, hold.release)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        if not self._holds:
+            for part in self._parts:
+                # (uvicorn waits for the connection to drain before it writes the next)
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                self._metrics.chunk_read(len(part), time.perf_counter() - self._started)
+            await send({"type": "http.response.body", "body": b""})
+            return
+        try:  # parts read into memory: as ChunkResponse sends one
+            if not await _send_held(send, self._parts, self._send_timeout):
+                return
+        finally:
+            for hold in self._holds:
+                hold.release()
         for part in self._parts:
-            # (uvicorn waits for the connection to drain before it writes the next)
-            await send({"type": "http.response.body", "body": part, "more_body": True})
             self._metrics.chunk_read(len(part), time.perf_counter() - self._started)
-        await send({"type": "http.response.body", "body": b""})
+
+
+# Pieces an answer read into memory is sent in (each send waits for the connection
+# to drain the one before).
+HELD_PIECE = knobs.MiB
+
+
+async def _send_held(send: Send, parts: list[memoryview], timeout: float) -> bool:
+    """Sends ``parts`` in pieces and ends the body; False when the reader took
+    nothing for ``timeout`` seconds (the body is left unended: uvicorn closes the
+    connection, and its budget is not held by a reader that stopped)."""
+    try:
+        for part in parts:
+            for start in range(0, len(part), HELD_PIECE):
+                piece = part[start:start + HELD_PIECE]
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": piece, "more_body": True}),
+                    timeout)
+        await asyncio.wait_for(send({"type": "http.response.body", "body": b""}), timeout)
+    except TimeoutError:
+        log.warning("a chunk reader took nothing for %.0f s; its connection is closed",
+                    timeout)
+        return False
+    return True
 
 
 @router.post(
@@ -202,9 +270,18 @@ async def get_chunk(
     # loop would read them anyway), where a worker thread's round trip cost a tenth
     # of the server's CPU per request.
     data = map_readable(path) if path is not None else None
-    if data is None:
+    if data is not None:
+        return ChunkResponse(data, metrics, started)
+    # Read whole into memory: under the budget of answers held at once, from before
+    # the store is asked until the connection has it.
+    hold = await egress_budget(request).reserve()
+    try:
         data = await repo.get_chunk(cid, verify=False)
-    return ChunkResponse(data, metrics, started)
+    except BaseException:
+        hold.release()
+        raise
+    hold.resize(len(data))
+    return ChunkResponse(data, metrics, started, hold, body_timeout(request))
 
 
 @router.post(
@@ -234,20 +311,32 @@ async def read_chunks(
     # as one that is not stored, as GET answers 404 for it.
     seen = set(ids) if job is None else await tenants.known(job, ids)
     parts: list[memoryview | None] = []
+    holds: dict[int, EgressHold] = {}  # parts read into memory, under the egress budget
     held = 0  # bytes read into memory (a store whose chunks are not files here)
-    for cid in ids:
-        data: bytes | memoryview | None = None
-        if cid in seen:
-            path = repo.store.local_path(chunk_key(cid))
-            data = map_readable(path) if path is not None else None
-            if data is None and held < READ_HOLD:
-                with contextlib.suppress(ChunkNotFound):
-                    data = await repo.get_chunk(cid, verify=False)
-                    held += len(data)
-            # Past READ_HOLD, the rest are not sent ("-"): the reader asks for them
-            # again, one by one (a GET holds one chunk at a time).
-        parts.append(None if data is None else memoryview(data))
-    return ChunksResponse(parts, metrics, started)
+    budget = egress_budget(request)
+    try:
+        for i, cid in enumerate(ids):
+            data: bytes | memoryview | None = None
+            if cid in seen:
+                path = repo.store.local_path(chunk_key(cid))
+                data = map_readable(path) if path is not None else None
+                if data is None and held < READ_HOLD and (hold := budget.try_reserve()):
+                    try:
+                        data = await repo.get_chunk(cid, verify=False)
+                    except ChunkNotFound:
+                        hold.release()
+                    else:
+                        hold.resize(len(data))
+                        holds[i] = hold
+                        held += len(data)
+                # Past READ_HOLD or the budget, the rest are not sent ("-"): the reader
+                # asks for them again, one by one (a GET holds one chunk at a time).
+            parts.append(None if data is None else memoryview(data))
+    except BaseException:
+        for hold in holds.values():
+            hold.release()
+        raise
+    return ChunksResponse(parts, metrics, started, holds, body_timeout(request))
 
 
 async def _visible(request: Request, tenants: TenantChunks, cid: str) -> bool:

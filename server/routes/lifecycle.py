@@ -195,7 +195,8 @@ async def space(service: ServiceDep) -> SpaceResult:
         jobs=[JobSpaceBody(job=j.job, stored_bytes=j.stored_bytes, logical_bytes=j.logical_bytes,
                            dedup_ratio=j.dedup_ratio,
                            steps=[StepSpaceBody(**dataclasses.asdict(x)) for x in j.steps])
-              for j in s.jobs])
+              for j in s.jobs],
+        damaged=s.damaged)
 
 
 # -- background tasks, metrics ---------------------------------------------------------

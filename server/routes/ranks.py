@@ -19,7 +19,7 @@ from ckptd.api import (
     RestorePlan,
     StepPlan,
 )
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, ManifestHashMismatch, ManifestNotFound, StoreCorrupt
 from ckptd.format import CommitRecord, RankManifest, check_rank
 from ckptd.repository import Repository
 from ckptd.server.auth import READ, WRITE, peer_token, scope
@@ -151,6 +151,10 @@ async def list_ranks(job: JobDep, registry: RegistryDep, views: ViewsDep) -> Ran
     )
 
 
+# What makes a committed step unusable for a plan: a manifest missing or damaged.
+_DAMAGE = (ManifestHashMismatch, ManifestNotFound, StoreCorrupt)
+
+
 async def _committed(
     job: str, asked: int | None, repo: Repository, views: StoreViews
 ) -> tuple[int, CommitRecord, list[str]]:
@@ -188,7 +192,14 @@ async def restore_plan(
     asked: QueryStepDep,
 ) -> Response:
     step, record, _ = await _committed(job, asked, repo, views)
-    manifest = await repo.read_manifest(job, step, rank)
+    try:
+        manifest = await repo.read_manifest(job, step, rank)
+    except _DAMAGE:
+        if asked is not None or not repo.recheck_manifests(job, step):
+            raise
+        # Damaged since "latest" was last checked: chosen again, it falls back.
+        step, record, _ = await _committed(job, asked, repo, views)
+        manifest = await repo.read_manifest(job, step, rank)
     holders = [
         (peer, url)
         for peer, url in registry.peers_holding(job, step, exclude=rank)
@@ -267,7 +278,14 @@ async def step_plan(
             return manifest.canonical()
 
     # A damaged manifest fails the plan with its typed error: a load needs them all.
-    manifests = await asyncio.gather(*(manifest(r) for r in range(record.world_size)))
+    try:
+        manifests = await asyncio.gather(*(manifest(r) for r in range(record.world_size)))
+    except _DAMAGE:
+        if asked is not None or not repo.recheck_manifests(job, step):
+            raise
+        # Damaged since "latest" was last checked: chosen again, it falls back.
+        step, record, fallback = await _committed(job, asked, repo, views)
+        manifests = await asyncio.gather(*(manifest(r) for r in range(record.world_size)))
     holders = [{"rank": peer, "url": url}
                for peer, url in registry.peers_holding(job, step, exclude=rank)
                if peer < record.world_size]

@@ -198,3 +198,25 @@ def test_content_length_with_transfer_encoding_is_refused(server: ServerProcess)
         answer += chunk
     s.close()
     assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+
+
+def test_without_httptools_the_server_says_what_it_cannot_guard(tmp_path: Path) -> None:
+    # httptools hidden from the server's look-up, as in an install without it.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import importlib.util as u\n"
+        "_real = u.find_spec\n"
+        "u.find_spec = lambda name, package=None: (\n"
+        "    None if name == 'httptools' else _real(name, package))\n")
+    srv = ServerProcess(store=tmp_path / "store",
+                        env={"PYTHONPATH": os.pathsep.join(
+                            p for p in (str(site), os.environ.get("PYTHONPATH")) if p)})
+    srv.start()
+    try:
+        assert httpx.get(f"{srv.url}/healthz", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+    warning = [line for line in srv.log().splitlines() if "httptools is not installed" in line]
+    assert warning, srv.log()
+    assert "CKPTD_HEADER_TIMEOUT" in warning[0] and "CKPTD_MAX_CONNECTIONS" in warning[0]

@@ -71,3 +71,16 @@ async def test_scrub_resumes_where_it_stopped_within_a_budget(any_store: Store) 
     assert second.chunks_checked == len(total) and second.passes_completed == 1
     assert first.bytes_checked + second.bytes_checked >= sum(
         [len(await any_store.get(k)) for k in total])
+
+
+async def test_scrub_replaces_a_damaged_damage_marker() -> None:
+    from ckptd.lifecycle.documents import damage_key
+
+    store = MemoryStore()
+    repo = Repository(store)
+    ids = await _steps(repo, 1)
+    await _corrupt(store, ids[1][0])
+    await store.put_if_absent(damage_key(JOB, 1), b'{"format":"ckptd.dam')
+    report = await scrub(repo)  # not a 400 invalid_document: the marker is rewritten
+    assert report.damaged == {JOB: [1]}
+    assert await damaged_steps(repo, JOB) == {1: [ids[1][0]]}

@@ -133,6 +133,51 @@ async def test_a_failed_write_leaves_no_temporary(
     assert await store.put_if_absent("a/b", b"data") is True
 
 
+async def test_new_directories_are_fsynced_into_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptd.store.local as local
+
+    synced: list[Path] = []
+    real = local._fsync_dir
+
+    def recording(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(local, "_fsync_dir", recording)
+    store = LocalStore(tmp_path, fsync=True)
+    root = store.root
+    await store.put_if_absent("jobs/j/steps/1/commit.json", b"x")
+    # Every directory made for it is named durably in its parent, then the file in its own.
+    for made in ("jobs", "jobs/j", "jobs/j/steps", "jobs/j/steps/1"):
+        assert (root / made).parent in synced, made
+    assert synced[-1] == root / "jobs/j/steps/1"
+    synced.clear()
+    await store.compare_and_swap("jobs/k/refs/latest", None, b"1")
+    assert {root / "jobs", root / "jobs/k", root / "jobs/k/refs"} <= set(synced)
+
+
+async def test_a_failed_rename_of_a_ref_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    assert await store.compare_and_swap("a/ref", None, b"1")
+    failures: list[str] = []
+
+    def failing_replace(src: str, dst: str) -> None:
+        failures.append(str(dst))
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(StoreError):
+        await store.compare_and_swap("a/ref", b"1", b"2")
+    monkeypatch.undo()
+    assert len(failures) == 1
+    assert tmp_files(tmp_path) == []
+    assert await store.get("a/ref") == b"1"
+
+
 async def test_two_stores_on_one_directory_see_each_other(tmp_path: Path) -> None:
     a, b = LocalStore(tmp_path), LocalStore(tmp_path)
     assert await a.put_if_absent("k", b"from a") is True

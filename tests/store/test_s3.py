@@ -17,7 +17,7 @@ pytest.importorskip("aiobotocore")
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
-from botocore.exceptions import ClientError  # noqa: E402
+from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402
 
 from ckptd import knobs  # noqa: E402
 from ckptd.errors import (  # noqa: E402
@@ -534,3 +534,62 @@ async def test_exists_many_runs_concurrency_requests_and_no_task_per_key(
     found = await store.exists_many(keys)
     assert found == [k == "present" for k in keys]
     assert peak == 4 and tasks <= 4 + 2, (peak, tasks)
+
+
+class LostAnswers:
+    """Fault injection: the first ``times`` PutObject answers are turned into a 500
+    after the write reached the bucket (an answer lost on the way back), so
+    botocore retries a write that had landed."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.lost = 0
+
+    def __call__(self, response_dict: dict[str, Any], **_: Any) -> None:
+        if self.lost < self.times and response_dict["status_code"] == 200:
+            self.lost += 1
+            response_dict["status_code"] = 500
+            response_dict["body"] = (b"<Error><Code>InternalError</Code>"
+                                     b"<Message>answer lost</Message></Error>")
+
+
+@pytest.mark.parametrize("write", ["create", "swap"])
+async def test_a_retried_write_that_had_landed_is_this_writes(
+    s3: Callable[..., S3Store], write: str
+) -> None:
+    store = s3()
+    if write == "swap":
+        assert await store.compare_and_swap("jobs/j/refs/lease", None, b"old")
+    client = await store._client()
+    fault = LostAnswers(times=1)
+    client.meta.events.register("before-parse.s3.PutObject", fault)
+    try:
+        if write == "create":
+            won = await store.put_if_absent("jobs/j/refs/lease", b"token-mine")
+        else:
+            won = await store.compare_and_swap("jobs/j/refs/lease", b"old", b"token-mine")
+    finally:
+        client.meta.events.unregister("before-parse.s3.PutObject", fault)
+    assert fault.lost == 1  # the first answer was lost, and botocore retried
+    assert won is True
+    assert await store.get("jobs/j/refs/lease") == b"token-mine"
+
+
+async def test_a_retried_write_that_another_won_is_lost(s3: Callable[..., S3Store]) -> None:
+    store, other = s3(), s3()
+    client = await store._client()
+    tries: list[int] = []
+
+    async def other_lands_meanwhile(**_: Any) -> None:
+        tries.append(1)
+        if len(tries) == 1:  # the first try never arrives; the other writer's does
+            assert await other.put_if_absent("jobs/j/refs/lease", b"token-theirs")
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    client.meta.events.register("before-send.s3.PutObject", other_lands_meanwhile)
+    try:
+        assert await store.put_if_absent("jobs/j/refs/lease", b"token-mine") is False
+    finally:
+        client.meta.events.unregister("before-send.s3.PutObject", other_lands_meanwhile)
+    assert len(tries) == 2  # retried, and the retry met the other's object
+    assert await store.get("jobs/j/refs/lease") == b"token-theirs"

@@ -4,6 +4,7 @@ a new member takes only keys that become its own, and keys spread evenly."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -106,3 +107,20 @@ def test_member_lease_round_trip_and_damage() -> None:
         Member.parse(b"{not json", member_key("r-0"))
     with pytest.raises(InvalidRequest):
         member_key("../x")
+
+
+async def test_a_stopping_member_leaves_its_successors_lease(tmp_path: Path) -> None:
+    from ckptd.server.cluster import Membership
+    from ckptd.store import LocalStore
+
+    store = LocalStore(tmp_path, fsync=False)
+    old = Membership(store, "http://127.0.0.1:9001", leases=True, member_id="ckptd-0")
+    await old.renew()
+    # A restarted pod of the same id takes the lease over while the old one stops.
+    new = Membership(store, "http://127.0.0.1:9002", leases=True, member_id="ckptd-0")
+    await new.renew()
+    theirs = await store.get(member_key("ckptd-0"))
+    await old.stop()
+    assert await store.get(member_key("ckptd-0")) == theirs
+    await new.stop()
+    assert not await store.exists(member_key("ckptd-0"))

@@ -1,0 +1,30 @@
+"""Retention's removal claims (``removal_key``) as a commit meets them: one that
+does not parse is damage, never a live pass's, and must not hold a step forever."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from ckptd.errors import NotFound
+from ckptd.format import removal_key
+from ckptd.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+async def drop_damaged_claim(store: Store, job: str, step: int) -> bool:
+    """Deletes the removal claim of ``step`` when it does not parse (compare-and-delete
+    against those bytes: a pass that replaced it meanwhile keeps its own); True then."""
+    key = removal_key(job, step)
+    try:
+        held = await store.get(key)
+    except NotFound:
+        return False
+    try:
+        float(json.loads(held)["since"])
+        return False  # a readable claim: a live pass's, or a stale one retention takes over
+    except (ValueError, KeyError, TypeError):
+        pass
+    log.warning("removing the damaged removal claim %s (%d bytes)", key, len(held))
+    return await store.compare_and_delete(key, held)
