@@ -98,10 +98,19 @@ def _check_server_files(settings: Settings) -> None:
 
     if settings.retention is not None:
         load_retention(settings.retention)
-    if settings.tokens_file is not None and not Path(settings.tokens_file).is_file():
-        # A server over no tokens file would answer 401 to every request.
-        raise InvalidRequest(f"--tokens-file {settings.tokens_file}: no such file; create it "
-                             "with `ckptd token create --job JOB --role ROLE --file FILE`")
+    tokens = None if settings.tokens_file is None else Path(settings.tokens_file)
+    if tokens is not None and not tokens.is_file():
+        # A server over no tokens file answers 401 to every request until one is
+        # written there (it reads the file again when it changes): a directory that
+        # is not there is a mistake; a file not written yet may be the plan.
+        if not tokens.parent.is_dir():
+            raise InvalidRequest(f"--tokens-file {tokens}: no such file; create it with "
+                                 "`ckptd token create --job JOB --role ROLE --file FILE`")
+        from ckptd.cli import err_console
+
+        err_console.print(f"[yellow]warning[/] --tokens-file {escape(str(tokens))} is not "
+                          "there yet: every request is refused (401) until `ckptd token "
+                          "create ... --file` writes it", soft_wrap=True)
     if settings.peers is not None:
         try:
             parse_urls(settings.peers)
