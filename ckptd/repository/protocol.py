@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -39,6 +40,7 @@ from ckptd.errors import (
     WorldSizeMismatch,
 )
 from ckptd.format import (
+    INCARNATION_META,
     CommitRecord,
     ManifestRef,
     RankManifest,
@@ -51,6 +53,7 @@ from ckptd.format import (
     commit_key,
     latest_key,
     manifest_epoch,
+    manifest_incarnation,
     manifest_key,
     removal_key,
 )
@@ -248,7 +251,10 @@ class Repository(Verification, Listings):
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(await self._manifests.parse(key, existing)) >= epoch:
+            stored = await self._manifests.parse(key, existing)
+            relaunched = manifest_incarnation(stored) != manifest_incarnation(manifest)
+            if manifest_epoch(stored) > epoch or (manifest_epoch(stored) == epoch
+                                                  and not relaunched):
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -257,11 +263,16 @@ class Repository(Verification, Listings):
                     step=manifest.step,
                     rank=manifest.rank,
                 )
-            # Saved before a rollback: this timeline's manifest takes its place.
+            # Saved before a rollback, or by an earlier launch of the job that died
+            # before the step committed (a restart re-trains the step, rarely to the
+            # same bytes): this one takes its place, and a commit never pairs them.
             if await self.store.compare_and_swap(key, existing, data):
                 self._manifests.put(key, data, manifest)
-                log.info("%s step %d rank %d: a manifest of timeline %d replaces one saved "
-                         "before the rollback", manifest.job, manifest.step, manifest.rank, epoch)
+                log.info("%s step %d rank %d: a manifest of timeline %d (launch %r) replaces "
+                         "one saved %s", manifest.job, manifest.step, manifest.rank, epoch,
+                         manifest_incarnation(manifest),
+                         "by another launch" if manifest_epoch(stored) == epoch
+                         else "before the rollback")
                 return manifest.digest()
         raise Conflict(f"could not put rank {manifest.rank}'s manifest of step {manifest.step} "
                        f"of {manifest.job}: too much contention")
@@ -349,6 +360,14 @@ class Repository(Verification, Listings):
                 f"step {step} of {job} mixes manifests from before and after a rollback; "
                 "it cannot commit", job=job, step=step, current=epoch,
             )
+        stale = _other_launches(manifests, (meta or {}).get(INCARNATION_META))
+        if stale:
+            # Some ranks' manifests are an earlier launch's (the job restarted before
+            # the step committed): never paired with this launch's. Their ranks put
+            # this launch's manifest in their place when they get there.
+            log.info("%s step %d: ranks %s hold manifests of another launch; pending until "
+                     "they are replaced", job, step, stale)
+            return CommitStatus("pending", job, step, world, stale)
         if tag is None:  # any rank may have asked for it, not only the one committing
             tag = _tag_of(manifests)
             if tag is not None:
@@ -519,6 +538,22 @@ class Repository(Verification, Listings):
         """Puts an immutable object, or finds the same bytes already there."""
         if not await self.store.put_if_absent(key, data) and await self.store.get(key) != data:
             raise Conflict(f"{key} already holds a different document")
+
+
+def _other_launches(manifests: list[RankManifest], caller: object) -> list[int]:
+    """The ranks whose manifest another launch wrote than the step's launch: the
+    committing caller's (its meta's ``incarnation``) when some rank's manifest is of
+    it, else the launch most ranks' manifests are of (ties: the lowest rank's)."""
+    # (by their canonical JSON: an older producer's meta may hold any JSON value)
+    launches = [canonical_json(manifest_incarnation(m)) for m in manifests]
+    counts = Counter(launches)
+    if len(counts) == 1:
+        return []
+    step_launch = canonical_json(caller)
+    if caller is None or step_launch not in counts:
+        step_launch = max(counts, key=lambda launch: (counts[launch], -launches.index(launch)))
+    return [m.rank for m, launch in zip(manifests, launches, strict=True)
+            if launch != step_launch]
 
 
 def _tag_of(manifests: Iterable[RankManifest]) -> str | None:

@@ -1,0 +1,96 @@
+"""Launches of one job (FORMAT.md "Launches"): a step commits only with manifests
+that one launch wrote; a restarted launch's manifest replaces an earlier one's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.errors import AlreadyCommitted, Conflict
+from ckptd.format import RankManifest, commit_key, manifest_key
+from ckptd.repository import Repository
+from ckptd.store import LocalStore, MemoryStore
+from ckptd.store.base import Store
+from ckptd.testing.manifests import Chunks, put_rank, rank_manifest, tensor_entry
+
+JOB = "job"
+
+
+@pytest.fixture(params=["memory", "local"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if request.param == "memory":
+        return MemoryStore()
+    return LocalStore(tmp_path / "store", fsync=False)
+
+
+@pytest.fixture
+def repo(store: Store) -> Repository:
+    return Repository(store, clock=lambda: 1700000000.0)
+
+
+def sharded_rank(step: int, rank: int, seed: str, launch: str | None,
+                 world: int = 2) -> tuple[RankManifest, Chunks]:
+    """One rank's FSDP-like manifest: only its shard of ``w`` (no replica to compare,
+    so bytes of two launches validate together unless the launch tells them apart)."""
+    entry, chunks = tensor_entry("w", "float32", [4, 64], placement="sharded",
+                                 global_shape=[4 * world, 64], offsets=[4 * rank, 0],
+                                 seed=f"{seed}/{step}/{rank}")
+    meta: dict[str, Any] = {} if launch is None else {"incarnation": launch}
+    return rank_manifest(JOB, step, rank, world, [entry], meta=meta), chunks
+
+
+async def test_a_later_launch_replaces_a_pending_manifest_of_an_earlier_one(
+        repo: Repository, store: Store) -> None:
+    old = sharded_rank(10, 0, "attempt0", "run:0")
+    await put_rank(repo, *old)
+    new = sharded_rank(10, 0, "attempt1", "run:1")
+    assert await put_rank(repo, *new) == new[0].digest()  # not a Conflict: replaced
+    assert await store.get(manifest_key(JOB, 10, 0)) == new[0].canonical()
+    # Within one launch manifests stay immutable: other bytes are still a Conflict.
+    with pytest.raises(Conflict):
+        await put_rank(repo, *sharded_rank(10, 0, "again", "run:1"))
+    # And once the step committed, no launch changes it.
+    await put_rank(repo, *sharded_rank(10, 1, "attempt1", "run:1"))
+    assert (await repo.commit(JOB, 10)).state == "committed"
+    with pytest.raises(AlreadyCommitted):
+        await put_rank(repo, *sharded_rank(10, 0, "attempt2", "run:2"))
+
+
+async def test_manifests_without_a_launch_keep_the_old_rule(repo: Repository) -> None:
+    await put_rank(repo, *sharded_rank(3, 0, "a", None))
+    with pytest.raises(Conflict):
+        await put_rank(repo, *sharded_rank(3, 0, "b", None))
+
+
+async def test_a_step_never_commits_manifests_of_two_launches(repo: Repository, store: Store
+                                                              ) -> None:
+    """The restart of the review: rank 0's manifest of the dead launch is there, rank
+    1's of the new launch completes the step. Before launches, this committed rank
+    0's old shard beside rank 1's new one."""
+    await put_rank(repo, *sharded_rank(10, 0, "attempt0", "run:0"))
+    new = [sharded_rank(10, r, "attempt1", "run:1") for r in range(2)]
+    await put_rank(repo, *new[1])
+    status = await repo.commit(JOB, 10, meta={"incarnation": "run:1"})
+    assert status.state == "pending" and status.missing_ranks == [0]
+    # A commit that names no launch is just as pending (the step's launch: most ranks,
+    # ties to the lowest rank's).
+    status = await repo.commit(JOB, 10)
+    assert status.state == "pending" and status.missing_ranks == [1]
+    assert not await store.exists(commit_key(JOB, 10))
+    await put_rank(repo, *new[0])  # rank 0 of the new launch gets there
+    status = await repo.commit(JOB, 10, meta={"incarnation": "run:1"})
+    assert status.state == "committed" and status.record is not None
+    assert [r.hash for r in status.record.manifests] == [m.digest() for m, _ in new]
+
+
+async def test_a_manifest_without_a_launch_is_not_paired_with_one_that_has_one(
+        repo: Repository) -> None:
+    """An older client's manifest (no launch named) and a newer one's: not known to be
+    of one launch, so replaced, never committed together."""
+    await put_rank(repo, *sharded_rank(4, 0, "old", None))
+    await put_rank(repo, *sharded_rank(4, 1, "new", "run:1"))
+    assert (await repo.commit(JOB, 4)).state == "pending"
+    await put_rank(repo, *sharded_rank(4, 0, "new", "run:1"))
+    assert (await repo.commit(JOB, 4)).state == "committed"
