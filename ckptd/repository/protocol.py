@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 # takes moments; a retention pass that died leaves its claim behind, and the step
 # then stays uncommitted until the next pass removes it).
 REMOVAL_WAIT = 30.0
+# Rank manifests a commit reads again at once to see that none was replaced.
+REREAD_BATCH = 16
 
 
 class Repository(Verification, Listings):
@@ -268,6 +270,20 @@ class Repository(Verification, Listings):
             # same bytes): this one takes its place, and a commit never pairs them.
             if await self.store.compare_and_swap(key, existing, data):
                 self._manifests.put(key, data, manifest)
+                # A commit that read the manifest replaced here may have written its
+                # record since this call looked: the record stands, with its bytes.
+                # (Its committer puts them back too, ``_keep_committed``: whichever
+                # comes first.)
+                record = await self._try_read_commit(manifest.job, manifest.step)
+                named = (None if record is None or manifest.rank >= record.world_size
+                         else record.manifests[manifest.rank].hash)
+                if record is not None and named != manifest.digest():
+                    if named == document_hash(existing):
+                        await self.store.compare_and_swap(key, data, existing)
+                    raise AlreadyCommitted(
+                        f"step {manifest.step} of {manifest.job} is committed; rank "
+                        f"{manifest.rank}'s manifest cannot change", job=manifest.job,
+                        step=manifest.step, rank=manifest.rank)
                 log.info("%s step %d rank %d: a manifest of timeline %d (launch %r) replaces "
                          "one saved %s", manifest.job, manifest.step, manifest.rank, epoch,
                          manifest_incarnation(manifest),
@@ -406,8 +422,14 @@ class Repository(Verification, Listings):
             )
         if not await gc_fence.unchanged(self.store, gc_state):  # a sweep began meanwhile
             return await self.commit(job, step, meta=meta)  # look again, after it
+        if await self._replaced(job, step, manifests):
+            # A rank of a later launch (or timeline) replaced its manifest while this
+            # validated (put_manifest): look again, never name the bytes replaced.
+            return await self.commit(job, step, meta=meta)
         won = await self.store.put_if_absent(commit_key(job, step), record.canonical())
-        if not won:
+        if won:
+            await self._keep_committed(job, step, manifests)
+        else:
             record = await self.read_commit(job, step)  # a concurrent commit won
         await self._outlast_removal(job, step, world, won)
         if won:
@@ -418,6 +440,44 @@ class Repository(Verification, Listings):
         # and the answer says so (a retry of the commit moves the ref).
         moved = await self._advance_latest_or_say(job, record)
         return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+
+    async def _replaced(self, job: str, step: int, manifests: list[RankManifest]
+                        ) -> list[tuple[RankManifest, bytes | None]]:
+        """Those of ``manifests`` no longer stored for their rank, each with what is
+        (None: nothing); read a few at a time (they can be tens of MiB each)."""
+        out: list[tuple[RankManifest, bytes | None]] = []
+        for start in range(0, len(manifests), REREAD_BATCH):
+            batch = manifests[start:start + REREAD_BATCH]
+            stored = await asyncio.gather(
+                *(self.store.get(manifest_key(job, step, m.rank)) for m in batch),
+                return_exceptions=True)
+            for m, data in zip(batch, stored, strict=True):
+                if isinstance(data, NotFound):
+                    out.append((m, None))
+                elif isinstance(data, BaseException):
+                    raise data
+                elif data != m.canonical():
+                    out.append((m, data))
+        return out
+
+    async def _keep_committed(self, job: str, step: int, manifests: list[RankManifest]) -> None:
+        """After writing the record of ``manifests``: a rank's manifest that another
+        launch replaced in the moment before (its ``put_manifest`` found no record
+        yet) is put back, so the record's bytes are the stored ones. That put also
+        looks for the record after replacing, and puts back the same bytes."""
+        for _ in range(10):
+            replaced = [(m, data) for m, data in await self._replaced(job, step, manifests)
+                        if data is not None]  # (a deleted one is retention's: outlasted)
+            if not replaced:
+                return
+            for m, data in replaced:
+                log.warning("%s step %d rank %d: a manifest of another launch replaced the "
+                            "committed one as it committed; putting the committed one back",
+                            job, step, m.rank)
+                await self.store.compare_and_swap(manifest_key(job, step, m.rank), data,
+                                                  m.canonical())
+        raise Conflict(f"step {step} of {job}: could not keep its committed manifests in "
+                       "place: too much contention")
 
     async def _outlast_removal(self, job: str, step: int, world: int, won: bool) -> None:
         """A commit record was written (``won``) or found: the step stands only if

@@ -3,6 +3,7 @@ that one launch wrote; a restarted launch's manifest replaces an earlier one's."
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,99 @@ async def test_a_manifest_without_a_launch_is_not_paired_with_one_that_has_one(
     assert (await repo.commit(JOB, 4)).state == "pending"
     await put_rank(repo, *sharded_rank(4, 0, "new", "run:1"))
     assert (await repo.commit(JOB, 4)).state == "committed"
+
+
+# -- a restart racing the commit of the dead launch's step -------------------------------
+
+Hook = Callable[[str], Awaitable[None]]
+
+
+class RacingStore(MemoryStore):
+    """A memory store that runs ``hooks[op]`` once, before the first ``op`` call on a
+    key it accepts: another writer's move at the worst moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks: dict[str, tuple[Callable[[str], bool], Hook]] = {}
+
+    async def _hook(self, op: str, key: str) -> None:
+        armed = self.hooks.get(op)
+        if armed is not None and armed[0](key):
+            del self.hooks[op]
+            await armed[1](key)
+
+    async def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        keys = list(keys)
+        await self._hook("exists_many", keys[0] if keys else "")
+        return await super().exists_many(keys)
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        await self._hook("put_if_absent", key)
+        return await super().put_if_absent(key, data)
+
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        await self._hook("compare_and_swap", key)
+        return await super().compare_and_swap(key, expected, new)
+
+
+async def dead_launch_step(repo: Repository) -> list[tuple[RankManifest, Chunks]]:
+    """Launch run:0 put every rank's manifest of step 10; its commit is what races."""
+    old = [sharded_rank(10, r, "attempt0", "run:0") for r in range(2)]
+    for part in old:
+        await put_rank(repo, *part)
+    return old
+
+
+async def test_a_manifest_replaced_while_the_commit_validates_is_not_committed() -> None:
+    store = RacingStore()
+    repo = Repository(store)
+    await dead_launch_step(repo)
+    new = [sharded_rank(10, r, "attempt1", "run:1") for r in range(2)]
+
+    async def relaunched(_: str) -> None:  # after validation, before the record
+        await put_rank(repo, *new[0])
+
+    store.hooks["exists_many"] = (lambda key: key.startswith("chunks/"), relaunched)
+    status = await repo.commit(JOB, 10)
+    assert not store.hooks  # the replacement did happen inside the commit
+    assert status.state == "pending" and not await store.exists(commit_key(JOB, 10))
+    await put_rank(repo, *new[1])
+    status = await repo.commit(JOB, 10)
+    assert status.record is not None
+    assert [r.hash for r in status.record.manifests] == [m.digest() for m, _ in new]
+
+
+async def test_a_manifest_replaced_just_before_the_record_is_put_back() -> None:
+    """The replacing put found no record yet; the commit, once its record is in,
+    puts the manifest it validated back: the record's bytes are what is stored."""
+    store = RacingStore()
+    repo = Repository(store)
+    old = await dead_launch_step(repo)
+
+    async def relaunched(_: str) -> None:
+        await put_rank(repo, *sharded_rank(10, 0, "attempt1", "run:1"))
+
+    store.hooks["put_if_absent"] = (lambda key: key == commit_key(JOB, 10), relaunched)
+    status = await repo.commit(JOB, 10)
+    assert status.record is not None and not store.hooks
+    assert [r.hash for r in status.record.manifests] == [m.digest() for m, _ in old]
+    assert await store.get(manifest_key(JOB, 10, 0)) == old[0][0].canonical()
+    assert (await repo.verify(JOB, 10)).ok
+
+
+async def test_a_replacement_that_lands_after_the_record_is_taken_back() -> None:
+    """The replacing put looked for a record before the commit wrote it and replaced
+    after: it finds the record, puts the committed manifest back, and is refused."""
+    store = RacingStore()
+    repo = Repository(store)
+    old = await dead_launch_step(repo)
+
+    async def old_launch_commits(_: str) -> None:
+        assert (await repo.commit(JOB, 10)).state == "committed"
+
+    store.hooks["compare_and_swap"] = (lambda key: key == manifest_key(JOB, 10, 0),
+                                       old_launch_commits)
+    with pytest.raises(AlreadyCommitted):
+        await put_rank(repo, *sharded_rank(10, 0, "attempt1", "run:1"))
+    assert await store.get(manifest_key(JOB, 10, 0)) == old[0][0].canonical()
+    assert (await repo.verify(JOB, 10)).ok
