@@ -339,17 +339,21 @@ class Repository(Verification, Listings):
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
         epoch = await self.epoch(job)
+        launch = (meta or {}).get(INCARNATION_META)  # the committing rank's launch
         # One manifest says the world size; the others are read once all are in.
         first = await self._read_manifest_raw(job, step, ranks[0])
         current: dict[int, RankManifest] = {first.rank: first}
-        if epoch and (len(ranks) >= first.world_size or ranks[-1] >= first.world_size
-                      or manifest_epoch(first) != epoch):
-            # Manifests saved before the last rollback count as absent: their ranks
-            # put this timeline's manifest in their place when they get there (a
-            # job that came back smaller leaves ranks past its world size too).
+        if (epoch or launch is not None) and (
+                len(ranks) >= first.world_size or ranks[-1] >= first.world_size
+                or manifest_epoch(first) != epoch or manifest_incarnation(first) != launch):
+            # Manifests saved before the last rollback count as absent, and so do
+            # another launch's when the committer names its own: their ranks put
+            # this timeline's (launch's) manifest in their place when they get there
+            # (a job that came back smaller leaves ranks past its world size too).
             read = [first, *await asyncio.gather(
                 *(self._read_manifest_raw(job, step, r) for r in ranks[1:]))]
-            current = {m.rank: m for m in read if manifest_epoch(m) == epoch}
+            current = {m.rank: m for m in read if manifest_epoch(m) == epoch and (
+                launch is None or manifest_incarnation(m) == launch)}
             if not current:
                 world = first.world_size
                 return CommitStatus("pending", job, step, world, list(range(world)))

@@ -191,3 +191,17 @@ async def test_a_replacement_that_lands_after_the_record_is_taken_back() -> None
         await put_rank(repo, *sharded_rank(10, 0, "attempt1", "run:1"))
     assert await store.get(manifest_key(JOB, 10, 0)) == old[0][0].canonical()
     assert (await repo.verify(JOB, 10)).ok
+
+
+async def test_a_launch_that_came_back_smaller_commits_without_the_dead_launchs_ranks(
+        repo: Repository, store: Store) -> None:
+    """Rank 1 of a two-rank launch put its manifest of step 10 and the job came back
+    with one rank: rank 1's manifest counts as absent for the new launch's commit
+    (before launches: world_size_mismatch, a step that could never commit)."""
+    await put_rank(repo, *sharded_rank(10, 1, "attempt0", "run:0"))
+    alone = sharded_rank(10, 0, "attempt1", "run:1", world=1)
+    await put_rank(repo, *alone)
+    status = await repo.commit(JOB, 10, meta={"incarnation": "run:1"})
+    assert status.state == "committed" and status.record is not None
+    assert [r.hash for r in status.record.manifests] == [alone[0].digest()]
+    assert (await repo.verify(JOB, 10)).ok
