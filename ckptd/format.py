@@ -29,6 +29,7 @@ COMMIT_FORMAT: Final = "ckptd.commit"
 REF_FORMAT: Final = "ckptd.ref"
 TIMELINE_FORMAT: Final = "ckptd.timeline"
 EPOCH_META: Final = "epoch"  # the rank manifest's meta key naming its timeline
+INCARNATION_META: Final = "incarnation"  # (1.2) its meta key naming the launch that wrote it
 
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -591,3 +592,11 @@ def manifest_epoch(manifest: RankManifest) -> int:
             f"rank manifest meta {EPOCH_META!r} must be a non-negative integer, not {epoch!r}"
         )
     return epoch
+
+
+def manifest_incarnation(manifest: RankManifest) -> object:
+    """The launch of the job that wrote a rank manifest (1.2; None: not known).
+
+    Compared for equality only: an older producer's free-form meta may hold any
+    JSON value under the key, and such a manifest must still read."""
+    return manifest.meta.get(INCARNATION_META)

@@ -86,6 +86,14 @@ class Checkpointer:
     ``CKPTD_CACHE_DIR``) is a local directory store that ``restore`` reads before
     peers, e.g. what ``ckptd restore --to DIR`` filled.
 
+    ``incarnation`` names this launch of the job, the same on every rank of it
+    (default ``CKPTD_INCARNATION``, else torchrun's run id and restart count on
+    one node, else SLURM's job id and requeue count): a restarted job's manifest
+    replaces a pending one of the launch that died, and no step commits with
+    manifests of two launches. Unknown (None), a restart is not told apart: a
+    rank that saved the pending step before gets ``Conflict``, and the step may
+    commit with that rank's earlier manifest.
+
     All settings together are one ``CheckpointerConfig``
     (``Checkpointer.from_config``); the checkpointer composes a ``Saver``, a
     ``Restorer`` and a ``FailoverAgent`` over one ``Session``."""
@@ -113,6 +121,7 @@ class Checkpointer:
         cache_dir: str | os.PathLike[str] | None = None,
         health_policy: Policy | str | os.PathLike[str] | None = None,
         health_sources: Iterable[ReadingSource] | None = None,
+        incarnation: str | None = None,
     ) -> None:
         """Builds the ``CheckpointerConfig`` of these arguments and opens it."""
         self._open(CheckpointerConfig.of(
@@ -122,6 +131,7 @@ class Checkpointer:
             serve_peers=serve_peers, peer_host=peer_host, peer_port=peer_port,
             heartbeat_interval=heartbeat_interval, health=health, cache_dir=cache_dir,
             health_policy=health_policy, health_sources=health_sources,
+            incarnation=incarnation,
         ))
 
     @classmethod
@@ -133,6 +143,8 @@ class Checkpointer:
 
     def _open(self, config: CheckpointerConfig) -> None:
         self.config = config
+        if config.incarnation is None and config.world_size > 1:
+            _say_no_launch(config)
         self._session = Session(config)
         try:
             self._failover = FailoverAgent(self._session)
@@ -478,3 +490,18 @@ class Checkpointer:
         self._failover.close(failed=bool(saver.failures.failed))
         self._session.close()
         return saver.failures.result()
+
+
+_said_no_launch = False
+
+
+def _say_no_launch(config: CheckpointerConfig) -> None:
+    """Says once per process that no launch id is known (docs/FORMAT.md, "Launches")."""
+    global _said_no_launch
+    if _said_no_launch:
+        return
+    _said_no_launch = True
+    log.info("%s/%d: no launch id known (set CKPTD_INCARNATION, or incarnation=, the same "
+             "on every rank of a launch, another for each launch): after a restart, a step "
+             "an earlier launch saved in part may commit with that launch's manifests",
+             config.job, config.rank)

@@ -16,6 +16,7 @@ from ckptd.format import check_job, check_rank
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
 from .endpoint import endpoint
+from .launch import check_incarnation, launch_incarnation
 from .staging.layout import PAGE
 
 if TYPE_CHECKING:
@@ -56,9 +57,12 @@ class CheckpointerConfig:
     cache_dir: str | os.PathLike[str] | None = None
     health_policy: Policy | str | os.PathLike[str] | None = None
     health_sources: Iterable[ReadingSource] | None = None
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
         check_job(self.job)
+        if self.incarnation is not None:
+            check_incarnation(self.incarnation)
         check_rank(self.rank, self.world_size, job=self.job)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequest(
@@ -90,17 +94,21 @@ class CheckpointerConfig:
         *,
         chunk_size: int | None = None,
         on_error: OnError | None = None,
+        incarnation: str | None = None,
         **settings: Any,
     ) -> CheckpointerConfig:
         """The config of ``Checkpointer(url, job, rank, world_size, token, ...)``:
         ``url`` and ``token`` default to ``CKPTD_URL`` / ``CKPTD_TOKEN``, the chunk
-        size to ``CKPTD_CHUNK_SIZE``, ``on_error`` to ``CKPTD_ON_ERROR`` or "raise"."""
+        size to ``CKPTD_CHUNK_SIZE``, ``on_error`` to ``CKPTD_ON_ERROR`` or "raise",
+        ``incarnation`` to the launch the environment names (``launch_incarnation``)."""
         url, token = endpoint(url, token)
+        if incarnation is None:
+            incarnation = launch_incarnation()
         if on_error is None:
             on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
         size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
         return cls(url, job, rank, world_size, token, chunk_size=size, on_error=on_error,
-                   **settings)
+                   incarnation=incarnation, **settings)
 
     def replace(self, **changes: Any) -> CheckpointerConfig:
         """A copy with ``changes`` (checked like a new one)."""

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -47,6 +48,7 @@ from ckptd.errors import (
     WorldSizeMismatch,
 )
 from ckptd.format import (
+    INCARNATION_META,
     CommitRecord,
     ManifestRef,
     RankManifest,
@@ -59,6 +61,7 @@ from ckptd.format import (
     commit_key,
     latest_key,
     manifest_epoch,
+    manifest_incarnation,
     manifest_key,
     removal_key,
 )
@@ -78,6 +81,8 @@ log = logging.getLogger(__name__)
 # takes moments; a retention pass that died leaves its claim behind, and the step
 # then stays uncommitted until the next pass removes it).
 REMOVAL_WAIT = 30.0
+# Rank manifests a commit reads again at once to see that none was replaced.
+REREAD_BATCH = 16
 
 
 class Repository(Verification, Listings):
@@ -257,7 +262,10 @@ class Repository(Verification, Listings):
                     f"step {manifest.step} of {manifest.job} is committed; rank "
                     f"{manifest.rank}'s manifest cannot change"
                 )
-            if manifest_epoch(await self._manifests.parse(key, existing)) >= epoch:
+            stored = await self._manifests.parse(key, existing)
+            relaunched = manifest_incarnation(stored) != manifest_incarnation(manifest)
+            if manifest_epoch(stored) > epoch or (manifest_epoch(stored) == epoch
+                                                  and not relaunched):
                 raise Conflict(
                     f"rank {manifest.rank} already put a different manifest for step "
                     f"{manifest.step} of {manifest.job}; manifests are immutable, save under "
@@ -266,11 +274,30 @@ class Repository(Verification, Listings):
                     step=manifest.step,
                     rank=manifest.rank,
                 )
-            # Saved before a rollback: this timeline's manifest takes its place.
+            # Saved before a rollback, or by an earlier launch of the job that died
+            # before the step committed (a restart re-trains the step, rarely to the
+            # same bytes): this one takes its place, and a commit never pairs them.
             if await self.store.compare_and_swap(key, existing, data):
                 self._manifests.put(key, data, manifest)
-                log.info("%s step %d rank %d: a manifest of timeline %d replaces one saved "
-                         "before the rollback", manifest.job, manifest.step, manifest.rank, epoch)
+                # A commit that read the manifest replaced here may have written its
+                # record since this call looked: the record stands, with its bytes.
+                # (Its committer puts them back too, ``_keep_committed``: whichever
+                # comes first.)
+                record = await self._try_read_commit(manifest.job, manifest.step)
+                named = (None if record is None or manifest.rank >= record.world_size
+                         else record.manifests[manifest.rank].hash)
+                if record is not None and named != manifest.digest():
+                    if named == document_hash(existing):
+                        await self.store.compare_and_swap(key, data, existing)
+                    raise AlreadyCommitted(
+                        f"step {manifest.step} of {manifest.job} is committed; rank "
+                        f"{manifest.rank}'s manifest cannot change", job=manifest.job,
+                        step=manifest.step, rank=manifest.rank)
+                log.info("%s step %d rank %d: a manifest of timeline %d (launch %r) replaces "
+                         "one saved %s", manifest.job, manifest.step, manifest.rank, epoch,
+                         manifest_incarnation(manifest),
+                         "by another launch" if manifest_epoch(stored) == epoch
+                         else "before the rollback")
                 return manifest.digest()
         raise Conflict(f"could not put rank {manifest.rank}'s manifest of step {manifest.step} "
                        f"of {manifest.job}: too much contention")
@@ -321,17 +348,21 @@ class Repository(Verification, Listings):
         if not ranks:
             raise ManifestNotFound(f"no rank manifest for step {step} of {job}")
         epoch = await self.epoch(job)
+        launch = (meta or {}).get(INCARNATION_META)  # the committing rank's launch
         # One manifest says the world size; the others are read once all are in.
         first = await self._read_manifest_raw(job, step, ranks[0])
         current: dict[int, RankManifest] = {first.rank: first}
-        if epoch and (len(ranks) >= first.world_size or ranks[-1] >= first.world_size
-                      or manifest_epoch(first) != epoch):
-            # Manifests saved before the last rollback count as absent: their ranks
-            # put this timeline's manifest in their place when they get there (a
-            # job that came back smaller leaves ranks past its world size too).
+        if (epoch or launch is not None) and (
+                len(ranks) >= first.world_size or ranks[-1] >= first.world_size
+                or manifest_epoch(first) != epoch or manifest_incarnation(first) != launch):
+            # Manifests saved before the last rollback count as absent, and so do
+            # another launch's when the committer names its own: their ranks put
+            # this timeline's (launch's) manifest in their place when they get there
+            # (a job that came back smaller leaves ranks past its world size too).
             read = [first, *await asyncio.gather(
                 *(self._read_manifest_raw(job, step, r) for r in ranks[1:]))]
-            current = {m.rank: m for m in read if manifest_epoch(m) == epoch}
+            current = {m.rank: m for m in read if manifest_epoch(m) == epoch and (
+                launch is None or manifest_incarnation(m) == launch)}
             if not current:
                 world = first.world_size
                 return CommitStatus("pending", job, step, world, list(range(world)))
@@ -358,6 +389,14 @@ class Repository(Verification, Listings):
                 f"step {step} of {job} mixes manifests from before and after a rollback; "
                 "it cannot commit", job=job, step=step, current=epoch,
             )
+        stale = _other_launches(manifests, (meta or {}).get(INCARNATION_META))
+        if stale:
+            # Some ranks' manifests are an earlier launch's (the job restarted before
+            # the step committed): never paired with this launch's. Their ranks put
+            # this launch's manifest in their place when they get there.
+            log.info("%s step %d: ranks %s hold manifests of another launch; pending until "
+                     "they are replaced", job, step, stale)
+            return CommitStatus("pending", job, step, world, stale)
         if tag is None:  # any rank may have asked for it, not only the one committing
             tag = _tag_of(manifests)
             if tag is not None:
@@ -400,8 +439,14 @@ class Repository(Verification, Listings):
         # a damaged one is replaced by this commit's.
         with contextlib.suppress(StoreCorrupt):
             await self._latest_ref(job)
+        if await self._replaced(job, step, manifests):
+            # A rank of a later launch (or timeline) replaced its manifest while this
+            # validated (put_manifest): look again, never name the bytes replaced.
+            return await self.commit(job, step, meta=meta)
         won = await self.store.put_if_absent(commit_key(job, step), record.canonical())
-        if not won:
+        if won:
+            await self._keep_committed(job, step, manifests)
+        else:
             record = await self.read_commit(job, step)  # a concurrent commit won
         await self._outlast_removal(job, step, world, won)
         if won:
@@ -412,6 +457,44 @@ class Repository(Verification, Listings):
         # and the answer says so (a retry of the commit moves the ref).
         moved = await self._advance_latest_or_say(job, record)
         return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+
+    async def _replaced(self, job: str, step: int, manifests: list[RankManifest]
+                        ) -> list[tuple[RankManifest, bytes | None]]:
+        """Those of ``manifests`` no longer stored for their rank, each with what is
+        (None: nothing); read a few at a time (they can be tens of MiB each)."""
+        out: list[tuple[RankManifest, bytes | None]] = []
+        for start in range(0, len(manifests), REREAD_BATCH):
+            batch = manifests[start:start + REREAD_BATCH]
+            stored = await asyncio.gather(
+                *(self.store.get(manifest_key(job, step, m.rank)) for m in batch),
+                return_exceptions=True)
+            for m, data in zip(batch, stored, strict=True):
+                if isinstance(data, NotFound):
+                    out.append((m, None))
+                elif isinstance(data, BaseException):
+                    raise data
+                elif data != m.canonical():
+                    out.append((m, data))
+        return out
+
+    async def _keep_committed(self, job: str, step: int, manifests: list[RankManifest]) -> None:
+        """After writing the record of ``manifests``: a rank's manifest that another
+        launch replaced in the moment before (its ``put_manifest`` found no record
+        yet) is put back, so the record's bytes are the stored ones. That put also
+        looks for the record after replacing, and puts back the same bytes."""
+        for _ in range(10):
+            replaced = [(m, data) for m, data in await self._replaced(job, step, manifests)
+                        if data is not None]  # (a deleted one is retention's: outlasted)
+            if not replaced:
+                return
+            for m, data in replaced:
+                log.warning("%s step %d rank %d: a manifest of another launch replaced the "
+                            "committed one as it committed; putting the committed one back",
+                            job, step, m.rank)
+                await self.store.compare_and_swap(manifest_key(job, step, m.rank), data,
+                                                  m.canonical())
+        raise Conflict(f"step {step} of {job}: could not keep its committed manifests in "
+                       "place: too much contention")
 
     async def _outlast_removal(self, job: str, step: int, world: int, won: bool) -> None:
         """A commit record was written (``won``) or found: the step stands only if
@@ -536,6 +619,22 @@ class Repository(Verification, Listings):
         """Puts an immutable object, or finds the same bytes already there."""
         if not await self.store.put_if_absent(key, data) and await self.store.get(key) != data:
             raise Conflict(f"{key} already holds a different document")
+
+
+def _other_launches(manifests: list[RankManifest], caller: object) -> list[int]:
+    """The ranks whose manifest another launch wrote than the step's launch: the
+    committing caller's (its meta's ``incarnation``) when some rank's manifest is of
+    it, else the launch most ranks' manifests are of (ties: the lowest rank's)."""
+    # (by their canonical JSON: an older producer's meta may hold any JSON value)
+    launches = [canonical_json(manifest_incarnation(m)) for m in manifests]
+    counts = Counter(launches)
+    if len(counts) == 1:
+        return []
+    step_launch = canonical_json(caller)
+    if caller is None or step_launch not in counts:
+        step_launch = max(counts, key=lambda launch: (counts[launch], -launches.index(launch)))
+    return [m.rank for m, launch in zip(manifests, launches, strict=True)
+            if launch != step_launch]
 
 
 def _tag_of(manifests: Iterable[RankManifest]) -> str | None:

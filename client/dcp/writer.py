@@ -35,6 +35,7 @@ from ckptd.errors import (
 )
 from ckptd.format import (
     EPOCH_META,
+    INCARNATION_META,
     RankManifest,
     TensorEntry,
     canonical_json,
@@ -44,6 +45,7 @@ from ckptd.hashing import chunk_spans
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
 from ..dtypes import byte_view, dtype_name
+from ..launch import launch_incarnation
 from ..loop import run_private
 from ..save.chunks import hash_views, upload_missing
 from ..save.flatten import value_tree
@@ -233,6 +235,7 @@ class Writer(StorageWriter):
                 tensors.append((item, tensor))
                 tree.append([fqn, {"tensor": fqn}])
         entries, data = _entries(tensors, blobs, self.chunk_size, self.timeout)
+        launch = launch_incarnation()
         for (item, _), entry in zip(tensors, entries, strict=False):
             results.append(WriteResult(item.index, entry.nbytes, None))
         manifest = RankManifest(
@@ -243,7 +246,9 @@ class Writer(StorageWriter):
             chunk_size=self.chunk_size,
             entries=entries,
             tree={"dict": tree},
-            meta={META_KEY: {"version": META_VERSION, "paths": meta_paths}},
+            meta={META_KEY: {"version": META_VERSION, "paths": meta_paths},
+                  # (docs/FORMAT.md "Launches": no step pairs two launches' manifests)
+                  **({} if launch is None else {INCARNATION_META: launch})},
         )
         manifest.check()  # a bad manifest fails here, before any byte is sent
         claimer = f"{self.job}/{info.rank}"

@@ -25,7 +25,7 @@ from ckptd.errors import (
     UnsupportedValue,
     ValidationFailed,
 )
-from ckptd.format import EPOCH_META, Placement, canonical_json, check_step
+from ckptd.format import EPOCH_META, INCARNATION_META, Placement, canonical_json, check_step
 from ckptd.lifecycle.tags import TAG_META, check_tag
 
 from ..cuda import CopyDone
@@ -116,6 +116,9 @@ class Saver:
                            self.config.default_placement)
         if EPOCH_META in meta:
             raise UnsupportedValue(f"meta key {EPOCH_META!r} is ckptd's (the job's timeline)")
+        if INCARNATION_META in meta:
+            raise UnsupportedValue(f"meta key {INCARNATION_META!r} is ckptd's (the launch; "
+                                   "pass Checkpointer(..., incarnation=))")
         try:
             canonical_json(meta)
         except (TypeError, ValueError) as exc:
@@ -124,6 +127,8 @@ class Saver:
         epoch, pending = self.timeline.current()
         if epoch:
             meta[EPOCH_META] = epoch
+        if self.config.incarnation is not None:  # the commit call names it too
+            meta[INCARNATION_META] = self.config.incarnation
         with self.session.lock:
             self.session.check_open()
             waited = 0.0
