@@ -4,8 +4,9 @@ record, then the ``latest`` ref (and an imported step, in that same order).
 Reads, rollbacks and timelines, listings and verify are the classes it builds on
 (``reads``, ``timelines``, ``listings``, ``verify``); the writes that decide what
 exists stay in this one class, so the invariants of DESIGN.md are checked in one
-place (and it is a little past the house's ~500 lines for that reason). Rollback's
-own writes and their order are in ``timelines``.
+place (and it is a little past the house's ~500 lines for that reason); what
+follows a written record (the removal check, the tag, ``latest``) is in
+``after_commit``. Rollback's own writes and their order are in ``timelines``.
 """
 
 from __future__ import annotations
@@ -26,25 +27,20 @@ from ckptd.documents import (
     MANIFEST_CACHE_ENTRIES,
     ParsedManifests,
     document_work,
-    unsupported_stored,
 )
 from ckptd.errors import (
     AlreadyCommitted,
     ChunkHashMismatch,
-    CkptdError,
     Conflict,
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
     ManifestNotFound,
     MissingChunks,
-    NotCommitted,
     NotFound,
     StoreCorrupt,
-    StoreError,
     Superseded,
     TooLarge,
-    UnsupportedFormat,
     WorldSizeMismatch,
 )
 from ckptd.format import (
@@ -52,14 +48,12 @@ from ckptd.format import (
     CommitRecord,
     ManifestRef,
     RankManifest,
-    Ref,
     canonical_json,
     check_chunk_id,
     check_job,
     check_step,
     chunk_key,
     commit_key,
-    latest_key,
     manifest_epoch,
     manifest_incarnation,
     manifest_key,
@@ -67,8 +61,8 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
-from ckptd.lifecycle.removals import drop_damaged_claim
-from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag, take_back_tag
+from ckptd.lifecycle.tags import TAG_META, check_tag
+from ckptd.repository.after_commit import AfterCommit, tag_of
 from ckptd.repository.listings import Listings
 from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
 from ckptd.repository.verify import Verification
@@ -77,15 +71,11 @@ from ckptd.validation import ReplicaPolicy, validate_step
 
 log = logging.getLogger(__name__)
 
-# How long a commit waits for retention to finish removing its step (a removal
-# takes moments; a retention pass that died leaves its claim behind, and the step
-# then stays uncommitted until the next pass removes it).
-REMOVAL_WAIT = 30.0
 # Rank manifests a commit reads again at once to see that none was replaced.
 REREAD_BATCH = 16
 
 
-class Repository(Verification, Listings):
+class Repository(Verification, Listings, AfterCommit):
     """Checkpoints of many jobs over one Store, with validation on commit."""
 
     def __init__(
@@ -398,7 +388,7 @@ class Repository(Verification, Listings):
                      "they are replaced", job, step, stale)
             return CommitStatus("pending", job, step, world, stale)
         if tag is None:  # any rank may have asked for it, not only the one committing
-            tag = _tag_of(manifests)
+            tag = tag_of(manifests)
             if tag is not None:
                 meta = {**(meta or {}), TAG_META: tag}
         # CPU work that grows with the tensor count: off the event loop.
@@ -496,95 +486,6 @@ class Repository(Verification, Listings):
         raise Conflict(f"step {step} of {job}: could not keep its committed manifests in "
                        "place: too much contention")
 
-    async def _outlast_removal(self, job: str, step: int, world: int, won: bool) -> None:
-        """A commit record was written (``won``) or found: the step stands only if
-        every rank's manifest is still there once retention is done removing the
-        step (its claim, ``removal_key``, gone). Else the writer takes its record back
-        and the commit fails: retention removed the step while it committed (a
-        commit reads the manifests long before it writes the record)."""
-        claim = removal_key(job, step)
-        deadline = time.monotonic() + REMOVAL_WAIT
-        while await self.store.exists(claim) and time.monotonic() < deadline:
-            if await drop_damaged_claim(self.store, job, step):  # no pass removes under it
-                break
-            await asyncio.sleep(0.05)
-        keys = [manifest_key(job, step, r) for r in range(world)]
-        if not await self.store.exists(claim) and all(await self.store.exists_many(keys)):
-            return
-        if won:
-            await self.store.delete(commit_key(job, step))
-        raise NotCommitted(
-            f"step {step} of {job} was removed by retention while it committed; it is not "
-            "committed", job=job, step=step,
-        )
-
-    async def _tag_or_say(self, job: str, tag: str, step: int, world: int) -> None:
-        """Tags a committed step; a failure is logged, not raised (the step is
-        committed; a retry of the commit tags it). ``NotCommitted`` (the tag taken
-        back) when retention removed the step meanwhile."""
-        try:
-            await set_tag(self.store, job, tag, step)
-        except CkptdError as exc:
-            log.warning("%s step %d is committed, but its tag %r could not be set: %s; a "
-                        "retry of the commit sets it", job, step, tag, exc)
-            return
-        await self._tag_stands(job, tag, step, world)
-
-    async def tag(self, job: str, name: str, step: int) -> None:
-        """Points tag ``name`` at committed ``step`` (retention keeps it); the
-        errors of ``read_commit``, and ``NotCommitted`` (the tag taken back) when
-        retention removed the step meanwhile."""
-        record = await self.read_commit(job, step)
-        await set_tag(self.store, job, name, step)
-        await self._tag_stands(job, name, step, record.world_size)
-
-    async def _tag_stands(self, job: str, tag: str, step: int, world: int) -> None:
-        """A tag just set on ``step`` stands only if the step outlasts any removal;
-        else it is taken back and ``NotCommitted`` raised: no tag names a removed step."""
-        # Retention that read the tags before this one was set may be removing the
-        # step (it reads them again once it holds the removal claim, and keeps a step
-        # tagged by then). No claim and the record there: not removed (retention that
-        # claims later sees the tag). Else as a commit: wait for the claim to go.
-        if not await self.store.exists(removal_key(job, step)) and await self.store.exists(
-                commit_key(job, step)):
-            return
-        try:
-            await self._outlast_removal(job, step, world, False)
-        except NotCommitted:
-            await take_back_tag(self.store, job, tag, step)
-            raise
-
-    async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
-        """``_advance_latest``; False (logged) when the store refused the ref write."""
-        try:
-            await self._advance_latest(job, record)
-        except StoreError as exc:
-            log.warning("%s step %d is committed, but latest could not move: %s; the next "
-                        "commit (or a retry of this one) moves it", job, record.step, exc)
-            return False
-        return True
-
-    async def _advance_latest(self, job: str, record: CommitRecord) -> None:
-        """Moves ``latest`` forward to ``record``'s step, never backward."""
-        key = latest_key(job)
-        new = Ref(step=record.step, commit=record.digest()).canonical()
-        for _ in range(1000):
-            try:
-                current = await self.store.get(key)
-            except NotFound:
-                current = None
-            if current is not None:
-                try:
-                    if Ref.parse(current).step >= record.step:
-                        return
-                except UnsupportedFormat as exc:  # a newer ckptd's: never replaced
-                    raise unsupported_stored(exc, key) from None
-                except InvalidDocument as exc:  # damaged: a committed step repairs it
-                    log.warning("%s: replacing the damaged latest ref: %s", job, exc)
-            if await self.store.compare_and_swap(key, current, new):
-                return
-        raise Conflict(f"could not move latest of {job}: too much contention")
-
     async def import_step(self, record: CommitRecord, manifests: Iterable[RankManifest]) -> None:
         """Copies a step committed in another repository into this one, in the write
         order: ``manifests`` (each checked against ``record``'s digest of its rank;
@@ -635,20 +536,6 @@ def _other_launches(manifests: list[RankManifest], caller: object) -> list[int]:
         step_launch = max(counts, key=lambda launch: (counts[launch], -launches.index(launch)))
     return [m.rank for m, launch in zip(manifests, launches, strict=True)
             if launch != step_launch]
-
-
-def _tag_of(manifests: Iterable[RankManifest]) -> str | None:
-    """The tag a rank's save asked for (the lowest such rank's; one that is no
-    tag is left out: its rank's save refused it already)."""
-    for m in manifests:
-        tag = m.meta.get(TAG_META)
-        if isinstance(tag, str):
-            try:
-                check_tag(tag)
-            except InvalidRequest:
-                continue
-            return tag
-    return None
 
 
 def manifest_lacks(rank: int, lacking: list[str]) -> MissingChunks:
