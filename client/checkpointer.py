@@ -351,8 +351,8 @@ class Checkpointer:
         )
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)
-        self._timeline.join(result.step, before)
-        self._failover.restored(result.step)
+        joined = self._timeline.join(result.step, before)
+        self._failover.restored(result.step, joined)
         return result
 
     @property
@@ -406,8 +406,9 @@ class Checkpointer:
 
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
-        self._timeline.join(step, None)
-        self._health_agent().acknowledge_rollback(step)
+        joined = self._timeline.join(step, None)
+        self._health_agent()
+        self._failover.restored(step, joined)
 
     def _health_agent(self) -> HealthAgent:
         with self._session.lock:

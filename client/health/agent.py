@@ -84,7 +84,9 @@ class HealthAgent(AgentRollbacks):
     otherwise the server's). ``latest``: the newest committed step of the job (the
     Checkpointer's ``latest``); by default asked of the server. ``timeout`` bounds
     each request the agent makes, and how long ``step`` waits for the rollback
-    request after a non-finite loss.
+    request after a non-finite loss. ``restored``: the (committed step, timeline
+    joined or None) the rank restored before the agent was made, as if
+    ``acknowledge_rollback`` had been called with them.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class HealthAgent(AgentRollbacks):
         disk_paths: Iterable[str | os.PathLike[str]] = (),
         gpus: Sequence[int | str] | None = None,
         timeout: float = 10.0,
+        restored: tuple[int, int | None] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job = check_job(job)
@@ -142,7 +145,7 @@ class HealthAgent(AgentRollbacks):
         self._requested_by: dict[int, int] = {}
         self._looked_up: set[int] = set()
         self._snapshot_next: str | None = None  # file://, one rank: save at the next step
-        self._init_rollbacks()
+        self._init_rollbacks(restored)
         self._failing: str | None = None
         if self.coordinated:
             # One try per request, as the loop may be waiting on it (a rollback);
@@ -386,12 +389,9 @@ class HealthAgent(AgentRollbacks):
             if lookup:
                 assert target is not None
                 self._looked_up.add(target)
-            marker = self._marker_due(reply)
         if lookup:
             assert target is not None
             self._submit(self._look_up_requester, target)
-        if marker is not None:
-            self._submit(self._clear_marker_if_passed, marker)
 
     def _look_up_requester(self, target: int) -> None:
         """Which rank asked for the snapshot at ``target`` (the event log says), so

@@ -1,7 +1,8 @@
 """A rank's side of a rollback, one half of ``HealthAgent`` (``agent.py``): the
-request a non-finite loss makes (the job's marker, set through the server), the
-markers heartbeat replies name, told to the loop once per rollback, and the marker
-this rank set, cleared once the job committed past it in the new timeline
+request a non-finite loss makes (the job's marker, set through the server), and
+the markers heartbeat replies name, told to the loop once per rollback and never
+to a rank that already restored into the rollback's timeline. The repository
+clears a marker once a step past it commits in its timeline
 (docs/design/005-rollback-timelines.md)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ckptd.errors import CkptdError, RollbackRequested
 from ckptd.format import check_step
 
 from ..transport_http import SyncTransport
-from .heartbeat import Heartbeat, HeartbeatReply, clip_reason
+from .heartbeat import Heartbeat, clip_reason
 from .probe import Action, HealthProbe
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,10 @@ class AgentRollbacks:
     _latest_fn: Callable[[], int | None] | None
     _epoch_fn: Callable[[], int | None] | None
 
-    def _init_rollbacks(self) -> None:
+    def _init_rollbacks(self, restored: tuple[int, int | None] | None = None) -> None:
         # The non-finite step and the request for it, not yet raised; the
         # marker step this rank was told of (and when); the step told, not yet
-        # acknowledged; the marker this rank set (it clears it once the job moved on).
+        # acknowledged; the timeline this rank's last restore joined.
         self._local_rollback: tuple[int | None, concurrent.futures.Future[int | None]] | None = None
         # (step, epoch): the epoch tells two rollbacks to one step apart (None: the
         # rollback this rank asked for, whose epoch the reply did not say).
@@ -47,8 +48,9 @@ class AgentRollbacks:
         self._told_at = 0.0
         self._asked_epoch: int | None = None
         self._unacked: int | None = None
-        self._marker_set: int | None = None
-        self._marker_checked = 0.0
+        # A rank in the marker's timeline (or a later one) has restored a step of
+        # it already: a restarted process that restored before it made its agent.
+        self._joined: int | None = restored[1] if restored is not None else None
 
     @property
     def rollback_to(self) -> int | None:
@@ -58,15 +60,18 @@ class AgentRollbacks:
         with self._lock:
             return self._unacked
 
-    def acknowledge_rollback(self, step: int) -> None:
+    def acknowledge_rollback(self, step: int, *, epoch: int | None = None) -> None:
         """The loop restored ``step``: forget the non-finite loss and step timings;
-        a marker naming ``step`` needs no further rollback on this rank."""
+        a marker naming ``step`` needs no further rollback on this rank, nor does a
+        marker of timeline ``epoch`` or earlier (the one the restore joined)."""
         step = check_step(step)
         self.probe.reset_loop()
         marker = self._marker()
         with self._lock:
             self._unacked = None
             self._local_rollback = None
+            if epoch is not None:
+                self._joined = epoch
             if marker is not None and marker[0] == step and not _same(self._told, marker):
                 self._told, self._told_at = marker, time.time()
         log.info("%s/%d: rolled back to step %d", self.job, self.rank, step)
@@ -116,6 +121,10 @@ class AgentRollbacks:
                 if self._told != marker:
                     self._told = marker  # the epoch of the rollback this rank asked for
                 return None
+            if self._joined is not None and self._joined >= marker[1]:
+                # This rank restored a step of the rollback's timeline already.
+                self._told, self._told_at = marker, time.time()
+                return None
             self._told, self._told_at = marker, time.time()
             self._unacked = marker[0]
         log.warning("%s/%d: the job is marked for rollback to step %d (timeline %d)", self.job,
@@ -149,8 +158,6 @@ class AgentRollbacks:
         step = answer.rollback_to if answer.rollback_to is not None else target
         with self._lock:
             self._asked_epoch = answer.epoch
-            self._marker_set = step
-            self._marker_checked = time.monotonic()
         log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
                   "to step %d", self.job, self.rank, action.step, step)
         if self._heartbeat is not None:
@@ -163,43 +170,6 @@ class AgentRollbacks:
         if self._server is None:
             return None
         return self._server.latest(self.job)
-
-    def _marker_due(self, reply: HeartbeatReply) -> int | None:
-        """The marker this rank set, when it is time to look whether the job moved
-        past it (called under the lock; the look runs on the worker)."""
-        owned = self._marker_set
-        if owned is None:
-            return None
-        if reply.rollback_to != owned:
-            self._marker_set = None  # cleared or replaced by someone else
-            return None
-        period = min(60.0, max(1.0, 5 * reply.interval_s))
-        now = time.monotonic()
-        if now - self._marker_checked < period:
-            return None
-        self._marker_checked = now
-        return owned
-
-    def _clear_marker_if_passed(self, marker: int) -> None:
-        """Whoever set the marker clears it once a step after it committed."""
-        assert self._server is not None
-        latest = self._latest()
-        if latest is None or latest <= marker:
-            return
-        # Only a commit of the rollback's own timeline shows the job moved on: one of
-        # the ended timeline can land after the marker (a commit in flight), and
-        # clearing then would leave ranks that never heard of the rollback behind.
-        state = self._server.rollback(self.job)
-        record = self._server.read_commit(self.job, latest)
-        if record.meta.get("epoch", 0) != state.epoch:
-            return
-        with self._lock:
-            if self._marker_set != marker:
-                return
-            self._marker_set = None
-        self._server.clear_rollback(self.job)
-        log.info("%s/%d: step %d committed after the rollback to step %d: marker cleared",
-                 self.job, self.rank, latest, marker)
 
 
 def _same(told: tuple[int, int | None] | None, marker: tuple[int, int]) -> bool:
