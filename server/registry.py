@@ -191,8 +191,9 @@ class Registry:
             self._sweep(now)
             j = self._jobs.setdefault(job, _Job(since=now))
             if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
+                # A rank that said goodbye is gone too: it never turns dead.
                 live = [b.rank for b in j.ranks.values()
-                        if b.rank != rank and self._state(now, b) != "dead"]
+                        if b.rank != rank and self._state(now, b) not in ("dead", "left")]
                 if live:
                     raise WorldSizeMismatch(
                         f"job {job} has world size {j.world_size} with live ranks; world size "
