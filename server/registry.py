@@ -429,6 +429,17 @@ class Registry:
             if j is not None:
                 self._settle(j, step, self._clock())
 
+    def drop_target(self, job: str, reason: str) -> None:
+        """Drops the job's pending snapshot target: a rollback sends every rank back
+        before it, and what some saved of it belongs to the ended timeline."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or j.target is None:
+                return
+            target, j.target = j.target, None
+            j.events.append(Event(self._wall(), "snapshot_dropped", step=target.step,
+                                  reason=reason))
+
     def _settle(self, j: _Job, latest: int | None, now: float) -> None:
         target = j.target
         if target is None:

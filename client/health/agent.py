@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,7 @@ class HealthAgent(AgentRollbacks):
         # Coordinated snapshots: the target a snapshot request of ours got, the
         # targets already decided (saved or skipped), who asked for each.
         self._posted_target: int | None = None
+        self._posted_at = 0.0  # time.time() when the server accepted it
         self._done_targets: set[int] = set()
         self._requested_by: dict[int, int] = {}
         self._looked_up: set[int] = set()
@@ -226,6 +228,21 @@ class HealthAgent(AgentRollbacks):
             raise rollback
         return self._snapshot_decision(step, loss)
 
+    def acknowledge_rollback(self, step: int, *, epoch: int | None = None) -> None:
+        super().acknowledge_rollback(step, epoch=epoch)
+        reply = self._heartbeat.last_reply if self._heartbeat is not None else None
+        named: set[int] = set()
+        if reply is not None and reply.snapshot_at is not None:
+            named.add(reply.snapshot_at)
+        with self._lock:
+            # Targets the server no longer names were dropped with the ended
+            # timeline: the loop reaches those steps again, and a new target there
+            # is a new one to save.
+            self._done_targets &= named
+            self._looked_up &= named
+            self._requested_by = {t: r for t, r in self._requested_by.items() if t in named}
+            self._posted_target = None
+
     def status(self) -> HealthStatus:
         """The probe's latest verdict."""
         return self.probe.status()
@@ -249,8 +266,15 @@ class HealthAgent(AgentRollbacks):
     def _targets(self) -> list[int]:
         reply = self._heartbeat.last_reply if self._heartbeat is not None else None
         found = [] if reply is None or reply.snapshot_at is None else [reply.snapshot_at]
-        if self._posted_target is not None and self._posted_target not in found:
-            found.append(self._posted_target)
+        posted = self._posted_target
+        if posted is not None and posted not in found:
+            # Saved only while the server may still name it: a reply sent after it
+            # was accepted that names another or none (a server restart lost it, a
+            # rollback dropped it) ends it, or this rank would save it alone.
+            if reply is not None and reply.received_at - reply.rtt_ms / 1000.0 > self._posted_at:
+                self._posted_target = None
+            else:
+                found.append(posted)
         return found
 
     def _snapshot_decision(self, step: int, loss: float | None) -> StepDecision:
@@ -356,6 +380,7 @@ class HealthAgent(AgentRollbacks):
         if doc.accepted:
             with self._lock:
                 self._posted_target = target
+                self._posted_at = time.time()
                 self._requested_by[target] = self.rank
             log.warning("%s/%d: asked for a coordinated snapshot at step %d: %s",
                         self.job, self.rank, target, action.reason)
