@@ -17,8 +17,8 @@ and its steps, is ``AgentRollbacks`` in ``rollback.py``):
   ``RollbackRequested``. Other ranks raise it at their next ``step`` after a
   heartbeat reply names the marker.
 
-Requests run on one worker thread, never on the probe's or the loop's (except the
-rollback, which the loop waits for: it is about to stop anyway); their errors are
+Requests run on one worker thread, never on the probe's or the loop's; the
+rollback, which the loop waits for, on one of its own (``rollback.py``); their errors are
 logged, never raised into training. With ``file://`` there is no server: the probe
 runs and a rollback is still raised with the latest committed step, but there are
 no heartbeats, coordinated snapshots or rollback markers.
@@ -198,6 +198,7 @@ class HealthAgent(AgentRollbacks):
                 if self._chained_health is not None:
                     self._heartbeat.health = self._chained_health
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._close_rollbacks()
         if self._server is not None:
             self._server.close()
 
@@ -332,7 +333,7 @@ class HealthAgent(AgentRollbacks):
         if self._closed:
             return
         if action.kind == "rollback":
-            request = self._submit(self._request_rollback, action)
+            request = self._submit_rollback(self._request_rollback, action)
             if request is not None:
                 with self._lock:
                     self._local_rollback = (action.step, request)

@@ -1,11 +1,15 @@
-"""A rollback across a restart of the job's processes, against a real ``ckptd
-serve``: the process that set the marker dies before anything clears it, the
-restarted one restores at start-up (before its first ``step``) and must not be
-rolled back again, and the marker ends once a step past it commits."""
+"""Rollbacks against a real ``ckptd serve``: across a restart of the job's
+processes (the process that set the marker dies before anything clears it, the
+restarted one restores at start-up, before its first ``step``, and must not be
+rolled back again; the marker ends once a step past it commits), and while the
+server is away or slow (the step to go back to is unknown, not "nothing
+committed"; the marker is set once it is back; a rollback request does not
+queue behind a snapshot request)."""
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +20,15 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.client.health.agent import HealthAgent
+from ckptd.client.health.readings import ScriptedSource
 from ckptd.errors import RollbackRequested
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.timeout(60)
 
 INTERVAL = 0.2
+ECC = "gpu_ecc_uncorrected_volatile[0]"
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +117,85 @@ def test_a_restarted_process_that_restored_another_step_is_told(
         second.step(3, loss=1.0)
     assert raised.value.rollback_to == 1
     second.close()
+
+
+def test_a_nan_while_the_server_is_away_says_the_step_is_unknown_and_marks_later(
+    tmp_path: Path, shm: Path
+) -> None:
+    """``rollback_to=None`` alone means "nothing committed"; a server that does not
+    answer gives ``rollback_unknown`` (restore the latest), and the marker is set
+    for the other ranks once it is back."""
+    server = ServerProcess(store=tmp_path / "store", extra_args=[
+        "--heartbeat-interval", str(INTERVAL), "--dead-after", "3"])
+    server.start()
+    job = "nan-server-away"
+    c = Checkpointer(server.url, job, shm_dir=shm, timeout=2.0)
+    try:
+        c.save(5, state(5)).wait(30)
+        c.step(5, loss=1.0)
+        server.stop()
+        with pytest.raises(RollbackRequested) as raised:
+            c.step(6, loss=math.nan)
+        assert raised.value.rollback_to is None and raised.value.rollback_unknown
+        server.start()
+        deadline = time.monotonic() + 15
+        while marker(server, job) is None:
+            assert time.monotonic() < deadline, "the marker was never set"
+            time.sleep(0.2)
+        assert marker(server, job) == 5
+        # This rank went on without it: it is told, as every other rank is.
+        heard_of_marker(c, 5)
+        with pytest.raises(RollbackRequested) as told:
+            c.step(7, loss=1.0)
+        assert told.value.rollback_to == 5 and not told.value.rollback_unknown
+    finally:
+        c.close(timeout=5)
+        server.stop()
+
+
+def test_nothing_committed_is_not_unknown(srv: ServerProcess, shm: Path) -> None:
+    c = Checkpointer(srv.url, "nan-nothing", shm_dir=shm, timeout=10.0)
+    try:
+        with pytest.raises(RollbackRequested) as raised:
+            c.step(1, loss=math.nan)
+        assert raised.value.rollback_to is None and not raised.value.rollback_unknown
+    finally:
+        c.close()
+
+
+def test_a_rollback_request_does_not_wait_behind_a_slow_snapshot_request(
+    srv: ServerProcess, shm: Path, tmp_path: Path
+) -> None:
+    job = "rollback-not-queued"
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[probe]\ninterval_s = 0.05\n[actions]\nsnapshot_min_interval_s = 0\n")
+    c = Checkpointer(srv.url, job, shm_dir=shm, timeout=30.0)
+    source = ScriptedSource([{ECC: 0}])
+    agent = HealthAgent(srv.url, job, 0, 1, policy=policy, sources=[source],
+                        heartbeat=c.heartbeat, latest=c.latest, timeout=1.5)
+    server = agent._server
+    assert server is not None
+    entered = threading.Event()
+    ask = server.snapshot_request
+
+    def slow_snapshot_request(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        time.sleep(4.0)  # a server slow to answer: longer than the agent's timeout
+        return ask(*args, **kwargs)
+
+    server.snapshot_request = slow_snapshot_request  # type: ignore[method-assign]
+    agent.start()
+    try:
+        c.save(1, state(1)).wait(30)
+        agent.step(1, 1.0)
+        source.push({ECC: 1})  # degraded: the snapshot request goes out, slowly
+        assert entered.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RollbackRequested) as raised:
+            agent.step(2, math.nan)
+        assert raised.value.rollback_to == 1, raised.value
+        assert time.monotonic() - started < 1.5
+        assert marker(srv, job) == 1
+    finally:
+        agent.close()
+        c.close()
