@@ -771,3 +771,44 @@ def test_a_nan_reported_while_the_probe_thread_evaluates_raises_in_that_step(
         agent.step(11, loss=math.nan)  # told once: the next step goes on
     finally:
         agent.close()
+
+
+class LostAtStartNvml(FakeNvml):
+    """Devices already lost (or unopenable) when the probe starts: the handle
+    lookup itself fails."""
+
+    def __init__(self, count: int, lost: set[int], broken: set[int] | None = None) -> None:
+        super().__init__(count)
+        self.lost_at_start = lost
+        self.broken = broken or set()
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> tuple[str, int]:
+        if i in self.lost_at_start:
+            raise FakeNvmlError(self.NVML_ERROR_GPU_IS_LOST)
+        if i in self.broken:
+            raise FakeNvmlError(self.NVML_ERROR_NOT_SUPPORTED)
+        return ("handle", i)
+
+
+def test_a_gpu_lost_before_the_probe_starts_reads_lost() -> None:
+    source = NvmlSource(nvml=LostAtStartNvml(1, {0}))
+    assert source.available and source.devices == ["0"]
+    r = source.read()
+    assert r["gpu_lost[0]"] == 1
+    assert r["gpu_temperature_c[0]"] == "unavailable"
+    status = HealthProbe(default_policy(), [source]).evaluate_now()
+    assert status.state == "critical"  # gpu_lost's default
+    assert status.reasons == ("gpu0 is lost (fallen off the bus) (critical)",)
+
+
+def test_each_gpu_is_opened_on_its_own() -> None:
+    source = NvmlSource(nvml=LostAtStartNvml(3, {1}, broken={2}))
+    assert source.devices == ["0", "1"]  # 2 could not be opened: skipped, logged
+    r = source.read()
+    assert (r["gpu_lost[0]"], r["gpu_lost[1]"]) == (0, 1)
+    assert r["gpu_temperature_c[0]"] == 65.0
+    assert "gpu_lost[2]" not in r
+    nothing = NvmlSource(nvml=LostAtStartNvml(1, set(), broken={0}))
+    assert not nothing.available
+    assert "could not open" in (nothing.unavailable_reason or "")
+    assert set(nothing.read().values()) == {"unavailable"}
