@@ -20,21 +20,11 @@ from ckptd.client.health.agent import HealthAgent
 from ckptd.client.health.readings import ScriptedSource
 from ckptd.errors import RollbackRequested
 from tests.conftest import ServerProcess
+from tests.integration.test_health_flow import ECC, QUIET
 
 pytestmark = pytest.mark.timeout(90)
 
 INTERVAL = 0.2
-ECC = "gpu_ecc_uncorrected_volatile[0]"
-QUIET = """
-[probe]
-interval_s = 0.05
-[actions]
-snapshot_min_interval_s = 0
-[signals.step_time_ratio]
-degraded = "off"
-[signals.server_rtt_ms]
-degraded = "off"
-"""
 
 
 @pytest.fixture
