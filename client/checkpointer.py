@@ -376,7 +376,9 @@ class Checkpointer:
         at this step (asked for by a degraded rank of the job; the commit records
         the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
-        rollback: restore ``e.rollback_to`` and carry on. A poisoned step is never
+        rollback: restore ``e.rollback_to`` (the latest when it is None and
+        ``e.rollback_unknown``) and carry on, or end the process for torchrun to
+        restart every rank (README). A poisoned step is never
         snapshotted. A failed earlier snapshot comes out here (see ``on_error``).
         ``save_kwargs`` go to ``save()``; a ``meta`` there is recorded with the
         snapshot's reason."""
