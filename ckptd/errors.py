@@ -288,20 +288,29 @@ class RollbackRequested(CkptdError):
     """The loss went non-finite: the job must go back to its last committed step.
 
     ``step`` is the step whose loss was non-finite; ``rollback_to`` the committed
-    step to restore, when the raiser knows it.
+    step to restore, when the raiser knows it. ``rollback_to`` None means the job
+    has nothing committed, unless ``rollback_unknown`` is True: the server could not
+    be asked which step it is, so restore the latest committed one.
     """
 
     code = "rollback_requested"
 
     def __init__(
         self, message: str, *, step: int | None = None, rollback_to: int | None = None,
-        **detail: Any,
+        rollback_unknown: bool = False, **detail: Any,
     ) -> None:
         if step is not None:
             detail["step"] = step
         if rollback_to is not None:
             detail["rollback_to"] = rollback_to
+        if rollback_unknown:
+            detail["rollback_unknown"] = True
         super().__init__(message, **detail)
+
+    @property
+    def rollback_unknown(self) -> bool:
+        """True when the step to go back to could not be learned (restore latest)."""
+        return self.detail.get("rollback_unknown") is True
 
     @property
     def step(self) -> int | None:

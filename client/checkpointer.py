@@ -372,8 +372,8 @@ class Checkpointer:
         )
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)
-        self._timeline.join(result.step, before)
-        self._failover.restored(result.step)
+        joined = self._timeline.join(result.step, before)
+        self._failover.restored(result.step, joined)
         return result
 
     @property
@@ -397,7 +397,9 @@ class Checkpointer:
         at this step (asked for by a degraded rank of the job; the commit records
         the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
-        rollback: restore ``e.rollback_to`` and carry on. A poisoned step is never
+        rollback: restore ``e.rollback_to`` (the latest when it is None and
+        ``e.rollback_unknown``) and carry on, or end the process for torchrun to
+        restart every rank (README). A poisoned step is never
         snapshotted. A failed earlier snapshot comes out here (see ``on_error``).
         ``save_kwargs`` go to ``save()``; a ``meta`` there is recorded with the
         snapshot's reason."""
@@ -427,8 +429,9 @@ class Checkpointer:
 
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
-        self._timeline.join(step, None)
-        self._health_agent().acknowledge_rollback(step)
+        joined = self._timeline.join(step, None)
+        self._health_agent()
+        self._failover.restored(step, joined)
 
     def _health_agent(self) -> HealthAgent:
         with self._session.lock:

@@ -30,6 +30,9 @@ class FailoverAgent:
     def __init__(self, session: Session) -> None:
         self.session = session
         self._health: HealthAgent | None = None
+        # The committed step last restored and the timeline it joined (None: not
+        # joined), for an agent made after the restore (the first step() is later).
+        self._restored: tuple[int, int | None] | None = None
         self.service = self._start_service()
 
     def _start_service(self) -> PeerService:
@@ -112,14 +115,16 @@ class FailoverAgent:
                 policy=c.health_policy, sources=c.health_sources,
                 heartbeat=self.service.heartbeat, latest=latest, epoch=epoch,
                 disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
-                timeout=s.timeout or 10.0,
+                timeout=s.timeout or 10.0, restored=self._restored,
             ).start()
         return self._health
 
-    def restored(self, step: int) -> None:
-        """The loop is back at committed ``step``: a rollback to it is done."""
+    def restored(self, step: int, epoch: int | None) -> None:
+        """The loop is back at committed ``step``, in timeline ``epoch`` (None: it did
+        not join the job's current one): a rollback to it is done."""
+        self._restored = (step, epoch)
         if self._health is not None:
-            self._health.acknowledge_rollback(step)
+            self._health.acknowledge_rollback(step, epoch=epoch)
 
     # -- lifecycle ----------------------------------------------------------------------
 

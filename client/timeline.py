@@ -59,23 +59,23 @@ class Timeline:
                         s.config.rank, exc)
             return None
 
-    def join(self, step: int, before: tuple[int | None, int] | None) -> None:
+    def join(self, step: int, before: tuple[int | None, int] | None) -> int | None:
         """After restoring committed ``step``, this rank's saves belong to the job's
         current timeline, if that step is on it: the job is not marked for a
         rollback elsewhere, or is marked for this step, or the step was committed
         in the current timeline; and no rollback began while it restored. Otherwise
         the rank keeps its epoch, and its saves stay refused until it restores the
-        rollback's step."""
+        rollback's step. Returns the epoch joined, or None when it did not join."""
         s = self.session
         job, rank = s.config.job, s.config.rank
         after = self.rollback_state()
         if after is None:
-            return
+            return None
         marker, epoch = after
         if before is not None and before[1] != epoch:
             log.warning("%s/%d: a rollback began while step %d was restored; saves stay "
                         "refused until the rollback's step is restored", job, rank, step)
-            return
+            return None
         joins = marker is None or marker == step
         if not joins:
             try:
@@ -88,6 +88,7 @@ class Timeline:
             log.warning("%s/%d: step %d is not on the job's current timeline (it is marked "
                         "for rollback to step %d); saves stay refused until that step is "
                         "restored", job, rank, step, marker)
-            return
+            return None
         with self._lock:
             self._epoch = epoch
+        return epoch

@@ -223,8 +223,9 @@ class Registry:
             self._check_room(job, rank)
             j = self._jobs.setdefault(job, _Job(since=now))
             if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
+                # A rank that said goodbye is gone too: it never turns dead.
                 live = [b.rank for b in j.ranks.values()
-                        if b.rank != rank and self._state(now, b) != "dead"]
+                        if b.rank != rank and self._state(now, b) not in ("dead", "left")]
                 if live:
                     raise WorldSizeMismatch(
                         f"job {job} has world size {j.world_size} with live ranks; world size "
@@ -471,6 +472,17 @@ class Registry:
             j = self._jobs.get(job)
             if j is not None:
                 self._settle(j, step, self._clock())
+
+    def drop_target(self, job: str, reason: str) -> None:
+        """Drops the job's pending snapshot target: a rollback sends every rank back
+        before it, and what some saved of it belongs to the ended timeline."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or j.target is None:
+                return
+            target, j.target = j.target, None
+            j.events.append(Event(self._wall(), "snapshot_dropped", step=target.step,
+                                  reason=reason))
 
     def _settle(self, j: _Job, latest: int | None, now: float) -> None:
         target = j.target

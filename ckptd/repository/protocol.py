@@ -446,7 +446,19 @@ class Repository(Verification, Listings, AfterCommit):
         # The record is durable: the step is committed whatever happens to the ref,
         # and the answer says so (a retry of the commit moves the ref).
         moved = await self._advance_latest_or_say(job, record)
-        return CommitStatus("committed", job, step, world, [], record, latest_moved=moved)
+        cleared = bool(won and epoch) and await self._end_rollback_or_say(job, step, epoch)
+        return CommitStatus("committed", job, step, world, [], record, latest_moved=moved,
+                            rollback_cleared=cleared)
+
+    async def _end_rollback_or_say(self, job: str, step: int, epoch: int) -> bool:
+        """``end_rollback_passed``; False (logged) when the store failed: the commit
+        stands, and the next one past the marker clears it."""
+        try:
+            return await self.end_rollback_passed(job, step, epoch)
+        except StoreError as exc:
+            log.warning("%s step %d is committed, but the rollback marker could not be "
+                        "cleared: %s", job, step, exc)
+            return False
 
     async def _replaced(self, job: str, step: int, manifests: list[RankManifest]
                         ) -> list[tuple[RankManifest, bytes | None]]:

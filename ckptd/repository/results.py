@@ -31,6 +31,7 @@ class CommitStatus:
     missing_ranks: list[int]
     record: CommitRecord | None = None
     latest_moved: bool = True  # False: committed, but the latest ref could not be written
+    rollback_cleared: bool = False  # this commit ended the job's rollback (it is past it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,31 @@ class Timelines(StoredReads):
         log.info("rollback of %s cleared", job)
         return True
 
+    async def end_rollback_passed(self, job: str, step: int, epoch: int) -> bool:
+        """Clears the rollback marker when ``step``, committed in timeline ``epoch``,
+        is past the marker's step in the marker's own timeline; True when it did."""
+        key = self._rollback_key(job)
+        try:
+            seen = await self.store.get(key)
+        except NotFound:
+            return False
+        # Only a commit of the rollback's own timeline shows the job moved on: one of
+        # the ended timeline (in flight when the rollback began) can land after the
+        # marker, and clearing then would leave ranks that never heard of it behind.
+        timeline = await self.timeline(job)
+        if timeline is None or timeline.epoch != epoch or step <= timeline.step:
+            return False
+        if not await self.store.compare_and_delete(key, seen):
+            return False  # a newer rollback, to another step: it stays
+        # A rollback to the same step begun since the look wrote the same bytes (or
+        # none): it must stay marked, so put them back.
+        after = await self.timeline(job)
+        if after is not None and after.epoch != epoch:
+            await self.store.put_if_absent(key, seen)
+            return False
+        log.info("rollback of %s cleared: step %d committed in timeline %d", job, step, epoch)
+        return True
+
     async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
         """Refuses work of a timeline other than the job's current one."""
         current = await self.epoch(job)

@@ -17,8 +17,8 @@ and its steps, is ``AgentRollbacks`` in ``rollback.py``):
   ``RollbackRequested``. Other ranks raise it at their next ``step`` after a
   heartbeat reply names the marker.
 
-Requests run on one worker thread, never on the probe's or the loop's (except the
-rollback, which the loop waits for: it is about to stop anyway); their errors are
+Requests run on one worker thread, never on the probe's or the loop's; the
+rollback, which the loop waits for, on one of its own (``rollback.py``); their errors are
 logged, never raised into training. With ``file://`` there is no server: the probe
 runs and a rollback is still raised with the latest committed step, but there are
 no heartbeats, coordinated snapshots or rollback markers.
@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +85,9 @@ class HealthAgent(AgentRollbacks):
     otherwise the server's). ``latest``: the newest committed step of the job (the
     Checkpointer's ``latest``); by default asked of the server. ``timeout`` bounds
     each request the agent makes, and how long ``step`` waits for the rollback
-    request after a non-finite loss.
+    request after a non-finite loss. ``restored``: the (committed step, timeline
+    joined or None) the rank restored before the agent was made, as if
+    ``acknowledge_rollback`` had been called with them.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class HealthAgent(AgentRollbacks):
         disk_paths: Iterable[str | os.PathLike[str]] = (),
         gpus: Sequence[int | str] | None = None,
         timeout: float = 10.0,
+        restored: tuple[int, int | None] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job = check_job(job)
@@ -138,11 +142,12 @@ class HealthAgent(AgentRollbacks):
         # Coordinated snapshots: the target a snapshot request of ours got, the
         # targets already decided (saved or skipped), who asked for each.
         self._posted_target: int | None = None
+        self._posted_at = 0.0  # time.time() when the server accepted it
         self._done_targets: set[int] = set()
         self._requested_by: dict[int, int] = {}
         self._looked_up: set[int] = set()
         self._snapshot_next: str | None = None  # file://, one rank: save at the next step
-        self._init_rollbacks()
+        self._init_rollbacks(restored)
         self._failing: str | None = None
         if self.coordinated:
             # One try per request, as the loop may be waiting on it (a rollback);
@@ -193,6 +198,7 @@ class HealthAgent(AgentRollbacks):
                 if self._chained_health is not None:
                     self._heartbeat.health = self._chained_health
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._close_rollbacks()
         if self._server is not None:
             self._server.close()
 
@@ -223,6 +229,21 @@ class HealthAgent(AgentRollbacks):
             raise rollback
         return self._snapshot_decision(step, loss)
 
+    def acknowledge_rollback(self, step: int, *, epoch: int | None = None) -> None:
+        super().acknowledge_rollback(step, epoch=epoch)
+        reply = self._heartbeat.last_reply if self._heartbeat is not None else None
+        named: set[int] = set()
+        if reply is not None and reply.snapshot_at is not None:
+            named.add(reply.snapshot_at)
+        with self._lock:
+            # Targets the server no longer names were dropped with the ended
+            # timeline: the loop reaches those steps again, and a new target there
+            # is a new one to save.
+            self._done_targets &= named
+            self._looked_up &= named
+            self._requested_by = {t: r for t, r in self._requested_by.items() if t in named}
+            self._posted_target = None
+
     def status(self) -> HealthStatus:
         """The probe's latest verdict."""
         return self.probe.status()
@@ -246,8 +267,15 @@ class HealthAgent(AgentRollbacks):
     def _targets(self) -> list[int]:
         reply = self._heartbeat.last_reply if self._heartbeat is not None else None
         found = [] if reply is None or reply.snapshot_at is None else [reply.snapshot_at]
-        if self._posted_target is not None and self._posted_target not in found:
-            found.append(self._posted_target)
+        posted = self._posted_target
+        if posted is not None and posted not in found:
+            # Saved only while the server may still name it: a reply sent after it
+            # was accepted that names another or none (a server restart lost it, a
+            # rollback dropped it) ends it, or this rank would save it alone.
+            if reply is not None and reply.received_at - reply.rtt_ms / 1000.0 > self._posted_at:
+                self._posted_target = None
+            else:
+                found.append(posted)
         return found
 
     def _snapshot_decision(self, step: int, loss: float | None) -> StepDecision:
@@ -305,7 +333,7 @@ class HealthAgent(AgentRollbacks):
         if self._closed:
             return
         if action.kind == "rollback":
-            request = self._submit(self._request_rollback, action)
+            request = self._submit_rollback(self._request_rollback, action)
             if request is not None:
                 with self._lock:
                     self._local_rollback = (action.step, request)
@@ -353,6 +381,7 @@ class HealthAgent(AgentRollbacks):
         if doc.accepted:
             with self._lock:
                 self._posted_target = target
+                self._posted_at = time.time()
                 self._requested_by[target] = self.rank
             log.warning("%s/%d: asked for a coordinated snapshot at step %d: %s",
                         self.job, self.rank, target, action.reason)
@@ -386,12 +415,9 @@ class HealthAgent(AgentRollbacks):
             if lookup:
                 assert target is not None
                 self._looked_up.add(target)
-            marker = self._marker_due(reply)
         if lookup:
             assert target is not None
             self._submit(self._look_up_requester, target)
-        if marker is not None:
-            self._submit(self._clear_marker_if_passed, marker)
 
     def _look_up_requester(self, target: int) -> None:
         """Which rank asked for the snapshot at ``target`` (the event log says), so

@@ -79,6 +79,7 @@ class NvmlSource(ReadingSource):
         self._nvml: Any = None
         self._handles: list[tuple[str, Any]] = []
         self._label_by_index: dict[int, str] = {}
+        self._open_errors: list[str] = []
         self._events: Any = None
         self._xid_labels: set[str] = set()
         self._xid_count: dict[str, int] = {}
@@ -105,7 +106,9 @@ class NvmlSource(ReadingSource):
             self.close()
             return
         if not self._handles:
-            self._unavailable("NVML sees no GPU")
+            self._unavailable(f"NVML could not open the GPUs {devices!r}: "
+                              f"{'; '.join(self._open_errors)}" if self._open_errors
+                              else "NVML sees no GPU")
             self.close()
             return
         self._register_xid_events()
@@ -128,15 +131,22 @@ class NvmlSource(ReadingSource):
         wanted: Sequence[int | str] = (
             list(range(nvml.nvmlDeviceGetCount())) if devices is None else devices
         )
+        lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", _NVML_ERROR_GPU_IS_LOST)
         handles: list[tuple[str, Any]] = []
         for position, device in enumerate(wanted):
-            if isinstance(device, int):
-                handle = nvml.nvmlDeviceGetHandleByIndex(device)
-            elif ":" in device:
-                handle = nvml.nvmlDeviceGetHandleByPciBusId(device)
-            else:
-                uuid = device if device.startswith(("GPU-", "MIG-")) else f"GPU-{device}"
-                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            # Each device on its own: one that fell off the bus reads gpu_lost = 1
+            # (a None handle) and must not take the others' signals with it.
+            try:
+                handle = self._open(device)
+            except Exception as exc:
+                if _nvml_code(exc) != lost_code:
+                    log.info("NVML could not open GPU %r: %s", device, exc)
+                    self._open_errors.append(f"{device!r}: {exc}")
+                    continue
+                label = str(device if isinstance(device, int) else position)
+                log.error("GPU %s is lost: %s", label, exc)
+                handles.append((label, None))
+                continue
             try:
                 index = int(nvml.nvmlDeviceGetIndex(handle))
             except Exception:  # a MIG handle has no index of its own
@@ -147,6 +157,15 @@ class NvmlSource(ReadingSource):
             handles.append((label, handle))
         return handles
 
+    def _open(self, device: int | str) -> Any:
+        nvml = self._nvml
+        if isinstance(device, int):
+            return nvml.nvmlDeviceGetHandleByIndex(device)
+        if ":" in device:
+            return nvml.nvmlDeviceGetHandleByPciBusId(device)
+        uuid = device if device.startswith(("GPU-", "MIG-")) else f"GPU-{device}"
+        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+
     def _register_xid_events(self) -> None:
         nvml = self._nvml
         xid_type = getattr(nvml, "nvmlEventTypeXidCriticalError", _XID_EVENT)
@@ -156,6 +175,8 @@ class NvmlSource(ReadingSource):
             log.info("XID events unavailable: %s", exc)
             return
         for label, handle in self._handles:
+            if handle is None:  # lost
+                continue
             try:
                 if nvml.nvmlDeviceGetSupportedEventTypes(handle) & xid_type:
                     nvml.nvmlDeviceRegisterEvents(handle, xid_type, events)
@@ -209,7 +230,12 @@ class NvmlSource(ReadingSource):
                 self._drain_xid_events()
             out: Reading = {}
             for label, handle in self._handles:
-                out.update(self._read_device(label, handle))
+                if handle is None:  # lost when the probe started: nothing to query
+                    out.update(dict.fromkeys(
+                        (signal_key(name, label) for name in GPU_SIGNALS), UNAVAILABLE))
+                    out[signal_key("gpu_lost", label)] = 1
+                else:
+                    out.update(self._read_device(label, handle))
             return out
 
     def _read_device(self, label: str, handle: Any) -> Reading:

@@ -104,8 +104,9 @@ class HealthProbe:
     ``policy``, keeps ``status()`` for heartbeats and calls ``on_action``.
 
     ``on_action`` runs on the probe thread, or on the caller's thread for
-    ``evaluate_now`` and for a non-finite loss passed to ``record_step`` (so the
-    rollback is asked for before ``record_step`` returns). It should hand slow
+    ``evaluate_now`` and for a non-finite loss passed to ``record_step``. ``rollback``
+    runs on the caller's thread only (never the probe thread's), so it is asked for
+    before the ``record_step`` that passed the loss returns. It should hand slow
     work (HTTP) elsewhere: the probe's next reading waits for it. What it raises
     is logged and dropped.
     """
@@ -186,7 +187,8 @@ class HealthProbe:
         """Read every source, evaluate, act, on the calling thread."""
         return self._evaluate(self.sources)
 
-    def _evaluate(self, refresh: Iterable[ReadingSource]) -> HealthStatus:
+    def _evaluate(self, refresh: Iterable[ReadingSource], *, rollback: bool = True
+                  ) -> HealthStatus:
         with self._evaluating:
             positions = {id(s): i for i, s in enumerate(self.sources)}
             for source in refresh:
@@ -215,16 +217,17 @@ class HealthProbe:
             status = HealthStatus(evaluation.state, reasons, signals)
             with self._lock:
                 self._status, self._evaluation = status, evaluation
-            actions = self._decide(evaluation)
+            actions = self._decide(evaluation, rollback)
         # Outside the lock: a slow handler on the probe thread must not hold up a
         # non-finite loss being evaluated on the training thread.
         for action in actions:
             self._dispatch(action)
         return status
 
-    def _decide(self, evaluation: Evaluation) -> list[Action]:
+    def _decide(self, evaluation: Evaluation, rollback: bool = True) -> list[Action]:
         """The actions to ask for now: only for causes not asked for yet, and
-        ``snapshot`` at most once per ``snapshot_min_interval_s``."""
+        ``snapshot`` at most once per ``snapshot_min_interval_s``; ``rollback`` only
+        when ``rollback`` is True (the caller's thread)."""
         now = self._clock()
         actions: list[Action] = []
         for kind in ACTION_NAMES:
@@ -234,6 +237,10 @@ class HealthProbe:
             acked &= current  # a cause that went away may ask again if it comes back
             new = [t for t in triggers if t.ident not in acked]
             if not new:
+                continue
+            if kind == "rollback" and not rollback:
+                # Left to the record_step that passed the loss: the probe thread may
+                # read it first, and the loop would then step on before the request.
                 continue
             if kind == "snapshot":
                 last = self._last_snapshot_at
@@ -269,7 +276,7 @@ class HealthProbe:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.evaluate_now()
+                self._evaluate(self.sources, rollback=False)
             except Exception:  # never let one bad evaluation end the probe
                 log.exception("health probe evaluation failed")
             self._stop.wait(self.interval_s)

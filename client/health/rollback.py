@@ -1,7 +1,8 @@
 """A rank's side of a rollback, one half of ``HealthAgent`` (``agent.py``): the
-request a non-finite loss makes (the job's marker, set through the server), the
-markers heartbeat replies name, told to the loop once per rollback, and the marker
-this rank set, cleared once the job committed past it in the new timeline
+request a non-finite loss makes (the job's marker, set through the server), and
+the markers heartbeat replies name, told to the loop once per rollback and never
+to a rank that already restored into the rollback's timeline. The repository
+clears a marker once a step past it commits in its timeline
 (docs/design/005-rollback-timelines.md)."""
 
 from __future__ import annotations
@@ -11,15 +12,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ckptd.errors import CkptdError, RollbackRequested
 from ckptd.format import check_step
 
 from ..transport_http import SyncTransport
-from .heartbeat import Heartbeat, HeartbeatReply, clip_reason
+from .heartbeat import Heartbeat, clip_reason
 from .probe import Action, HealthProbe
 
 log = logging.getLogger(__name__)
+
+# Setting the marker again after the server did not answer: attempts, and the
+# longest wait between two (1, 2, 4, 8, then 10 s: about 4 minutes in all).
+MARKER_ATTEMPTS = 28
+MARKER_RETRY_MAX_S = 10.0
+
+# What a rollback request answers: the step to go back to (None: nothing is
+# committed, or it could not be learned) and whether it is known.
+RollbackAnswer = tuple[int | None, bool]
 
 
 class AgentRollbacks:
@@ -36,19 +47,25 @@ class AgentRollbacks:
     _latest_fn: Callable[[], int | None] | None
     _epoch_fn: Callable[[], int | None] | None
 
-    def _init_rollbacks(self) -> None:
+    def _init_rollbacks(self, restored: tuple[int, int | None] | None = None) -> None:
         # The non-finite step and the request for it, not yet raised; the
         # marker step this rank was told of (and when); the step told, not yet
-        # acknowledged; the marker this rank set (it clears it once the job moved on).
-        self._local_rollback: tuple[int | None, concurrent.futures.Future[int | None]] | None = None
+        # acknowledged; the timeline this rank's last restore joined.
+        self._local_rollback: tuple[int | None, concurrent.futures.Future[Any]] | None = None
+        # Rollback requests have a worker of their own: the loop waits for them, and
+        # must not wait behind a snapshot request to a slow server.
+        self._rollback_worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"ckptd-rollback-{self.job}-{self.rank}")
+        self._marker_retry: threading.Timer | None = None
         # (step, epoch): the epoch tells two rollbacks to one step apart (None: the
         # rollback this rank asked for, whose epoch the reply did not say).
         self._told: tuple[int, int | None] | None = None
         self._told_at = 0.0
         self._asked_epoch: int | None = None
         self._unacked: int | None = None
-        self._marker_set: int | None = None
-        self._marker_checked = 0.0
+        # A rank in the marker's timeline (or a later one) has restored a step of
+        # it already: a restarted process that restored before it made its agent.
+        self._joined: int | None = restored[1] if restored is not None else None
 
     @property
     def rollback_to(self) -> int | None:
@@ -58,15 +75,18 @@ class AgentRollbacks:
         with self._lock:
             return self._unacked
 
-    def acknowledge_rollback(self, step: int) -> None:
+    def acknowledge_rollback(self, step: int, *, epoch: int | None = None) -> None:
         """The loop restored ``step``: forget the non-finite loss and step timings;
-        a marker naming ``step`` needs no further rollback on this rank."""
+        a marker naming ``step`` needs no further rollback on this rank, nor does a
+        marker of timeline ``epoch`` or earlier (the one the restore joined)."""
         step = check_step(step)
         self.probe.reset_loop()
         marker = self._marker()
         with self._lock:
             self._unacked = None
             self._local_rollback = None
+            if epoch is not None:
+                self._joined = epoch
             if marker is not None and marker[0] == step and not _same(self._told, marker):
                 self._told, self._told_at = marker, time.time()
         log.info("%s/%d: rolled back to step %d", self.job, self.rank, step)
@@ -84,21 +104,28 @@ class AgentRollbacks:
             local, self._local_rollback = self._local_rollback, None
         if local is not None:
             bad_step, request = local
+            answer: RollbackAnswer | None
             try:
-                target = request.result(self.timeout)
+                answer = request.result(self.timeout)
             except Exception as exc:  # a timeout or a cancelled request: still stop the loop
                 log.warning("%s/%d: the rollback request did not finish: %s",
                             self.job, self.rank, exc)
-                target = None
+                answer = None
+            target, known = answer if answer is not None else (None, False)
             with self._lock:
                 self._unacked = target
                 if target is not None:
                     self._told, self._told_at = (target, self._asked_epoch), time.time()
-            where = (f"go back to step {target}" if target is not None
-                     else "no committed step to go back to")
+            if target is not None:
+                where = f"go back to step {target}"
+            elif known:
+                where = "no committed step to go back to"
+            else:
+                where = ("the step to go back to could not be learned from the server: "
+                         "restore the latest committed step")
             return RollbackRequested(
                 f"{self.job}/{self.rank}: the loss at step {bad_step} is not finite: {where}",
-                step=bad_step, rollback_to=target,
+                step=bad_step, rollback_to=target, rollback_unknown=not known,
             )
         reply = self._heartbeat.last_reply if self._heartbeat is not None else None
         if reply is None:
@@ -116,6 +143,10 @@ class AgentRollbacks:
                 if self._told != marker:
                     self._told = marker  # the epoch of the rollback this rank asked for
                 return None
+            if self._joined is not None and self._joined >= marker[1]:
+                # This rank restored a step of the rollback's timeline already.
+                self._told, self._told_at = marker, time.time()
+                return None
             self._told, self._told_at = marker, time.time()
             self._unacked = marker[0]
         log.warning("%s/%d: the job is marked for rollback to step %d (timeline %d)", self.job,
@@ -123,39 +154,111 @@ class AgentRollbacks:
         return RollbackRequested(f"job {self.job} is marked for rollback to step {marker[0]}",
                                  rollback_to=marker[0])
 
-    def _request_rollback(self, action: Action) -> int | None:
+    def _submit_rollback(self, fn: Callable[..., Any], *args: Any
+                         ) -> concurrent.futures.Future[Any] | None:
+        try:
+            return self._rollback_worker.submit(self._guarded, fn, *args)
+        except RuntimeError:  # shut down: the agent is closing
+            return None
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        raise NotImplementedError  # HealthAgent's
+
+    def _close_rollbacks(self) -> None:
+        with self._lock:
+            retry, self._marker_retry = self._marker_retry, None
+        if retry is not None:
+            retry.cancel()
+        self._rollback_worker.shutdown(wait=False, cancel_futures=True)
+
+    def _request_rollback(self, action: Action) -> RollbackAnswer:
         with self._lock:
             self._asked_epoch = None  # until this request's answer says
-        target = self._latest()
-        if target is None:
-            log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
-                      "step to go back to", self.job, self.rank, action.step)
-            return None
-        if self._server is None:
-            log.error("%s/%d: the loss at step %s is not finite: this rank goes back to step "
-                      "%d (no server: no rollback marker for the other ranks)", self.job,
-                      self.rank, action.step, target)
-            return target
         reason = clip_reason(f"rank {self.rank}: {action.reason}")
         # The timeline this rank is in: when a rollback already ended it (another
         # rank's NaN), this request is answered by that rollback, not a new one.
         epoch = self._epoch_fn() if self._epoch_fn is not None else None
         try:
+            target = self._latest()
+        except CkptdError as exc:
+            log.error("%s/%d: the loss at step %s is not finite, and the latest committed step "
+                      "cannot be read ([%s] %s): restore the latest; the rollback marker is set "
+                      "once the server answers", self.job, self.rank, action.step, exc.code,
+                      exc.message)
+            self._retry_marker(None, reason, epoch, 1)
+            return None, False
+        if target is None:
+            log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
+                      "step to go back to", self.job, self.rank, action.step)
+            return None, True
+        if self._server is None:
+            log.error("%s/%d: the loss at step %s is not finite: this rank goes back to step "
+                      "%d (no server: no rollback marker for the other ranks)", self.job,
+                      self.rank, action.step, target)
+            return target, True
+        step = self._set_marker(target, reason, epoch)
+        if step is None:
+            self._retry_marker(target, reason, epoch, 1)
+            return target, True
+        log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
+                  "to step %d", self.job, self.rank, action.step, step)
+        return step, True
+
+    def _set_marker(self, target: int, reason: str, epoch: int | None) -> int | None:
+        """Marks the job for rollback to ``target``; the marker's step, or None when
+        the server did not answer (logged)."""
+        assert self._server is not None
+        try:
             answer = self._server.set_rollback(self.job, target, reason, from_epoch=epoch)
         except CkptdError as exc:
             log.error("%s/%d: setting the rollback marker to step %d failed: [%s] %s",
                       self.job, self.rank, target, exc.code, exc.message)
-            return target
-        step = answer.rollback_to if answer.rollback_to is not None else target
+            return None
         with self._lock:
             self._asked_epoch = answer.epoch
-            self._marker_set = step
-            self._marker_checked = time.monotonic()
-        log.error("%s/%d: the loss at step %s is not finite: the job is marked for rollback "
-                  "to step %d", self.job, self.rank, action.step, step)
         if self._heartbeat is not None:
             self._heartbeat.beat_now()  # the health (loss_nonfinite) goes out at once
-        return step
+        return answer.rollback_to if answer.rollback_to is not None else target
+
+    def _retry_marker(self, target: int | None, reason: str, epoch: int | None,
+                      attempt: int) -> None:
+        """Sets the marker later: the other ranks must hear of the rollback once the
+        server is back (``MARKER_ATTEMPTS`` tries, then it is logged and left)."""
+        if self._server is None:
+            return
+        if attempt > MARKER_ATTEMPTS:
+            log.error("%s/%d: the rollback marker could not be set after %d attempts: the "
+                      "other ranks are not told (run `ckptd rollback %s STEP`)", self.job,
+                      self.rank, MARKER_ATTEMPTS, self.job)
+            return
+        delay = min(MARKER_RETRY_MAX_S, 2.0 ** (attempt - 1))
+        timer = threading.Timer(delay, self._submit_rollback,
+                                (self._set_marker_again, target, reason, epoch, attempt))
+        timer.daemon = True
+        with self._lock:
+            self._marker_retry = timer
+        timer.start()
+
+    def _set_marker_again(self, target: int | None, reason: str, epoch: int | None,
+                          attempt: int) -> None:
+        try:
+            step = target if target is not None else self._latest()
+        except CkptdError:
+            self._retry_marker(target, reason, epoch, attempt + 1)
+            return
+        if step is None:
+            return  # nothing committed to go back to
+        marked = self._set_marker(step, reason, epoch)
+        if marked is None:
+            self._retry_marker(target, reason, epoch, attempt + 1)
+            return
+        with self._lock:
+            # This rank went on without the marker's timeline (it restored while the
+            # server was away): it is told of the marker like every other rank.
+            if self._told is not None and self._told[1] is None:
+                self._told = None
+        log.warning("%s/%d: the job is marked for rollback to step %d now that the server "
+                    "answers", self.job, self.rank, marked)
 
     def _latest(self) -> int | None:
         if self._latest_fn is not None:
@@ -163,43 +266,6 @@ class AgentRollbacks:
         if self._server is None:
             return None
         return self._server.latest(self.job)
-
-    def _marker_due(self, reply: HeartbeatReply) -> int | None:
-        """The marker this rank set, when it is time to look whether the job moved
-        past it (called under the lock; the look runs on the worker)."""
-        owned = self._marker_set
-        if owned is None:
-            return None
-        if reply.rollback_to != owned:
-            self._marker_set = None  # cleared or replaced by someone else
-            return None
-        period = min(60.0, max(1.0, 5 * reply.interval_s))
-        now = time.monotonic()
-        if now - self._marker_checked < period:
-            return None
-        self._marker_checked = now
-        return owned
-
-    def _clear_marker_if_passed(self, marker: int) -> None:
-        """Whoever set the marker clears it once a step after it committed."""
-        assert self._server is not None
-        latest = self._latest()
-        if latest is None or latest <= marker:
-            return
-        # Only a commit of the rollback's own timeline shows the job moved on: one of
-        # the ended timeline can land after the marker (a commit in flight), and
-        # clearing then would leave ranks that never heard of the rollback behind.
-        state = self._server.rollback(self.job)
-        record = self._server.read_commit(self.job, latest)
-        if record.meta.get("epoch", 0) != state.epoch:
-            return
-        with self._lock:
-            if self._marker_set != marker:
-                return
-            self._marker_set = None
-        self._server.clear_rollback(self.job)
-        log.info("%s/%d: step %d committed after the rollback to step %d: marker cleared",
-                 self.job, self.rank, latest, marker)
 
 
 def _same(told: tuple[int, int | None] | None, marker: tuple[int, int]) -> bool:

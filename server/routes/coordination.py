@@ -63,6 +63,8 @@ async def set_rollback(
     job: JobDep, body: RollbackRequest, repo: RepoDep, registry: RegistryDep, views: ViewsDep
 ) -> RollbackReply:
     done = await repo.set_rollback(job, body.step, from_epoch=body.from_epoch)
+    if done.started:  # before any reply names the marker: never both in one reply
+        registry.drop_target(job, f"the job rolled back to step {done.marker.step}")
     views.set_rollback(job, done.marker, done.epoch)
     if done.started:  # not a second rank asking for the rollback already set
         registry.add_event(job, "rollback_set", step=done.marker.step, reason=body.reason)

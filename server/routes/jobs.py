@@ -107,6 +107,9 @@ async def commit(
         metrics.committed(
             job, step, status.record.committed_at, status.record.meta.get("reason")
         )
+    if status.rollback_cleared:  # heartbeat replies stop naming the marker now
+        await views.rollback(job, fresh=True)
+        registry.add_event(job, "rollback_cleared", step=step)
     return CommitResponse(
         state=status.state,
         job=status.job,

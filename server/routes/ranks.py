@@ -124,6 +124,7 @@ async def heartbeat(
     status_code=204,
     response_class=Response,
     summary="A rank says goodbye: it closed cleanly, so it shows as left, not dead",
+    dependencies=scope(WRITE),  # as the heartbeat: a reader must not mark ranks left
 )
 async def goodbye(job: JobDep, rank: RankDep, registry: RegistryDep) -> Response:
     registry.goodbye(job, rank)

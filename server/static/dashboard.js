@@ -246,6 +246,7 @@
     snapshot_requested: (e) => `snapshot asked for at step ${e.step}` + (e.rank !== null ? ` by rank ${e.rank}` : ""),
     snapshot_committed: (e) => `coordinated snapshot committed (step ${e.step})`,
     snapshot_expired: (e) => `snapshot target ${e.step} expired`,
+    snapshot_dropped: (e) => `snapshot target ${e.step} dropped (rollback)`,
     rollback_set: (e) => `rollback to step ${e.step}`,
     rollback_cleared: () => "rollback cleared",
     rank_dead: (e) => `rank ${e.rank} dead`,

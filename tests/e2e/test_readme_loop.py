@@ -10,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import ServerProcess
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _run(tmp: Path, name: str, *args: str, restarts: int = 0,
-         env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+         env: dict[str, str] | None = None,
+         then: Callable[[ServerProcess], None] | None = None) -> list[dict[str, Any]]:
     server = ServerProcess(store=tmp / f"{name}-store")
     server.start()
     out = tmp / name
@@ -44,6 +47,8 @@ def _run(tmp: Path, name: str, *args: str, restarts: int = 0,
             pytest.fail(f"{name} ran past 300 s:\n{output.decode(errors='replace')[-6000:]}")
         text = output.decode(errors="replace")
         assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{text[-8000:]}"
+        if then is not None:
+            then(server)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     finally:
         server.stop()
@@ -89,3 +94,23 @@ def test_readme_loop_warns_with_on_error_warn(tmp_path: Path) -> None:
         assert 1 <= r["close"]["failed"] == len(r["errors_logged"]) <= 2, r
         assert 1 <= len(r["warnings"]) <= r["close"]["failed"], r
     assert sum(r["close"]["failed"] for r in results) >= 3
+
+
+def test_readme_loop_goes_back_after_a_nan_loss_and_carries_on(tmp_path: Path) -> None:
+    """Rank 1's loss goes NaN at step 120: the job is marked for rollback to step
+    100, every rank ends its process, torchrun restarts them, they restore step
+    100 and are not rolled back again; step 200 commits and ends the rollback."""
+    def server_says(server: ServerProcess) -> None:
+        base = f"{server.url}/v1/jobs/llm-7b"
+        assert httpx.get(f"{base}/rollback").json() == {"rollback_to": None, "epoch": 1}
+        events = httpx.get(f"{base}/events").json()["events"]
+        assert [(e["kind"], e["step"]) for e in events if e["kind"].startswith("rollback")] \
+            == [("rollback_set", 100), ("rollback_cleared", 200)]
+        assert httpx.get(f"{base}/steps/200").json()["meta"]["epoch"] == 1
+
+    results = _run(tmp_path, "nan", "--nan-rank", "1", "--nan-at", "120", restarts=1,
+                   then=server_says)
+    for r in results:
+        assert "error" not in r, r
+        assert r["attempt"] == 1 and r["start"] == 101, r
+        assert r["errors_logged"] == [], r

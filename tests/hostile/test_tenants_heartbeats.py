@@ -94,3 +94,21 @@ def test_world_size_changes_only_with_a_new_timeline(srv: ServerProcess, tmp_pat
         r = beat(c, "w", 0, 1)
         assert r.status_code == 200, r.text
         assert sorted(peer_urls(c, "w")) == [0]
+
+
+def test_a_read_only_token_cannot_say_goodbye_for_a_rank(srv: ServerProcess,
+                                                         tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    write_j = create_token(tokens, "j", "write")[0]
+    read_j = create_token(tokens, "j", "read")[0]
+    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {write_j}"},
+                      timeout=30) as writer, \
+            httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {read_j}"},
+                         timeout=30) as reader:
+        assert beat(writer, "j", 0, 1).status_code == 200
+        r = reader.delete("/v1/jobs/j/ranks/0/heartbeat")
+        assert r.status_code == 403, r.text
+        assert r.json()["code"] == "forbidden"
+        assert [x["state"] for x in reader.get("/v1/jobs/j/ranks").json()["ranks"]] == ["alive"]
+        assert writer.delete("/v1/jobs/j/ranks/0/heartbeat").status_code == 204
+        assert [x["state"] for x in reader.get("/v1/jobs/j/ranks").json()["ranks"]] == ["left"]

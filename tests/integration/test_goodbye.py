@@ -108,3 +108,27 @@ def test_a_process_that_ends_leaves_and_a_killed_one_dies(
     past_the_dead_window()
     assert states(srv.url, job) == {0: expected}
     assert (dead_in_metrics(srv.url, job) > 0) == (expected == "dead")
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_job_relaunched_with_another_world_size_after_a_clean_close_is_heard(
+    srv: ServerProcess, shm: Path, new_world: int
+) -> None:
+    """Ranks that said goodbye are gone: the relaunch's heartbeats (another world
+    size, the same timeline) are not refused as if they were still alive."""
+    job = f"relaunch-{new_world}"
+    old = [Checkpointer(srv.url, job, rank=r, world_size=2, shm_dir=shm) for r in range(2)]
+    wait_for(lambda: len(states(srv.url, job)) == 2)
+    for c in old:
+        c.close()
+    assert states(srv.url, job) == {0: "left", 1: "left"}
+    new = [Checkpointer(srv.url, job, rank=r, world_size=new_world, shm_dir=shm)
+           for r in range(new_world)]
+    try:
+        wait_for(lambda: all(c.heartbeat is not None and c.heartbeat.beats >= 2 for c in new),
+                 timeout=5)
+        assert all(c.heartbeat is not None and c.heartbeat.failures == 0 for c in new)
+        assert states(srv.url, job) == {r: "alive" for r in range(new_world)}
+    finally:
+        for c in new:
+            c.close()

@@ -724,3 +724,91 @@ def test_default_sources_build_a_working_probe(tmp_path: Path, recorder: Recorde
     assert f"disk_free_percent[{tmp_path}]" in status.signals
     json.dumps(status.to_json(), allow_nan=False)
 
+
+
+class SlowSource(ReadingSource):
+    """A source that takes a while on its first read (NVML, psutil), so that the
+    loop reports its NaN while the probe thread is mid-evaluation."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+
+    def read(self) -> dict[str, Any]:
+        if not self.entered.is_set():
+            self.entered.set()
+            time.sleep(0.3)
+        return {}
+
+
+def test_a_nan_reported_while_the_probe_thread_evaluates_raises_in_that_step(
+    tmp_path: Path,
+) -> None:
+    """docs/policy.md: the rollback is asked for before ``step`` returns, even when
+    the probe thread reads the loss first (it never takes the rollback action)."""
+    from ckptd.client.health.agent import HealthAgent
+
+    slow = SlowSource()
+    threads: list[str] = []
+    agent = HealthAgent(f"file://{tmp_path}", "j", 0, 1,
+                        sources=[slow, LoopSource(), RttSource()], latest=lambda: 7)
+    dispatch = agent.probe._on_action
+
+    def on_action(action: Action) -> None:
+        threads.append(threading.current_thread().name)
+        assert dispatch is not None
+        dispatch(action)
+
+    agent.probe._on_action = on_action
+    agent.start()
+    try:
+        assert slow.entered.wait(5)
+        with pytest.raises(RollbackRequested) as raised:
+            agent.step(10, loss=math.nan)
+        assert (raised.value.step, raised.value.rollback_to) == (10, 7)
+        assert threads == [threading.current_thread().name]
+        agent.step(11, loss=math.nan)  # told once: the next step goes on
+    finally:
+        agent.close()
+
+
+class LostAtStartNvml(FakeNvml):
+    """Devices already lost (or unopenable) when the probe starts: the handle
+    lookup itself fails."""
+
+    def __init__(self, count: int, lost: set[int], broken: set[int] | None = None) -> None:
+        super().__init__(count)
+        self.lost_at_start = lost
+        self.broken = broken or set()
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> tuple[str, int]:
+        if i in self.lost_at_start:
+            raise FakeNvmlError(self.NVML_ERROR_GPU_IS_LOST)
+        if i in self.broken:
+            raise FakeNvmlError(self.NVML_ERROR_NOT_SUPPORTED)
+        return ("handle", i)
+
+
+def test_a_gpu_lost_before_the_probe_starts_reads_lost() -> None:
+    source = NvmlSource(nvml=LostAtStartNvml(1, {0}))
+    assert source.available and source.devices == ["0"]
+    r = source.read()
+    assert r["gpu_lost[0]"] == 1
+    assert r["gpu_temperature_c[0]"] == "unavailable"
+    status = HealthProbe(default_policy(), [source]).evaluate_now()
+    assert status.state == "critical"  # gpu_lost's default
+    assert status.reasons == ("gpu0 is lost (fallen off the bus) (critical)",)
+
+
+def test_each_gpu_is_opened_on_its_own() -> None:
+    source = NvmlSource(nvml=LostAtStartNvml(3, {1}, broken={2}))
+    assert source.devices == ["0", "1"]  # 2 could not be opened: skipped, logged
+    r = source.read()
+    assert (r["gpu_lost[0]"], r["gpu_lost[1]"]) == (0, 1)
+    assert r["gpu_temperature_c[0]"] == 65.0
+    assert "gpu_lost[2]" not in r
+    nothing = NvmlSource(nvml=LostAtStartNvml(1, set(), broken={0}))
+    assert not nothing.available
+    assert "could not open" in (nothing.unavailable_reason or "")
+    assert set(nothing.read().values()) == {"unavailable"}

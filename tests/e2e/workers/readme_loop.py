@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=230)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--per-rank-buffer", action="store_true",
                         help="a per-rank model buffer the README's loop does not name local")
     args = parser.parse_args()
@@ -150,6 +152,11 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
+        # Once, at the planned step or later once step 100 committed (as for the kill).
+        if (attempt == 0 and rank == args.nan_rank and step >= args.nan_at
+                and not ns.get("nan_reported") and (ns["ckpt"].latest() or 0) >= 100):
+            ns["nan_reported"] = True
+            return loss.detach() * math.nan  # the loss the loop reports goes NaN
         return loss
 
     ns["train_step"] = train_step

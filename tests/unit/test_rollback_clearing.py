@@ -1,0 +1,54 @@
+"""The repository ends a rollback: a step committed past the marker, in the
+marker's own timeline, clears it (whoever set it, and whether it still runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.repository import Repository
+from ckptd.store import MemoryStore
+from ckptd.testing.manifests import demo_step, put_rank, replace
+
+JOB = "job"
+
+
+@pytest.fixture
+def repo() -> Repository:
+    return Repository(MemoryStore(), clock=lambda: 1700000000.0)
+
+
+async def commit(repo: Repository, step: int, epoch: int = 0) -> bool:
+    """Commits ``step`` (2 ranks) saved in timeline ``epoch``; whether it cleared."""
+    for manifest, chunks in demo_step(JOB, step, 2):
+        if epoch:
+            manifest = replace(manifest, meta={**manifest.meta, "epoch": epoch})
+        await put_rank(repo, manifest, chunks)
+    status = await repo.commit(JOB, step)
+    assert status.state == "committed"
+    return status.rollback_cleared
+
+
+async def test_a_commit_past_the_marker_in_its_timeline_clears_it(repo: Repository) -> None:
+    assert not await commit(repo, 1)
+    assert not await commit(repo, 3)
+    await repo.set_rollback(JOB, 3)
+    assert not await commit(repo, 2, epoch=1)  # not past the marker: it stays
+    marker, epoch = await repo.rollback_state(JOB)
+    assert marker is not None and (marker.step, epoch) == (3, 1)
+    assert await commit(repo, 4, epoch=1)
+    assert await repo.rollback_state(JOB) == (None, 1)
+    assert not await commit(repo, 5, epoch=1)  # nothing left to clear
+
+
+async def test_a_newer_rollback_is_not_cleared_by_a_commit_of_the_one_before(
+    repo: Repository,
+) -> None:
+    await commit(repo, 1)
+    await repo.set_rollback(JOB, 1)
+    await repo.set_rollback(JOB, 1)  # by hand, again: timeline 2
+    # A commit of timeline 1 cannot happen now (its manifests are refused); ask as
+    # a commit of it that landed in the moment before the second rollback would.
+    assert not await repo.end_rollback_passed(JOB, 2, 1)
+    marker, epoch = await repo.rollback_state(JOB)
+    assert marker is not None and (marker.step, epoch) == (1, 2)
+    assert await repo.end_rollback_passed(JOB, 2, 2)
