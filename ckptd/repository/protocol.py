@@ -39,6 +39,7 @@ from ckptd.errors import (
     MissingChunks,
     NotFound,
     StoreCorrupt,
+    StoreError,
     Superseded,
     TooLarge,
     WorldSizeMismatch,
