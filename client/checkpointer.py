@@ -9,6 +9,10 @@ Failover (with a server): the checkpointer serves its pool's committed chunks to
 peers (``peer/``) and heartbeats (``heartbeat.py``); ``restore`` takes each chunk
 from the first tier that has it right (``restore/``): this node's pool, a local
 cache directory, peers, the store.
+
+Just past the house's ~500 lines on purpose: this is the public face, and most of
+its lines are the docstrings of the calls users read (``save``, ``restore``,
+``step``); the work is in the packages named above.
 """
 
 from __future__ import annotations

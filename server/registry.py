@@ -8,6 +8,9 @@ not cost a store read.
 
 Times: liveness is measured on the registry's monotonic clock (a wall clock that
 jumps must not kill ranks); the unix time of each heartbeat is kept for display.
+
+A little past the house's ~500 lines on purpose: liveness, targets and the soft
+state's limits share one lock and one map of jobs, and read best side by side.
 """
 
 from __future__ import annotations
