@@ -84,6 +84,11 @@ class Source(ABC):
     async def view(self, holder: str, cid: str) -> memoryview:
         raise NotImplementedError
 
+    def mapped(self, holder: str) -> memoryview | None:
+        """The bytes ``holder`` holds when they are mapped already (no I/O to give
+        them: the fetch hashes them in batches on its threads), else None."""
+        return None
+
     async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
         """Fills ``dest``; may return the blake3 of what it wrote when it hashed it
         on the way (while the bytes are in cache), else None."""
@@ -185,6 +190,9 @@ class LocalPoolSource(Source):
 
     def bytes_of(self, holder: str) -> memoryview:
         return self._views[holder]
+
+    def mapped(self, holder: str) -> memoryview | None:
+        return self._views.get(holder)
 
     def unchanged(self) -> bool:
         """True while nobody staged into the pool since it was opened (its views
