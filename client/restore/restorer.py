@@ -139,15 +139,18 @@ def make_sources(
 
 async def fetch_layout(
     transport: Transport, plan: RestorePlan, layout: RestoreLayout, opts: RestoreOptions,
-    pool_rank: int, written: Written | None = None,
+    pool_rank: int, written: Written | None = None, adopt: bool = True,
 ) -> Fetched:
     """Fetches and verifies every chunk of ``layout`` through the tiers and
     assembles the tensors; raises (nothing assembled) when a chunk had no good
-    source. ``written`` learns when the target is first written."""
+    source. ``written`` learns when the target is first written. ``adopt``: keep
+    the pool's verified chunks mapped, to serve them to peers (else the pool is
+    unmapped on a thread of its own)."""
     sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank)
     fetcher = ChunkFetcher(sources, opts.concurrency)
     keep_pool = False
     wanted = layout.wanted
+    found: dict[str, memoryview] = {}
     written = written if written is not None else Written()
     t0 = time.perf_counter()
     try:
@@ -176,7 +179,7 @@ async def fetch_layout(
             except CkptdError as exc:  # after delivery: the target holds what the pool gave
                 raise _stated(exc, plan.step, True) from None
         adopted = None
-        if pool is not None and pool.unchanged():
+        if adopt and pool is not None and pool.unchanged():
             verified = {cid: found[cid] for cid, tier in fetcher.tier_of.items()
                         if tier == "local"}
             if verified:
@@ -194,6 +197,7 @@ async def fetch_layout(
     finally:
         written.target = written.target or fetcher.landed_in_target
         fetcher.stop_prefault()
+        found.clear()  # (views of the pool: a view left would keep it mapped here)
         for s in sources:
             if s is pool and keep_pool:
                 continue
@@ -285,9 +289,11 @@ def restore_into(
     step: int | None = None,
     shards: Mapping[str, Any] | None = None,
     opts: RestoreOptions | None = None,
+    adopt: bool = True,
 ) -> tuple[RestoreResult, Fetched]:
     """Restores ``state`` in place (see ``Checkpointer.restore``); ``call`` runs a
-    coroutine on the loop the transport lives on and returns its result."""
+    coroutine on the loop the transport lives on and returns its result. ``adopt``:
+    keep the pool's verified chunks mapped (``Fetched.adopted``) to serve them."""
     t0 = time.perf_counter()
     opts = opts or RestoreOptions()
     plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=opts.peers))
@@ -307,7 +313,8 @@ def restore_into(
     t_layout = time.perf_counter()
     written = Written()
     try:
-        fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written))
+        fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written,
+                                             adopt))
     except CkptdError as exc:  # (a deadline that passed during delivery, too)
         raise _stated(exc, plan.step, written.target) from None
     t_fetch = time.perf_counter()
@@ -400,9 +407,11 @@ class Restorer:
         atomic: bool,
         timeout: float | None,
         exclude_peers: tuple[str, ...],
+        adopt: bool = True,
     ) -> tuple[RestoreResult, Fetched]:
         """Fills ``state`` in place from the tiers in ``use`` (``check`` them first);
-        ``Stateful`` objects get their ``load_state_dict()`` once it is filled."""
+        ``Stateful`` objects get their ``load_state_dict()`` once it is filled.
+        ``adopt``: keep the pool's verified chunks mapped, to serve them."""
         s, c = self.session, self.session.config
         timeout = s.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -430,7 +439,7 @@ class Restorer:
             s.check_open()
             result, fetched = restore_into(
                 call, s.transport, target, job=c.job, rank=c.rank,
-                world_size=c.world_size, step=step, shards=shards, opts=opts,
+                world_size=c.world_size, step=step, shards=shards, opts=opts, adopt=adopt,
             )
         load_stateful()
         return result, fetched

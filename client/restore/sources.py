@@ -203,7 +203,7 @@ class LocalPoolSource(Source):
         self._views = {}
         self._by_chunk = {}
         with contextlib.suppress(Exception):
-            self.reader.close()
+            self.reader.close(unmap_later=True)
 
 
 class DirectoryCacheSource(Source):
