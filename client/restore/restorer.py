@@ -43,6 +43,7 @@ from .sources import (
     LocalPoolSource,
     LocalStoreSource,
     PeerSource,
+    PoolAhead,
     Source,
     StoreSource,
 )
@@ -114,12 +115,14 @@ def make_sources(
     layout_entries: Iterable[tuple[TensorEntry, int]],
     opts: RestoreOptions,
     pool_rank: int,
+    ahead: PoolAhead | None = None,
 ) -> tuple[list[Source], LocalPoolSource | None]:
     sources: list[Source] = []
     pool = None
     if opts.local:
         try:
-            pool = LocalPoolSource.open(plan.job, pool_rank, layout_entries, opts.pool_root)
+            pool = LocalPoolSource.open(plan.job, pool_rank, layout_entries, opts.pool_root,
+                                        ahead)
         except Exception as exc:  # a pool we cannot read is a pool we do not have
             log.warning("cannot read the staging pool of %s/%d: %s", plan.job, pool_rank, exc)
             pool = None
@@ -140,13 +143,14 @@ def make_sources(
 async def fetch_layout(
     transport: Transport, plan: RestorePlan, layout: RestoreLayout, opts: RestoreOptions,
     pool_rank: int, written: Written | None = None, adopt: bool = True,
+    ahead: PoolAhead | None = None,
 ) -> Fetched:
     """Fetches and verifies every chunk of ``layout`` through the tiers and
     assembles the tensors; raises (nothing assembled) when a chunk had no good
     source. ``written`` learns when the target is first written. ``adopt``: keep
     the pool's verified chunks mapped, to serve them to peers (else the pool is
-    unmapped on a thread of its own)."""
-    sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank)
+    unmapped on a thread of its own). ``ahead``: the pool, opened already."""
+    sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank, ahead)
     fetcher = ChunkFetcher(sources, opts.concurrency)
     keep_pool = False
     wanted = layout.wanted
@@ -296,8 +300,28 @@ def restore_into(
     keep the pool's verified chunks mapped (``Fetched.adopted``) to serve them."""
     t0 = time.perf_counter()
     opts = opts or RestoreOptions()
+    # The pool's pages are read in while the plan loads (the cores wait on the
+    # server then), one thread per core but one (the plan's own work).
+    ahead = PoolAhead.open(job, rank, opts.pool_root, max(1, (os.cpu_count() or 1) - 1)
+                           ) if opts.local else None
+    try:
+        return _restore_planned(call, transport, state, job=job, rank=rank,
+                                world_size=world_size, step=step, shards=shards, opts=opts,
+                                adopt=adopt, ahead=ahead, t0=t0)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _restore_planned(
+    call: Callable[[Coroutine[Any, Any, Any]], Any], transport: Transport, state: Any, *,
+    job: str, rank: int, world_size: int, step: int | None, shards: Mapping[str, Any] | None,
+    opts: RestoreOptions, adopt: bool, ahead: PoolAhead | None, t0: float,
+) -> tuple[RestoreResult, Fetched]:
     plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=opts.peers))
     t_plan = time.perf_counter()
+    if ahead is not None and ahead.reader.step != plan.step:
+        ahead.stop()  # (another step's pool: what it may still give is read as it is)
     if plan.rank != rank:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
@@ -314,7 +338,7 @@ def restore_into(
     written = Written()
     try:
         fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written,
-                                             adopt))
+                                             adopt, ahead))
     except CkptdError as exc:  # (a deadline that passed during delivery, too)
         raise _stated(exc, plan.step, written.target) from None
     t_fetch = time.perf_counter()

@@ -30,7 +30,7 @@ from ..staging.format import SpanRecord
 from ..staging.pool import StagingPool
 from ..staging.reader import StagedPoolReader
 from ..transport import LocalTransport, Transport
-from .memory import fresh_bytes
+from .memory import ReadIn, fresh_bytes, span_of
 
 if TYPE_CHECKING:
     from ckptd.store import Store
@@ -132,6 +132,7 @@ class LocalPoolSource(Source):
         self, reader: StagedPoolReader, entries: Iterable[tuple[TensorEntry, int]]
     ) -> None:
         self.reader = reader
+        self.read_in: ReadIn | None = None  # (``PoolAhead``: stopped before the maps go)
         self.generation: int | None = reader.generation()
         self._views: dict[str, memoryview] = {}
         self._by_chunk: dict[str, list[str]] = {}
@@ -174,9 +175,15 @@ class LocalPoolSource(Source):
         rank: int,
         entries: Iterable[tuple[TensorEntry, int]],
         root: str | os.PathLike[str] | None = None,
+        ahead: PoolAhead | None = None,
     ) -> LocalPoolSource | None:
         """The pool ``job``/``rank`` on this host, or None when there is none
-        (``UnsupportedFormat`` for a pool of another version)."""
+        (``UnsupportedFormat`` for a pool of another version); ``ahead``: that pool,
+        opened already (the source takes it over)."""
+        if ahead is not None:
+            source = cls(ahead.reader, entries)
+            source.read_in, ahead.taken = ahead.read_in, True
+            return source
         reader = StagingPool.open_existing(job, rank, root)
         if reader is None:
             return None
@@ -200,9 +207,46 @@ class LocalPoolSource(Source):
         return bool(self.reader.generation() == self.generation)
 
     def close(self) -> None:
+        if self.read_in is not None:
+            self.read_in.stop()
         self._views = {}
         self._by_chunk = {}
         with contextlib.suppress(Exception):
+            self.reader.close(unmap_later=True)
+
+
+@dataclass(slots=True)
+class PoolAhead:
+    """This rank's staging pool opened before the restore plan is known, its pages
+    read in meanwhile (``ReadIn``); a ``LocalPoolSource`` takes it over."""
+
+    reader: StagedPoolReader
+    read_in: ReadIn | None
+    taken: bool = False
+
+    @classmethod
+    def open(cls, job: str, rank: int, root: str | os.PathLike[str] | None,
+             threads: int) -> PoolAhead | None:
+        """The pool, its pages being read in on ``threads`` threads; None when there
+        is none or it cannot be read (the restore opens it again and says why)."""
+        try:
+            reader = StagingPool.open_existing(job, rank, root)
+        except Exception:
+            return None
+        if reader is None:
+            return None
+        spans = [span_of(data) for _, data in reader.spans()]
+        return cls(reader, ReadIn.start(spans, threads, [reader]))
+
+    def stop(self) -> None:
+        """Stops reading in (a pool of another step than the plan's)."""
+        if self.read_in is not None:
+            self.read_in.stop()
+
+    def close(self) -> None:
+        """Stops reading in and unmaps the pool, unless a source took it over."""
+        if not self.taken:
+            self.stop()
             self.reader.close(unmap_later=True)
 
 
