@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ckptd import knobs
@@ -331,9 +330,7 @@ def _fresh_spans(wanted: WantedChunks, atomic: bool, held: set[str], landing: La
 def _address(view: memoryview) -> int:
     """Where a writable or read-only buffer's bytes start (to tell if two views
     are the same memory)."""
-    if len(view) == 0:
-        return 0
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return span_of(view)[0]
 
 
 async def deliver(
@@ -351,11 +348,13 @@ async def deliver(
     prefilled = prefilled or {}
     sources = {cid: prefilled.get(cid, data) for cid, data in found.items()}
     for cid, dests in wanted.chunks.items():
-        here = _address(sources[cid])
-        done = {here, _address(found[cid])}
+        source = sources[cid]
+        here = _address(source)
+        done = {here} if source is found[cid] else {here, _address(found[cid])}
         for dest, _ in dests:
-            if len(dest) and _address(dest) not in done:
-                spans.append((_address(dest), here, len(dest)))
+            there = _address(dest)
+            if len(dest) and there not in done:
+                spans.append((there, here, len(dest)))
 
     # ``sources`` and ``wanted`` keep every view alive until the copies are done.
     await spread(copy_runs(spans, concurrency), _memmove, concurrency)

@@ -198,6 +198,9 @@ def span_of(view: memoryview) -> Span:
     """Where a buffer's bytes lie: (address, length)."""
     if len(view) == 0:
         return 0, 0
+    if not view.readonly:  # (1 us where numpy's way takes 4-5: a restore asks per chunk)
+        with contextlib.suppress(TypeError, ValueError):
+            return ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view)
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data), len(view)
 
 
