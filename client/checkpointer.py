@@ -373,6 +373,7 @@ class Checkpointer:
         result, fetched = self._restorer.restore(
             state, step, use=use, shards=shards, atomic=atomic, timeout=timeout,
             strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
+            adopt=self._failover.server is not None,  # (nobody to serve the pool to)
         )
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)

@@ -114,8 +114,10 @@ class Transport(ABC):
         """The commit record of a committed step."""
 
     @abstractmethod
-    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
-        """A rank's manifest of a committed step, checked against the commit record."""
+    async def read_manifest(self, job: str, step: int, rank: int,
+                            record: CommitRecord | None = None) -> RankManifest:
+        """A rank's manifest of a committed step, checked against the commit record
+        (``record``, when the caller read it already: not asked for again)."""
 
     @abstractmethod
     async def list_jobs(self) -> list[dict[str, Any]]:
@@ -197,8 +199,9 @@ class LocalTransport(Transport):
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         return await self.repository.read_commit(job, step)
 
-    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
-        return await self.repository.read_manifest(job, step, rank)
+    async def read_manifest(self, job: str, step: int, rank: int,
+                            record: CommitRecord | None = None) -> RankManifest:
+        return await self.repository.read_manifest(job, step, rank)  # (a local read)
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         jobs = await self.repository.list_jobs()
@@ -335,8 +338,10 @@ class HttpTransport(Transport):
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         return await self.run(calls.read_commit(job, step))
 
-    async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
-        record = await self.read_commit(job, step)
+    async def read_manifest(self, job: str, step: int, rank: int,
+                            record: CommitRecord | None = None) -> RankManifest:
+        if record is None or (record.job, record.step) != (job, step):
+            record = await self.read_commit(job, step)
         if not 0 <= rank < record.world_size:
             raise InvalidRequest(
                 f"rank {rank} is outside world size {record.world_size} of step {step}"

@@ -4,13 +4,13 @@ in place or landed in fresh memory, then delivered to its destinations."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ckptd import knobs
@@ -23,7 +23,7 @@ from ckptd.errors import (
 )
 from ckptd.knobs import MiB
 
-from ..loop import bounded, in_thread
+from ..loop import bounded, in_thread, spread
 from .memory import Landing, Prefault, Span, span_of
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
@@ -51,16 +51,20 @@ class ChunkFetcher:
     async def locate(
         self, cid: str, size: int, land: Callable[[], memoryview],
         fill: memoryview | None = None, fill_in_target: bool = False,
+        tried: _Tried | None = None,
     ) -> memoryview | None:
         """Verified bytes of chunk ``cid`` (a view where an in-place source holds
         them, or ``land()`` filled by a fetch), or None when no source had them
         right; every failed try is recorded. ``fill``: copy what an in-place source
         holds into it and hash it there, in one pass (``prefilled`` records it;
         ``fill_in_target``: it is the target's memory, which is then touched
-        whatever the hash says)."""
-        mine: list[ChunkProblem] = []
+        whatever the hash says). ``tried``: a holder that failed already (not
+        asked again) and the problems recorded so far."""
+        mine: list[ChunkProblem] = list(tried.problems) if tried is not None else []
         for source in self.sources:
             for holder in list(source.holders(cid)):
+                if tried is not None and source is tried.source and holder == tried.holder:
+                    continue
                 problem: ChunkProblem | None = None
                 data: memoryview | None = None
                 hashed: str | None = None
@@ -98,12 +102,7 @@ class ChunkFetcher:
                 source.outcome(holder, problem)
                 if problem is None:
                     assert data is not None
-                    if fill is not None and source.in_place:
-                        self.prefilled[cid] = fill
-                    self.bytes_from[source.tier] = self.bytes_from.get(source.tier, 0) + size
-                    self.tier_of[cid] = source.tier
-                    self.holder_of[cid] = holder
-                    self.source_of[cid] = source
+                    self._took(cid, source, holder, size, fill)
                     self.problems.extend(mine)
                     return data
                 if problem.kind != "missing" or source.tier in ("peer", "store"):
@@ -111,6 +110,78 @@ class ChunkFetcher:
         self.problems.extend(mine)
         self.failed[cid] = mine
         return None
+
+    def _took(self, cid: str, source: Source, holder: str, size: int,
+              fill: memoryview | None) -> None:
+        """Records that ``holder`` of ``source`` gave chunk ``cid`` right."""
+        if fill is not None and source.in_place:
+            self.prefilled[cid] = fill
+        self.bytes_from[source.tier] = self.bytes_from.get(source.tier, 0) + size
+        self.tier_of[cid] = source.tier
+        self.holder_of[cid] = holder
+        self.source_of[cid] = source
+
+    def _mapped_first(self, wanted: WantedChunks, atomic: bool) -> list[_InPlace]:
+        """The chunks whose first holder (in tier order) holds them mapped already,
+        the right size: what ``locate_all`` hashes in batches."""
+        out: list[_InPlace] = []
+        # Only the sources in front that may map bytes are asked (a cache's holders
+        # cost a stat each).
+        front = list(itertools.takewhile(_maps_bytes, self.sources))
+        if not front:
+            return out
+        for pos, (cid, dests) in enumerate(wanted.chunks.items()):
+            for source in front:
+                holders = source.holders(cid)
+                if not holders:
+                    continue
+                data = source.mapped(holders[0])
+                if data is not None and len(data) == wanted.size(cid):
+                    fill = dests[0] if dests and not atomic else None
+                    out.append(_InPlace(cid, pos, source, holders[0], data,
+                                        fill[0] if fill else None, bool(fill and fill[1])))
+                break
+        return out
+
+    async def _hash_mapped(self, items: Sequence[_InPlace], reached: list[int],
+                           found: dict[str, memoryview]) -> dict[str, _Tried]:
+        """Hashes ``items`` where they lie (not atomic: copied into their first
+        destination and hashed there) on one worker thread per core, each taking
+        the next chunk itself; records those that verify in ``found``. Returns the
+        others with their problem, for ``locate`` to take from other holders."""
+        if any(item.fill_in_target for item in items):
+            self.landed_in_target = True  # (touched whatever the hashes say)
+
+        def check(item: _InPlace) -> str | CkptdError | OSError:
+            reached[0] = max(reached[0], item.position + 1)
+            try:
+                if item.fill is not None:
+                    return copy_and_hash(item.fill, item.data)
+                return verify_hash(item.data)
+            except (CkptdError, OSError) as exc:  # as ``locate`` treats them
+                return exc
+
+        workers = max(1, min(self.concurrency, os.cpu_count() or 1))
+        outcomes = await spread(items, check, workers)
+        again: dict[str, _Tried] = {}
+        for item, actual in zip(items, outcomes, strict=True):
+            source, holder, cid = item.source, item.holder, item.cid
+            problem: ChunkProblem | None = None
+            if isinstance(actual, BaseException):
+                reason = actual.detail.get("reason") if isinstance(actual, CkptdError) else None
+                text = f"{type(actual).__name__}: {actual}" + (f" ({reason})" if reason else "")
+                problem = ChunkProblem(cid, source.tier, holder, "failed", text)
+            elif actual != cid:
+                kind: ProblemKind = "stale" if source.tier == "local" else "mismatch"
+                problem = ChunkProblem(cid, source.tier, holder, kind, f"bytes hash to {actual}")
+            source.outcome(holder, problem)
+            if problem is None:
+                self._took(cid, source, holder, len(item.data), item.fill)
+                keep_fill = item.fill is not None and source.tier != "local"
+                found[cid] = item.fill if keep_fill and item.fill is not None else item.data
+            else:
+                again[cid] = _Tried(source, holder, (problem,))
+        return again
 
     async def fetch(self, cid: str, dest: memoryview) -> str | None:
         """Fills ``dest`` with verified chunk ``cid``; the tier it came from, or None.
@@ -142,6 +213,12 @@ class ChunkFetcher:
         first, then = _fresh_spans(wanted, atomic, held, landing)
         self.prefault = Prefault.start(first, then, lambda: reached[0], [wanted, landing])
         found: dict[str, memoryview] = {}
+        try:
+            mapped = self._mapped_first(wanted, atomic)
+            again = await self._hash_mapped(mapped, reached, found) if mapped else {}
+        except BaseException:
+            self.stop_prefault()
+            raise
 
         async def one(cid: str) -> None:
             reached[0] += 1
@@ -162,7 +239,7 @@ class ChunkFetcher:
             # destination and hashed there, one pass (a network chunk lands there).
             first = dests[0] if dests and not atomic else None
             data = await self.locate(cid, size, land, first[0] if first else None,
-                                     first is not None and first[1])
+                                     first is not None and first[1], again.get(cid))
             if data is None:
                 return
             source = self.source_of[cid]
@@ -171,7 +248,8 @@ class ChunkFetcher:
             found[cid] = data
 
         try:
-            await bounded(list(wanted.chunks), one, self.concurrency)
+            await bounded([cid for cid in wanted.chunks if cid not in found], one,
+                          self.concurrency)
         except BaseException:
             self.stop_prefault()
             raise
@@ -190,6 +268,33 @@ class ChunkFetcher:
         self.stop_prefault()
         for s in self.sources:
             s.close()
+
+
+def _maps_bytes(source: Source) -> bool:
+    """Whether ``source`` may hold chunks mapped already (``Source.mapped``)."""
+    return source.in_place and type(source).mapped is not Source.mapped
+
+
+@dataclass(frozen=True, slots=True)
+class _InPlace:
+    """A chunk that its first holder holds mapped: hashed in a batch."""
+
+    cid: str
+    position: int  # in the wanted order (what a ``Prefault`` counts)
+    source: Source
+    holder: str
+    data: memoryview
+    fill: memoryview | None  # not atomic: copied there and hashed there
+    fill_in_target: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Tried:
+    """A holder that did not give a chunk right, and the problems so far."""
+
+    source: Source
+    holder: str
+    problems: tuple[ChunkProblem, ...]
 
 
 def _fresh_spans(wanted: WantedChunks, atomic: bool, held: set[str], landing: Landing
@@ -225,9 +330,7 @@ def _fresh_spans(wanted: WantedChunks, atomic: bool, held: set[str], landing: La
 def _address(view: memoryview) -> int:
     """Where a writable or read-only buffer's bytes start (to tell if two views
     are the same memory)."""
-    if len(view) == 0:
-        return 0
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return span_of(view)[0]
 
 
 async def deliver(
@@ -245,22 +348,25 @@ async def deliver(
     prefilled = prefilled or {}
     sources = {cid: prefilled.get(cid, data) for cid, data in found.items()}
     for cid, dests in wanted.chunks.items():
-        here = _address(sources[cid])
-        done = {here, _address(found[cid])}
+        source = sources[cid]
+        here = _address(source)
+        done = {here} if source is found[cid] else {here, _address(found[cid])}
         for dest, _ in dests:
-            if len(dest) and _address(dest) not in done:
-                spans.append((_address(dest), here, len(dest)))
-
-    async def copy(run: tuple[int, int, int]) -> None:
-        await in_thread(ctypes.memmove, *run)
+            there = _address(dest)
+            if len(dest) and there not in done:
+                spans.append((there, here, len(dest)))
 
     # ``sources`` and ``wanted`` keep every view alive until the copies are done.
-    await bounded(copy_runs(spans, concurrency), copy, concurrency)
+    await spread(copy_runs(spans, concurrency), _memmove, concurrency)
     if wanted.devices:
         await in_thread(to_devices, sources, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
+
+
+def _memmove(run: tuple[int, int, int]) -> None:
+    ctypes.memmove(*run)  # (ctypes lets the GIL go during the call)
 
 
 def copy_runs(spans: Iterable[tuple[int, int, int]], parts: int

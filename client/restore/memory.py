@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import math
 import mmap
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,6 +23,8 @@ import torch
 
 from ckptd import knobs
 from ckptd.knobs import MiB
+
+from ..staging.reader import libc_madvise
 
 MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
 
@@ -132,27 +133,74 @@ class Prefault:
         self._thread.join()
 
 
-def _libc_madvise() -> Callable[..., int] | None:
-    """libc's ``madvise`` through ctypes (which lets the GIL go while it runs;
-    ``mmap.madvise`` holds it), on Linux only."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+class ReadIn:
+    """Reads in the pages of mapped memory (``MADV_POPULATE_READ``, Linux 5.14) on
+    threads of their own, last piece first: a restore starts it on its staging
+    pool's maps while it loads the plan, when the cores mostly wait on the server,
+    so that its hashes, which start at the first piece, find the pages mapped
+    instead of faulting them in (40 ms of CPU per GiB on the 2-core CI host).
+    ``stop`` ends it sooner; the threads end by themselves when all is read in or
+    the kernel refuses (then the pages fault in as they are read, as before)."""
+
+    PIECE = 16 * MiB
+    ADVICE = 22  # MADV_POPULATE_READ
+
+    def __init__(self, spans: Sequence[Span], threads: int, keep: Sequence[object]) -> None:
+        page = mmap.PAGESIZE
+        pieces = []
+        for address, n in spans:
+            start, end = address - address % page, address + n
+            pieces += [(a, min(self.PIECE, end - a)) for a in range(start, end, self.PIECE)]
+        self._pieces = pieces[::-1]
+        self._next = iter(range(len(self._pieces)))
+        self._take = threading.Lock()
+        self._keep = list(keep)  # the maps read in, alive while the threads run
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name="ckptd-read-in", daemon=True)
+                         for _ in range(max(1, threads))]
+
+    @classmethod
+    def start(cls, spans: Sequence[Span], threads: int, keep: Sequence[object]
+              ) -> ReadIn | None:
+        """A running ``ReadIn``, or None where there is nothing worth reading in or
+        no way to advise it."""
+        if _MADVISE is None or sum(n for _, n in spans) < MAP_FROM:
+            return None
+        read_in = cls(spans, threads, keep)
+        for t in read_in._threads:
+            t.start()
+        return read_in
+
+    def _run(self) -> None:
+        advise = _MADVISE
+        while advise is not None and not self._stop.is_set():
+            with self._take:
+                k = next(self._next, None)
+            if k is None:
+                return
+            address, n = self._pieces[k]
+            if advise(ctypes.c_void_p(address), ctypes.c_size_t(n), self.ADVICE) != 0:
+                self._stop.set()  # refused (an old kernel): the rest faults in as read
+                return
+
+    def stop(self) -> None:
+        """Ends the reading in and waits for it (before the maps may go)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self._keep = []
 
 
-_MADVISE = _libc_madvise()
+_MADVISE = libc_madvise()
 
 
 def span_of(view: memoryview) -> Span:
     """Where a buffer's bytes lie: (address, length)."""
     if len(view) == 0:
         return 0, 0
+    if not view.readonly:  # (1 us where numpy's way takes 4-5: a restore asks per chunk)
+        with contextlib.suppress(TypeError, ValueError):
+            return ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view)
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data), len(view)
 
 

@@ -113,7 +113,7 @@ async def load_plan(
     if manifest is None or (manifest.job, manifest.step, manifest.rank) != (
         job, step, source_rank
     ):
-        manifest = await transport.read_manifest(job, step, source_rank)
+        manifest = await transport.read_manifest(job, step, source_rank, record)
     plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token,
                        fallback=fallback)
     plan.manifests[source_rank] = manifest
@@ -150,7 +150,7 @@ async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers
             ):
                 manifest = None
         if manifest is None:
-            manifest = await transport.read_manifest(plan.job, plan.step, r)
+            manifest = await transport.read_manifest(plan.job, plan.step, r, plan.record)
         plan.manifests[r] = manifest
 
     await asyncio.gather(*(one(r) for r in range(plan.world_size)))
@@ -184,7 +184,7 @@ async def load_step(transport: Transport, job: str, rank: int, step: int | None)
             return manifest
         # Read on its own: that read checks the stored bytes and names the damage.
         log.warning("step plan's manifest of rank %d is not the committed one; reading it", r)
-        return await transport.read_manifest(job, doc.step, r)
+        return await transport.read_manifest(job, doc.step, r, record)
 
     manifests = await asyncio.gather(*(checked(r, m) for r, m in enumerate(doc.manifests)))
     # A holder's pool holds its own manifest's chunks (the server's restore plan says

@@ -44,6 +44,7 @@ from .sources import (
     LocalPoolSource,
     LocalStoreSource,
     PeerSource,
+    PoolAhead,
     Source,
     StoreSource,
 )
@@ -117,12 +118,14 @@ def make_sources(
     layout_entries: Iterable[tuple[TensorEntry, int]],
     opts: RestoreOptions,
     pool_rank: int,
+    ahead: PoolAhead | None = None,
 ) -> tuple[list[Source], LocalPoolSource | None]:
     sources: list[Source] = []
     pool = None
     if opts.local:
         try:
-            pool = LocalPoolSource.open(plan.job, pool_rank, layout_entries, opts.pool_root)
+            pool = LocalPoolSource.open(plan.job, pool_rank, layout_entries, opts.pool_root,
+                                        ahead)
         except Exception as exc:  # a pool we cannot read is a pool we do not have
             log.warning("cannot read the staging pool of %s/%d: %s", plan.job, pool_rank, exc)
             pool = None
@@ -142,15 +145,19 @@ def make_sources(
 
 async def fetch_layout(
     transport: Transport, plan: RestorePlan, layout: RestoreLayout, opts: RestoreOptions,
-    pool_rank: int, written: Written | None = None,
+    pool_rank: int, written: Written | None = None, adopt: bool = True,
+    ahead: PoolAhead | None = None,
 ) -> Fetched:
     """Fetches and verifies every chunk of ``layout`` through the tiers and
     assembles the tensors; raises (nothing assembled) when a chunk had no good
-    source. ``written`` learns when the target is first written."""
-    sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank)
+    source. ``written`` learns when the target is first written. ``adopt``: keep
+    the pool's verified chunks mapped, to serve them to peers (else the pool is
+    unmapped on a thread of its own). ``ahead``: the pool, opened already."""
+    sources, pool = make_sources(transport, plan, layout.entries, opts, pool_rank, ahead)
     fetcher = ChunkFetcher(sources, opts.concurrency)
     keep_pool = False
     wanted = layout.wanted
+    found: dict[str, memoryview] = {}
     written = written if written is not None else Written()
     t0 = time.perf_counter()
     try:
@@ -179,7 +186,7 @@ async def fetch_layout(
             except CkptdError as exc:  # after delivery: the target holds what the pool gave
                 raise _stated(exc, plan.step, True) from None
         adopted = None
-        if pool is not None and pool.unchanged():
+        if adopt and pool is not None and pool.unchanged():
             verified = {cid: found[cid] for cid, tier in fetcher.tier_of.items()
                         if tier == "local"}
             if verified:
@@ -197,6 +204,7 @@ async def fetch_layout(
     finally:
         written.target = written.target or fetcher.landed_in_target
         fetcher.stop_prefault()
+        found.clear()  # (views of the pool: a view left would keep it mapped here)
         for s in sources:
             if s is pool and keep_pool:
                 continue
@@ -288,13 +296,35 @@ def restore_into(
     step: int | None = None,
     shards: Mapping[str, Any] | None = None,
     opts: RestoreOptions | None = None,
+    adopt: bool = True,
 ) -> tuple[RestoreResult, Fetched]:
     """Restores ``state`` in place (see ``Checkpointer.restore``); ``call`` runs a
-    coroutine on the loop the transport lives on and returns its result."""
+    coroutine on the loop the transport lives on and returns its result. ``adopt``:
+    keep the pool's verified chunks mapped (``Fetched.adopted``) to serve them."""
     t0 = time.perf_counter()
     opts = opts or RestoreOptions()
+    # The pool's pages are read in while the plan loads (the cores wait on the
+    # server then), one thread per core but one (the plan's own work).
+    ahead = PoolAhead.open(job, rank, opts.pool_root, max(1, (os.cpu_count() or 1) - 1)
+                           ) if opts.local else None
+    try:
+        return _restore_planned(call, transport, state, job=job, rank=rank,
+                                world_size=world_size, step=step, shards=shards, opts=opts,
+                                adopt=adopt, ahead=ahead, t0=t0)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _restore_planned(
+    call: Callable[[Coroutine[Any, Any, Any]], Any], transport: Transport, state: Any, *,
+    job: str, rank: int, world_size: int, step: int | None, shards: Mapping[str, Any] | None,
+    opts: RestoreOptions, adopt: bool, ahead: PoolAhead | None, t0: float,
+) -> tuple[RestoreResult, Fetched]:
     plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=opts.peers))
     t_plan = time.perf_counter()
+    if ahead is not None and ahead.reader.step != plan.step:
+        ahead.stop()  # (another step's pool: what it may still give is read as it is)
     if plan.rank != rank:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
@@ -312,7 +342,8 @@ def restore_into(
     t_layout = time.perf_counter()
     written = Written()
     try:
-        fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written))
+        fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written,
+                                             adopt, ahead))
     except CkptdError as exc:  # (a deadline that passed during delivery, too)
         raise _stated(exc, plan.step, written.target) from None
     t_fetch = time.perf_counter()
@@ -406,9 +437,11 @@ class Restorer:
         timeout: float | None,
         exclude_peers: tuple[str, ...],
         strict: bool = True,
+        adopt: bool = True,
     ) -> tuple[RestoreResult, Fetched]:
         """Fills ``state`` in place from the tiers in ``use`` (``check`` them first);
-        ``Stateful`` objects get their ``load_state_dict()`` once it is filled."""
+        ``Stateful`` objects get their ``load_state_dict()`` once it is filled.
+        ``adopt``: keep the pool's verified chunks mapped, to serve them."""
         s, c = self.session, self.session.config
         timeout = s.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -438,7 +471,7 @@ class Restorer:
             s.check_open()
             result, fetched = restore_into(
                 call, s.transport, target, job=c.job, rank=c.rank,
-                world_size=c.world_size, step=step, shards=shards, opts=opts,
+                world_size=c.world_size, step=step, shards=shards, opts=opts, adopt=adopt,
             )
         load_stateful()
         return result, fetched

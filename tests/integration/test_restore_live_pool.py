@@ -4,9 +4,8 @@ ever bytes that verified, wherever the pool's change falls."""
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -140,15 +139,13 @@ def test_a_deadline_that_passes_during_delivery_says_partial(
     url = f"file://{tmp_path / 'store'}"
     with Checkpointer(url, "j", chunk_size=CHUNK, serve_peers=False) as ckpt:
         ckpt.save(1, state).wait(timeout=60)
-    real = fetch.in_thread
+    real = fetch._memmove
 
-    async def slow_copies(fn: Callable[..., Any], *args: Any) -> Any:
-        out = await real(fn, *args)
-        if fn is ctypes.memmove:
-            await asyncio.sleep(0.3)  # a slow delivery (GiBs on a loaded host)
-        return out
+    def slow_copies(run: tuple[int, int, int]) -> None:
+        real(run)
+        time.sleep(0.3)  # a slow delivery (GiBs on a loaded host)
 
-    monkeypatch.setattr(fetch, "in_thread", slow_copies)
+    monkeypatch.setattr(fetch, "_memmove", slow_copies)
     monkeypatch.setattr(fetch, "COPY_PIECE_MIN", CHUNK)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     with Checkpointer(url, "j", serve_peers=False) as ckpt, pytest.raises(Timeout) as info:

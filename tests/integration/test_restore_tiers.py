@@ -135,6 +135,48 @@ def test_a_crashed_workers_pool_is_restored_from_shared_memory(
     assert result.bytes_from.get("local") == total and result.bytes_from.get("store", 0) == 0
 
 
+def test_a_flipped_byte_in_a_dead_workers_pool_is_caught_where_it_lies(
+    tmp_path: Path, shm: Path
+) -> None:
+    """The pool of a worker that died is consistent (its index names the committed
+    ids) but one byte of one chunk went bad since: hashed where it lies, that
+    chunk alone is taken from the store and reported stale; with the store not
+    allowed the restore fails typed, naming it, and leaves the target as it was
+    (atomic), or says it is partial (atomic=False)."""
+    url = file_url(tmp_path)
+    proc = spawn(url, "flip", 0, 1, 5, seed=2, nbytes=1 << 20, stage_only=True)
+    assert proc.wait(60) == -signal.SIGKILL
+    expected = make_state(2, 1 << 20)
+    pool = StagingPool.open_existing("flip", 0)
+    assert pool is not None and pool.consistent()
+    entry = max(pool.index.entries, key=lambda e: e.end - e.start)
+    bad = entry.chunks[1]  # (its second chunk: a flip inside the tensor, not at its start)
+    with open(pool.directory / entry.segment, "r+b") as f:
+        f.seek(entry.offset + CHUNK + 123)
+        byte = f.read(1)
+        f.seek(entry.offset + CHUNK + 123)
+        f.write(bytes([byte[0] ^ 0x10]))
+    pool.close()
+
+    # (One checkpointer: closing one that found the pool's owner dead removes it.)
+    with Checkpointer(url, "flip", chunk_size=CHUNK) as ckpt:
+        for atomic in (True, False):
+            target = target_like(expected)
+            with pytest.raises(RestoreError) as info:
+                ckpt.restore(target, tiers=("local",), atomic=atomic)
+            assert info.value.detail["ids"] == [bad]
+            assert [p["kind"] for p in info.value.detail["problems"]] == ["stale"]
+            assert bool(info.value.detail.get("partial")) is not atomic
+            if atomic:
+                assert all(not t.any() for t in tensors(target)), "an atomic restore wrote"
+        target = target_like(expected)
+        result = ckpt.restore(target)
+    assert_bitwise(target, expected)
+    assert [(p.chunk, p.tier, p.kind) for p in result.problems] == [(bad, "local", "stale")]
+    assert result.bytes_from["store"] == CHUNK
+    assert result.bytes_from["local"] == sum(distinct_bytes(expected).values()) - CHUNK
+
+
 def test_a_half_overwritten_pool_gives_only_its_matching_chunks(
     tmp_path: Path, shm: Path
 ) -> None:
