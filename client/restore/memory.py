@@ -23,8 +23,7 @@ import torch
 
 from ckptd import knobs
 from ckptd.knobs import MiB
-
-from ..staging.reader import libc_madvise
+from ckptd.pages import libc_madvise
 
 MAP_FROM = 4 * MiB  # fresh buffers this large are anonymous maps of their own
 

@@ -23,6 +23,7 @@ import numpy as np
 from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Unavailable
 from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
+from ckptd.pages import populate_read
 
 from ..loop import in_thread
 from ..peer import PeerClient
@@ -258,7 +259,9 @@ class DirectoryCacheSource(Source):
     open with it: past ``max_maps`` (``map_budget()``: a quarter of the process's
     open-file limit), a chunk is read into fresh memory instead, so a restore of
     any size stays within the limit (1,024 files is a common one: 4 GiB of 4 MiB
-    chunks)."""
+    chunks). A map's pages are read in when it is made (``ckptd.pages``): one the
+    disk cannot give back makes the chunk a ``read()``, which fails with EIO (the
+    restore takes it from another tier), not a SIGBUS later."""
 
     tier: ClassVar[Tier] = "cache"
     in_place = True
@@ -289,11 +292,22 @@ class DirectoryCacheSource(Source):
                 return memoryview(b"")
             if len(self._maps) >= self.max_maps:
                 return _read_whole(fd, size)
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            try:
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except OSError:  # out of maps or memory here: read it instead
+                return _read_whole(fd, size)
+            view = memoryview(mm)
+            if not populate_read(view):
+                # A page the disk cannot give back would be a SIGBUS in the hash or
+                # the copy, and kill the training process: read() says EIO instead,
+                # and the restore takes the chunk from another tier.
+                view.release()
+                mm.close()
+                return _read_whole(fd, size)
         finally:
             os.close(fd)
         self._maps.append(mm)
-        return memoryview(mm)
+        return view
 
     def close(self) -> None:
         for mm in self._maps:

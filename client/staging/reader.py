@@ -10,14 +10,14 @@ import mmap
 import os
 import secrets
 import shutil
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ckptd.errors import InvalidDocument, UnsupportedFormat
+from ckptd.pages import libc_madvise
 
 from .format import CONTROL_NAME, CONTROL_SIZE, INDEX_NAME, ControlHeader, PoolIndex, SpanRecord
 from .segments import (
@@ -161,20 +161,6 @@ class StagedPoolReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def libc_madvise() -> Callable[..., int] | None:
-    """libc's ``madvise`` through ctypes (which lets the GIL go while it runs;
-    ``mmap.madvise`` holds it), on Linux only."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 _MADVISE = libc_madvise()

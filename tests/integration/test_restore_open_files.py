@@ -77,3 +77,22 @@ def test_the_budget_follows_the_open_file_limit() -> None:
         assert map_budget() == 64
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_chunk_file_whose_pages_cannot_be_read_in_is_read_not_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page the disk cannot give back (an I/O error: absent hardware here, so the
+    read-in's answer stands in for it) must not stay mapped, where touching it would
+    be a SIGBUS: the chunk is read, where an error is an OSError."""
+    import ckptd.client.restore.sources as sources
+
+    cid = f"{7:064x}"
+    (tmp_path / "chunks" / cid[:2]).mkdir(parents=True)
+    (tmp_path / "chunks" / cid[:2] / cid).write_bytes(b"x" * 10_000)
+    monkeypatch.setattr(sources, "populate_read", lambda view: False)
+    source = DirectoryCacheSource(tmp_path)
+    view = source._map(source._path(cid), cid)
+    assert bytes(view) == b"x" * 10_000
+    assert source._maps == []  # read into memory, not mapped
+    source.close()
