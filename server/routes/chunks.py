@@ -325,6 +325,9 @@ async def read_chunks(
                         data = await repo.get_chunk(cid, verify=False)
                     except ChunkNotFound:
                         hold.release()
+                    except BaseException:  # (a store error, a client gone: not leaked)
+                        hold.release()
+                        raise
                     else:
                         hold.resize(len(data))
                         holds[i] = hold
