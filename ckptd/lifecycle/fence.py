@@ -50,8 +50,8 @@ async def read_state(store: Store) -> tuple[GcState, bytes | None]:
 
 def sweep_live_until(state: GcState) -> float:
     """Until when a sweeping state counts as live on a writer's clock: its lease,
-    then a margin of ``expires_at - started_at`` (the lease at least, as
-    ``started_at`` is when the sweep began and every renewal adds the lease).
+    then a margin of ``expires_at - started_at`` (one lease: while sweeping, the
+    collector sets ``started_at`` at every renewal, which adds the lease).
 
     The collector ends every delete before ``expires_at`` on its own clock; the
     margin covers a writer's clock running ahead of the collector's by less than

@@ -193,8 +193,12 @@ class _Lease:
         assert self.state is not None
         now = self.clock()
         update: dict[str, object] = {"phase": phase, "expires_at": now + self.lease_s}
-        if phase != self.state.phase:
-            update["started_at"] = now  # writers measure a dead sweep's margin from it
+        if phase != self.state.phase or phase == "sweeping":
+            # Writers measure a dead sweep's margin as ``expires_at - started_at``:
+            # while sweeping, ``started_at`` is the last renewal, so the margin is one
+            # lease however long the sweep ran (marking keeps its start: the grace
+            # period counts from it).
+            update["started_at"] = now
         new = self.state.model_copy(update=update)
         data = new.canonical()
         if not await self.store.compare_and_swap(GC_STATE_KEY, self._bytes, data):

@@ -159,3 +159,22 @@ async def test_an_expired_sweep_stays_live_for_its_margin() -> None:
     report = await collect_garbage(store, grace=0.0, clock=lambda: 221.0)
     assert report.generation == 4
     assert (await read_state(store))[0].phase == "idle"
+
+
+async def test_a_long_sweeps_margin_is_one_lease_not_its_length() -> None:
+    """A sweep that ran an hour and then died must not keep writers waiting another
+    hour: the margin after its lease is one lease, however long it swept."""
+    from ckptd.lifecycle.fence import sweep_live_until
+    from ckptd.lifecycle.gc import _Lease
+
+    store = MemoryStore()
+    now = [1000.0]
+    lease = _Lease(store, 60.0, lambda: now[0])
+    await lease.acquire()
+    await lease.move("sweeping")
+    for _ in range(100):  # an hour of renewals
+        now[0] += 36.0
+        await lease.move("sweeping")
+    state = (await read_state(store))[0]
+    assert state.phase == "sweeping"
+    assert sweep_live_until(state) == state.expires_at + 60.0
