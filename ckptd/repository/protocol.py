@@ -274,7 +274,13 @@ class Repository(Verification, Listings, AfterCommit):
                 # record since this call looked: the record stands, with its bytes.
                 # (Its committer puts them back too, ``_keep_committed``: whichever
                 # comes first.)
-                record = await self._try_read_commit(manifest.job, manifest.step)
+                try:
+                    record = await self._try_read_commit(manifest.job, manifest.step)
+                except BaseException:
+                    # Not knowing whether a record names the replaced bytes, put them
+                    # back: the put fails, a retry replaces them again and looks again.
+                    await self.store.compare_and_swap(key, data, existing)
+                    raise
                 named = (None if record is None or manifest.rank >= record.world_size
                          else record.manifests[manifest.rank].hash)
                 if record is not None and named != manifest.digest():

@@ -205,3 +205,39 @@ async def test_a_launch_that_came_back_smaller_commits_without_the_dead_launchs_
     assert status.state == "committed" and status.record is not None
     assert [r.hash for r in status.record.manifests] == [alone[0].digest()]
     assert (await repo.verify(JOB, 10)).ok
+
+
+class FlakyGetStore(RacingStore):
+    """A ``RacingStore`` whose next read of ``fail_get`` fails (an S3 503)."""
+
+    fail_get: str | None = None
+
+    async def get(self, key: str) -> bytes:
+        if key == self.fail_get:
+            self.fail_get = None
+            from ckptd.errors import StoreError
+
+            raise StoreError("transient 503 on GET", key=key)
+        return await super().get(key)
+
+
+async def test_a_replacing_put_that_cannot_read_the_record_after_its_swap_puts_back() -> None:
+    """The dead launch commits between the new launch's look for a record and its
+    swap, and the look after the swap fails: the replaced (committed) manifest is
+    put back, not left replaced under a record that names it."""
+    from ckptd.errors import StoreError
+
+    store = FlakyGetStore()
+    repo = Repository(store)
+    old = await dead_launch_step(repo)
+
+    async def old_launch_commits(_: str) -> None:
+        assert (await repo.commit(JOB, 10)).state == "committed"
+        store.fail_get = commit_key(JOB, 10)
+
+    store.hooks["compare_and_swap"] = (lambda key: key == manifest_key(JOB, 10, 0),
+                                       old_launch_commits)
+    with pytest.raises(StoreError):
+        await put_rank(repo, *sharded_rank(10, 0, "attempt1", "run:1"))
+    assert await store.get(manifest_key(JOB, 10, 0)) == old[0][0].canonical()
+    assert (await repo.verify(JOB, 10)).ok
