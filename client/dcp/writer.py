@@ -289,12 +289,13 @@ class Writer(StorageWriter):
         DCP's ``metadata`` is not stored: ``Reader.read_metadata`` rebuilds it from
         the committed manifests."""
         step = self._require_step()
-        status = _run(
-            self.url,
-            self.token,
-            lambda t: t.commit(self.job, step, {"producer": "ckptd.client.dcp"}),
-            self.timeout,
-        )
+        # The launch, as the manifests name it: a relaunch with fewer ranks then
+        # commits without the dead launch's ranks past its world size.
+        launch = launch_incarnation()
+        meta = {"producer": "ckptd.client.dcp",
+                **({} if launch is None else {INCARNATION_META: launch})}
+        status = _run(self.url, self.token, lambda t: t.commit(self.job, step, meta),
+                      self.timeout)
         if status.state != "committed":
             raise NotCommitted(
                 f"{self.job} step {step} did not commit: ranks {status.missing_ranks[:20]} "
