@@ -3,10 +3,11 @@ timeline first, then the marker; docs/design/005-rollback-timelines.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ckptd.documents import parse_stored
-from ckptd.errors import Conflict, NotFound, Superseded
+from ckptd.errors import Conflict, NotFound, StoreError, Superseded
 from ckptd.format import Ref, Timeline, check_job, job_prefix, timeline_key
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RollbackSet
@@ -134,13 +135,32 @@ class Timelines(StoredReads):
         if not await self.store.compare_and_delete(key, seen):
             return False  # a newer rollback, to another step: it stays
         # A rollback to the same step begun since the look wrote the same bytes (or
-        # none): it must stay marked, so put them back.
-        after = await self.timeline(job)
+        # none): it must stay marked, so put them back. Not knowing (the timeline
+        # unreadable), put them back too: a marker kept too long is cleared by the
+        # next commit past it (and ranks already in its timeline are not told again);
+        # one lost leaves a new timeline's ranks never told of their rollback.
+        try:
+            after = await self.timeline(job)
+        except BaseException:
+            await self._mark_again(key, seen)
+            raise
         if after is not None and after.epoch != epoch:
-            await self.store.put_if_absent(key, seen)
+            await self._mark_again(key, seen)
             return False
         log.info("rollback of %s cleared: step %d committed in timeline %d", job, step, epoch)
         return True
+
+    async def _mark_again(self, key: str, marker: bytes) -> None:
+        """Puts a rollback marker just deleted back, trying a few times (a store
+        error here would lose a rollback)."""
+        for attempt in range(4):
+            try:
+                await self.store.put_if_absent(key, marker)
+                return
+            except StoreError:
+                if attempt == 3:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
 
     async def _check_epoch(self, job: str, epoch: int, what: str) -> int:
         """Refuses work of a timeline other than the job's current one."""

@@ -52,3 +52,20 @@ async def test_a_newer_rollback_is_not_cleared_by_a_commit_of_the_one_before(
     marker, epoch = await repo.rollback_state(JOB)
     assert marker is not None and (marker.step, epoch) == (1, 2)
     assert await repo.end_rollback_passed(JOB, 2, 2)
+
+
+async def test_a_marker_whose_clearing_cannot_look_again_is_put_back() -> None:
+    """The clearing deleted the marker and then cannot read the timeline (a store
+    error): a rollback begun meanwhile would be lost, so the marker is put back."""
+    from ckptd.errors import StoreError
+    from ckptd.testing.faults import FaultyStore
+
+    store = FaultyStore(MemoryStore())
+    repo = Repository(store, clock=lambda: 1700000000.0)
+    await commit(repo, 1)
+    await repo.set_rollback(JOB, 1)
+    store.fail_at("get", nth=2, match="refs/timeline")  # the look after the delete
+    with pytest.raises(StoreError):
+        await repo.end_rollback_passed(JOB, 2, 1)
+    marker, epoch = await repo.rollback_state(JOB)
+    assert marker is not None and (marker.step, epoch) == (1, 1)
