@@ -98,7 +98,7 @@ async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, gave_up: 
     except CkptdError:  # ckptd's Timeout is a TimeoutError too: keep its message
         raise
     except TimeoutError:
-        raise Timeout(f"{gave_up} after {timeout} s") from None
+        raise Timeout(f"{gave_up} after {timeout:g} s", after_s=timeout) from None
 
 
 class ClientClosing(CkptdError):

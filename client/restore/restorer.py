@@ -15,7 +15,13 @@ from typing import Any, TypeVar
 import torch
 
 from ckptd import knobs
-from ckptd.errors import CheckpointNotFound, CkptdError, InvalidRequest, UnsupportedFormat
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    InvalidRequest,
+    Timeout,
+    UnsupportedFormat,
+)
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id
 
@@ -448,7 +454,16 @@ class Restorer:
 
         def call(coro: Coroutine[Any, Any, T]) -> T:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return s.call(coro, left)
+            try:
+                return s.call(coro, left)
+            except Timeout as exc:
+                if timeout is None or "after_s" not in exc.detail:
+                    raise  # (a peer's or a request's own deadline says what it was)
+                # Said of the whole restore, not of the moment left to its last part.
+                which = "latest" if step is None else f"step {step}"
+                raise Timeout(f"the restore of {c.job} {which} (rank {c.rank}) ran out of "
+                              f"its {timeout:g} s timeout; pass a longer timeout=",
+                              job=c.job, rank=c.rank, timeout_s=timeout) from None
 
         cache = c.cache_dir if c.cache_dir is not None else knobs.cache_dir()
         opts = RestoreOptions(
