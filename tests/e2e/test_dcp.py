@@ -76,7 +76,12 @@ def test_dcp_save_on_4_ranks_async_save_and_load_on_2_ranks(
     assert boxes == [([0, 0], [3, 6]), ([3, 0], [3, 6]), ([6, 0], [3, 6]), ([9, 0], [1, 6])]
     for step in (1, 2):
         commit = json.loads((server.store / f"jobs/dcp/steps/{step}/commit.json").read_text())
-        assert commit["world_size"] == 4 and commit["meta"] == {"producer": "ckptd.client.dcp"}
+        # The launch, as the ranks' manifests name it (torchrun's run id and restart
+        # count, one node here): a smaller relaunch then commits without this one.
+        launch = docs[0]["meta"]["incarnation"]
+        assert launch.startswith("torchelastic:") and launch.endswith(":0"), launch
+        assert commit["world_size"] == 4 and commit["meta"] == {
+            "producer": "ckptd.client.dcp", "incarnation": launch}
         assert_no_pickle(server.store, "dcp", step)
 
     loaded = torchrun("dcp_load.py", 2, server.url, "dcp", out=tmp_path / "load")
