@@ -1,11 +1,12 @@
-"""The on-store format, version 1: names, keys, and the two documents.
+"""The on-store format, version 1: canonical JSON and the documents (names and
+keys are in ``ckptd.keys``, re-exported here).
 
 ``docs/FORMAT.md`` is the prose of this module; keep them in agreement. Documents
 are JSON in a canonical encoding (sorted keys, no spaces, UTF-8, no NaN), so the
 same content always gives the same bytes and the same blake3.
 
-One module past the house's ~500 lines on purpose: it is FORMAT.md's code (names,
-keys, canonical JSON and every document of the version), read beside that page.
+A module a little past the house's ~500 lines on purpose: it is FORMAT.md's code
+(canonical JSON and every document of the version), read beside that page.
 """
 
 from __future__ import annotations
@@ -19,9 +20,32 @@ from typing import Any, Final, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ckptd import dtypes, large_json
-from ckptd.errors import InvalidDocument, InvalidName, UnsupportedFormat
+from ckptd import keys as _keys
+from ckptd.errors import InvalidDocument, UnsupportedFormat
 from ckptd.hashing import chunk_count, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
+# Names and keys live in ``ckptd.keys``; every module that reads the format finds
+# them here too.
+CHUNK_ID_RE = _keys.CHUNK_ID_RE
+JOB_RE = _keys.JOB_RE
+MAX_STEP = _keys.MAX_STEP
+MAX_WORLD_SIZE = _keys.MAX_WORLD_SIZE
+RANK_PATTERN = _keys.RANK_PATTERN
+STEP_PATTERN = _keys.STEP_PATTERN
+check_chunk_id = _keys.check_chunk_id
+check_job = _keys.check_job
+check_rank = _keys.check_rank
+check_step = _keys.check_step
+check_world_size = _keys.check_world_size
+chunk_key = _keys.chunk_key
+commit_key = _keys.commit_key
+job_prefix = _keys.job_prefix
+latest_key = _keys.latest_key
+manifest_key = _keys.manifest_key
+removal_key = _keys.removal_key
+step_prefix = _keys.step_prefix
+timeline_key = _keys.timeline_key
 
 FORMAT_VERSION: Final = 1
 MANIFEST_FORMAT: Final = "ckptd.rank_manifest"
@@ -31,15 +55,8 @@ TIMELINE_FORMAT: Final = "ckptd.timeline"
 EPOCH_META: Final = "epoch"  # the rank manifest's meta key naming its timeline
 INCARNATION_META: Final = "incarnation"  # (1.2) its meta key naming the launch that wrote it
 
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
-MAX_STEP = 10**15
-MAX_WORLD_SIZE = 1 << 20
 MAX_NAME_LEN = 4096
 MAX_TREE_DEPTH = 64
-# Names of numbers in URLs: one spelling each (no sign, no leading zero).
-STEP_PATTERN = r"^(0|[1-9][0-9]{0,14})$"
-RANK_PATTERN = r"^(0|[1-9][0-9]{0,6})$"
 # A tensor restores into memory: every dimension, offset and element count fits
 # int64 (torch's sizes), and no tensor has more dimensions than this.
 MAX_DIMS = 64
@@ -49,88 +66,6 @@ MAX_INT64 = 2**63 - 1
 MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32
 
 Placement = Literal["replicated", "sharded", "local"]
-
-
-# -- names and keys --------------------------------------------------------------------
-
-
-def check_job(job: str) -> str:
-    if not isinstance(job, str) or not JOB_RE.fullmatch(job):
-        raise InvalidName(
-            f"job name {job!r} must match {JOB_RE.pattern} (letters, digits, '.', '_', '-')",
-            job=str(job)[:200],
-        )
-    return job
-
-
-def check_chunk_id(cid: str) -> str:
-    if not isinstance(cid, str) or not CHUNK_ID_RE.fullmatch(cid):
-        raise InvalidName(f"chunk id {str(cid)[:80]!r} is not 64 lowercase hex digits")
-    return cid
-
-
-def check_step(step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
-        raise InvalidName(f"step {step!r} must be an integer in [0, {MAX_STEP})")
-    return step
-
-
-def check_rank(rank: int, world_size: int, *, job: str | None = None) -> int:
-    check_world_size(world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        of_job = f" of job {job!r}" if job is not None else ""
-        raise InvalidName(
-            f"rank {rank!r}{of_job} must be in [0, {world_size}): the world size is "
-            f"{world_size}, so ranks are 0 to {world_size - 1} (check rank= and world_size=)",
-            rank=rank, world_size=world_size, **({"job": job} if job is not None else {}),
-        )
-    return rank
-
-
-def check_world_size(world_size: int) -> int:
-    if (
-        isinstance(world_size, bool)
-        or not isinstance(world_size, int)
-        or not 1 <= world_size <= MAX_WORLD_SIZE
-    ):
-        raise InvalidName(f"world size {world_size!r} must be in [1, {MAX_WORLD_SIZE}]")
-    return world_size
-
-
-def chunk_key(cid: str) -> str:
-    check_chunk_id(cid)
-    return f"chunks/{cid[:2]}/{cid}"
-
-
-def job_prefix(job: str) -> str:
-    return f"jobs/{check_job(job)}/"
-
-
-def step_prefix(job: str, step: int) -> str:
-    return f"{job_prefix(job)}steps/{check_step(step)}/"
-
-
-def manifest_key(job: str, step: int, rank: int) -> str:
-    return f"{step_prefix(job, step)}ranks/{rank}.json"
-
-
-def commit_key(job: str, step: int) -> str:
-    return f"{step_prefix(job, step)}commit.json"
-
-
-def removal_key(job: str, step: int) -> str:
-    """Retention's claim on a step whose documents it removes (FORMAT.md,
-    Lifecycle): a commit that lands meanwhile waits for it to go, then stands only
-    if the step's manifests are all still there."""
-    return f"{step_prefix(job, step)}removing.json"
-
-
-def latest_key(job: str) -> str:
-    return f"{job_prefix(job)}refs/latest"
-
-
-def timeline_key(job: str) -> str:
-    return f"{job_prefix(job)}refs/timeline"
 
 
 # -- canonical JSON ---------------------------------------------------------------------
