@@ -176,7 +176,7 @@ class Repository(Verification, Listings, AfterCommit):
             key = chunk_key(cid)
             # A chunk stored already may be garbage a running sweep deletes: kept.
             created = await gc_fence.fenced_put(
-                self.store, cid, lambda: self.store.put_if_absent(key, data))
+                self.store, cid, lambda: self.store.put_content(key, data))
             stored = True
             return created
         finally:

@@ -61,6 +61,13 @@ class Store(ABC):
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         """Writes the object unless the key exists. True when this call wrote it."""
 
+    async def put_content(self, key: str, data: bytes | memoryview) -> bool:
+        """``put_if_absent`` of a content-addressed object (a chunk: its key names its
+        bytes, so any writer writes the same). True only when this call surely wrote
+        it: where a store cannot tell (a retried write finding those bytes, which
+        another writer may have put), False; the object is there either way."""
+        return await self.put_if_absent(key, data)
+
     @abstractmethod
     async def exists(self, key: str) -> bool: ...
 

@@ -209,13 +209,15 @@ class S3Store(Store):
             )
         return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}", key=key)
 
-    async def _put(self, key: str, data: bytes | memoryview, **condition: str) -> bool:
+    async def _put(self, key: str, data: bytes | memoryview, *, read_back: bool = True,
+                   **condition: str) -> bool:
         """A conditional PutObject; False when the condition failed.
 
         A retry (botocore's, after an attempt whose answer was lost) of a write that
-        did succeed fails the condition against its own object: then the object is
-        read back, and holding exactly the bytes sent, the write is this call's
-        (claims, leases and records carry a random token or are the same state)."""
+        did succeed fails the condition against its own object: then (``read_back``)
+        the object is read back, and holding exactly the bytes sent, the write is
+        this call's (claims, leases and records carry a random token or are the same
+        state). Not for content-addressed objects, whose bytes any writer sends."""
         name = self._key(key)
         body = data if isinstance(data, bytes) else bytes(data)
         client = await self._client()
@@ -223,7 +225,8 @@ class S3Store(Store):
             await client.put_object(Bucket=self.bucket, Key=name, Body=body, **condition)
         except ClientError as exc:
             if _code(exc) in _PRECONDITION_FAILED or _status(exc) == 412:
-                if exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+                if read_back and exc.response.get("ResponseMetadata", {}).get(
+                        "RetryAttempts", 0):
                     return await self._landed(key, body)
                 return False
             if _code(exc) in _CONFLICT or _status(exc) == 409:
@@ -342,12 +345,20 @@ class S3Store(Store):
     # -- writes -------------------------------------------------------------------------
 
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        return await self._put_absent(key, data, read_back=True)
+
+    async def put_content(self, key: str, data: bytes | memoryview) -> bool:
+        # Equal bytes found on a retry say nothing of who wrote them (two replicas
+        # store the same chunk at once): counted as not written here.
+        return await self._put_absent(key, data, read_back=False)
+
+    async def _put_absent(self, key: str, data: bytes | memoryview, *, read_back: bool) -> bool:
         # A 409 says another conditional write of the key was in flight, not that the
         # object exists: that write may still fail. False must mean "it is there", so
         # look, and write again if it is not.
         for attempt in range(_CONFLICT_ATTEMPTS):
             try:
-                return await self._put(key, data, IfNoneMatch="*")
+                return await self._put(key, data, read_back=read_back, IfNoneMatch="*")
             except _Conflict:
                 if await self.exists(key):
                     return False

@@ -593,3 +593,29 @@ async def test_a_retried_write_that_another_won_is_lost(s3: Callable[..., S3Stor
         client.meta.events.unregister("before-send.s3.PutObject", other_lands_meanwhile)
     assert len(tries) == 2  # retried, and the retry met the other's object
     assert await store.get("jobs/j/refs/lease") == b"token-theirs"
+
+
+async def test_a_chunk_another_writer_stored_during_a_retry_is_not_this_writes(
+    s3: Callable[..., S3Store]
+) -> None:
+    """A chunk's bytes are its id: two replicas storing the same chunk at once send
+    the same bytes, so finding them after a retry does not make the write this
+    call's (each would count the chunk as stored by itself)."""
+    store, other = s3(), s3()
+    client = await store._client()
+    tries: list[int] = []
+    key, body = "chunks/ab/" + "ab" * 32, b"the same bytes from anyone"
+
+    async def other_lands_meanwhile(**_: Any) -> None:
+        tries.append(1)
+        if len(tries) == 1:  # the first try never arrives; the other replica's does
+            assert await other.put_content(key, body)
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    client.meta.events.register("before-send.s3.PutObject", other_lands_meanwhile)
+    try:
+        assert await store.put_content(key, body) is False
+    finally:
+        client.meta.events.unregister("before-send.s3.PutObject", other_lands_meanwhile)
+    assert len(tries) == 2  # retried, and the retry met the other's object
+    assert await store.get(key) == body
