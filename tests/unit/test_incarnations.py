@@ -4,7 +4,6 @@ that one launch wrote; a restarted launch's manifest replaces an earlier one's."
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,23 +11,11 @@ import pytest
 from ckptd.errors import AlreadyCommitted, Conflict
 from ckptd.format import RankManifest, commit_key, manifest_key
 from ckptd.repository import Repository
-from ckptd.store import LocalStore, MemoryStore
+from ckptd.store import MemoryStore
 from ckptd.store.base import Store
 from ckptd.testing.manifests import Chunks, put_rank, rank_manifest, tensor_entry
 
 JOB = "job"
-
-
-@pytest.fixture(params=["memory", "local"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    if request.param == "memory":
-        return MemoryStore()
-    return LocalStore(tmp_path / "store", fsync=False)
-
-
-@pytest.fixture
-def repo(store: Store) -> Repository:
-    return Repository(store, clock=lambda: 1700000000.0)
 
 
 def sharded_rank(step: int, rank: int, seed: str, launch: str | None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ from ckptd.format import (
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.knobs import MAX_CHUNK_SIZE
 from ckptd.repository import Repository
-from ckptd.store import LocalStore, MemoryStore
+from ckptd.store import MemoryStore
 from ckptd.store.base import Store
 from ckptd.testing.manifests import (
     Chunks,
@@ -54,18 +53,6 @@ from ckptd.testing.manifests import (
 )
 
 JOB = "job"
-
-
-@pytest.fixture(params=["memory", "local"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    if request.param == "memory":
-        return MemoryStore()
-    return LocalStore(tmp_path / "store", fsync=False)
-
-
-@pytest.fixture
-def repo(store: Store) -> Repository:
-    return Repository(store, clock=lambda: 1700000000.0)
 
 
 async def save_step(repo: Repository, step: int, world: int = 2, *, job: str = JOB,
