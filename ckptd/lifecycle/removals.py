@@ -13,6 +13,15 @@ from ckptd.store.base import Store
 log = logging.getLogger(__name__)
 
 
+def claim_since(held: bytes) -> float | None:
+    """When the pass that wrote a removal claim began, or None for a claim that does
+    not parse (damage: no live pass wrote it)."""
+    try:
+        return float(json.loads(held)["since"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 async def drop_damaged_claim(store: Store, job: str, step: int) -> bool:
     """Deletes the removal claim of ``step`` when it does not parse (compare-and-delete
     against those bytes: a pass that replaced it meanwhile keeps its own); True then."""
@@ -21,10 +30,7 @@ async def drop_damaged_claim(store: Store, job: str, step: int) -> bool:
         held = await store.get(key)
     except NotFound:
         return False
-    try:
-        float(json.loads(held)["since"])
+    if claim_since(held) is not None:
         return False  # a readable claim: a live pass's, or a stale one retention takes over
-    except (ValueError, KeyError, TypeError):
-        pass
     log.warning("removing the damaged removal claim %s (%d bytes)", key, len(held))
     return await store.compare_and_delete(key, held)

@@ -10,7 +10,6 @@ its chunks go at the next garbage collection."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import secrets
@@ -24,6 +23,7 @@ from typing import Any, Literal
 from ckptd.errors import InvalidPolicy, InvalidRequest, NotFound, StoreError
 from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
+from ckptd.lifecycle.removals import claim_since
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository import Repository
 
@@ -278,13 +278,11 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
         return mine
     try:
         held = await repo.store.get(key)
-        since = float(json.loads(held)["since"])
     except NotFound:
         return None  # released meanwhile: the next pass looks again
-    except (ValueError, KeyError, TypeError):
-        # Unreadable (damaged): no live pass wrote it, so as good as stale; taken
-        # over by a swap against its own bytes, which ``held`` still are.
-        since = 0.0
+    # Unreadable (damaged): no live pass wrote it, so as good as stale; taken over by
+    # a swap against its own bytes, which ``held`` still are.
+    since = claim_since(held) or 0.0
     if time.time() - since < STALE_CLAIM:
         return None
     # A dead pass's claim: take it over (one pass wins the swap).
