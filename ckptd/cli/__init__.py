@@ -554,6 +554,7 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import healthcheck as _healthcheck  # noqa: E402,F401  (the image's HEALTHCHECK)
 from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
 from ckptd.cli import shm as _shm  # noqa: E402,F401  (staging pools in /dev/shm)
 from ckptd.cli import status as _status  # noqa: E402,F401
