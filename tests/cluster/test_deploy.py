@@ -98,13 +98,52 @@ def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           timeout=30)
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def make_service_certificate(where: Path) -> tuple[Path, Path]:
+    """A certificate as a cluster's CA issues one: for the service's name (not the
+    loopback address the check asks on), signed by a CA the file does not hold."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def build(subject: str, issuer: str, public: Any, signer: Any, ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(public).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5))
+                   .not_valid_after(now + dt.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("ckptd.ml.svc.cluster.local")]),
+                critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    build("cluster CA", "cluster CA", ca_key.public_key(), ca_key, True)  # kept elsewhere
+    leaf = build("ckptd", "cluster CA", key.public_key(), ca_key, False)
+    cert_path, key_path = where / "leaf.pem", where / "leaf-key.pem"
+    cert_path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("tls", ["", "self-signed", "issued"],
+                         ids=["http", "https-self-signed", "https-issued-for-the-service"])
 def test_the_image_health_check_follows_the_configured_port_and_tls(
-    tmp_path: Path, tls: bool
+    tmp_path: Path, tls: str
 ) -> None:
     more = {}
     if tls:
-        cert, key = make_certificate(tmp_path)
+        maker = make_certificate if tls == "self-signed" else make_service_certificate
+        cert, key = maker(tmp_path)
         more = {"CKPTD_TLS_CERT": str(cert), "CKPTD_TLS_KEY": str(key)}
     env = _image_env(tmp_path, **more)
     assert env["CKPTD_PORT"] != "8470"  # another port than the image's default
@@ -280,3 +319,12 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
     for port in ports:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_the_health_check_reaches_a_wildcard_bind_on_loopback() -> None:
+    from ckptd.cli.healthcheck import probe_url
+
+    assert probe_url("0.0.0.0", 8470, False) == "http://127.0.0.1:8470/healthz"
+    assert probe_url("::", 9000, True) == "https://[::1]:9000/healthz"
+    assert probe_url("fd00::7", 1, False) == "http://[fd00::7]:1/healthz"
+    assert probe_url("ckptd-0.ckptd", 8470, False) == "http://ckptd-0.ckptd:8470/healthz"
