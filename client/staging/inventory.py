@@ -62,12 +62,15 @@ class PoolInfo:
 
 
 def _owner_alive(directory: Path) -> bool | None:
-    """True when a process holds the pool's lock, False when none does, None when
-    the pool has no control file (a pool being created, or being removed)."""
+    """True when a process holds the pool's lock (or it cannot be asked: taken as
+    alive, so never removed), False when none does, None when the pool has no
+    control file (a pool being created, or being removed)."""
     try:
         fd = os.open(directory / CONTROL_NAME, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError:  # not ours to read, or not a file: nothing to say it is dead
+        return True
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
