@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckptd.cli import app
 from ckptd.client import Checkpointer
 from ckptd.client.staging import StagingPool, pool_dir
 from ckptd.client.staging.format import CONTROL_NAME
@@ -45,8 +47,10 @@ def ckptd(shm: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def listed(shm: Path, *args: str) -> dict[str, Any]:
-    done = ckptd(shm, "--json", *args)
-    assert done.returncode == 0, done.stdout + done.stderr
+    """``ckptd shm --json`` run in this process (the lock probe of a pool this process
+    owns still sees it held: flock locks belong to open files, not processes)."""
+    done = CliRunner().invoke(app, ["shm", "--json", "--shm-dir", str(shm), *args])
+    assert done.exit_code == 0, done.output
     doc: dict[str, Any] = json.loads(done.stdout)
     return doc
 
@@ -103,7 +107,7 @@ def test_shm_says_what_it_did_in_plain_words(shm: Path, crashed: int) -> None:
     assert done.returncode == 0, done.stderr
     assert f"removed {pool_dir('crashed', 1, shm)} (job crashed rank 1" in done.stdout
     assert "1 removed" in done.stdout
-    assert "no staging pools" in ckptd(shm).stdout
+    assert "no staging pools" in CliRunner().invoke(app, ["shm", "--shm-dir", str(shm)]).stdout
     bad = ckptd(shm, "--older-than", "soon", "--clean")
     assert bad.returncode == 2 and "not an age" in bad.stderr
 
@@ -144,3 +148,28 @@ def test_clean_keeps_a_pool_a_process_claims_while_it_runs(shm: Path) -> None:
         finally:
             pool.close()
         shutil.rmtree(shm / f"ckptd-{os.getuid()}", ignore_errors=True)
+
+
+def test_clean_asks_again_before_it_removes(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listed dead, then claimed by a restarting worker before the removal: kept."""
+    from ckptd.client.staging import inventory
+
+    primary = _dead_pool(shm, "late", 0)
+    claimed: list[StagingPool] = []
+    real = inventory.list_pools
+
+    def list_then_claim(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        assert [p.alive for p in found[0]] == [False]
+        claimed.append(StagingPool("late", 0, root=shm))  # the restart, just now
+        return found
+
+    monkeypatch.setattr(inventory, "list_pools", list_then_claim)
+    removed, kept = inventory.remove_dead_pools(shm)
+    (pool,) = claimed
+    try:
+        assert removed == [] and [p.directory for p in kept] == [primary]
+        assert pool.directory == primary
+        assert os.stat(primary / CONTROL_NAME).st_ino == os.fstat(pool._res.fd).st_ino
+    finally:
+        pool.close()
