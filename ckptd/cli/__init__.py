@@ -105,6 +105,22 @@ def _root(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    plain_off_a_terminal(console, err_console)
+
+
+PLAIN_WIDTH = 10_000  # "unbounded": a table off a terminal is as wide as its rows
+
+
+def plain_off_a_terminal(*consoles: Console) -> None:
+    """Off a terminal (a pipe, a log file, ``kubectl logs``) each line is a record:
+    rich would wrap it at 80 columns and split paths and URLs across lines. There,
+    lines are never wrapped (``COLUMNS`` still wins when set)."""
+    if os.environ.get("COLUMNS"):
+        return
+    for c in consoles:
+        if not c.is_terminal:
+            c.soft_wrap = True
+            c.width = PLAIN_WIDTH
 
 
 # What serve's options default to (server.settings.Settings, not imported here: the
@@ -538,7 +554,9 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import healthcheck as _healthcheck  # noqa: E402,F401  (the image's HEALTHCHECK)
 from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
+from ckptd.cli import shm as _shm  # noqa: E402,F401  (staging pools in /dev/shm)
 from ckptd.cli import status as _status  # noqa: E402,F401
 from ckptd.cli import tokens as _tokens  # noqa: E402,F401
 from ckptd.cli import views as _views  # noqa: E402,F401  (export, import, diff)

@@ -104,8 +104,9 @@ Testing
 Layout of the package: ``format`` (the on-disk control file and index, frozen
 typed values), ``segments`` (the pool's files, the control file, removal),
 ``layout`` (where each tensor sits, the staged pieces, the copies), ``index``
-(writing ``index.json``), ``pool`` (``StagingPool``) and ``reader``
-(``StagedPoolReader``, stale pools).
+(writing ``index.json``), ``pool`` (``StagingPool``), ``reader``
+(``StagedPoolReader``, stale pools) and ``inventory`` (a host's pools, live or
+dead, for ``ckptd shm``).
 """
 
 from .layout import StagedPiece, StagedSpan, StagePlan, TensorInfo

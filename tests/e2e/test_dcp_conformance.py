@@ -140,7 +140,7 @@ def test_a_fqn_that_is_a_tensor_on_one_rank_and_a_value_on_another_is_typed(
     assert RankManifest.model_validate(doc)
 
 
-def test_several_shards_of_one_tensor_on_one_rank_are_refused_as_the_readme_says() -> None:
+def test_several_shards_of_one_tensor_on_one_rank_are_refused_as_the_docs_say() -> None:
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
@@ -163,8 +163,8 @@ def test_several_shards_of_one_tensor_on_one_rank_are_refused_as_the_readme_says
 
     with pytest.raises(UnsupportedValue) as info:
         Writer("file:///tmp/unused", "j", 1).prepare_local_plan(SavePlan([item(0), item(2)]))
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    said = " ".join(readme.split())  # the README wraps lines
+    page = (Path(__file__).parents[2] / "docs" / "dcp.md").read_text()
+    said = " ".join(page.split())  # the page wraps lines
     assert "UnsupportedValue: " + str(info.value).replace("'w'", "'NAME'") in said
 
 
