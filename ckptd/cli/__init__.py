@@ -265,9 +265,18 @@ def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
 
-def _damaged(step: Any) -> bool:
-    """Scrub marked the step damaged (a server without the field says no)."""
-    return bool(step.get("damaged") if isinstance(step, dict) else getattr(step, "damaged", False))
+def _unreadable(what: str, doc: Any) -> tuple[str, str, bool] | None:
+    """(table cell, note, newer) for a job or step a listing could not read, or
+    None: a damaged document, or one of a newer format (newer: upgrade ckptd)."""
+    def get(name: str) -> Any:
+        return doc.get(name) if isinstance(doc, dict) else getattr(doc, name, None)
+
+    if isinstance(why := get("damaged"), str):
+        return "[red]damaged[/]", f"[red]damaged[/] {escape(f'{what}: {why}')}", False
+    if isinstance(why := get("unsupported"), str):
+        return ("[yellow]unsupported[/]",
+                f"[bold red]error[/] {escape(f'[unsupported_format] {what}: {why}')}", True)
+    return None
 
 
 @app.command("ls")
@@ -276,7 +285,10 @@ def ls(
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """List jobs, or one job's steps with sizes and whether each committed."""
+    """List jobs, or one job's steps with sizes and whether each committed. A job or
+    step whose documents cannot be read is listed as such (exit code 1 when a newer
+    ckptd wrote them)."""
+    notes: list[tuple[str, bool]] = []  # one job's unreadable documents: told, not fatal
 
     async def go() -> None:
         transport = _transport(url, token)
@@ -286,16 +298,27 @@ def ls(
                 table = Table("job", "latest", "committed", "pending", "size of latest")
                 for j in jobs:
                     name = _field(j, "job")
-                    steps = await transport.list_steps(name)
+                    try:
+                        steps = await transport.list_steps(name)
+                    except CkptdError as exc:
+                        steps, j = [], {"damaged": exc.message, **j}
+                    bad = _unreadable(name, j)
+                    if bad is not None:
+                        notes.append(bad[1:])
+                    if worse := [b for s in steps if (b := _unreadable("", s))]:
+                        n = len(worse)
+                        notes.append((f"[yellow]unreadable[/] {escape(name)}: {n} "
+                                      f"step{'s' if n > 1 else ''} (`ckptd ls {escape(name)}`)",
+                                      any(b[2] for b in worse)))
                     committed = [s for s in steps if _field(s, "committed")]
                     latest = next((s for s in steps if _field(s, "is_latest")), None)
-                    damaged = j.get("damaged")
+                    named = j.get("latest")  # (a step that cannot be read is not is_latest)
                     table.add_row(
-                        name,
-                        "[red]damaged[/]" if damaged else
-                        str(_field(latest, "step")) if latest else "-",
+                        escape(name),
+                        bad[0] if bad else str(_field(latest, "step")) if latest else
+                        f"{named} (unreadable)" if named is not None else "-",
                         str(len(committed)),
-                        str(len(steps) - len(committed)),
+                        str(len(steps) - len(committed) - len(worse)),
                         _human(_field(latest, "logical_bytes") if latest else None),
                     )
                 console.print(table)
@@ -310,7 +333,10 @@ def ls(
                 for s in steps:
                     committed = _field(s, "committed")
                     world = _field(s, "world_size")
-                    state = ("[red]damaged[/]" if _field(s, "damaged") else
+                    bad = _unreadable(f"step {_field(s, 'step')}", s)
+                    if bad is not None:
+                        notes.append(bad[1:])
+                    state = (bad[0] if bad else
                              "[green]committed[/]" if committed else "[yellow]pending[/]")
                     table.add_row(
                         str(_field(s, "step")),
@@ -328,6 +354,10 @@ def ls(
         asyncio.run(go())
     except CkptdError as exc:
         _fail(exc)
+    for note, _ in notes:
+        err_console.print(note, soft_wrap=True)
+    if any(newer for _, newer in notes):
+        raise typer.Exit(code=1)  # this ckptd is too old to read all of it: upgrade
 
 
 @app.command()
