@@ -213,9 +213,20 @@ def serve(
         typer.Option("--member-leases/--no-member-leases",
                      help="Find replicas by leases in the store. Env CKPTD_MEMBER_LEASES."),
     ] = None,
+    single_writer: Annotated[
+        bool | None,
+        typer.Option("--single-writer/--no-single-writer",
+                     help="Serve a store that cannot write conditionally, as its only writer "
+                     "(docs/SECURITY.md). Env CKPTD_SINGLE_WRITER."),
+    ] = None,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Check the settings and that the store writes "
+                     "conditionally, then exit (0: it would serve)."),
+    ] = False,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
-    from ckptd.cli.mistakes import server_settings
+    from ckptd.cli.mistakes import server_settings, writable_store
     from ckptd.server.app import run
 
     overrides: dict[str, Any] = {
@@ -242,13 +253,18 @@ def serve(
             "peers": peers,
             "advertise_url": advertise_url,
             "member_leases": member_leases,
+            "single_writer": single_writer,
         }.items()
         if v is not None
     }
     try:
         settings, opened = server_settings(overrides)
+        opened = writable_store(settings, opened)  # refuses one that ignores conditions
     except CkptdError as exc:
         _fail(exc)
+        return
+    if check:
+        console.print(f"ok: would serve {escape(opened.describe())}", highlight=False)
         return
     logging.getLogger("ckptd").setLevel(logging.INFO)
     run(settings, store=opened)
