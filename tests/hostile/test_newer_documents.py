@@ -86,6 +86,13 @@ def test_overview_keeps_every_job(api: httpx.Client) -> None:
     assert "upgrade ckptd" in steps[2]["unsupported"] and steps[1]["committed"]
 
 
+def test_space_counts_around_the_newer_record(api: httpx.Client) -> None:
+    r = api.get("/v1/space")
+    assert r.status_code == 200, r.text
+    assert {j["job"] for j in r.json()["jobs"]} >= {"good", "newcommit"}
+    assert any("jobs/newcommit/steps/2/commit.json" in d for d in r.json()["damaged"])
+
+
 @pytest.mark.parametrize("where", ["server", "store"])
 def test_ckptd_ls_keeps_every_job(newer: ServerProcess, where: str) -> None:
     url = newer.url if where == "server" else f"file://{newer.store}"
