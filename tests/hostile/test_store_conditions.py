@@ -126,8 +126,12 @@ def test_the_probe_and_the_single_writer_store(front: DroppingFront, moto: str,
         direct = S3Store(BUCKET, prefix, endpoint_url=moto)
         try:
             assert await _racing_creates(behind) > 1  # the front really lets all win
-            gaps = await conditional_write_gaps(behind)
-            assert len(gaps) == 4, gaps  # both refusals, both races
+            gaps = " ".join(await conditional_write_gaps(behind))
+            # Both refusals and the racing creates, always; the racing swaps nearly so
+            # (a swap that reads after another's write loses by its own comparison).
+            for lack in ("If-None-Match is ignored", "If-Match is ignored",
+                         "8 of 8 concurrent put-if-absents"):
+                assert lack in gaps, gaps
             assert await conditional_write_gaps(direct) == []
             single = SingleWriterStore(behind)
             assert await _racing_creates(single) == 1
