@@ -26,7 +26,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from ckptd import __version__
 from ckptd.cli.help import HelpGroup
@@ -281,20 +280,6 @@ def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
 
-def _unreadable(what: str, doc: Any) -> tuple[str, str, bool] | None:
-    """(table cell, note, newer) for a job or step a listing could not read, or
-    None: a damaged document, or one of a newer format (newer: upgrade ckptd)."""
-    def get(name: str) -> Any:
-        return doc.get(name) if isinstance(doc, dict) else getattr(doc, name, None)
-
-    if isinstance(why := get("damaged"), str):
-        return "[red]damaged[/]", f"[red]damaged[/] {escape(f'{what}: {why}')}", False
-    if isinstance(why := get("unsupported"), str):
-        return ("[yellow]unsupported[/]",
-                f"[bold red]error[/] {escape(f'[unsupported_format] {what}: {why}')}", True)
-    return None
-
-
 @app.command("ls")
 def ls(
     job: Annotated[str | None, typer.Argument(help="Show this job's steps.")] = None,
@@ -304,65 +289,17 @@ def ls(
     """List jobs, or one job's steps with sizes and whether each committed. A job or
     step whose documents cannot be read is listed as such (exit code 1 when a newer
     ckptd wrote them)."""
-    notes: list[tuple[str, bool]] = []  # one job's unreadable documents: told, not fatal
+    from ckptd.cli.listing import Notes, jobs_table, steps_table
+
+    notes = Notes()  # one job's unreadable documents: told, not fatal
 
     async def go() -> None:
         transport = _transport(url, token)
         try:
             if job is None:
-                jobs = await transport.list_jobs()
-                table = Table("job", "latest", "committed", "pending", "size of latest")
-                for j in jobs:
-                    name = _field(j, "job")
-                    try:
-                        steps = await transport.list_steps(name)
-                    except CkptdError as exc:
-                        steps, j = [], {"damaged": exc.message, **j}
-                    bad = _unreadable(name, j)
-                    if bad is not None:
-                        notes.append(bad[1:])
-                    if worse := [b for s in steps if (b := _unreadable("", s))]:
-                        n = len(worse)
-                        notes.append((f"[yellow]unreadable[/] {escape(name)}: {n} "
-                                      f"step{'s' if n > 1 else ''} (`ckptd ls {escape(name)}`)",
-                                      any(b[2] for b in worse)))
-                    committed = [s for s in steps if _field(s, "committed")]
-                    latest = next((s for s in steps if _field(s, "is_latest")), None)
-                    named = j.get("latest")  # (a step that cannot be read is not is_latest)
-                    table.add_row(
-                        escape(name),
-                        bad[0] if bad else str(_field(latest, "step")) if latest else
-                        f"{named} (unreadable)" if named is not None else "-",
-                        str(len(committed)),
-                        str(len(steps) - len(committed) - len(worse)),
-                        _human(_field(latest, "logical_bytes") if latest else None),
-                    )
-                console.print(table)
+                console.print(await jobs_table(transport, notes))
             else:
-                steps = await transport.list_steps(job)
-                if not steps:
-                    from ckptd.cli.mistakes import job_not_found
-
-                    jobs = [_field(j, "job") for j in await transport.list_jobs()]
-                    raise job_not_found(job, jobs, transport.describe())
-                table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
-                for s in steps:
-                    committed = _field(s, "committed")
-                    world = _field(s, "world_size")
-                    bad = _unreadable(f"step {_field(s, 'step')}", s)
-                    if bad is not None:
-                        notes.append(bad[1:])
-                    state = (bad[0] if bad else
-                             "[green]committed[/]" if committed else "[yellow]pending[/]")
-                    table.add_row(
-                        str(_field(s, "step")),
-                        state,
-                        f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
-                        _human(_field(s, "logical_bytes")),
-                        _when(_field(s, "committed_at")),
-                        "latest" if _field(s, "is_latest") else "",
-                    )
-                console.print(table)
+                console.print(await steps_table(transport, job, notes))
         finally:
             await transport.close()
 
@@ -370,9 +307,8 @@ def ls(
         asyncio.run(go())
     except CkptdError as exc:
         _fail(exc)
-    for note, _ in notes:
-        err_console.print(note, soft_wrap=True)
-    if any(newer for _, newer in notes):
+    notes.print(err_console)
+    if notes.newer:
         raise typer.Exit(code=1)  # this ckptd is too old to read all of it: upgrade
 
 
