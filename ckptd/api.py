@@ -142,6 +142,11 @@ class JobSummary(_Body):
         default=None, exclude_if=lambda v: v is None,
         description="Why ``latest`` could not be read (a damaged ref); absent when it could.",
     )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why ``latest`` could not be read by this ckptd (a newer one wrote it: "
+        "upgrade); absent when it could.",
+    )
 
 
 class JobList(_Body):
@@ -159,6 +164,10 @@ class StepSummary(_Body):
     damaged: str | None = Field(
         default=None, exclude_if=lambda v: v is None,
         description="The damaged document that makes this step unusable; absent if none.",
+    )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="A document of the step of a newer format (upgrade ckptd); absent if none.",
     )
 
 
@@ -405,6 +414,10 @@ class StepView(_Body):
         default=None, exclude_if=lambda v: v is None,
         description="The damaged document that makes this step unusable; absent if none.",
     )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="A document of the step of a newer format (upgrade ckptd); absent if none.",
+    )
 
 
 class JobView(_Body):
@@ -421,6 +434,16 @@ class JobView(_Body):
         default_factory=list, description="Committed steps scrub marked damaged (latest skips)."
     )
     rebuilding: bool = Field(default=False, description="As in RankList.")
+    damaged: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why the job's latest ref (or more) cannot be read: it is damaged; "
+        "absent when it can.",
+    )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why the job's latest ref (or more) cannot be read by this ckptd (a newer "
+        "one wrote it: upgrade); absent when it can.",
+    )
 
 
 class StorageView(_Body):

@@ -109,6 +109,12 @@ class Settings(BaseSettings):
     member_ttl: float = Field(
         default=10.0, gt=0, le=3600, description="Seconds a member lease lasts unrenewed."
     )
+    single_writer: bool = Field(
+        default=False,
+        description="Serve a store that cannot write conditionally (If-None-Match / If-Match "
+        "ignored), with this server as its only writer: no replicas, no other server, no "
+        "file:// clients. Its conditional writes are then checked under this process's locks.",
+    )
 
     # -- store lifecycle (ckptd.lifecycle; docs/FORMAT.md "Garbage collection") -------
     retention: str | None = Field(

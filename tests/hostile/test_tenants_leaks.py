@@ -45,8 +45,13 @@ def test_healthz_says_not_ok_when_the_store_is_gone(
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
+    from tests.store.test_s3 import _OneRequestAtATime
+
     s3 = moto_server.ThreadedMotoServer("127.0.0.1", free_port(), verbose=False)
     s3.start()
+    # S3's conditional writes are atomic; moto's only one request at a time (the
+    # server checks its store's conditions at start).
+    s3._server.app = _OneRequestAtATime(s3._server.app)  # type: ignore[union-attr]
     host, port = s3.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="health")
