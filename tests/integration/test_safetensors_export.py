@@ -306,3 +306,62 @@ def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Pat
         assert "Traceback" not in done.output
     with pytest.raises(InvalidRequest):
         import_checkpoint(folder, f"file://{tmp_path / 'store'}", "j", 1)
+
+
+def test_a_corrupt_cached_copy_is_passed_over_for_the_store(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    full = save_two_ranks(f"file://{store}", shm)
+    cache = tmp_path / "cache"
+    manifest = json.loads((store / f"jobs/{JOB}/steps/1/ranks/0.json").read_text())
+    entry = next(e for e in manifest["entries"] if e["name"] == "model.big")
+    for cid in entry["chunks"]:  # the cache holds model.big's chunks, the first one bad
+        (cache / "chunks" / cid[:2]).mkdir(parents=True, exist_ok=True)
+        data = bytearray((store / "chunks" / cid[:2] / cid).read_bytes())
+        if cid == entry["chunks"][0]:
+            data[0] ^= 0xFF
+        (cache / "chunks" / cid[:2] / cid).write_bytes(bytes(data))
+    monkeypatch.setenv("CKPTD_CACHE_DIR", str(cache))
+    result = export_safetensors(f"file://{store}", JOB, tmp_path / "out")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(same_bits(got[k], full[k]) for k in full)
+    # model.big's bytes but its first chunk came from the cache; that one, and all
+    # else, from the store.
+    assert result.bytes_from["cache"] == entry["nbytes"] - CHUNK
+    assert result.bytes_from["store"] == result.nbytes - result.bytes_from["cache"]
+
+
+MEMORY = """
+import json, sys
+from ckptd.client.integrations.safetensors import export_safetensors
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+export_safetensors(sys.argv[1], sys.argv[2], sys.argv[3], max_shard_size="16MB")  # warm
+before = status()
+export_safetensors(sys.argv[1], sys.argv[2], sys.argv[4], max_shard_size="16MB")
+print(json.dumps({"rise": status()["VmHWM"] - before["VmRSS"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["file", "http"])
+def test_memory_stays_below_one_file_whatever_the_step(where: str, tmp_path: Path, shm: Path,
+                                                       server: Any) -> None:
+    url = server.url if where == "http" else f"file://{tmp_path / 'store'}"
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(16)}}
+    with Checkpointer(url, "mem", shm_dir=shm, serve_peers=False) as ckpt:  # 64 MiB
+        ckpt.save(1, state).wait(120)
+    proc = subprocess.run([sys.executable, "-c", MEMORY, url, "mem", str(tmp_path / "a"),
+                           str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rise = json.loads(proc.stdout)["rise"]
+    files = sorted((tmp_path / "b").glob("*.safetensors"))
+    assert len(files) == 6 and max(f.stat().st_size for f in files) <= 16 * 10**6  # 3 each
+    assert rise <= 16 * 10**6, rise  # the largest file; the step is 64 MiB

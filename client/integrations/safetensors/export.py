@@ -2,14 +2,16 @@
 safetensors files and their ``model.safetensors.index.json``.
 
 Streamed: each file is written in windows of a few tens of MiB, in file order.
-A window's chunks are fetched by the restore engine's fetcher (the cache tier,
-then the store; a ``file://`` store's chunk files mapped in place), verified
-against their ids and landed where their bytes go in the window; then the
-window is written while the next one fills. A tensor whose stored boxes are
-runs of its bytes (whole rows: replicated, ``Shard(0)``, 1-D) is its chunks in
-order, each landing once; any other layout (``Shard(1)``, tensor-parallel
-columns) is assembled slab of rows by slab from the boxes under it. Memory stays
-at two windows (and a slab's landing), whatever the step's size.
+A tensor whose stored boxes are runs of its bytes (whole rows: replicated,
+``Shard(0)``, 1-D) is its chunks in order; any other layout (``Shard(1)``,
+tensor-parallel columns) is assembled slab of rows by slab from the boxes under
+it. A chunk that is a file on this host (a ``file://`` store, the cache
+directory) is mapped, hashed where it lies and written from the map: one copy,
+by the kernel, as ``save_file`` makes. The others (over HTTP, slabs, a local file
+that did not verify) are fetched by the restore engine's fetcher (its tiers,
+its typed failures), verified and landed in a window, which is written while
+the next one fills. Memory stays at two windows (and a slab's landing) plus
+the maps being hashed, whatever the step's size.
 
 Files are written under temporary names and renamed once all are complete;
 the index comes last. A failed export leaves nothing behind.
@@ -32,13 +34,20 @@ from ckptd import knobs
 from ckptd.errors import InvalidRequest
 from ckptd.hashing import chunk_spans
 from ckptd.knobs import MiB
+from ckptd.pages import map_readable
 
 from ...dtypes import byte_view, torch_dtype
 from ...endpoint import endpoint
-from ...loop import in_thread, run_private
+from ...loop import in_thread, run_private, spread
 from ...restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
 from ...restore.layout import fill_from_entry
-from ...restore.sources import DirectoryCacheSource, LocalStoreSource, Source, StoreSource
+from ...restore.sources import (
+    DirectoryCacheSource,
+    LocalStoreSource,
+    Source,
+    StoreSource,
+    verify_hash,
+)
 from ...transport import Transport, open_transport, read_step
 from .layout import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -164,7 +173,7 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
     nbytes = sum(t.nbytes for t in selection.tensors)
     result = SafetensorsExport(step, len(selection.tensors), [p.filename for p in plans],
                                nbytes, time.perf_counter() - t0, str(target),
-                               selection.skipped_local, dict(writer.fetcher.bytes_from))
+                               selection.skipped_local, writer.bytes_from())
     log.info("exported step %d of %s: %d tensors, %d bytes in %d files in %.2f s", step, job,
              result.tensors, nbytes, len(plans), result.seconds)
     return result
@@ -235,6 +244,10 @@ class _Writer:
             sources.append(DirectoryCacheSource(cache))
         sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
         self.fetcher = ChunkFetcher(sources, 2 * knobs.restore_concurrency())
+        # Chunk files on this host, written from their maps (in tier order).
+        self.local_sources = [s for s in sources if isinstance(s, DirectoryCacheSource)]
+        self.bytes_local: dict[str, int] = {s.tier: 0 for s in self.local_sources}
+        self.workers = max(1, min(8, os.cpu_count() or 1))
         self.step = step
         self.window = window
         self.buffers = [torch.empty(window, dtype=torch.uint8) for _ in range(2)]
@@ -246,6 +259,13 @@ class _Writer:
         self.fetcher.close()
         self.buffers = []
 
+    def bytes_from(self) -> dict[str, int]:
+        """Bytes read, by tier."""
+        out = dict(self.fetcher.bytes_from)
+        for tier, n in self.bytes_local.items():
+            out[tier] = out.get(tier, 0) + n
+        return {tier: n for tier, n in out.items() if n}
+
     async def write_file(self, path: Path, plan: FilePlan) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -255,6 +275,9 @@ class _Writer:
             pending: asyncio.Future[None] | None = None
             turn = 0
             for group in _windows(pieces(plan, self.window), self.window):
+                group = await self._write_local(fd, base, group)
+                if not group:
+                    continue
                 start, end = group[0].at, group[-1].at + group[-1].size
                 buf = self.buffers[turn] if end - start <= self.window else torch.empty(
                     end - start, dtype=torch.uint8)  # one slab wider than a window
@@ -262,16 +285,65 @@ class _Writer:
                 await self._fill(buf, group, start)
                 if pending is not None:
                     await pending
-                view = byte_view(buf)[: end - start]
-                pending = asyncio.ensure_future(self._write(fd, view, base + start))
+                pending = asyncio.ensure_future(self._write(fd, buf, group, start, base))
             if pending is not None:
                 await pending
         finally:
             os.close(fd)
 
-    async def _write(self, fd: int, view: memoryview, offset: int) -> None:
-        await in_thread(_write_all, fd, view, offset)
-        self._advance(len(view))
+    async def _write_local(self, fd: int, base: int, group: list[Piece]) -> list[Piece]:
+        """Writes the group's chunks that are files on this host straight from their
+        maps, each verified first; returns the pieces left for the window."""
+        local: list[tuple[_Chunk, str, str]] = []
+        rest: list[Piece] = []
+        for piece in group:
+            found = self._local_path(piece.cid) if isinstance(piece, _Chunk) else None
+            if found is None:
+                rest.append(piece)
+            else:
+                assert isinstance(piece, _Chunk)
+                local.append((piece, *found))
+        if not local:
+            return rest
+
+        def one(item: tuple[_Chunk, str, str]) -> bool:
+            chunk, path, _ = item
+            data = map_readable(Path(path))
+            if data is None or len(data) != chunk.size or verify_hash(data) != chunk.cid:
+                return False  # left to the fetcher: other tiers, or the typed failure
+            _write_all(fd, data, base + chunk.at)
+            return True
+
+        done = await spread(local, one, self.workers)
+        for (chunk, _, tier), ok in zip(local, done, strict=True):
+            if ok:
+                self.bytes_local[tier] += chunk.size
+                self._advance(chunk.size)
+            else:
+                rest.append(chunk)
+        return sorted(rest, key=lambda p: p.at)
+
+    def _local_path(self, cid: str) -> tuple[str, str] | None:
+        """The first chunk file on this host holding ``cid`` (tier order), its tier."""
+        for source in self.local_sources:
+            holders = source.holders(cid)
+            if holders:
+                return holders[0], source.tier
+        return None
+
+    async def _write(self, fd: int, buf: torch.Tensor, group: list[Piece], start: int,
+                     base: int) -> None:
+        """Writes the window's pieces, as runs of adjacent ones."""
+        view = byte_view(buf)
+        runs: list[list[int]] = []
+        for piece in group:
+            if runs and runs[-1][1] == piece.at:
+                runs[-1][1] += piece.size
+            else:
+                runs.append([piece.at, piece.at + piece.size])
+        for a, b in runs:
+            await in_thread(_write_all, fd, view[a - start : b - start], base + a)
+            self._advance(b - a)
 
     def _advance(self, n: int) -> None:
         self.done += n
