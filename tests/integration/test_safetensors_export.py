@@ -365,3 +365,74 @@ def test_memory_stays_below_one_file_whatever_the_step(where: str, tmp_path: Pat
     files = sorted((tmp_path / "b").glob("*.safetensors"))
     assert len(files) == 6 and max(f.stat().st_size for f in files) <= 16 * 10**6  # 3 each
     assert rise <= 16 * 10**6, rise  # the largest file; the step is 64 MiB
+
+
+TRANSFORMERS = """
+import importlib.util, json, sys
+sys.path[:] = sys.argv[3:]
+assert importlib.util.find_spec("ckptd") is None, "ckptd must not be importable here"
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+ref = load_file(sys.argv[2])
+with torch.no_grad():
+    logits = model(ref.pop("input_ids")).logits
+state = model.state_dict()
+print(json.dumps({
+    "logits": bool(torch.equal(logits, ref.pop("logits"))),
+    "params": sorted(k for k in ref if not torch.equal(state[k], ref[k])),
+    "names": sorted(state) == sorted(ref),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_transformers_loads_a_two_rank_export_of_a_llama(tmp_path: Path, shm: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    url = f"file://{tmp_path / 'store'}"
+    # Two ranks, every matrix split by rows (FSDP's layout), with an optimizer beside.
+    ckpts = [Checkpointer(url, "llama", rank=r, world_size=2, chunk_size=CHUNK, shm_dir=shm,
+                          serve_peers=False) for r in range(2)]
+    try:
+        handles = []
+        for r, c in enumerate(ckpts):
+            model_part: dict[str, torch.Tensor] = {}
+            shards: dict[str, Shard] = {}
+            for k, v in weights.items():
+                if v.dim() == 2:
+                    half = v.shape[0] // 2
+                    model_part[k] = v[r * half : (r + 1) * half if r == 0 else None].clone()
+                    shards[f"model.{k}"] = Shard(tuple(v.shape), (r * half, 0))
+                else:
+                    model_part[k] = v
+            optim = {"exp_avg": {k: torch.zeros(3) for k in list(weights)[:2]}}
+            handles.append(c.save(1, {"model": model_part, "optim": optim}, shards=shards))
+        assert "committed" in [h.wait(timeout=60).state for h in handles]
+    finally:
+        for c in ckpts:
+            c.close()
+    out = tmp_path / "release"
+    done = runner.invoke(app, ["export", "llama", "--safetensors", str(out), "--only", "model.",
+                               "--strip", "model.", "--max-shard-size", "40KB", "--url", url])
+    assert done.exit_code == 0, done.output
+    assert len(list(out.glob("*.safetensors"))) > 1
+    config.save_pretrained(out)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    save_file({**weights, "input_ids": ids, "logits": logits}, tmp_path / "ref.safetensors")
+    proc = subprocess.run([sys.executable, "-S", "-c", TRANSFORMERS, str(out),
+                           str(tmp_path / "ref.safetensors"), *site_paths()],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"logits": True, "params": [], "names": True}
