@@ -72,7 +72,8 @@ def rank_state(full: dict[str, torch.Tensor], r: int) -> tuple[dict[str, Any], d
             shards[name] = Shard(tuple(t.shape), offsets)
         (model if group == "model" else optim)[key] = value
     rng = torch.full((8,), r, dtype=torch.uint8)  # rank-local: no global tensor
-    return {"model": model, "optim": optim, "rng": rng, "epoch": 3}, shards
+    # A bytes leaf is an opaque blob, no tensor: the export leaves it out.
+    return {"model": model, "optim": optim, "rng": rng, "epoch": 3, "raw": b"\x80opaque"}, shards
 
 
 def save_two_ranks(url: str, shm: Path, job: str = JOB, step: int = 1) -> dict[str, torch.Tensor]:
