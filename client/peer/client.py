@@ -28,6 +28,8 @@ from ckptd.errors import (
     from_json,
 )
 
+from .http import VALID_TRAILER
+
 log = logging.getLogger(__name__)
 
 # The slowest a peer may send and still be waited for: a request's deadline is the
@@ -196,9 +198,13 @@ class PeerClient:
 
     def _fetch(self, conn: _Conn, url: str, cid: str, dest: memoryview) -> int:
         sock = conn.sock
-        sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
-                     .encode("ascii"))
-        headers, extra, n, keep = self._answer(conn, url, cid)
+        # TE: trailers lets a peer send from its pool without copying the chunk out
+        # first: its validity then follows the body (``PeerRequest.send_checked``).
+        sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\nTE: trailers\r\n"
+                     f"{self._auth}\r\n".encode("ascii"))
+        headers, extra, n, keep = self._answer(conn, url, cid, len(dest))
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            return self._fetch_chunked(conn, url, cid, dest, extra, keep)
         if n != len(dest) or len(extra) > n:
             conn.close()
             raise ChunkSizeMismatch(
@@ -221,6 +227,42 @@ class PeerClient:
             conn.close()
         return got
 
+    def _fetch_chunked(self, conn: _Conn, url: str, cid: str, dest: memoryview,
+                       extra: memoryview, keep: bool) -> int:
+        """A chunked answer's body into ``dest``, then its trailer: a peer that sent
+        from memory that changed under the send says so there (``X-Ckptd-Valid:
+        0``), and the bytes are refused as a 409 would have refused them."""
+        stream = _BodyStream(conn.sock, extra, conn.deadline)
+        got = 0
+        while True:
+            size = _chunk_size(stream.line())
+            if size == 0:
+                break
+            if got + size > len(dest):
+                conn.close()
+                raise ChunkSizeMismatch(f"peer {url} sent more than the {len(dest)} bytes of "
+                                        f"chunk {cid}", id=cid, peer=url)
+            stream.read_into(dest[got : got + size])
+            got += size
+            if stream.line():
+                raise ValueError("a chunk of a chunked answer ends without its CRLF")
+        trailers = {}
+        while line := stream.line():
+            key, sep, value = line.partition(b":")
+            if sep:
+                trailers[key.strip().lower().decode("latin-1")] = value.strip()
+        if keep and not stream.extra:
+            self._give(conn)
+        else:
+            conn.close()
+        if got != len(dest):
+            raise ChunkSizeMismatch(f"peer {url} sent {got} bytes for chunk {cid}, expected "
+                                    f"{len(dest)}", id=cid, peer=url)
+        if trailers.get(VALID_TRAILER.lower()) == b"0":
+            raise Conflict(f"peer {url}: chunk {cid} was overwritten while it was sent",
+                           id=cid, peer=url)
+        return got
+
     def _fetch_many(
         self, conn: _Conn, url: str, chunks: Sequence[tuple[str, memoryview]], body: bytes,
         each: Callable[[int, CkptdError | None], None],
@@ -229,7 +271,7 @@ class PeerClient:
         sock.sendall(f"POST /v1/chunks/read HTTP/1.1\r\nHost: peer\r\n{self._auth}"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      .encode("ascii") + body)
-        headers, extra, n, keep = self._answer(conn, url, None)
+        headers, extra, n, keep = self._answer(conn, url, None, 0)
         sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
         if n != sum(k or 0 for k in sizes):
             raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
@@ -249,16 +291,17 @@ class PeerClient:
         else:
             conn.close()
 
-    def _answer(self, conn: _Conn, url: str, cid: str | None
+    def _answer(self, conn: _Conn, url: str, cid: str | None, expect: int
                 ) -> tuple[dict[str, str], memoryview, int, bool]:
-        """A 200 answer's headers, what came past them, its body length and whether
-        the connection is kept; another status raises its typed error. The
-        request's deadline grows by the body at the slowest rate waited for."""
+        """A 200 answer's headers, what came past them, its body length (-1: not
+        given) and whether the connection is kept; another status raises its typed
+        error. The request's deadline grows by the body (``expect`` bytes when the
+        answer gives no length) at the slowest rate waited for."""
         status, headers, extra = _read_head(conn.sock, conn.deadline)
         n, keep = _length(headers), _keep_alive(headers)
         if status != 200:
             raise _error(status, self._error_body(conn, extra, n, keep), url, cid)
-        conn.deadline += max(n, 0) / MIN_RATE
+        conn.deadline += (n if n >= 0 else expect) / MIN_RATE
         return headers, extra, n, keep
 
     def _error_body(self, conn: _Conn, extra: memoryview, n: int, keep: bool) -> bytes:
@@ -361,12 +404,39 @@ class _BodyStream:
             got += k
             _check(self.deadline, got < len(dest))
 
+    def line(self) -> bytes:
+        """The next line (without its CRLF), from what came already, else read a
+        little at a time (never far past it: a body follows)."""
+        while (end := bytes(self.extra[:MAX_LINE]).find(b"\r\n")) < 0:
+            if len(self.extra) >= MAX_LINE:
+                raise ValueError("a line of a chunked answer longer than 4 KiB")
+            more = bytearray(256)
+            k = self.sock.recv_into(more)
+            if not k:
+                raise _Disconnected("the answer ended inside a chunk header")
+            self.extra = memoryview(bytes(self.extra) + bytes(more[:k]))
+            _check(self.deadline)
+        out = bytes(self.extra[:end])
+        self.extra = self.extra[end + 2 :]
+        return out
+
     def skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n > 0:
             k = min(n, len(scratch))
             self.read_into(scratch[:k])
             n -= k
+
+
+MAX_LINE = 4096
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk of a chunked body, from its line (extensions ignored)."""
+    text = line.split(b";", 1)[0].strip()
+    if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
+        raise ValueError(f"bad chunk size line {line[:40]!r}")
+    return int(text, 16)
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
