@@ -303,9 +303,10 @@ PATHS = {
 }
 
 
-def client_rows(size_bytes: int, rounds: int = 3, parent: str | None = None
-                ) -> list[dict[str, Any]]:
-    """The client's data-plane rows for a state of ``size_bytes`` (see the module)."""
+def client_rows(size_bytes: int, rounds: int = 3, parent: str | None = None,
+                object_store: bool = True) -> list[dict[str, Any]]:
+    """The client's data-plane rows for a state of ``size_bytes`` (see the module);
+    ``object_store``: with the presigned row (when moto and aiobotocore are here)."""
     from ckptd.client import Checkpointer
 
     measured = Measured()
@@ -344,7 +345,8 @@ def client_rows(size_bytes: int, rounds: int = 3, parent: str | None = None
 
             systems = [("store", True), ("store", False), ("peer", True), ("peer", False)]
             s3 = contextlib.ExitStack()
-            s3_url = s3.enter_context(s3_server(scratch)) if have_s3() else None
+            s3_url = (s3.enter_context(s3_server(scratch)) if object_store and have_s3()
+                      else None)
             if s3_url is not None:
                 with Checkpointer(s3_url, JOB, chunk_size=CHUNK, serve_peers=False) as owner:
                     owner.save(STEP, state).wait(timeout=1200)
@@ -438,12 +440,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scratch", default=None, help="parent of the scratch directory")
     parser.add_argument("--markdown", default=None, help="write the table to this file")
+    parser.add_argument("--no-object", action="store_true",
+                        help="leave out the object-store row (moto)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     gc.collect()
     size = parse_size(args.size)
     info = machine(Path(args.scratch or "/tmp"))
-    rows = client_rows(size, args.rounds, args.scratch)
+    rows = client_rows(size, args.rounds, args.scratch, not args.no_object)
     out = table(rows, size)
     out.print()
     if args.markdown:
