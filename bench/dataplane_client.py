@@ -395,7 +395,9 @@ def client_rows(size_bytes: int, rounds: int = 3, parent: str | None = None,
         rows.append(measured.row(
             "object", RECEIVE_TARGET,
             "atomic, every chunk read by the rank from moto's S3 through the restore plan's "
-            "presigned URLs (the server carries none); moto serves on the same cores"))
+            "presigned URLs (the server carries none); moto serves on the same cores and "
+            "closes each connection after one answer (Connection: close), so every chunk "
+            "pays a TCP connect and slow start here; S3 keeps connections alive"))
     for row in rows:
         row["path"] = PATHS[row["path"]]
     return rows
