@@ -144,9 +144,10 @@ def test_a_peer_server_under_a_reconnecting_slowloris_keeps_answering(
             assert fetch(peer, limited_peer) == DATA
             time.sleep(0.1)
     opened, closed = counts
-    # Each answered within a second (the probe waited 43 s), and the
-    # attacker's connections were closed to make room, not left holding the server.
-    assert worst < 1.0, f"/healthz took {worst:.2f} s under the attack"
+    # Each answered within a few seconds, however loaded the host (the probe
+    # waited 43 s; here about 60 ms each, 0.5 s at worst on a loaded 2-core host),
+    # and the attacker's connections were closed to make room, not left holding it.
+    assert worst < 3.0, f"/healthz took {worst:.2f} s under the attack"
     assert opened >= 300 and closed > 0
 
 
