@@ -309,18 +309,27 @@ class PeerServer:
                 # Straight from the pool (the kernel's copy is the only one); the
                 # trailer says whether the pool still held them once sent, and a
                 # client that asked for it drops them otherwise (PeerClient: 409).
-                if not request.send_checked(200, headers, view, index.valid):
-                    self.stats.add("stale")
-                    return
-            elif not self._send_copied(request, cid, headers, view, index):
-                return
-            self.stats.add("served")
-            self.stats.add("bytes_served", len(view))
+                def counted() -> bool:  # (counted before the client can read the verdict)
+                    valid = index.valid()
+                    self._count(view if valid else None)
+                    return valid
+
+                request.send_checked(200, headers, view, counted)
+            else:
+                self._send_copied(request, cid, headers, view, index)
         finally:
             self._slots.release()
 
+    def _count(self, sent: memoryview | None) -> None:
+        """Counts a chunk served (None: refused, it was being overwritten)."""
+        if sent is None:
+            self.stats.add("stale")
+        else:
+            self.stats.add("served")
+            self.stats.add("bytes_served", len(sent))
+
     def _send_copied(self, request: PeerRequest, cid: str, headers: dict[str, str],
-                     view: memoryview, index: PeerIndex) -> bool:
+                     view: memoryview, index: PeerIndex) -> None:
         """For a client that reads no trailers: the bytes copied out of the pool
         first and checked valid after the copy, then sent with their length."""
         n = len(view)
@@ -330,15 +339,15 @@ class PeerServer:
             out[:] = view
             if not index.valid():
                 self._stale(request, cid)
-                return False
+                return
+            self._count(view)  # (before the client can have the answer)
             request.send(200, headers, out)
             out.release()
         finally:
             self._scratch.put(scratch)
-        return True
 
     def _stale(self, request: PeerRequest, cid: str) -> None:
-        self.stats.add("stale")
+        self._count(None)
         request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid).to_json())
 
     def _take_scratch(self, n: int) -> bytearray:
