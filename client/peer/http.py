@@ -6,13 +6,13 @@ It lives inside the training process, so what a connection may cost is bounded
 whoever opens it. A connection holds a worker only while its request is
 answered: until its head has arrived whole, it waits in the admitting thread's
 selector, costing a descriptor and a small buffer. At most ``max_connections``
-are open; one more closes a waiting one to make room (the longest sending part
-of a head, else the longest silent, else the longest idle kept-alive one), so a
-flood of half-open connections, even one that reconnects at once, delays a real
-peer, whose head arrives whole, by a round trip, not by head timeouts (issue 20,
-item 5). A request head must
-arrive whole within ``head_timeout`` of the connection (or of its first byte),
-and a kept-alive connection is closed after ``idle_timeout`` without a request.
+(a quarter of the open-file limit) are open; one more closes a waiting one to
+make room (the longest sending part of a head, else the longest silent, else the
+longest idle kept-alive one), so a flood of half-open connections, even one that
+reconnects at once, delays a real peer, whose head arrives whole, by a round
+trip, not by head timeouts (issue 20, item 5). A request head must arrive whole
+within ``head_timeout`` of the connection (or of its first byte), and a
+kept-alive connection is closed after ``idle_timeout`` without a request.
 Only ``GET`` with no body is spoken: that is all a peer asks."""
 
 from __future__ import annotations
@@ -110,17 +110,18 @@ Handler = Callable[[PeerRequest], None]
 
 
 def connection_budget() -> int:
-    """Connections one peer server keeps open at most: half the process's open-file
-    limit (the training process keeps the rest), 16 to 1,024. Under a flood the
-    oldest half-open one is closed for each new one, so the cap is also how many
-    connections a real peer's request head may arrive behind."""
+    """Connections one peer server keeps open at most: a quarter of the process's
+    open-file limit (the training process needs the rest, flood or not), 16 to 512.
+    A real peer's head arrives whole, so a flood of half-sent heads never closes it
+    first (``BoundedHTTPServer._evict``); against silent connections the cap is how
+    many newer ones it may arrive behind."""
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
         soft = 1024
     if soft < 0:  # RLIM_INFINITY
         soft = 1 << 20
-    return max(16, min(soft // 2, 1024))
+    return max(16, min(soft // 4, 512))
 
 
 @dataclass(slots=True, eq=False)
