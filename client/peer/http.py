@@ -340,6 +340,8 @@ class BoundedHTTPServer:
                 self._park(conn)
 
     def _read(self, conn: _Conn) -> None:
+        if conn.where is None:
+            return  # (an event of this turn for one dispatched or closed meanwhile)
         try:
             data = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
