@@ -326,6 +326,15 @@ class RestorePlan(_Body):
     peer_token: str | None = Field(
         default=None, description="The job's peer token, to send to those peers."
     )
+    reads: dict[str, str] = Field(
+        default_factory=dict,
+        description="Over an S3-compatible store: for chunk ids of the manifest, a presigned "
+        "GET URL of the chunk's object, to read it straight from the object store (then "
+        "verified as any source); empty when the store or the server does not offer them.",
+    )
+    reads_expire_in: int | None = Field(
+        default=None, description="Seconds from the plan's answer that those URLs work."
+    )
 
 
 class StepHolder(_Body):

@@ -96,6 +96,13 @@ def restore_huge_pages() -> bool:
     return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
 
 
+def direct_reads() -> bool:
+    """A restore whose plan carries presigned URLs (a server over an S3-compatible
+    store) reads those chunks straight from the object store; 0 sends every read
+    through the server."""
+    return os.environ.get("CKPTD_DIRECT_READS", "1").lower() not in ("0", "false", "no")
+
+
 def peer_host() -> str:
     """Address the peer chunk server binds (127.0.0.1: this host only; 0.0.0.0 for
     peers on other nodes)."""

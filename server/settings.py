@@ -152,6 +152,17 @@ class Settings(BaseSettings):
         default=10.0, ge=0, le=600,
         description="Seconds a chunk read waits for room in the egress budget before a 503.",
     )
+    # Restores that skip the server (server/presign.py; issue 21, item 3).
+    presigned_reads: bool = Field(
+        default=True,
+        description="Over an S3-compatible store, restore plans carry presigned GET URLs of "
+        "the rank's chunks, and ranks read them from the object store, not through this "
+        "server. Off: every restore byte goes through the server.",
+    )
+    presigned_read_seconds: int = Field(
+        default=900, ge=30, le=7 * 24 * 3600,
+        description="Seconds a restore plan's presigned URLs stay valid.",
+    )
     heartbeat_signal_bytes: int = Field(
         default=16 << 10, ge=1024,
         description="Bytes of health signals (names and values) kept per rank; the rest of "
