@@ -113,3 +113,39 @@ def test_ckptd_ls_keeps_every_job(newer: ServerProcess, where: str) -> None:
     assert "[unsupported_format] step 2: jobs/newcommit/steps/2/commit.json" in " ".join(
         one.stderr.split())
     assert "unsupported" in one.stdout and "committed" in one.stdout
+
+
+# -- direct reads: the store's document named, the caller not blamed --------------------
+
+
+@pytest.mark.parametrize(("path", "key"), [
+    ("/v1/jobs/newcommit/steps/2", "jobs/newcommit/steps/2/commit.json"),
+    ("/v1/jobs/newref/latest", "jobs/newref/refs/latest"),
+    ("/v1/jobs/newref/restore-plan?rank=0", "jobs/newref/refs/latest"),
+    ("/v1/jobs/newcommit/restore-plan?rank=0&step=2", "jobs/newcommit/steps/2/commit.json"),
+    ("/v1/jobs/newcommit/step-plan?rank=0&step=2", "jobs/newcommit/steps/2/commit.json"),
+])
+def test_direct_reads_name_the_newer_document_not_the_caller(
+        api: httpx.Client, path: str, key: str) -> None:
+    # A 400 told a restoring rank its request was wrong; the store is newer than the
+    # server, and it needs the server upgraded.
+    r = api.get(path)
+    assert r.status_code == 500, r.text
+    body = r.json()
+    assert body["code"] == "unsupported_stored_format", body
+    assert body["detail"]["key"] == key and body["detail"]["version"] == 99
+    assert "upgrade ckptd" in body["message"]
+
+
+def test_the_client_raises_unsupported_format_at_once(newer: ServerProcess) -> None:
+    from ckptd.errors import UnsupportedFormat, UnsupportedStoredFormat
+
+    asked = "GET /v1/jobs/newref/latest"
+    with Checkpointer(newer.url, "newref", serve_peers=False, heartbeat_interval=0) as ckpt:
+        before = newer.log().count(asked)
+        with pytest.raises(UnsupportedFormat, match="upgrade ckptd") as err:
+            ckpt.restore({"w": torch.zeros(32, 32)})
+    assert isinstance(err.value, UnsupportedStoredFormat)
+    assert err.value.detail["key"] == "jobs/newref/refs/latest"
+    # Not retried as a 5xx: asking again gets the same document.
+    assert newer.log().count(asked) == before + 1, newer.log()[-2000:]
