@@ -257,3 +257,24 @@ def test_clean_unlinks_nothing_through_a_pool_swapped_for_a_link(
     removed, _ = remove_dead_pools(shm)
     assert sorted(os.listdir(elsewhere)) == kept
     assert removed == []
+
+
+def test_shm_does_not_import_torch(shm: Path) -> None:
+    """An init container or a node's boot runs ``ckptd shm``: it imported torch
+    (seconds, and a CUDA image's libraries) to read a few small files."""
+    _dead_pool(shm, "light", 0)
+    code = textwrap.dedent("""
+        import runpy, sys
+        sys.argv = ["ckptd", "shm", "--json", "--clean", "--shm-dir", sys.argv[1]]
+        try:
+            runpy.run_module("ckptd", run_name="__main__")
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print("torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(shm)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    doc, imported = done.stdout.rsplit("\n", 2)[:2]
+    assert [p["job"] for p in json.loads(doc)["removed"]] == ["light"]
+    assert imported == "False"
