@@ -149,3 +149,17 @@ def test_the_client_raises_unsupported_format_at_once(newer: ServerProcess) -> N
     assert err.value.detail["key"] == "jobs/newref/refs/latest"
     # Not retried as a 5xx: asking again gets the same document.
     assert newer.log().count(asked) == before + 1, newer.log()[-2000:]
+
+
+def test_ckptd_status_says_the_newer_latest_is_unreadable(newer: ServerProcess) -> None:
+    # It said "last committed none": a job with nothing to restore.
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("CKPTD_TOKEN", None)
+    done = subprocess.run([sys.executable, "-m", "ckptd", "status", "--url", newer.url],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    title = next(line for line in done.stdout.splitlines() if line.startswith("newref "))
+    assert "last committed none" not in title and "upgrade ckptd" in title, done.stdout
+    assert "latest: jobs/newref/refs/latest" in " ".join(done.stdout.split())
+    good = next(line for line in done.stdout.splitlines() if line.startswith("good "))
+    assert "last committed 1" in good
