@@ -113,6 +113,13 @@ def test_ckptd_ls_keeps_every_job(newer: ServerProcess, where: str) -> None:
     assert "[unsupported_format] step 2: jobs/newcommit/steps/2/commit.json" in " ".join(
         one.stderr.split())
     assert "unsupported" in one.stdout and "committed" in one.stdout
+    # A job whose steps read but whose latest ref is newer: said, and exit 1 (it
+    # listed step 1 as committed, none as latest, and exited 0).
+    ref = subprocess.run([sys.executable, "-m", "ckptd", "ls", "newref", "--url", url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert ref.returncode == 1, ref.stdout + ref.stderr
+    assert "[unsupported_format] newref latest: jobs/newref/refs/latest" in " ".join(
+        ref.stderr.split())
 
 
 # -- direct reads: the store's document named, the caller not blamed --------------------
