@@ -96,8 +96,10 @@ async def conditional_write_gaps(store: Store, *, writers: int = WRITERS) -> lis
                         "ignored)")
         key = base + "ref"
         await store.put_if_absent(key, b"one")
-        swapped = await store.compare_and_swap(key, b"one", b"two")
-        if not swapped or await store.compare_and_swap(key, b"one", b"three") or (
+        if not await store.compare_and_swap(key, b"one", b"two"):
+            gaps.append("a compare-and-swap from the current value of an object nobody "
+                        "else writes failed (refs could never move)")
+        elif await store.compare_and_swap(key, b"one", b"three") or (
                 await _value(store, key) != b"two"):
             gaps.append("a compare-and-swap from a stale value succeeded")
         elif (stale := await _stale_etag(store, key)) is not None:

@@ -75,3 +75,17 @@ async def test_racing_writes_that_all_lose_are_no_gap() -> None:
     store = _RacingSwapsAllLose()
     assert await conditional_write_gaps(store) == []
     assert store.lost == 8
+
+
+class _SwapsNeverWin(MemoryStore):
+    async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        return False
+
+
+async def test_the_probe_names_what_a_store_lacks() -> None:
+    # A swap that can never win was reported as "a swap from a stale value succeeded":
+    # the operator looked for a gateway dropping If-Match.
+    gaps = await conditional_write_gaps(_SwapsNeverWin())
+    assert any("from the current value of an object nobody else writes failed" in g
+               for g in gaps), gaps
+    assert not any("stale value succeeded" in g for g in gaps), gaps
