@@ -7,10 +7,13 @@ own job's peer token (what its peers already present to it), never the server's
 token, at the peer URL its heartbeat registered: the heartbeat's source address
 or an address in ``CKPTD_PEER_NETWORKS`` (``server/peering.py``). Nothing else
 of the environment applies (no proxy from ``HTTP_PROXY``, no redirects), and the
-answer is read up to one chunk's size and then checked by its hash (scrub)."""
+answer is read up to one chunk's size, within ``CKPTD_SCRUB_PEER_TIMEOUT`` in all
+(a tenant's listener that sends a byte now and then must not hold the scrub of
+every job), and then checked by its hash (scrub)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 PEERS_ASKED = 4
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
+FETCH_DEADLINE_S = 30.0  # one chunk, all of it (CKPTD_SCRUB_PEER_TIMEOUT)
 
 
 async def holders(registry: Registry, views: StoreViews, cid: str
@@ -47,11 +51,14 @@ async def holders(registry: Registry, views: StoreViews, cid: str
                 yield job, view.rank, view.peer_url
 
 
-async def fetch(http: httpx.AsyncClient, url: str, cid: str, token: str) -> bytes | None:
-    """The chunk's bytes as the peer at ``url`` sends them, or None."""
+async def fetch(http: httpx.AsyncClient, url: str, cid: str, token: str,
+                deadline_s: float = FETCH_DEADLINE_S) -> bytes | None:
+    """The chunk's bytes as the peer at ``url`` sends them within ``deadline_s``, or
+    None."""
     try:
-        async with http.stream("GET", f"{url.rstrip('/')}/v1/chunks/{cid}",
-                               headers={"Authorization": f"Bearer {token}"}) as r:
+        async with asyncio.timeout(deadline_s), http.stream(
+                "GET", f"{url.rstrip('/')}/v1/chunks/{cid}",
+                headers={"Authorization": f"Bearer {token}"}) as r:
             if r.status_code != 200:
                 return None
             body = bytearray()
@@ -63,10 +70,15 @@ async def fetch(http: httpx.AsyncClient, url: str, cid: str, token: str) -> byte
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         log.info("scrub: peer %s did not give chunk %s: %s", url, cid, exc)
         return None
+    except TimeoutError:
+        log.info("scrub: peer %s did not give chunk %s within %.0f s", url, cid, deadline_s)
+        return None
 
 
-def peer_source(registry: Registry, views: StoreViews, secret: bytes) -> ChunkSource:
-    """Asks up to ``PEERS_ASKED`` ranks that hold ``cid`` (see the module)."""
+def peer_source(registry: Registry, views: StoreViews, secret: bytes,
+                deadline_s: float = FETCH_DEADLINE_S) -> ChunkSource:
+    """Asks up to ``PEERS_ASKED`` ranks that hold ``cid``, each for ``deadline_s`` at
+    most (see the module)."""
 
     async def get(cid: str) -> bytes | None:
         asked = 0
@@ -74,7 +86,7 @@ def peer_source(registry: Registry, views: StoreViews, secret: bytes) -> ChunkSo
         async with httpx.AsyncClient(timeout=timeout, trust_env=False,
                                      follow_redirects=False) as http:
             async for job, rank, url in holders(registry, views, cid):
-                data = await fetch(http, url, cid, peer_token(secret, job))
+                data = await fetch(http, url, cid, peer_token(secret, job), deadline_s)
                 if data is not None:
                     log.info("scrub: rank %d of %s sent chunk %s", rank, job, cid)
                     return data

@@ -136,6 +136,11 @@ class Settings(BaseSettings):
     scrub_replica: str | None = Field(
         default=None, description="A replica store URL scrub repairs corrupt chunks from."
     )
+    scrub_peer_timeout: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="Seconds a rank's peer server may take to send scrub one chunk (a peer "
+        "that trickles bytes otherwise held every scrub of the store).",
+    )
     min_free_bytes: int = Field(
         default=256 << 20, ge=0, description="New snapshots are refused (store_full) below this."
     )

@@ -93,4 +93,10 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
             _when(_get(s, "committed_at")),
             "latest" if _get(s, "is_latest") else "",
         )
+    if any(_get(s, "committed") for s in steps) and not any(_get(s, "is_latest") for s in steps):
+        # Committed steps and none is latest: the job's latest ref may be one this
+        # ckptd cannot read (the job listing says), which is not "nothing to restore".
+        for j in await transport.list_jobs():
+            if _get(j, "job") == job:
+                notes.unreadable(f"{job} latest", j)
     return table

@@ -11,7 +11,14 @@ that moment retries its claim (``StagingPool._claim``). Removal goes through
 so a process that claims the name meanwhile keeps its new pool.
 
 Listing reads files only (no ``O_CREAT``, no write), so it can run as another user
-or against a read-only mount."""
+or against a read-only mount.
+
+Root runs this over every user's pools, in directories those users write (an init
+container, a node's epilog): so no file is opened through a link or when it is
+not a regular file (a FIFO would block the listing for good), nothing is opened
+for writing, and a removal works on the directories it opened and locked, never
+on a path looked up again (a user who swaps a pool for a link to ``/etc`` between
+the lock and the unlinks has it unlink nothing but that user's own files)."""
 
 from __future__ import annotations
 
@@ -20,6 +27,9 @@ import errno
 import fcntl
 import os
 import re
+import secrets
+import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +39,6 @@ from ckptd.errors import CkptdError
 from ckptd.knobs import shm_dir
 
 from .format import CONTROL_NAME, CONTROL_SIZE, INDEX_NAME, ControlHeader, PoolIndex
-from .reader import _remove_if_stale
 
 _USER_ROOT = re.compile(r"ckptd-(\d+)")
 # rank-<rank>, a live process's private sibling rank-<rank>.<pid>-<hex>, or one a
@@ -61,12 +70,42 @@ class PoolInfo:
                 "restorable": self.restorable, "modified": self.modified, "note": self.note}
 
 
+# Never through a link, never blocked by a FIFO, never kept across an exec.
+_SAFE_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# An index larger than this is not read (a pool's index is kilobytes to a few MiB).
+_INDEX_MAX = 256 << 20
+
+
+def _open_regular(name: str | Path, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``name``; ``OSError`` when it is
+    absent, a link, a FIFO, a device or a directory."""
+    fd = os.open(name, _SAFE_OPEN, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    fd = _open_regular(path)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
 def _owner_alive(directory: Path) -> bool | None:
     """True when a process holds the pool's lock (or it cannot be asked: taken as
     alive, so never removed), False when none does, None when the pool has no
     control file (a pool being created, or being removed)."""
     try:
-        fd = os.open(directory / CONTROL_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_regular(directory / CONTROL_NAME)
     except FileNotFoundError:
         return None
     except OSError:  # not ours to read, or not a file: nothing to say it is dead
@@ -84,8 +123,7 @@ def _owner_alive(directory: Path) -> bool | None:
 
 def _read_control(directory: Path) -> ControlHeader | None:
     try:
-        with open(directory / CONTROL_NAME, "rb") as f:
-            return ControlHeader.unpack(f.read(CONTROL_SIZE))
+        return ControlHeader.unpack(_read_regular(directory / CONTROL_NAME, CONTROL_SIZE))
     except (OSError, CkptdError):
         return None
 
@@ -93,7 +131,7 @@ def _read_control(directory: Path) -> ControlHeader | None:
 def _read_index(directory: Path) -> PoolIndex | None:
     path = directory / INDEX_NAME
     try:
-        return PoolIndex.parse(path.read_bytes(), str(path))
+        return PoolIndex.parse(_read_regular(path, _INDEX_MAX), str(path))
     except (OSError, CkptdError):
         return None
 
@@ -204,7 +242,7 @@ def remove_dead_pools(
         # The listing's answer is old by now: the removal asks the lock again, and
         # renames the pool away only while it holds it.
         try:
-            gone = _remove_if_stale(pool.directory)
+            gone = _remove_dead(pool.directory)
         except OSError:
             gone = False
         if gone:
@@ -215,6 +253,71 @@ def remove_dead_pools(
         elif pool.directory.exists():
             kept.append(pool)
     return removed, kept
+
+
+def _remove_dead(directory: Path) -> bool:
+    """Removes the pool at ``directory`` if no process holds its lock: renamed away
+    and emptied (the control file last) while this holds the lock. Works on the
+    descriptors of the job's and the pool's directories (see the module)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    parent = os.open(directory.parent, flags)
+    try:
+        try:
+            pool = os.open(directory.name, flags, dir_fd=parent)
+        except OSError:  # gone, or not a directory now (a link)
+            return False
+        try:
+            doomed = _remove_locked(parent, pool, directory.name)
+        finally:
+            os.close(pool)
+        if doomed is None:
+            return False
+        with contextlib.suppress(OSError):
+            os.rmdir(doomed, dir_fd=parent)
+        with contextlib.suppress(OSError):  # what else was in it (fd-based: no link followed)
+            shutil.rmtree(doomed, dir_fd=parent)
+        return True
+    finally:
+        os.close(parent)
+
+
+def _remove_locked(parent: int, pool: int, name: str) -> str | None:
+    """Under the lock of its control file, renames the pool (``pool``, at ``name`` in
+    ``parent``) away and unlinks its files; its new name, or None when a process
+    holds the lock, or what is at ``name`` is not the directory opened as ``pool``."""
+    try:
+        control = _open_regular(CONTROL_NAME, dir_fd=pool)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(control, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return None  # a live owner (or one claiming it now)
+        try:  # an owner that closed may have replaced the file between open and lock
+            same = os.stat(CONTROL_NAME, dir_fd=pool, follow_symlinks=False).st_ino == (
+                os.fstat(control).st_ino)
+        except OSError:
+            same = False
+        if not same:
+            return None
+        # Renamed while locked: a process that claims the name from here on makes a
+        # new directory, which this never touches.
+        doomed = f"{name}.removing-{secrets.token_hex(4)}"
+        try:
+            os.rename(name, doomed, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError:
+            return None
+        moved = os.stat(doomed, dir_fd=parent, follow_symlinks=False)
+        opened = os.fstat(pool)
+        if (moved.st_dev, moved.st_ino) != (opened.st_dev, opened.st_ino):
+            return None  # swapped in between: what was renamed is not what was locked
+        for entry in sorted(os.listdir(pool), key=lambda n: n == CONTROL_NAME):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+                os.unlink(entry, dir_fd=pool)
+        return doomed
+    finally:
+        os.close(control)
 
 
 __all__ = ["PoolInfo", "list_pools", "remove_dead_pools"]

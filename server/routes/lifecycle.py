@@ -269,7 +269,8 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
     replica = open_store(settings.scrub_replica) if settings.scrub_replica else None
     # Never with the server's token: each job's ranks with that job's peer token
     # (docs/SECURITY.md, "What leaves the server").
-    peers = peer_source(app.state.registry, app.state.views, app.state.peer_secret)
+    peers = peer_source(app.state.registry, app.state.views, app.state.peer_secret,
+                        settings.scrub_peer_timeout)
 
     def sources() -> Sequence[ChunkSource]:
         found = [peers]

@@ -159,6 +159,11 @@ def test_the_image_health_check_follows_the_configured_port_and_tls(
             time.sleep(0.3)
         scheme = "https" if tls else "http"
         assert f"{scheme}://127.0.0.1:{env['CKPTD_PORT']}/healthz" in done.stdout
+        # A proxy in the environment (for the object store) is not asked for loopback.
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        proxied = _healthcheck({**env, **{name: nowhere for name in (
+            "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}})
+        assert proxied.returncode == 0, proxied.stdout + proxied.stderr
         assert f"on {scheme}://127.0.0.1:{env['CKPTD_PORT']}" in log.read_text()
         if tls:  # the check speaks https because the server does, not by luck
             plain = _healthcheck({k: v for k, v in env.items() if not k.startswith("CKPTD_TLS")})

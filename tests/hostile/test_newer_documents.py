@@ -113,3 +113,60 @@ def test_ckptd_ls_keeps_every_job(newer: ServerProcess, where: str) -> None:
     assert "[unsupported_format] step 2: jobs/newcommit/steps/2/commit.json" in " ".join(
         one.stderr.split())
     assert "unsupported" in one.stdout and "committed" in one.stdout
+    # A job whose steps read but whose latest ref is newer: said, and exit 1 (it
+    # listed step 1 as committed, none as latest, and exited 0).
+    ref = subprocess.run([sys.executable, "-m", "ckptd", "ls", "newref", "--url", url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert ref.returncode == 1, ref.stdout + ref.stderr
+    assert "[unsupported_format] newref latest: jobs/newref/refs/latest" in " ".join(
+        ref.stderr.split())
+
+
+# -- direct reads: the store's document named, the caller not blamed --------------------
+
+
+@pytest.mark.parametrize(("path", "key"), [
+    ("/v1/jobs/newcommit/steps/2", "jobs/newcommit/steps/2/commit.json"),
+    ("/v1/jobs/newref/latest", "jobs/newref/refs/latest"),
+    ("/v1/jobs/newref/restore-plan?rank=0", "jobs/newref/refs/latest"),
+    ("/v1/jobs/newcommit/restore-plan?rank=0&step=2", "jobs/newcommit/steps/2/commit.json"),
+    ("/v1/jobs/newcommit/step-plan?rank=0&step=2", "jobs/newcommit/steps/2/commit.json"),
+])
+def test_direct_reads_name_the_newer_document_not_the_caller(
+        api: httpx.Client, path: str, key: str) -> None:
+    # A 400 told a restoring rank its request was wrong; the store is newer than the
+    # server, and it needs the server upgraded.
+    r = api.get(path)
+    assert r.status_code == 500, r.text
+    body = r.json()
+    assert body["code"] == "unsupported_stored_format", body
+    assert body["detail"]["key"] == key and body["detail"]["version"] == 99
+    assert "upgrade ckptd" in body["message"]
+
+
+def test_the_client_raises_unsupported_format_at_once(newer: ServerProcess) -> None:
+    from ckptd.errors import UnsupportedFormat, UnsupportedStoredFormat
+
+    asked = "GET /v1/jobs/newref/latest"
+    with Checkpointer(newer.url, "newref", serve_peers=False, heartbeat_interval=0) as ckpt:
+        before = newer.log().count(asked)
+        with pytest.raises(UnsupportedFormat, match="upgrade ckptd") as err:
+            ckpt.restore({"w": torch.zeros(32, 32)})
+    assert isinstance(err.value, UnsupportedStoredFormat)
+    assert err.value.detail["key"] == "jobs/newref/refs/latest"
+    # Not retried as a 5xx: asking again gets the same document.
+    assert newer.log().count(asked) == before + 1, newer.log()[-2000:]
+
+
+def test_ckptd_status_says_the_newer_latest_is_unreadable(newer: ServerProcess) -> None:
+    # It said "last committed none": a job with nothing to restore.
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("CKPTD_TOKEN", None)
+    done = subprocess.run([sys.executable, "-m", "ckptd", "status", "--url", newer.url],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    title = next(line for line in done.stdout.splitlines() if line.startswith("newref "))
+    assert "last committed none" not in title and "upgrade ckptd" in title, done.stdout
+    assert "latest: jobs/newref/refs/latest" in " ".join(done.stdout.split())
+    good = next(line for line in done.stdout.splitlines() if line.startswith("good "))
+    assert "last committed 1" in good

@@ -8,6 +8,7 @@ nothing (not even the chunk id). A real peer chunk server of the job repairs it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,12 +59,44 @@ class Listener:
         self.server.server_close()
 
 
+class Trickle(Listener):
+    """A "peer" that answers 200 for a whole chunk and sends a byte every 0.2 s:
+    each read is quick, the chunk never ends."""
+
+    def __init__(self) -> None:  # (no super().__init__: another handler)
+        self.seen = []
+        seen = self.seen
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                seen.append((self.path, self.headers.get("Authorization", "")))
+                self.send_response(200)
+                self.send_header("Content-Length", str(4 << 20))
+                self.end_headers()
+                try:
+                    for _ in range(3000):  # 10 minutes at most
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    pass  # the server gave up on it
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+
 @pytest.fixture
 def tenants(tmp_path: Path) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
     path = tmp_path / "tokens.json"
     tokens = {job: create_token(path, job, "write")[0] for job in ("alpha", "beta")}
     srv = ServerProcess(store=tmp_path / "store", token=ADMIN,
-                        extra_args=["--tokens-file", str(path)])
+                        extra_args=["--tokens-file", str(path)],
+                        env={"CKPTD_SCRUB_PEER_TIMEOUT": "3"})
     srv.start()
     try:
         yield srv, tokens
@@ -126,3 +159,26 @@ def test_scrub_never_sends_the_server_token_to_a_tenant_listener(
         report = scrub(srv)
         assert report["repaired"] == [cid], report
     assert path.read_bytes() == good
+
+
+def test_a_peer_that_trickles_does_not_hold_the_scrub(
+    tenants: tuple[ServerProcess, dict[str, str]],
+) -> None:
+    """A tenant's listener sending a byte now and then kept every read within its
+    timeout and the scrub of the whole store waiting on it, for good."""
+    srv, tokens = tenants
+    with Checkpointer(srv.url, "alpha", token=tokens["alpha"], chunk_size=4096,
+                      serve_peers=False, heartbeat_interval=0) as ckpt:
+        assert ckpt.save(1, {"w": torch.ones(1024)}).wait(timeout=60).state == "committed"
+    path = next(p for p in (Path(srv.store) / "chunks").rglob("*") if p.is_file())
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    slow = Trickle()
+    try:
+        beat(srv, "alpha", tokens["alpha"], slow.url)
+        started = time.monotonic()
+        report = scrub(srv)  # (60 s for the answer)
+        assert path.name in report["corrupt"] and report["repaired"] == []
+        assert len(slow.seen) == 1 and time.monotonic() - started < 30
+    finally:
+        slow.close()

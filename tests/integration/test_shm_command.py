@@ -4,6 +4,7 @@ ones only, also when a process claims a dead pool's name while it cleans."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -173,3 +174,107 @@ def test_clean_asks_again_before_it_removes(shm: Path, monkeypatch: pytest.Monke
         assert os.stat(primary / CONTROL_NAME).st_ino == os.fstat(pool._res.fd).st_ino
     finally:
         pool.close()
+
+
+# -- root cleans every user's pools, in directories those users write --------------------
+
+
+def test_a_fifo_in_a_pool_does_not_hang_the_listing(shm: Path) -> None:
+    """A user's FIFO named ``control`` (or ``index.json``) blocked every open for
+    reading: root's ``ckptd shm`` in an init container never returned."""
+    for name, rank in ((CONTROL_NAME, 0), ("index.json", 1)):
+        d = _dead_pool(shm, "fifo", rank)
+        (d / name).unlink()
+        os.mkfifo(d / name)
+    found: list[Any] = []
+    t = threading.Thread(target=lambda: found.append(list_pools(shm)), daemon=True)
+    t.start()
+    t.join(timeout=20)
+    if t.is_alive():  # release it (a writer opening the FIFO) before failing
+        for rank in (0, 1):
+            for name in (CONTROL_NAME, "index.json"):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(pool_dir("fifo", rank, shm) / name,
+                                     os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=20)
+        pytest.fail("listing pools blocked on a FIFO")
+    pools = {p.rank: p for p in found[0][0]}
+    assert pools[0].alive  # a control file that cannot be asked: never removed
+    assert not pools[1].alive and pools[1].step is None  # no index read
+    removed, _ = remove_dead_pools(shm, job="fifo")
+    assert [p.rank for p in removed] == [1] and pool_dir("fifo", 0, shm).is_dir()
+
+
+def _swap_after_listing(monkeypatch: pytest.MonkeyPatch, swap: Any) -> None:
+    """Runs ``swap`` (the other user's move) between the listing and the removal."""
+    from ckptd.client.staging import inventory
+
+    real = inventory.list_pools
+
+    def list_then_swap(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        assert [p.alive for p in found[0]] == [False]
+        swap()
+        return found
+
+    monkeypatch.setattr(inventory, "list_pools", list_then_swap)
+
+
+def test_clean_writes_nothing_through_a_control_file_swapped_for_a_link(
+        shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listed dead, then its control file made a link to a file of root's: the removal
+    opened it for writing, through the link, and wrote its magic into that file."""
+    d = _dead_pool(shm, "link", 0)
+    victim = tmp_path / "shadow"
+    victim.write_bytes(b"root:$6$hash:19000:0:99999:7:::\n")
+    before = victim.read_bytes()
+
+    def swap() -> None:
+        (d / CONTROL_NAME).unlink()
+        (d / CONTROL_NAME).symlink_to(victim)
+
+    _swap_after_listing(monkeypatch, swap)
+    removed, _ = remove_dead_pools(shm)
+    assert victim.read_bytes() == before
+    assert removed == [] and (d / CONTROL_NAME).is_symlink()
+
+
+def test_clean_unlinks_nothing_through_a_pool_swapped_for_a_link(
+        shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listed dead, then the pool directory made a link to another directory (that
+    holds an unlocked ``control``): the removal emptied that directory."""
+    d = _dead_pool(shm, "dirlink", 0)
+    elsewhere = tmp_path / "etc"
+    shutil.copytree(GOLDEN_POOL, elsewhere)
+    (elsewhere / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    kept = sorted(os.listdir(elsewhere))
+
+    def swap() -> None:
+        d.rename(d.with_name("moved"))
+        d.symlink_to(elsewhere, target_is_directory=True)
+
+    _swap_after_listing(monkeypatch, swap)
+    removed, _ = remove_dead_pools(shm)
+    assert sorted(os.listdir(elsewhere)) == kept
+    assert removed == []
+
+
+def test_shm_does_not_import_torch(shm: Path) -> None:
+    """An init container or a node's boot runs ``ckptd shm``: it imported torch
+    (seconds, and a CUDA image's libraries) to read a few small files."""
+    _dead_pool(shm, "light", 0)
+    code = textwrap.dedent("""
+        import runpy, sys
+        sys.argv = ["ckptd", "shm", "--json", "--clean", "--shm-dir", sys.argv[1]]
+        try:
+            runpy.run_module("ckptd", run_name="__main__")
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print("torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(shm)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    doc, imported = done.stdout.rsplit("\n", 2)[:2]
+    assert [p["job"] for p in json.loads(doc)["removed"]] == ["light"]
+    assert imported == "False"
