@@ -61,7 +61,10 @@ class Checkpointer:
     ``local`` (rank-private), or ``"sharded"`` when given a ``Shard`` (or when they
     are DTensors, whose placements say where their shard sits). ``timeout`` bounds
     every blocking call that takes no timeout of its own (None: no bound).
-    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``.
+    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``; ``rank``,
+    ``world_size`` and ``local_rank`` (this rank's GPU, whose health the probe
+    watches) to the ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` that torchrun (or any
+    launcher of torch's env:// convention) sets, else 0, 1 and none.
 
     A snapshot that fails in the background is never silent: it is logged at
     ERROR once (the typed error naming job, step and rank, and what to do), the
@@ -106,8 +109,8 @@ class Checkpointer:
         self,
         url: str | None = None,
         job: str = "",
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         token: str | None = None,
         *,
         chunk_size: int | None = None,
@@ -126,6 +129,7 @@ class Checkpointer:
         health_policy: Policy | str | os.PathLike[str] | None = None,
         health_sources: Iterable[ReadingSource] | None = None,
         incarnation: str | None = None,
+        local_rank: int | None = None,
     ) -> None:
         """Builds the ``CheckpointerConfig`` of these arguments and opens it."""
         self._open(CheckpointerConfig.of(
@@ -135,7 +139,7 @@ class Checkpointer:
             serve_peers=serve_peers, peer_host=peer_host, peer_port=peer_port,
             heartbeat_interval=heartbeat_interval, health=health, cache_dir=cache_dir,
             health_policy=health_policy, health_sources=health_sources,
-            incarnation=incarnation,
+            incarnation=incarnation, local_rank=local_rank,
         ))
 
     @classmethod

@@ -21,6 +21,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.client.checkpointer")
 
 
+def rank_gpus(local_rank: int | None) -> list[str] | None:
+    """The GPU the health probe watches for this rank: its ``local_rank``'s device, by
+    UUID (NVML's indices follow PCI order and ignore ``CUDA_VISIBLE_DEVICES``); None
+    (every GPU) without a local rank or CUDA. Reading a device's properties makes no
+    CUDA context on it."""
+    if local_rank is None:
+        return None
+    from . import cuda
+
+    if not cuda.available():
+        return None
+    import torch
+
+    try:
+        return [f"GPU-{torch.cuda.get_device_properties(local_rank).uuid}"]
+    except Exception as exc:  # a LOCAL_RANK past the visible devices: watch them all
+        log.info("cannot name GPU %d (LOCAL_RANK) for the health probe: %s", local_rank, exc)
+        return None
+
+
 class FailoverAgent:
     """The peer server and heartbeats (with an HTTP server only: a ``file://`` store
     has nobody to register with, so peers could not find this one), and the health
@@ -115,6 +135,7 @@ class FailoverAgent:
                 policy=c.health_policy, sources=c.health_sources,
                 heartbeat=self.service.heartbeat, latest=latest, epoch=epoch,
                 disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
+                gpus=rank_gpus(c.local_rank),
                 timeout=s.timeout or 10.0, restored=self._restored,
             ).start()
         return self._health
