@@ -51,8 +51,24 @@ def upload_concurrency() -> int:
 
 
 def request_timeout() -> float:
-    """Seconds for one HTTP request (connect, read, write)."""
+    """Seconds for one HTTP request (each read and write; connecting has
+    ``connect_timeout``)."""
     return _env_float("CKPTD_REQUEST_TIMEOUT", 60.0)
+
+
+def connect_timeout() -> float:
+    """Seconds to open a connection to a ckptd server (a replica whose host vanished
+    answers nothing: its calls move to the next replica after this long, not after
+    ``request_timeout``). Also bounds how long a server's connection may leave data
+    unacknowledged, or go silent while a request waits, before it counts as gone
+    (TCP_USER_TIMEOUT at twice this, keepalive probes after this long idle)."""
+    return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0)
+
+
+def server_wait() -> float:
+    """Seconds a new ``Checkpointer`` waits for its server to answer before it raises
+    (a server that starts beside the training processes may need longer)."""
+    return _env_float("CKPTD_SERVER_WAIT", 2.0)
 
 
 def retries() -> int:
