@@ -23,6 +23,8 @@ from collections.abc import Coroutine, Iterable, Mapping, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ckptd.errors import CkptdError
+
 from .config import CheckpointerConfig, DefaultPlacement, OnBusy, OnError
 from .failover import FailoverAgent
 from .failures import CloseResult
@@ -65,6 +67,14 @@ class Checkpointer:
     ``world_size`` and ``local_rank`` (this rank's GPU, whose health the probe
     watches) to the ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` that torchrun (or any
     launcher of torch's env:// convention) sets, else 0, 1 and none.
+
+    With an ``http(s)://`` server the constructor asks the server once (the job's
+    rollback state): a server nothing answers for at ``url`` (refused connections
+    for ``CKPTD_SERVER_WAIT`` seconds, 2, while it may be starting; no answer to a
+    connection within ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
+    another program at that port raises there, one typed error (``Unavailable``,
+    ``Unauthorized``, ``Forbidden``, ``InvalidRequest``) naming the URL and what to
+    do.
 
     A snapshot that fails in the background is never silent: it is logged at
     ERROR once (the typed error naming job, step and rank, and what to do), the
@@ -154,6 +164,15 @@ class Checkpointer:
         if config.incarnation is None and config.world_size > 1:
             _say_no_launch(config)
         self._session = Session(config)
+        try:
+            self._session.reach()  # an unreachable server or a refused token: said now
+        except CkptdError as exc:
+            self._session.close()
+            # Its frames are the background loop's: the message says all there is.
+            raise exc.with_traceback(None) from None
+        except BaseException:
+            self._session.close()
+            raise
         try:
             self._failover = FailoverAgent(self._session)
         except BaseException:

@@ -293,6 +293,12 @@ class HttpTransport(Transport):
                 return call.read(resp)
         tries.give_up()
 
+    async def send_once(self, call: Call[Any], timeout: httpx.Timeout) -> httpx.Response:
+        """One try of ``call`` within ``timeout`` (no retries): its answer, unread."""
+        args = self.session.arguments(call)
+        args["timeout"] = timeout
+        return await self._client.request(call.method, call.path, **args)
+
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
         # Each id is asked of its home replica, where its upload goes and its claim is.
         groups = await self._routing.by_home(ids, self._client.headers)

@@ -171,16 +171,20 @@ class Attempts:
         raise error
 
     def give_up(self) -> NoReturn:
+        """Raises the typed error of the last try; httpx's and httpcore's exceptions
+        under it add nothing the message does not say (logged at debug level)."""
         method, where, last = self.call.method, f"{self.url}{self.call.path}", self.last
+        if last is not None and not isinstance(last, CkptdError):
+            log.debug("%s %s: the last try's error", method, where, exc_info=last)
         if isinstance(last, httpx.TimeoutException):
-            raise Timeout(f"{method} {where} timed out {self.attempts} times",
-                          url=self.url) from last
+            raise Timeout(f"{method} {where} timed out {self.attempts} times "
+                          f"({type(last).__name__})", url=self.url) from None
         if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
             raise last
         if self.attempts == 1 and isinstance(last, httpx.RequestError):
             raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
-                          url=self.url) from last
+                          url=self.url) from None
 
 
 class _UntypedServerError(CkptdError):
