@@ -398,6 +398,7 @@ class Checkpointer:
             strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
             adopt=self._failover.server is not None,  # (nobody to serve the pool to)
         )
+        self._saver.forget_saves()  # the loop trains on from a committed step
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)
         joined = self._timeline.join(result.step, before)
@@ -423,7 +424,12 @@ class Checkpointer:
 
         Saves ``state`` and returns the handle when a coordinated snapshot is due
         at this step (asked for by a degraded rank of the job; the commit records
-        the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
+        the reason); returns None otherwise. When the loop saved this step already
+        (``save()`` before ``step()``, as the README's loop does), that save is the
+        snapshot and its handle is returned: nothing is saved twice. A ``save()`` of
+        a step saved before (this snapshot, then the loop's own save) is the same
+        save when its bytes are the same; with other bytes the first save stands and
+        the second fails, ``Conflict``, storing nothing. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` (the latest when it is None and
         ``e.rollback_unknown``) and carry on, or end the process for torchrun to
@@ -439,6 +445,11 @@ class Checkpointer:
         decision = agent.step(step, loss)
         if not decision.snapshot:
             return None
+        saved = self._saver.saved(step)
+        if saved is not None:  # the loop saved this step: that is the snapshot
+            log.info("%s/%d: the coordinated snapshot due at step %d is the loop's save of it",
+                     self.job, self.rank, step)
+            return saved
         if state is None:
             log.warning("%s/%d: coordinated snapshot due at step %d, but step() got no state",
                         self.job, self.rank, step)
@@ -458,6 +469,7 @@ class Checkpointer:
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
         joined = self._timeline.join(step, None)
+        self._saver.forget_saves()
         self._health_agent()
         self._failover.restored(step, joined)
 
