@@ -112,10 +112,17 @@ def restore_huge_pages() -> bool:
     return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
 
 
-def peer_host() -> str:
-    """Address the peer chunk server binds (127.0.0.1: this host only; 0.0.0.0 for
-    peers on other nodes)."""
-    return os.environ.get("CKPTD_PEER_HOST") or "127.0.0.1"
+def peer_host() -> str | None:
+    """Address the peer chunk server binds; None (unset): a ``Checkpointer``'s binds
+    every interface, so replacement ranks on other hosts reach it (its token still
+    guards it: ``client/peer/address.py``), a bare ``PeerServer`` 127.0.0.1."""
+    return os.environ.get("CKPTD_PEER_HOST") or None
+
+
+def peer_interface() -> str | None:
+    """Network interface peers reach this rank at (its address is advertised and
+    bound), e.g. a training network's, as ``NCCL_SOCKET_IFNAME`` names one."""
+    return os.environ.get("CKPTD_PEER_INTERFACE") or None
 
 
 def peer_port() -> int:
@@ -124,8 +131,10 @@ def peer_port() -> int:
 
 
 def peer_advertise_host() -> str | None:
-    """Host name peers should use to reach this one (default: the bound address, or
-    this host's name when bound to every interface)."""
+    """Address peers should use to reach this one (default: the peer interface's, or
+    the bound address, or, bound to every interface, this host's address on the
+    route to the ckptd server). The server registers only the heartbeat's own
+    source address or one in its ``CKPTD_PEER_NETWORKS``."""
     return os.environ.get("CKPTD_PEER_ADVERTISE_HOST") or None
 
 

@@ -95,10 +95,12 @@ class Checkpointer:
     With an ``http://`` server the checkpointer also takes part in failover: it
     serves the chunks of the committed step its pool holds to peers
     (``serve_peers``, default on; ``peer_host`` / ``peer_port``, default
-    ``CKPTD_PEER_HOST`` / ``CKPTD_PEER_PORT``, 127.0.0.1 and a port the OS picks;
-    the job's ``token`` guards it) and heartbeats to the server every
-    ``heartbeat_interval`` seconds (the server's interval once it answered) with
-    its peer address, the loop's step (``note_step``), the committed step it
+    ``CKPTD_PEER_HOST`` / ``CKPTD_PEER_PORT``, every interface and a port the OS
+    picks, so that ranks on other hosts reach it; it advertises this host's address
+    on the route to the server, or ``CKPTD_PEER_INTERFACE``'s, or
+    ``CKPTD_PEER_ADVERTISE_HOST``; the job's peer token guards it) and heartbeats
+    to the server every ``heartbeat_interval`` seconds (the server's interval once
+    it answered) with its peer address, the loop's step (``note_step``), the committed step it
     holds and ``health()`` (default: ok). ``cache_dir`` (default
     ``CKPTD_CACHE_DIR``) is a local directory store that ``restore`` reads before
     peers, e.g. what ``ckptd restore --to DIR`` filled.

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .health.heartbeat import Heartbeat, HeartbeatReply
-from .peer import PeerIndex, PeerServer, PeerService
+from .peer import PeerIndex, PeerServer, PeerService, peer_address
 from .session import Session
 from .transport import HttpTransport
 
@@ -61,8 +61,12 @@ class FailoverAgent:
             return PeerService(None, None)
         server = None
         if c.serve_peers is None or c.serve_peers:
-            # No token yet: the job's peer token comes with the first heartbeat reply.
-            server = PeerServer(host=c.peer_host, port=c.peer_port, job=c.job, rank=c.rank,
+            # Reachable from other hosts (a replacement node restores from this one),
+            # at the address its heartbeats come from (peer/address.py). No token yet:
+            # the job's peer token comes with the first heartbeat reply.
+            where = peer_address(c.peer_host, toward=s.transport.url)
+            server = PeerServer(host=where.bind, advertise_host=where.advertise,
+                                port=c.peer_port, job=c.job, rank=c.rank,
                                 route_to=s.transport.url).start()
         heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
                               interval=c.heartbeat_interval, health=c.health)
