@@ -6,11 +6,12 @@ coordinated snapshots, rollback). The wiring into ``peer``, ``heartbeat`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from .health.heartbeat import Heartbeat, HeartbeatReply
-from .peer import PeerIndex, PeerServer, PeerService
+from .peer import PeerIndex, PeerServer, PeerService, peer_address
 from .session import Session
 from .transport import HttpTransport
 
@@ -19,6 +20,28 @@ if TYPE_CHECKING:
     from .restore.sources import LocalPoolSource
 
 log = logging.getLogger("ckptd.client.checkpointer")
+
+
+def rank_gpus(local_rank: int | None, environ: Mapping[str, str] | None = None
+              ) -> list[int | str] | None:
+    """The GPU the health probe watches for this rank: its ``local_rank``'s device as
+    NVML names it, without touching CUDA (a context made here would cost the rank
+    GPU memory, on device 0 if it did not pick its own yet): the ``local_rank``-th
+    entry of ``CUDA_VISIBLE_DEVICES`` (a UUID as it is; an index in CUDA's order,
+    which is NVML's PCI order on a node of one GPU model, or with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), else ``local_rank`` itself. None (every GPU)
+    without a local rank, or past the visible devices."""
+    if local_rank is None:
+        return None
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [local_rank]
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if local_rank >= len(entries):
+        return None
+    entry = entries[local_rank]
+    return [int(entry)] if entry.isdigit() else [entry]
 
 
 class FailoverAgent:
@@ -41,8 +64,12 @@ class FailoverAgent:
             return PeerService(None, None)
         server = None
         if c.serve_peers is None or c.serve_peers:
-            # No token yet: the job's peer token comes with the first heartbeat reply.
-            server = PeerServer(host=c.peer_host, port=c.peer_port, job=c.job, rank=c.rank,
+            # Reachable from other hosts (a replacement node restores from this one),
+            # at the address its heartbeats come from (peer/address.py). No token yet:
+            # the job's peer token comes with the first heartbeat reply.
+            where = peer_address(c.peer_host, toward=s.transport.url)
+            server = PeerServer(host=where.bind, advertise_host=where.advertise,
+                                port=c.peer_port, job=c.job, rank=c.rank,
                                 route_to=s.transport.url).start()
         heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
                               interval=c.heartbeat_interval, health=c.health)
@@ -115,6 +142,7 @@ class FailoverAgent:
                 policy=c.health_policy, sources=c.health_sources,
                 heartbeat=self.service.heartbeat, latest=latest, epoch=epoch,
                 disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
+                gpus=rank_gpus(c.local_rank),
                 timeout=s.timeout or 10.0, restored=self._restored,
             ).start()
         return self._health
