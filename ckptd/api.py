@@ -17,7 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 
+# The liveness path: the server answers it, the transport and the container's
+# HEALTHCHECK (``ckptd healthcheck``, which must not import torch) ask it.
+HEALTHZ = "/healthz"
+
 __all__ = [
+    "HEALTHZ",
     "ChunkDamage",
     "ChunkStored",
     "ChunkUse",

@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ckptd.api import (
+    HEALTHZ,
     ChunkStored,
     ClusterView,
     CommitResponse,
@@ -353,7 +354,7 @@ def overview(params: dict[str, Any], replica: str | None = None) -> Call[Overvie
 
 
 def healthz() -> Call[Health]:
-    return Call("GET", "/healthz", answer(Health))
+    return Call("GET", HEALTHZ, answer(Health))
 
 
 def cluster() -> Call[ClusterView]:

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from ckptd.api import HEALTHZ
 from ckptd.cli import app, console, err_console
 
 WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
@@ -29,7 +30,7 @@ def probe_url(host: str, port: int, tls: bool) -> str:
             host = f"[{host}]"
     except ValueError:
         pass  # a name
-    return f"{'https' if tls else 'http'}://{host}:{port}/healthz"
+    return f"{'https' if tls else 'http'}://{host}:{port}{HEALTHZ}"
 
 
 def _tls_context(cert: str) -> ssl.SSLContext:
