@@ -100,7 +100,7 @@ class _HealServer(PeerServer):
         return doc
 
 
-class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc]  # (torchft is untyped)
+class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore]  # (untyped)
     """torchft's checkpoint transport, served from a ckptd staging pool and
     received verified chunk by chunk.
 
