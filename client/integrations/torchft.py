@@ -23,7 +23,6 @@ docs/integrations/torchft.md tells the rest.
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 import logging
 import secrets
@@ -33,7 +32,6 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
@@ -45,9 +43,7 @@ from ckptd.errors import (
     Conflict,
     InvalidRequest,
     Timeout,
-    Unavailable,
     UnsupportedValue,
-    from_json,
 )
 from ckptd.format import Placement, RankManifest, TensorEntry
 from ckptd.hashing import chunk_count, chunk_id
@@ -240,9 +236,9 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         seconds = min(timeout.total_seconds(), self.timeout.total_seconds())
         deadline = time.monotonic() + seconds
         url, token = _parse_metadata(metadata, self._token)
-        mid, size = _wait_for_step(url, token, step, deadline)
         client = PeerClient(token, timeout=max(0.1, deadline - time.monotonic()))
         try:
+            mid, size = _wait_for_step(client, url, step, deadline)
             raw = bytearray(size)
             _fetch_verified(client, url, mid, memoryview(raw), step, "the manifest")
             manifest = RankManifest.parse(bytes(raw))
@@ -343,12 +339,13 @@ def _parse_metadata(metadata: str, own_token: str) -> tuple[str, str]:
     return url, token
 
 
-def _wait_for_step(url: str, token: str, step: int, deadline: float) -> tuple[str, int]:
+def _wait_for_step(client: PeerClient, url: str, step: int, deadline: float
+                   ) -> tuple[str, int]:
     """Asks the sender what it serves until it serves ``step`` (torchft may ask
     before the healthy group has staged it): the manifest's id and length."""
     wait = _POLL_FIRST
     while True:
-        doc = _describe(url, token, max(0.1, deadline - time.monotonic()))
+        doc = client.describe(url)
         served = doc.get("step")
         if served == step and isinstance(doc.get("manifest"), str):
             size = doc.get("manifest_bytes")
@@ -363,33 +360,6 @@ def _wait_for_step(url: str, token: str, step: int, deadline: float) -> tuple[st
                           f"{served})", peer=url, step=step)
         time.sleep(wait)
         wait = min(wait * 2, _POLL_MAX)
-
-
-def _describe(url: str, token: str, timeout: float) -> dict[str, Any]:
-    """The sender's ``GET /v1/peer`` answer; typed errors."""
-    parsed = urlparse(url)
-    if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
-        raise InvalidRequest(f"torchft heal: {url!r} is not http://host:port")
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
-    try:
-        conn.request("GET", "/v1/peer", headers={"Authorization": f"Bearer {token}"})
-        resp = conn.getresponse()
-        body = resp.read(1 << 20)
-    except OSError as exc:
-        raise Unavailable(f"torchft heal: cannot reach {url}: {exc}", peer=url) from exc
-    finally:
-        conn.close()
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    if resp.status != 200:
-        if isinstance(doc, dict) and isinstance(doc.get("code"), str):
-            raise from_json(doc, resp.status)
-        raise Unavailable(f"torchft heal: {url} answered {resp.status}", peer=url)
-    if not isinstance(doc, dict):
-        raise Unavailable(f"torchft heal: {url} did not answer as a ckptd peer", peer=url)
-    return doc
 
 
 def _fetch_verified(client: PeerClient, url: str, cid: str, dest: memoryview, step: int,

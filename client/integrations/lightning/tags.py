@@ -7,26 +7,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import httpx
-from pydantic import TypeAdapter, ValidationError
-
-from ckptd.errors import InvalidDocument, NotFound
+from ckptd.errors import NotFound
 from ckptd.lifecycle.tags import check_tag, read_tags, remove_tag
 
-from ...calls import Call, tag, untag
+from ...calls import tag, tags, untag
 from ...loop import run_private
 from ...transport import LocalTransport, open_transport
 from ...transport_http import SyncTransport
-
-_TAGS = TypeAdapter(dict[str, int])
-
-
-def _tag_list(resp: httpx.Response) -> dict[str, int]:
-    try:
-        return _TAGS.validate_json(resp.content)
-    except ValidationError as exc:
-        raise InvalidDocument(f"the answer of {resp.request.url.path} is not a tag list: "
-                              f"{exc}") from None
 
 
 class JobTags:
@@ -54,7 +41,7 @@ class JobTags:
 
     def all(self) -> dict[str, int]:
         if self._server is not None:
-            return self._server.run(Call("GET", f"/v1/jobs/{self.job}/tags", _tag_list))
+            return self._server.run(tags(self.job))
         return dict(self._local(lambda t: read_tags(t.repository.store, self.job)))
 
     def get(self, name: str) -> int | None:
