@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+from ckptd.client.distributed import init_process_group
 from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer
 
 EPOCHS = 4
@@ -112,6 +113,10 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
+    # Lightning uses a process group that exists already: this one keeps each torchrun
+    # attempt's keys apart (a restarted attempt otherwise meets the dead one's gloo
+    # addresses in the agent's store and fails to connect).
+    init_process_group("gloo", timeout=timedelta(seconds=60))
     workdir = Path(args.workdir)
     ckpts = workdir / "checkpoints"
 
