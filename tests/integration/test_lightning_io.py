@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.errors import AlreadyCommitted, CheckpointNotFound, Conflict, UnsupportedValue
+from ckptd.errors import (
+    AlreadyCommitted,
+    CheckpointNotFound,
+    Conflict,
+    InvalidRequest,
+    UnsupportedValue,
+)
 from tests.conftest import ServerProcess
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
@@ -266,3 +272,10 @@ def test_a_trainer_resumes_from_last_over_a_server(server: ServerProcess, shm: P
     _same(whole["model"], resumed["model"])
     _same(whole["optim"]["state"], resumed["optim"]["state"])
     assert read_pointer(tmp_path / "parts" / "last.ckpt")["step"] == 12  # type: ignore[index]
+
+
+def test_a_save_on_another_rank_than_0_is_refused(io: CkptdCheckpointIO, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")  # (no process group here: the environment says)
+    with pytest.raises(InvalidRequest, match="rank other than 0"):
+        io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt")

@@ -163,6 +163,11 @@ class CkptdCheckpointIO(CheckpointIO):
                             "settings to CkptdCheckpointIO(...) instead")
         self._raise_failure()
         path = os.fspath(path)
+        if not self._saves_here():
+            raise InvalidRequest(
+                f"{path}: this strategy hands the checkpoint to a rank other than 0 (sharded "
+                "state); CkptdCheckpointIO stores the whole checkpoint that global rank 0 "
+                "gets: save sharded state with ckptd.client.dcp (docs/dcp.md)")
         tag = tag_for_path(path)
         step = self._step_of(checkpoint)
         last = self._last
