@@ -106,8 +106,11 @@ def lighthouse(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def _replica(rid: int, lighthouse: str, transport: Recorded, start: threading.Event,
-             joined: threading.Event | None, loads: list[str]) -> dict[str, Any]:
-    """One replica group of one rank: trains to STEPS, healing when it is behind."""
+             joined: threading.Event | None, ready: threading.Event,
+             loads: list[str]) -> dict[str, Any]:
+    """One replica group of one rank: trains to STEPS, healing when it is behind.
+    The first group lets the second start once it is JOIN_AT steps ahead (``joined``)
+    and waits until the second's manager is up (``ready``), so that they meet."""
     start.wait(60)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     torch.manual_seed(rid)  # B starts with other weights than A
@@ -131,6 +134,8 @@ def _replica(rid: int, lighthouse: str, transport: Recorded, start: threading.Ev
         connect_timeout=QUORUM_T, quorum_timeout=QUORUM_T, checkpoint_transport=transport,
     )
     errors: list[str] = []
+    if joined is None:
+        ready.set()
     try:
         inputs = torch.linspace(-1, 1, 4 * 64).reshape(4, 64)
         while manager.current_step() < STEPS:
@@ -144,26 +149,26 @@ def _replica(rid: int, lighthouse: str, transport: Recorded, start: threading.Ev
                 opt.step()
             elif manager.errored() is not None:
                 errors.append(type(manager.errored().original_exception).__name__)
-            if joined is not None and manager.current_step() >= JOIN_AT:
+            if joined is not None and manager.current_step() >= JOIN_AT and not joined.is_set():
                 joined.set()  # let the other group join now
+                assert ready.wait(60), "the second group never started"
         return {"state": {k: v.clone() for k, v in model.state_dict().items()},
                 "optim": _digest(opt.state_dict()), "errors": errors}
     finally:
         manager.shutdown(wait=False)
-        store = None
 
 
 def _run(lighthouse: str, shm: Path, corrupt: int) -> tuple[dict[str, Any], ...]:
     a_transport = Recorded(T, corrupt=corrupt, shm_dir=str(shm), chunk_size=64 * 1024)
     b_transport = Recorded(T, shm_dir=str(shm), chunk_size=64 * 1024)
-    go, a_ahead = threading.Event(), threading.Event()
+    go, a_ahead, b_up = threading.Event(), threading.Event(), threading.Event()
     go.set()
     a_loads: list[str] = []
     b_loads: list[str] = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            a = pool.submit(_replica, 0, lighthouse, a_transport, go, a_ahead, a_loads)
-            b = pool.submit(_replica, 1, lighthouse, b_transport, a_ahead, None, b_loads)
+            a = pool.submit(_replica, 0, lighthouse, a_transport, go, a_ahead, b_up, a_loads)
+            b = pool.submit(_replica, 1, lighthouse, b_transport, a_ahead, None, b_up, b_loads)
             ra, rb = a.result(timeout=150), b.result(timeout=150)
     finally:
         a_transport.shutdown()
