@@ -406,5 +406,10 @@ def untag(job: str, name: str) -> Call[dict[str, int]]:
     return Call("DELETE", f"{_job(job)}/tags/{check_tag(name)}", _tags)
 
 
+def tags(job: str) -> Call[dict[str, int]]:
+    """A job's tags, name -> step (the Lightning plugin resolves paths with them)."""
+    return Call("GET", f"{_job(job)}/tags", _tags)
+
+
 def space() -> Call[SpaceResult]:
     return Call("GET", "/v1/space", answer(SpaceResult))

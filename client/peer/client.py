@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse, urlsplit
 
 from ckptd import knobs
@@ -360,6 +360,35 @@ class PeerClient:
         else:
             conn.close()
         return bytes(body)
+
+    def describe(self, url: str) -> dict[str, Any]:
+        """What the peer at ``url`` says it holds (``GET /v1/peer``: its job, rank, the
+        step it serves, how many chunks), with typed errors (``Unauthorized`` for a
+        wrong token)."""
+        return self._exchange(url, lambda conn: self._describe(conn, url))
+
+    def _describe(self, conn: _Conn, url: str) -> dict[str, Any]:
+        conn.sock.sendall(f"GET /v1/peer HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
+                          .encode("ascii"))
+        _, extra, n, keep = self._answer(conn, url, None, 1 << 20)
+        if not 0 <= n <= 1 << 20:
+            conn.close()
+            raise Unavailable(f"peer {url} described itself in {n} bytes", peer=url,
+                              reason="status")
+        body = bytearray(n)
+        stream = _BodyStream(conn.sock, extra, conn.deadline)
+        stream.read_into(memoryview(body))
+        if keep and not stream.extra:
+            self._give(conn)
+        else:
+            conn.close()
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise Unavailable(f"peer {url} did not describe itself", peer=url, reason="status")
+        return doc
 
     def abort(self) -> None:
         """Ends every request under way at once (their reads fail, ``disconnected``)
