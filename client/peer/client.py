@@ -65,11 +65,16 @@ class _Conn:
 
     __slots__ = ("deadline", "flags", "sock", "url")
 
-    def __init__(self, url: str, timeout: float, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, url: str, timeout: float, tls: ssl.SSLContext | None = None,
+                 connect_timeout: float | None = None) -> None:
         scheme, host, port = _endpoint(url)
         self.url = url
         self.deadline = float("inf")  # of the request under way (``PeerClient._exchange``)
-        sock = socket.create_connection((host, port), timeout=timeout)
+        # A host that vanished answers no SYN: connecting is bounded on its own, so a
+        # lost peer or replica costs seconds, not the whole read timeout.
+        sock = socket.create_connection(
+            (host, port), timeout=timeout if connect_timeout is None else connect_timeout)
+        sock.settimeout(timeout)  # TLS reads: the request's timeout, not the connect's
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if scheme == "https":
             try:
@@ -132,7 +137,8 @@ class PeerClient:
         return self._open(url), False
 
     def _open(self, url: str) -> _Conn:
-        conn = _Conn(url, self.timeout, self._tls)
+        conn = _Conn(url, self.timeout, self._tls,
+                     connect_timeout=min(self.timeout, knobs.connect_timeout()))
         with self._lock:
             if self._closed:
                 conn.close()
