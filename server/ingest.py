@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
@@ -283,6 +284,7 @@ def connection_protocol(header_timeout: float, max_connections: int,
     request goes through the application)."""
     inner = type("DirectBodyProtocol", (DirectBodyProtocol,), {
         "header_timeout": header_timeout, "max_connections": max_connections,
+        "waiting": OrderedDict(),
         # (in a staticmethod: a function set on a class would be called as a method)
         "chunk_put_app": None if chunk_put_app is None else staticmethod(chunk_put_app),
     })
