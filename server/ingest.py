@@ -44,8 +44,9 @@ CHUNK_PUT = re.compile(rb"/v1/chunks/[0-9a-f]{64}")
 # read that held the head, or a pipelined request's); past this, reading pauses.
 EARLY_LIMIT = 1 << 20
 # What other requests' bytes are read into, one per thread (each read's bytes are
-# copied out before the next read).
-READ_BUFFER = 256 * 1024
+# copied out before the next read). The read that brings a chunk upload's head
+# brings up to this much of its body, which goes the slow way (copied three times).
+READ_BUFFER = 64 * 1024
 _READ = threading.local()
 
 
