@@ -29,7 +29,7 @@ from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, lifecycle, manifests, ranks
 from ckptd.server.routes import cluster as cluster_routes
-from ckptd.server.routes.chunks import direct_put_app
+from ckptd.server.routes.chunks import direct_chunk_app
 from ckptd.server.settings import Settings
 from ckptd.server.tenancy import TenantChunks
 from ckptd.store import Store, open_store
@@ -196,13 +196,15 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     )
     if parser == "httptools":
         # The guarded protocol is httptools' with header timeouts and a connection
-        # cap, which reads chunk uploads straight into their buffers.
-        put_app: Any = direct_put_app(app)
+        # cap, which reads chunk uploads straight into their buffers and answers
+        # chunk requests with a lean route.
+        chunk_app: Any = direct_chunk_app(app)
         if config.proxy_headers:  # (as uvicorn wraps the application)
-            put_app = ProxyHeadersMiddleware(put_app, trusted_hosts=config.forwarded_allow_ips)
+            chunk_app = ProxyHeadersMiddleware(chunk_app,
+                                               trusted_hosts=config.forwarded_allow_ips)
         config.http = cast(type[asyncio.Protocol], connection_protocol(
             settings.header_timeout, connection_cap(settings.max_connections, fd_limit),
-            put_app))
+            chunk_app))
     quiet_repeats()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
     scheme = "https" if settings.tls_cert else "http"

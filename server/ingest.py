@@ -1,4 +1,5 @@
-"""Chunk uploads received straight from the socket into their buffer.
+"""Chunk uploads received straight from the socket into their buffer, and chunk
+requests answered without the FastAPI stack.
 
 Through uvicorn's httptools protocol and Starlette a chunk's bytes were copied
 four times in Python (uvloop's read into a ``bytes``, httptools' slice per body
@@ -13,9 +14,11 @@ to the httptools protocol as before, through one reused read buffer.
 
 The request is still uvicorn's: the same parser reads its head, the same cycle
 writes its answer (keep-alive, pipelining, the access log), only the ASGI app it
-runs is the lean chunk route (``ckptd.server.routes.chunks.direct_put_app``)
-rather than the whole FastAPI stack; the API, its checks and its errors are the
-same (tests/integration/test_server_bodies.py runs both ways)."""
+runs is the lean chunk route (``ckptd.server.routes.chunks.direct_chunk_app``)
+rather than the whole FastAPI stack, which cost about a millisecond of CPU per
+request: a quarter of the CPU a GiB of 4 MiB chunks takes to read back. So it is
+for ``GET /v1/chunks/{id}`` too. The API, its checks and its errors are the same
+(tests/integration/test_server_bodies.py runs both ways)."""
 
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ from ckptd.errors import BodyTimeout
 from ckptd.server.bodies import PREALLOCATE
 from ckptd.server.connections import GuardedProtocol
 
-# The scope extension that carries a chunk upload's body to the route.
-SINK = "ckptd.chunk_body"
+# The scope extension that marks a request for the lean chunk route: its value is
+# the upload's ``ChunkSink`` for a PUT, None for a GET.
+DIRECT = "ckptd.direct"
 # The request targets taken this way: nothing else (a query, an id in capitals)
 # goes the ordinary way, and gets the ordinary answer.
-CHUNK_PUT = re.compile(rb"/v1/chunks/[0-9a-f]{64}")
+CHUNK_PATH = re.compile(rb"/v1/chunks/[0-9a-f]{64}")
 # Body bytes kept before the route has given the upload a buffer (the rest of the
 # read that held the head, or a pipelined request's); past this, reading pauses.
 EARLY_LIMIT = 1 << 20
@@ -154,20 +158,24 @@ class DirectBodyProtocol(GuardedProtocol):  # type: ignore[misc]
     """The guarded httptools protocol, which takes the bodies of chunk uploads
     straight into their buffers (through ``BufferedFront``)."""
 
-    # The ASGI app of those uploads (set by ``connection_protocol``).
-    chunk_put_app: Any = None
+    # The ASGI app of those requests (set by ``connection_protocol``).
+    chunk_app: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sink: ChunkSink | None = None
 
+    def _direct(self) -> str | None:
+        """The method of a chunk request the lean route answers, or None."""
+        if (self.chunk_app is None or self.limit_concurrency is not None
+                or not CHUNK_PATH.fullmatch(self.url) or self.parser.should_upgrade()):
+            return None
+        method = self.parser.get_method()
+        return "GET" if method == b"GET" else "PUT" if method == b"PUT" else None
+
     def _direct_size(self) -> int | None:
         """The body size of a chunk upload this connection takes straight into a
-        buffer; None for any other request."""
-        if (self.chunk_put_app is None or self.limit_concurrency is not None
-                or self.parser.get_method() != b"PUT" or not CHUNK_PUT.fullmatch(self.url)
-                or self.parser.should_upgrade()):
-            return None
+        buffer; None for any other."""
         size = None
         for name, value in self.headers:
             if name == b"content-length":
@@ -179,19 +187,21 @@ class DirectBodyProtocol(GuardedProtocol):  # type: ignore[misc]
         return size if size is not None and size <= PREALLOCATE else None
 
     def on_headers_complete(self) -> None:
-        size = self._direct_size()
-        if size is not None:
-            sink = ChunkSink(size, self)
-            self.scope["extensions"] = {**self.scope.get("extensions", {}), SINK: sink}
-            self.sink = sink
-            # Nothing more is read until the route has a buffer for it (it checks
-            # the caller and the budget first: a refused body is not read).
-            self.flow.pause_reading()
+        method = self._direct()
+        size = self._direct_size() if method == "PUT" else None
+        if method == "GET" or size is not None:
+            sink = None if size is None else ChunkSink(size, self)
+            self.scope["extensions"] = {**self.scope.get("extensions", {}), DIRECT: sink}
+            if sink is not None:
+                self.sink = sink
+                # Nothing more is read until the route has a buffer for it (it checks
+                # the caller and the budget first: a refused body is not read).
+                self.flow.pause_reading()
         super().on_headers_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        if SINK in cycle.scope.get("extensions", {}) and app is self.app:
-            app = self.chunk_put_app
+        if DIRECT in cycle.scope.get("extensions", {}) and app is self.app:
+            app = self.chunk_app
         super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
@@ -279,14 +289,14 @@ class BufferedFront(asyncio.BufferedProtocol):
 
 
 def connection_protocol(header_timeout: float, max_connections: int,
-                        chunk_put_app: Callable[..., Any] | None) -> type[BufferedFront]:
+                        chunk_app: Callable[..., Any] | None) -> type[BufferedFront]:
     """The protocol class uvicorn serves with: the guarded httptools protocol with
-    these limits, whose chunk uploads ``chunk_put_app`` answers (None: every
+    these limits, whose chunk uploads and reads ``chunk_app`` answers (None: every
     request goes through the application)."""
     inner = type("DirectBodyProtocol", (DirectBodyProtocol,), {
         "header_timeout": header_timeout, "max_connections": max_connections,
         "waiting": OrderedDict(),
         # (in a staticmethod: a function set on a class would be called as a method)
-        "chunk_put_app": None if chunk_put_app is None else staticmethod(chunk_put_app),
+        "chunk_app": None if chunk_app is None else staticmethod(chunk_app),
     })
     return type("BufferedFront", (BufferedFront,), {"inner_class": inner})

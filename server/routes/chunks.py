@@ -52,7 +52,7 @@ from ckptd.server.bodies import (
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.egress import EgressHold, egress_budget
 from ckptd.server.errors import error_response
-from ckptd.server.ingest import SINK, ChunkSink
+from ckptd.server.ingest import DIRECT, ChunkSink
 from ckptd.server.metrics import Metrics
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -218,7 +218,7 @@ async def missing_chunks(
 )
 async def put_chunk(cid: ChunkIdDep, request: Request, response: Response) -> ChunkStored:
     # (Under ``ckptd serve`` an upload with a Content-Length is answered by
-    # ``direct_put_app``; this route takes the others, and every upload of an app
+    # ``direct_chunk_app``; this route takes the others, and every upload of an app
     # served some other way.)
     job: str | None = request.state.acting_job
     stored = await store_upload(request, cid, job, lambda: read_chunk(request))
@@ -267,46 +267,56 @@ async def read_direct(request: Request, sink: ChunkSink) -> ChunkBody:
     return ChunkBody(buffer, sink.size, digest)
 
 
-def direct_put_app(app: FastAPI) -> ASGIApp:
+def direct_chunk_app(app: FastAPI) -> ASGIApp:
     """The ASGI app of ``PUT /v1/chunks/{id}`` uploads whose connection receives the
-    body itself (``ckptd.server.ingest``): the route above without the FastAPI and
-    Starlette layers, which cost about a millisecond of CPU per request. The same
-    checks in the same order (``ApiRoute``: the caller, its scope, the job it acts
-    for), the same budget, verification and answers, errors included."""
+    body itself, and of ``GET /v1/chunks/{id}`` (``ckptd.server.ingest``): the routes
+    here without the FastAPI and Starlette layers, which cost about a millisecond of
+    CPU per request. The same checks in the same order (``ApiRoute``: the caller,
+    its scope, the job it acts for), the same budget, verification and answers,
+    errors included."""
 
-    async def put(scope: Scope, receive: Receive, send: Send) -> None:
-        sink: ChunkSink = scope["extensions"][SINK]
+    async def chunk(scope: Scope, receive: Receive, send: Send) -> None:
+        sink: ChunkSink | None = scope["extensions"][DIRECT]
+        needs = CHUNK_READ if sink is None else CHUNK_WRITE
         scope["app"] = app
         request = Request(scope, receive)
+        state = app.state
         try:
             grant = authenticate(request)
-            CHUNK_WRITE.check(grant, None)
-            job = acting_job(request, grant, CHUNK_WRITE.role)
+            needs.check(grant, None)
+            job = acting_job(request, grant, needs.role)
+            request.state.caller = grant
+            request.state.acting_job = job
             cid = check_chunk_id(scope["path"].rpartition("/")[2])
-            stored = await store_upload(request, cid, job, lambda: read_direct(request, sink))
+            if sink is None:
+                answer: Response = await get_chunk(cid, request, state.repository,
+                                                   state.metrics, state.tenants)
+            else:
+                stored = await store_upload(request, cid, job,
+                                            lambda: read_direct(request, sink))
+                answer = Response(stored.model_dump_json().encode(),
+                                  status_code=201 if stored.created else 200,
+                                  media_type="application/json")
         except ClientDisconnect:
-            log.info("PUT %s: client went away mid-request", scope["path"])
+            log.info("%s %s: client went away mid-request", scope["method"], scope["path"])
             return
         except CkptdError as exc:
             status = http_status(exc.code)
             if status >= 500:
-                log.error("PUT %s: %s", scope["path"], exc.code, exc_info=exc)
+                log.error("%s %s: %s", scope["method"], scope["path"], exc.code, exc_info=exc)
             else:
-                log.debug("PUT %s: %s: %s", scope["path"], exc.code, exc.message)
+                log.debug("%s %s: %s: %s", scope["method"], scope["path"], exc.code,
+                          exc.message)
             # A body not read to its end would be read as the next request.
-            answer: Response = error_response(
-                exc, status, None if sink.complete else {"Connection": "close"})
+            answer = error_response(
+                exc, status, None if sink is None or sink.complete else {"Connection": "close"})
         except Exception as exc:
-            log.error("PUT %s failed", scope["path"], exc_info=exc)
+            log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
             answer = error_response(CkptdError("internal server error; see the server log"),
                                     500, {"Connection": "close"})
-        else:
-            answer = Response(stored.model_dump_json().encode(),
-                              status_code=201 if stored.created else 200,
-                              media_type="application/json")
         await answer(scope, receive, send)
 
-    return put
+    return chunk
 
 
 @router.head(
@@ -332,6 +342,7 @@ async def has_chunk(
 async def get_chunk(
     cid: ChunkIdDep, request: Request, repo: RepoDep, metrics: MetricsDep, tenants: TenantsDep,
 ) -> ChunkResponse:
+    # (Also called by ``direct_chunk_app``, which answers most GETs under ckptd serve.)
     started = time.perf_counter()
     if not await _visible(request, tenants, cid):
         raise ChunkNotFound(f"chunk {cid} is not in the store", id=cid)

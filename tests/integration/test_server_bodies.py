@@ -295,7 +295,7 @@ def test_a_refused_upload_is_answered_before_its_body(
 
 
 @pytest.mark.parametrize("via", ["", "?via=route"])
-def test_both_upload_paths_answer_alike(glob_token_server: tuple[ServerProcess, str],
+def test_both_paths_answer_uploads_and_reads_alike(glob_token_server: tuple[ServerProcess, str],
                                         via: str) -> None:
     # "?via=route" is not taken straight into a buffer: FastAPI's route answers it.
     srv, glob = glob_token_server
@@ -316,6 +316,17 @@ def test_both_upload_paths_answer_alike(glob_token_server: tuple[ServerProcess, 
             r = c.put(f"/v1/chunks/{cid}{via}", content=body, headers=headers)
             doc = r.json()
             answers.append((r.status_code, doc.get("code", doc.get("created"))))
+        reads = []
+        for headers, read in [
+            ({}, cid),
+            ({"Authorization": f"Bearer {glob}", "X-Ckptd-Job": "beta"}, cid),
+            ({"Authorization": f"Bearer {glob}", "X-Ckptd-Job": "alpha"}, cid),
+            ({"Authorization": f"Bearer {glob}", "X-Ckptd-Job": "alpha"}, chunk_id(b"none")),
+            ({"Authorization": f"Bearer {glob}", "X-Ckptd-Job": "alpaca"}, cid),  # not its
+            ({"Authorization": "Bearer root-token"}, cid),
+        ]:
+            r = c.get(f"/v1/chunks/{read}{via}", headers=headers)
+            reads.append((r.status_code, r.content == data or r.json()["code"]))
     assert answers == [
         (401, "unauthorized"), (400, "invalid_request"), (403, "forbidden"),
         (422, "chunk_hash_mismatch"),
@@ -323,9 +334,11 @@ def test_both_upload_paths_answer_alike(glob_token_server: tuple[ServerProcess, 
         (201, True),  # alpine is not told that alpha had it
         (200, False),  # the server's token sees the store as it is
     ]
+    assert reads == [(401, "unauthorized"), (403, "forbidden"), (200, True),
+                     (404, "chunk_not_found"), (404, "chunk_not_found"), (200, True)]
 
 
-async def test_uploads_with_a_length_are_received_straight_into_their_buffers(
+async def test_uploads_with_a_length_and_reads_take_the_lean_route(
     tmp_path: Path,
 ) -> None:
     import uvicorn
@@ -333,15 +346,15 @@ async def test_uploads_with_a_length_are_received_straight_into_their_buffers(
 
     from ckptd.server.app import create_app
     from ckptd.server.ingest import connection_protocol
-    from ckptd.server.routes.chunks import direct_put_app
+    from ckptd.server.routes.chunks import direct_chunk_app
     from ckptd.server.settings import Settings
 
     app = create_app(Settings(store=str(tmp_path / "store")))
-    direct = direct_put_app(app)
+    direct = direct_chunk_app(app)
     taken: list[str] = []
 
     async def counted(scope: Scope, receive: Receive, send: Send) -> None:
-        taken.append(scope["path"])
+        taken.append(f"{scope['method']} {scope['path']}")
         await direct(scope, receive, send)
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
@@ -369,7 +382,10 @@ async def test_uploads_with_a_length_are_received_straight_into_their_buffers(
             assert (await c.put(f"/v1/chunks/{ids[3]}", content=bodies[3])).status_code == 201
             for cid, body in zip(ids, bodies, strict=True):
                 assert (await c.get(f"/v1/chunks/{cid}")).content == body
-        assert taken == [f"/v1/chunks/{ids[0]}", f"/v1/chunks/{ids[3]}"]
+            assert (await c.get(f"/v1/chunks/{ids[0]}?x=1")).content == bodies[0]
+            assert (await c.head(f"/v1/chunks/{ids[0]}")).status_code == 200
+        assert taken == [f"PUT /v1/chunks/{ids[0]}", f"PUT /v1/chunks/{ids[3]}",
+                         *(f"GET /v1/chunks/{cid}" for cid in ids)]
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
