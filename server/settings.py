@@ -64,8 +64,9 @@ class Settings(BaseSettings):
     )
     max_connections: int = Field(
         default=1000, ge=1,
-        description="Open connections at most (and never past the open-file limit); more "
-        "get 503 at once.",
+        description="Open connections at most (and never past the open-file limit); at the "
+        "cap a new one closes the connection that has waited longest for its request's "
+        "headers, and gets 503 only when every connection has a request under way.",
     )
     ingest_budget: int = Field(
         default=1 << 30, ge=1 << 20,
