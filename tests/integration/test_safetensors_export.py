@@ -309,6 +309,34 @@ def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Pat
         import_checkpoint(folder, f"file://{tmp_path / 'store'}", "j", 1)
 
 
+@pytest.mark.parametrize("case", ["not in the index", "mapped to another file"])
+def test_import_refuses_files_that_hold_tensors_their_index_does_not_name(
+        tmp_path: Path, case: str) -> None:
+    """(Found by review.) The index is read to know which tensor is where; a tensor a
+    file holds but the index does not put there was left out without a word."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    a, b = torch.arange(4.0), torch.arange(4.0, 8.0)
+    if case == "not in the index":
+        save_file({"a": a, "extra": b}, folder / "model-00001-of-00001.safetensors")
+        weight_map = {"a": "model-00001-of-00001.safetensors"}
+    else:  # one name in two files: the index says which, the other copy is dropped
+        save_file({"a": a, "c": a.clone()}, folder / "model-00001-of-00002.safetensors")
+        save_file({"a": b, "b": b.clone()}, folder / "model-00002-of-00002.safetensors")
+        weight_map = {"a": "model-00002-of-00002.safetensors",
+                      "b": "model-00002-of-00002.safetensors",
+                      "c": "model-00001-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    done = runner.invoke(app, ["import", str(folder), "--job", "j", "--step", "1",
+                               "--url", f"file://{tmp_path / 'store'}"])
+    assert done.exit_code == 2, done.output
+    said = " ".join(done.output.split())
+    assert "does not put there" in said and "Traceback" not in said
+    assert not (tmp_path / "store" / "jobs" / "j").exists()
+
+
 def test_a_corrupt_cached_copy_is_passed_over_for_the_store(
     tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
