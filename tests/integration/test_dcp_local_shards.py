@@ -8,6 +8,7 @@ one listed left the target as it was, without an error)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -60,4 +61,56 @@ def test_an_empty_shard_at_the_offsets_of_a_full_one_loads_the_full_one(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=Reader(f"file://{tmp_path / 'store'}", "j"))
+    assert torch.equal(target["w"], FULL)
+
+
+def test_empty_shards_repeated_on_a_rank_are_saved_as_torch_saves_them(tmp_path: Path) -> None:
+    """An empty shard repeated on one rank (an EnumerableShardingSpec may place two
+    empty shards at one offset; torch's FileSystemWriter saves them) holds nothing
+    to store twice: the save succeeds and the tensor loads (it was refused as an
+    invalid manifest, "holds box ... twice")."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    from ckptd.client.dcp import Writer
+
+    class EmptyShardsTwice(DefaultSavePlanner):
+        """The whole [4, 3] tensor as one shard, then an empty shard at row 4, twice
+        (the items a ShardedTensor with those three local shards gives)."""
+
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            (whole,) = plan.items
+            assert whole.tensor_data is not None
+
+            def shard(offsets: list[int], sizes: list[int]) -> WriteItem:
+                assert whole.tensor_data is not None
+                box = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                return WriteItem(MetadataIndex("w", torch.Size(offsets)), WriteItemType.SHARD,
+                                 tensor_data=TensorWriteData(box, whole.tensor_data.properties,
+                                                             whole.tensor_data.size))
+
+            items = [shard([0, 0], [4, 3]), shard([4, 0], [0, 3]), shard([4, 0], [0, 3])]
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+            assert write_item.tensor_data is not None
+            box = write_item.tensor_data.chunk
+            return self.state_dict["w"][tuple(slice(o, o + n) for o, n in
+                                              zip(box.offsets, box.sizes, strict=True))]
+
+    url = f"file://{tmp_path / 'store'}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": FULL.clone()}, storage_writer=Writer(url, "e", 1),
+                 planner=EmptyShardsTwice())
+        target = {"w": torch.zeros(4, 3)}
+        dcp.load(target, storage_reader=Reader(url, "e"))
     assert torch.equal(target["w"], FULL)
