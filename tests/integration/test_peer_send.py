@@ -67,8 +67,13 @@ def test_bytes_overwritten_while_they_were_sent_are_refused() -> None:
         with pytest.raises(Conflict):
             fetch(client, server.url)
         assert server.stats.stale == 1 and server.stats.served == 0
-        # The connection was read to its end and stays usable.
+        # The connection was read to its end and stays usable: the next answer on it
+        # is framed right (what the pool holds now, whole).
         assert len(client._idle[server.url]) == 1
+        kept = client._idle[server.url][0]
+        calls["n"] = -10  # valid again, before and after
+        assert fetch(client, server.url) == bytes(buf)
+        assert client._idle[server.url] == [kept] and server.stats.served == 1
 
 
 @pytest.fixture
