@@ -75,7 +75,13 @@ def index_manifest(index: StepIndex, manifest: RankManifest) -> None:
                 log.debug("skipping rank-local entry %r of rank %d", e.name, manifest.rank)
                 continue
             # Replicated entries and HSDP replicas share a box: one is enough to read.
-            index.boxes.setdefault((fqn, tuple(e.offsets)), StoredBox(e, manifest.chunk_size))
+            # Boxes are keyed by their offsets, as in DCP's own metadata; an empty box
+            # may start where one with bytes does (it overlaps nothing): the one with
+            # bytes is the one to list, or a load would read nothing there.
+            key = (fqn, tuple(e.offsets))
+            held = index.boxes.get(key)
+            if held is None or (held.entry.numel == 0 and e.numel > 0):
+                index.boxes[key] = StoredBox(e, manifest.chunk_size)
 
 
 def _walk_tree(

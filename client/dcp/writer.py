@@ -218,6 +218,11 @@ class Writer(StorageWriter):
         for item in plan.items:
             fqn = item.index.fqn
             if fqn in meta_paths and item.type != WriteItemType.BYTE_IO:
+                if _repeats_empty_box(item, tensors):
+                    # An empty shard at a box another one of this rank holds: nothing
+                    # to store (a manifest holds each box once), as FileSystemWriter.
+                    results.append(WriteResult(item.index, 0, None))
+                    continue
                 # Another local shard of a tensor already in the tree: one more entry
                 # of its name, the tree names it once.
                 tensors.append((item, _write_tensor(item, planner.resolve_data(item))))
@@ -309,6 +314,17 @@ class Writer(StorageWriter):
                 missing_ranks=status.missing_ranks[:50],
             )
         log.info("%s step %d committed (%d ranks)", self.job, step, status.world_size or 0)
+
+
+def _repeats_empty_box(item: WriteItem, taken: list[tuple[WriteItem, torch.Tensor]]) -> bool:
+    """Whether ``item`` is an empty shard whose box an item of ``taken`` has already."""
+    data = item.tensor_data
+    if data is None or math.prod(data.chunk.sizes) != 0:
+        return False
+    box = (list(data.chunk.offsets), list(data.chunk.sizes))
+    return any(t.index.fqn == item.index.fqn and t.tensor_data is not None
+               and (list(t.tensor_data.chunk.offsets), list(t.tensor_data.chunk.sizes)) == box
+               for t, _ in taken)
 
 
 def _check_local_shards(fqn: str, items: list[WriteItem]) -> None:

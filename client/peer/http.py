@@ -67,6 +67,7 @@ class PeerRequest:
     headers: dict[str, str]
     write_timeout: float
     answered: bool = False
+    version: str = "HTTP/1.1"
 
     def _head(self, status: int, headers: Mapping[str, str]) -> bytes:
         head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
@@ -81,8 +82,9 @@ class PeerRequest:
 
     def wants_trailers(self) -> bool:
         """The client reads trailer fields (``TE: trailers``): a body may then go
-        straight from memory that can change, with its validity after it."""
-        return "trailers" in self.headers.get("te", "").lower()
+        straight from memory that can change, with its validity after it. Only over
+        HTTP/1.1: an HTTP/1.0 client knows no chunked body (RFC 9112, 6.1)."""
+        return self.version != "HTTP/1.0" and "trailers" in self.headers.get("te", "").lower()
 
     def send_checked(self, status: int, headers: Mapping[str, str], body: memoryview,
                      still_valid: Callable[[], bool]) -> bool:
@@ -450,7 +452,7 @@ class BoundedHTTPServer:
             key, sep, value = line.partition(":")
             if sep:
                 request.headers[key.strip().lower()] = value.strip()
-        request.method, request.path = parts[0], parts[1]
+        request.method, request.path, request.version = parts
         if parts[2] == "HTTP/1.0":
             request.headers.setdefault("connection", "close")
         if request.method != "GET" or request.headers.get("content-length", "0") != "0" or (

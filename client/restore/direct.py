@@ -34,7 +34,8 @@ EXPIRY_MARGIN_S = 30.0
 EXPIRY_MARGIN_SHARE = 0.1
 
 # Refusals that say no URL of this plan will do (expired, not allowed, bad
-# signature): direct reads stop. A 5xx or a dropped connection tries the next chunk.
+# signature; and any redirect): direct reads stop. A 5xx, or bytes of the wrong
+# length, try the next chunk.
 _REFUSED = frozenset({400, 401, 403})
 _GONE = frozenset({"unreachable", "timeout"})
 
@@ -99,6 +100,10 @@ class ObjectStoreSource(Source):
             status = exc.detail.get("status")
             if status in _REFUSED:
                 self._stop(f"the object store refused a presigned URL ({exc})")
+            elif isinstance(status, int) and 300 <= status < 400:
+                # (not followed: a URL signs one host) Every URL of the plan names that
+                # host: the server's S3 endpoint or region is not the bucket's.
+                self._stop(f"the object store redirects presigned URLs elsewhere ({exc})")
             elif exc.detail.get("reason") in _GONE:
                 self._stop(f"the object store cannot be reached ({exc})")
             raise

@@ -46,7 +46,8 @@ class ChunkFetcher:
         self.holder_of: dict[str, str] = {}
         self.source_of: dict[str, Source] = {}
         self.landed_in_target = False
-        # chunk id -> the destination it was copied to and verified in
+        # chunk id -> the destination it was copied to and verified in (this batch's:
+        # ``locate_all`` starts each batch without the last one's)
         self.prefilled: dict[str, memoryview] = {}
         self.prefault: Prefault | None = None
 
@@ -206,6 +207,10 @@ class ChunkFetcher:
         Otherwise it lands in its first destination, the target's own tensor
         included (``landed_in_target`` records that)."""
         self.stop_prefault()  # (a fetcher that locates batches: the last one's)
+        # What the last batch copied into its destinations is no source for this one:
+        # those are the caller's again (a DCP planner post-processes them, training
+        # changes them), and holding them would keep every batch's memory alive.
+        self.prefilled.clear()
         in_place = [s for s in self.sources if s.in_place]
         held = {cid for cid in wanted.chunks if any(s.holders(cid) for s in in_place)}
         landing = Landing(expect=sum(

@@ -67,8 +67,13 @@ def test_bytes_overwritten_while_they_were_sent_are_refused() -> None:
         with pytest.raises(Conflict):
             fetch(client, server.url)
         assert server.stats.stale == 1 and server.stats.served == 0
-        # The connection was read to its end and stays usable.
+        # The connection was read to its end and stays usable: the next answer on it
+        # is framed right (what the pool holds now, whole).
         assert len(client._idle[server.url]) == 1
+        kept = client._idle[server.url][0]
+        calls["n"] = -10  # valid again, before and after
+        assert fetch(client, server.url) == bytes(buf)
+        assert client._idle[server.url] == [kept] and server.stats.served == 1
 
 
 @pytest.fixture
@@ -130,3 +135,21 @@ def test_the_client_reads_any_chunked_answer_into_the_buffer(
     answers += [chunked([DATA[:10]])]  # shorter than the chunk
     with PeerClient() as client, pytest.raises(ChunkSizeMismatch):
         fetch(client, url)
+
+
+def test_an_http_1_0_client_gets_a_length_never_a_chunked_body() -> None:
+    """(Found by review.) HTTP/1.0 knows no chunked body (RFC 9112, 6.1): a 1.0
+    request gets the copied-out answer with its length, TE: trailers or not."""
+    with PeerServer(token="t") as server:
+        server.publish(PeerIndex(step=2, chunks={CID: memoryview(DATA)}))
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(f"GET /v1/chunks/{CID} HTTP/1.0\r\nTE: trailers\r\n"
+                      "Authorization: Bearer t\r\n\r\n".encode())
+            answer = bytearray()
+            while more := s.recv(1 << 20):  # (1.0: the peer closes after its answer)
+                answer += more
+        head, _, body = bytes(answer).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"transfer-encoding" not in head.lower()
+        assert f"content-length: {len(DATA)}".encode() in head.lower()
+        assert body == DATA

@@ -92,6 +92,7 @@ def server(front: str, prefix: str, tmp_path: Path) -> Iterator[S3Server]:
     finally:
         srv.stop()
         httpx.post(f"{front}/__front/clock?skew=0")
+        httpx.post(f"{front}/__front/redirect?on=0")
 
 
 def make_state(seed: int) -> dict[str, Any]:
@@ -186,6 +187,23 @@ def test_an_expired_url_falls_back_to_the_server(server: S3Server, front: str) -
     refused = [p for p in result.problems if p.tier == "object"]
     assert refused and all(p.kind == "failed" for p in refused)
     assert "Request has expired" in refused[0].message
+
+
+def test_a_redirect_stops_direct_reads_and_the_server_serves(
+        server: S3Server, front: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by review.) A redirect is not followed (a URL is signed for one host)
+    and says every URL of the plan is for the wrong endpoint: after the first one
+    the rest go to the server, not each to the object store first."""
+    state = saved(server, "moved")
+    httpx.post(f"{front}/__front/redirect?on=1")
+    monkeypatch.setenv("CKPTD_RESTORE_CONCURRENCY", "1")  # (one chunk at a time)
+    target = zeros(state)
+    result = restore(server, "moved", target)
+    assert same(target, state)
+    assert result.bytes_from.get("store", 0) == result.bytes_fetched > 0
+    tried = [p for p in result.problems if p.tier == "object"]
+    assert len(tried) == 1 and "307" in tried[0].message, result.problems
+    assert result.chunks > 1
 
 
 def test_bytes_bad_on_the_way_are_taken_from_the_server(server: S3Server, front: str) -> None:

@@ -5,11 +5,14 @@ where ckptd is not importable, filtered, round-tripped, and refused clearly."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import struct
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +254,64 @@ def test_a_corrupt_chunk_fails_the_export_naming_it_and_leaves_nothing(tmp_path:
     assert "Traceback" not in done.output and len(done.output.strip().splitlines()) <= 3
 
 
+def test_a_failed_export_writes_nothing_after_its_file_is_closed(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by review.) A window is written while the next one fills; when the
+    next one fails, the write under way must end before the file's descriptor
+    closes: its later pwrites would go to a closed descriptor, or to whatever file
+    the process opened next under that number."""
+    from ckptd.client.integrations.safetensors import export as export_module
+
+    store = tmp_path / "store"
+    save_two_ranks(f"file://{store}", shm)
+    manifest = json.loads((store / f"jobs/{JOB}/steps/1/ranks/1.json").read_text())
+    entry = next(e for e in manifest["entries"] if e["name"] == "model.cols")
+    victim = store / "chunks" / entry["chunks"][-1][:2] / entry["chunks"][-1]
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))  # the last rows of rank 1's columns are bad
+    real = export_module._write_all
+    writes: list[bool] = []  # per write: was the descriptor still open when it ran
+
+    def slow_write(fd: int, view: memoryview, offset: int) -> None:
+        time.sleep(1.0)  # a slow disk: the next window fills and fails meanwhile
+        try:
+            os.fstat(fd)
+            writes.append(True)
+        except OSError:
+            writes.append(False)
+        real(fd, view, offset)
+
+    monkeypatch.setattr(export_module, "_write_all", slow_write)
+    with pytest.raises(ChunkHashMismatch):
+        # model.cols alone, in slabs of 12 rows: the 4th slab needs the bad chunk.
+        export_safetensors(f"file://{store}", JOB, tmp_path / "out", only=["model.cols"],
+                           window=4096)
+    time.sleep(1.5)  # (a write left running would have run by now)
+    gc.collect()  # (and its future's "never retrieved" report is logged now, not later)
+    assert len(writes) >= 2 and all(writes), writes
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_whose_renames_fail_midway_leaves_no_file(tmp_path: Path, shm: Path) -> None:
+    """(Found by review.) The files are renamed from their ``.tmp-`` names one by
+    one; when one rename fails, the files renamed before it go too."""
+    url = f"file://{tmp_path / 'store'}"
+    save_two_ranks(url, shm)
+    target = tmp_path / "out"
+
+    def on_bytes(done: int, total: int) -> None:
+        if done == total:  # every file written: someone takes the last file's name
+            last = sorted(p.name for p in target.glob(".tmp-*.safetensors"))[-1]
+            (target / last.removeprefix(".tmp-")).mkdir()
+
+    with pytest.raises(OSError):
+        export_safetensors(url, JOB, target, max_shard_size="20KB", on_bytes=on_bytes)
+    left = sorted(p.name for p in target.iterdir())
+    assert len(left) == 1 and (target / left[0]).is_dir(), left  # only what was not ours
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["--safetensors", "{tmp}/x", "--zarr", "{tmp}/y"], "one place at a time"),
     (["--safetensors", "{tmp}/x", "--max-shard-size", "lots"], "is not a size"),
@@ -307,6 +368,34 @@ def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Pat
         assert "Traceback" not in done.output
     with pytest.raises(InvalidRequest):
         import_checkpoint(folder, f"file://{tmp_path / 'store'}", "j", 1)
+
+
+@pytest.mark.parametrize("case", ["not in the index", "mapped to another file"])
+def test_import_refuses_files_that_hold_tensors_their_index_does_not_name(
+        tmp_path: Path, case: str) -> None:
+    """(Found by review.) The index is read to know which tensor is where; a tensor a
+    file holds but the index does not put there was left out without a word."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    a, b = torch.arange(4.0), torch.arange(4.0, 8.0)
+    if case == "not in the index":
+        save_file({"a": a, "extra": b}, folder / "model-00001-of-00001.safetensors")
+        weight_map = {"a": "model-00001-of-00001.safetensors"}
+    else:  # one name in two files: the index says which, the other copy is dropped
+        save_file({"a": a, "c": a.clone()}, folder / "model-00001-of-00002.safetensors")
+        save_file({"a": b, "b": b.clone()}, folder / "model-00002-of-00002.safetensors")
+        weight_map = {"a": "model-00002-of-00002.safetensors",
+                      "b": "model-00002-of-00002.safetensors",
+                      "c": "model-00001-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    done = runner.invoke(app, ["import", str(folder), "--job", "j", "--step", "1",
+                               "--url", f"file://{tmp_path / 'store'}"])
+    assert done.exit_code == 2, done.output
+    said = " ".join(done.output.split())
+    assert "does not put there" in said and "Traceback" not in said
+    assert not (tmp_path / "store" / "jobs" / "j").exists()
 
 
 def test_a_corrupt_cached_copy_is_passed_over_for_the_store(

@@ -11,7 +11,9 @@ ahead (a skewed or late object store: the URLs look expired); ``POST
 /__front/tamper?key=K`` flips a byte of what a presigned GET of an object whose
 key ends in K answers (bytes bad on the way, not at rest: the server's own reads
 get the stored ones); ``GET /__front/count`` answers how many presigned GETs it
-let through, as JSON."""
+let through, as JSON; ``POST /__front/redirect?on=1`` answers every presigned GET
+with S3's ``307 TemporaryRedirect`` (a bucket reached through another region's
+endpoint), ``on=0`` ends that."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class PresignedChecks:
         self.skew = 0.0
         self.passed = 0
         self.tamper: set[str] = set()
+        self.redirect = False
         self.lock = threading.Lock()
 
     def _answer(self, start_response: Any, status: str, body: bytes,
@@ -86,11 +89,22 @@ class PresignedChecks:
         if path == "/__front/tamper":
             self.tamper.add(parse_qs(query)["key"][0])
             return self._answer(start_response, "200 OK", b"{}", "application/json")
+        if path == "/__front/redirect":
+            self.redirect = parse_qs(query)["on"][0] == "1"
+            return self._answer(start_response, "200 OK", b"{}", "application/json")
         if path == "/__front/count":
             body = json.dumps({"presigned_gets": self.passed}).encode()
             return self._answer(start_response, "200 OK", body, "application/json")
         if "X-Amz-Signature=" not in query:
             return self.app(environ, start_response)
+        if self.redirect:
+            body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>"
+                    b"TemporaryRedirect</Code><Message>Please re-send this request to the "
+                    b"specified temporary endpoint.</Message></Error>")
+            start_response("307 Temporary Redirect", [
+                ("Content-Type", "application/xml"), ("Content-Length", str(len(body))),
+                ("Location", f"http://elsewhere.invalid{path}?{query}")])
+            return [body]
         params = parse_qs(query, keep_blank_values=True)
         try:
             date = datetime.datetime.strptime(params["X-Amz-Date"][0], "%Y%m%dT%H%M%SZ")

@@ -155,9 +155,9 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
             tmp = target / f".tmp-{plan.filename}"
             written.append(tmp)
             await writer.write_file(tmp, plan)
-        for plan, tmp in zip(plans, written, strict=True):
-            os.replace(tmp, target / plan.filename)
-        written = [target / p.filename for p in plans]
+        for i, plan in enumerate(plans):
+            os.replace(written[i], target / plan.filename)
+            written[i] = target / plan.filename  # (renamed: removed under this name)
         tmp_index = target / f".tmp-{INDEX_NAME}"
         written.append(tmp_index)
         tmp_index.write_bytes(index_bytes(plans))
@@ -268,11 +268,11 @@ class _Writer:
 
     async def write_file(self, path: Path, plan: FilePlan) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        pending: asyncio.Future[None] | None = None
         try:
             await in_thread(_write_all, fd, memoryview(plan.header), 0)
             self._advance(len(plan.header))
             base = len(plan.header)
-            pending: asyncio.Future[None] | None = None
             turn = 0
             for group in _windows(pieces(plan, self.window), self.window):
                 group = await self._write_local(fd, base, group)
@@ -288,6 +288,14 @@ class _Writer:
                 pending = asyncio.ensure_future(self._write(fd, buf, group, start, base))
             if pending is not None:
                 await pending
+        except BaseException:
+            if pending is not None and not pending.done():
+                # The last window's write is still under way: it ends before the
+                # descriptor closes (else its next pwrite goes to a closed one, or to
+                # whatever file the process opens next under its number).
+                pending.cancel()
+                await asyncio.wait([pending])
+            raise
         finally:
             os.close(fd)
 

@@ -65,6 +65,13 @@ def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
         if missing:
             raise InvalidRequest(f"{filename} lacks {len(missing)} tensors that {INDEX_NAME} "
                                  f"puts there (first: {missing[0]!r})")
+        # A tensor of the file that the index puts elsewhere or nowhere would be left
+        # out without a word (loaders that read whole files would take it).
+        unmapped = sorted(tensors.keys() - set(files[filename]))
+        if unmapped:
+            raise InvalidRequest(f"{filename} holds {len(unmapped)} tensors that {INDEX_NAME} "
+                                 f"does not put there (first: {unmapped[0]!r}); fix the index, "
+                                 "or import the files one at a time")
         for name in files[filename]:
             state[name] = tensors[name]
     return state
