@@ -289,12 +289,14 @@ class BufferedFront(asyncio.BufferedProtocol):
 
 
 def connection_protocol(header_timeout: float, max_connections: int,
-                        chunk_app: Callable[..., Any] | None) -> type[BufferedFront]:
+                        chunk_app: Callable[..., Any] | None,
+                        send_timeout: float = 60.0) -> type[BufferedFront]:
     """The protocol class uvicorn serves with: the guarded httptools protocol with
     these limits, whose chunk uploads and reads ``chunk_app`` answers (None: every
     request goes through the application)."""
     inner = type("DirectBodyProtocol", (DirectBodyProtocol,), {
         "header_timeout": header_timeout, "max_connections": max_connections,
+        "send_timeout": send_timeout,
         "waiting": OrderedDict(),
         # (in a staticmethod: a function set on a class would be called as a method)
         "chunk_app": None if chunk_app is None else staticmethod(chunk_app),
