@@ -494,3 +494,54 @@ def test_a_request_pipelined_behind_an_answer_being_sent_is_not_closed_by_admiss
     finally:
         for s in [a, *others]:
             s.close()
+
+
+@pytest.fixture
+def full_budget_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_INGEST_BUDGET": str(16 << 20), "CKPTD_INGEST_WAIT": "6",
+                            "CKPTD_BODY_TIMEOUT": "20"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_an_upload_pipelined_behind_another_request_reads_nothing_before_its_budget(
+    full_budget_server: ServerProcess,
+) -> None:
+    # An upload's body is read once it holds its share of CKPTD_INGEST_BUDGET. One
+    # pipelined behind another request was read up to 1 MiB before that (uvicorn
+    # resumes reading when the request before it is answered), outside the budget.
+    srv = full_budget_server
+    assert srv.proc is not None
+    holder = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    holder.sendall(f"PUT /v1/chunks/{'b' * 64} HTTP/1.1\r\nHost: x\r\n"
+                   f"Content-Length: {16 << 20}\r\n\r\n".encode())  # the whole budget
+    time.sleep(0.5)
+    before = _rss(srv.proc.pid)
+    socks = []
+    body = b"x" * (1200 << 10)
+    try:
+        for i in range(60):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.setblocking(False)
+            head = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                    + f"PUT /v1/chunks/{chunk_id(str(i).encode())} HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Length: {16 << 20}\r\n\r\n".encode())
+            s.send(head)
+            socks.append([s, memoryview(body)])
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # bounded: send what the server takes
+            for pending in socks:
+                s, rest = pending
+                if rest:
+                    with contextlib.suppress(BlockingIOError):
+                        pending[1] = rest[s.send(rest):]
+            time.sleep(0.01)
+        grown = _rss(srv.proc.pid) - before
+        assert grown < 30 << 20, f"the server read {grown >> 20} MiB of waiting uploads"
+    finally:
+        for s, _ in socks:
+            s.close()
+        holder.close()
