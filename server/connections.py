@@ -192,7 +192,9 @@ class GuardedProtocol(HttpToolsProtocol):
     def _send_too_slow(self) -> None:
         self._send_timer = None
         unsent = self.transport.get_write_buffer_size()
-        if unsent and unsent < self._unsent:  # the reader took some: it may go on
+        if not unsent:
+            return  # all sent (resume_writing is on its way)
+        if unsent < self._unsent:  # the reader took some: it may go on
             self._arm_send_timer()
             return
         log.info("closing a connection whose reader took nothing of its answer for %.0f s",
