@@ -204,7 +204,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
                                                trusted_hosts=config.forwarded_allow_ips)
         config.http = cast(type[asyncio.Protocol], connection_protocol(
             settings.header_timeout, connection_cap(settings.max_connections, fd_limit),
-            chunk_app))
+            chunk_app, send_timeout=settings.body_timeout))
     quiet_repeats()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
     scheme = "https" if settings.tls_cert else "http"

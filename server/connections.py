@@ -11,8 +11,14 @@ connection still waiting for (or still sending) a request's headers, a stalled
 attacker's before anyone's request that is under way; only when every connection
 is busy with a request is the new one answered 503 at once. So neither half-open
 connections nor an attacker that reconnects as soon as it is closed keep health
-checks and real uploads out: each newcomer is the youngest, closed last. Stalled
-bodies are timed out where they are read (``ckptd.server.bodies``)."""
+checks and real uploads out: each newcomer is the youngest, closed last.
+
+A request is under way until its answer has left the server's buffers, not only
+until it was handed to the transport: closing a connection whose reader has not
+taken its answer frees nothing (the close waits for the reader), so such a
+connection is never chosen, and one whose reader takes nothing for
+``send_timeout`` is aborted. Stalled bodies are timed out where they are read
+(``ckptd.server.bodies``)."""
 
 from __future__ import annotations
 
@@ -68,6 +74,9 @@ class GuardedProtocol(HttpToolsProtocol):
     admits by closing the connection that has waited longest for a request."""
 
     header_timeout: float = 10.0
+    # Seconds an answer may wait in the server's buffers without its reader taking
+    # a byte of it (``Settings.body_timeout``, which bounds an upload's silence).
+    send_timeout: float = 60.0
     max_connections: int = 1000
     # The connections waiting for a request's headers (new, idle between requests,
     # or sending a head), the longest waiting first: one per protocol class, which
@@ -77,9 +86,19 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes the reader had not taken when the send timer was set
+        self._in_head = False  # the parser is inside a request's head
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.scheme == "http":
+            # Writing pauses (``pause_writing``) whenever any byte of an answer waits
+            # in the transport, and resumes once all left: so an answer is known to
+            # be sent, and a reader that stalls with a few bytes left is timed out
+            # too. (Not under TLS: its transports pause at a high-water mark of 0
+            # with nothing waiting, and count only their own buffers anyway.)
+            transport.set_write_buffer_limits(high=0)
         if len(self.connections) > self.max_connections and not self._admit():
             log.warning("over %d open connections, all busy with requests: refusing one "
                         "with 503", self.max_connections)
@@ -111,27 +130,76 @@ class GuardedProtocol(HttpToolsProtocol):
     def _unwait(self) -> None:
         self.waiting.pop(self, None)
 
+    def _busy(self) -> bool:
+        """Whether a request is under way: parsed and not answered, or answered and
+        the answer not yet taken by the reader."""
+        return bool((self.cycle is not None and not self.cycle.response_complete)
+                    or self.pipeline or self.flow.write_paused)
+
+    def _idle(self) -> None:
+        """No request is under way any more: the connection waits for the next one's
+        head (its timer runs from now for a head that began behind the request)."""
+        if self.transport.is_closing() or self._busy():
+            return
+        if self._in_head and self._header_timer is None:
+            self._arm_header_timer()
+        self._wait()  # until the next request (or uvicorn's keep-alive timeout)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._in_head = True
+        if self._busy():
+            return  # pipelined behind a request under way: waits once that is done
         if self._header_timer is None:  # a keep-alive connection's next request
             self._arm_header_timer()
         self._wait()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm_header_timer()
         self._unwait()
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        idle = not self.pipeline  # (else the next pipelined request starts now)
-        super().on_response_complete()
-        if idle and not self.transport.is_closing():
-            self._wait()  # until the next request (or uvicorn's keep-alive timeout)
+        super().on_response_complete()  # (starts the next pipelined request, if any)
+        self._idle()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_send_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send_timer()
+        self._idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_send_timer()
         self._unwait()
         super().connection_lost(exc)
+
+    def _arm_send_timer(self) -> None:
+        self._disarm_send_timer()
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout, self._send_too_slow)
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_too_slow(self) -> None:
+        self._send_timer = None
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            return  # all sent (resume_writing is on its way)
+        if unsent < self._unsent:  # the reader took some: it may go on
+            self._arm_send_timer()
+            return
+        log.info("closing a connection whose reader took nothing of its answer for %.0f s",
+                 self.send_timeout)
+        self.transport.abort()  # (a close would wait for the reader for ever)
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()

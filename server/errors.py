@@ -69,15 +69,16 @@ async def _ckptd_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s: %s", request.method, request.url.path, exc.code, exc_info=exc)
     else:
         log.debug("%s %s: %s: %s", request.method, request.url.path, exc.code, exc.message)
-    return error_response(_as_told(request, exc), status)
+    return error_response(as_told(request, exc), status)
 
 
-def _as_told(request: Request, exc: CkptdError) -> CkptdError:
+def as_told(request: Request, exc: CkptdError) -> CkptdError:
     """``exc`` as the caller may read it. A store backend's own failure names where
     the store is (an S3 URL, its endpoint; in an AccessDenied, the server's cloud
     identity): the operator's, like ``/healthz``'s details (docs/SECURITY.md), so a
     caller without a token on every job gets the key only; the log has the rest.
-    (Subclasses, such as ``store_full`` or ``store_corrupt``, say what ckptd found.)"""
+    (Subclasses, such as ``store_full`` or ``store_corrupt``, say what ckptd found.)
+    Every answer of an error goes through here, the lean chunk route's too."""
     if exc.code != StoreError.code:
         return exc
     grant = identify(request)

@@ -44,13 +44,14 @@ DIRECT = "ckptd.direct"
 # The request targets taken this way: nothing else (a query, an id in capitals)
 # goes the ordinary way, and gets the ordinary answer.
 CHUNK_PATH = re.compile(rb"/v1/chunks/[0-9a-f]{64}")
-# Body bytes kept before the route has given the upload a buffer (the rest of the
-# read that held the head, or a pipelined request's); past this, reading pauses.
-EARLY_LIMIT = 1 << 20
 # What other requests' bytes are read into, one per thread (each read's bytes are
 # copied out before the next read). The read that brings a chunk upload's head
 # brings up to this much of its body, which goes the slow way (copied three times).
 READ_BUFFER = 64 * 1024
+# Body bytes kept before the route has given the upload a buffer (the rest of the
+# read that held the head, or of a read that another request's body resumed); past
+# this, reading pauses: they are outside the ingest budget.
+EARLY_LIMIT = READ_BUFFER
 _READ = threading.local()
 
 
@@ -214,6 +215,13 @@ class DirectBodyProtocol(GuardedProtocol):  # type: ignore[misc]
         self.sink = None
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (resumes reading, starts a pipelined request)
+        if self.sink is not None and self.sink.buffer is None and not self.transport.is_closing():
+            # An upload pipelined behind the request just answered: its body waits
+            # until the route has checked the caller and reserved its budget.
+            self.flow.pause_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.sink is not None:
             self.sink.fail(ClientDisconnect())
@@ -289,12 +297,14 @@ class BufferedFront(asyncio.BufferedProtocol):
 
 
 def connection_protocol(header_timeout: float, max_connections: int,
-                        chunk_app: Callable[..., Any] | None) -> type[BufferedFront]:
+                        chunk_app: Callable[..., Any] | None,
+                        send_timeout: float = 60.0) -> type[BufferedFront]:
     """The protocol class uvicorn serves with: the guarded httptools protocol with
     these limits, whose chunk uploads and reads ``chunk_app`` answers (None: every
     request goes through the application)."""
     inner = type("DirectBodyProtocol", (DirectBodyProtocol,), {
         "header_timeout": header_timeout, "max_connections": max_connections,
+        "send_timeout": send_timeout,
         "waiting": OrderedDict(),
         # (in a staticmethod: a function set on a class would be called as a method)
         "chunk_app": None if chunk_app is None else staticmethod(chunk_app),

@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     )
     body_timeout: float = Field(
         default=60.0, gt=0, le=3600,
-        description="Seconds a request body may go without sending a byte.",
+        description="Seconds a request body may go without sending a byte, and an answer's "
+        "reader without taking one (then its connection is closed).",
     )
     max_connections: int = Field(
         default=1000, ge=1,

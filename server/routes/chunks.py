@@ -51,7 +51,7 @@ from ckptd.server.bodies import (
 )
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.egress import EgressHold, egress_budget
-from ckptd.server.errors import error_response
+from ckptd.server.errors import as_told, error_response
 from ckptd.server.ingest import DIRECT, ChunkSink
 from ckptd.server.metrics import Metrics
 from ckptd.server.routes import error_responses
@@ -309,7 +309,8 @@ def direct_chunk_app(app: FastAPI) -> ASGIApp:
                           exc.message)
             # A body not read to its end would be read as the next request.
             answer = error_response(
-                exc, status, None if sink is None or sink.complete else {"Connection": "close"})
+                as_told(request, exc), status,
+                None if sink is None or sink.complete else {"Connection": "close"})
         except Exception as exc:
             log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
             answer = error_response(CkptdError("internal server error; see the server log"),

@@ -4,6 +4,7 @@ full, and repeated errors do not flood the log. Loopback only, bounded loops."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -398,3 +399,149 @@ def test_when_every_connection_is_under_way_a_new_one_gets_a_coded_503(
     finally:
         for s in busy:
             s.close()
+
+
+def _server_sockets(srv: ServerProcess) -> int:
+    """The sockets the server process holds open (its listener included)."""
+    assert srv.proc is not None
+    fds = Path(f"/proc/{srv.proc.pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += os.readlink(fd).startswith("socket:")
+    return count
+
+
+def _stalled_reader(port: int, cid: str, rcvbuf: int = 4096) -> socket.socket:
+    """A connection that asks for a chunk (of more than the sockets' buffers hold)
+    and does not read its answer."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+@pytest.fixture
+def ten_quick_senders(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_MAX_CONNECTIONS": "10", "CKPTD_HEADER_TIMEOUT": "120",
+                            "CKPTD_BODY_TIMEOUT": "2"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_readers_that_take_nothing_hold_no_more_than_the_cap_and_are_closed(
+    ten_quick_senders: ServerProcess,
+) -> None:
+    # An answer still in the server's buffers is a request under way: admission
+    # closing it gracefully freed nothing (the close waits for the reader), so
+    # stalled readers piled up past the cap, and nothing ever closed them.
+    srv = ten_quick_senders
+    data = os.urandom(16 << 20)
+    cid = chunk_id(data)
+    assert httpx.put(f"{srv.url}/v1/chunks/{cid}", content=data, timeout=30).status_code == 201
+    baseline = _server_sockets(srv)
+    readers = []
+    try:
+        for _ in range(30):
+            readers.append(_stalled_reader(srv.port, cid))
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert _server_sockets(srv) <= baseline + 10, _server_sockets(srv)
+        # A reader that took nothing for CKPTD_BODY_TIMEOUT (2 s) is closed.
+        for _ in range(100):  # bounded: 10 s
+            if _server_sockets(srv) <= baseline:
+                break
+            time.sleep(0.1)
+        assert _server_sockets(srv) <= baseline, _server_sockets(srv)
+        assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+    finally:
+        for s in readers:
+            s.close()
+    assert "Traceback" not in srv.log()
+
+
+def test_a_request_pipelined_behind_an_answer_being_sent_is_not_closed_by_admission(
+    ten_connections: ServerProcess,
+) -> None:
+    srv = ten_connections
+    data = os.urandom(16 << 20)
+    cid = chunk_id(data)
+    assert httpx.put(f"{srv.url}/v1/chunks/{cid}", content=data, timeout=30).status_code == 201
+    others = []
+    a = _stalled_reader(srv.port, cid, rcvbuf=1 << 16)  # (read at the end)
+    try:
+        # The next request's head begins behind the answer, not yet read.
+        a.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.3)
+        for _ in range(10):  # 9 fill the cap; the 10th closes the one waiting longest
+            others.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+            time.sleep(0.05)
+        time.sleep(0.3)
+        a.sendall(b"\r\n")
+        got = b""
+        a.settimeout(10)
+        while got.count(b"HTTP/1.1 200 ") < 2 or not got.endswith(b"}"):  # bounded by recv
+            piece = a.recv(1 << 20)
+            if not piece:
+                break
+            got += piece
+        assert got.count(b"HTTP/1.1 200 ") == 2 and data in got, got[-300:]
+        assert _closed(others[0])  # the one that waited longest went instead
+    finally:
+        for s in [a, *others]:
+            s.close()
+
+
+@pytest.fixture
+def full_budget_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_INGEST_BUDGET": str(16 << 20), "CKPTD_INGEST_WAIT": "6",
+                            "CKPTD_BODY_TIMEOUT": "20"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_an_upload_pipelined_behind_another_request_reads_nothing_before_its_budget(
+    full_budget_server: ServerProcess,
+) -> None:
+    # An upload's body is read once it holds its share of CKPTD_INGEST_BUDGET. One
+    # pipelined behind another request was read up to 1 MiB before that (uvicorn
+    # resumes reading when the request before it is answered), outside the budget.
+    srv = full_budget_server
+    assert srv.proc is not None
+    holder = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    holder.sendall(f"PUT /v1/chunks/{'b' * 64} HTTP/1.1\r\nHost: x\r\n"
+                   f"Content-Length: {16 << 20}\r\n\r\n".encode())  # the whole budget
+    time.sleep(0.5)
+    before = _rss(srv.proc.pid)
+    socks = []
+    body = b"x" * (1200 << 10)
+    try:
+        for i in range(60):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.setblocking(False)
+            head = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                    + f"PUT /v1/chunks/{chunk_id(str(i).encode())} HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Length: {16 << 20}\r\n\r\n".encode())
+            s.send(head)
+            socks.append([s, memoryview(body)])
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # bounded: send what the server takes
+            for pending in socks:
+                s, rest = pending
+                if rest:
+                    with contextlib.suppress(BlockingIOError):
+                        pending[1] = rest[s.send(rest):]
+            time.sleep(0.01)
+        grown = _rss(srv.proc.pid) - before
+        assert grown < 30 << 20, f"the server read {grown >> 20} MiB of waiting uploads"
+    finally:
+        for s, _ in socks:
+            s.close()
+        holder.close()
