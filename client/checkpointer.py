@@ -433,8 +433,10 @@ class Checkpointer:
         (``save()`` before ``step()``, as the README's loop does), that save is the
         snapshot and its handle is returned: nothing is saved twice. A ``save()`` of
         a step saved before (this snapshot, then the loop's own save) is the same
-        save when its bytes are the same; with other bytes the first save stands and
-        the second fails, ``Conflict``, storing nothing. Raises ``RollbackRequested`` (once per
+        save when its bytes are the same; with other bytes (``step()`` came before an
+        optimizer step the loop then saved) the first save stands, the second stores
+        nothing and says so, a warning and ``SaveResult.kept_earlier``: never a
+        failure, the job goes on. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` (the latest when it is None and
         ``e.rollback_unknown``) and carry on, or end the process for torchrun to
@@ -464,7 +466,7 @@ class Checkpointer:
             meta = decision.meta
         elif isinstance(meta, Mapping):  # the caller's, and the reason for the commit
             meta = {**meta, **decision.meta}
-        return self.save(step, state, meta=meta, **save_kwargs)
+        return self._saver.save(step, state, meta=meta, coordinated=True, **save_kwargs)
 
     @property
     def rollback_to(self) -> int | None:
