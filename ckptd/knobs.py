@@ -59,10 +59,19 @@ def request_timeout() -> float:
 def connect_timeout() -> float:
     """Seconds to open a connection to a ckptd server (a replica whose host vanished
     answers nothing: its calls move to the next replica after this long, not after
-    ``request_timeout``). Also bounds how long a server's connection may leave data
-    unacknowledged, or go silent while a request waits, before it counts as gone
-    (TCP_USER_TIMEOUT at twice this, keepalive probes after this long idle)."""
+    ``request_timeout``). A connection that waits for an answer sends keepalive
+    probes after this long idle."""
     return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0)
+
+
+def stall_timeout() -> float:
+    """Seconds a server's connection may leave data unacknowledged, or leave
+    keepalive probes unanswered, before it counts as gone (TCP_USER_TIMEOUT; at
+    least twice ``connect_timeout``): a host that vanished mid-request. Longer than
+    a server's ``--ingest-wait`` (10 s), for which a busy server stops reading an
+    upload's body: its kernel answers, but its window stays shut, and Linux ends a
+    connection whose window stayed shut past TCP_USER_TIMEOUT too."""
+    return _env_float("CKPTD_STALL_TIMEOUT", 20.0)
 
 
 def server_wait() -> float:
