@@ -75,9 +75,11 @@ def stall_timeout() -> float:
 
 
 def server_wait() -> float:
-    """Seconds a new ``Checkpointer`` waits for its server to answer before it raises
-    (a server that starts beside the training processes may need longer)."""
-    return _env_float("CKPTD_SERVER_WAIT", 2.0)
+    """Seconds a new ``Checkpointer`` waits for its server to take a connection
+    before it raises (a warning says what it waits for after 2 s): long enough for
+    a server that restarts as a replacement rank starts (``ckptd serve`` takes ~2 s
+    to listen on a loaded 2-core machine; a container restart takes longer)."""
+    return _env_float("CKPTD_SERVER_WAIT", 20.0)
 
 
 def retries() -> int:

@@ -70,8 +70,9 @@ class Checkpointer:
 
     With an ``http(s)://`` server the constructor asks the server once (the job's
     rollback state): a server nothing answers for at ``url`` (refused connections
-    for ``CKPTD_SERVER_WAIT`` seconds, 2, while it may be starting; no answer to a
-    connection within ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
+    for ``CKPTD_SERVER_WAIT`` seconds, 20, while it may be starting or restarting,
+    said in a warning after 2; no answer to a connection within
+    ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
     another program at that port raises there, one typed error (``Unavailable``,
     ``Unauthorized``, ``Forbidden``, ``InvalidRequest``) naming the URL and what to
     do.
