@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ckptd.client.launch import launch_incarnation
 from ckptd.errors import InvalidRequest, UnsupportedValue
 from ckptd.repository import Repository
 from ckptd.store import LocalStore
+from tests.conftest import free_port
 
 
 def test_the_environment_names_the_launch() -> None:
@@ -106,6 +108,7 @@ def test_ranks_agree_on_a_live_launch_id_not_a_dead_launchs() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),  # type: ignore[attr-defined]
                           wait_for_workers=False)
     store.set("ckptd/launch", "deadlaunch 41")  # what the dead launch's rank 0 left
+    keys = store.num_keys()
     got: dict[int, str] = {}
 
     def rank(r: int) -> None:
@@ -121,3 +124,46 @@ def test_ranks_agree_on_a_live_launch_id_not_a_dead_launchs() -> None:
         t.join(30)
     assert got[0] == got[1] == got[2] != "deadlaunch"
     assert len(got[0]) == 32
+    # The agent's store outlives every restart of the run: a launch leaves nothing
+    # there but its id, which the next launch overwrites (it left an "I have it" key
+    # per rank, every launch: ranks times restarts).
+    assert store.num_keys() == keys
+
+
+GROUP_TIMEOUT = """
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+from ckptd.client.distributed import init_process_group
+init_process_group("gloo", **({"timeout": timedelta(seconds=int(sys.argv[1]))}
+                               if len(sys.argv) > 1 else {}))
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print(int(backend.options._timeout.total_seconds()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("share", ["True", "False"])
+def test_the_helpers_group_has_the_timeout_torch_gives_or_the_one_given(
+        share: str, tmp_path: Path) -> None:
+    """With torchrun's shared agent store and without, the helper's group times its
+    collectives out as plain ``dist.init_process_group`` does: torch's default for
+    the backend (30 min for gloo) unless given one. (It was 5 min with the store
+    shared: a rank 0 busy for longer, others waiting in a barrier, ended the job.)"""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),  # type: ignore[attr-defined]
+                          wait_for_workers=False)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_USE_AGENT_STORE": share,
+           "MASTER_PORT": str(store.port if share == "True" else free_port())}
+    seconds = []
+    for args in ([], ["90"]):
+        done = subprocess.run([sys.executable, "-c", GROUP_TIMEOUT, *args], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        seconds.append(int(done.stdout.split()[-1]))
+    assert seconds == [1800, 90]
