@@ -40,6 +40,36 @@ def test_the_environment_names_the_launch() -> None:
         launch_incarnation({"CKPTD_INCARNATION": "x" * 257})
 
 
+
+def test_one_agent_names_its_launches_apart_from_another_agents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same torchrun command run again (a fixed --rdzv-id, a pod restart) has
+    the same run id and counts from 0 again: the id its agent's store holds, put by
+    the first worker to ask, tells the two agents' launches apart; every worker of
+    one agent reads the same one."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import ckptd.client.launch as launch
+
+    def agent() -> dict[str, str]:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),  # type: ignore[attr-defined]
+                              wait_for_workers=False)
+        stores.append(store)
+        return {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0",
+                "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+
+    stores: list[object] = []
+    first, second = agent(), agent()
+    names = []
+    for env in (first, first, second):
+        monkeypatch.setattr(launch, "_agents", {})  # each ask as a worker process of its own
+        names.append(launch_incarnation(env))
+    assert names[0] == names[1] != names[2]
+    assert all(n is not None and n.startswith("torchelastic:job:0:") for n in names)
+
 def test_the_config_takes_the_launch_from_the_argument_or_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTD_INCARNATION", "from-env")
