@@ -69,6 +69,13 @@ def launch_incarnation(environ: Mapping[str, str] | None = None, *,
     return None
 
 
+def group_initialized() -> bool:
+    """True when this process's default process group exists."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def group_launch(environ: Mapping[str, str] | None = None) -> str | None:
     """The launch id the ranks of this process's default process group agree on, or
     None without one. A group made by ``ckptd.client.distributed.init_process_group``

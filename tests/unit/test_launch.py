@@ -89,6 +89,9 @@ def test_saves_name_the_launch_and_users_cannot(tmp_path: Path, shm: Path,
     with (caplog.at_level(logging.INFO, logger="ckptd.client.checkpointer"),
           Checkpointer(url, "j", rank=1, world_size=2, shm_dir=shm) as unnamed):
         Checkpointer(url, "j", rank=0, world_size=2, shm_dir=shm).close()
+        # Said at the first save: a process group made after the checkpointer names
+        # the launch then.
+        assert unnamed.save(1, {"w": torch.ones(4)}).wait(30).state == "pending"
         assert unnamed.config.incarnation is None
     said = [r for r in caplog.records if "no launch id" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO  # once per process
@@ -197,3 +200,38 @@ def test_the_helpers_group_has_the_timeout_torch_gives_or_the_one_given(
         assert done.returncode == 0, done.stderr
         seconds.append(int(done.stdout.split()[-1]))
     assert seconds == [1800, 90]
+
+
+BEFORE_AND_AFTER = """
+import sys, torch, torch.distributed as dist
+from ckptd.client import Checkpointer
+url, shm, port = sys.argv[1], sys.argv[2], sys.argv[3]
+before = Checkpointer(url, "mixed", 0, 2, shm_dir=shm)  # made before the group
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+after = Checkpointer(url, "mixed", 1, 2, shm_dir=shm)
+states = [c.save(1, {"w": torch.ones(4)}).wait(30).state for c in (before, after)]
+print(states[-1], before.config.incarnation == after.config.incarnation, before.latest())
+before.close(); after.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_checkpointer_made_before_the_group_saves_in_the_groups_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank made its Checkpointer before init_process_group, another after: the
+    first named no launch (or only CKPTD_INCARNATION), the second the group's, and
+    no step ever committed, nothing said. The first now takes the group's launch at
+    its first save once the group is there."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC", "SLURM", "CKPTD_INCARNATION", "RANK",
+                                "WORLD_SIZE", "LOCAL_RANK", "MASTER"))}
+    (tmp_path / "shm").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE_AND_AFTER, f"file://{tmp_path / 'store'}",
+         str(tmp_path / "shm"), str(free_port())],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["committed", "True", "1"], done.stdout + done.stderr
