@@ -40,6 +40,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from ckptd import knobs
 from ckptd.errors import (
     ChunkHashMismatch,
+    ChunkNotFound,
     CkptdError,
     Conflict,
     InvalidRequest,
@@ -254,7 +255,18 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if manifest.step != step:
                 raise Conflict(f"torchft heal: {url} sent a manifest of step {manifest.step} "
                                f"for step {step}", peer=url, step=step)
-            tensors = self._fetch_tensors(client, url, manifest, deadline)
+            try:
+                tensors = self._fetch_tensors(client, url, manifest, deadline)
+            except (ChunkNotFound, Conflict) as exc:
+                # A chunk gone (or being overwritten) is the sender's next step staged
+                # over this one, unless the sender still serves this step.
+                served = _served_step(client, url)
+                if served == step:
+                    raise
+                raise Conflict(
+                    f"torchft heal: {url} staged step {served} while step {step} was being "
+                    f"received ({exc.message}); nothing was loaded, the next quorum heals "
+                    "again", peer=url, step=step, served=served) from None
         finally:
             client.close()
         if self._template is not None:
@@ -369,6 +381,15 @@ def _wait_for_step(client: PeerClient, url: str, step: int, deadline: float
                           f"{served})", peer=url, step=step)
         time.sleep(wait)
         wait = min(wait * 2, _POLL_MAX)
+
+
+def _served_step(client: PeerClient, url: str) -> object:
+    """The step the sender at ``url`` serves now (None when it serves none, or
+    cannot say)."""
+    try:
+        return client.describe(url).get("step")
+    except CkptdError:
+        return None
 
 
 def _fetch_verified(client: PeerClient, url: str, cid: str, dest: memoryview, step: int,

@@ -274,3 +274,30 @@ def test_a_transport_is_reachable_from_other_hosts_by_default(
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def test_a_sender_that_stages_the_next_step_mid_heal_fails_it_with_conflict(
+        pair: tuple[CkptdTransport[Any], ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's next send_checkpoint restages its pool while a receiver is still
+    fetching the step before: the receive fails with ``Conflict`` naming both steps,
+    as the docs say (it was ``ChunkNotFound``, as if the sender had lost a chunk),
+    and nothing is returned."""
+    import ckptd.client.integrations.torchft as torchft_module
+
+    sender, receiver = pair
+    state = {"w": torch.arange(64 * 1024 * 4, dtype=torch.float32)}  # 16 chunks
+    sender.send_checkpoint([1], 1, state, T10)
+    fetch = torchft_module._fetch_verified
+    fetched: list[str] = []
+
+    def then_restage(client: Any, url: str, cid: str, dest: Any, step: int, what: str) -> None:
+        fetch(client, url, cid, dest, step, what)
+        fetched.append(what)
+        if len(fetched) == 2:  # the manifest and one chunk in: the next step comes
+            sender.send_checkpoint([1], 2, {"w": state["w"] + 1}, T10)
+
+    monkeypatch.setattr(torchft_module, "_fetch_verified", then_restage)
+    receiver.concurrency = 1
+    with pytest.raises(Conflict, match="step 2 .*step 1|step 1.*step 2"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, T10)
+    assert len(fetched) >= 2
