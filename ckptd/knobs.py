@@ -59,16 +59,27 @@ def request_timeout() -> float:
 def connect_timeout() -> float:
     """Seconds to open a connection to a ckptd server (a replica whose host vanished
     answers nothing: its calls move to the next replica after this long, not after
-    ``request_timeout``). Also bounds how long a server's connection may leave data
-    unacknowledged, or go silent while a request waits, before it counts as gone
-    (TCP_USER_TIMEOUT at twice this, keepalive probes after this long idle)."""
+    ``request_timeout``). A connection that waits for an answer sends keepalive
+    probes after this long idle."""
     return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0)
 
 
+def stall_timeout() -> float:
+    """Seconds a server's connection may leave data unacknowledged, or leave
+    keepalive probes unanswered, before it counts as gone (TCP_USER_TIMEOUT; at
+    least twice ``connect_timeout``): a host that vanished mid-request. Longer than
+    a server's ``--ingest-wait`` (10 s), for which a busy server stops reading an
+    upload's body: its kernel answers, but its window stays shut, and Linux ends a
+    connection whose window stayed shut past TCP_USER_TIMEOUT too."""
+    return _env_float("CKPTD_STALL_TIMEOUT", 20.0)
+
+
 def server_wait() -> float:
-    """Seconds a new ``Checkpointer`` waits for its server to answer before it raises
-    (a server that starts beside the training processes may need longer)."""
-    return _env_float("CKPTD_SERVER_WAIT", 2.0)
+    """Seconds a new ``Checkpointer`` waits for its server to take a connection
+    before it raises (a warning says what it waits for after 2 s): long enough for
+    a server that restarts as a replacement rank starts (``ckptd serve`` takes ~2 s
+    to listen on a loaded 2-core machine; a container restart takes longer)."""
+    return _env_float("CKPTD_SERVER_WAIT", 20.0)
 
 
 def retries() -> int:

@@ -29,6 +29,7 @@ from .config import CheckpointerConfig, DefaultPlacement, OnBusy, OnError
 from .failover import FailoverAgent
 from .failures import CloseResult
 from .health.heartbeat import Heartbeat, HeartbeatReply
+from .launch import group_initialized, launch_incarnation
 from .peer import PeerServer
 from .restore.restorer import Restorer, RestoreResult
 from .save.handle import SaveHandle
@@ -70,8 +71,9 @@ class Checkpointer:
 
     With an ``http(s)://`` server the constructor asks the server once (the job's
     rollback state): a server nothing answers for at ``url`` (refused connections
-    for ``CKPTD_SERVER_WAIT`` seconds, 2, while it may be starting; no answer to a
-    connection within ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
+    for ``CKPTD_SERVER_WAIT`` seconds, 20, while it may be starting or restarting,
+    said in a warning after 2; no answer to a connection within
+    ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
     another program at that port raises there, one typed error (``Unavailable``,
     ``Unauthorized``, ``Forbidden``, ``InvalidRequest``) naming the URL and what to
     do.
@@ -111,8 +113,9 @@ class Checkpointer:
     set; else ``CKPTD_INCARNATION``, torchrun's run id and restart count on one
     node, SLURM's job id and requeue count; ``client/launch.py``): a restarted
     job's manifest replaces a pending one of the launch that died, and no step
-    commits with manifests of two launches. Make every rank's checkpointer after
-    ``init_process_group`` (or every one before it). Unknown (None), a restart is
+    commits with manifests of two launches. A checkpointer made before
+    ``init_process_group`` and not given ``incarnation`` takes the group's launch at
+    its first save once the group is there. Unknown (None), a restart is
     not told apart: a rank that saved the pending step before gets ``Conflict``,
     and the step may commit with that rank's earlier manifest.
 
@@ -147,6 +150,9 @@ class Checkpointer:
         local_rank: int | None = None,
     ) -> None:
         """Builds the ``CheckpointerConfig`` of these arguments and opens it."""
+        # Made before the process group: the launch the group's ranks agree on is
+        # taken at the first save once there is one (``_take_group_launch``).
+        later = incarnation is None and not group_initialized()
         self._open(CheckpointerConfig.of(
             url, job, rank, world_size, token, chunk_size=chunk_size,
             default_placement=default_placement, on_busy=on_busy, on_error=on_error,
@@ -155,7 +161,7 @@ class Checkpointer:
             heartbeat_interval=heartbeat_interval, health=health, cache_dir=cache_dir,
             health_policy=health_policy, health_sources=health_sources,
             incarnation=incarnation, local_rank=local_rank,
-        ))
+        ), launch_later=later)
 
     @classmethod
     def from_config(cls, config: CheckpointerConfig) -> Checkpointer:
@@ -164,9 +170,10 @@ class Checkpointer:
         self._open(config)
         return self
 
-    def _open(self, config: CheckpointerConfig) -> None:
+    def _open(self, config: CheckpointerConfig, *, launch_later: bool = False) -> None:
         self.config = config
-        if config.incarnation is None and config.world_size > 1:
+        self._launch_later = launch_later
+        if config.incarnation is None and config.world_size > 1 and not launch_later:
             _say_no_launch(config)
         self._session = Session(config)
         try:
@@ -337,8 +344,27 @@ class Checkpointer:
         ``step()`` or ``close()`` (see ``on_error``). Objects with ``state_dict()``
         and ``load_state_dict()`` (a module, optimizer, scheduler, ``RNGState``) are
         saved as their ``state_dict()``; raw ``bytes`` as opaque verified blobs."""
+        self._take_group_launch()
         return self._saver.save(step, state, shards=shards, local=local, meta=meta,
                                 block_training=block_training, tag=tag)
+
+    def _take_group_launch(self) -> None:
+        """Made before the process group and not told the launch: once there is a
+        group, its launch id (``launch_incarnation``), as the ranks that made theirs
+        after it have: otherwise the two kinds of rank named different launches,
+        and no step ever committed (nor said why)."""
+        if not self._launch_later:
+            return
+        if group_initialized():
+            self._launch_later = False
+            found = launch_incarnation()
+            if found is not None and found != self.config.incarnation:
+                log.info("%s/%d: the process group came after this checkpointer; its saves "
+                         "name the group's launch, %s", self.job, self.rank, found)
+                config = self.config.replace(incarnation=found)
+                self.config = self._session.config = self._saver.config = config
+        if self.config.incarnation is None and self.config.world_size > 1:
+            _say_no_launch(self.config)
 
     # -- restore and queries ----------------------------------------------------------
 
@@ -433,8 +459,10 @@ class Checkpointer:
         (``save()`` before ``step()``, as the README's loop does), that save is the
         snapshot and its handle is returned: nothing is saved twice. A ``save()`` of
         a step saved before (this snapshot, then the loop's own save) is the same
-        save when its bytes are the same; with other bytes the first save stands and
-        the second fails, ``Conflict``, storing nothing. Raises ``RollbackRequested`` (once per
+        save when its bytes are the same; with other bytes (``step()`` came before an
+        optimizer step the loop then saved) the first save stands, the second stores
+        nothing and says so, a warning and ``SaveResult.kept_earlier``: never a
+        failure, the job goes on. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` (the latest when it is None and
         ``e.rollback_unknown``) and carry on, or end the process for torchrun to
@@ -464,7 +492,8 @@ class Checkpointer:
             meta = decision.meta
         elif isinstance(meta, Mapping):  # the caller's, and the reason for the commit
             meta = {**meta, **decision.meta}
-        return self.save(step, state, meta=meta, **save_kwargs)
+        self._take_group_launch()
+        return self._saver.save(step, state, meta=meta, coordinated=True, **save_kwargs)
 
     @property
     def rollback_to(self) -> int | None:

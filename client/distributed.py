@@ -32,17 +32,20 @@ import torch.distributed as dist
 from ckptd.errors import Timeout
 
 _KEY = "ckptd/launch"
-_BEAT = 0.05  # seconds between rank 0's beats, and the others' looks
+_BEAT = 0.05  # seconds between rank 0's beats, and the others' first looks
+_LOOK_MAX = 1.0  # seconds between the others' looks once they waited a while
 
 # The launch id the group of this process agreed on (``launch.group_launch``).
 _agreed: str | None = None
 
 
-def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(minutes=5),
+def init_process_group(backend: str = "gloo", timeout: timedelta | None = None,
                        **kwargs: Any) -> None:
     """``dist.init_process_group`` from torchrun's (or any env:// launcher's)
     environment, correct after restarts on one node or several: with the agent's
     shared store, the launch's ranks agree on a launch id first and meet under it.
+    ``timeout`` is the group's, as torch takes it (None: torch's default for the
+    backend, 30 min for gloo, 10 for NCCL), and bounds the agreement too;
     ``kwargs`` go to ``dist.init_process_group`` (``device_id``, ...)."""
     global _agreed
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -50,28 +53,46 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(min
         return
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    wait = timeout if timeout is not None else default_timeout(backend)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-        is_master=False, timeout=timeout)
-    launch = agree_on_launch(store, rank, world, timeout.total_seconds())
+        is_master=False, timeout=wait)
+    launch = agree_on_launch(store, rank, world, wait.total_seconds())
     prefixed = dist.PrefixStore(f"{_KEY}/{launch}", store)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world,
                             timeout=timeout, **kwargs)
     _agreed = launch
 
 
+def default_timeout(backend: str) -> timedelta:
+    """The timeout torch gives a group of ``backend`` when it is given none."""
+    try:
+        return dist.distributed_c10d._get_default_timeout(
+            dist.Backend(backend))
+    except Exception:  # a torch without it: its public default (gloo's)
+        return dist.constants.default_pg_timeout
+
+
 def agree_on_launch(store: Any, rank: int, world: int, timeout: float) -> str:
     """The id every rank of this launch gets from ``store`` (one that outlives
     launches): rank 0 draws it and beats it until every other rank said it has it;
-    the others take the first id whose beat moves, and say so under it."""
+    the others take the first id whose beat moves, and say so under it.
+
+    What it leaves in the store per launch is the id's key, overwritten by the
+    next launch (the count of ranks that have it is removed once complete): the
+    store outlives every restart of the run. Rank 0 asks one counter per beat, and
+    the others look less often the longer they wait, so that thousands of ranks
+    waiting for a late rank 0 do not flood the store the agents rendezvous through."""
     deadline = time.monotonic() + timeout
     if rank == 0:
         launch = uuid.uuid4().hex
-        acks = [f"{_KEY}/{launch}/has/{r}" for r in range(1, world)]
+        count = f"{_KEY}/{launch}/has"
         beat = 0
         while True:
             store.set(_KEY, f"{launch} {beat}")
-            if not acks or store.check(acks):
+            if world == 1 or int(store.add(count, 0)) >= world - 1:
+                if world > 1:
+                    store.delete_key(count)
                 return launch
             if time.monotonic() > deadline:
                 raise Timeout(f"launch {launch}: ranks of {world} did not join within "
@@ -79,18 +100,20 @@ def agree_on_launch(store: Any, rank: int, world: int, timeout: float) -> str:
             beat += 1
             time.sleep(_BEAT)
     seen: str | None = None
+    pause = _BEAT
     while True:
         if store.check([_KEY]):
             now = bytes(store.get(_KEY)).decode()
             if seen is not None and now != seen:  # it moves: rank 0 of this launch
                 launch = now.split(" ", 1)[0]
-                store.set(f"{_KEY}/{launch}/has/{rank}", "1")
+                store.add(f"{_KEY}/{launch}/has", 1)
                 return launch
             seen = now
         if time.monotonic() > deadline:
             raise Timeout(f"rank {rank}: rank 0 of this launch published no launch id "
                           f"within {timeout:g} s", after_s=timeout)
-        time.sleep(_BEAT)
+        time.sleep(pause)
+        pause = min(pause * 1.5, _LOOK_MAX)
 
 
 def agreed_launch() -> str | None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Mapping
+from datetime import timedelta
 
 from ckptd.errors import InvalidRequest
 
@@ -22,6 +24,11 @@ ENV: str = "CKPTD_INCARNATION"
 MAX_LENGTH = 256
 # The key of the group's launch id in the default process group's store.
 GROUP_KEY = "ckptd/launch"
+# The key of a torchrun agent's id in its own store (``agent_launch``).
+AGENT_KEY = "ckptd/agent"
+# Agent ids already asked for, by the store's address (a DCP writer asks every save).
+_agents: dict[tuple[str, str], str | None] = {}
+_agents_lock = threading.Lock()
 
 
 def launch_incarnation(environ: Mapping[str, str] | None = None, *,
@@ -49,12 +56,24 @@ def launch_incarnation(environ: Mapping[str, str] | None = None, *,
         # a membership change, uncounted. Only a single agent's count names the launch.
         if env.get("GROUP_WORLD_SIZE", "1") != "1":
             return None
+        # The run id repeats when the same command is run again (a fixed --rdzv-id; a
+        # pod restart), and each new agent counts from 0: what this agent put in its
+        # own store, which dies with it, tells its launches from another agent's.
+        agent = agent_launch(env)
         return check_incarnation(
-            f"torchelastic:{run_id}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            f"torchelastic:{run_id[:100]}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            + (f":{agent}" if agent else ""))
     job_id = env.get("SLURM_JOB_ID")
     if job_id:  # a requeued job keeps its id and counts the requeue, job-wide
         return check_incarnation(f"slurm:{job_id}:{env.get('SLURM_RESTART_COUNT', '0')}")
     return None
+
+
+def group_initialized() -> bool:
+    """True when this process's default process group exists."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 def group_launch(environ: Mapping[str, str] | None = None) -> str | None:
@@ -93,6 +112,34 @@ def group_launch(environ: Mapping[str, str] | None = None) -> str | None:
         log.info("cannot agree on a launch id through the process group's store: %s", exc)
         return None
     return check_incarnation(f"group:{bytes(raw).decode()}")
+
+
+def agent_launch(environ: Mapping[str, str] | None = None) -> str | None:
+    """An id of this process's torchrun agent, the same for every worker it starts
+    and restarts and another for every agent process: the first worker to ask puts
+    a fresh one in the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: it lives as
+    long as the agent) by compare-and-set. None without that store, or when it
+    cannot be reached (logged)."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # (else MASTER_PORT is a worker's store, there only with a group)
+    where = (env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""))
+    with _agents_lock:
+        if where in _agents:
+            return _agents[where]
+        agreed: str | None = None
+        try:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                where[0], int(where[1]), is_master=False, timeout=timedelta(seconds=10),
+                wait_for_workers=False)
+            agreed = bytes(store.compare_set(AGENT_KEY, "", uuid.uuid4().hex)).decode()
+        except Exception as exc:  # no launch id rather than one the other ranks lack
+            log.info("cannot reach torchrun's agent store at %s:%s for a launch id: %s",
+                     where[0], where[1], exc)
+        _agents[where] = agreed
+        return agreed
 
 
 def check_incarnation(incarnation: str) -> str:

@@ -19,20 +19,26 @@ from .transport_http import http_error, tls_trouble
 
 log = logging.getLogger(__name__)
 
+# Seconds of refused connections after which a new checkpointer says what it waits for.
+SAY_AFTER = 2.0
+
 
 async def reach(transport: HttpTransport, job: str, within: float) -> None:
     """Asks the server for ``job``'s rollback state (a read the job's token may make)
     and returns once it answered. Raises at once what retrying cannot mend (a
     refused token, a program that is not a ckptd server, a TLS mismatch), and
     ``Unavailable`` when no replica took a connection for ``within`` seconds
-    (refused: tried again meanwhile, for a server still starting) or one connect
-    timeout (nothing answered: a host that is not there). A server that took the
-    connection but answers slowly, or answers 5xx, is there: the checkpointer goes
-    on, and its calls say what is wrong."""
-    deadline = time.monotonic() + within
+    (refused: tried again meanwhile, for a server starting or restarting, and said
+    in a warning after ``SAY_AFTER`` seconds) or one connect timeout (nothing
+    answered: a host that is not there). A server that took the connection but
+    answers slowly, or answers 5xx, is there: the checkpointer goes on, and its
+    calls say what is wrong."""
+    started = time.monotonic()
+    deadline = started + within
     connect = transport.session.connect_timeout
     call = calls.rollback(job)
     delay = 0.1
+    said = False
     while True:
         left = max(0.5, deadline - time.monotonic())
         try:
@@ -58,7 +64,14 @@ async def reach(transport: HttpTransport, job: str, within: float) -> None:
                     f"cannot reach the ckptd server at {transport.url} ({_reason(exc)}, for "
                     f"{within:g} s): start it (ckptd serve), or point url= or CKPTD_URL at "
                     "where it runs (CKPTD_SERVER_WAIT gives a server that starts beside "
-                    "training longer)", url=transport.url) from None
+                    "training, or restarts, longer)", url=transport.url) from None
+            if not said and time.monotonic() - started >= SAY_AFTER:
+                said = True  # a restart is waited for; a mistake is said now all the same
+                log.warning(
+                    "cannot reach the ckptd server at %s (%s): waiting up to %.0f s more "
+                    "(CKPTD_SERVER_WAIT), for a server that is restarting. If it is not "
+                    "running, start it (ckptd serve), or point url= or CKPTD_URL at where it "
+                    "runs", transport.url, _reason(exc), max(0.0, deadline - time.monotonic()))
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.5)
             continue

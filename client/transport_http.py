@@ -106,15 +106,19 @@ class Session:
 
     def socket_options(self) -> list[tuple[int, int, int]]:
         """Options of every connection to a server: a host that vanishes mid-request
-        (its link down: no reset, no answer) fails the request within seconds, not at
-        the request timeout. Data left unacknowledged for twice ``connect_timeout``
-        (TCP_USER_TIMEOUT), or a connection silent that long while a request waits
-        (keepalive probes from ``connect_timeout`` on), ends the connection; the call
-        is retried and routing moves on. Linux options, where the platform has them."""
+        (its link down: no reset, no answer) fails the request within
+        ``CKPTD_STALL_TIMEOUT`` (20 s), not at the request timeout. Data left
+        unacknowledged that long (TCP_USER_TIMEOUT), or a connection silent that
+        long while a request waits (keepalive probes from ``connect_timeout`` idle
+        on), ends the connection; the call is retried and routing moves on. Not
+        shorter: Linux also ends a connection whose peer kept its window shut that
+        long, and a busy live server does, for up to its ``--ingest-wait`` (10 s),
+        before it admits an upload. Linux options, where the platform has them."""
         idle = max(1, round(self.connect_timeout))
+        stall = max(knobs.stall_timeout(), 2 * self.connect_timeout)
         opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
         for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
-                            ("TCP_USER_TIMEOUT", round(2000 * self.connect_timeout))):
+                            ("TCP_USER_TIMEOUT", round(1000 * stall))):
             opt = getattr(socket, name, None)
             if opt is not None and value > 0:
                 opts.append((socket.IPPROTO_TCP, opt, value))

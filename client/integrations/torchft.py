@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -39,6 +40,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from ckptd import knobs
 from ckptd.errors import (
     ChunkHashMismatch,
+    ChunkNotFound,
     CkptdError,
     Conflict,
     InvalidRequest,
@@ -50,7 +52,7 @@ from ckptd.hashing import chunk_count, chunk_id
 
 from ..dtypes import byte_view, dtype_name, torch_dtype
 from ..loop import run_private
-from ..peer import PeerClient, PeerIndex, PeerServer
+from ..peer import PeerClient, PeerIndex, PeerServer, peer_address
 from ..restore.fill import fill, plan_fill, tensor_specs, unflatten
 from ..save.chunks import hash_views
 from ..save.flatten import flatten
@@ -101,10 +103,12 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
     received verified chunk by chunk.
 
     ``timeout`` bounds a receive (torchft passes its own per call too). The chunk
-    server binds ``host:port`` (default ``CKPTD_PEER_HOST``, 127.0.0.1, and a port
-    the OS picks: set ``host="0.0.0.0"`` or ``CKPTD_PEER_HOST`` when replica groups
-    run on several hosts) and is reached at ``advertise_host``
-    (``CKPTD_PEER_ADVERTISE_HOST``, else the address on the default route).
+    server binds ``host:port`` (default ``CKPTD_PEER_HOST``, else
+    ``CKPTD_PEER_INTERFACE``'s address, else every interface, for replica groups on
+    other hosts; and a port the OS picks) and is reached at ``advertise_host``
+    (``CKPTD_PEER_ADVERTISE_HOST``, else that interface's address, else this host's
+    address on the route to torchft's lighthouse, ``TORCHFT_LIGHTHOUSE``, or the
+    default route).
     Requests carry a bearer token: ``token`` when every replica group is given the
     same one, else a random one per transport that travels in ``metadata()``.
     ``state_dict``: a callable returning a template (e.g. the Manager's state) that
@@ -139,8 +143,14 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         self._pool = StagingPool(self._label, 0, root=shm_dir)
         self._lock = threading.Lock()  # one send stages at a time
         try:
-            self._server = _HealServer(host=host, port=port, token=self._token,
-                                       advertise_host=advertise_host, job=self._label, rank=0)
+            # Replica groups run on other hosts: every interface (the token guards
+            # it), advertised at this host's address on the route to the lighthouse
+            # (torchft's TORCHFT_LIGHTHOUSE), as a Checkpointer's peer server is.
+            where = peer_address(host, toward=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                                 advertise=advertise_host)
+            self._server = _HealServer(host=where.bind, port=port, token=self._token,
+                                       advertise_host=where.advertise, job=self._label,
+                                       rank=0)
             self._server.start()
         except BaseException:
             self._pool.close()
@@ -245,7 +255,18 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if manifest.step != step:
                 raise Conflict(f"torchft heal: {url} sent a manifest of step {manifest.step} "
                                f"for step {step}", peer=url, step=step)
-            tensors = self._fetch_tensors(client, url, manifest, deadline)
+            try:
+                tensors = self._fetch_tensors(client, url, manifest, deadline)
+            except (ChunkNotFound, Conflict) as exc:
+                # A chunk gone (or being overwritten) is the sender's next step staged
+                # over this one, unless the sender still serves this step.
+                served = _served_step(client, url)
+                if served == step:
+                    raise
+                raise Conflict(
+                    f"torchft heal: {url} staged step {served} while step {step} was being "
+                    f"received ({exc.message}); nothing was loaded, the next quorum heals "
+                    "again", peer=url, step=step, served=served) from None
         finally:
             client.close()
         if self._template is not None:
@@ -360,6 +381,15 @@ def _wait_for_step(client: PeerClient, url: str, step: int, deadline: float
                           f"{served})", peer=url, step=step)
         time.sleep(wait)
         wait = min(wait * 2, _POLL_MAX)
+
+
+def _served_step(client: PeerClient, url: str) -> object:
+    """The step the sender at ``url`` serves now (None when it serves none, or
+    cannot say)."""
+    try:
+        return client.describe(url).get("step")
+    except CkptdError:
+        return None
 
 
 def _fetch_verified(client: PeerClient, url: str, cid: str, dest: memoryview, step: int,

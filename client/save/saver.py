@@ -88,11 +88,13 @@ class Saver:
         # its callbacks run, and close() must not report before they did.
         self._settled: threading.Event | None = None
         # This checkpointer's latest saves, by step: the handle of each, and the
-        # manifest each stored. A coordinated snapshot due at a step the loop saved
-        # is that save; a save of a step saved before with the same bytes is one save
-        # (``snapshot.same_save``), with other bytes a ``Conflict``.
+        # manifest each stored (and whether a coordinated snapshot was one of the
+        # saves). A coordinated snapshot due at a step the loop saved is that save; a
+        # save of a step saved before with the same bytes is one save
+        # (``snapshot.same_save``); with other bytes the first stands, and the second
+        # is a ``Conflict`` only when the loop made both.
         self._handles: dict[int, SaveHandle] = {}
-        self._manifests: dict[int, RankManifest] = {}
+        self._manifests: dict[int, tuple[RankManifest, bool]] = {}
         self._saves_lock = threading.Lock()
 
     @property
@@ -110,14 +112,18 @@ class Saver:
         meta: dict[str, Any] | None = None,
         block_training: bool = True,
         tag: str | None = None,
+        coordinated: bool = False,
     ) -> SaveHandle:
-        """Stages ``state`` and hands it to the upload (``Checkpointer.save``)."""
+        """Stages ``state`` and hands it to the upload (``Checkpointer.save``;
+        ``coordinated``: a snapshot the health probe asked for, ``Checkpointer.step``,
+        as is a save whose ``meta`` says ``"reason": "health"``, a ``StepDecision``'s)."""
         started = time.perf_counter()
         self.session.check_open()
         self.surface_failure(stacklevel=4)
         self.ask_pending()
         check_step(step)
         shards, local, meta = _save_args(shards, local, meta, tag)
+        coordinated = coordinated or meta.get("reason") == "health"
         self.failover.note_step(step)
         flat = flatten(state)
         layouts: Mapping[str, tuple[Placement, list[int], list[int]]] = (
@@ -173,7 +179,7 @@ class Saver:
             serial = next(self._serials)
             future, copy_done, pieces = self._stage_and_submit(step, serial, flat.tree,
                                                                flat.tensors, placements, meta,
-                                                               started, pending)
+                                                               started, pending, coordinated)
             self.failures.saves += 1
             settled = self._settled = threading.Event()
         future.add_done_callback(functools.partial(self._snapshot_done, step=step,
@@ -211,9 +217,9 @@ class Saver:
             self._handles.clear()
             self._manifests.clear()
 
-    def _stored(self, manifest: RankManifest) -> None:
+    def _stored(self, manifest: RankManifest, *, coordinated: bool) -> None:
         with self._saves_lock:
-            _keep_recent(self._manifests, manifest.step, manifest)
+            _keep_recent(self._manifests, manifest.step, (manifest, coordinated))
 
     def _stage_and_submit(
         self,
@@ -225,6 +231,7 @@ class Saver:
         meta: dict[str, Any],
         started: float,
         epoch_pending: concurrent.futures.Future[int] | None = None,
+        coordinated: bool = False,
     ) -> tuple[concurrent.futures.Future[SaveResult], CopyDone | None, int]:
         """Stages the state piece by piece and hands each to the pipeline; every
         piece but the last is uploaded before the next overwrites the pool. Runs
@@ -232,7 +239,7 @@ class Saver:
         c = self.config
         plan = self.session.staging.prepare(tensors, c.chunk_size)
         with self._saves_lock:
-            earlier = self._manifests.get(step)
+            earlier, earlier_coordinated = self._manifests.get(step, (None, False))
         snap = Snapshot(
             job=c.job,
             step=step,
@@ -246,9 +253,11 @@ class Saver:
             started=started,
             epoch_pending=epoch_pending,
             earlier=earlier,
+            coordinated=coordinated or earlier_coordinated,
         )
         upload = SnapshotUpload(self.session.transport, snap, plan.piece_count,
-                                on_manifest=self._stored)
+                                on_manifest=functools.partial(self._stored,
+                                                              coordinated=snap.coordinated))
         self.failover.staging()  # what peers were served is about to be overwritten
         for number in range(plan.piece_count):
             piece = self.session.staging.stage(plan, number, step)
@@ -404,6 +413,8 @@ class Saver:
         if future.cancelled() or future.exception() is not None or self.session.closed:
             return
         result = future.result()
+        if result.kept_earlier:  # the pool holds the bytes that were not stored
+            return
         pool, generation = self.session.staging, piece.generation
         index = PeerIndex(step=result.step, chunks=upload.chunks_of(piece),
                           valid=lambda: pool.generation == generation)

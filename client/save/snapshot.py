@@ -14,6 +14,7 @@ from typing import Any, Literal
 from ckptd.errors import CkptdError, Conflict, Unavailable
 from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry, manifest_epoch
 from ckptd.hashing import chunk_count
+from ckptd.lifecycle.tags import TAG_META
 
 from ..dtypes import dtype_name
 from ..loop import in_thread
@@ -31,7 +32,10 @@ class SaveResult:
     ``state`` is "committed" when the step is committed (every rank is in), or
     "pending" when this rank's manifest is stored and other ranks are still to come.
     ``bytes_deduplicated`` is what this rank did not send because the store already
-    had it, another replica sent it, or it repeated within the snapshot."""
+    had it, another replica sent it, or it repeated within the snapshot.
+    ``kept_earlier``: this rank had saved the step before with other bytes, one of
+    the two saves a coordinated snapshot (``Checkpointer.step``); that first save
+    stands and this one stored nothing (logged as a warning, never a failure)."""
 
     step: int
     state: Literal["committed", "pending"]
@@ -43,6 +47,7 @@ class SaveResult:
     stage_seconds: float
     upload_seconds: float
     total_seconds: float
+    kept_earlier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,10 @@ class Snapshot:
     # The manifest this checkpointer put for this step before (a coordinated
     # snapshot, then the loop's own save): the same state again is that save.
     earlier: RankManifest | None = None
+    # This save is a coordinated snapshot, or the earlier one was: other bytes under
+    # its step keep the first save instead of failing (the health probe asked for
+    # one of them; the loop's order is no mistake worth ending the job for).
+    coordinated: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -203,18 +212,29 @@ class SnapshotUpload:
         manifest = self._manifest()
         if self.pieces == 1:
             manifest.check()  # a bad manifest fails here, before any byte is sent
-        repeat = same_save(self.snap.earlier, manifest)  # raises for other bytes
-        await self._upload(data)
-        if any(not cid for ids in self._ids for cid in ids):
-            raise CkptdError(f"snapshot of step {self.snap.step}: some chunks were never staged")
         snap = self.snap
+        repeat = same_save(snap.earlier, manifest)
+        kept = repeat is not None and repeat.differs
+        if kept:
+            assert repeat is not None
+            if not snap.coordinated:
+                raise repeat.conflict(manifest)
+            log.warning("%s: %s", self.claimer, repeat.kept_message(manifest))
+        else:
+            await self._upload(data)
+            if any(not cid for ids in self._ids for cid in ids):
+                raise CkptdError(f"snapshot of step {snap.step}: some chunks were never staged")
+        meta = manifest.meta
         if repeat is None:
             await self.transport.put_manifest(manifest)
         else:  # the state saved before: that manifest stands (its meta, its reason)
-            manifest = repeat
+            manifest = repeat.manifest
+            # A tag this save names still names the step (``ckptd tag``: a retry of the
+            # commit call sets it, on a committed step too).
+            meta = {**manifest.meta, **({TAG_META: meta[TAG_META]} if TAG_META in meta else {})}
         if self.on_manifest is not None:
             self.on_manifest(manifest)
-        status = await self.transport.commit(snap.job, snap.step, manifest.meta or None)
+        status = await self.transport.commit(snap.job, snap.step, meta or None)
         now = time.perf_counter()
         upload_seconds = now - (self._t0 if self._t0 is not None else now)
         total = now - snap.started
@@ -235,37 +255,64 @@ class SnapshotUpload:
             stage_seconds=self.stage_seconds,
             upload_seconds=upload_seconds,
             total_seconds=total,
+            kept_earlier=kept,
         )
 
 
 
-def same_save(earlier: RankManifest | None, manifest: RankManifest) -> RankManifest | None:
-    """``earlier`` when ``manifest`` saves the same state of the same step (its meta
-    aside: a coordinated snapshot's reason, the loop's own): one save, whose manifest
-    stands. None when there is no earlier save of this step in this timeline. Raises
-    ``Conflict`` for other bytes: a stored manifest never changes, so the first save
-    stands and this one must store nothing."""
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """A second save of a step this rank saved before: ``manifest`` is the one stored,
+    which stands; ``names`` the entries the second save holds other bytes of, and
+    ``other`` what else differs (none of either: the same state, one save)."""
+
+    manifest: RankManifest
+    names: list[str]
+    other: list[str]
+
+    @property
+    def differs(self) -> bool:
+        return bool(self.names or self.other)
+
+    def _what(self) -> str:
+        what = [repr(n) for n in self.names[:5]] + (["..."] if len(self.names) > 5 else [])
+        return ", ".join(what + self.other)
+
+    def conflict(self, manifest: RankManifest) -> Conflict:
+        """The error of a save of other bytes under a step the loop saved itself."""
+        return Conflict(
+            f"this rank saved step {manifest.step} before with other bytes ({self._what()} "
+            "differ): a stored manifest never changes, so the first save stands and this one "
+            "stored nothing. Save a changed state under another step number",
+            job=manifest.job, step=manifest.step, rank=manifest.rank, names=self.names[:100])
+
+    def kept_message(self, manifest: RankManifest) -> str:
+        """What the log says when a coordinated snapshot and the loop's own save of one
+        step hold other bytes: the first stands, the job goes on."""
+        return (f"step {manifest.step} was saved twice with other bytes ({self._what()} "
+                "differ), once as a coordinated snapshot the health probe asked for: the first "
+                "save stands and this one stored nothing (SaveResult.kept_earlier). Training "
+                "goes on; to make the snapshot the loop's own save, call save() before "
+                "step(), as the README's loop does")
+
+
+def same_save(earlier: RankManifest | None, manifest: RankManifest) -> Repeat | None:
+    """The ``Repeat`` when ``earlier`` (this rank's manifest stored before) is of the
+    same step as ``manifest`` in the same timeline, with what differs between them
+    (their meta aside: a coordinated snapshot's reason, the loop's own). None when
+    there is no earlier save of this step in this timeline. A stored manifest never
+    changes, so a repeat stores nothing of its own."""
     if earlier is None or (earlier.job, earlier.step, earlier.rank) != (
             manifest.job, manifest.step, manifest.rank):
         return None
     if manifest_epoch(earlier) != manifest_epoch(manifest):
         return None  # saved before a rollback: the new timeline's manifest replaces it
-    if (earlier.entries == manifest.entries and earlier.tree == manifest.tree
-            and earlier.world_size == manifest.world_size
-            and earlier.chunk_size == manifest.chunk_size):
-        return earlier
     before = {e.name: e for e in earlier.entries}
     now = {e.name: e for e in manifest.entries}
     names = sorted(n for n in before.keys() | now.keys() if before.get(n) != now.get(n))
-    what = [repr(n) for n in names[:5]] + (["..."] if len(names) > 5 else [])
+    other = []
     if earlier.tree != manifest.tree:
-        what.append("plain values")
+        other.append("plain values")
     if earlier.world_size != manifest.world_size or earlier.chunk_size != manifest.chunk_size:
-        what.append("world size or chunk size")
-    raise Conflict(
-        f"this rank saved step {manifest.step} before with other bytes ({', '.join(what)} "
-        "differ): a stored manifest never changes, so the first save stands and this one "
-        "stored nothing. Save a changed state under another step number; when ckpt.step() "
-        "took a coordinated snapshot of this step first, call save() before step(), as the "
-        "README's loop does: the snapshot is then that save",
-        job=manifest.job, step=manifest.step, rank=manifest.rank, names=names[:100])
+        other.append("world size or chunk size")
+    return Repeat(earlier, names, other)

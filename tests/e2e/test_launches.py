@@ -115,3 +115,50 @@ def test_plain_init_with_the_share_off_agrees_on_the_launch(tmp_path: Path) -> N
                        "CKPTD_INCARNATION": "same-every-launch"})
     _check(results)
     assert results[0]["incarnation"].startswith("same-every-launch/group:")
+
+
+RELAUNCH = Path(__file__).parent / "workers" / "relaunch.py"
+
+
+def test_a_relaunch_with_the_same_rdzv_id_on_one_node_is_another_launch(
+        tmp_path: Path) -> None:
+    """One agent, started twice with one ``--rdzv-id`` (a pod restart running the
+    same command), ``--max-restarts=0``, no process group: each launch is
+    ``TORCHELASTIC_RESTART_COUNT`` 0 of run ``job``, which named both alike; rank 0
+    got ``Conflict`` and step 10 committed its first launch's shard beside rank 1's
+    second. The ranks now add what their agent put in its own store, which dies
+    with it."""
+    server = ServerProcess(store=tmp_path / "store")
+    server.start()
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "shm").mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_URL=server.url,
+               CKPTD_SHM_DIR=str(tmp_path / "shm"))
+    env.pop("CKPTD_TOKEN", None)
+    env.pop("CKPTD_INCARNATION", None)
+    try:
+        codes = []
+        for _ in range(2):
+            port = free_port()
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                   "--nproc-per-node=2", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job",
+                   "--max-restarts=0", "--monitor-interval=0.2",
+                   str(RELAUNCH), str(out), "relaunch"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+            try:
+                text = proc.communicate(timeout=180)[0].decode(errors="replace")
+            finally:
+                _kill_tree(proc)
+            codes.append((proc.returncode, text[-4000:]))
+        assert codes[0][0] != 0 and codes[1][0] == 0, codes
+        results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    finally:
+        server.stop()
+    for r in results:
+        assert r["launch"] == 2 and r["restored"] == 5 and "error" not in r, results
+        assert r["back"] == r["saved"], results  # step 10 holds this launch's bytes
+    incarnations = {r["incarnation"] for r in results}
+    assert len(incarnations) == 1 and None not in incarnations, results

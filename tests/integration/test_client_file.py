@@ -22,9 +22,9 @@ from test_client_common import (
 from ckptd.client import Checkpointer, LocalTransport, SaveResult, Shard, open_transport
 from ckptd.client.dtypes import byte_view
 from ckptd.errors import (
-    AlreadyCommitted,
     CheckpointNotFound,
     ChunkHashMismatch,
+    Conflict,
     InvalidRequest,
     RestoreError,
     SnapshotSkipped,
@@ -217,8 +217,10 @@ def test_unsupported_state_is_refused_by_save_itself(store: Path) -> None:
 def test_background_errors_surface_typed_on_wait(store: Path) -> None:
     with Checkpointer(url(store), "again") as ckpt:
         ckpt.save(1, {"w": torch.ones(3)}).wait(timeout=30)
-        handle = ckpt.save(1, {"w": torch.zeros(3)})  # same step, other bytes
-        with pytest.raises(AlreadyCommitted):
+        # Same step, other bytes: refused before anything is sent (the checkpointer
+        # knows its own manifest of the step; the server would say AlreadyCommitted).
+        handle = ckpt.save(1, {"w": torch.zeros(3)})
+        with pytest.raises(Conflict):
             handle.wait(timeout=30)
         assert handle.done()
         assert ckpt.save(2, {"w": torch.zeros(3)}).wait(timeout=30).state == "committed"

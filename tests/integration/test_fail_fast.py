@@ -5,8 +5,10 @@ that made one exits without asyncio's complaints."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -37,9 +39,17 @@ def _raised(make: object, bound: float) -> CkptdError:
     return err
 
 
-def test_nothing_listening_is_said_at_construction(tmp_path: Path, shm: Path) -> None:
+def test_nothing_listening_is_said_at_construction(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Said in a warning after 2 s (what it waits for, what to do), raised once
+    ``CKPTD_SERVER_WAIT`` (20 s by default: a server may be restarting) ran out."""
+    monkeypatch.setenv("CKPTD_SERVER_WAIT", "3")
     url = f"http://127.0.0.1:{free_port()}"
-    err = _raised(lambda: Checkpointer(url, "ff", shm_dir=shm), knobs.server_wait() + 2.0)
+    with caplog.at_level(logging.WARNING, logger="ckptd.client"):
+        err = _raised(lambda: Checkpointer(url, "ff", shm_dir=shm), knobs.server_wait() + 2.0)
+    said = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert len(said) == 1 and "connection refused" in said[0] and "ckptd serve" in said[0]
     assert isinstance(err, Unavailable)
     assert url in err.message and "connection refused" in err.message
     assert "ckptd serve" in err.message and "CKPTD_URL" in err.message
@@ -92,3 +102,28 @@ def test_a_quick_checkpointer_leaves_no_asyncio_complaint_at_exit(tmp_path: Path
     assert done.returncode == 0, done.stderr
     assert "was destroyed" not in done.stderr and "never retrieved" not in done.stderr, (
         done.stderr)
+
+
+def test_a_server_restarting_as_a_rank_starts_is_waited_for(
+        server: ServerProcess, shm: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A replacement rank that starts while its server restarts (a `systemctl
+    restart`, a container restarted: ckptd serve takes about 2 s to listen on this
+    machine) gets its Checkpointer once the server is back, as the first call's
+    retries gave it before construction asked the server; it is told within 2 s
+    what it waits for. (It raised after 2 s, ending the rank: torchrun then
+    restarts the whole group.)"""
+    server.stop()
+    back = threading.Timer(4.0, server.start)  # down 4 s, then ~2 s to listen
+    back.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.client"):
+            t0 = time.time()
+            with Checkpointer(server.url, "ff", shm_dir=shm, serve_peers=False) as ckpt:
+                took = time.time() - t0
+                assert ckpt.save(1, {"w": torch.ones(4)}).wait(30).state == "committed"
+    finally:
+        back.join()
+    assert took > 4.0
+    said = [r for r in caplog.records if server.url in r.getMessage()]
+    assert said and "CKPTD_SERVER_WAIT" in said[0].getMessage(), said
+    assert said[0].created - t0 < 3.5  # said while it waits, not only once it gave up

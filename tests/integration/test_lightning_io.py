@@ -196,6 +196,11 @@ def test_a_background_failure_is_raised_by_the_next_call(store: str, shm: Path,
     first.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "a.ckpt")
     first.teardown()
     again = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    # A run that loaded nothing and saves a committed step is refused at once
+    # (test_a_run_on_a_node_without_the_pointers_says_so_at_its_first_save).
+    with pytest.raises(InvalidRequest, match="loaded none of them"):
+        again.save_checkpoint(_checkpoint(4, seed=2), tmp_path / "b.ckpt")
+    again.save_checkpoint(_checkpoint(6, seed=2), tmp_path / "c.ckpt")
     # Step 4 holds other bits already: the commit fails after save_checkpoint returned.
     again.save_checkpoint(_checkpoint(4, seed=2), tmp_path / "b.ckpt")
     with pytest.raises(AlreadyCommitted):
@@ -279,3 +284,23 @@ def test_a_save_on_another_rank_than_0_is_refused(io: CkptdCheckpointIO, tmp_pat
     monkeypatch.setenv("RANK", "1")  # (no process group here: the environment says)
     with pytest.raises(InvalidRequest, match="rank other than 0"):
         io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt")
+
+
+def test_a_run_on_a_node_without_the_pointers_says_so_at_its_first_save(
+        server: ServerProcess, shm: Path, tmp_path: Path) -> None:
+    """ckpt_path="last" where the checkpoint directory holds no pointer (another
+    node, a replacement one): Lightning finds no last checkpoint, warns and trains
+    from scratch. The first save says what happened and what to do, before it
+    stores anything (it failed later with AlreadyCommitted, after the training);
+    ckpt_path="latest" resumes there."""
+    whole = _fit(server.url, tmp_path / "whole" / "job", shm, 3, None)
+    _fit(server.url, tmp_path / "a" / "job2", shm, 2, None)
+    with pytest.raises(InvalidRequest) as raised:
+        _fit(server.url, tmp_path / "b" / "job2", shm, 3, "last")
+    message = str(raised.value)
+    assert "committed steps up to 8" in message and "saving step 4" in message
+    assert "ckpt_path='latest'" in message
+    resumed = _fit(server.url, tmp_path / "b" / "job2", shm, 3, "latest")
+    assert resumed["step"] == whole["step"] == 12
+    _same(whole["model"], resumed["model"])
+    _same(whole["optim"]["state"], resumed["optim"]["state"])

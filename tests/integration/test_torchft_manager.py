@@ -100,7 +100,10 @@ def lighthouse(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
     try:
-        yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        # (the transports advertise their address on the route to it: 127.0.0.1)
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+        yield address
     finally:
         server.shutdown()
 

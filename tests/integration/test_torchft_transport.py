@@ -35,6 +35,16 @@ from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 from ckptd.client.integrations.torchft import CkptdTransport  # noqa: E402
 
 T10 = timedelta(seconds=10)
+LIGHTHOUSE = "http://127.0.0.1:29510"
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lighthouse on this host: the transports advertise 127.0.0.1, the address on
+    the route to it (tests talk over loopback only)."""
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", LIGHTHOUSE)
+    for name in ("CKPTD_PEER_HOST", "CKPTD_PEER_INTERFACE", "CKPTD_PEER_ADVERTISE_HOST"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
@@ -232,3 +242,62 @@ def test_shutdown_removes_the_pool_and_stops_serving(shm: Path) -> None:
         assert type(err.value).__name__ in ("Unavailable", "Timeout")
     finally:
         other.shutdown()
+
+
+def test_a_transport_is_reachable_from_other_hosts_by_default(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica groups heal across hosts: the sender listens on every interface (its
+    token guards it) and advertises its address on the route to the lighthouse, as
+    a Checkpointer's peer server does. It bound 127.0.0.1 and advertised it, so a
+    group on another host could never heal from it unless told host="0.0.0.0"."""
+    from urllib.parse import urlparse
+
+    from ckptd.client.peer.address import WILDCARDS, route_address
+
+    sender: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    receiver: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    try:
+        assert sender._server.host in WILDCARDS
+        url = json.loads(sender.metadata())["url"]
+        assert urlparse(url).hostname == route_address(LIGHTHOUSE) == "127.0.0.1"
+        sender.send_checkpoint([1], 3, {"w": torch.arange(10.0)}, T10)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+        assert torch.equal(got["w"], torch.arange(10.0))
+        # Without a lighthouse named, the address on the default route (no connection
+        # is made to see it: a UDP socket's connect sends nothing).
+        monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+        other: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+        try:
+            assert urlparse(json.loads(other.metadata())["url"]).hostname == route_address()
+        finally:
+            other.shutdown()
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_a_sender_that_stages_the_next_step_mid_heal_fails_it_with_conflict(
+        pair: tuple[CkptdTransport[Any], ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's next send_checkpoint restages its pool while a receiver is still
+    fetching the step before: the receive fails with ``Conflict`` naming both steps,
+    as the docs say (it was ``ChunkNotFound``, as if the sender had lost a chunk),
+    and nothing is returned."""
+    import ckptd.client.integrations.torchft as torchft_module
+
+    sender, receiver = pair
+    state = {"w": torch.arange(64 * 1024 * 4, dtype=torch.float32)}  # 16 chunks
+    sender.send_checkpoint([1], 1, state, T10)
+    fetch = torchft_module._fetch_verified
+    fetched: list[str] = []
+
+    def then_restage(client: Any, url: str, cid: str, dest: Any, step: int, what: str) -> None:
+        fetch(client, url, cid, dest, step, what)
+        fetched.append(what)
+        if len(fetched) == 2:  # the manifest and one chunk in: the next step comes
+            sender.send_checkpoint([1], 2, {"w": state["w"] + 1}, T10)
+
+    monkeypatch.setattr(torchft_module, "_fetch_verified", then_restage)
+    receiver.concurrency = 1
+    with pytest.raises(Conflict, match="step 2 .*step 1|step 1.*step 2"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, T10)
+    assert len(fetched) >= 2

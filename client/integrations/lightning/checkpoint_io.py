@@ -189,6 +189,8 @@ class CkptdCheckpointIO(CheckpointIO):
             last.path = path
             return
         ckpt = self._checkpointer()
+        if last is None:
+            self._check_resumed(ckpt, step, path)
         handle = ckpt.save(step, checkpoint, tag=tag)
         self._last = _Saved(step, path, handle, _fingerprint(checkpoint))
         self._queue(handle, step, path, None)
@@ -296,6 +298,23 @@ class CkptdCheckpointIO(CheckpointIO):
                 kwargs = {"timeout": self.timeout, **self._kwargs}
                 self._ckpt = Checkpointer(self.url, self.job, 0, 1, self.token, **kwargs)
             return self._ckpt
+
+    def _check_resumed(self, ckpt: Checkpointer, step: int, path: str) -> None:
+        """The first save of a run that loaded nothing: a step the job committed
+        already means the run started over without resuming (``ckpt_path="last"``
+        finds only pointer files, and a node that never held them, a replacement
+        node, finds none: Lightning then warns and trains from scratch), and the save
+        would fail after the steps it trained, ``AlreadyCommitted``."""
+        latest = ckpt.latest()
+        if latest is None or step > latest:
+            return
+        raise InvalidRequest(
+            f"{path}: job {self.job} has committed steps up to {latest}, but this run "
+            f"loaded none of them and is saving step {step}. With ckpt_path='last' on a "
+            "node whose checkpoint directory holds no ckptd pointer file (not shared, or a "
+            "replacement node), Lightning starts over: resume with ckpt_path='latest' (or "
+            "the checkpoint's path: its name is looked up among the job's tags), or give "
+            "this run a new job=", job=self.job, step=step, latest=latest)
 
     def _job_tags(self) -> JobTags:
         with self._lock:
