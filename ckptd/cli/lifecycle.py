@@ -305,7 +305,7 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Bytes stored per job, bytes unique to each step, dedup ratio and space left."""
 
     async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.capacity import census
+        from ckptd.lifecycle.census import census
 
         s = await census(repo)
         out = dataclasses.asdict(s)
@@ -329,3 +329,7 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
                      else "not reported by this store"))
     for damage in s.get("damaged", []):  # (an older server does not say)
         console.print(f"not counted, damaged: {escape(damage)}")
+    if not s.get("complete", True):  # (an older server does not say)
+        console.print(f"still counting: {s.get('uncounted_steps', 0)} committed steps not "
+                      "counted yet" + ("" if s.get("chunks_listed_at") else
+                                       ", chunks/ not listed yet") + "; ask again shortly")
