@@ -28,23 +28,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.errors import CkptdError, NotFound, StoreError
-from ckptd.format import commit_key, manifest_key
+from ckptd.format import check_job, check_step, commit_key, manifest_key
 from ckptd.lifecycle.capacity import JobSpace, StepSpace, StoreSpace, disk_space
 from ckptd.lifecycle.census_worker import Worker, WorkerLost
 from ckptd.lifecycle.gc import _CHUNK_KEY
-from ckptd.lifecycle.space_book import (
-    SPACE_PREFIX,
-    SUMMARY_MIN_BYTES,
-    Begun,
-    BookError,
-    BookView,
-    space_key,
-)
+from ckptd.lifecycle.space_book import SUMMARY_MIN_BYTES, Begun, BookError, BookView
 from ckptd.repository import Repository
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int]  # (job, step)
+
+SPACE_PREFIX = "space/"
+
+
+def space_key(job: str, step: int) -> str:
+    """Where a step's space summary lies (docs/FORMAT.md, "Space summaries")."""
+    return f"{SPACE_PREFIX}{check_job(job)}/{check_step(step)}.json"
+
 
 # Ranks whose manifests one call to the worker counts: at most this many, and
 # about this many bytes (the bytes cross a pipe when the store is not local).
@@ -342,11 +343,14 @@ class Census:
             with contextlib.suppress(NotFound):
                 old = await self.store.get(space_key(job, step))
             if old is not None:
-                problem = await self._call("load", job, step, old)
-                if problem is None:
+                unusable = await self._call("load", job, step, old)
+                if unusable is None:
                     return [], None
+                problem, replace = unusable
                 log.info("census: the space summary %s is not used (%s); counting the "
                          "step's manifests", space_key(job, step), problem)
+                if not replace:  # a newer ckptd's: left as it is
+                    big = False
         problems: list[str] = []
         batch: list[tuple[int, bytes | None, str | None, str]] = []
         size = 0

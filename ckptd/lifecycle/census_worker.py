@@ -44,6 +44,8 @@ def _pack(value: Any, frames: list[bytes]) -> Any:
         return {"$bytes": len(frames) - 1}
     if isinstance(value, list | tuple):
         return [_pack(v, frames) for v in value]
+    if isinstance(value, dict):
+        return {k: _pack(v, frames) for k, v in value.items()}
     return value
 
 
@@ -52,6 +54,8 @@ def _unpack(value: Any, frames: list[bytes]) -> Any:
         return frames[value["$bytes"]]
     if isinstance(value, list):
         return [_unpack(v, frames) for v in value]
+    if isinstance(value, dict):
+        return {k: _unpack(v, frames) for k, v in value.items()}
     return value
 
 

@@ -1,5 +1,5 @@
 """The census's book: each counted step's distinct chunks as two compact arrays,
-and the bytes per job and per step they add up to (docs/design/013-census.md).
+and the bytes per job and per step they add up to (docs/design/020-census.md).
 
 This module is what the census worker process runs (``ckptd.lifecycle.census``
 drives it): it parses commit records and rank manifests itself, a manifest one
@@ -19,51 +19,78 @@ import base64
 import json
 from array import array
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final
 
 import blake3
 import numpy as np
-from pydantic import Field
 
-from ckptd.errors import CkptdError
-from ckptd.format import FORMAT_VERSION, CommitRecord, _Document, _load, check_job, check_step
+# (Nothing here imports pydantic or ckptd.format: the worker starts in a fifth of
+# the time, and parses its documents itself.)
 
 SPACE_FORMAT: Final = "ckptd.step_space"
-SPACE_PREFIX: Final = "space/"
 # Steps whose rank manifests add up to less than this are counted from them again
 # (cheaper than another document to read); larger ones get a space summary.
 SUMMARY_MIN_BYTES: Final = 4 << 20
 
 _IDS = np.dtype(">u8")  # a chunk id's first 8 bytes, as stored in a summary
 _SIZES = np.dtype("<u4")  # chunk sizes: at most 256 MiB
+_HEX = frozenset("0123456789abcdef")
+
+_RECORD_FIELDS = frozenset({"format", "version", "job", "step", "world_size", "manifests",
+                            "report", "committed_at", "meta"})
+_SUMMARY_FIELDS = frozenset({"format", "version", "job", "step", "commit", "logical_bytes",
+                             "chunks", "chunk_bytes", "ids", "sizes"})
 
 
-def space_key(job: str, step: int) -> str:
-    return f"{SPACE_PREFIX}{check_job(job)}/{check_step(step)}.json"
-
-
-class StepSpaceSummary(_Document):
-    """One committed step's distinct chunks, counted: what the census keeps of it."""
-
-    format: Literal["ckptd.step_space"] = SPACE_FORMAT
-    version: Literal[1] = FORMAT_VERSION
-    job: str
-    step: int = Field(ge=0)
-    commit: str = Field(pattern=r"^[0-9a-f]{64}$")  # digest of the record counted
-    logical_bytes: int = Field(ge=0)
-    chunks: int = Field(ge=0)
-    chunk_bytes: int = Field(ge=0)
-    ids: str  # base64: each chunk id's first 8 bytes, ascending
-    sizes: str  # base64: each chunk's size, little-endian uint32, in the order of ids
-
-    @classmethod
-    def parse(cls, data: bytes) -> StepSpaceSummary:
-        return _load(cls, data, SPACE_FORMAT, "space summary")
+def canonical(doc: dict[str, Any]) -> bytes:
+    """The format's canonical JSON (docs/FORMAT.md, ``ckptd.format.canonical_json``)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
 
 
 class BookError(Exception):
     """A document the book could not count (damaged, or a newer ckptd's); its text
     names the document. Plain, so that it crosses the process boundary."""
+
+
+class _Newer(ValueError):
+    """A document of a version this ckptd does not know: a newer ckptd's."""
+
+
+def _is_int(value: object, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _document(data: bytes, fmt: str, fields: frozenset[str]) -> dict[str, Any]:
+    """A document's JSON object, checked as every reader checks one: its format,
+    a version it knows (``_Newer`` otherwise), exactly its fields."""
+    doc = json.loads(data.decode("utf-8", errors="strict"))
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise ValueError(f"not a {fmt} document")
+    if doc.get("version") != 1 or type(doc.get("version")) is not int:
+        raise _Newer(f"version {doc.get('version')!r} is not one this ckptd knows")
+    if set(doc) != fields:
+        raise ValueError(f"fields {sorted(set(doc) ^ fields)} are not those of {fmt}")
+    return doc
+
+
+def _commit_record(data: bytes) -> tuple[str, int, list[str], int, int]:
+    """(job, step, manifest hashes by rank, their bytes summed, logical bytes)."""
+    doc = _document(data, "ckptd.commit", _RECORD_FIELDS)
+    refs, report = doc["manifests"], doc["report"]
+    world = doc["world_size"]
+    if not (isinstance(doc["job"], str) and _is_int(doc["step"]) and _is_int(world, 1)
+            and isinstance(refs, list) and len(refs) == world and isinstance(report, dict)
+            and _is_int(report.get("logical_bytes"))):
+        raise ValueError("a field has the wrong type")
+    hashes, total = [], 0
+    for rank, ref in enumerate(refs):
+        if not (isinstance(ref, dict) and ref.get("rank") == rank and _is_int(ref.get("size"))
+                and isinstance(ref.get("hash"), str) and len(ref["hash"]) == 64):
+            raise ValueError(f"manifests[{rank}] is not rank {rank}'s")
+        hashes.append(ref["hash"])
+        total += ref["size"]
+    return doc["job"], doc["step"], hashes, total, report["logical_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +133,8 @@ class _Open:
     """A step being counted: its record's manifest hashes, and the distinct chunks
     of the ranks read so far."""
 
-    record: CommitRecord
+    hashes: list[str]  # of the rank manifests, by rank
+    logical_bytes: int
     digest: str
     ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
     sizes: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))
@@ -184,15 +212,17 @@ class SpaceBook:
     def begin(self, job: str, step: int, record_bytes: bytes, key: str) -> Begun:
         """Opens the count of a step from its commit record's bytes (read at ``key``)."""
         try:
-            record = CommitRecord.parse(record_bytes)
-        except CkptdError as exc:
+            named, number, hashes, total, logical = _commit_record(record_bytes)
+        except _Newer as exc:
+            raise BookError(f"{key}: {exc}; it was written by a newer ckptd") from None
+        except (ValueError, KeyError) as exc:
             raise BookError(f"damaged document {key}: {exc}") from None
-        if (record.job, record.step) != (job, step):
-            raise BookError(f"damaged document {key}: the commit record names step "
-                            f"{record.step} of {record.job}")
+        if (named, number) != (job, step):
+            raise BookError(f"damaged document {key}: the commit record names step {number} "
+                            f"of {named}")
         digest = blake3.blake3(record_bytes).hexdigest()
-        self._open[(job, step)] = _Open(record, digest)
-        return Begun(record.world_size, sum(m.size for m in record.manifests), digest)
+        self._open[(job, step)] = _Open(hashes, logical, digest)
+        return Begun(len(hashes), total, digest)
 
     def add_ranks(self, job: str, step: int,
                   ranks: list[tuple[int, bytes | None, str | None, str]]) -> list[str]:
@@ -215,7 +245,7 @@ class SpaceBook:
         if data is None:
             held.damaged = True
             return f"damaged step: {key}, named by its commit record, is missing"
-        if blake3.blake3(data).hexdigest() != held.record.manifests[rank].hash:
+        if blake3.blake3(data).hexdigest() != held.hashes[rank]:
             held.damaged = True
             return f"damaged document {key}: its bytes are not those its commit record names"
         try:
@@ -231,35 +261,38 @@ class SpaceBook:
         """Counts the opened step; its summary's bytes when asked for (never for a
         step with a damaged rank: the next count may read that rank again)."""
         held = self._open.pop((job, step))
-        self._put(job, step, _Counted(held.digest, held.record.report.logical_bytes,
-                                      held.ids, held.sizes))
+        self._put(job, step, _Counted(held.digest, held.logical_bytes, held.ids, held.sizes))
         if not summary or held.damaged:
             return None
-        return StepSpaceSummary(
-            job=job, step=step, commit=held.digest,
-            logical_bytes=held.record.report.logical_bytes,
-            chunks=len(held.ids), chunk_bytes=int(held.sizes.sum(dtype=np.uint64)),
-            ids=base64.b64encode(held.ids.astype(_IDS).tobytes()).decode("ascii"),
-            sizes=base64.b64encode(held.sizes.astype(_SIZES).tobytes()).decode("ascii"),
-        ).canonical()
+        return canonical({
+            "format": SPACE_FORMAT, "version": 1, "job": job, "step": step,
+            "commit": held.digest, "logical_bytes": held.logical_bytes,
+            "chunks": len(held.ids), "chunk_bytes": int(held.sizes.sum(dtype=np.uint64)),
+            "ids": base64.b64encode(held.ids.astype(_IDS).tobytes()).decode("ascii"),
+            "sizes": base64.b64encode(held.sizes.astype(_SIZES).tobytes()).decode("ascii"),
+        })
 
-    def load(self, job: str, step: int, data: bytes) -> str | None:
-        """Counts the opened step from its space summary; what is wrong with the
-        summary (it is then counted from its manifests), or None."""
+    def load(self, job: str, step: int, data: bytes) -> tuple[str, bool] | None:
+        """Counts the opened step from its space summary; None, or what is wrong with
+        the summary and whether to replace it (not one of a newer ckptd). The step
+        is then to be counted from its manifests."""
         held = self._open[(job, step)]
         try:
-            doc = StepSpaceSummary.parse(data)
-            ids = np.frombuffer(base64.b64decode(doc.ids, validate=True), _IDS)
-            sizes = np.frombuffer(base64.b64decode(doc.sizes, validate=True), _SIZES)
-        except (CkptdError, ValueError) as exc:
-            return f"unreadable: {exc}"
-        if (doc.job, doc.step, doc.commit) != (job, step, held.digest):
-            return "it counts another commit of the step"
-        if len(ids) != doc.chunks or len(sizes) != doc.chunks or (
-                doc.chunks and not bool(np.all(ids[1:] > ids[:-1]))):
-            return "its arrays do not hold its chunks, ascending"
+            doc = _document(data, SPACE_FORMAT, _SUMMARY_FIELDS)
+            ids = np.frombuffer(base64.b64decode(doc["ids"], validate=True), _IDS)
+            sizes = np.frombuffer(base64.b64decode(doc["sizes"], validate=True), _SIZES)
+        except _Newer as exc:
+            return f"{exc}: a newer ckptd's", False
+        except (ValueError, TypeError) as exc:
+            return f"damaged: {exc}", True
+        if (doc["job"], doc["step"], doc["commit"]) != (job, step, held.digest):
+            return "it counts another commit of the step", True
+        if not (_is_int(doc["logical_bytes"]) and doc["chunks"] == len(ids) == len(sizes)
+                and doc["chunk_bytes"] == int(sizes.sum(dtype=np.uint64))
+                and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])))):
+            return "damaged: its arrays do not hold its chunks, ascending", True
         del self._open[(job, step)]
-        self._put(job, step, _Counted(held.digest, doc.logical_bytes,
+        self._put(job, step, _Counted(held.digest, doc["logical_bytes"],
                                       ids.astype(np.uint64), sizes.astype(np.uint32)))
         return None
 

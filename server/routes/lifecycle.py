@@ -186,7 +186,7 @@ async def damage(job: JobDep, repo: RepoDep) -> dict[int, list[str]]:
 
 
 # How long GET /v1/space waits for the census to take in what changed just before.
-SPACE_WAIT = 0.5
+SPACE_WAIT = 0.3
 
 
 @router.get("/space", dependencies=scope(STORE_READ), response_model=SpaceResult,
