@@ -166,7 +166,12 @@ class Worker:
         return _from_plain(method, answer["ok"]), float(answer["cpu"])
 
     async def _started(self) -> asyncio.subprocess.Process:
-        if self._child is None or self._child.returncode is not None:
+        if self._child is not None and self._child.returncode is not None:
+            # It died between calls (killed, out of memory): its book with it.
+            code, self._child = self._child.returncode, None
+            raise WorkerLost(f"the census worker process ended (exit status {code}); "
+                             "counting again")
+        if self._child is None:
             self._child = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "ckptd.lifecycle.census_worker", str(self.niceness),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
