@@ -21,7 +21,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.store import LocalStore
-from ckptd.testing.big_store import BigStore, fill
+from ckptd.testing.big_store import BigStore, big_chunks, fill, manifest_bytes
 from tests.conftest import ServerProcess
 
 # One process polls both servers' /healthz in turn (a thread in this process would
@@ -55,6 +55,7 @@ class Side:
     saves: list[float] = field(default_factory=list)
     health: list[float] = field(default_factory=list)
     space: list[float] = field(default_factory=list)
+    commits: list[float] = field(default_factory=list)  # of a large step, if asked
 
     def row(self) -> dict[str, float]:
         return {"save_median": statistics.median(self.saves),
@@ -62,7 +63,9 @@ class Side:
                 "health_median": statistics.median(self.health),
                 "health_p90": quantile(self.health, 0.9),
                 "health_worst": max(self.health),
-                "space_worst": max(self.space) if self.space else float("nan")}
+                "space_worst": max(self.space) if self.space else float("nan"),
+                "commit_median": statistics.median(self.commits) if self.commits
+                else float("nan")}
 
 
 @dataclass
@@ -76,7 +79,11 @@ class Run:
 
 
 def measure(root: Path, shm: Path, *, jobs: int = 2, steps: int = 2, world_size: int = 2,
-            tensors: int = 125_000, min_rounds: int = 12, max_s: float = 240.0) -> Run:
+            tensors: int = 125_000, min_rounds: int = 12, max_s: float = 240.0,
+            commit_tensors: int = 0, commit_rounds: int = 2) -> Run:
+    """With ``commit_tensors``, first puts and commits that many tensors (one rank)
+    ``commit_rounds`` times on each server, timing the commit call, while the large
+    store's census counts."""
     t0 = time.perf_counter()
     big = asyncio.run(fill(LocalStore(root / "big" / "store", fsync=False),
                            jobs=[f"moe-{i}" for i in range(jobs)],
@@ -98,6 +105,8 @@ def measure(root: Path, shm: Path, *, jobs: int = 2, steps: int = 2, world_size:
         poller = subprocess.Popen(
             [sys.executable, "-c", _POLLER, *(s.url.removeprefix("http://") for s in servers)],
             stdout=subprocess.PIPE, text=True)
+        if commit_tensors:
+            _commits(servers, sides, commit_tensors, commit_rounds)
         ckpts = [Checkpointer(s.url, "saves", shm_dir=shm / str(i), serve_peers=False,
                               timeout=120) for i, s in enumerate(servers)]
         state = {"w": torch.zeros(64 * 1024)}  # 256 KiB
@@ -143,3 +152,23 @@ def measure(root: Path, shm: Path, *, jobs: int = 2, steps: int = 2, world_size:
         for srv in servers:
             srv.stop()
     return Run(big, sides[0], sides[1], census_s, final, fill_s)
+
+
+def _commits(servers: list[ServerProcess], sides: list[Side], tensors: int, rounds: int
+             ) -> None:
+    data = big_chunks(1, seed="commits")
+    ids = sorted(data)
+    with httpx.Client(timeout=600.0) as http:
+        for srv in servers:
+            cid = ids[0]
+            assert http.put(f"{srv.url}/v1/chunks/{cid}", content=data[cid]).status_code < 300
+        for step in range(1, rounds + 1):
+            body = manifest_bytes("commits", step, 0, 1, tensors, ids)
+            for i in (step % 2, 1 - step % 2):
+                url = f"{servers[i].url}/v1/jobs/commits/steps/{step}"
+                r = http.put(f"{url}/ranks/0", content=body)
+                assert r.status_code == 201, r.text[:300]
+                t = time.perf_counter()
+                r = http.post(f"{url}/commit", json={})
+                sides[i].commits.append(time.perf_counter() - t)
+                assert r.status_code == 200 and r.json()["state"] == "committed", r.text[:300]
