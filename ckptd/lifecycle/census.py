@@ -114,6 +114,7 @@ class Census:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._running = False
+        self._lock = asyncio.Lock()  # one piece of work at a time: the book is one
 
     # -- what others tell it --------------------------------------------------------
 
@@ -159,19 +160,27 @@ class Census:
         return self.space or self._make_space()
 
     async def count_all(self) -> StoreSpace:
-        """One full pass and a whole listing, now (no task, no throttle)."""
-        await self._full_pass()
-        await self._begin_listing()
-        while self._listing is not None:
-            await self._list_some(throttle=False, slice_s=None)
-        await self._refresh_view()
+        """One full pass and a whole listing, now (no throttle); after the piece of
+        work the task may be doing (one at a time, whoever asks)."""
+        async with self._lock:
+            await self._full_pass()
+            await self._begin_listing()
+            while self._listing is not None:
+                await self._list_some(throttle=False, slice_s=None)
+            await self._refresh_view()
         return self.space or self._make_space()
+
+    def start(self) -> asyncio.Task[None]:
+        """Starts the census task (``run``); until it ends, ``current`` waits for
+        it rather than counting by itself."""
+        self._running = True
+        return asyncio.create_task(self.run())
 
     # -- the task ---------------------------------------------------------------------
 
     async def run(self) -> None:
         """The census task: its work one piece at a time, then waits for more."""
-        self._running = True
+        self._running = True  # (``start`` says so before the task first runs)
         try:
             with contextlib.suppress(OSError):  # (else the first call says why)
                 await self._worker.start()
@@ -193,6 +202,21 @@ class Census:
             self._idle.set()
 
     async def _work_once(self) -> None:
+        async with self._lock:
+            if await self._work_piece():
+                return
+            await self._refresh_view()
+        self._idle.set()
+        now = time.monotonic()
+        due = [self._list_due]
+        if self.interval > 0 and self._full_at is not None:
+            due.append(self._full_at + self.interval)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.01, min(due) - now))
+        self._wake.clear()
+
+    async def _work_piece(self) -> bool:
+        """Does the most pressing piece of work; False when there is none."""
         now = time.monotonic()
         if self._collected is not None:
             collected, self._collected = self._collected, None
@@ -210,14 +234,8 @@ class Census:
                 await self._begin_listing()
             await self._list_some(throttle=True, slice_s=LIST_SLICE)
         else:
-            await self._refresh_view()
-            self._idle.set()
-            due = [self._list_due]
-            if self.interval > 0 and self._full_at is not None:
-                due.append(self._full_at + self.interval)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.01, min(due) - now))
-            self._wake.clear()
+            return False
+        return True
 
     async def _pause(self) -> None:
         self._idle.set()  # (a request waiting for the view gets it as it stands)

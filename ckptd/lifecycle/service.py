@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, GcInProgress
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.gc import GcReport, collect_garbage
@@ -94,7 +94,7 @@ class LifecycleService:
     def start(self) -> None:
         s = self.settings
         self.repo.on_committed = self.census.note_commit
-        self._tasks.append(asyncio.create_task(self.census.run()))
+        self._tasks.append(self.census.start())
         loops: list[tuple[str, float, Callable[[], Awaitable[object]]]] = []
         if s.retention is not None and s.retention_tick > 0:
             loops.append(("retention", s.retention_tick, self.apply_retention))
@@ -152,6 +152,11 @@ class LifecycleService:
             t0 = time.monotonic()
             try:
                 await work()
+            except GcInProgress as exc:
+                # Another replica's collection holds the lease: its turn, not a fault
+                # (every replica would warn at every interval). A lease lost midway is.
+                (log.warning if exc.detail.get("lease_lost") else log.info)(
+                    "lifecycle %s: [%s] %s", name, exc.code, exc)
             except (CkptdError, OSError) as exc:
                 log.warning("lifecycle %s failed: [%s] %s", name,
                             getattr(exc, "code", type(exc).__name__), exc)

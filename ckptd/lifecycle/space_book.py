@@ -6,7 +6,7 @@ drives it): it parses commit records and rank manifests itself, a manifest one
 entry at a time, keeping only each chunk's id prefix and size, never building
 the manifest's objects; and it keeps 12 bytes per distinct chunk of each step.
 Chunk ids are compared by their first 64 bits: two distinct chunks that share
-them (about one chance in 10^7 among a million chunks) count as one.
+them (about one chance in 40 million among a million chunks) count as one.
 
 A step's count may be kept in the store as a space summary
 (``space/<job>/<step>.json``, docs/FORMAT.md "Space summaries"): a hint that
