@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.common import Table, fmt_s, fmt_x, ratio
+from bench.common import Table, fmt_s, fmt_x, human_bytes, ratio
 from tests.lifecycle.census_scale import measure
 
 
@@ -47,6 +47,11 @@ def main() -> None:
                        *([("commit_median", f"commit of {args.commit_tensors:,} tensors, "
                            "median")] if args.commit_tensors else [])):
         table.add(label, fmt_s(empty[key]), fmt_s(full[key]), fmt_x(ratio(full[key], empty[key])))
+    table.add("server peak RSS (VmHWM)", human_bytes(run.empty.peak_rss),
+              human_bytes(run.full.peak_rss), fmt_x(ratio(run.full.peak_rss, run.empty.peak_rss)))
+    table.add("census worker peak RSS", human_bytes(run.empty.worker_peak_rss),
+              human_bytes(run.full.worker_peak_rss),
+              fmt_x(ratio(run.full.worker_peak_rss, run.empty.worker_peak_rss)))
     table.note(f"census of the large store from a cold start: {run.census_s:.1f} s (worker "
                f"at most half a core, reniced), {len(run.full.saves)} saves each; store "
                f"written in {run.fill_s:.1f} s; complete={run.final.get('complete')}")

@@ -300,6 +300,10 @@ def untag(
     console.print(f"removed tag {escape(name)!r} of {escape(job)}")
 
 
+# Seconds ``ckptd space`` asks a server again while its census is still counting.
+SPACE_PATIENCE = 5.0
+
+
 @app.command()
 def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Bytes stored per job, bytes unique to each step, dedup ratio and space left."""
@@ -313,7 +317,17 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
             j["dedup_ratio"] = js.dedup_ratio
         return out
 
-    s = _run(url, token, lambda server: server.space(), direct)
+    def remote(server: SyncTransport) -> Any:
+        # A server counts in the background and says when it is not done (just
+        # started on a large store): ask again for a few seconds before showing it.
+        deadline = time.monotonic() + SPACE_PATIENCE
+        while True:
+            answer = server.space()
+            if answer.complete or time.monotonic() >= deadline:
+                return answer
+            time.sleep(0.5)
+
+    s = _run(url, token, remote, direct)
     table = Table("job", "step", "logical", "unique (freed if forgotten)", "stored", "dedup")
     for j in s["jobs"]:
         ratio = f"{j['dedup_ratio']:.2f}x" if j["dedup_ratio"] else "-"

@@ -56,6 +56,8 @@ class Side:
     health: list[float] = field(default_factory=list)
     space: list[float] = field(default_factory=list)
     commits: list[float] = field(default_factory=list)  # of a large step, if asked
+    peak_rss: int = 0  # the server's VmHWM at the end
+    worker_peak_rss: int = 0  # its census worker's
 
     def row(self) -> dict[str, float]:
         return {"save_median": statistics.median(self.saves),
@@ -149,7 +151,8 @@ def measure(root: Path, shm: Path, *, jobs: int = 2, steps: int = 2, world_size:
             for line in out.splitlines():
                 i, latency = line.split()
                 sides[int(i)].health.append(float(latency))
-        for srv in servers:
+        for srv, side in zip(servers, sides, strict=True):
+            side.peak_rss, side.worker_peak_rss = _peaks(srv)
             srv.stop()
     return Run(big, sides[0], sides[1], census_s, final, fill_s)
 
@@ -172,3 +175,23 @@ def _commits(servers: list[ServerProcess], sides: list[Side], tensors: int, roun
                 r = http.post(f"{url}/commit", json={})
                 sides[i].commits.append(time.perf_counter() - t)
                 assert r.status_code == 200 and r.json()["state"] == "committed", r.text[:300]
+
+
+def _peak(pid: int) -> int:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peaks(srv: ServerProcess) -> tuple[int, int]:
+    """(VmHWM of the server, of its child processes summed: the census worker)."""
+    if srv.proc is None:
+        return 0, 0
+    kids = 0
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{srv.proc.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                kids += _peak(int(child))
+    return _peak(srv.proc.pid), kids
