@@ -360,3 +360,23 @@ def test_commit_key_layout_is_what_the_census_lists() -> None:
     assert commit_key("j", 7) == "jobs/j/steps/7/commit.json"
     assert manifest_key("j", 7, 1) == "jobs/j/steps/7/ranks/1.json"
     assert space_key("j", 7) == "space/j/7.json"
+
+
+async def test_the_worker_gets_its_share_of_a_core_and_no_more(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each call the census waits so that the worker's CPU time is at most
+    ``cpu_share`` of the time: 0.2 s of CPU at a quarter of a core, 0.6 s more."""
+    counter = Census(Repository(MemoryStore()), cpu_share=0.25, process=False)
+
+    async def busy(method: str, *args: Any) -> tuple[Any, float]:
+        return None, 0.2
+
+    monkeypatch.setattr(counter._worker, "call", busy)
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    await counter._call("view")
+    assert slept == [pytest.approx(0.6)]
