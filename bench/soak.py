@@ -43,6 +43,7 @@ import psutil
 import torch
 
 from bench.common import MiB, dir_bytes, free_port
+from ckptd.cluster import home, job_key
 
 BLOCKS = 8  # the shard changes one block a step
 REPLICATED_EVERY = 10  # model.w changes every this many steps
@@ -280,6 +281,7 @@ def supervise(args: argparse.Namespace) -> int:
     ranks = [Rank(r, urls[r % len(urls)], out, shm, start, args) for r in range(args.ranks)]
     rng = random.Random(args.seed)
     columns = ["t", "store_bytes", "store_files", "chunk_files", "committed", "pending",
+               "step_dirs", "lock_files",
                *(f"server{i}_{k}" for i in range(args.replicas)
                  for k in ("rss", "fds", "worker_rss", "healthz_ms")),
                "ranks_rss", "ranks_fds"]
@@ -296,6 +298,10 @@ def supervise(args: argparse.Namespace) -> int:
         events.flush()
         print(f"[{time.time() - t_begin:7.0f} s] {kind} {what}", flush=True)
 
+    # The job's home replica (its commits, manifests and heartbeats go there) stays
+    # up the whole run unless --restart any: the witness for what grows with commits.
+    job_home = home(job_key(args.job), urls)
+    restartable = [r for r in replicas if args.restart == "any" or r.url != job_home]
     rows: list[dict[str, float]] = []
     try:
         for rep in replicas:
@@ -303,7 +309,8 @@ def supervise(args: argparse.Namespace) -> int:
         for rank in ranks:
             rank.start()
         event("start", f"{args.ranks} ranks x {args.mib} MiB every {args.every} s, "
-                       f"{args.replicas} replicas, {args.duration} s")
+                       f"{args.replicas} replicas, {args.duration} s; the job's home is "
+                       f"replica {urls.index(job_home)}")
         next_sample = next_kill = next_restart = time.monotonic()
         next_kill += args.kill_every
         next_restart += args.restart_every
@@ -327,8 +334,8 @@ def supervise(args: argparse.Namespace) -> int:
                 event("rank_killed", str(victim.r))
                 revive.append((now + args.down, victim))
                 next_kill = now + args.kill_every
-            if now >= next_restart:
-                rep = rng.choice(replicas)
+            if now >= next_restart and restartable:
+                rep = rng.choice(restartable)
                 event("replica_restart", str(rep.i))
                 rep.stop()
                 rep.start()
@@ -371,10 +378,15 @@ def _sample(args: argparse.Namespace, store: Path, replicas: list[Replica], rank
             t_begin: float, writer: Any) -> dict[str, float]:
     committed, pending = _steps(store, args.job)
     files = [p for p in store.rglob("*") if p.is_file()]
+    steps_dir, locks = store / "jobs" / args.job / "steps", store / ".locks"
     row: dict[str, float] = {
         "t": round(time.time() - t_begin, 1), "store_bytes": dir_bytes(store),
         "store_files": len(files), "chunk_files": sum(1 for p in files if p.parts[-3] == "chunks"),
-        "committed": len(committed), "pending": pending}
+        "committed": len(committed), "pending": pending,
+        # (a local store leaves a forgotten step's empty directories and a lock file
+        # per key it ever compared-and-swapped: they are counted apart)
+        "step_dirs": len(list(steps_dir.iterdir())) if steps_dir.is_dir() else 0,
+        "lock_files": len(list(locks.iterdir())) if locks.is_dir() else 0}
     for rep in replicas:
         rss, fds, kids = _rss(rep.proc.pid if rep.proc else None)
         row |= {f"server{rep.i}_rss": rss, f"server{rep.i}_fds": fds,
@@ -384,7 +396,7 @@ def _sample(args: argparse.Namespace, store: Path, replicas: list[Replica], rank
     row |= {"ranks_rss": sum(g[0] + g[2] for g in got), "ranks_fds": sum(g[1] for g in got)}
     writer.writerow([row.get(c, "") for c in
                      ["t", "store_bytes", "store_files", "chunk_files", "committed", "pending",
-                      *(f"server{i}_{k}" for i in range(len(replicas))
+                      "step_dirs", "lock_files", *(f"server{i}_{k}" for i in range(len(replicas))
                         for k in ("rss", "fds", "worker_rss", "healthz_ms")),
                       "ranks_rss", "ranks_fds"]])
     return row
@@ -429,12 +441,17 @@ def _summarize(args: argparse.Namespace, out: Path, rows: list[dict[str, float]]
                 if r.get(key) not in ("", None) and r[key] == r[key] and r[key] != 0]
 
     growth = {}
-    for key in ("store_bytes", "store_files", *(f"server{i}_{k}" for i in range(args.replicas)
+    for key in ("store_bytes", "store_files", "chunk_files", "step_dirs", "lock_files",
+                *(f"server{i}_{k}" for i in range(args.replicas)
                                                   for k in ("rss", "fds", "worker_rss")),
                 "ranks_rss", "ranks_fds"):
         pts = [(float(r["t"]), float(r[key])) for r in half if r.get(key)]
         values = series(key)
-        growth[key] = {"first": values[0] if values else None,
+        quarters = [[float(r[key]) for r in rows if r.get(key) and q * rows[-1]["t"] / 4 <= r["t"]
+                     < (q + 1) * rows[-1]["t"] / 4 + (q == 3)] for q in range(4)]
+        growth[key] = {"quarter_means": [round(statistics.fmean(v)) if v else None
+                                         for v in quarters],
+                       "first": values[0] if values else None,
                        "max": max(values) if values else None,
                        "last": values[-1] if values else None,
                        "slope_per_hour_second_half": _slope([p[0] for p in pts],
@@ -475,33 +492,40 @@ def _plot(out: Path, rows: list[dict[str, float]], args: argparse.Namespace) -> 
     if not rows:
         return
     minutes = [r["t"] / 60 for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    axes[0].plot(minutes, [r["store_bytes"] / MiB for r in rows], label="store (MiB)")
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    axes[0].plot(minutes, [r["store_bytes"] / MiB for r in rows], color="tab:blue")
     axes[0].set_ylabel("store size (MiB)")
-    files = axes[0].twinx()
-    files.plot(minutes, [r["store_files"] for r in rows], color="tab:gray", lw=0.8,
-               label="files")
-    files.set_ylabel("files in store")
+    axes[1].plot(minutes, [r["chunk_files"] for r in rows], color="tab:blue", label="chunks")
+    axes[1].plot(minutes, [r["step_dirs"] for r in rows], color="tab:orange",
+                 label="step directories (empty ones included)")
+    axes[1].plot(minutes, [r["lock_files"] for r in rows], color="tab:brown",
+                 label=".locks files")
+    axes[1].set_ylabel("count")
+    axes[1].legend(fontsize=7, loc="upper left")
     for i in range(args.replicas):
-        axes[1].plot(minutes, [r[f"server{i}_rss"] / MiB for r in rows],
-                     label=f"server {i}")
-        axes[1].plot(minutes, [r[f"server{i}_worker_rss"] / MiB for r in rows], lw=0.8,
+        axes[2].plot(minutes, [r[f"server{i}_rss"] / MiB for r in rows], label=f"server {i}")
+        axes[2].plot(minutes, [r[f"server{i}_worker_rss"] / MiB for r in rows], lw=0.8,
                      ls="--", label=f"server {i} census worker")
-    axes[1].plot(minutes, [r["ranks_rss"] / MiB / args.ranks for r in rows], lw=0.8,
-                 label="a rank (mean)")
-    axes[1].set_ylabel("RSS (MiB)")
-    axes[1].legend(fontsize=7, ncol=3)
+    axes[2].set_ylabel("server RSS (MiB)")
+    axes[2].set_ylim(bottom=0)
+    ranks = axes[2].twinx()
+    ranks.plot(minutes, [r["ranks_rss"] / MiB / args.ranks for r in rows], lw=0.6,
+               color="tab:olive", label="a rank, mean (right)")
+    ranks.set_ylabel("rank RSS (MiB)")
+    ranks.set_ylim(bottom=0)
+    axes[2].legend(fontsize=7, ncol=2, loc="lower left")
+    ranks.legend(fontsize=7, loc="lower right")
     for i in range(args.replicas):
-        axes[2].plot(minutes, [r[f"server{i}_fds"] for r in rows], label=f"server {i} fds")
-    axes[2].set_ylabel("open descriptors")
-    health = axes[2].twinx()
+        axes[3].plot(minutes, [r[f"server{i}_fds"] for r in rows], label=f"server {i} fds")
+    axes[3].set_ylabel("open descriptors")
+    health = axes[3].twinx()
     for i in range(args.replicas):
         health.plot(minutes, [r[f"server{i}_healthz_ms"] for r in rows], lw=0.6, ls=":",
                     label=f"server {i} /healthz (ms)")
     health.set_ylabel("/healthz worst of 3 (ms)")
-    axes[2].legend(fontsize=7, loc="upper left")
+    axes[3].legend(fontsize=7, loc="upper left")
     health.legend(fontsize=7, loc="upper right")
-    axes[2].set_xlabel("minutes")
+    axes[3].set_xlabel("minutes")
     with contextlib.suppress(OSError):
         for line in (out / "events.csv").read_text().splitlines()[1:]:
             t, kind, _ = line.split(",", 2)
@@ -537,6 +561,9 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=10.0, help="a killed rank stays down (s)")
     parser.add_argument("--restart-every", type=float, default=420.0,
                         help="restart a replica (s)")
+    parser.add_argument("--restart", choices=("others", "any"), default="others",
+                        help="which replicas are restarted: all but the job's home (default), "
+                        "or any")
     parser.add_argument("--gc-interval", type=float, default=180.0)
     parser.add_argument("--gc-grace", type=float, default=60.0)
     parser.add_argument("--scrub-interval", type=float, default=60.0)
