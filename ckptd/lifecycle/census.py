@@ -54,6 +54,8 @@ RANK_BATCH_BYTES = 16 << 20
 # Counted steps whose commit record a full pass reads again (a step forgotten and
 # committed anew under the same number by another server), round robin.
 RECHECK_PER_PASS = 32
+# Rank manifests read at once from a store that is not local.
+READ_AHEAD = 8
 # A view is computed again at most this often while a long pass counts.
 VIEW_EVERY = 1.0
 # A listing of chunks/ works this long at a time, then lets other work in.
@@ -372,24 +374,33 @@ class Census:
         problems: list[str] = []
         batch: list[tuple[int, bytes | None, str | None, str]] = []
         size = 0
-        for rank in range(begun.world_size):
-            mkey = manifest_key(job, step, rank)
-            path = self.store.local_path(mkey)
-            data: bytes | None = None
-            if path is None:
-                try:
-                    data = await self.store.get(mkey)
-                except NotFound:
-                    data = None
-            batch.append((rank, data, str(path) if path is not None else None, mkey))
-            size += len(data) if data is not None else 0
-            if len(batch) >= RANK_BATCH or size >= RANK_BATCH_BYTES:
-                problems += await self._call("add_ranks", job, step, batch)
-                batch, size = [], 0
+        # (large manifests one at a time: at most one is held here)
+        ahead = READ_AHEAD if begun.manifest_bytes <= RANK_BATCH_BYTES * begun.world_size \
+            / READ_AHEAD else 1
+        for start in range(0, begun.world_size, ahead):
+            ranks = range(start, min(start + ahead, begun.world_size))
+            keys = [manifest_key(job, step, rank) for rank in ranks]
+            paths = [self.store.local_path(k) for k in keys]
+            # The worker reads a local store's files itself; others' are read here,
+            # a few at once (a thousand ranks one after the other is a minute on S3).
+            datas = await asyncio.gather(*(self._get_or_none(k) if p is None else _none()
+                                           for k, p in zip(keys, paths, strict=True)))
+            for rank, key, path, data in zip(ranks, keys, paths, datas, strict=True):
+                batch.append((rank, data, str(path) if path is not None else None, key))
+                size += len(data) if data is not None else 0
+                if len(batch) >= RANK_BATCH or size >= RANK_BATCH_BYTES:
+                    problems += await self._call("add_ranks", job, step, batch)
+                    batch, size = [], 0
         if batch:
             problems += await self._call("add_ranks", job, step, batch)
         doc: bytes | None = await self._call("finish", job, step, big and self.persist)
         return problems, (doc, old) if doc is not None else None
+
+    async def _get_or_none(self, key: str) -> bytes | None:
+        try:
+            return await self.store.get(key)
+        except NotFound:
+            return None
 
     async def _keep_summary(self, job: str, step: int, doc: bytes, old: bytes | None) -> None:
         """Puts a step's space summary: created if absent, else replacing the stale
@@ -495,3 +506,6 @@ async def census(repo: Repository) -> StoreSpace:
     finally:
         await counter.close()
 
+
+async def _none() -> None:
+    return None
