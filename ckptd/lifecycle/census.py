@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sys
 import time
 from array import array
@@ -60,13 +61,16 @@ READ_AHEAD = 8
 VIEW_EVERY = 1.0
 # A listing of chunks/ works this long at a time, then lets other work in.
 LIST_SLICE = 0.5
+_FAN_OUT = re.compile(r"[0-9a-f]{2}")
 
 
 @dataclass(slots=True)
 class _Listing:
-    """A listing of chunks/ under way: the next fan-out directory, the sums so far."""
+    """A listing of chunks/ under way: its fan-out directories, the next one to
+    list, the sums so far."""
 
     started_at: float
+    prefixes: list[str]
     next: int = 0
     chunks: int = 0
     chunk_bytes: int = 0
@@ -433,16 +437,21 @@ class Census:
     # -- chunks/ ------------------------------------------------------------------------
 
     async def _begin_listing(self) -> None:
-        self._listing = _Listing(started_at=time.time())
+        # Only the fan-out directories there are (one request on S3): a small store
+        # is listed in a few requests, not 256.
+        started = time.time()
+        names = await self.store.list_dir("chunks/")
+        self._listing = _Listing(started, [n for n in names if _FAN_OUT.fullmatch(n)])
 
     async def _list_some(self, *, throttle: bool, slice_s: float | None) -> None:
         """Lists fan-out directories of ``chunks/`` for about ``slice_s`` seconds."""
         listing = self._listing
         assert listing is not None
         t_end = None if slice_s is None else time.monotonic() + slice_s
-        while listing.next < 256 and (t_end is None or time.monotonic() < t_end):
+        while listing.next < len(listing.prefixes) and (
+                t_end is None or time.monotonic() < t_end):
             t0 = time.monotonic()
-            async for info in self.store.list_info(f"chunks/{listing.next:02x}/"):
+            async for info in self.store.list_info(f"chunks/{listing.prefixes[listing.next]}/"):
                 if m := _CHUNK_KEY.match(info.key):
                     listing.chunks += 1
                     listing.chunk_bytes += info.size
@@ -453,7 +462,7 @@ class Census:
                                         * (1.0 / self.cpu_share - 1.0)))
             if self._listing is not listing:  # a collection's totals came meanwhile
                 return
-        if listing.next >= 256:
+        if listing.next >= len(listing.prefixes):
             if sys.byteorder == "little":
                 listing.ids.byteswap()  # (to the summaries' order of bytes)
             await self._call("listed", listing.ids.tobytes())
