@@ -575,6 +575,16 @@ class SpaceResult(BaseModel):
     damaged: list[str] = Field(
         default_factory=list,
         description="Damaged documents whose steps are not counted, each named.")
+    complete: bool = Field(
+        default=True, description="Every committed step is counted and chunks/ was listed: "
+        "false while the census is still counting (after a start, or many new steps).")
+    uncounted_steps: int = Field(
+        default=0, description="Committed steps found and not counted yet.")
+    chunks_listed_at: float | None = Field(
+        default=None, description="When chunks and chunk_bytes were counted (a listing of "
+        "chunks/, or a garbage collection's); null: not yet.")
+    referenced_bytes: int = Field(
+        default=0, description="Bytes of the distinct chunks the counted steps name.")
 
 
 # -- replicas ------------------------------------------------------------------------

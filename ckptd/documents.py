@@ -74,6 +74,13 @@ async def kept_document_work(fn: Callable[..., _R], *args: Any) -> _R:
 # Tensor entries of parsed manifests kept for the commit and restore plans that
 # read them again (a 100,000-tensor manifest parses in about a second).
 MANIFEST_CACHE_ENTRIES = 1_000_000
+# And manifests: small ones cost 20-40 KiB each whatever their entries, so a cap
+# on entries alone let a server keep every manifest of every step it ever took,
+# forgotten ones included (+45 MiB an hour in bench/soak.py, 4 ranks every 4 s).
+# A commit and the restore plans of its step read the step's manifests again: this
+# many covers both for 500 ranks (a larger job parses its small manifests again,
+# cheaply; large ones are capped by their entries).
+MANIFEST_CACHE_MANIFESTS = 1024
 
 
 def _parse_and_hash(data: bytes) -> RankManifest:
@@ -88,8 +95,10 @@ class ParsedManifests:
     """Parsed rank manifests by store key, each with the bytes it was parsed from:
     a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_manifests: int = MANIFEST_CACHE_MANIFESTS
+                 ) -> None:
         self.max_entries = max_entries
+        self.max_manifests = max_manifests
         #: parse with the collector paused and freeze the result (a server's choice:
         #: see large_json; a training process keeps its collector as it is)
         self.kept_from_collector = False
@@ -112,7 +121,8 @@ class ParsedManifests:
                 self._entries -= len(old[1].entries)
             self._held[key] = (data, manifest)
             self._entries += len(manifest.entries)
-            while self._entries > self.max_entries and len(self._held) > 1:
+            while len(self._held) > 1 and (self._entries > self.max_entries
+                                           or len(self._held) > self.max_manifests):
                 _, (_, dropped) = self._held.popitem(last=False)
                 self._entries -= len(dropped.entries)
 

@@ -300,12 +300,16 @@ def untag(
     console.print(f"removed tag {escape(name)!r} of {escape(job)}")
 
 
+# Seconds ``ckptd space`` asks a server again while its census is still counting.
+SPACE_PATIENCE = 5.0
+
+
 @app.command()
 def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Bytes stored per job, bytes unique to each step, dedup ratio and space left."""
 
     async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.capacity import census
+        from ckptd.lifecycle.census import census
 
         s = await census(repo)
         out = dataclasses.asdict(s)
@@ -313,7 +317,17 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
             j["dedup_ratio"] = js.dedup_ratio
         return out
 
-    s = _run(url, token, lambda server: server.space(), direct)
+    def remote(server: SyncTransport) -> Any:
+        # A server counts in the background and says when it is not done (just
+        # started on a large store): ask again for a few seconds before showing it.
+        deadline = time.monotonic() + SPACE_PATIENCE
+        while True:
+            answer = server.space()
+            if answer.complete or time.monotonic() >= deadline:
+                return answer
+            time.sleep(0.5)
+
+    s = _run(url, token, remote, direct)
     table = Table("job", "step", "logical", "unique (freed if forgotten)", "stored", "dedup")
     for j in s["jobs"]:
         ratio = f"{j['dedup_ratio']:.2f}x" if j["dedup_ratio"] else "-"
@@ -329,3 +343,7 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
                      else "not reported by this store"))
     for damage in s.get("damaged", []):  # (an older server does not say)
         console.print(f"not counted, damaged: {escape(damage)}")
+    if not s.get("complete", True):  # (an older server does not say)
+        console.print(f"still counting: {s.get('uncounted_steps', 0)} committed steps not "
+                      "counted yet" + ("" if s.get("chunks_listed_at") else
+                                       ", chunks/ not listed yet") + "; ask again shortly")

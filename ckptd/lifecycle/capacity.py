@@ -1,19 +1,17 @@
-"""Capacity: bytes stored per job, bytes unique to each step, dedup, space left;
-and the guard that refuses new snapshots before the disk is full."""
+"""Capacity: what the census reports (bytes stored per job, bytes unique to each
+step, dedup, space left; counted by ``ckptd.lifecycle.census``), and the guard
+that refuses new snapshots before the disk is full."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ckptd.errors import CkptdError, StoreCorrupt, StoreFull, UnsupportedFormat
 from ckptd.format import CommitRecord
-from ckptd.lifecycle.gc import _CHUNK_KEY
 from ckptd.repository import Repository
 from ckptd.store.base import Store
 from ckptd.store.local import LocalStore
@@ -42,13 +40,19 @@ class JobSpace:
 
 @dataclass(slots=True)
 class StoreSpace:
-    chunk_bytes: int = 0  # every chunk in the store, garbage included
+    """What the census (``ckptd.lifecycle.census``) counted, as of ``taken_at``."""
+
+    chunk_bytes: int = 0  # every chunk in the store, garbage included, as last listed
     chunks: int = 0
     free_bytes: int | None = None  # None: the backend has no such limit to report
     total_bytes: int | None = None
     jobs: list[JobSpace] = field(default_factory=list)
     taken_at: float = field(default_factory=time.time)
     damaged: list[str] = field(default_factory=list)  # documents not counted, each named
+    chunks_listed_at: float | None = None  # when chunks/ was listed (None: not yet)
+    referenced_bytes: int = 0  # distinct chunks that the counted steps name
+    uncounted_steps: int = 0  # committed steps found and not counted yet
+    complete: bool = True  # every committed step counted, chunks/ listed
 
 
 def disk_space(store: Store) -> tuple[int, int] | None:
@@ -83,38 +87,6 @@ async def committed_steps(
                 except CkptdError as exc:
                     log.warning("%s step %d rank %d: %s", job, step, rank, exc)
             yield job, step, record, ids
-
-
-async def census(repo: Repository) -> StoreSpace:
-    """Walks every committed step's manifests once (a background task's work)."""
-    space = StoreSpace()
-    sizes: dict[str, int] = {}
-    async for info in repo.store.list_info("chunks/"):
-        if m := _CHUNK_KEY.match(info.key):
-            sizes[m.group(2)] = info.size
-    space.chunks, space.chunk_bytes = len(sizes), sum(sizes.values())
-    disk = await asyncio.to_thread(disk_space, repo.store)
-    if disk is not None:
-        space.free_bytes, space.total_bytes = disk
-    named: dict[tuple[str, int], set[str]] = {}
-    logical: dict[tuple[str, int], int] = {}
-    async for job, step, record, ids in committed_steps(repo, space.damaged):
-        named[(job, step)] = ids
-        logical[(job, step)] = record.report.logical_bytes
-    refs: Counter[str] = Counter()
-    for ids in named.values():
-        refs.update(ids)
-    by_job: dict[str, JobSpace] = {}
-    for (job, step), ids in sorted(named.items()):
-        js = by_job.setdefault(job, JobSpace(job))
-        unique = sum(sizes.get(c, 0) for c in ids if refs[c] == 1)
-        js.steps.append(StepSpace(step, logical[(job, step)], unique))
-        js.logical_bytes += logical[(job, step)]
-    for job, js in by_job.items():
-        distinct = set().union(*(ids for (j, _), ids in named.items() if j == job))
-        js.stored_bytes = sum(sizes.get(c, 0) for c in distinct)
-    space.jobs = list(by_job.values())
-    return space
 
 
 class SpaceGuard:

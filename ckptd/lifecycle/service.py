@@ -1,5 +1,6 @@
 """The server's lifecycle tasks: retention after commits, garbage collection,
-scrub and the capacity census, each on its own interval, in the background."""
+scrub and the capacity census, each on its own interval, in the background.
+Commits, retention and collections made here tell the census what they changed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.errors import CkptdError
-from ckptd.lifecycle.capacity import StoreSpace, census
+from ckptd.errors import CkptdError, GcInProgress
+from ckptd.lifecycle.capacity import StoreSpace
+from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.gc import GcReport, collect_garbage
 from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget
 from ckptd.lifecycle.scrub import ChunkSource, ScrubReport, scrub
@@ -34,7 +36,10 @@ class LifecycleSettings:
     scrub_interval: float = 0.0
     scrub_budget_bytes: int = 256 << 20
     scrub_rate_bytes_per_s: float = 64 << 20
-    census_interval: float = 60.0
+    census_interval: float = 60.0  # full passes of the census (0: only when asked)
+    census_list_interval: float = 600.0  # listings of chunks/ (a collection's count too)
+    census_cpu_share: float = 0.5  # of one core, at most, for the census worker
+    census_process: bool = True  # the census counts in a process of its own
 
 
 @dataclass(slots=True)
@@ -65,7 +70,10 @@ class LifecycleService:
         self.sources = sources
         self.last_gc: GcReport | None = None
         self.last_scrub: ScrubReport | None = None
-        self.space: StoreSpace | None = None
+        self.census = Census(
+            repo, interval=settings.census_interval,
+            list_interval=settings.census_list_interval,
+            cpu_share=settings.census_cpu_share, process=settings.census_process)
         self.last_forget: dict[str, ForgetPlan] = {}
         self.gc_runs = 0
         self.gc_bytes_freed = 0
@@ -78,10 +86,16 @@ class LifecycleService:
         self._gc_task: asyncio.Task[None] | None = None
         self.last_run: GcRun | None = None  # the last one that ended, with its outcome
 
+    @property
+    def space(self) -> StoreSpace | None:
+        """The census's last view (None before its first)."""
+        return self.census.space
+
     def start(self) -> None:
         s = self.settings
-        loops: list[tuple[str, float, Callable[[], Awaitable[object]]]] = [
-            ("census", s.census_interval, self.refresh_space)]
+        self.repo.on_committed = self.census.note_commit
+        self._tasks.append(self.census.start())
+        loops: list[tuple[str, float, Callable[[], Awaitable[object]]]] = []
         if s.retention is not None and s.retention_tick > 0:
             loops.append(("retention", s.retention_tick, self.apply_retention))
         if s.gc_interval > 0:
@@ -128,6 +142,9 @@ class LifecycleService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.repo.on_committed == self.census.note_commit:
+            self.repo.on_committed = None
+        await self.census.close()
 
     async def _loop(self, name: str, every: float, work: Callable[[], Awaitable[object]]
                     ) -> None:
@@ -135,6 +152,11 @@ class LifecycleService:
             t0 = time.monotonic()
             try:
                 await work()
+            except GcInProgress as exc:
+                # Another replica's collection holds the lease: its turn, not a fault
+                # (every replica would warn at every interval). A lease lost midway is.
+                (log.warning if exc.detail.get("lease_lost") else log.info)(
+                    "lifecycle %s: [%s] %s", name, exc.code, exc)
             except (CkptdError, OSError) as exc:
                 log.warning("lifecycle %s failed: [%s] %s", name,
                             getattr(exc, "code", type(exc).__name__), exc)
@@ -161,9 +183,11 @@ class LifecycleService:
             self.last_forget[job] = plan
             if plan.forgotten:
                 log.info("retention of %s forgot steps %s", job, plan.forgotten)
+                self.census.note_forgotten(job, plan.forgotten)
         self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
 
     async def collect(self, *, dry_run: bool = False, grace: float | None = None) -> GcReport:
+        listed_at = time.time()  # (about when it lists chunks/: first, after its lease)
         report = await collect_garbage(
             self.repo.store, grace=self.settings.gc_grace if grace is None else grace,
             lease=self.settings.gc_lease, dry_run=dry_run,
@@ -172,6 +196,10 @@ class LifecycleService:
             self.last_gc = report
             self.gc_runs += 1
             self.gc_bytes_freed += report.bytes_freed
+            if report.generation:  # (0: it listed nothing, another collection ran)
+                self.census.note_collection(
+                    report.chunks_total - report.chunks_deleted,
+                    report.bytes_total - report.bytes_freed, listed_at=listed_at)
         return report
 
     async def scrub(self, *, budget_bytes: int | None = -1) -> ScrubReport:
@@ -186,6 +214,7 @@ class LifecycleService:
         self.scrub_corrupt += len(report.corrupt)
         return report
 
-    async def refresh_space(self) -> StoreSpace:
-        self.space = await census(self.repo)
-        return self.space
+    async def refresh_space(self, wait: float = 0.5) -> StoreSpace:
+        """The census's view, fresh if a pass ends within ``wait`` seconds, else as
+        it stands (marked incomplete while steps are still to count)."""
+        return await self.census.current(wait)

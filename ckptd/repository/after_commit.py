@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ckptd.documents import unsupported_stored
 from ckptd.errors import (
@@ -45,6 +45,11 @@ REMOVAL_WAIT = 30.0
 
 class AfterCommit(StoredReads):
     """The writes and checks that follow a commit record."""
+
+    #: told (job, step) of each step committed through this repository, once its
+    #: record is written or found (a server's census counts it at once); it must
+    #: return at once and never fail the commit
+    on_committed: Callable[[str, int], None] | None = None
 
     async def _outlast_removal(self, job: str, step: int, world: int, won: bool) -> None:
         """A commit record was written (``won``) or found: the step stands only if
@@ -105,14 +110,25 @@ class AfterCommit(StoredReads):
             raise
 
     async def _advance_latest_or_say(self, job: str, record: CommitRecord) -> bool:
-        """``_advance_latest``; False (logged) when the store refused the ref write."""
+        """``_advance_latest``; False (logged) when the store refused the ref write.
+        Every commit that stands ends here: ``on_committed`` is told."""
         try:
             await self._advance_latest(job, record)
         except StoreError as exc:
             log.warning("%s step %d is committed, but latest could not move: %s; the next "
                         "commit (or a retry of this one) moves it", job, record.step, exc)
             return False
+        finally:
+            self._tell_committed(job, record.step)
         return True
+
+    def _tell_committed(self, job: str, step: int) -> None:
+        if self.on_committed is None:
+            return
+        try:
+            self.on_committed(job, step)
+        except Exception:  # a listener's bug never fails a commit that stands
+            log.exception("%s step %d: the commit listener failed", job, step)
 
     async def _advance_latest(self, job: str, record: CommitRecord) -> None:
         """Moves ``latest`` forward to ``record``'s step, never backward."""

@@ -185,10 +185,16 @@ async def damage(job: JobDep, repo: RepoDep) -> dict[int, list[str]]:
     return await damaged_steps(repo, job)
 
 
+# How long GET /v1/space waits for the census to take in what changed just before.
+SPACE_WAIT = 0.3
+
+
 @router.get("/space", dependencies=scope(STORE_READ), response_model=SpaceResult,
             summary="Bytes per job, bytes unique to each step, dedup ratio, space left")
 async def space(service: ServiceDep) -> SpaceResult:
-    s = await service.refresh_space()
+    # The census keeps this view up to date in the background: the answer waits for
+    # a pass that began after the request only briefly, then says how whole it is.
+    s = await service.refresh_space(wait=SPACE_WAIT)
     return SpaceResult(
         chunk_bytes=s.chunk_bytes, chunks=s.chunks, free_bytes=s.free_bytes,
         total_bytes=s.total_bytes, taken_at=s.taken_at,
@@ -196,7 +202,8 @@ async def space(service: ServiceDep) -> SpaceResult:
                            dedup_ratio=j.dedup_ratio,
                            steps=[StepSpaceBody(**dataclasses.asdict(x)) for x in j.steps])
               for j in s.jobs],
-        damaged=s.damaged)
+        damaged=s.damaged, complete=s.complete, uncounted_steps=s.uncounted_steps,
+        chunks_listed_at=s.chunks_listed_at, referenced_bytes=s.referenced_bytes)
 
 
 # -- background tasks, metrics ---------------------------------------------------------

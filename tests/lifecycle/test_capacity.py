@@ -10,7 +10,8 @@ import pytest
 
 from ckptd.errors import StoreFull, http_status
 from ckptd.hashing import chunk_id
-from ckptd.lifecycle.capacity import SpaceGuard, census
+from ckptd.lifecycle.capacity import SpaceGuard
+from ckptd.lifecycle.census import census
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
 from ckptd.repository import Repository
 from ckptd.store import LocalStore, MemoryStore
