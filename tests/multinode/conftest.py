@@ -1,0 +1,38 @@
+"""Simulated hosts for multi-node tests (see hosts.py): ``cluster`` gives a
+switch to put hosts on, torn down after the test whatever happened (and at exit,
+and with the test process itself if it is killed). Without root, or without
+namespaces, every test here skips with one line saying why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.multinode.hosts import Cluster, unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_reason: list[str | None] = []
+
+
+def hosts_unavailable() -> str | None:
+    """Why simulated hosts cannot run here, asked once per session."""
+    if not _reason:
+        _reason.append(unavailable_reason())
+    return _reason[0]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A switch with no hosts yet: ``cluster.add_host("node1")``. Torn down when
+    the test ends, fails or is interrupted (Ctrl-C, pytest-timeout)."""
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    net = Cluster(tmp_path, cwd=ROOT)
+    try:
+        yield net
+    finally:
+        net.close()

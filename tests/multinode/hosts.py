@@ -1,0 +1,491 @@
+"""Simulated hosts on one machine: each host is a PID, network, mount and UTS
+namespace held by a small init process, with its own hostname, ``/etc/hosts``,
+a private tmpfs on ``/dev/shm`` and one link (a veth pair) to a switch. The
+switch is a bridge inside a namespace of its own, so nothing is ever created in
+the root namespace and two runs on one machine never meet (both may use the same
+addresses: each has its own switch).
+
+Addresses are in 198.18.0.0/24 (RFC 2544's benchmarking range). Killing a host
+SIGKILLs its init; the kernel then kills every process in its PID namespace, the
+network namespace goes with them (and the veth with it) and so does the mount
+namespace, its ``/dev/shm`` included: the host is gone as a powered-off machine
+is. Every process this module starts outside a host dies with the process that
+started it (``PR_SET_PDEATHSIG`` on the namespace holders, which pass SIGKILL on
+to their init), so even a SIGKILLed test run leaves nothing behind.
+
+Needs root, util-linux (``unshare``, ``nsenter``, ``setpriv``) and iproute2."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+SUBNET = "198.18.0"  # /24; .1 upwards are hosts
+CLONE_NEWNET = 0x40000000
+TOOLS = ("unshare", "nsenter", "setpriv", "ip")
+T = TypeVar("T")
+
+# The init of a host (PID 1 of its namespace): sets the host up, says "ready" and
+# then reaps the orphans that land on it until it is killed.
+_INIT = r"""
+import os, socket, subprocess, sys, time
+name, shm_size, hosts = sys.argv[1:4]
+socket.sethostname(name)
+if shm_size:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={shm_size},mode=1777,nosuid,nodev",
+                    sys.argv[4], "/dev/shm"], check=True)
+if hosts:
+    subprocess.run(["mount", "--bind", hosts, "/etc/hosts"], check=True)
+    # No DNS server is reachable from a host: a resolver with none fails at once
+    # (127.0.0.1:53 refuses) where the machine's would time out on each lookup.
+    subprocess.run(["mount", "--bind", sys.argv[5], "/etc/resolv.conf"], check=True)
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+print("ready", flush=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(0.2)
+"""
+
+
+class HostError(RuntimeError):
+    """A simulated host or link could not be set up, or did not do what it was told."""
+
+
+def unavailable_reason() -> str | None:
+    """Why simulated hosts cannot run here (one line), or None when they can."""
+    if sys.platform != "linux":
+        return "simulated hosts need Linux namespaces"
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network, mount and PID namespaces; CI runs as root)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"simulated hosts need {', '.join(missing)} (util-linux, iproute2)"
+    probe = subprocess.run(["unshare", "--net", "--mount", "--uts", "--pid", "--fork", "true"],
+                           capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        return (f"simulated hosts cannot create namespaces here: "
+                f"{probe.stderr.decode(errors='replace').strip()[:200]}")
+    return None
+
+
+def _deadline_loop(timeout: float, what: str, check: Callable[[], T | None],
+                   interval: float = 0.05) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise HostError(f"{what} within {timeout:g} s")
+        time.sleep(interval)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _ns_inode(pid: int, kind: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+class _Namespaces:
+    """An init process holding fresh namespaces; dies with whoever started it."""
+
+    def __init__(self, name: str, log: Path, cwd: Path, shm_size: str = "",
+                 hosts: Path | None = None, tag: str = "") -> None:
+        self.name = name
+        self.log_path = log
+        resolv = log.with_name("resolv.conf")
+        resolv.write_text("# no name server: names are in /etc/hosts\n")
+        with open(log, "ab") as out:
+            self.holder = subprocess.Popen(
+                ["setpriv", "--pdeathsig", "KILL", "--",
+                 "unshare", "--net", "--uts", "--pid", "--fork", "--kill-child",
+                 "--mount-proc", "--propagation", "private",
+                 sys.executable, "-S", "-c", _INIT, name, shm_size,
+                 str(hosts) if hosts else "", tag or f"shm-{name}", str(resolv)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                start_new_session=True)
+        try:
+            self.init = _deadline_loop(10, f"{name}: no init process appeared",
+                                       lambda: next(iter(_children(self.holder.pid)), None))
+            _deadline_loop(30, f"{name}: init did not say ready ({self.log()[-500:]})",
+                           lambda: True if "ready" in self.log() or self._failed() else None)
+            if self._failed():
+                raise HostError(f"{name}: init failed: {self.log()[-2000:]}")
+        except BaseException:
+            self.kill()
+            raise
+        self.inodes = {k: _ns_inode(self.init, k) for k in ("net", "mnt", "pid", "uts")}
+
+    def _failed(self) -> bool:
+        return self.holder.poll() is not None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.holder.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILLs the init: the kernel kills everything in its PID namespace."""
+        init = getattr(self, "init", None)
+        if init is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGKILL)
+        if self.holder.poll() is None:
+            try:
+                self.holder.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.holder.kill()
+                self.holder.wait(timeout=10)
+
+    def holders(self) -> list[int]:
+        """Every process (root-namespace pid) still in one of these namespaces."""
+        wanted = {(k, v) for k, v in getattr(self, "inodes", {}).items() if v is not None}
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                pid = int(entry)
+                if any(_ns_inode(pid, k) == v for k, v in wanted):
+                    found.append(pid)
+        return found
+
+    def nsenter(self, *parts: str, pid: bool = True, mount: bool = True,
+                wd: Path | None = None) -> list[str]:
+        flags = [f"--target={self.init}", "--net", "--uts"]
+        if wd is not None:
+            flags.append(f"--wd={wd}")
+        if mount:
+            flags.append("--mount")
+        if pid:
+            flags.append("--pid")
+        return ["nsenter", *flags, "--", *parts]
+
+    def ip(self, *args: str) -> str:
+        """``ip ARGS`` in this network namespace (the root /proc, so ``netns PID`` works)."""
+        done = subprocess.run(self.nsenter("ip", *args, pid=False, mount=False),
+                              capture_output=True, timeout=30)
+        if done.returncode != 0:
+            raise HostError(f"{self.name}: ip {' '.join(args)}: "
+                            f"{done.stderr.decode(errors='replace').strip()}")
+        return done.stdout.decode()
+
+    def call(self, fn: Callable[..., T], *args: object, timeout: float = 60.0) -> T:
+        """``fn(*args)`` on a thread of this process that entered this network
+        namespace (only that thread: the rest of the process stays where it is)."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fd = os.open(f"/proc/{self.init}/ns/net", os.O_RDONLY)
+                try:
+                    if libc.setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.name}")
+                finally:
+                    os.close(fd)
+                box["value"] = fn(*args)
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"in-{self.name}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise HostError(f"{self.name}: call {getattr(fn, '__name__', fn)} ran past {timeout} s")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["value"]  # type: ignore[return-value]
+
+
+class HostProcess:
+    """A process started on a host: ``nsenter`` (its parent, outside) and the
+    process itself (inside the host's PID namespace), tracked by pid."""
+
+    def __init__(self, host: Host, popen: subprocess.Popen[bytes], log: Path,
+                 argv: Sequence[str]) -> None:
+        self.host = host
+        self.popen = popen
+        self.log_path = log
+        self.argv = list(argv)
+
+    @property
+    def pid(self) -> int:
+        """The process's pid as this (root) namespace sees it."""
+        return _deadline_loop(5, f"{self.host.name}: {self.argv[0]} never started",
+                              lambda: next(iter(_children(self.popen.pid)), None)
+                              if self.popen.poll() is None else -1)
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        """Sends ``sig`` to the process itself (nsenter passes on how it ended)."""
+        pid = self.pid
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise HostError(f"{self.host.name}: {' '.join(self.argv[:4])} ran past {timeout:g} s;"
+                            f" its log ends:\n{self.log()[-4000:]}") from None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout``; the exit status."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+        return self.popen.wait(timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Host:
+    """One simulated machine on the cluster's switch."""
+
+    def __init__(self, cluster: Cluster, name: str, index: int, shm_size: str) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.index = index
+        self.address = f"{SUBNET}.{index}"
+        self.port = f"p{index}"  # its port on the switch
+        self.dir = cluster.dir / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "tmp").mkdir(exist_ok=True)
+        self.hosts_file = self.dir / "hosts"
+        cluster.write_hosts_file(self.hosts_file, extra=(self.address, name))
+        self.processes: list[HostProcess] = []
+        self.ns = _Namespaces(name, self.dir / "init.log", cluster.dir, shm_size=shm_size,
+                              hosts=self.hosts_file, tag=f"ckptd-{cluster.run_id}-{name}")
+        self.dead = False
+        self._slow: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"Host({self.name}, {self.address})"
+
+    def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
+            log: str | None = None, cwd: Path | None = None) -> HostProcess:
+        """Starts ``argv`` on this host, its output to ``<host dir>/<log>``."""
+        if self.dead:
+            raise HostError(f"{self.name} is dead")
+        name = log or f"{Path(argv[0]).name}-{len(self.processes)}.log"
+        path = self.dir / name
+        full = dict(env if env is not None else os.environ)
+        full.setdefault("TMPDIR", str(self.dir / "tmp"))  # no /tmp shared between hosts
+        with open(path, "ab") as out:
+            popen = subprocess.Popen(
+                self.ns.nsenter(*argv, wd=cwd or self.cluster.cwd),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=full,
+                start_new_session=True)
+        proc = HostProcess(self, popen, path, argv)
+        self.processes.append(proc)
+        return proc
+
+    def sh(self, command: str, timeout: float = 30.0) -> str:
+        """A shell command on this host; its output (raises if it fails)."""
+        done = subprocess.run(self.ns.nsenter("sh", "-c", command), capture_output=True,
+                              timeout=timeout)
+        if done.returncode != 0:
+            raise HostError(f"{self.name}: {command}: exit {done.returncode}: "
+                            f"{(done.stdout + done.stderr).decode(errors='replace')[-2000:]}")
+        return done.stdout.decode(errors="replace")
+
+    def call(self, fn: Callable[..., T], *args: object, timeout: float = 60.0) -> T:
+        """``fn(*args)`` from inside this host's network (see ``_Namespaces.call``)."""
+        return self.ns.call(fn, *args, timeout=timeout)
+
+    def pids(self) -> list[int]:
+        """Every process on this host (root-namespace pids), its init included."""
+        return self.ns.holders()
+
+    def kill(self) -> None:
+        """Powers the host off: SIGKILL to everything on it; its network and its
+        /dev/shm go with it. Waits (bounded) until no process is left in it."""
+        self.stop_slow()
+        self.ns.kill()
+        self.dead = True
+        for proc in self.processes:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(timeout=10)
+        _deadline_loop(10, f"{self.name}: processes left after the kill: {self.pids()}",
+                       lambda: True if not self.pids() else None)
+
+    # The link: the switch holds the other end of the host's eth0.
+    def cut_link(self) -> None:
+        """The cable is pulled: the switch's port goes down, nothing passes, no
+        reset reaches either side; the host and its processes live on."""
+        self.cluster.switch.ip("link", "set", self.port, "down")
+
+    def mend_link(self) -> None:
+        self.cluster.switch.ip("link", "set", self.port, "up")
+
+    def slow_link(self, delay_s: float) -> None:
+        """Every frame to and from this host waits ``delay_s`` on the wire (see wire.py)."""
+        self.stop_slow()
+        self._slow = self.cluster.delay_port(self, delay_s)
+
+    def stop_slow(self) -> None:
+        if self._slow is not None:
+            self.cluster.undelay_port(self, self._slow)
+            self._slow = None
+
+
+class Cluster:
+    """A switch and the hosts on it; ``close()`` (also run at exit) tears all down."""
+
+    def __init__(self, workdir: Path, *, cwd: Path | None = None,
+                 run_id: str | None = None) -> None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise HostError(reason)
+        self.run_id = run_id or secrets.token_hex(4)
+        self.dir = Path(workdir) / f"hosts-{self.run_id}"
+        self.dir.mkdir(parents=True)
+        self.cwd = cwd or Path.cwd()
+        self.hosts: dict[str, Host] = {}
+        self._next = 1
+        self._names: list[tuple[str, str]] = []
+        self._closed = False
+        self.switch = _Namespaces("switch", self.dir / "switch.log", self.dir)
+        _live.add(self)
+        try:
+            self.switch.ip("link", "add", "br0", "type", "bridge")
+            self.switch.ip("link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def write_hosts_file(self, path: Path, extra: tuple[str, str] | None = None) -> None:
+        lines = ["127.0.0.1\tlocalhost", *(f"{a}\t{n}" for a, n in self._names)]
+        if extra is not None and extra not in self._names:
+            lines.append(f"{extra[0]}\t{extra[1]}")
+        # Rewritten in place: a host's /etc/hosts is a bind mount of this inode.
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def add_host(self, name: str, *, shm_size: str = "512m") -> Host:
+        """A new host on the switch, at the next free address."""
+        if name in self.hosts and not self.hosts[name].dead:
+            raise HostError(f"host {name} exists")
+        if self._next > 250:
+            raise HostError("no addresses left in 198.18.0.0/24")
+        index, self._next = self._next, self._next + 1
+        self._names.append((f"{SUBNET}.{index}", name))
+        for other in self.hosts.values():
+            self.write_hosts_file(other.hosts_file)
+        host = Host(self, name, index, shm_size)
+        self.hosts[name] = host
+        try:
+            self.switch.ip("link", "add", host.port, "type", "veth", "peer", "name", "eth0",
+                           "netns", str(host.ns.init))
+            self.switch.ip("link", "set", host.port, "master", "br0", "up")
+            host.ns.ip("addr", "add", f"{host.address}/24", "dev", "eth0")
+            host.ns.ip("link", "set", "eth0", "up")
+        except BaseException:
+            host.kill()
+            raise
+        return host
+
+    def delay_port(self, host: Host, delay_s: float) -> subprocess.Popen[bytes]:
+        """Puts a delaying wire between the host's port and the bridge: the port
+        moves to a bridge of its own whose other member is one end of the wire."""
+        near, far, lane = f"w{host.index}h", f"w{host.index}s", f"b{host.index}"
+        log = host.dir / "wire.log"
+        with open(log, "ab") as out:
+            wire = subprocess.Popen(
+                self.switch.nsenter(sys.executable, str(Path(__file__).with_name("wire.py")),
+                                    near, far, str(delay_s)),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        _deadline_loop(15, f"{host.name}: the delay wire did not start "
+                           f"({log.read_text(errors='replace')[-500:]})",
+                       lambda: True if "ready" in log.read_text() or wire.poll() is not None
+                       else None)
+        if wire.poll() is not None:
+            raise HostError(f"{host.name}: the delay wire failed: {log.read_text()[-2000:]}")
+        ip = self.switch.ip
+        ip("link", "add", lane, "type", "bridge")
+        ip("link", "set", lane, "up")
+        ip("link", "set", near, "master", lane, "up")
+        ip("link", "set", far, "master", "br0", "up")
+        ip("link", "set", host.port, "nomaster")
+        ip("link", "set", host.port, "master", lane)
+        return wire
+
+    def undelay_port(self, host: Host, wire: subprocess.Popen[bytes]) -> None:
+        lane = f"b{host.index}"
+        if self.switch.alive():
+            try:
+                self.switch.ip("link", "set", host.port, "nomaster")
+                self.switch.ip("link", "set", host.port, "master", "br0")
+            except HostError:
+                pass  # the host is gone, and its port with it
+        wire.kill()  # its tap devices go with it
+        wire.wait(timeout=10)
+        if self.switch.alive():
+            with contextlib.suppress(HostError):
+                self.switch.ip("link", "del", lane)
+
+    def close(self) -> None:
+        """Kills every host and the switch; waits until no process is left in any."""
+        if self._closed:
+            return
+        self._closed = True
+        for host in self.hosts.values():
+            if not host.dead:
+                host.kill()
+        self.switch.kill()
+        _deadline_loop(10, f"switch processes left: {self.switch.holders()}",
+                       lambda: True if not self.switch.holders() else None)
+        _live.discard(self)
+
+
+_live: weakref.WeakSet[Cluster] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_live):
+        try:
+            cluster.close()
+        except Exception as exc:  # noqa: BLE001 - at exit, say it and go on
+            print(f"tearing down simulated hosts {cluster.run_id}: {exc}", file=sys.stderr)
