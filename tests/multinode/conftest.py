@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.multinode.hosts import Cluster, unavailable_reason
+from tests.multinode.jobs import Job, replicas
+from tests.multinode.outcomes import Outcome
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +38,19 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield net
     finally:
         net.close()
+
+
+@pytest.fixture(scope="session")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The README's loop on 2 nodes x 2 ranks with nothing going wrong: what every
+    disturbed run of the same steps must end with, bitwise."""
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with Cluster(tmp_path_factory.mktemp("undisturbed"), cwd=ROOT) as net:
+        (server,) = replicas(net)
+        nodes = [net.add_host("node1"), net.add_host("node2")]
+        job = Job("undisturbed", net.dir / "out", [server.url])
+        for node in nodes:
+            job.start(node)
+        return Outcome.of(job, job.wait(300))
