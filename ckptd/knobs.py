@@ -51,8 +51,24 @@ def upload_concurrency() -> int:
 
 
 def request_timeout() -> float:
-    """Seconds for one HTTP request (connect, read, write)."""
+    """Seconds for one HTTP request (each read and write; connecting has
+    ``connect_timeout``)."""
     return _env_float("CKPTD_REQUEST_TIMEOUT", 60.0)
+
+
+def connect_timeout() -> float:
+    """Seconds to open a connection to a ckptd server (a replica whose host vanished
+    answers nothing: its calls move to the next replica after this long, not after
+    ``request_timeout``). Also bounds how long a server's connection may leave data
+    unacknowledged, or go silent while a request waits, before it counts as gone
+    (TCP_USER_TIMEOUT at twice this, keepalive probes after this long idle)."""
+    return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0)
+
+
+def server_wait() -> float:
+    """Seconds a new ``Checkpointer`` waits for its server to answer before it raises
+    (a server that starts beside the training processes may need longer)."""
+    return _env_float("CKPTD_SERVER_WAIT", 2.0)
 
 
 def retries() -> int:
@@ -96,10 +112,17 @@ def restore_huge_pages() -> bool:
     return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
 
 
-def peer_host() -> str:
-    """Address the peer chunk server binds (127.0.0.1: this host only; 0.0.0.0 for
-    peers on other nodes)."""
-    return os.environ.get("CKPTD_PEER_HOST") or "127.0.0.1"
+def peer_host() -> str | None:
+    """Address the peer chunk server binds; None (unset): a ``Checkpointer``'s binds
+    every interface, so replacement ranks on other hosts reach it (its token still
+    guards it: ``client/peer/address.py``), a bare ``PeerServer`` 127.0.0.1."""
+    return os.environ.get("CKPTD_PEER_HOST") or None
+
+
+def peer_interface() -> str | None:
+    """Network interface peers reach this rank at (its address is advertised and
+    bound), e.g. a training network's, as ``NCCL_SOCKET_IFNAME`` names one."""
+    return os.environ.get("CKPTD_PEER_INTERFACE") or None
 
 
 def peer_port() -> int:
@@ -108,8 +131,10 @@ def peer_port() -> int:
 
 
 def peer_advertise_host() -> str | None:
-    """Host name peers should use to reach this one (default: the bound address, or
-    this host's name when bound to every interface)."""
+    """Address peers should use to reach this one (default: the peer interface's, or
+    the bound address, or, bound to every interface, this host's address on the
+    route to the ckptd server). The server registers only the heartbeat's own
+    source address or one in its ``CKPTD_PEER_NETWORKS``."""
     return os.environ.get("CKPTD_PEER_ADVERTISE_HOST") or None
 
 

@@ -77,8 +77,9 @@ class Call(Generic[T]):
     # seconds; None waits as long as it takes (gc); ...: the transport's own
     timeout: float | None | EllipsisType = ...
 
-    def arguments(self) -> dict[str, Any]:
-        """Keyword arguments of ``httpx.Client.request`` (and the async one's)."""
+    def arguments(self, connect: float | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.Client.request`` (and the async one's);
+        ``connect``: the seconds a connection may take, within the call's own timeout."""
         args: dict[str, Any] = {}
         if self.params:
             args["params"] = self.params
@@ -89,8 +90,16 @@ class Call(Generic[T]):
         if self.headers:
             args["headers"] = self.headers
         if not isinstance(self.timeout, EllipsisType):
-            args["timeout"] = None if self.timeout is None else httpx.Timeout(self.timeout)
+            args["timeout"] = request_timeout(self.timeout, connect)
         return args
+
+
+def request_timeout(seconds: float | None, connect: float | None) -> httpx.Timeout:
+    """httpx's timeouts of a request that may last ``seconds`` (None: no bound) and
+    may take ``connect`` seconds to connect (None: as long as the request)."""
+    if connect is None:
+        return httpx.Timeout(seconds)
+    return httpx.Timeout(seconds, connect=connect if seconds is None else min(connect, seconds))
 
 
 class Reads(Generic[M, T]):

@@ -23,6 +23,8 @@ from collections.abc import Coroutine, Iterable, Mapping, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ckptd.errors import CkptdError
+
 from .config import CheckpointerConfig, DefaultPlacement, OnBusy, OnError
 from .failover import FailoverAgent
 from .failures import CloseResult
@@ -61,7 +63,18 @@ class Checkpointer:
     ``local`` (rank-private), or ``"sharded"`` when given a ``Shard`` (or when they
     are DTensors, whose placements say where their shard sits). ``timeout`` bounds
     every blocking call that takes no timeout of its own (None: no bound).
-    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``.
+    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``; ``rank``,
+    ``world_size`` and ``local_rank`` (this rank's GPU, whose health the probe
+    watches) to the ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` that torchrun (or any
+    launcher of torch's env:// convention) sets, else 0, 1 and none.
+
+    With an ``http(s)://`` server the constructor asks the server once (the job's
+    rollback state): a server nothing answers for at ``url`` (refused connections
+    for ``CKPTD_SERVER_WAIT`` seconds, 2, while it may be starting; no answer to a
+    connection within ``CKPTD_CONNECT_TIMEOUT``, 3), one that refuses the token, or
+    another program at that port raises there, one typed error (``Unavailable``,
+    ``Unauthorized``, ``Forbidden``, ``InvalidRequest``) naming the URL and what to
+    do.
 
     A snapshot that fails in the background is never silent: it is logged at
     ERROR once (the typed error naming job, step and rank, and what to do), the
@@ -82,10 +95,12 @@ class Checkpointer:
     With an ``http://`` server the checkpointer also takes part in failover: it
     serves the chunks of the committed step its pool holds to peers
     (``serve_peers``, default on; ``peer_host`` / ``peer_port``, default
-    ``CKPTD_PEER_HOST`` / ``CKPTD_PEER_PORT``, 127.0.0.1 and a port the OS picks;
-    the job's ``token`` guards it) and heartbeats to the server every
-    ``heartbeat_interval`` seconds (the server's interval once it answered) with
-    its peer address, the loop's step (``note_step``), the committed step it
+    ``CKPTD_PEER_HOST`` / ``CKPTD_PEER_PORT``, every interface and a port the OS
+    picks, so that ranks on other hosts reach it; it advertises this host's address
+    on the route to the server, or ``CKPTD_PEER_INTERFACE``'s, or
+    ``CKPTD_PEER_ADVERTISE_HOST``; the job's peer token guards it) and heartbeats
+    to the server every ``heartbeat_interval`` seconds (the server's interval once
+    it answered) with its peer address, the loop's step (``note_step``), the committed step it
     holds and ``health()`` (default: ok). ``cache_dir`` (default
     ``CKPTD_CACHE_DIR``) is a local directory store that ``restore`` reads before
     peers, e.g. what ``ckptd restore --to DIR`` filled.
@@ -106,8 +121,8 @@ class Checkpointer:
         self,
         url: str | None = None,
         job: str = "",
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         token: str | None = None,
         *,
         chunk_size: int | None = None,
@@ -126,6 +141,7 @@ class Checkpointer:
         health_policy: Policy | str | os.PathLike[str] | None = None,
         health_sources: Iterable[ReadingSource] | None = None,
         incarnation: str | None = None,
+        local_rank: int | None = None,
     ) -> None:
         """Builds the ``CheckpointerConfig`` of these arguments and opens it."""
         self._open(CheckpointerConfig.of(
@@ -135,7 +151,7 @@ class Checkpointer:
             serve_peers=serve_peers, peer_host=peer_host, peer_port=peer_port,
             heartbeat_interval=heartbeat_interval, health=health, cache_dir=cache_dir,
             health_policy=health_policy, health_sources=health_sources,
-            incarnation=incarnation,
+            incarnation=incarnation, local_rank=local_rank,
         ))
 
     @classmethod
@@ -150,6 +166,15 @@ class Checkpointer:
         if config.incarnation is None and config.world_size > 1:
             _say_no_launch(config)
         self._session = Session(config)
+        try:
+            self._session.reach()  # an unreachable server or a refused token: said now
+        except CkptdError as exc:
+            self._session.close()
+            # Its frames are the background loop's: the message says all there is.
+            raise exc.with_traceback(None) from None
+        except BaseException:
+            self._session.close()
+            raise
         try:
             self._failover = FailoverAgent(self._session)
         except BaseException:
@@ -375,6 +400,7 @@ class Checkpointer:
             strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
             adopt=self._failover.server is not None,  # (nobody to serve the pool to)
         )
+        self._saver.forget_saves()  # the loop trains on from a committed step
         if fetched.adopted is not None and fetched.pool is not None:
             self._failover.adopted(fetched.adopted, fetched.pool, beat=False)
         joined = self._timeline.join(result.step, before)
@@ -400,7 +426,12 @@ class Checkpointer:
 
         Saves ``state`` and returns the handle when a coordinated snapshot is due
         at this step (asked for by a degraded rank of the job; the commit records
-        the reason); returns None otherwise. Raises ``RollbackRequested`` (once per
+        the reason); returns None otherwise. When the loop saved this step already
+        (``save()`` before ``step()``, as the README's loop does), that save is the
+        snapshot and its handle is returned: nothing is saved twice. A ``save()`` of
+        a step saved before (this snapshot, then the loop's own save) is the same
+        save when its bytes are the same; with other bytes the first save stands and
+        the second fails, ``Conflict``, storing nothing. Raises ``RollbackRequested`` (once per
         rollback) when this rank's loss went non-finite or the job was marked for
         rollback: restore ``e.rollback_to`` (the latest when it is None and
         ``e.rollback_unknown``) and carry on, or end the process for torchrun to
@@ -416,6 +447,11 @@ class Checkpointer:
         decision = agent.step(step, loss)
         if not decision.snapshot:
             return None
+        saved = self._saver.saved(step)
+        if saved is not None:  # the loop saved this step: that is the snapshot
+            log.info("%s/%d: the coordinated snapshot due at step %d is the loop's save of it",
+                     self.job, self.rank, step)
+            return saved
         if state is None:
             log.warning("%s/%d: coordinated snapshot due at step %d, but step() got no state",
                         self.job, self.rank, step)
@@ -435,6 +471,7 @@ class Checkpointer:
     def acknowledge_rollback(self, step: int) -> None:
         """The loop restored ``step`` by other means than ``restore()``."""
         joined = self._timeline.join(step, None)
+        self._saver.forget_saves()
         self._health_agent()
         self._failover.restored(step, joined)
 

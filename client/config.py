@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,12 +58,18 @@ class CheckpointerConfig:
     health_policy: Policy | str | os.PathLike[str] | None = None
     health_sources: Iterable[ReadingSource] | None = None
     incarnation: str | None = None
+    local_rank: int | None = None
 
     def __post_init__(self) -> None:
         check_job(self.job)
         if self.incarnation is not None:
             check_incarnation(self.incarnation)
         check_rank(self.rank, self.world_size, job=self.job)
+        if self.local_rank is not None and (
+                isinstance(self.local_rank, bool) or not isinstance(self.local_rank, int)
+                or self.local_rank < 0):
+            raise InvalidRequest(f"local_rank must be a device index (0, 1, ...), not "
+                                 f"{self.local_rank!r}")
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequest(
                 f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
@@ -88,28 +94,60 @@ class CheckpointerConfig:
         cls,
         url: str | None = None,
         job: str = "",
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         token: str | None = None,
         *,
         chunk_size: int | None = None,
         on_error: OnError | None = None,
         incarnation: str | None = None,
+        local_rank: int | None = None,
         **settings: Any,
     ) -> CheckpointerConfig:
         """The config of ``Checkpointer(url, job, rank, world_size, token, ...)``:
-        ``url`` and ``token`` default to ``CKPTD_URL`` / ``CKPTD_TOKEN``, the chunk
-        size to ``CKPTD_CHUNK_SIZE``, ``on_error`` to ``CKPTD_ON_ERROR`` or "raise",
-        ``incarnation`` to the launch the environment names (``launch_incarnation``)."""
+        ``url`` and ``token`` default to ``CKPTD_URL`` / ``CKPTD_TOKEN``; ``rank``,
+        ``world_size`` and ``local_rank`` to the launcher's ``RANK``, ``WORLD_SIZE``
+        and ``LOCAL_RANK`` (torchrun sets them; 0, 1 and none without them); the
+        chunk size to ``CKPTD_CHUNK_SIZE``, ``on_error`` to ``CKPTD_ON_ERROR`` or
+        "raise", ``incarnation`` to the launch the environment names
+        (``launch_incarnation``)."""
         url, token = endpoint(url, token)
+        rank, world_size, local_rank = rank_context(rank, world_size, local_rank)
         if incarnation is None:
             incarnation = launch_incarnation()
         if on_error is None:
             on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
         size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
         return cls(url, job, rank, world_size, token, chunk_size=size, on_error=on_error,
-                   incarnation=incarnation, **settings)
+                   incarnation=incarnation, local_rank=local_rank, **settings)
 
     def replace(self, **changes: Any) -> CheckpointerConfig:
         """A copy with ``changes`` (checked like a new one)."""
         return dataclasses.replace(self, **changes)
+
+
+def rank_context(rank: int | None, world_size: int | None, local_rank: int | None,
+                 environ: Mapping[str, str] | None = None) -> tuple[int, int, int | None]:
+    """``(rank, world_size, local_rank)``: each argument, or when None the launcher's
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (torchrun, torch's env:// convention),
+    else 0, 1 and None. A variable that is not a whole number is a mistake named here."""
+    env = os.environ if environ is None else environ
+    if rank is None:
+        rank = _env_index(env, "RANK")
+    if world_size is None:
+        world_size = _env_index(env, "WORLD_SIZE")
+    if local_rank is None:
+        local_rank = _env_index(env, "LOCAL_RANK")
+    return (0 if rank is None else rank), (1 if world_size is None else world_size), local_rank
+
+
+def _env_index(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name}={raw!r} in the environment is not a whole number (the "
+                             f"launcher sets it; or pass {name.lower()}= to Checkpointer)"
+                             ) from None

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .health.heartbeat import Heartbeat, HeartbeatReply
-from .peer import PeerIndex, PeerServer, PeerService
+from .peer import PeerIndex, PeerServer, PeerService, peer_address
 from .session import Session
 from .transport import HttpTransport
 
@@ -19,6 +19,26 @@ if TYPE_CHECKING:
     from .restore.sources import LocalPoolSource
 
 log = logging.getLogger("ckptd.client.checkpointer")
+
+
+def rank_gpus(local_rank: int | None) -> list[str] | None:
+    """The GPU the health probe watches for this rank: its ``local_rank``'s device, by
+    UUID (NVML's indices follow PCI order and ignore ``CUDA_VISIBLE_DEVICES``); None
+    (every GPU) without a local rank or CUDA. Reading a device's properties makes no
+    CUDA context on it."""
+    if local_rank is None:
+        return None
+    from . import cuda
+
+    if not cuda.available():
+        return None
+    import torch
+
+    try:
+        return [f"GPU-{torch.cuda.get_device_properties(local_rank).uuid}"]
+    except Exception as exc:  # a LOCAL_RANK past the visible devices: watch them all
+        log.info("cannot name GPU %d (LOCAL_RANK) for the health probe: %s", local_rank, exc)
+        return None
 
 
 class FailoverAgent:
@@ -41,8 +61,12 @@ class FailoverAgent:
             return PeerService(None, None)
         server = None
         if c.serve_peers is None or c.serve_peers:
-            # No token yet: the job's peer token comes with the first heartbeat reply.
-            server = PeerServer(host=c.peer_host, port=c.peer_port, job=c.job, rank=c.rank,
+            # Reachable from other hosts (a replacement node restores from this one),
+            # at the address its heartbeats come from (peer/address.py). No token yet:
+            # the job's peer token comes with the first heartbeat reply.
+            where = peer_address(c.peer_host, toward=s.transport.url)
+            server = PeerServer(host=where.bind, advertise_host=where.advertise,
+                                port=c.peer_port, job=c.job, rank=c.rank,
                                 route_to=s.transport.url).start()
         heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
                               interval=c.heartbeat_interval, health=c.health)
@@ -115,6 +139,7 @@ class FailoverAgent:
                 policy=c.health_policy, sources=c.health_sources,
                 heartbeat=self.service.heartbeat, latest=latest, epoch=epoch,
                 disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
+                gpus=rank_gpus(c.local_rank),
                 timeout=s.timeout or 10.0, restored=self._restored,
             ).start()
         return self._health

@@ -7,10 +7,13 @@ manifests, commits) to the job's home, both by rendezvous hashing over the membe
 heartbeats and plans) meets in one process. The members are the URLs the client was
 given, then what ``GET /v1/cluster`` lists. A replica that refuses connections is
 marked down and its calls go to the next replica in the key's rendezvous order at
-once. A request lost mid-way (the replica died, or only dropped a pooled
-connection: a busy live server does) is not a down mark by itself: the caller's
-retry connects afresh, and a dead replica refuses that connection. Down marks
-last three refreshes, then the replica is tried again.
+once; so does one that does not answer a connection within ``CKPTD_CONNECT_TIMEOUT``
+(3 s; its host vanished), whatever the request timeout. A request lost mid-way
+(the replica died, or only dropped a pooled connection: a busy live server does)
+is not a down mark by itself: the caller's retry connects afresh, and a dead
+replica refuses that connection. A connection TCP gave up on (its host vanished
+mid-request: the transport's keepalive and TCP_USER_TIMEOUT, ``transport_http``)
+is one. Down marks last three refreshes, then the replica is tried again.
 
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
@@ -20,6 +23,7 @@ the CLI) route alike without knowing about replicas.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import threading
@@ -47,6 +51,23 @@ ROUTE_HEADER = "X-Ckptd-Route"
 CLUSTER_PATH = "/v1/cluster"
 # Connection failures: the request never reached the replica, so any call may go on.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# What TCP says of a connection whose host vanished mid-request (TCP_USER_TIMEOUT or
+# keepalive gave up; a router found no way there): unlike a dropped connection (a
+# reset, an early end), which a busy live replica gives too, it marks the replica down.
+_GONE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                          errno.EHOSTDOWN})
+
+
+def host_gone(exc: BaseException) -> bool:
+    """True when ``exc`` (or what caused it) says the server's host is not there."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _GONE_ERRNOS:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
 
 
@@ -243,6 +264,10 @@ class AsyncRouting(httpx.AsyncBaseTransport):
                 self.members.mark_down(base, exc)
                 if i == len(order) - 1:
                     raise
+            except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
+                if host_gone(exc):
+                    self.members.mark_down(base, exc)
+                raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
     async def aclose(self) -> None:
@@ -290,6 +315,10 @@ class SyncRouting(httpx.BaseTransport):
                 self.members.mark_down(base, exc)
                 if i == len(order) - 1:
                     raise
+            except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
+                if host_gone(exc):
+                    self.members.mark_down(base, exc)
+                raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ckptd import knobs
 from ckptd.errors import CkptdError, InvalidRequest
 
 from .config import CheckpointerConfig
@@ -41,6 +42,20 @@ class Session:
         self.lock = threading.Lock()
         self.closed = False
 
+    def reach(self) -> None:
+        """Raises, typed and naming the server's URL, when an HTTP server cannot be
+        reached or refuses this checkpointer's token (``reach.py``), within
+        ``CKPTD_SERVER_WAIT`` seconds (one connect timeout when nothing answers)."""
+        from .transport import HttpTransport
+
+        if not isinstance(self.transport, HttpTransport):
+            return
+        from .reach import reach
+
+        within = knobs.server_wait()
+        bound = within + 2 * self.transport.session.connect_timeout + 5.0
+        self.loop.run(reach(self.transport, self.config.job, within), bound)
+
     def check_open(self) -> None:
         if self.closed:
             raise InvalidRequest("this Checkpointer is closed")
@@ -55,7 +70,13 @@ class Session:
             raise wrap_error(exc, "request") from exc
 
     def close(self) -> None:
-        """Closes the transport, stops the loop, removes the staging pool."""
+        """Ends the loop's work still under way (what is quick finishes, the rest is
+        cancelled), closes the transport, stops the loop, removes the staging pool."""
+        try:
+            self.loop.run(_settle_tasks(0.5), 10.0)
+        except Exception as exc:  # closing must not fail the caller's shutdown
+            log.debug("%s/%d: settling the loop's tasks: %s", self.config.job,
+                      self.config.rank, exc)
         try:
             self.loop.run(self.transport.close(), 10.0)
         except Exception as exc:  # closing must not fail the caller's shutdown
@@ -63,3 +84,19 @@ class Session:
                         self.config.rank, exc)
         self.loop.stop()
         self.staging.close()
+
+
+async def _settle_tasks(grace: float) -> None:
+    """Lets the loop's other tasks end within ``grace`` seconds, then cancels and
+    awaits the rest: a task still pending when the loop stops is destroyed pending
+    (asyncio says so at exit: "Task was destroyed but it is pending!"), and the
+    answer it waited for is never retrieved."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=grace)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)

@@ -261,12 +261,14 @@ class HttpTransport(Transport):
         # httpx ignores a client's verify= once it is given a transport: the inner one
         # carries the TLS settings.
         self._routing = AsyncRouting(
-            self.members, httpx.AsyncHTTPTransport(limits=limits, verify=self.session.verify)
+            self.members, httpx.AsyncHTTPTransport(
+                limits=limits, verify=self.session.verify,
+                socket_options=self.session.socket_options()),
         )
         self._client = httpx.AsyncClient(
             base_url=self.members.seeds[0],
             headers=self.session.headers,
-            timeout=httpx.Timeout(self.timeout),
+            timeout=self.session.timeouts(),
             limits=limits,
             transport=self._routing,
         )
@@ -279,7 +281,8 @@ class HttpTransport(Transport):
             if wait:
                 await asyncio.sleep(wait)
             try:
-                resp = await self._client.request(call.method, call.path, **call.arguments())
+                resp = await self._client.request(call.method, call.path,
+                                                  **self.session.arguments(call))
             except httpx.TimeoutException as exc:
                 tries.timed_out(exc)
                 continue
@@ -289,6 +292,12 @@ class HttpTransport(Transport):
             if tries.answered(resp):
                 return call.read(resp)
         tries.give_up()
+
+    async def send_once(self, call: Call[Any], timeout: httpx.Timeout) -> httpx.Response:
+        """One try of ``call`` within ``timeout`` (no retries): its answer, unread."""
+        args = self.session.arguments(call)
+        args["timeout"] = timeout
+        return await self._client.request(call.method, call.path, **args)
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
         # Each id is asked of its home replica, where its upload goes and its claim is.
@@ -386,7 +395,8 @@ class HttpTransport(Transport):
         # Streamed: progress lines, then the report (no retries: it is long and idempotent,
         # the caller runs it again).
         call = calls.verify_stream(job, step, timeout)
-        async with self._client.stream(call.method, call.path, **call.arguments()) as resp:
+        async with self._client.stream(call.method, call.path,
+                                       **self.session.arguments(call)) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise http_error(resp)

@@ -85,11 +85,39 @@ class Session:
         self.retries = knobs.retries() if retries is None else retries
         self.backoff = knobs.retry_backoff() if backoff is None else backoff
         self.timeout = knobs.request_timeout() if timeout is None else timeout
+        # A replica whose host vanished answers no SYN: its calls go to the next
+        # replica after this, not after the request timeout (routing.py).
+        self.connect_timeout = knobs.connect_timeout()
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         if job is not None:
             # Chunk routes name no job: a scoped token says which of its jobs acts.
             self.headers["X-Ckptd-Job"] = check_job(job)
         self.verify = tls_verify(ca_bundle)
+
+    def timeouts(self) -> httpx.Timeout:
+        """The client's timeouts: ``timeout`` per read and write, ``connect_timeout``."""
+        return calls.request_timeout(self.timeout, self.connect_timeout)
+
+    def arguments(self, call: Call[Any]) -> dict[str, Any]:
+        """``call``'s request arguments, its own timeout bounded by ``connect_timeout``
+        for connecting."""
+        return call.arguments(self.connect_timeout)
+
+    def socket_options(self) -> list[tuple[int, int, int]]:
+        """Options of every connection to a server: a host that vanishes mid-request
+        (its link down: no reset, no answer) fails the request within seconds, not at
+        the request timeout. Data left unacknowledged for twice ``connect_timeout``
+        (TCP_USER_TIMEOUT), or a connection silent that long while a request waits
+        (keepalive probes from ``connect_timeout`` on), ends the connection; the call
+        is retried and routing moves on. Linux options, where the platform has them."""
+        idle = max(1, round(self.connect_timeout))
+        opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", round(2000 * self.connect_timeout))):
+            opt = getattr(socket, name, None)
+            if opt is not None and value > 0:
+                opts.append((socket.IPPROTO_TCP, opt, value))
+        return opts
 
 
 class Attempts:
@@ -143,16 +171,20 @@ class Attempts:
         raise error
 
     def give_up(self) -> NoReturn:
+        """Raises the typed error of the last try; httpx's and httpcore's exceptions
+        under it add nothing the message does not say (logged at debug level)."""
         method, where, last = self.call.method, f"{self.url}{self.call.path}", self.last
+        if last is not None and not isinstance(last, CkptdError):
+            log.debug("%s %s: the last try's error", method, where, exc_info=last)
         if isinstance(last, httpx.TimeoutException):
-            raise Timeout(f"{method} {where} timed out {self.attempts} times",
-                          url=self.url) from last
+            raise Timeout(f"{method} {where} timed out {self.attempts} times "
+                          f"({type(last).__name__})", url=self.url) from None
         if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
             raise last
         if self.attempts == 1 and isinstance(last, httpx.RequestError):
             raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
-                          url=self.url) from last
+                          url=self.url) from None
 
 
 class _UntypedServerError(CkptdError):
@@ -200,8 +232,9 @@ class SyncTransport:
         self._client = httpx.Client(
             base_url=self.members.seeds[0],
             headers=self.session.headers,
-            timeout=httpx.Timeout(self.session.timeout),
-            transport=SyncRouting(self.members, httpx.HTTPTransport(verify=self.session.verify)),
+            timeout=self.session.timeouts(),
+            transport=SyncRouting(self.members, httpx.HTTPTransport(
+                verify=self.session.verify, socket_options=self.session.socket_options())),
         )
 
     def __repr__(self) -> str:
@@ -214,7 +247,8 @@ class SyncTransport:
             if wait:
                 time.sleep(wait)
             try:
-                resp = self._client.request(call.method, call.path, **call.arguments())
+                resp = self._client.request(call.method, call.path,
+                                            **self.session.arguments(call))
             except httpx.TimeoutException as exc:
                 tries.timed_out(exc)
                 continue

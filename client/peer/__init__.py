@@ -29,22 +29,26 @@ Client
     (refused, reset, 503, short body), ``ChunkSizeMismatch``. It does not hash:
     the restore engine verifies every chunk against its id on arrival.
 
-The package: ``server`` (``PeerServer``, ``PeerIndex``), ``http`` (its bounded
-HTTP/1.1), ``client`` (``PeerClient``) and ``service`` (``PeerService``: one
-rank's presence, serving and heartbeating).
+The package: ``server`` (``PeerServer``, ``PeerIndex``), ``address`` (where it
+listens and what it advertises: every interface, and the address other hosts
+reach), ``http`` (its bounded HTTP/1.1), ``client`` (``PeerClient``) and
+``service`` (``PeerService``: one rank's presence, serving and heartbeating).
 """
 
+from .address import PeerAddress, peer_address, route_address
 from .client import PeerClient, wait_listening
-from .server import EMPTY_INDEX, PeerIndex, PeerServer, PeerStats, route_address
+from .server import EMPTY_INDEX, PeerIndex, PeerServer, PeerStats
 from .service import PeerService
 
 __all__ = [
     "EMPTY_INDEX",
+    "PeerAddress",
     "PeerClient",
     "PeerIndex",
     "PeerServer",
     "PeerService",
     "PeerStats",
+    "peer_address",
     "route_address",
     "wait_listening",
 ]

@@ -8,12 +8,10 @@ import hmac
 import logging
 import queue
 import re
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -24,6 +22,7 @@ from ckptd.errors import (
     Unavailable,
 )
 
+from .address import WILDCARDS, route_address
 from .http import BoundedHTTPServer, PeerRequest
 
 log = logging.getLogger(__name__)
@@ -79,28 +78,14 @@ class PeerStats:
                     ("served", "bytes_served", "not_found", "stale", "busy", "unauthorized")}
 
 
-def route_address(toward: str | None = None) -> str:
-    """This host's address on the route toward ``toward`` (a URL or host; default:
-    the default route), as peers and the server see it: never ``localhost``. A UDP
-    ``connect`` sends nothing; it only asks the kernel which source it would use."""
-    host = urlparse(toward).hostname if toward and "//" in toward else toward
-    target = host or "10.255.255.255"
-    try:
-        infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
-        family, _, _, _, addr = infos[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
 class PeerServer:
     """Serves the published chunks of this process's staging pool to peers.
 
-    ``start()`` binds ``host:port`` (``CKPTD_PEER_HOST``, default 127.0.0.1;
-    ``CKPTD_PEER_PORT``, default 0: the OS picks) and returns at once; ``url`` is
-    what peers should use. ``publish(index)`` replaces what is served;
+    ``start()`` binds ``host:port`` (``CKPTD_PEER_HOST``, default 127.0.0.1 here;
+    a ``Checkpointer`` binds every interface, ``address.py``; ``CKPTD_PEER_PORT``,
+    default 0: the OS picks) and returns at once; ``url`` is what peers should use
+    (``advertise_host``, else the bound address, else the address on the route to
+    ``route_to``, the ckptd server). ``publish(index)`` replaces what is served;
     ``close()`` stops serving and drops open connections. A request that finds all
     ``concurrency`` slots taken waits ``busy_wait`` seconds for one, then gets 503.
 
@@ -123,7 +108,7 @@ class PeerServer:
         route_to: str | None = None,
         head_timeout: float = 5.0,
     ) -> None:
-        self.host = knobs.peer_host() if host is None else host
+        self.host = (knobs.peer_host() or "127.0.0.1") if host is None else host
         self.port = knobs.peer_port() if port is None else int(port)
         self._tokens: tuple[str, ...] = (token,) if token else ()
         self.route_to = route_to
@@ -172,7 +157,7 @@ class PeerServer:
         host = self.advertise_host
         if host is None:
             host = self.host
-            if host in ("", "0.0.0.0", "::"):
+            if host in WILDCARDS:
                 # The address on the route to the ckptd server: the one its
                 # heartbeats come from, which the server accepts (getfqdn() gave
                 # "localhost" on many hosts).

@@ -53,6 +53,11 @@ class SaveHandle:
         what = "skipped" if self.skipped else ("done" if self.done() else "in flight")
         return f"<SaveHandle step={self.step} {what}>"
 
+    @property
+    def future(self) -> concurrent.futures.Future[SaveResult] | None:
+        """The snapshot's future (None when skipped)."""
+        return self._future
+
     def done(self) -> bool:
         """True once the snapshot finished (or failed, or was skipped)."""
         return self._future is None or self._future.done()

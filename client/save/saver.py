@@ -25,7 +25,14 @@ from ckptd.errors import (
     UnsupportedValue,
     ValidationFailed,
 )
-from ckptd.format import EPOCH_META, INCARNATION_META, Placement, canonical_json, check_step
+from ckptd.format import (
+    EPOCH_META,
+    INCARNATION_META,
+    Placement,
+    RankManifest,
+    canonical_json,
+    check_step,
+)
 from ckptd.lifecycle.tags import TAG_META, check_tag
 
 from ..cuda import CopyDone
@@ -80,6 +87,13 @@ class Saver:
         # Set once the last snapshot's done-callback ran: its future is done before
         # its callbacks run, and close() must not report before they did.
         self._settled: threading.Event | None = None
+        # This checkpointer's latest saves, by step: the handle of each, and the
+        # manifest each stored. A coordinated snapshot due at a step the loop saved
+        # is that save; a save of a step saved before with the same bytes is one save
+        # (``snapshot.same_save``), with other bytes a ``Conflict``.
+        self._handles: dict[int, SaveHandle] = {}
+        self._manifests: dict[int, RankManifest] = {}
+        self._saves_lock = threading.Lock()
 
     @property
     def inflight(self) -> concurrent.futures.Future[Any] | None:
@@ -170,9 +184,36 @@ class Saver:
         stall = time.perf_counter() - started
         log.debug("%s/%d: step %d staged in %d piece(s), save() took %.4f s",
                   self.config.job, self.config.rank, step, pieces, stall)
-        return SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
-                          waited_seconds=waited, pieces=pieces,
-                          on_failure_seen=functools.partial(self._failure_seen, step, serial))
+        handle = SaveHandle(step, future, copy_done=copy_done, stall_seconds=stall,
+                            waited_seconds=waited, pieces=pieces,
+                            on_failure_seen=functools.partial(self._failure_seen, step, serial))
+        with self._saves_lock:
+            _keep_recent(self._handles, step, handle)
+        return handle
+
+    def saved(self, step: int) -> SaveHandle | None:
+        """The handle of this checkpointer's save of ``step`` since it last restored,
+        unless that save was skipped or failed: a coordinated snapshot due at ``step``
+        is that save (the README's loop saves, then reports the step)."""
+        with self._saves_lock:
+            handle = self._handles.get(step)
+        if handle is None or not handle.done():
+            return handle
+        future = handle.future
+        if future is None or future.cancelled() or future.exception() is not None:
+            return None
+        return handle
+
+    def forget_saves(self) -> None:
+        """The loop went back to a committed step (a restore): saves before it do not
+        stand for the steps it trains again."""
+        with self._saves_lock:
+            self._handles.clear()
+            self._manifests.clear()
+
+    def _stored(self, manifest: RankManifest) -> None:
+        with self._saves_lock:
+            _keep_recent(self._manifests, manifest.step, manifest)
 
     def _stage_and_submit(
         self,
@@ -190,6 +231,8 @@ class Saver:
         under ``self._lock`` with no snapshot in flight."""
         c = self.config
         plan = self.session.staging.prepare(tensors, c.chunk_size)
+        with self._saves_lock:
+            earlier = self._manifests.get(step)
         snap = Snapshot(
             job=c.job,
             step=step,
@@ -202,8 +245,10 @@ class Saver:
             meta=meta,
             started=started,
             epoch_pending=epoch_pending,
+            earlier=earlier,
         )
-        upload = SnapshotUpload(self.session.transport, snap, plan.piece_count)
+        upload = SnapshotUpload(self.session.transport, snap, plan.piece_count,
+                                on_manifest=self._stored)
         self.failover.staging()  # what peers were served is about to be overwritten
         for number in range(plan.piece_count):
             piece = self.session.staging.stage(plan, number, step)
@@ -404,6 +449,14 @@ def _save_args(
         # The commit would refuse it only after the whole upload: the step lost.
         check_tag(out[TAG_META])
     return shards, names, out
+
+
+def _keep_recent(saves: dict[int, Any], step: int, value: Any) -> None:
+    """``saves[step] = value``, keeping the newest ``MAX_PENDING_ASKED`` steps."""
+    saves.pop(step, None)
+    saves[step] = value
+    while len(saves) > MAX_PENDING_ASKED:
+        del saves[next(iter(saves))]
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[SaveResult]:

@@ -7,12 +7,12 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptd.errors import CkptdError, Unavailable
-from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry
+from ckptd.errors import CkptdError, Conflict, Unavailable
+from ckptd.format import EPOCH_META, Placement, RankManifest, TensorEntry, manifest_epoch
 from ckptd.hashing import chunk_count
 
 from ..dtypes import dtype_name
@@ -63,6 +63,9 @@ class Snapshot:
     # the answer to the checkpointer's construction-time question, awaited here,
     # off the training thread, and stamped on the manifest.
     epoch_pending: concurrent.futures.Future[int] | None = None
+    # The manifest this checkpointer put for this step before (a coordinated
+    # snapshot, then the loop's own save): the same state again is that save.
+    earlier: RankManifest | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,10 +86,13 @@ class SnapshotUpload:
     may stage the next piece over it."""
 
     def __init__(
-        self, transport: Transport, snap: Snapshot, pieces: int = 1, poll: float = 0.05
+        self, transport: Transport, snap: Snapshot, pieces: int = 1, poll: float = 0.05,
+        on_manifest: Callable[[RankManifest], None] | None = None,
     ) -> None:
         self.transport = transport
         self.snap = snap
+        # Told of the manifest once it is stored (before the commit is asked).
+        self.on_manifest = on_manifest
         self.pieces = pieces
         self.poll = poll
         self.claimer = f"{snap.job}/{snap.rank}"
@@ -197,12 +203,18 @@ class SnapshotUpload:
         manifest = self._manifest()
         if self.pieces == 1:
             manifest.check()  # a bad manifest fails here, before any byte is sent
+        repeat = same_save(self.snap.earlier, manifest)  # raises for other bytes
         await self._upload(data)
         if any(not cid for ids in self._ids for cid in ids):
             raise CkptdError(f"snapshot of step {self.snap.step}: some chunks were never staged")
         snap = self.snap
-        await self.transport.put_manifest(manifest)
-        status = await self.transport.commit(snap.job, snap.step, snap.meta or None)
+        if repeat is None:
+            await self.transport.put_manifest(manifest)
+        else:  # the state saved before: that manifest stands (its meta, its reason)
+            manifest = repeat
+        if self.on_manifest is not None:
+            self.on_manifest(manifest)
+        status = await self.transport.commit(snap.job, snap.step, manifest.meta or None)
         now = time.perf_counter()
         upload_seconds = now - (self._t0 if self._t0 is not None else now)
         total = now - snap.started
@@ -225,3 +237,35 @@ class SnapshotUpload:
             total_seconds=total,
         )
 
+
+
+def same_save(earlier: RankManifest | None, manifest: RankManifest) -> RankManifest | None:
+    """``earlier`` when ``manifest`` saves the same state of the same step (its meta
+    aside: a coordinated snapshot's reason, the loop's own): one save, whose manifest
+    stands. None when there is no earlier save of this step in this timeline. Raises
+    ``Conflict`` for other bytes: a stored manifest never changes, so the first save
+    stands and this one must store nothing."""
+    if earlier is None or (earlier.job, earlier.step, earlier.rank) != (
+            manifest.job, manifest.step, manifest.rank):
+        return None
+    if manifest_epoch(earlier) != manifest_epoch(manifest):
+        return None  # saved before a rollback: the new timeline's manifest replaces it
+    if (earlier.entries == manifest.entries and earlier.tree == manifest.tree
+            and earlier.world_size == manifest.world_size
+            and earlier.chunk_size == manifest.chunk_size):
+        return earlier
+    before = {e.name: e for e in earlier.entries}
+    now = {e.name: e for e in manifest.entries}
+    names = sorted(n for n in before.keys() | now.keys() if before.get(n) != now.get(n))
+    what = [repr(n) for n in names[:5]] + (["..."] if len(names) > 5 else [])
+    if earlier.tree != manifest.tree:
+        what.append("plain values")
+    if earlier.world_size != manifest.world_size or earlier.chunk_size != manifest.chunk_size:
+        what.append("world size or chunk size")
+    raise Conflict(
+        f"this rank saved step {manifest.step} before with other bytes ({', '.join(what)} "
+        "differ): a stored manifest never changes, so the first save stands and this one "
+        "stored nothing. Save a changed state under another step number; when ckpt.step() "
+        "took a coordinated snapshot of this step first, call save() before step(), as the "
+        "README's loop does: the snapshot is then that save",
+        job=manifest.job, step=manifest.step, rank=manifest.rank, names=names[:100])

@@ -148,14 +148,9 @@ def test_token_round_trip(token_server: Any) -> None:
         ckpt.restore(target)
     assert_bitwise(target, state)
     for token in (None, "wrong-token"):
-        with Checkpointer(token_server.url, "secret", token=token) as ckpt:
-            handle = ckpt.save(2, state)
-            with pytest.raises(Unauthorized):
-                handle.wait(timeout=30)
-            with pytest.raises(Unauthorized):
-                ckpt.latest()
-            with pytest.raises(Unauthorized):
-                ckpt.restore({})
+        # Said at construction (tests/integration/test_fail_fast.py), before any save.
+        with pytest.raises(Unauthorized):
+            Checkpointer(token_server.url, "secret", token=token)
 
 
 def test_corrupt_chunk_in_the_servers_store_is_caught(server: Any) -> None:

@@ -1,0 +1,104 @@
+"""A new checkpointer's first word with its server: one that cannot be reached, or
+refuses the checkpointer's token, is said at construction, within seconds, in one
+typed error that names the URL and what to do (not a logged heartbeat failure
+and, 17 s later, the first call's traceback of three chained exceptions)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from ckptd.errors import CkptdError, Forbidden, Unauthorized, Unavailable
+
+from . import calls
+from .transport import HttpTransport
+from .transport_http import http_error, tls_trouble
+
+log = logging.getLogger(__name__)
+
+
+async def reach(transport: HttpTransport, job: str, within: float) -> None:
+    """Asks the server for ``job``'s rollback state (a read the job's token may make)
+    and returns once it answered. Raises at once what retrying cannot mend (a
+    refused token, a program that is not a ckptd server, a TLS mismatch), and
+    ``Unavailable`` when no replica took a connection for ``within`` seconds
+    (refused: tried again meanwhile, for a server still starting) or one connect
+    timeout (nothing answered: a host that is not there). A server that took the
+    connection but answers slowly, or answers 5xx, is there: the checkpointer goes
+    on, and its calls say what is wrong."""
+    deadline = time.monotonic() + within
+    connect = transport.session.connect_timeout
+    call = calls.rollback(job)
+    delay = 0.1
+    while True:
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            resp = await transport.send_once(call, httpx.Timeout(max(left, connect),
+                                                                 connect=connect))
+        except httpx.ConnectTimeout as exc:
+            _debug(transport, exc)
+            raise Unavailable(
+                f"no ckptd server answers at {transport.url}: nothing took a connection in "
+                f"{connect:g} s (CKPTD_CONNECT_TIMEOUT). Check the host and port in url= or "
+                "CKPTD_URL, and that the network lets this host reach it",
+                url=transport.url) from None
+        except httpx.TimeoutException as exc:  # connected; the answer is slow: it is there
+            _debug(transport, exc)
+            return
+        except httpx.RequestError as exc:
+            _debug(transport, exc)
+            trouble = await asyncio.to_thread(tls_trouble, transport.url, exc)
+            if trouble is not None:
+                raise trouble from None
+            if time.monotonic() + delay >= deadline:
+                raise Unavailable(
+                    f"cannot reach the ckptd server at {transport.url} ({_reason(exc)}, for "
+                    f"{within:g} s): start it (ckptd serve), or point url= or CKPTD_URL at "
+                    "where it runs (CKPTD_SERVER_WAIT gives a server that starts beside "
+                    "training longer)", url=transport.url) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.5)
+            continue
+        if resp.status_code == 200:
+            return
+        if resp.status_code >= 500:  # there, in trouble: its calls will say what
+            log.info("%s answered %d to a new checkpointer: %s", transport.url,
+                     resp.status_code, http_error(resp))
+            return
+        raise _refusal(transport, resp, job) from None
+
+
+def _refusal(transport: HttpTransport, resp: httpx.Response, job: str) -> CkptdError:
+    error = http_error(resp)
+    given = "Authorization" in transport.session.headers
+    if isinstance(error, Unauthorized):
+        what = ("refused the token given" if given
+                else "needs a token and none was given")
+        return Unauthorized(
+            f"the ckptd server at {transport.url} {what} ({error.message}): pass the "
+            "token it was started with, or one of job "
+            f"{job!r} from `ckptd token create`, as token= or CKPTD_TOKEN", url=transport.url)
+    if isinstance(error, Forbidden):
+        return Forbidden(
+            f"the ckptd server at {transport.url} refused the token given for job {job!r} "
+            f"({error.message}): use a token whose scope covers job {job!r} with write "
+            "access (`ckptd token create`), as token= or CKPTD_TOKEN", url=transport.url)
+    return error
+
+
+def _reason(exc: httpx.RequestError) -> str:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror.lower()
+        cause = cause.__cause__ or cause.__context__
+    return str(exc) or type(exc).__name__
+
+
+def _debug(transport: HttpTransport, exc: BaseException) -> None:
+    log.debug("reaching %s: %s: %s", transport.url, type(exc).__name__, exc, exc_info=exc)

@@ -1,0 +1,94 @@
+"""Fail fast, speak once: a Checkpointer whose server cannot be reached, or refuses
+its token, says so at construction within seconds, in one typed error naming the
+URL and what to do, with no library exceptions chained under it; and a process
+that made one exits without asyncio's complaints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd import knobs
+from ckptd.client import Checkpointer
+from ckptd.errors import CkptdError, Unauthorized, Unavailable
+from tests.conftest import ServerProcess, free_port
+from tests.integration.test_replica_host_gone import silent_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _raised(make: object, bound: float) -> CkptdError:
+    t0 = time.monotonic()
+    with pytest.raises(CkptdError) as raised:
+        make()  # type: ignore[operator]
+    took = time.monotonic() - t0
+    assert took < bound, f"it took {took:.1f} s to say so (bound {bound} s)"
+    err = raised.value
+    # One error: nothing of httpx or httpcore chained under it, a short traceback.
+    assert err.__cause__ is None and err.__suppress_context__
+    frames = traceback.extract_tb(err.__traceback__)
+    assert len(frames) <= 4, traceback.format_tb(err.__traceback__)
+    return err
+
+
+def test_nothing_listening_is_said_at_construction(tmp_path: Path, shm: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    err = _raised(lambda: Checkpointer(url, "ff", shm_dir=shm), knobs.server_wait() + 2.0)
+    assert isinstance(err, Unavailable)
+    assert url in err.message and "connection refused" in err.message
+    assert "ckptd serve" in err.message and "CKPTD_URL" in err.message
+    assert not list(shm.iterdir())  # nothing left behind: no pool, no threads serving
+
+
+def test_a_host_that_answers_nothing_is_said_within_a_connect_timeout(shm: Path) -> None:
+    port = free_port()
+    with silent_port(port):
+        err = _raised(lambda: Checkpointer(f"http://127.0.0.1:{port}", "ff", shm_dir=shm),
+                      knobs.connect_timeout() + 3.0)
+    assert isinstance(err, Unavailable)
+    assert f"http://127.0.0.1:{port}" in err.message and "CKPTD_CONNECT_TIMEOUT" in err.message
+
+
+def test_a_refused_token_is_said_at_construction(token_server: ServerProcess, shm: Path) -> None:
+    wrong = _raised(lambda: Checkpointer(token_server.url, "ff", token="not-it", shm_dir=shm),
+                    3.0)
+    assert isinstance(wrong, Unauthorized)
+    assert token_server.url in wrong.message and "refused the token given" in wrong.message
+    assert "CKPTD_TOKEN" in wrong.message
+    none = _raised(lambda: Checkpointer(token_server.url, "ff", shm_dir=shm), 3.0)
+    assert isinstance(none, Unauthorized) and "none was given" in none.message
+    with Checkpointer(token_server.url, "ff", token=token_server.token, shm_dir=shm,
+                      serve_peers=False) as ckpt:
+        assert ckpt.save(1, {"w": torch.ones(4)}).wait(30).state == "committed"
+
+
+def test_a_server_gone_later_is_one_typed_error(server: ServerProcess, shm: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_RETRY_BACKOFF", "0.01")
+    with Checkpointer(server.url, "ff", shm_dir=shm, serve_peers=False) as ckpt:
+        server.stop()
+        with pytest.raises(Unavailable) as raised:
+            ckpt.latest()
+        assert raised.value.__cause__ is None and raised.value.__suppress_context__
+        assert server.url in str(raised.value)
+
+
+def test_a_quick_checkpointer_leaves_no_asyncio_complaint_at_exit(tmp_path: Path) -> None:
+    """Closing at once, before the timeline question came back, left the task
+    pending when the loop stopped: 'Task was destroyed but it is pending!'."""
+    script = (
+        "from ckptd.client import Checkpointer\n"
+        "for i in range(5):\n"
+        f"    Checkpointer('file://{tmp_path / 'store'}', 'quick', shm_dir='{tmp_path}').close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "was destroyed" not in done.stderr and "never retrieved" not in done.stderr, (
+        done.stderr)
