@@ -248,6 +248,16 @@ class HostProcess:
         if pid > 0:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+        if sig not in (signal.SIGSTOP, signal.SIGTSTP):
+            self.wake_nsenter()
+
+    def wake_nsenter(self) -> None:
+        """nsenter stops itself when its child stops (job control); a stopped
+        nsenter never reaps its child, and a PID namespace holding an unreaped
+        child of an outside parent cannot end. So it is woken after any other signal."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.popen.pid, signal.SIGCONT)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -332,6 +342,10 @@ class Host:
         """Powers the host off: SIGKILL to everything on it; its network and its
         /dev/shm go with it. Waits (bounded) until no process is left in it."""
         self.stop_slow()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.ns.init, signal.SIGKILL)
+        for proc in self.processes:  # so that they reap what the kernel just killed
+            proc.wake_nsenter()
         self.ns.kill()
         self.dead = True
         for proc in self.processes:

@@ -67,10 +67,15 @@ def test_killing_a_host_takes_its_processes_and_its_memory(cluster: Cluster) -> 
     server = serve_http(one)
     sleeper = one.run(["sh", "-c", "sleep 600 & sleep 600"], log="sleep.log")
     other = two.run(["sleep", "600"], log="sleep.log")
+    frozen = one.run(["sleep", "600"], log="frozen.log")
+    frozen.signal(signal.SIGSTOP)  # a stopped process dies with its host all the same
     one.sh("head -c 8M /dev/zero > /dev/shm/pool")
     assert sleeper.pid in one.pids() and server.pid in one.pids()
+    start = time.monotonic()
     one.kill()
+    assert time.monotonic() - start < 5
     assert server.poll() == -signal.SIGKILL and sleeper.poll() == -signal.SIGKILL
+    assert frozen.poll() == -signal.SIGKILL
     assert one.pids() == []  # nothing holds its PID, network or mount namespace
     assert other.poll() is None and other.pid in two.pids()
     status, _ = fetch(two, "http://node1:8000/", timeout=3)
