@@ -299,6 +299,7 @@ class Host:
                               hosts=self.hosts_file, tag=f"ckptd-{cluster.run_id}-{name}")
         self.dead = False
         self._slow: subprocess.Popen[bytes] | None = None
+        self._delays = 0
 
     def __repr__(self) -> str:
         return f"Host({self.name}, {self.address})"
@@ -367,9 +368,19 @@ class Host:
         self.cluster.switch.ip("link", "set", self.port, "up")
 
     def slow_link(self, delay_s: float) -> None:
-        """Every frame to and from this host waits ``delay_s`` on the wire (see wire.py)."""
-        self.stop_slow()
-        self._slow = self.cluster.delay_port(self, delay_s)
+        """Every frame to and from this host waits ``delay_s`` on the wire (see
+        wire.py). The first call puts the wire in (a ``slow_link(0)`` beforehand
+        makes a later slowdown instantaneous, with no pause in the traffic)."""
+        control = self.dir / "wire-delay"
+        self._delays += 1
+        tmp = control.with_suffix(".tmp")
+        tmp.write_text(f"{self._delays} {float(delay_s)!r}")
+        os.replace(tmp, control)
+        if self._slow is None:
+            self._slow = self.cluster.delay_port(self, control)
+        log = self.dir / "wire.log"
+        _deadline_loop(10, f"{self.name}: the wire did not take delay {delay_s}",
+                       lambda: True if f"applied {self._delays}\n" in log.read_text() else None)
 
     def stop_slow(self) -> None:
         if self._slow is not None:
@@ -439,7 +450,7 @@ class Cluster:
             raise
         return host
 
-    def delay_port(self, host: Host, delay_s: float) -> subprocess.Popen[bytes]:
+    def delay_port(self, host: Host, control: Path) -> subprocess.Popen[bytes]:
         """Puts a delaying wire between the host's port and the bridge: the port
         moves to a bridge of its own whose other member is one end of the wire."""
         near, far, lane = f"w{host.index}h", f"w{host.index}s", f"b{host.index}"
@@ -447,7 +458,7 @@ class Cluster:
         with open(log, "ab") as out:
             wire = subprocess.Popen(
                 self.switch.nsenter(sys.executable, str(Path(__file__).with_name("wire.py")),
-                                    near, far, str(delay_s)),
+                                    near, far, str(control)),
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         _deadline_loop(15, f"{host.name}: the delay wire did not start "

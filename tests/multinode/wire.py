@@ -6,7 +6,10 @@ machines and CI run have no sch_netem (``tc`` says "Specified qdisc kind is
 unknown"), and tbf or htb only shape bandwidth. A constant delay keeps frames in
 order, so each direction is a FIFO of (due time, frame).
 
-argv: NEAR FAR DELAY_S. Prints "ready" once both taps exist; runs until killed."""
+argv: NEAR FAR CONTROL. The file CONTROL holds "N DELAY_S" and is read again
+whenever it changes ("applied N" is printed once that delay is in force): a link
+turns slow while traffic flows, without a pause. Prints "ready" once both taps
+exist; runs until killed."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import select
 import struct
 import sys
 import time
+from pathlib import Path
 
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
@@ -32,8 +36,8 @@ def open_tap(name: str) -> int:
 
 
 def main() -> None:
-    near_name, far_name, delay_text = sys.argv[1:4]
-    delay = float(delay_text)
+    near_name, far_name, control = sys.argv[1:4]
+    delay, seen, looked = 0.0, -1, 0.0
     near, far = open_tap(near_name), open_tap(far_name)
     other = {near: far, far: near}
     queues: dict[int, collections.deque[tuple[float, bytes]]] = {
@@ -41,8 +45,15 @@ def main() -> None:
     print("ready", flush=True)
     while True:
         now = time.monotonic()
+        if now - looked > 0.05:
+            looked = now
+            mtime = os.stat(control).st_mtime_ns
+            if mtime != seen:
+                order, value = Path(control).read_text().split()
+                seen, delay = mtime, float(value)
+                print(f"applied {order}", flush=True)  # what slow_link() waits for
         due = [q[0][0] for q in queues.values() if q]
-        timeout = max(0.0, min(due) - now) if due else 1.0
+        timeout = max(0.0, min(due) - now) if due else 0.05
         readable, _, _ = select.select([near, far], [], [], timeout)
         now = time.monotonic()
         for fd in readable:
