@@ -5,6 +5,7 @@ namespaces, every test here skips with one line saying why."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,14 +44,22 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
     """The README's loop on 2 nodes x 2 ranks with nothing going wrong: what every
-    disturbed run of the same steps must end with, bitwise."""
+    disturbed run of the same steps must end with, bitwise. Its store as it was
+    with step 100 committed and nothing newer is kept (``Outcome.store_at_100``):
+    the run is held at step 150 while it is copied, which changes no result."""
     reason = hosts_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    with Cluster(tmp_path_factory.mktemp("undisturbed"), cwd=ROOT) as net:
+    base = tmp_path_factory.mktemp("undisturbed")
+    with Cluster(base, cwd=ROOT) as net:
         (server,) = replicas(net)
         nodes = [net.add_host("node1"), net.add_host("node2")]
-        job = Job("undisturbed", net.dir / "out", [server.url])
+        job = Job("undisturbed", net.dir / "out", [server.url],
+                  worker_args=["--pause-host", "node2", "--pause-at", "150"])
         for node in nodes:
             job.start(node)
-        return Outcome.of(job, job.wait(300))
+        job.wait_event("paused", 300)
+        kept = base / "store-at-100"
+        shutil.copytree(server.store, kept)
+        job.release()
+        return Outcome.of(job, job.wait(300), store_at_100=kept)

@@ -210,9 +210,11 @@ class Job:
         (self.out / "go-on").write_text("")
 
 
-def replicas(cluster: Cluster, count: int = 1, args: Sequence[str] = ()) -> list[Replica]:
-    """``count`` replicas on hosts ckptd-a, ckptd-b... over one store directory."""
-    store = cluster.dir / "store"
+def replicas(cluster: Cluster, count: int = 1, args: Sequence[str] = (),
+             store: Path | None = None) -> list[Replica]:
+    """``count`` replicas on hosts ckptd-a, ckptd-b... over one store directory
+    (a fresh one unless given)."""
+    store = store or cluster.dir / "store"
     hosts = [cluster.add_host(f"ckptd-{chr(ord('a') + i)}") for i in range(count)]
     urls = [f"http://{h.name}:{PORT}" for h in hosts]
     started = [Replica(h, store, urls, args) for h in hosts]

@@ -6,6 +6,7 @@ written by one launch only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tests.multinode.hosts import Host
@@ -20,10 +21,12 @@ class Outcome:
 
     results: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    store_at_100: Path | None = None
 
     @classmethod
-    def of(cls, job: Job, results: list[dict[str, Any]]) -> Outcome:
-        return cls(results, job.events())
+    def of(cls, job: Job, results: list[dict[str, Any]],
+           store_at_100: Path | None = None) -> Outcome:
+        return cls(results, job.events(), store_at_100)
 
     def saved(self, step: int) -> str:
         """The digest of model and optimizer that the save of ``step`` was given."""

@@ -9,11 +9,12 @@ undisturbed run of the same steps, bitwise:
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
 
-from tests.multinode.conftest import ROOT, hosts_unavailable
+from tests.multinode.conftest import ROOT
 from tests.multinode.hosts import Cluster
 from tests.multinode.jobs import Job, replicas, wait_until
 from tests.multinode.outcomes import (
@@ -63,22 +64,21 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise(
 
 
 @pytest.fixture(scope="module")
-def scaled_in(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
-    """The undisturbed run of a scale-in: 2 x 2 ranks to step 100 (the job ends
-    after saving it), then the same job on 1 node x 2 ranks from there."""
-    reason = hosts_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with Cluster(tmp_path_factory.mktemp("scaled-in"), cwd=ROOT) as net:
-        (server,) = replicas(net)
-        node1, node2 = net.add_host("node1"), net.add_host("node2")
-        first = Job("first", net.dir / "first", [server.url], steps=101)
-        first.start(node1)
-        first.start(node2)
-        first.wait(300)
+def scaled_in(tmp_path_factory: pytest.TempPathFactory, undisturbed: Outcome) -> Outcome:
+    """The undisturbed run of a scale-in: the undisturbed 2 x 2 run up to step
+    100 (its store as it was then), and from there the same job on 1 node x 2 ranks."""
+    assert undisturbed.store_at_100 is not None
+    base = tmp_path_factory.mktemp("scaled-in")
+    store = base / "store"
+    shutil.copytree(undisturbed.store_at_100, store)
+    with Cluster(base, cwd=ROOT) as net:
+        (server,) = replicas(net, store=store)
+        node1 = net.add_host("node1")
         then = Job("then", net.dir / "then", [server.url], nnodes="1")
         then.start(node1)
-        return Outcome.of(then, then.wait(300))
+        outcome = Outcome.of(then, then.wait(300))
+    assert [e["step"] for e in outcome.events if e["event"] == "restored"] == [100, 100]
+    return outcome
 
 
 def test_elastic_scale_in_goes_on_with_the_surviving_node_bitwise(
