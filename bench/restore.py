@@ -200,7 +200,11 @@ def run(size: int, rounds: int, parent: str | None,
 
     # ``--only dcp``: the dcp.load rows alone (no peers, no Checkpointer save), for
     # quick iterations on the DCP Reader; their ratios are still in one run.
+    # ``--only cuda``: the local tier into CUDA tensors and its floor (bench/gpu.sh).
     dcp_only = only == "dcp"
+    cuda_only = only == "cuda"
+    if cuda_only and not torch.cuda.is_available():
+        raise SystemExit("bench.restore --only cuda: no CUDA device here; nothing measured")
 
     with scratch_dir(parent) as scratch:
         info = machine(scratch)
@@ -208,7 +212,7 @@ def run(size: int, rounds: int, parent: str | None,
         with Server(scratch / "store", scratch / "server.log") as server:
             state = make_state(size)
             nbytes = state_nbytes(state)
-            peers = [] if dcp_only else [subprocess.Popen(
+            peers = [] if dcp_only or cuda_only else [subprocess.Popen(
                 [sys.executable, "-m", "bench.restore", "--peer", server.url, str(r),
                  str(size)], stdout=subprocess.PIPE, text=True) for r in (1, 2)]
             try:
@@ -224,20 +228,22 @@ def run(size: int, rounds: int, parent: str | None,
                 if peers:
                     wait_peers(server.url, [1, 2])
                 path = scratch / "state.pt"
-                torch.save(state, path)
-                with open(path, "rb+") as f:
-                    os.fsync(f.fileno())
-                fsync_dir(scratch)
+                if not cuda_only:
+                    torch.save(state, path)
+                    with open(path, "rb+") as f:
+                        os.fsync(f.fileno())
+                    fsync_dir(scratch)
                 import torch.distributed.checkpoint as dcp
 
                 from ckptd.client.dcp import Reader, Writer
 
                 dcp_dir = scratch / "dcp"
-                with warnings.catch_warnings():  # (one process: DCP's no_dist mode)
-                    warnings.simplefilter("ignore")
-                    dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir))
-                    dcp.save(state, storage_writer=Writer(server.url, DCP_JOB, STEP,
-                                                          chunk_size=CHUNK))
+                if not cuda_only:
+                    with warnings.catch_warnings():  # (one process: DCP's no_dist mode)
+                        warnings.simplefilter("ignore")
+                        dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir))
+                        dcp.save(state, storage_writer=Writer(server.url, DCP_JOB, STEP,
+                                                              chunk_size=CHUNK))
                 chunk_files = files_under(server.store / "chunks")
                 target = zeros_like(state)
                 samples = Samples()
@@ -356,6 +362,8 @@ def run(size: int, rounds: int, parent: str | None,
                     systems += ["local cuda", "h2d pinned"]
                 if dcp_only:
                     systems = [s for s in systems if s.startswith("dcp.load")]
+                if cuda_only:
+                    systems = ["local cuda", "h2d pinned", "local", "copy_"]
                 for rnd in range(rounds):
                     for system in rotated(systems, rnd):
                         quiesce()
@@ -396,7 +404,7 @@ def run(size: int, rounds: int, parent: str | None,
 
                 remove_stale_pools(job=JOB)
 
-    if dcp_only:
+    if dcp_only or cuda_only:
         return [targets_table(samples, nbytes, rounds)], info
     base = samples.median("torch.load", "s")
     base_copy = samples.median("torch.load + copy", "s")
@@ -448,6 +456,7 @@ TARGETS = [
      "store tier (file://), cold, atomic=False <= 1.1x a raw read"),
     ("peer", "torch.load", 0.8, "peers over loopback <= 0.8x torch.load"),
     ("peer in-place", "torch.load", 0.8, "peers, atomic=False <= 0.8x torch.load"),
+    ("store", "torch.load", 1.0, "store tier over HTTP <= 1.0x torch.load"),
     ("dcp.load http", "dcp.load fs", 1.0, "dcp.load via Reader (HTTP) <= 1.0x FileSystemReader"),
     ("dcp.load file", "dcp.load fs", 1.0, "dcp.load via Reader (file://) <= 1.0x FileSystemReader"),
     ("local cuda", "h2d pinned", 3.0, "local tier into CUDA <= 3x pinned H2D copy"),
@@ -481,8 +490,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scratch", default=None, help="parent of the scratch directory")
     parser.add_argument("--markdown", default=None, help="write the tables to this file")
-    parser.add_argument("--only", choices=["dcp"], default=None,
-                        help="run only these rows (dcp: the dcp.load rows)")
+    parser.add_argument("--only", choices=["dcp", "cuda"], default=None,
+                        help="run only these rows (dcp: the dcp.load rows; cuda: the local "
+                        "tier into CUDA tensors and its floors)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     gc.collect()

@@ -11,6 +11,12 @@ rank's committed answer. The clients get every replica's URL and route each chun
 to its home replica (rendezvous hashing), so ingest spreads over the replicas.
 The targets (DESIGN.md, on a machine with >= 16 cores): 4 replicas >= 3x the
 ingest of 1; 4 replicas <= 1.0x ``dcp.save``.
+
+Beside wall time, each replica's CPU (psutil: user + system, every thread, and its
+event-loop thread alone) per GiB it ingested: a figure that holds on a machine
+whose cores the ranks share, and the model it implies. CPU-s per GB is the cores
+a GB/s of ingest takes; one replica's event loop is one thread, so a replica
+ingests at most 1 / (its loop's CPU-s per GB) GB/s, whatever its cores.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ import argparse
 import math
 import multiprocessing as mp
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench.common import (
     Table,
@@ -135,6 +145,32 @@ class Replicas:
                     time.sleep(0.1)
         return self
 
+    def cpu(self) -> list[tuple[float, float]]:
+        """Each replica's CPU seconds so far: (every thread, its event-loop thread)."""
+        out = []
+        for p in self.procs:
+            proc = psutil.Process(p.pid)
+            times = proc.cpu_times()
+            loop = next((t.user_time + t.system_time for t in proc.threads() if t.id == p.pid),
+                        0.0)
+            out.append((times.user + times.system, loop))
+        return out
+
+    def ingested(self) -> list[float | None]:
+        """Bytes of chunk uploads each replica received (its /metrics), if it says."""
+        import httpx
+
+        out: list[float | None] = []
+        for port in self.ports:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            except httpx.HTTPError:
+                out.append(None)
+                continue
+            found = re.search(r"^ckptd_chunk_upload_bytes_sum (\S+)$", text, re.MULTILINE)
+            out.append(float(found.group(1)) if found else None)
+        return out
+
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
             p.terminate()
@@ -160,13 +196,20 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{key}: {value}")
         real = state_nbytes(_rank_state(nbytes, 0)) * world
         times: dict[str, float] = {}
+        cpu: dict[int, list[dict[str, float]]] = {}
         for n in counts:
             quiesce()
             store = work / f"store-{n}"
             store.mkdir()
             with Replicas(n, store, work) as cluster:
+                before = cluster.cpu()
                 out = _run_group(_ckptd_worker, lambda r, c=cluster, n=n:
                                  (c.urls, f"scale-{n}", r, world, nbytes), world)
+                after = cluster.cpu()
+                ingested = cluster.ingested()
+            cpu[n] = [{"cpu": a[0] - b[0], "loop": a[1] - b[1],
+                       "bytes": got if got else real / n}
+                      for a, b, got in zip(after, before, ingested, strict=True)]
             if "committed" not in {o["state"] for o in out}:
                 raise RuntimeError(f"{n} replicas: the step did not commit")
             times[f"ckptd, {n} replica{'s' if n > 1 else ''}"] = (
@@ -191,23 +234,48 @@ def main(argv: list[str] | None = None) -> None:
                "something only where cores outnumber ranks + replicas (DESIGN.md).")
     table.print()
 
-    # The model: the per-replica rate is the best measured aggregate over its
-    # replica count (so measured scaling losses stay in), and replicas add up.
+    per = Table("Each replica's CPU per GiB it ingested (psutil: the whole process, and its "
+                "event-loop thread)", ["replicas", "replica", "GiB ingested", "CPU-s per GiB",
+                                       "loop thread CPU-s per GiB"])
+    for n, rows in cpu.items():
+        for i, row in enumerate(rows):
+            gib = row["bytes"] / (1 << 30)
+            per.add(n, i, f"{gib:.2f}", f"{row['cpu'] / gib:.2f}", f"{row['loop'] / gib:.2f}")
+    per.note(f"{os.cpu_count()} cores on this machine, shared by {world} ranks and the "
+             "replicas: CPU time, unlike wall time, still says what a GiB costs.")
+    per.print()
+
+    # The model from CPU: cores per GB/s is CPU-s per GB; a replica's event loop is
+    # one thread, so its loop's CPU-s per GB bounds what one replica ingests.
+    all_rows = [row for rows in cpu.values() for row in rows]
+    cpu_per_gb = statistics.median(r["cpu"] / (r["bytes"] / 1e9) for r in all_rows)
+    loop_per_gb = statistics.median(r["loop"] / (r["bytes"] / 1e9) for r in all_rows)
+    need = MODEL_RANKS * MODEL_BYTES / MODEL_SECONDS / 1e9  # GB/s
+    one_replica = 1 / loop_per_gb if loop_per_gb else float("inf")
+    replicas = math.ceil(need / one_replica)
+    print(f"\nmodel (CPU): {cpu_per_gb:.2f} CPU-s per GB ingested, {loop_per_gb:.2f} of it on "
+          f"the event-loop thread (medians over every replica of every run), so "
+          f"{cpu_per_gb:.2f} cores per GB/s ingested; one replica's loop saturates at "
+          f"{one_replica:.2f} GB/s. {MODEL_RANKS} ranks x {MODEL_BYTES / 1e9:.0f} GB within "
+          f"{MODEL_SECONDS / 60:.0f} min is {need:.1f} GB/s: {need * cpu_per_gb:.0f} cores of "
+          f"ckptd, as at least {replicas} replicas of {cpu_per_gb / loop_per_gb:.1f} cores "
+          f"each, if the store takes {need:.1f} GB/s.")
+
+    # The model from wall time: the per-replica rate is the best measured aggregate
+    # over its replica count (so measured scaling losses stay in), and replicas add up.
     best_n, best_t = max(((n, t) for n, t in zip(counts, times.values(), strict=True)),
                          key=lambda nt: real / nt[1])
     per_replica = real / best_t / best_n
-    need = MODEL_RANKS * MODEL_BYTES / MODEL_SECONDS
-    print(f"\nmodel: {MODEL_RANKS} ranks x {MODEL_BYTES / 1e9:.0f} GB within "
-          f"{MODEL_SECONDS / 60:.0f} min needs {need / 1e9:.1f} GB/s of ingest; at "
-          f"{per_replica / 1e9:.3f} GB/s per replica (measured with {best_n}) that is "
-          f"{math.ceil(need / per_replica)} replicas, if the store takes "
-          f"{need / 1e9:.1f} GB/s and replicas have their own cores.")
+    print(f"model (wall time): at {per_replica / 1e9:.3f} GB/s per replica (measured with "
+          f"{best_n}, ranks and replicas on {os.cpu_count()} shared cores) that is "
+          f"{math.ceil(need * 1e9 / per_replica)} replicas.")
     four = times.get("ckptd, 4 replicas")
     if four is not None:
         cores = os.cpu_count() or 1
         caveat = "" if cores >= 16 else f" (not meaningful: {cores} cores, DESIGN.md asks >= 16)"
         print(f"targets: 4 replicas / 1 ingest {one / four:.2f}x (>= 3x); "
               f"4 replicas / dcp.save {four / dcp_t:.2f}x (<= 1.0x){caveat}")
+
 
 if __name__ == "__main__":
     main()

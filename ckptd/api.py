@@ -17,7 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 
+# The liveness path: the server answers it, the transport and the container's
+# HEALTHCHECK (``ckptd healthcheck``, which must not import torch) ask it.
+HEALTHZ = "/healthz"
+
 __all__ = [
+    "HEALTHZ",
     "ChunkDamage",
     "ChunkStored",
     "ChunkUse",
@@ -142,6 +147,11 @@ class JobSummary(_Body):
         default=None, exclude_if=lambda v: v is None,
         description="Why ``latest`` could not be read (a damaged ref); absent when it could.",
     )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why ``latest`` could not be read by this ckptd (a newer one wrote it: "
+        "upgrade); absent when it could.",
+    )
 
 
 class JobList(_Body):
@@ -159,6 +169,10 @@ class StepSummary(_Body):
     damaged: str | None = Field(
         default=None, exclude_if=lambda v: v is None,
         description="The damaged document that makes this step unusable; absent if none.",
+    )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="A document of the step of a newer format (upgrade ckptd); absent if none.",
     )
 
 
@@ -317,6 +331,15 @@ class RestorePlan(_Body):
     peer_token: str | None = Field(
         default=None, description="The job's peer token, to send to those peers."
     )
+    reads: dict[str, str] = Field(
+        default_factory=dict,
+        description="Over an S3-compatible store: for chunk ids of the manifest, a presigned "
+        "GET URL of the chunk's object, to read it straight from the object store (then "
+        "verified as any source); empty when the store or the server does not offer them.",
+    )
+    reads_expire_in: int | None = Field(
+        default=None, description="Seconds from the plan's answer that those URLs work."
+    )
 
 
 class StepHolder(_Body):
@@ -405,6 +428,10 @@ class StepView(_Body):
         default=None, exclude_if=lambda v: v is None,
         description="The damaged document that makes this step unusable; absent if none.",
     )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="A document of the step of a newer format (upgrade ckptd); absent if none.",
+    )
 
 
 class JobView(_Body):
@@ -421,6 +448,16 @@ class JobView(_Body):
         default_factory=list, description="Committed steps scrub marked damaged (latest skips)."
     )
     rebuilding: bool = Field(default=False, description="As in RankList.")
+    damaged: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why the job's latest ref (or more) cannot be read: it is damaged; "
+        "absent when it can.",
+    )
+    unsupported: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Why the job's latest ref (or more) cannot be read by this ckptd (a newer "
+        "one wrote it: upgrade); absent when it can.",
+    )
 
 
 class StorageView(_Body):

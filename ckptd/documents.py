@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckptd import large_json
-from ckptd.errors import InvalidDocument, StoreCorrupt, UnsupportedFormat
+from ckptd.errors import InvalidDocument, StoreCorrupt, UnsupportedFormat, UnsupportedStoredFormat
 from ckptd.format import FORMAT_VERSION, RankManifest
 
 _Doc = TypeVar("_Doc")
@@ -22,8 +22,9 @@ _Doc = TypeVar("_Doc")
 def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
     """A document read from the store, parsed: one that does not parse is store
     damage (``StoreCorrupt`` naming the key, a 5xx), not the caller's bad input;
-    one of a format version this ckptd does not know is ``UnsupportedFormat``
-    naming the key (a newer ckptd wrote it: not damage, never to be replaced)."""
+    one of a format version this ckptd does not know is ``UnsupportedStoredFormat``
+    naming the key (a newer ckptd wrote it: not damage, never to be replaced, and
+    not the caller's mistake either: a 5xx, where a sent document's is a 400)."""
     try:
         return parse(data)
     except UnsupportedFormat as exc:
@@ -32,13 +33,13 @@ def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
         raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
 
 
-def unsupported_stored(exc: UnsupportedFormat, key: str) -> UnsupportedFormat:
+def unsupported_stored(exc: UnsupportedFormat, key: str) -> UnsupportedStoredFormat:
     """``exc`` of a stored document, naming its key and, for a version above this
     ckptd's, what to do."""
     version = exc.detail.get("version")
     newer = type(version) is int and version > FORMAT_VERSION
     hint = "; it was written by a newer ckptd: upgrade ckptd" if newer else ""
-    return UnsupportedFormat(f"{key}: {exc.message}{hint}", **{**exc.detail, "key": key})
+    return UnsupportedStoredFormat(f"{key}: {exc.message}{hint}", **{**exc.detail, "key": key})
 
 
 # One thread parses and validates documents. CPU-bound threads share the GIL with

@@ -247,6 +247,16 @@ class StoreCorrupt(StoreError):
     code = "store_corrupt"
 
 
+class UnsupportedStoredFormat(UnsupportedFormat):
+    """A document in the store of a format version this ckptd does not know (a
+    newer ckptd wrote it): the server's to upgrade, not the caller's request to fix
+    (a 5xx, unlike ``unsupported_format`` for a document the caller sent), and not
+    damage (nothing falls back around it, nothing replaces it).
+    ``detail["key"]`` names the document."""
+
+    code = "unsupported_stored_format"
+
+
 class StagingError(StoreError):
     """The staging pool could not be created or grown (no memory left to map)."""
 
@@ -377,6 +387,7 @@ HTTP_STATUS: dict[str, int] = {
     "gc_in_progress": 503,
     "store_corrupt": 500,
     "body_timeout": 408,
+    "unsupported_stored_format": 500,
 }
 
 

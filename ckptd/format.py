@@ -56,6 +56,9 @@ EPOCH_META: Final = "epoch"  # the rank manifest's meta key naming its timeline
 INCARNATION_META: Final = "incarnation"  # (1.2) its meta key naming the launch that wrote it
 
 MAX_NAME_LEN = 4096
+# (1.3) Entries of one name one manifest may hold: a rank's local shards of one
+# tensor. Bounded so that checking them for overlap stays cheap (pairwise).
+MAX_LOCAL_SHARDS = 64
 MAX_TREE_DEPTH = 64
 # A tensor restores into memory: every dimension, offset and element count fits
 # int64 (torch's sizes), and no tensor has more dimensions than this.
@@ -276,6 +279,7 @@ class RankManifest(_Document):
                 f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
             )
         names: set[str] = set()
+        repeated: dict[str, list[TensorEntry]] = {}
         # Entries of one geometry pass or fail alike (a model repeats its layers):
         # the first of each is checked, in order, so the first bad entry is named.
         geometries: set[tuple[Any, ...]] = set()
@@ -287,8 +291,14 @@ class RankManifest(_Document):
                 self._check_entry(entry)
                 geometries.add(geometry)
             if entry.name in names:
-                raise InvalidDocument(f"entry {entry.name!r} appears twice", name=entry.name)
+                repeated.setdefault(entry.name, [])
             names.add(entry.name)
+        if repeated:
+            for entry in self.entries:
+                if entry.name in repeated:
+                    repeated[entry.name].append(entry)
+            for name, shards in repeated.items():
+                _check_local_shards(name, shards)
         ids = [cid for entry in self.entries for cid in entry.chunks]
         # (one match over all the ids; on a mismatch, the entry is found and named)
         if not (all(len(cid) == 64 for cid in ids) and _HEX.fullmatch("".join(ids))):
@@ -346,6 +356,36 @@ class RankManifest(_Document):
 
 
 _HEX = re.compile(r"[0-9a-f]*")
+
+
+def _check_local_shards(name: str, shards: list[TensorEntry]) -> None:
+    """(1.3) Several entries of one name in one manifest: shards of one global
+    tensor that one rank holds (a ``ShardedTensor`` with several local shards).
+    They MUST be ``sharded``, agree on dtype and global shape, and hold distinct
+    boxes that do not overlap."""
+    first = shards[0]
+    if len(shards) > MAX_LOCAL_SHARDS:
+        raise InvalidDocument(f"entry {name!r} appears {len(shards)} times; one manifest "
+                              f"holds at most {MAX_LOCAL_SHARDS} shards of one tensor", name=name)
+    boxes: list[tuple[list[int], list[int]]] = []
+    for e in shards:
+        if e.placement != "sharded":
+            raise InvalidDocument(f"entry {name!r} appears twice and is {e.placement}: only "
+                                  "sharded entries of one name may repeat", name=name)
+        if (e.dtype, e.global_shape) != (first.dtype, first.global_shape):
+            raise InvalidDocument(f"entries {name!r} of one manifest differ in dtype or "
+                                  "global shape", name=name)
+        for offsets, shape in boxes:
+            if offsets == e.offsets and shape == e.shape:
+                raise InvalidDocument(f"entry {name!r} holds box {e.offsets}+{e.shape} "
+                                      "twice", name=name)
+            if math.prod(shape) and e.numel and all(
+                o < eo + es and eo < o + s
+                for o, s, eo, es in zip(offsets, shape, e.offsets, e.shape, strict=True)
+            ):
+                raise InvalidDocument(f"entries {name!r} of one manifest overlap: "
+                                      f"{offsets}+{shape} and {e.offsets}+{e.shape}", name=name)
+        boxes.append((e.offsets, e.shape))
 
 
 def _check_chunk_ids(e: TensorEntry) -> None:

@@ -112,6 +112,13 @@ def restore_huge_pages() -> bool:
     return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
 
 
+def direct_reads() -> bool:
+    """A restore whose plan carries presigned URLs (a server over an S3-compatible
+    store) reads those chunks straight from the object store; 0 sends every read
+    through the server."""
+    return os.environ.get("CKPTD_DIRECT_READS", "1").lower() not in ("0", "false", "no")
+
+
 def peer_host() -> str | None:
     """Address the peer chunk server binds; None (unset): a ``Checkpointer``'s binds
     every interface, so replacement ranks on other hosts reach it (its token still

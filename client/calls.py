@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ckptd.api import (
+    HEALTHZ,
     ChunkStored,
     ClusterView,
     CommitResponse,
@@ -353,7 +354,7 @@ def overview(params: dict[str, Any], replica: str | None = None) -> Call[Overvie
 
 
 def healthz() -> Call[Health]:
-    return Call("GET", "/healthz", answer(Health))
+    return Call("GET", HEALTHZ, answer(Health))
 
 
 def cluster() -> Call[ClusterView]:
@@ -403,6 +404,11 @@ def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:
 
 def untag(job: str, name: str) -> Call[dict[str, int]]:
     return Call("DELETE", f"{_job(job)}/tags/{check_tag(name)}", _tags)
+
+
+def tags(job: str) -> Call[dict[str, int]]:
+    """A job's tags, name -> step (the Lightning plugin resolves paths with them)."""
+    return Call("GET", f"{_job(job)}/tags", _tags)
 
 
 def space() -> Call[SpaceResult]:

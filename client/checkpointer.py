@@ -106,12 +106,15 @@ class Checkpointer:
     peers, e.g. what ``ckptd restore --to DIR`` filled.
 
     ``incarnation`` names this launch of the job, the same on every rank of it
-    (default ``CKPTD_INCARNATION``, else torchrun's run id and restart count on
-    one node, else SLURM's job id and requeue count): a restarted job's manifest
-    replaces a pending one of the launch that died, and no step commits with
-    manifests of two launches. Unknown (None), a restart is not told apart: a
-    rank that saved the pending step before gets ``Conflict``, and the step may
-    commit with that rank's earlier manifest.
+    (default: the id the ranks of the process group agreed on, when
+    ``torch.distributed`` is initialized, after ``CKPTD_INCARNATION`` when that is
+    set; else ``CKPTD_INCARNATION``, torchrun's run id and restart count on one
+    node, SLURM's job id and requeue count; ``client/launch.py``): a restarted
+    job's manifest replaces a pending one of the launch that died, and no step
+    commits with manifests of two launches. Make every rank's checkpointer after
+    ``init_process_group`` (or every one before it). Unknown (None), a restart is
+    not told apart: a rank that saved the pending step before gets ``Conflict``,
+    and the step may commit with that rank's earlier manifest.
 
     All settings together are one ``CheckpointerConfig``
     (``Checkpointer.from_config``); the checkpointer composes a ``Saver``, a
@@ -546,7 +549,9 @@ def _say_no_launch(config: CheckpointerConfig) -> None:
     if _said_no_launch:
         return
     _said_no_launch = True
-    log.info("%s/%d: no launch id known (set CKPTD_INCARNATION, or incarnation=, the same "
-             "on every rank of a launch, another for each launch): after a restart, a step "
-             "an earlier launch saved in part may commit with that launch's manifests",
+    log.info("%s/%d: no launch id known (make the Checkpointer after the process group: "
+             "ckptd.client.distributed.init_process_group, or dist.init_process_group with "
+             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; or pass incarnation=, the same on every "
+             "rank of a launch, another for each launch): after a restart, a step an earlier "
+             "launch saved in part may commit with that launch's manifests",
              config.job, config.rank)

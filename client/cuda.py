@@ -147,3 +147,47 @@ class CopyStreams:
         """Waits for every copy ever issued (before unpinning or unmapping)."""
         for s in self._streams.values():
             s.synchronize()
+
+
+class CudaLane:
+    """One restore thread's way to a CUDA device (``restore.devices.Lane``): a side
+    stream of its own that first waits for ``ready`` (the work the caller had
+    queued), and two page-locked bounce buffers of ``piece`` bytes, each reused
+    only once the copy out of it finished."""
+
+    def __init__(self, device: torch.device, ready: torch.cuda.Event | None,
+                 piece: int) -> None:
+        self.device = device
+        self.piece = piece
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        if ready is not None:
+            self.stream.wait_event(ready)
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._sent: list[torch.cuda.Event | None] = [None, None]
+
+    def direct(self, src: torch.Tensor) -> bool:
+        try:
+            return bool(src.is_pinned())
+        except RuntimeError:
+            return False
+
+    def bounce(self, k: int) -> torch.Tensor:
+        sent = self._sent[k]
+        if sent is not None:
+            sent.synchronize()  # the DMA out of it is done: it may be written again
+        buf = self._buffers[k]
+        if buf is None:
+            buf = self._buffers[k] = torch.empty(self.piece, dtype=torch.uint8,
+                                                 pin_memory=True)
+        return buf
+
+    def send(self, dst: torch.Tensor, src: torch.Tensor, bounce: int | None = None) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            if bounce is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self.stream)
+                self._sent[bounce] = event
+
+    def finish(self) -> None:
+        self.stream.synchronize()

@@ -6,7 +6,8 @@ coordinated snapshots, rollback). The wiring into ``peer``, ``heartbeat`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from .health.heartbeat import Heartbeat, HeartbeatReply
@@ -21,24 +22,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.client.checkpointer")
 
 
-def rank_gpus(local_rank: int | None) -> list[str] | None:
-    """The GPU the health probe watches for this rank: its ``local_rank``'s device, by
-    UUID (NVML's indices follow PCI order and ignore ``CUDA_VISIBLE_DEVICES``); None
-    (every GPU) without a local rank or CUDA. Reading a device's properties makes no
-    CUDA context on it."""
+def rank_gpus(local_rank: int | None, environ: Mapping[str, str] | None = None
+              ) -> list[int | str] | None:
+    """The GPU the health probe watches for this rank: its ``local_rank``'s device as
+    NVML names it, without touching CUDA (a context made here would cost the rank
+    GPU memory, on device 0 if it did not pick its own yet): the ``local_rank``-th
+    entry of ``CUDA_VISIBLE_DEVICES`` (a UUID as it is; an index in CUDA's order,
+    which is NVML's PCI order on a node of one GPU model, or with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), else ``local_rank`` itself. None (every GPU)
+    without a local rank, or past the visible devices."""
     if local_rank is None:
         return None
-    from . import cuda
-
-    if not cuda.available():
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [local_rank]
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if local_rank >= len(entries):
         return None
-    import torch
-
-    try:
-        return [f"GPU-{torch.cuda.get_device_properties(local_rank).uuid}"]
-    except Exception as exc:  # a LOCAL_RANK past the visible devices: watch them all
-        log.info("cannot name GPU %d (LOCAL_RANK) for the health probe: %s", local_rank, exc)
-        return None
+    entry = entries[local_rank]
+    return [int(entry)] if entry.isdigit() else [entry]
 
 
 class FailoverAgent:

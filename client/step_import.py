@@ -1,9 +1,10 @@
 """``ckptd import``: an existing checkpoint brought into a store as a committed step.
 
-Three sources: a zarr v3 hierarchy (a ``ckptd export``, or any zarr group of
+Four sources: a zarr v3 hierarchy (a ``ckptd export``, or any zarr group of
 arrays), a DCP checkpoint directory written by ``dcp.save`` (its ``.metadata``
-read by an unpickler that builds only DCP's metadata classes), and a
-``torch.save`` file (``torch.load(weights_only=True)``). The state is saved by a
+read by an unpickler that builds only DCP's metadata classes), a
+``torch.save`` file (``torch.load(weights_only=True)``), and Hugging Face
+safetensors (``ckptd.client.integrations.safetensors``). The state is saved by a
 one-rank ``Checkpointer``, so chunks, manifest and commit go through the
 repository like any save; then the step is read back and compared bitwise.
 """
@@ -18,11 +19,10 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import zarr
 
 from ckptd.errors import (
     CkptdError,
@@ -38,21 +38,29 @@ from .dtypes import torch_dtype
 from .save.flatten import flatten
 from .transport import open_transport
 
+if TYPE_CHECKING:
+    import zarr
+
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class ImportResult:
     step: int
-    kind: str  # "zarr", "dcp" or "torch"
+    kind: str  # "zarr", "dcp", "torch" or "safetensors"
     tensors: int
     nbytes: int
     seconds: float
 
 
 def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
-    """(kind, state) of a zarr directory, a DCP directory or a torch.save file."""
+    """(kind, state) of a zarr directory, a DCP directory, a torch.save file or
+    safetensors (a file, or a directory of them with or without their index)."""
     path = Path(source)
+    from .integrations.safetensors import is_safetensors, read_safetensors
+
+    if is_safetensors(path):  # a .safetensors file, or a directory of them
+        return "safetensors", dict(read_safetensors(path))
     if path.is_dir() and (path / "zarr.json").is_file():
         try:
             return "zarr", read_zarr(path)
@@ -84,7 +92,7 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
     if not path.exists():
         raise NotFound(f"{path} does not exist")
     raise InvalidRequest(f"{path} is neither a zarr v3 hierarchy (zarr.json), a DCP "
-                         "directory (.metadata) nor a torch.save file")
+                         "directory (.metadata), safetensors nor a torch.save file")
 
 
 def _looks_like_torch_save(path: Path) -> bool:
@@ -111,6 +119,8 @@ def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
 
 
 def read_zarr(path: Path) -> dict[str, Any]:
+    import zarr  # (here: a safetensors or DCP import needs no zarr)
+
     root = zarr.open_group(store=str(path), mode="r")
     meta = root.attrs.get(ATTR)
     if isinstance(meta, dict) and "tree" in meta and "arrays" in meta:
@@ -119,6 +129,8 @@ def read_zarr(path: Path) -> dict[str, Any]:
 
 
 def _array(root: zarr.Group, path: str) -> torch.Tensor:
+    import zarr
+
     arr = root[path]
     if not isinstance(arr, zarr.Array):
         raise InvalidRequest(f"{path} in the zarr hierarchy is not an array")
@@ -152,6 +164,8 @@ def _from_tree(root: zarr.Group, tree: Any, paths: dict[str, str]) -> dict[str, 
 
 def _from_group(group: zarr.Group) -> dict[str, Any]:
     """Any zarr group: subgroups as dicts, arrays as tensors, attributes as values."""
+    import zarr
+
     state: dict[str, Any] = {k: v for k, v in group.attrs.items() if k != ATTR}
     for name, member in group.members():
         if isinstance(member, zarr.Group):

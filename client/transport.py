@@ -29,7 +29,6 @@ from ckptd.errors import (
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
-    StoreCorrupt,
     Unavailable,
     from_json,
 )
@@ -207,10 +206,9 @@ class LocalTransport(Transport):
         jobs = await self.repository.list_jobs()
 
         async def one(job: str) -> dict[str, Any]:
-            try:
-                return {"job": job, "latest": await self.repository.latest(job)}
-            except StoreCorrupt as exc:  # one damaged ref must not hide the other jobs
-                return {"job": job, "latest": None, "damaged": exc.message}
+            # One damaged (or newer-format) ref must not hide the other jobs.
+            latest, unreadable = await self.repository.latest_or_damage(job)
+            return {"job": job, "latest": latest, **unreadable}
 
         return list(await asyncio.gather(*(one(j) for j in jobs)))
 
@@ -374,15 +372,17 @@ class HttpTransport(Transport):
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         doc = await self.run(calls.jobs())
-        # "damaged" only where a job's latest ref is damaged
-        return [{"job": j.job, "latest": j.latest, **({"damaged": j.damaged} if j.damaged else {})}
+        # "damaged" / "unsupported" only where a job's latest ref is damaged / newer
+        return [{"job": j.job, "latest": j.latest, **({"damaged": j.damaged} if j.damaged else {}),
+                 **({"unsupported": j.unsupported} if j.unsupported else {})}
                 for j in doc.jobs]
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         doc = await self.run(calls.steps(job))
         return [StepInfo(step=s.step, committed=s.committed, world_size=s.world_size,
                          ranks_present=s.ranks_present, logical_bytes=s.logical_bytes,
-                         committed_at=s.committed_at, is_latest=s.is_latest, damaged=s.damaged)
+                         committed_at=s.committed_at, is_latest=s.is_latest, damaged=s.damaged,
+                         unsupported=s.unsupported)
                 for s in doc.steps]
 
     async def verify(

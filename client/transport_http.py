@@ -48,6 +48,7 @@ from ckptd.errors import (
     StoreFull,
     Timeout,
     Unavailable,
+    UnsupportedStoredFormat,
     from_json,
 )
 from ckptd.format import CommitRecord, check_job
@@ -163,8 +164,9 @@ class Attempts:
         if resp.status_code in self.call.ok:
             return True
         error = http_error(resp)
-        if resp.status_code >= 500 and not isinstance(error, StoreFull | StoreCorrupt):
-            # (a full or damaged store answers the same on a retry)
+        if resp.status_code >= 500 and not isinstance(
+                error, StoreFull | StoreCorrupt | UnsupportedStoredFormat):
+            # (a full or damaged store, or one a newer ckptd wrote, answers the same)
             self.last = error
             self._note(f"answered {resp.status_code}")
             return False

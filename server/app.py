@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import logging
@@ -9,28 +10,26 @@ import secrets
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ckptd import __version__
 from ckptd.repository import Repository
 from ckptd.server.cluster import Membership
-from ckptd.server.connections import (
-    connection_cap,
-    guarded_protocol,
-    quiet_repeats,
-    raise_fd_limit,
-)
+from ckptd.server.connections import connection_cap, quiet_repeats, raise_fd_limit
 from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
+from ckptd.server.ingest import connection_protocol
 from ckptd.server.metrics import Metrics
 from ckptd.server.metrics import router as metrics_router
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, lifecycle, manifests, ranks
 from ckptd.server.routes import cluster as cluster_routes
+from ckptd.server.routes.chunks import direct_chunk_app
 from ckptd.server.settings import Settings
 from ckptd.server.tenancy import TenantChunks
 from ckptd.store import Store, open_store
@@ -183,10 +182,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     sys.setswitchinterval(0.001)
     config = uvicorn.Config(
         app,
-        # The guarded protocol is httptools' with header timeouts and a connection cap.
-        http=guarded_protocol(
-            settings.header_timeout, connection_cap(settings.max_connections, fd_limit)
-        ) if parser == "httptools" else parser,
+        http=parser,
         loop=loop,
         host=settings.host,
         port=settings.port,
@@ -198,6 +194,17 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
     )
+    if parser == "httptools":
+        # The guarded protocol is httptools' with header timeouts and a connection
+        # cap, which reads chunk uploads straight into their buffers and answers
+        # chunk requests with a lean route.
+        chunk_app: Any = direct_chunk_app(app)
+        if config.proxy_headers:  # (as uvicorn wraps the application)
+            chunk_app = ProxyHeadersMiddleware(chunk_app,
+                                               trusted_hosts=config.forwarded_allow_ips)
+        config.http = cast(type[asyncio.Protocol], connection_protocol(
+            settings.header_timeout, connection_cap(settings.max_connections, fd_limit),
+            chunk_app))
     quiet_repeats()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
     scheme = "https" if settings.tls_cert else "http"

@@ -1,13 +1,18 @@
 """Connections a hostile network cannot pile up: header and idle timeouts, a cap
-on open connections with a coded 503, and logs that do not flood.
+on open connections that admits a new connection by closing the one that has
+waited longest for its request's headers, and logs that do not flood.
 
 uvicorn times out idle keep-alive connections but not a request whose headers
 never finish (slowloris), and it accepts until the process runs out of file
 descriptors, after which every accept fails and logs. This protocol closes a
-connection whose request headers take longer than ``header_timeout`` and answers
-a connection over ``max_connections`` with 503 at once, so the descriptors that
-health checks and real uploads need stay free. Stalled bodies are timed out where
-they are read (``ckptd.server.bodies``)."""
+connection whose request headers take longer than ``header_timeout``, and holds
+at most ``max_connections``: one more is admitted by closing the oldest
+connection still waiting for (or still sending) a request's headers, a stalled
+attacker's before anyone's request that is under way; only when every connection
+is busy with a request is the new one answered 503 at once. So neither half-open
+connections nor an attacker that reconnects as soon as it is closed keep health
+checks and real uploads out: each newcomer is the youngest, closed last. Stalled
+bodies are timed out where they are read (``ckptd.server.bodies``)."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import logging
 import resource
 import threading
 import time
-from typing import Any
+from collections import OrderedDict
+from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -58,10 +64,15 @@ _BUSY_RESPONSE = (
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header timeout and a connection cap."""
+    """uvicorn's httptools protocol with a header timeout and a connection cap that
+    admits by closing the connection that has waited longest for a request."""
 
     header_timeout: float = 10.0
     max_connections: int = 1000
+    # The connections waiting for a request's headers (new, idle between requests,
+    # or sending a head), the longest waiting first: one per protocol class, which
+    # ``ckptd.server.ingest.connection_protocol`` makes per server.
+    waiting: ClassVar[OrderedDict[GuardedProtocol, None]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,25 +80,57 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            log.warning("over %d open connections: refusing one with 503",
-                        self.max_connections)
+        if len(self.connections) > self.max_connections and not self._admit():
+            log.warning("over %d open connections, all busy with requests: refusing one "
+                        "with 503", self.max_connections)
             transport.write(_BUSY_RESPONSE)
             transport.close()
             return
         self._arm_header_timer()
+        self._wait()
+
+    def _admit(self) -> bool:
+        """Makes room for this connection by closing the one that has waited longest
+        for a request's headers; False when none waits."""
+        while self.waiting:
+            victim, _ = self.waiting.popitem(last=False)
+            if victim.transport.is_closing():
+                continue
+            log.warning("at the cap of %d open connections: closing the one that waited "
+                        "longest for a request's headers to admit a new one",
+                        self.max_connections)
+            victim.transport.close()
+            return True
+        return False
+
+    def _wait(self) -> None:
+        """Marks this connection as waiting for a request's headers (it keeps its
+        place when it already waits)."""
+        self.waiting.setdefault(self, None)
+
+    def _unwait(self) -> None:
+        self.waiting.pop(self, None)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._header_timer is None:  # a keep-alive connection's next request
             self._arm_header_timer()
+        self._wait()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        self._unwait()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline  # (else the next pipelined request starts now)
+        super().on_response_complete()
+        if idle and not self.transport.is_closing():
+            self._wait()  # until the next request (or uvicorn's keep-alive timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._unwait()
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
@@ -105,13 +148,6 @@ class GuardedProtocol(HttpToolsProtocol):
             log.info("closing a connection whose request headers took over %.0f s",
                      self.header_timeout)
             self.transport.close()
-
-
-def guarded_protocol(header_timeout: float, max_connections: int) -> type[GuardedProtocol]:
-    """``GuardedProtocol`` with these limits (uvicorn takes a protocol class)."""
-    return type("GuardedProtocol", (GuardedProtocol,), {
-        "header_timeout": header_timeout, "max_connections": max_connections,
-    })
 
 
 class RepeatFilter(logging.Filter):

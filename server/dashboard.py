@@ -20,10 +20,12 @@ from starlette.types import Scope
 
 from ckptd import __version__
 from ckptd.api import JobView, Overview, StepView, StorageView
-from ckptd.errors import StoreCorrupt
+from ckptd.errors import StoreCorrupt, UnsupportedFormat
 from ckptd.format import check_job
 from ckptd.lifecycle.scrub import damaged_steps
 from ckptd.repository import Repository
+from ckptd.repository.listings import UNREADABLE, Unreadable
+from ckptd.repository.listings import unreadable as unreadable_field
 from ckptd.server.auth import READ, READ_ANY, CallerDep, scope
 from ckptd.server.deps import MetricsDep, RegistryDep, RepoDep, SettingsDep, ViewsDep
 from ckptd.server.metrics import Totals
@@ -76,6 +78,9 @@ async def job_view(
 ) -> JobView:
     world, ranks = registry.ranks(job)
     latest = await views.latest(job)  # (a damaged ref reads as None there)
+    unreadable: Unreadable = {}
+    if latest is None:  # no step yet, or a ref this ckptd cannot read: say which
+        _, unreadable = await repo.latest_or_damage(job)
     target = registry.pending_target(job, latest)
     rollback = await views.rollback(job)
     numbers = (await repo.step_numbers(job))[-steps:] if steps else []
@@ -84,11 +89,11 @@ async def job_view(
     for step in numbers:
         try:
             record = await views.commit(job, step)
-        except StoreCorrupt as exc:  # shown as damaged; the page keeps every other job
+        except UNREADABLE as exc:  # shown as damaged; the page keeps every other job
             shown.append(StepView(
                 step=step, committed=False, world_size=world, ranks_present=0,
                 logical_bytes=None, committed_at=None, is_latest=False, reason=None,
-                requested_by=None, damaged=exc.message,
+                requested_by=None, **unreadable_field(exc),
             ))
             continue
         if record is not None:
@@ -137,7 +142,15 @@ async def job_view(
         events=[event_body(e) for e in registry.events(job)[-EVENTS_SHOWN:]],
         damaged_steps=sorted(damaged),
         rebuilding=registry.rebuilding(job),
+        **unreadable,
     )
+
+
+def _unreadable_view(job: str, exc: StoreCorrupt | UnsupportedFormat) -> JobView:
+    """A job the overview could not read at all, shown as damaged (or newer)."""
+    return JobView(job=job, latest=None, world_size=None, snapshot_at=None,
+                   snapshot_reason=None, rollback_to=None, ranks=[], steps=[], events=[],
+                   **unreadable_field(exc))
 
 
 @api_router.get(
@@ -165,7 +178,10 @@ async def overview(
 
     async def one(name: str) -> JobView:
         async with sem:
-            return await job_view(name, repo, registry, views, steps)
+            try:
+                return await job_view(name, repo, registry, views, steps)
+            except UNREADABLE as exc:  # one job's documents must not hide the others
+                return _unreadable_view(name, exc)
 
     jobs = list(await asyncio.gather(*(one(n) for n in names)))
     # Where the store is and what every tenant did are the operator's to see.

@@ -21,10 +21,12 @@ from ckptd.errors import (
     InvalidName,
     InvalidRequest,
     NotFound,
+    StoreError,
     TooLarge,
     Unauthorized,
     http_status,
 )
+from ckptd.server.auth import identify
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,24 @@ async def _ckptd_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s: %s", request.method, request.url.path, exc.code, exc_info=exc)
     else:
         log.debug("%s %s: %s: %s", request.method, request.url.path, exc.code, exc.message)
-    return error_response(exc, status)
+    return error_response(_as_told(request, exc), status)
+
+
+def _as_told(request: Request, exc: CkptdError) -> CkptdError:
+    """``exc`` as the caller may read it. A store backend's own failure names where
+    the store is (an S3 URL, its endpoint; in an AccessDenied, the server's cloud
+    identity): the operator's, like ``/healthz``'s details (docs/SECURITY.md), so a
+    caller without a token on every job gets the key only; the log has the rest.
+    (Subclasses, such as ``store_full`` or ``store_corrupt``, say what ckptd found.)"""
+    if exc.code != StoreError.code:
+        return exc
+    grant = identify(request)
+    if grant is not None and grant.every_job and grant.may("read", None):
+        return exc
+    key = exc.detail.get("key")
+    where = f" on {key}" if isinstance(key, str) else ""
+    return StoreError(f"the store failed{where}; the server's log says why",
+                      **({"key": key} if isinstance(key, str) else {}))
 
 
 def _describe(error: dict[str, Any]) -> dict[str, Any]:

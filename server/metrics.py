@@ -4,8 +4,13 @@ Counters count what this process did since it started; they are not a census of
 the store (walking a large store at every scrape is too slow). Rank gauges are
 computed from the soft-state registry at scrape time.
 
-``GET /metrics`` is open (scrapers rarely carry bearer tokens) unless
-``CKPTD_METRICS_TOKEN_REQUIRED=true``."""
+``GET /metrics`` keeps tenants apart (docs/SECURITY.md, "Metrics"): without a
+token it shows only process and request health (``OPEN``); a token that may read
+a job adds that job's own series (``PER_JOB``); everything else (store totals,
+whose changes tell whether a chunk was stored already, and every job's series)
+needs a token that may read every job. A server without tokens trusts its
+network and shows everything. ``CKPTD_METRICS_TOKEN_REQUIRED=true`` closes it
+to all but a token on every job."""
 
 from __future__ import annotations
 
@@ -15,15 +20,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from ckptd import knobs
 from ckptd.errors import CkptdError, Forbidden
 from ckptd.repository import Repository
-from ckptd.server.auth import auth_configured, authenticate
+from ckptd.server.auth import auth_configured, authenticate, identify
 from ckptd.server.registry import Registry
 from ckptd.tokens import Grant
 
@@ -35,6 +46,20 @@ _SIZE_BUCKETS = tuple(float(b) for b in (
     64 * 1024, 256 * 1024, knobs.MiB, 4 * knobs.MiB, 16 * knobs.MiB, 64 * knobs.MiB,
 ))
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Families anyone may scrape: the process's health and the requests' sizes, times and
+# refusals, summed over every job (an upload is counted whether or not it was new).
+OPEN_PREFIXES = ("process_",)
+OPEN = frozenset({"ckptd_chunk_upload_bytes", "ckptd_chunk_upload_seconds",
+                  "ckptd_chunk_read_bytes", "ckptd_chunk_read_seconds",
+                  "ckptd_uploads_rejected"})
+# Families labelled by job that tell a job only of itself: shown, for the jobs it
+# may read, to any token. (ckptd_step_unique_bytes is not one: bytes "only this step
+# names" drop when another job stores the same chunks.) Any family not named here
+# or above needs a token on every job: a new one is closed until it is sorted.
+PER_JOB = frozenset({"ckptd_ranks", "ckptd_snapshot_failures", "ckptd_job_stored_bytes",
+                     "ckptd_job_logical_bytes", "ckptd_job_dedup_ratio",
+                     "ckptd_damaged_steps"})
 
 
 @dataclass(slots=True)
@@ -113,6 +138,7 @@ class Metrics:
         self.prometheus = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
         r = self.prometheus
+        ProcessCollector(registry=r)  # memory, CPU, descriptors: health anyone may see
         self._chunks_stored = Counter(
             "ckptd_chunks_stored",
             "Chunks this server wrote to the store since it started (new chunks only; "
@@ -235,24 +261,57 @@ router = APIRouter(tags=["metrics"])
 @router.get(
     "/metrics",
     response_class=Response,
-    summary="Prometheus metrics (open unless CKPTD_METRICS_TOKEN_REQUIRED=true)",
+    summary="Prometheus metrics: process and request health to anyone; a job's own "
+    "series to its tokens; store totals and every job to a token on every job",
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Text format"}},
 )
 async def metrics(request: Request) -> Response:
     settings = request.app.state.settings
-    if settings.metrics_token_required:
-        # Job names of every tenant: a read token on every job, or the server's.
-        _check_every_job(authenticate(request))
+    # No header: the open view. A header with a wrong token: 401, so that a scraper
+    # set up with a revoked token hears of it rather than scraping less.
+    grant = authenticate(request) if (request.headers.get("authorization")
+                                      or settings.metrics_token_required) else None
+    if settings.metrics_token_required and grant is not None:
+        _check_every_job(grant)  # job names of every tenant
     m: Metrics = request.app.state.metrics
     if auth_configured(settings):
         m._soft.shown = None  # ranks exist only through authorized heartbeats
     else:
+        grant = identify(request)  # ROOT: a server without tokens trusts its network
         repo: Repository = request.app.state.repository
         try:
             m._soft.shown = set(await repo.list_jobs())
         except CkptdError:
             m._soft.shown = set()
-    return Response(generate_latest(m.prometheus), media_type=CONTENT_TYPE_LATEST)
+    families = list(m.prometheus.collect())
+    if grant is None or not (grant.every_job and grant.may("read", None)):
+        families = _visible(families, grant)
+    return Response(generate_latest(_Families(families)), media_type=CONTENT_TYPE_LATEST)
+
+
+def _visible(families: list[Metric], grant: Grant | None) -> list[Metric]:
+    """What a caller that may not read every job sees of ``families``."""
+    out = []
+    for family in families:
+        if family.name.startswith(OPEN_PREFIXES) or family.name in OPEN:
+            out.append(family)
+        elif grant is not None and family.name in PER_JOB:
+            mine = Metric(family.name, family.documentation, family.type, family.unit)
+            mine.samples = [x for x in family.samples
+                            if "job" in x.labels and grant.may("read", x.labels["job"])]
+            out.append(mine)
+    return out
+
+
+class _Families(CollectorRegistry):
+    """Families already collected, as ``generate_latest`` takes them."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        super().__init__(auto_describe=False)
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
 
 
 def _check_every_job(grant: Grant) -> None:

@@ -64,8 +64,9 @@ class Settings(BaseSettings):
     )
     max_connections: int = Field(
         default=1000, ge=1,
-        description="Open connections at most (and never past the open-file limit); more "
-        "get 503 at once.",
+        description="Open connections at most (and never past the open-file limit); at the "
+        "cap a new one closes the connection that has waited longest for its request's "
+        "headers, and gets 503 only when every connection has a request under way.",
     )
     ingest_budget: int = Field(
         default=1 << 30, ge=1 << 20,
@@ -109,6 +110,12 @@ class Settings(BaseSettings):
     member_ttl: float = Field(
         default=10.0, gt=0, le=3600, description="Seconds a member lease lasts unrenewed."
     )
+    single_writer: bool = Field(
+        default=False,
+        description="Serve a store that cannot write conditionally (If-None-Match / If-Match "
+        "ignored), with this server as its only writer: no replicas, no other server, no "
+        "file:// clients. Its conditional writes are then checked under this process's locks.",
+    )
 
     # -- store lifecycle (ckptd.lifecycle; docs/FORMAT.md "Garbage collection") -------
     retention: str | None = Field(
@@ -130,6 +137,11 @@ class Settings(BaseSettings):
     scrub_replica: str | None = Field(
         default=None, description="A replica store URL scrub repairs corrupt chunks from."
     )
+    scrub_peer_timeout: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="Seconds a rank's peer server may take to send scrub one chunk (a peer "
+        "that trickles bytes otherwise held every scrub of the store).",
+    )
     min_free_bytes: int = Field(
         default=256 << 20, ge=0, description="New snapshots are refused (store_full) below this."
     )
@@ -145,6 +157,17 @@ class Settings(BaseSettings):
     egress_wait: float = Field(
         default=10.0, ge=0, le=600,
         description="Seconds a chunk read waits for room in the egress budget before a 503.",
+    )
+    # Restores that skip the server (server/presign.py; issue 21, item 3).
+    presigned_reads: bool = Field(
+        default=True,
+        description="Over an S3-compatible store, restore plans carry presigned GET URLs of "
+        "the rank's chunks, and ranks read them from the object store, not through this "
+        "server. Off: every restore byte goes through the server.",
+    )
+    presigned_read_seconds: int = Field(
+        default=900, ge=30, le=7 * 24 * 3600,
+        description="Seconds a restore plan's presigned URLs stay valid.",
     )
     heartbeat_signal_bytes: int = Field(
         default=16 << 10, ge=1024,

@@ -26,7 +26,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from ckptd import __version__
 from ckptd.cli.help import HelpGroup
@@ -105,6 +104,22 @@ def _root(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    plain_off_a_terminal(console, err_console)
+
+
+PLAIN_WIDTH = 10_000  # "unbounded": a table off a terminal is as wide as its rows
+
+
+def plain_off_a_terminal(*consoles: Console) -> None:
+    """Off a terminal (a pipe, a log file, ``kubectl logs``) each line is a record:
+    rich would wrap it at 80 columns and split paths and URLs across lines. There,
+    lines are never wrapped (``COLUMNS`` still wins when set)."""
+    if os.environ.get("COLUMNS"):
+        return
+    for c in consoles:
+        if not c.is_terminal:
+            c.soft_wrap = True
+            c.width = PLAIN_WIDTH
 
 
 # What serve's options default to (server.settings.Settings, not imported here: the
@@ -213,9 +228,20 @@ def serve(
         typer.Option("--member-leases/--no-member-leases",
                      help="Find replicas by leases in the store. Env CKPTD_MEMBER_LEASES."),
     ] = None,
+    single_writer: Annotated[
+        bool | None,
+        typer.Option("--single-writer/--no-single-writer",
+                     help="Serve a store that cannot write conditionally, as its only writer "
+                     "(docs/SECURITY.md). Env CKPTD_SINGLE_WRITER."),
+    ] = None,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Check the settings and that the store writes "
+                     "conditionally, then exit (0: it would serve)."),
+    ] = False,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
-    from ckptd.cli.mistakes import server_settings
+    from ckptd.cli.mistakes import server_settings, writable_store
     from ckptd.server.app import run
 
     overrides: dict[str, Any] = {
@@ -242,13 +268,18 @@ def serve(
             "peers": peers,
             "advertise_url": advertise_url,
             "member_leases": member_leases,
+            "single_writer": single_writer,
         }.items()
         if v is not None
     }
     try:
         settings, opened = server_settings(overrides)
+        opened = writable_store(settings, opened)  # refuses one that ignores conditions
     except CkptdError as exc:
         _fail(exc)
+        return
+    if check:
+        console.print(f"ok: would serve {escape(opened.describe())}", highlight=False)
         return
     logging.getLogger("ckptd").setLevel(logging.INFO)
     run(settings, store=opened)
@@ -265,62 +296,26 @@ def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
 
-def _damaged(step: Any) -> bool:
-    """Scrub marked the step damaged (a server without the field says no)."""
-    return bool(step.get("damaged") if isinstance(step, dict) else getattr(step, "damaged", False))
-
-
 @app.command("ls")
 def ls(
     job: Annotated[str | None, typer.Argument(help="Show this job's steps.")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """List jobs, or one job's steps with sizes and whether each committed."""
+    """List jobs, or one job's steps with sizes and whether each committed. A job or
+    step whose documents cannot be read is listed as such (exit code 1 when a newer
+    ckptd wrote them)."""
+    from ckptd.cli.listing import Notes, jobs_table, steps_table
+
+    notes = Notes()  # one job's unreadable documents: told, not fatal
 
     async def go() -> None:
         transport = _transport(url, token)
         try:
             if job is None:
-                jobs = await transport.list_jobs()
-                table = Table("job", "latest", "committed", "pending", "size of latest")
-                for j in jobs:
-                    name = _field(j, "job")
-                    steps = await transport.list_steps(name)
-                    committed = [s for s in steps if _field(s, "committed")]
-                    latest = next((s for s in steps if _field(s, "is_latest")), None)
-                    damaged = j.get("damaged")
-                    table.add_row(
-                        name,
-                        "[red]damaged[/]" if damaged else
-                        str(_field(latest, "step")) if latest else "-",
-                        str(len(committed)),
-                        str(len(steps) - len(committed)),
-                        _human(_field(latest, "logical_bytes") if latest else None),
-                    )
-                console.print(table)
+                console.print(await jobs_table(transport, notes))
             else:
-                steps = await transport.list_steps(job)
-                if not steps:
-                    from ckptd.cli.mistakes import job_not_found
-
-                    jobs = [_field(j, "job") for j in await transport.list_jobs()]
-                    raise job_not_found(job, jobs, transport.describe())
-                table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
-                for s in steps:
-                    committed = _field(s, "committed")
-                    world = _field(s, "world_size")
-                    state = ("[red]damaged[/]" if _field(s, "damaged") else
-                             "[green]committed[/]" if committed else "[yellow]pending[/]")
-                    table.add_row(
-                        str(_field(s, "step")),
-                        state,
-                        f"{_field(s, 'ranks_present')}/{world if world is not None else '?'}",
-                        _human(_field(s, "logical_bytes")),
-                        _when(_field(s, "committed_at")),
-                        "latest" if _field(s, "is_latest") else "",
-                    )
-                console.print(table)
+                console.print(await steps_table(transport, job, notes))
         finally:
             await transport.close()
 
@@ -328,6 +323,9 @@ def ls(
         asyncio.run(go())
     except CkptdError as exc:
         _fail(exc)
+    notes.print(err_console)
+    if notes.newer:
+        raise typer.Exit(code=1)  # this ckptd is too old to read all of it: upgrade
 
 
 @app.command()
@@ -538,7 +536,9 @@ def progress_bar() -> Progress:
 
 # Command modules: each adds its commands to ``app`` on import.
 # (one line per module; keep this block above main())
+from ckptd.cli import healthcheck as _healthcheck  # noqa: E402,F401  (the image's HEALTHCHECK)
 from ckptd.cli import lifecycle as _lifecycle  # noqa: E402,F401  (forget, gc, scrub, tag)
+from ckptd.cli import shm as _shm  # noqa: E402,F401  (staging pools in /dev/shm)
 from ckptd.cli import status as _status  # noqa: E402,F401
 from ckptd.cli import tokens as _tokens  # noqa: E402,F401
 from ckptd.cli import views as _views  # noqa: E402,F401  (export, import, diff)

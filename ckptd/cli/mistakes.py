@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import typer
 from rich.markup import escape
 
-from ckptd.errors import CkptdError, InvalidRequest, JobNotFound, NotFound
+from ckptd.errors import CkptdError, InvalidRequest, JobNotFound, NotFound, StoreError
 
 try:  # typer carries its own copy of click since 0.2x; the errors are that copy's
     from typer._click import exceptions as click_errors
@@ -117,6 +117,42 @@ def _check_server_files(settings: Settings) -> None:
         except InvalidRequest as exc:
             raise InvalidRequest(f"--peers: {exc.message}; give every replica's URL, "
                                  "comma-separated (http://a:8470,http://b:8470)") from None
+
+
+def writable_store(settings: Settings, store: Store) -> Store:
+    """``store`` if it writes conditionally (``ckptd.store.probe``); else, for a
+    single writer (``--single-writer``), wrapped so that this process checks the
+    conditions; else ``StoreError`` naming the store and what it lacks."""
+    import asyncio
+
+    from ckptd.store.probe import conditional_write_gaps
+    from ckptd.store.single_writer import SingleWriterStore
+
+    async def probe() -> list[str]:
+        try:
+            return await conditional_write_gaps(store)
+        finally:
+            await store.close()  # (its client belongs to this loop; the server opens its own)
+
+    gaps = asyncio.run(probe())
+    if not gaps:
+        return store
+    lacks = "; ".join(gaps)
+    if not settings.single_writer:
+        raise StoreError(
+            f"store {store.describe()} cannot write conditionally: {lacks}.\nTwo writers "
+            "(ranks committing at once, replicas) could both win: use a store that honours "
+            "If-None-Match and If-Match, or --single-writer if this server is its only writer",
+            store=store.describe(), lacks=gaps)
+    if settings.peers or settings.member_leases:
+        raise InvalidRequest("--single-writer: this server must be the store's only writer, "
+                             "so it cannot run with --peers or --member-leases")
+    from ckptd.cli import err_console
+
+    err_console.print(f"[yellow]warning[/] store {escape(store.describe())} cannot write "
+                      f"conditionally ({escape(lacks)}); serving it as its single writer: "
+                      "no other server or client may write to it", soft_wrap=True)
+    return SingleWriterStore(store)
 
 
 def existing_store(url: str) -> str:

@@ -94,6 +94,14 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
 
     parts: list[Any] = []
     latest = job["latest"] if job["latest"] is not None else "none"
+    # A latest ref this ckptd cannot read is not "none": a restart would not start over.
+    unreadable = job.get("unsupported") or job.get("damaged")
+    if job.get("unsupported"):
+        latest = "[bold red]unsupported (a newer ckptd wrote it: upgrade ckptd)[/]"
+    elif job.get("damaged"):
+        latest = "[bold red]damaged[/]"
+    if unreadable:
+        parts.append(Text(f"  latest: {unreadable}", style="red"))  # as sent: no markup
     title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
     if job["snapshot_at"] is not None:
         reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup

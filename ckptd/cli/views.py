@@ -1,4 +1,5 @@
-"""Views of committed steps: ``ckptd export --zarr``, ``ckptd import``, ``ckptd diff``.
+"""Views of committed steps: ``ckptd export --zarr`` / ``--safetensors``, ``ckptd import``,
+``ckptd diff``.
 
 The flows live in the client (``ckptd.client.zarr_export``, ``step_import``,
 ``step_diff``), imported inside each command so ``import ckptd.cli`` stays light.
@@ -29,12 +30,39 @@ def export(
     codec: Annotated[
         str | None, typer.Option(help="Compress chunks: zstd, gzip or blosc (default: none).")
     ] = None,
+    safetensors_dir: Annotated[
+        str, typer.Option("--safetensors",
+                          help="New directory to write Hugging Face safetensors files to.")
+    ] = "",
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size",
+                          help="Largest safetensors file: 5GB (10^9), 2GiB (2^30) or bytes.")
+    ] = "5GB",
+    only: Annotated[
+        list[str] | None, typer.Option(
+            "--only", help="Export only tensors whose names start with this (repeatable).")
+    ] = None,
+    strip: Annotated[
+        str, typer.Option("--strip", help="Remove this prefix from the exported names.")
+    ] = "",
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Write a committed step as a plain zarr v3 hierarchy any zarr reader opens."""
+    """Write a committed step as a plain zarr v3 hierarchy any zarr reader opens, or as
+    Hugging Face safetensors files with their index (--safetensors)."""
+    if zarr_dir and safetensors_dir:
+        _fail(InvalidRequest("export to one place at a time: --zarr DIR or --safetensors DIR"))
+    if safetensors_dir:
+        if codec is not None:
+            _fail(InvalidRequest("--codec is for --zarr; safetensors files are not compressed"))
+        _export_safetensors(job, step, safetensors_dir, max_shard_size, only or [], strip,
+                            url, token)
+        return
+    if only or strip or max_shard_size != "5GB":
+        _fail(InvalidRequest("--only, --strip and --max-shard-size are for --safetensors DIR"))
     if not zarr_dir:
-        _fail(InvalidRequest("say where to: ckptd export JOB [STEP] --zarr DIR"))
+        _fail(InvalidRequest("say where to: ckptd export JOB [STEP] --zarr DIR "
+                             "(or --safetensors DIR)"))
     try:
         from ckptd.client.zarr_export import export_step
     except ImportError:
@@ -54,10 +82,57 @@ def export(
     )
 
 
+def _export_safetensors(job: str, step: int | None, directory: str, max_shard_size: str,
+                        only: list[str], strip: str, url: str, token: str | None) -> None:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from ckptd.client.integrations.safetensors import export_safetensors, parse_size
+
+    try:
+        limit = parse_size(max_shard_size)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    bar = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
+    )
+    task = bar.add_task(f"exporting {job}", total=None)
+
+    def on_bytes(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    try:
+        with bar:
+            result = export_safetensors(url, job, directory, step, token=token,
+                                        max_shard_size=limit, only=only, strip=strip,
+                                        on_bytes=on_bytes)
+    except CkptdError as exc:
+        _fail(exc)
+        return
+    rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
+    skipped = (f"; left out {len(result.skipped_local)} rank-local tensors"
+               if result.skipped_local else "")
+    console.print(
+        f"[green]ok[/]: step {result.step} of {job}: {result.tensors} tensors, "
+        f"{_human(result.nbytes)} in {len(result.files)} safetensors files, every chunk "
+        f"verified, in {result.seconds:.1f}s ({rate:.2f} GB/s) into {result.directory}"
+        f"{skipped}"
+    )
+
+
 @app.command("import")
 def import_(
     source: Annotated[
-        str, typer.Argument(help="A zarr v3 directory, a dcp.save directory or a torch.save file.")
+        str, typer.Argument(help="A zarr v3 directory, a dcp.save directory, a torch.save "
+                            "file, or safetensors (a file, or a directory with its index).")
     ],
     job: Annotated[str, typer.Option("--job", help="Job to import into.")],
     step: Annotated[int, typer.Option("--step", help="Step number to commit it as.")],

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ckptd.errors import CkptdError, StoreCorrupt, StoreFull
+from ckptd.errors import CkptdError, StoreCorrupt, StoreFull, UnsupportedFormat
 from ckptd.format import CommitRecord
 from ckptd.lifecycle.gc import _CHUNK_KEY
 from ckptd.repository import Repository
@@ -69,7 +69,7 @@ async def committed_steps(
         for step in await repo.step_numbers(job):
             try:
                 record = await repo.try_read_commit(job, step)
-            except StoreCorrupt as exc:  # one damaged step hides nothing else
+            except (StoreCorrupt, UnsupportedFormat) as exc:  # one bad step hides nothing else
                 log.warning("%s step %d: %s", job, step, exc)
                 if damaged is not None:
                     damaged.append(exc.message)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypedDict
 
-from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt
+from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt, UnsupportedFormat
 from ckptd.format import (
     JOB_RE,
     MAX_STEP,
@@ -31,6 +32,24 @@ log = logging.getLogger(__name__)
 INTACT_FOR = 10.0
 INTACT_CHECKS = 1024
 
+#: A stored document this ckptd cannot read: damaged, or of a newer format. A listing
+#: shows it against its job or step and goes on with the others.
+UNREADABLE = (StoreCorrupt, UnsupportedFormat)
+
+
+class Unreadable(TypedDict, total=False):
+    """The listing field that says why a document cannot be read (one of them)."""
+
+    damaged: str
+    unsupported: str  # a newer ckptd wrote it: upgrade; nothing is damaged
+
+
+def unreadable(exc: StoreCorrupt | UnsupportedFormat) -> Unreadable:
+    """``exc`` as the field a listing shows it in."""
+    if isinstance(exc, UnsupportedFormat):
+        return {"unsupported": exc.message}
+    return {"damaged": exc.message}
+
 
 class Listings(StoredReads):
     """Jobs and steps as the server and the CLI show them, and which step a
@@ -52,6 +71,15 @@ class Listings(StoredReads):
                 return step
         return None
 
+    async def latest_or_damage(self, job: str) -> tuple[int | None, Unreadable]:
+        """``latest(job)`` for a listing: (the step, {}), or (None, ``unreadable``'s
+        field) when its ref is damaged or of a newer format."""
+        try:
+            return await self.latest(job), {}
+        except UNREADABLE as exc:  # (info: a dashboard lists every few seconds)
+            log.info("%s: %s", job, exc)
+            return None, unreadable(exc)
+
     async def resolve_step(self, job: str, step: int | None) -> int:
         if step is not None:
             return check_step(step)
@@ -72,11 +100,7 @@ class Listings(StoredReads):
     async def list_steps(self, job: str) -> list[StepInfo]:
         names = await self.store.list_dir(f"{job_prefix(job)}steps/")
         steps = sorted(int(n) for n in names if n.isdigit() and int(n) < MAX_STEP)
-        try:
-            latest = await self.latest(job)
-        except StoreCorrupt as exc:  # the steps are still worth showing
-            log.warning("%s: %s", job, exc)
-            latest = None
+        latest, _ = await self.latest_or_damage(job)  # the steps are still worth showing
         damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
         sem = asyncio.Semaphore(16)
 
@@ -85,10 +109,10 @@ class Listings(StoredReads):
                 ranks = await self._ranks_present(job, step)
                 try:
                     record = await self._try_read_commit(job, step)
-                except StoreCorrupt as exc:  # one damaged step hides nothing else
-                    log.warning("%s step %d: %s", job, step, exc)
+                except UNREADABLE as exc:  # one damaged (or newer) step hides nothing else
+                    log.info("%s step %d: %s", job, step, exc)
                     return StepInfo(step, False, None, len(ranks), None, None, False,
-                                    damaged=exc.message)
+                                    **unreadable(exc))
                 if record is not None:
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
@@ -100,8 +124,8 @@ class Listings(StoredReads):
                 if ranks:
                     try:
                         world = (await self._read_manifest_raw(job, step, ranks[0])).world_size
-                    except StoreCorrupt as exc:  # one bad pending manifest hides nothing else
-                        log.warning("%s step %d: unreadable manifest: %s", job, step, exc)
+                    except UNREADABLE as exc:  # one bad pending manifest hides nothing else
+                        log.info("%s step %d: unreadable manifest: %s", job, step, exc)
                 return StepInfo(step, False, world, len(ranks), None, None, False)
 
         return list(await asyncio.gather(*(info(s) for s in steps)))

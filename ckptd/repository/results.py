@@ -44,6 +44,7 @@ class StepInfo:
     committed_at: float | None
     is_latest: bool
     damaged: str | None = None  # what is wrong with the step's documents, if anything
+    unsupported: str | None = None  # a document of a newer format: upgrade ckptd
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ each, so a crash leaves either the old state or the new one, plus temporaries th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import os
@@ -257,6 +258,14 @@ class LocalStore(Store):
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def forget_ref_lock(self, key: str) -> None:
+        """Removes the lock file the compare-and-swaps of ``key`` took: only for a key
+        no process swaps again (the store probe's, new at every probe). A ref's stays:
+        a process waiting on the old file and one creating a new one would both hold
+        "the" lock."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / _LOCKS / check_key(key).replace("/", "%")).unlink()
 
     def _cas(self, key: str, expected: bytes | None, new: bytes) -> bool:
         path = self._path(key)

@@ -15,10 +15,10 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
@@ -27,6 +27,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from ckptd import knobs
 from ckptd.errors import InvalidRequest, NotFound, StoreError
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
+from ckptd.store.s3_presign import SigningKey, presign_get
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +420,46 @@ class S3Store(Store):
         except BotoCoreError as exc:
             raise self._failed("DeleteObject", key, exc) from exc
         return True
+
+    # -- presigned reads ----------------------------------------------------------------
+
+    async def presign_reads(self, keys: Sequence[str], expires_in: int) -> list[str] | None:
+        """A presigned GET URL for each of ``keys``, good for ``expires_in`` seconds
+        (SigV4: whoever holds one may read that one object until then, and nothing
+        else), or None when this store's client has no credentials to sign with.
+
+        The URLs' scheme, host and path prefix are botocore's own for this client
+        (its endpoint, addressing style and region); the signing is done here in
+        bulk (``s3_presign``), off the event loop."""
+        if not keys:
+            return []
+        client = await self._client()
+        signer = getattr(client, "_request_signer", None)
+        credentials = getattr(signer, "_credentials", None)
+        if credentials is None:
+            return None
+        frozen = await credentials.get_frozen_credentials()
+        if not frozen.access_key or not frozen.secret_key:
+            return None
+        base = await self._object_base(client)
+        region = client.meta.region_name or "us-east-1"
+        signing = SigningKey(frozen.access_key, frozen.secret_key, region, frozen.token)
+        urls = [base + self._key(k) for k in keys]
+        return await asyncio.to_thread(presign_get, signing, urls, expires_in)
+
+    async def _object_base(self, client: Any) -> str:
+        """The URL of this bucket's objects up to the key (``http://host/bucket/`` or
+        ``https://bucket.host/``), as this client addresses them."""
+        probe = "ckptd-presign-probe"
+        try:
+            template: str = await client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": probe}, ExpiresIn=60)
+        except (BotoCoreError, ClientError, ValueError) as exc:
+            raise self._failed("presign", probe, exc) from exc
+        base = urlsplit(template)
+        if not base.path.endswith("/" + probe):
+            raise StoreError(f"cannot tell {self.describe()}'s object URLs from {template!r}")
+        return f"{base.scheme}://{base.netloc}{base.path[: -len(probe)]}"
 
     def describe(self) -> str:
         url = f"s3://{self.bucket}/{self.prefix}"

@@ -47,7 +47,10 @@ def index_manifest(index: StepIndex, manifest: RankManifest) -> None:
     A DCP-written manifest has a flat tree ``{fqn: node}``; another (a
     ``Checkpointer`` save) is walked as DCP flattens a state dict, so its dotted
     tensor names are DCP's fully qualified names."""
-    entries = {e.name: e for e in manifest.entries}
+    # (format 1.3: a rank may hold several shards of one tensor, entries of one name)
+    entries: dict[str, list[TensorEntry]] = {}
+    for e in manifest.entries:
+        entries.setdefault(e.name, []).append(e)
     dcp_meta = manifest.meta.get(META_KEY)
     leaves: list[tuple[str, tuple[str | int, ...], dict[str, Any]]] = []
     if isinstance(dcp_meta, dict):
@@ -60,19 +63,19 @@ def index_manifest(index: StepIndex, manifest: RankManifest) -> None:
     for fqn, path, node in leaves:
         index.paths.setdefault(fqn, path)
         if set(node) == {"bytes"}:
-            index.blobs.setdefault(fqn, (StoredBox(entries[node["bytes"]],
+            index.blobs.setdefault(fqn, (StoredBox(entries[node["bytes"]][0],
                                                     manifest.chunk_size),
                                          isinstance(dcp_meta, dict)))
             continue
         if set(node) != {"tensor"}:
             index.values.setdefault(fqn, node)  # replicas of a value: the lowest rank's
             continue
-        e = entries[node["tensor"]]
-        if e.placement == "local" and manifest.world_size > 1:
-            log.debug("skipping rank-local entry %r of rank %d", e.name, manifest.rank)
-            continue
-        # Replicated entries and HSDP replicas share a box: one is enough to read.
-        index.boxes.setdefault((fqn, tuple(e.offsets)), StoredBox(e, manifest.chunk_size))
+        for e in entries[node["tensor"]]:
+            if e.placement == "local" and manifest.world_size > 1:
+                log.debug("skipping rank-local entry %r of rank %d", e.name, manifest.rank)
+                continue
+            # Replicated entries and HSDP replicas share a box: one is enough to read.
+            index.boxes.setdefault((fqn, tuple(e.offsets)), StoredBox(e, manifest.chunk_size))
 
 
 def _walk_tree(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 import time
 import uuid
@@ -36,6 +37,7 @@ from ckptd.errors import (
 from ckptd.format import (
     EPOCH_META,
     INCARNATION_META,
+    MAX_LOCAL_SHARDS,
     RankManifest,
     TensorEntry,
     canonical_json,
@@ -172,19 +174,17 @@ class Writer(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_step()
-        seen: set[str] = set()
-        for item in plan.items:  # refuse early, on the rank that holds it, before any byte
-            fqn = item.index.fqn
-            if fqn in seen:
-                raise UnsupportedValue(
-                    f"{fqn!r}: several shards of one tensor on one rank are not supported "
-                    "(ckptd stores one box per tensor per rank); shard it as a DTensor "
-                    "(FSDP2, tensor parallel), one box per rank",
-                    name=fqn,
-                )
-            seen.add(fqn)
+        # Refused early, on the rank that holds it, before any byte: what one rank
+        # manifest cannot hold. Several shards of one tensor on one rank (a
+        # ShardedTensor's local shards) are entries of one name (format 1.3).
+        boxes: dict[str, list[WriteItem]] = {}
+        for item in plan.items:
+            boxes.setdefault(item.index.fqn, []).append(item)
             if item.tensor_data is not None:
                 dtype_name(item.tensor_data.properties.dtype)
+        for fqn, items in boxes.items():
+            if len(items) > 1:
+                _check_local_shards(fqn, items)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -217,6 +217,11 @@ class Writer(StorageWriter):
         values = 0
         for item in plan.items:
             fqn = item.index.fqn
+            if fqn in meta_paths and item.type != WriteItemType.BYTE_IO:
+                # Another local shard of a tensor already in the tree: one more entry
+                # of its name, the tree names it once.
+                tensors.append((item, _write_tensor(item, planner.resolve_data(item))))
+                continue
             meta_paths[fqn] = _json_path(paths.get(fqn), fqn)
             if item.type == WriteItemType.BYTE_IO:
                 resolved = planner.resolve_data(item)
@@ -304,6 +309,30 @@ class Writer(StorageWriter):
                 missing_ranks=status.missing_ranks[:50],
             )
         log.info("%s step %d committed (%d ranks)", self.job, step, status.world_size or 0)
+
+
+def _check_local_shards(fqn: str, items: list[WriteItem]) -> None:
+    """Several items of one fqn on one rank: shards of one tensor, each its own box,
+    none overlapping another; anything else cannot be one tensor's entries."""
+    if any(i.tensor_data is None for i in items):
+        raise UnsupportedValue(f"{fqn!r} is both a value and a tensor on one rank", name=fqn)
+    if len(items) > MAX_LOCAL_SHARDS:
+        raise UnsupportedValue(
+            f"{fqn!r} has {len(items)} shards on this rank; ckptd stores at most "
+            f"{MAX_LOCAL_SHARDS} shards of one tensor per rank", name=fqn)
+    seen: list[tuple[list[int], list[int]]] = []
+    for item in items:
+        assert item.tensor_data is not None
+        offsets = [int(d) for d in item.tensor_data.chunk.offsets]
+        sizes = [int(d) for d in item.tensor_data.chunk.sizes]
+        for o, s in seen:
+            if math.prod(s) and math.prod(sizes) and all(
+                a < b + m and b < a + n for a, n, b, m in zip(o, s, offsets, sizes, strict=True)
+            ):
+                raise UnsupportedValue(
+                    f"{fqn!r}: two shards on this rank overlap ({o}+{s} and {offsets}+{sizes}); "
+                    "each element of a tensor is saved once", name=fqn)
+        seen.append((offsets, sizes))
 
 
 def _json_path(path: Any, fqn: str) -> list[str | int]:

@@ -3,18 +3,23 @@ chunks of its staging pool that belong to a committed step, so a replacement ran
 on another node can restore from its data-parallel replicas instead of the store.
 
 Server
-    ``PeerServer`` is a small HTTP/1.1 server on a fixed pool of daemon threads
-    with read deadlines (``peer.http``; no event loop to share with training, no
-    thread per connection, and ``socket.sendall`` of a pool view is as fast as
-    loopback gets). ``GET /v1/chunks/{id}`` answers the chunk's raw bytes, ``GET
+    ``PeerServer`` is a small HTTP/1.1 server: one daemon thread admits
+    connections and reads their request heads (a selector: a half-open connection
+    holds no worker, and at its cap the server closes the longest half-open one to
+    admit a new one), a fixed pool of daemon threads answers whole requests, with
+    read deadlines (``peer.http``; no event loop to share with training, no thread
+    per connection). ``GET /v1/chunks/{id}`` answers the chunk's raw bytes, ``GET
     /v1/peer`` what the peer holds. It serves only what ``publish`` handed it: a
     ``PeerIndex`` of chunk id -> bytes in the pool, built from a committed
     manifest (or from chunks of a re-adopted pool that were verified against one),
     with a ``valid`` check. For the live pool that check is the staging seqlock:
     the generation must be the one the index was built at, before and after the
-    bytes are copied out, so a chunk whose buffer a new ``save`` is overwriting is
-    refused with 409 (the client then tries another source) and never sent torn.
-    Copies go through scratch buffers reused from request to request, the
+    bytes go out, so a chunk whose buffer a new ``save`` is overwriting is
+    refused with 409 (the client then tries another source) and never kept torn.
+    To a client that reads trailers (``PeerClient``) a chunk is sent straight
+    from the pool (``sendmsg`` of the view: the kernel's copy is the only one),
+    chunked, with the seqlock's verdict after the body (``X-Ckptd-Valid``); to
+    others it is copied out into a reused scratch buffer and checked first. The
     number of requests served at once is bounded (``CKPTD_PEER_CONCURRENCY``;
     others wait a moment, then get 503), and every request must carry the job's
     peer token (``Authorization: Bearer``), which the server hands to the job's

@@ -8,13 +8,15 @@ import contextlib
 import http.client
 import json
 import logging
+import re
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
-from urllib.parse import urlparse
+from typing import Any, TypeVar
+from urllib.parse import urlparse, urlsplit
 
 from ckptd import knobs
 from ckptd.chunk_reads import CHUNK_SIZES_HEADER, parse_chunk_sizes
@@ -27,6 +29,8 @@ from ckptd.errors import (
     Unavailable,
     from_json,
 )
+
+from .http import VALID_TRAILER
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +48,50 @@ def _peer_address(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port
 
 
+def _endpoint(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of an http:// or https:// URL (default ports filled in)."""
+    parsed = urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise InvalidRequest(f"URL {url[:200]!r} is not http(s)://host[:port]/...")
+    return parsed.scheme, parsed.hostname, parsed.port or (443 if parsed.scheme == "https"
+                                                            else 80)
+
+
 class _Conn:
-    """One kept-alive connection to a peer: a blocking socket (so that a body can
-    be read with ``MSG_WAITALL``, one system call per chunk) whose send and receive
-    timeouts are set in the kernel."""
+    """One kept-alive connection to a peer (or an object store): a blocking socket
+    (so that a body can be read with ``MSG_WAITALL``, one system call per chunk)
+    whose send and receive timeouts are set in the kernel; over TLS, reads with
+    Python's own timeout (a TLS socket takes no ``MSG_WAITALL``)."""
 
-    __slots__ = ("deadline", "sock", "url")
+    __slots__ = ("deadline", "flags", "sock", "url")
 
-    def __init__(self, url: str, timeout: float) -> None:
-        host, port = _peer_address(url)
+    def __init__(self, url: str, timeout: float, tls: ssl.SSLContext | None = None,
+                 connect_timeout: float | None = None) -> None:
+        scheme, host, port = _endpoint(url)
         self.url = url
         self.deadline = float("inf")  # of the request under way (``PeerClient._exchange``)
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.settimeout(None)  # blocking: MSG_WAITALL then waits for the whole body
+        # A host that vanished answers no SYN: connecting is bounded on its own, so a
+        # lost peer or replica costs seconds, not the whole read timeout.
+        sock = socket.create_connection(
+            (host, port), timeout=timeout if connect_timeout is None else connect_timeout)
+        sock.settimeout(timeout)  # TLS reads: the request's timeout, not the connect's
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if scheme == "https":
+            try:
+                self.sock: socket.socket = (tls or ssl.create_default_context()).wrap_socket(
+                    sock, server_hostname=host)
+            except BaseException:
+                sock.close()
+                raise
+            self.flags = 0
+            return
+        self.sock = sock
+        self.flags = socket.MSG_WAITALL
+        sock.settimeout(None)  # blocking: MSG_WAITALL then waits for the whole body
         sec = int(timeout)
         tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -79,9 +109,10 @@ class PeerClient:
 
     def __init__(
         self, token: str | None = None, *, timeout: float | None = None, idle_per_peer: int = 8,
-        headers: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None, tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = knobs.peer_timeout() if timeout is None else timeout
+        self._tls = tls  # for https:// (object stores; peers speak plain HTTP)
         # ``headers``: sent with every request (a ckptd server's chunk route reads the
         # same way, given its bearer token and the job a scoped token acts for).
         lines = [f"{k}: {v}\r\n" for k, v in (headers or {}).items()]
@@ -106,7 +137,8 @@ class PeerClient:
         return self._open(url), False
 
     def _open(self, url: str) -> _Conn:
-        conn = _Conn(url, self.timeout)
+        conn = _Conn(url, self.timeout, self._tls,
+                     connect_timeout=min(self.timeout, knobs.connect_timeout()))
         with self._lock:
             if self._closed:
                 conn.close()
@@ -126,7 +158,28 @@ class PeerClient:
     def fetch_into(self, url: str, cid: str, dest: memoryview) -> int:
         """Reads chunk ``cid`` from the peer at ``url`` into ``dest`` (which must be
         exactly the chunk's length); returns the bytes read. Unverified."""
-        return self._exchange(url, lambda conn: self._fetch(conn, url, cid, dest))
+        _peer_address(url)
+        # TE: trailers lets a peer send from its pool without copying the chunk out
+        # first: its validity then follows the body (``PeerRequest.send_checked``).
+        request = (f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\nTE: trailers\r\n"
+                   f"{self._auth}\r\n").encode("ascii")
+        return self._exchange(url, lambda conn: self._get(conn, url, cid, request, dest))
+
+    def get_into(self, url: str, dest: memoryview, cid: str | None = None) -> int:
+        """The body of ``GET url`` (http:// or https://, any path and query: a
+        presigned object-store URL) into ``dest``, which must be exactly its length;
+        returns the bytes read. None of this client's headers go with it: its token
+        is for peers, never for another host. ``cid``: the chunk it is, for errors.
+        Unverified."""
+        parts = urlsplit(url)
+        _endpoint(url)
+        origin = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if any(c in target for c in "\r\n "):
+            raise InvalidRequest(f"URL {url[:200]!r} holds a space or a line break")
+        request = (f"GET {target} HTTP/1.1\r\nHost: {origin.split('//', 1)[1]}\r\n\r\n"
+                   .encode("ascii"))
+        return self._exchange(origin, lambda conn: self._get(conn, origin, cid, request, dest))
 
     def fetch_many_into(
         self, url: str, chunks: Sequence[tuple[str, memoryview]],
@@ -194,24 +247,26 @@ class PeerClient:
                     self._busy.discard(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _fetch(self, conn: _Conn, url: str, cid: str, dest: memoryview) -> int:
+    def _get(self, conn: _Conn, url: str, cid: str | None, request: bytes,
+             dest: memoryview) -> int:
         sock = conn.sock
-        sock.sendall(f"GET /v1/chunks/{cid} HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
-                     .encode("ascii"))
-        headers, extra, n, keep = self._answer(conn, url, cid)
+        sock.sendall(request)
+        headers, extra, n, keep = self._answer(conn, url, cid, len(dest))
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            return self._fetch_chunked(conn, url, cid, dest, extra, keep)
         if n != len(dest) or len(extra) > n:
             conn.close()
             raise ChunkSizeMismatch(
-                f"peer {url} sent {n} bytes for chunk {cid}, expected {len(dest)}",
+                f"{url} sent {n} bytes for chunk {cid}, expected {len(dest)}",
                 id=cid, peer=url,
             )
         got = len(extra)
         dest[:got] = extra
         while got < n:
-            k = sock.recv_into(dest[got:], n - got, socket.MSG_WAITALL)
+            k = sock.recv_into(dest[got:], n - got, conn.flags)
             if not k:
                 conn.close()
-                raise Unavailable(f"peer {url} sent {got} of {n} bytes of chunk {cid}",
+                raise Unavailable(f"{url} sent {got} of {n} bytes of chunk {cid}",
                                   peer=url, reason="short")
             got += k
             _check(conn.deadline, got < n)
@@ -219,6 +274,42 @@ class PeerClient:
             self._give(conn)
         else:
             conn.close()
+        return got
+
+    def _fetch_chunked(self, conn: _Conn, url: str, cid: str | None, dest: memoryview,
+                       extra: memoryview, keep: bool) -> int:
+        """A chunked answer's body into ``dest``, then its trailer: a peer that sent
+        from memory that changed under the send says so there (``X-Ckptd-Valid:
+        0``), and the bytes are refused as a 409 would have refused them."""
+        stream = _BodyStream(conn.sock, extra, conn.deadline, conn.flags)
+        got = 0
+        while True:
+            size = _chunk_size(stream.line())
+            if size == 0:
+                break
+            if got + size > len(dest):
+                conn.close()
+                raise ChunkSizeMismatch(f"peer {url} sent more than the {len(dest)} bytes of "
+                                        f"chunk {cid}", id=cid, peer=url)
+            stream.read_into(dest[got : got + size])
+            got += size
+            if stream.line():
+                raise ValueError("a chunk of a chunked answer ends without its CRLF")
+        trailers = {}
+        while line := stream.line():
+            key, sep, value = line.partition(b":")
+            if sep:
+                trailers[key.strip().lower().decode("latin-1")] = value.strip()
+        if keep and not stream.extra:
+            self._give(conn)
+        else:
+            conn.close()
+        if got != len(dest):
+            raise ChunkSizeMismatch(f"peer {url} sent {got} bytes for chunk {cid}, expected "
+                                    f"{len(dest)}", id=cid, peer=url)
+        if trailers.get(VALID_TRAILER.lower()) == b"0":
+            raise Conflict(f"peer {url}: chunk {cid} was overwritten while it was sent",
+                           id=cid, peer=url)
         return got
 
     def _fetch_many(
@@ -229,11 +320,11 @@ class PeerClient:
         sock.sendall(f"POST /v1/chunks/read HTTP/1.1\r\nHost: peer\r\n{self._auth}"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      .encode("ascii") + body)
-        headers, extra, n, keep = self._answer(conn, url, None)
+        headers, extra, n, keep = self._answer(conn, url, None, 0)
         sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
         if n != sum(k or 0 for k in sizes):
             raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
-        stream = _BodyStream(sock, extra, conn.deadline)
+        stream = _BodyStream(sock, extra, conn.deadline, conn.flags)
         for i, ((cid, dest), size) in enumerate(zip(chunks, sizes, strict=True)):
             if size is None:
                 each(i, ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url))
@@ -249,16 +340,17 @@ class PeerClient:
         else:
             conn.close()
 
-    def _answer(self, conn: _Conn, url: str, cid: str | None
+    def _answer(self, conn: _Conn, url: str, cid: str | None, expect: int
                 ) -> tuple[dict[str, str], memoryview, int, bool]:
-        """A 200 answer's headers, what came past them, its body length and whether
-        the connection is kept; another status raises its typed error. The
-        request's deadline grows by the body at the slowest rate waited for."""
+        """A 200 answer's headers, what came past them, its body length (-1: not
+        given) and whether the connection is kept; another status raises its typed
+        error. The request's deadline grows by the body (``expect`` bytes when the
+        answer gives no length) at the slowest rate waited for."""
         status, headers, extra = _read_head(conn.sock, conn.deadline)
         n, keep = _length(headers), _keep_alive(headers)
         if status != 200:
             raise _error(status, self._error_body(conn, extra, n, keep), url, cid)
-        conn.deadline += max(n, 0) / MIN_RATE
+        conn.deadline += (n if n >= 0 else expect) / MIN_RATE
         return headers, extra, n, keep
 
     def _error_body(self, conn: _Conn, extra: memoryview, n: int, keep: bool) -> bytes:
@@ -267,13 +359,42 @@ class PeerClient:
         body = bytearray(extra)
         if n > len(body):
             more = bytearray(min(n, 1 << 20) - len(body))
-            got = conn.sock.recv_into(more, len(more), socket.MSG_WAITALL) if more else 0
+            got = conn.sock.recv_into(more, len(more), conn.flags) if more else 0
             body += more[:got]
         if keep and n >= 0 and len(body) == n:
             self._give(conn)
         else:
             conn.close()
         return bytes(body)
+
+    def describe(self, url: str) -> dict[str, Any]:
+        """What the peer at ``url`` says it holds (``GET /v1/peer``: its job, rank, the
+        step it serves, how many chunks), with typed errors (``Unauthorized`` for a
+        wrong token)."""
+        return self._exchange(url, lambda conn: self._describe(conn, url))
+
+    def _describe(self, conn: _Conn, url: str) -> dict[str, Any]:
+        conn.sock.sendall(f"GET /v1/peer HTTP/1.1\r\nHost: peer\r\n{self._auth}\r\n"
+                          .encode("ascii"))
+        _, extra, n, keep = self._answer(conn, url, None, 1 << 20)
+        if not 0 <= n <= 1 << 20:
+            conn.close()
+            raise Unavailable(f"peer {url} described itself in {n} bytes", peer=url,
+                              reason="status")
+        body = bytearray(n)
+        stream = _BodyStream(conn.sock, extra, conn.deadline)
+        stream.read_into(memoryview(body))
+        if keep and not stream.extra:
+            self._give(conn)
+        else:
+            conn.close()
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise Unavailable(f"peer {url} did not describe itself", peer=url, reason="status")
+        return doc
 
     def abort(self) -> None:
         """Ends every request under way at once (their reads fail, ``disconnected``)
@@ -345,21 +466,38 @@ class _BodyStream:
     socket, straight into the caller's buffers."""
 
     def __init__(self, sock: socket.socket, extra: memoryview,
-                 deadline: float = float("inf")) -> None:
+                 deadline: float = float("inf"), flags: int = socket.MSG_WAITALL) -> None:
         self.sock = sock
         self.extra = extra
         self.deadline = deadline
+        self.flags = flags
 
     def read_into(self, dest: memoryview) -> None:
         got = min(len(self.extra), len(dest))
         dest[:got] = self.extra[:got]
         self.extra = self.extra[got:]
         while got < len(dest):
-            k = self.sock.recv_into(dest[got:], len(dest) - got, socket.MSG_WAITALL)
+            k = self.sock.recv_into(dest[got:], len(dest) - got, self.flags)
             if not k:
                 raise _Disconnected(f"the answer ended {len(dest) - got} bytes short")
             got += k
             _check(self.deadline, got < len(dest))
+
+    def line(self) -> bytes:
+        """The next line (without its CRLF), from what came already, else read a
+        little at a time (never far past it: a body follows)."""
+        while (end := bytes(self.extra[:MAX_LINE]).find(b"\r\n")) < 0:
+            if len(self.extra) >= MAX_LINE:
+                raise ValueError("a line of a chunked answer longer than 4 KiB")
+            more = bytearray(256)
+            k = self.sock.recv_into(more)
+            if not k:
+                raise _Disconnected("the answer ended inside a chunk header")
+            self.extra = memoryview(bytes(self.extra) + bytes(more[:k]))
+            _check(self.deadline)
+        out = bytes(self.extra[:end])
+        self.extra = self.extra[end + 2 :]
+        return out
 
     def skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
@@ -367,6 +505,17 @@ class _BodyStream:
             k = min(n, len(scratch))
             self.read_into(scratch[:k])
             n -= k
+
+
+MAX_LINE = 4096
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk of a chunked body, from its line (extensions ignored)."""
+    text = line.split(b";", 1)[0].strip()
+    if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
+        raise ValueError(f"bad chunk size line {line[:40]!r}")
+    return int(text, 16)
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
@@ -395,13 +544,20 @@ def _error(status: int, body: bytes, url: str, cid: str | None) -> CkptdError:
         return err
     if cid is None:
         return Unavailable(f"{url} answered {status} to a read of several chunks", peer=url,
-                           reason="status")
+                           reason="status", status=status)
     if status == 404:
-        return ChunkNotFound(f"peer {url} does not hold chunk {cid}", id=cid, peer=url)
+        return ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url)
     if status == 409:
         return Conflict(f"peer {url}: chunk {cid} is being overwritten", id=cid, peer=url)
-    return Unavailable(f"peer {url} answered {status} for chunk {cid}", peer=url,
-                       reason="status")
+    # An object store's error names itself in XML (<Code>AccessDenied</Code>, and a
+    # <Message> such as "Request has expired"): say what it said.
+    said = " ".join(m.group(1).decode("utf-8", "replace")[:200] for m in
+                    _XML_SAID.finditer(body[:4096]))
+    return Unavailable(f"{url} answered {status} for chunk {cid}" + (f": {said}" if said else ""),
+                       peer=url, reason="status", status=status)
+
+
+_XML_SAID = re.compile(rb"<(?:Code|Message)>([^<]*)</(?:Code|Message)>")
 
 
 def wait_listening(url: str, timeout: float = 10.0) -> None:

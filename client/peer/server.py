@@ -66,6 +66,7 @@ class PeerStats:
     stale: int = 0  # refused: the buffer was being overwritten
     busy: int = 0  # refused: too many requests at once
     unauthorized: int = 0
+    evicted: int = 0  # closed while sending a head, to admit a newer connection
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -75,7 +76,8 @@ class PeerStats:
     def as_dict(self) -> dict[str, int]:
         with self.lock:
             return {k: getattr(self, k) for k in
-                    ("served", "bytes_served", "not_found", "stale", "busy", "unauthorized")}
+                    ("served", "bytes_served", "not_found", "stale", "busy", "unauthorized",
+                     "evicted")}
 
 
 class PeerServer:
@@ -91,8 +93,12 @@ class PeerServer:
 
     Every request but ``/healthz`` must carry the job's peer token
     (``set_token``, from the server's heartbeat replies; ``token`` to start with):
-    until one is set, nothing is served. Connections are served by a fixed pool of
-    threads with read deadlines (``peer.http.BoundedHTTPServer``)."""
+    until one is set, nothing is served. Connections are admitted and their heads
+    read by one thread, requests answered by a fixed pool of threads, with read
+    deadlines and at most ``max_connections`` open (``peer.http.BoundedHTTPServer``).
+    A chunk goes out straight from the pool to a client that reads trailers
+    (``PeerClient``), with its seqlock validity after it; to others, copied out
+    first."""
 
     def __init__(
         self,
@@ -107,12 +113,14 @@ class PeerServer:
         busy_wait: float = _BUSY_WAIT,
         route_to: str | None = None,
         head_timeout: float = 5.0,
+        max_connections: int | None = None,
     ) -> None:
         self.host = (knobs.peer_host() or "127.0.0.1") if host is None else host
         self.port = knobs.peer_port() if port is None else int(port)
         self._tokens: tuple[str, ...] = (token,) if token else ()
         self.route_to = route_to
         self.head_timeout = head_timeout
+        self.max_connections = max_connections  # None: a share of the open-file limit
         self.concurrency = max(1, knobs.peer_concurrency() if concurrency is None
                                else int(concurrency))
         self.advertise_host = advertise_host or knobs.peer_advertise_host()
@@ -137,8 +145,10 @@ class PeerServer:
             try:
                 httpd = BoundedHTTPServer(
                     (self.host, self.port), self._handle,
-                    workers=self.concurrency + 4, queued=64, head_timeout=self.head_timeout,
-                    idle_timeout=self.head_timeout, on_refused=lambda: self.stats.add("busy"),
+                    workers=self.concurrency + 4, max_connections=self.max_connections,
+                    head_timeout=self.head_timeout, idle_timeout=self.head_timeout,
+                    on_refused=lambda: self.stats.add("busy"),
+                    on_evicted=lambda: self.stats.add("evicted"),
                 )
             except OSError as exc:
                 raise Unavailable(
@@ -272,33 +282,58 @@ class PeerServer:
                 request.json(404, ChunkNotFound(f"this peer does not hold chunk {cid}", id=cid)
                              .to_json())
                 return
-            # Seqlock read: valid before, copy out, valid after. A save that started
-            # overwriting the pool in between makes the copy worthless: refuse it.
+            # Seqlock read: valid before, bytes out, valid after. A save that started
+            # overwriting the pool in between makes them worthless: never passed on.
             if not index.valid():
-                self.stats.add("stale")
-                request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid).to_json())
+                self._stale(request, cid)
                 return
-            n = len(view)
-            scratch = self._take_scratch(n)
-            try:
-                out = memoryview(scratch)[:n]
-                out[:] = view
-                if not index.valid():
-                    self.stats.add("stale")
-                    request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid)
-                                 .to_json())
-                    return
-                headers = {"Content-Type": "application/octet-stream"}
-                if index.step is not None:
-                    headers["X-Ckptd-Step"] = str(index.step)
-                request.send(200, headers, out)
-                out.release()
-            finally:
-                self._scratch.put(scratch)
-            self.stats.add("served")
-            self.stats.add("bytes_served", n)
+            headers = {"Content-Type": "application/octet-stream"}
+            if index.step is not None:
+                headers["X-Ckptd-Step"] = str(index.step)
+            if request.wants_trailers():
+                # Straight from the pool (the kernel's copy is the only one); the
+                # trailer says whether the pool still held them once sent, and a
+                # client that asked for it drops them otherwise (PeerClient: 409).
+                def counted() -> bool:  # (counted before the client can read the verdict)
+                    valid = index.valid()
+                    self._count(view if valid else None)
+                    return valid
+
+                request.send_checked(200, headers, view, counted)
+            else:
+                self._send_copied(request, cid, headers, view, index)
         finally:
             self._slots.release()
+
+    def _count(self, sent: memoryview | None) -> None:
+        """Counts a chunk served (None: refused, it was being overwritten)."""
+        if sent is None:
+            self.stats.add("stale")
+        else:
+            self.stats.add("served")
+            self.stats.add("bytes_served", len(sent))
+
+    def _send_copied(self, request: PeerRequest, cid: str, headers: dict[str, str],
+                     view: memoryview, index: PeerIndex) -> None:
+        """For a client that reads no trailers: the bytes copied out of the pool
+        first and checked valid after the copy, then sent with their length."""
+        n = len(view)
+        scratch = self._take_scratch(n)
+        try:
+            out = memoryview(scratch)[:n]
+            out[:] = view
+            if not index.valid():
+                self._stale(request, cid)
+                return
+            self._count(view)  # (before the client can have the answer)
+            request.send(200, headers, out)
+            out.release()
+        finally:
+            self._scratch.put(scratch)
+
+    def _stale(self, request: PeerRequest, cid: str) -> None:
+        self._count(None)
+        request.json(409, Conflict(f"chunk {cid} is being overwritten", id=cid).to_json())
 
     def _take_scratch(self, n: int) -> bytearray:
         try:

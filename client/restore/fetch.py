@@ -4,6 +4,7 @@ in place or landed in fresh memory, then delivered to its destinations."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import warnings
@@ -24,6 +25,7 @@ from ckptd.errors import (
 from ckptd.knobs import MiB
 
 from ..loop import bounded, in_thread, spread
+from .devices import MAX_THREADS, PIECE, CopyJob, copy_to_device
 from .memory import Landing, Prefault, Span, span_of
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
@@ -411,31 +413,33 @@ class DeviceOrder:
 
 
 def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]],
-               order: DeviceOrder | None = None) -> None:
-    """Copies verified chunks straight from where they lie (the staging pool, the
-    cache, a landing buffer) into device tensors: on a side stream per CUDA
-    device, ordered after the work the caller had queued on the device's current
-    stream (``order``; else this thread's), and finished before returning (so the
-    host bytes may go once this returns)."""
-    from ..cuda import CopyStreams  # only with device tensors: no CUDA otherwise
-
-    streams = CopyStreams()
-    cuda = {d.device for dsts in devices.values() for d in dsts if d.device.type == "cuda"}
-    streams.begin(cuda, order.ready if order is not None else None)
+               order: DeviceOrder | None = None, threads: int | None = None) -> None:
+    """Copies verified chunks from where they lie (the staging pool, the cache, a
+    landing buffer) into device tensors: for a CUDA device on several threads, each
+    with a side stream ordered after the work the caller had queued on the device's
+    current stream (``order``; else this thread's) and its own page-locked bounce
+    buffers (``devices.copy_to_device``); finished before returning (so the host
+    bytes may go once this returns)."""
     inference = order.inference if order is not None else torch.is_inference_mode_enabled()
-    try:
-        with torch.inference_mode(inference), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
-            for cid, dsts in devices.items():
-                src = torch.frombuffer(found[cid], dtype=torch.uint8)
-                for dst in dsts:
-                    if dst.device.type != "cuda":
-                        dst.copy_(src)
-                        continue
-                    with streams.on(dst.device):
-                        dst.copy_(src, non_blocking=True)
-    finally:
-        streams.finish().synchronize()
+    cuda: dict[torch.device, list[CopyJob]] = {}
+    with torch.inference_mode(inference), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
+        for cid, dsts in devices.items():
+            for dst in dsts:
+                if dst.device.type == "cuda":
+                    cuda.setdefault(dst.device, []).append((found[cid], dst))
+                else:
+                    dst.copy_(torch.frombuffer(found[cid], dtype=torch.uint8))
+    if not cuda:
+        return
+    from ..cuda import CudaLane, record_ready  # only with CUDA tensors: no CUDA otherwise
+
+    ready = dict(order.ready) if order is not None else {}
+    ready.update(record_ready([d for d in cuda if d not in ready]))
+    threads = threads or max(2, min(MAX_THREADS, (os.cpu_count() or 2) // 2))
+    for device, jobs in cuda.items():
+        copy_to_device(jobs, functools.partial(CudaLane, device, ready[device], PIECE),
+                       threads, inference)
 
 
 @dataclass(slots=True)

@@ -160,7 +160,10 @@ def needed_boxes(
     boxes: dict[str, Box] = {}
     other = False
     for e in plan.manifest.entries:
-        box = needed_box(e, values.get(e.name), shards.get(e.name), same_world)
+        # A name this rank holds several shards of (format 1.3) is one tensor whose
+        # box no single entry gives: needed as from another world size.
+        again = e.name in boxes
+        box = needed_box(e, values.get(e.name), shards.get(e.name), same_world and not again)
         boxes[e.name] = box
         other = other or box != (tuple(e.offsets), tuple(e.shape))
     return boxes, other
@@ -220,6 +223,8 @@ def build_layout(
             stored.setdefault(e.name, {}).setdefault(
                 (tuple(e.offsets), tuple(e.shape)), (e, m.chunk_size))
     for e in manifest.entries:
+        if e.name in specs:
+            continue  # another shard of a tensor planned already (its boxes are in stored)
         box = boxes[e.name]
         dtype = torch_dtype(e.dtype)
         existing = values.get(e.name)

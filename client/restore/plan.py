@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ckptd.errors import CheckpointNotFound, CkptdError, InvalidDocument, NotCommitted
@@ -31,6 +32,11 @@ class RestorePlan:
     peer_token: str | None = None  # the job's peer token, from the server's plan
     # Damaged documents that made "latest" an older step (see restorable_step).
     fallback: list[str] = field(default_factory=list)
+    # Over an object store: presigned GET URLs of the manifest's chunks (chunk id ->
+    # URL), valid ``reads_expire_in`` seconds from ``planned_at`` (time.monotonic).
+    reads: dict[str, str] = field(default_factory=dict)
+    reads_expire_in: float | None = None
+    planned_at: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -46,22 +52,33 @@ async def resolve_step(transport: Transport, job: str, step: int | None) -> int:
     return latest
 
 
-async def fetch_restore_plan(
-    transport: Transport, job: str, rank: int, step: int
-) -> tuple[RankManifest | None, dict[str, list[str]], str | None, str | None]:
-    """The server's restore plan for ``rank`` at ``step``: its manifest (None when
-    the server sent none), the peers holding each chunk, the manifest's hash, and
-    the job's peer token (what those peers require).
+@dataclass(slots=True)
+class PlanReply:
+    """What a server's restore plan for one rank said."""
+
+    manifest: RankManifest | None = None  # None when the server sent none
+    peers: dict[str, list[str]] = field(default_factory=dict)  # chunk id -> holders
+    digest: str | None = None  # the manifest's hash
+    peer_token: str | None = None  # what those peers require
+    reads: dict[str, str] = field(default_factory=dict)  # chunk id -> presigned URL
+    reads_expire_in: float | None = None
+    answered_at: float | None = None  # time.monotonic() when it came
+
+
+async def fetch_restore_plan(transport: Transport, job: str, rank: int, step: int
+                             ) -> PlanReply:
+    """The server's restore plan for ``rank`` at ``step`` (``PlanReply``).
     An HTTP transport only; a server without the route gives no peers."""
     if not isinstance(transport, HttpTransport):
-        return None, {}, None, None
+        return PlanReply()
     try:
         doc = await transport.restore_plan(job, rank, step)
     except (CheckpointNotFound, NotCommitted):
         raise
     except CkptdError as exc:
         log.info("no restore plan from %s (%s); restoring without peers", transport.url, exc)
-        return None, {}, None, None
+        return PlanReply()
+    answered_at = time.monotonic()
     peers_doc = doc.get("peers") or {}
     peers = {str(cid): [str(u) for u in urls if isinstance(u, str)]
              for cid, urls in peers_doc.items() if isinstance(urls, list)}
@@ -74,8 +91,13 @@ async def fetch_restore_plan(
         except (CkptdError, TypeError, ValueError) as exc:
             log.warning("restore plan's manifest does not parse (%s); reading it", exc)
     token = doc.get("peer_token")
-    return (manifest, peers, digest if isinstance(digest, str) else None,
-            token if isinstance(token, str) else None)
+    reads_doc = doc.get("reads") or {}
+    reads = {str(cid): url for cid, url in reads_doc.items() if isinstance(url, str)}
+    expire_in = doc.get("reads_expire_in")
+    return PlanReply(manifest, peers, digest if isinstance(digest, str) else None,
+                     token if isinstance(token, str) else None, reads,
+                     float(expire_in) if isinstance(expire_in, int | float) else None,
+                     answered_at)
 
 
 async def _restorable(transport: Transport, job: str, step: int | None) -> tuple[int, list[str]]:
@@ -99,12 +121,10 @@ async def load_plan(
     step = await resolve_step(transport, job, step)
     record = await transport.read_commit(job, step)  # NotCommitted, CheckpointNotFound
     source_rank = rank if rank < record.world_size else 0
-    manifest: RankManifest | None = None
-    peers: dict[str, list[str]] = {}
-    peer_token = None
+    reply = PlanReply()
     if with_peers:
-        manifest, peers, _, peer_token = await fetch_restore_plan(
-            transport, job, source_rank, step)
+        reply = await fetch_restore_plan(transport, job, source_rank, step)
+    manifest, peers, peer_token = reply.manifest, reply.peers, reply.peer_token
     expected = record.manifests[source_rank].hash
     if manifest is not None and document_hash(manifest.canonical()) != expected:
         log.warning("restore plan's manifest of rank %d is not the committed one; reading it",
@@ -115,7 +135,8 @@ async def load_plan(
     ):
         manifest = await transport.read_manifest(job, step, source_rank, record)
     plan = RestorePlan(job, step, source_rank, record, manifest, peers, peer_token=peer_token,
-                       fallback=fallback)
+                       fallback=fallback, reads=reply.reads,
+                       reads_expire_in=reply.reads_expire_in, planned_at=reply.answered_at)
     plan.manifests[source_rank] = manifest
     return plan
 
@@ -139,10 +160,10 @@ async def load_all_manifests(transport: Transport, plan: RestorePlan, with_peers
             return
         manifest: RankManifest | None = None
         if with_peers:
-            manifest, peers, _, token = await fetch_restore_plan(transport, plan.job, r,
-                                                                 plan.step)
-            plan.peer_token = plan.peer_token or token
-            for cid, urls in peers.items():
+            reply = await fetch_restore_plan(transport, plan.job, r, plan.step)
+            manifest = reply.manifest
+            plan.peer_token = plan.peer_token or reply.peer_token
+            for cid, urls in reply.peers.items():
                 have = plan.peers.setdefault(cid, [])
                 have.extend(u for u in urls if u not in have)
             if manifest is not None and document_hash(manifest.canonical()) != (

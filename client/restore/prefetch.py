@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptd import knobs
 from ckptd.errors import InvalidRequest
 from ckptd.format import check_job, check_rank
 from ckptd.hashing import chunk_spans
@@ -80,7 +81,9 @@ async def _prefetch(
     # prefetched cache is rebuilt, not recovered, after a crash.
     target = Repository(LocalStore(root, fsync=False))
     try:
-        plan = await load_plan(transport, job, rank, step, with_peers=peers)
+        # (The server's plan also carries the object store's presigned URLs.)
+        plan = await load_plan(transport, job, rank, step,
+                               with_peers=peers or knobs.direct_reads())
         check_rank(rank, plan.world_size, job=job)
         manifest = plan.manifest
         sizes: dict[str, int] = {}

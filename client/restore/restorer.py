@@ -30,6 +30,7 @@ from ..peer import PeerClient, PeerIndex
 from ..session import Session
 from ..stateful import restore_view
 from ..transport import Transport
+from .direct import ObjectStoreSource
 from .fetch import (
     ChunkFetcher,
     DeviceOrder,
@@ -63,8 +64,10 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
     """What a restore did: the step, bytes and chunks restored, time, how many
-    bytes came from each tier (``local``, ``cache``, ``peer``, ``store``), and the
-    sources that failed on the way (each chunk still came from another)."""
+    bytes came from each tier (``local``, ``cache``, ``peer``, ``store``, and
+    ``object``: the store tier's chunks read straight from an object store through
+    presigned URLs, not through the server), and the sources that failed on the
+    way (each chunk still came from another)."""
 
     step: int
     bytes_restored: int
@@ -145,6 +148,10 @@ def make_sources(
         client = PeerClient(plan.peer_token, timeout=opts.peer_timeout)
         sources.append(PeerSource(plan.peers, client, exclude=opts.exclude_peers))
     if opts.store:
+        # Over an object store, its presigned URLs first: the server is the fallback.
+        direct = ObjectStoreSource.of(plan.reads, plan.reads_expire_in, plan.planned_at)
+        if direct is not None:
+            sources.append(direct)
         sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
     return sources, pool
 
@@ -327,7 +334,10 @@ def _restore_planned(
     job: str, rank: int, world_size: int, step: int | None, shards: Mapping[str, Any] | None,
     opts: RestoreOptions, adopt: bool, ahead: PoolAhead | None, t0: float,
 ) -> tuple[RestoreResult, Fetched]:
-    plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=opts.peers))
+    # The server's plan names the peers, and over an object store carries the URLs
+    # that read it directly: asked for when either is wanted.
+    planned = opts.peers or (opts.store and knobs.direct_reads())
+    plan: RestorePlan = call(load_plan(transport, job, rank, step, with_peers=planned))
     t_plan = time.perf_counter()
     if ahead is not None and ahead.reader.step != plan.step:
         ahead.stop()  # (another step's pool: what it may still give is read as it is)

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-Tier = Literal["local", "cache", "peer", "store"]
+# "object": the store tier's chunks read from an object store through presigned
+# URLs (``direct.ObjectStoreSource``): asked for with "store", counted apart.
+Tier = Literal["local", "cache", "peer", "store", "object"]
 
 
 TIERS: tuple[Tier, ...] = ("local", "cache", "peer", "store")

@@ -104,14 +104,35 @@ Testing
 Layout of the package: ``format`` (the on-disk control file and index, frozen
 typed values), ``segments`` (the pool's files, the control file, removal),
 ``layout`` (where each tensor sits, the staged pieces, the copies), ``index``
-(writing ``index.json``), ``pool`` (``StagingPool``) and ``reader``
-(``StagedPoolReader``, stale pools).
+(writing ``index.json``), ``pool`` (``StagingPool``), ``reader``
+(``StagedPoolReader``, stale pools) and ``inventory`` (a host's pools, live or
+dead, for ``ckptd shm``).
 """
 
-from .layout import StagedPiece, StagedSpan, StagePlan, TensorInfo
-from .pool import StagingPool
-from .reader import StagedPoolReader, remove_stale_pools
-from .segments import PoolStats, pool_dir
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .layout import StagedPiece, StagedSpan, StagePlan, TensorInfo
+    from .pool import StagingPool
+    from .reader import StagedPoolReader, remove_stale_pools
+    from .segments import PoolStats, pool_dir
+
+# Imported when first used: ``inventory`` (``ckptd shm``, in an init container or at
+# a node's boot) and ``format`` need no torch, which took seconds to import.
+_EXPORTS = {
+    "PoolStats": "segments",
+    "StagePlan": "layout",
+    "StagedPiece": "layout",
+    "StagedPoolReader": "reader",
+    "StagedSpan": "layout",
+    "StagingPool": "pool",
+    "TensorInfo": "layout",
+    "pool_dir": "segments",
+    "remove_stale_pools": "reader",
+}
 
 __all__ = [
     "PoolStats",
@@ -124,3 +145,12 @@ __all__ = [
     "pool_dir",
     "remove_stale_pools",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

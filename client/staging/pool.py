@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 
 _KEEP_FACTOR = 1.5  # rebuild the pool when it is this much larger than the state
+_CLAIM_RETRIES = 10  # tries on a rank's own pool whose lock is held, _CLAIM_WAIT_S apart
+_CLAIM_WAIT_S = 0.005
 
 
 class StagingPool:
@@ -107,15 +109,25 @@ class StagingPool:
             for _ in range(3)
         ]
         for i, directory in enumerate(candidates):
-            for _ in range(5):  # a closing owner may remove the directory under us
+            # A dead pool's lock is held for a moment by whoever probes or removes it
+            # (``ckptd shm``, remove_stale_pools): wait that out on the rank's own
+            # name before taking a sibling that a restart would not find.
+            waits = _CLAIM_RETRIES if i == 0 else 0
+            vanished = 0
+            while True:
                 try:
                     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
                     opened = _open_control(directory, lock=True)
-                    break
-                except FileNotFoundError:
+                except FileNotFoundError:  # a closing owner removed it under us
+                    vanished += 1
+                    if vanished == 5:
+                        raise StagingError(
+                            f"cannot create the staging directory {directory}") from None
                     continue
-            else:
-                raise StagingError(f"cannot create the staging directory {directory}")
+                if opened is not None or waits == 0:
+                    break
+                waits -= 1
+                time.sleep(_CLAIM_WAIT_S)
             if opened is not None:
                 if i:
                     log.warning("staging: %s is in use by another live process (pid %s); "

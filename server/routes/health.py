@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ckptd import __version__
-from ckptd.api import Health
+from ckptd.api import HEALTHZ, Health
 from ckptd.errors import CkptdError
 from ckptd.server.auth import identify
 from ckptd.server.deps import RepoDep
@@ -43,7 +43,7 @@ async def _store_ok(repo: RepoDep) -> bool:
 
 
 @router.get(
-    "/healthz",
+    HEALTHZ,
     response_model=Health,
     response_model_exclude_none=True,
     summary="Liveness and version; the store's details with a token",

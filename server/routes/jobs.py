@@ -23,7 +23,7 @@ from ckptd.api import (
     StepSummary,
     VerifyResult,
 )
-from ckptd.errors import CheckpointNotFound, CkptdError, StoreCorrupt
+from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.format import CommitRecord
 from ckptd.repository import VerifyReport
 from ckptd.server.auth import ADMIN, READ, WRITE, CallerDep, scope
@@ -53,10 +53,9 @@ async def list_jobs(repo: RepoDep, caller: CallerDep) -> JobList:
     names = [n for n in await repo.list_jobs() if caller.may("read", n)]
 
     async def summary(name: str) -> JobSummary:
-        try:
-            return JobSummary(job=name, latest=await repo.latest(name))
-        except StoreCorrupt as exc:  # one job's damaged ref must not hide the others
-            return JobSummary(job=name, latest=None, damaged=exc.message)
+        # One job's damaged (or newer-format) ref must not hide the others.
+        latest, unreadable = await repo.latest_or_damage(name)
+        return JobSummary(job=name, latest=latest, **unreadable)
 
     return JobList(jobs=list(await asyncio.gather(*(summary(n) for n in names))))
 

@@ -35,9 +35,9 @@ from ckptd.lifecycle.tags import read_tags, remove_tag
 from ckptd.repository import Repository
 from ckptd.server.auth import ADMIN, READ, STORE_ADMIN, STORE_READ, WRITE, scope
 from ckptd.server.deps import JobDep, RepoDep
-from ckptd.server.registry import Registry
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
+from ckptd.server.scrub_peers import peer_source
 from ckptd.server.settings import Settings
 from ckptd.store import open_store
 
@@ -202,27 +202,6 @@ async def space(service: ServiceDep) -> SpaceResult:
 # -- background tasks, metrics ---------------------------------------------------------
 
 
-def _peer_source(registry: Registry, token: str | None) -> ChunkSource:
-    """Live peers (ranks that serve their staging pool) as a repair source."""
-    import httpx
-
-    async def get(cid: str) -> bytes | None:
-        urls = {v.peer_url for job in registry.jobs() for v in registry.ranks(job)[1]
-                if v.peer_url and v.state != "dead"}
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
-            for url in sorted(urls):
-                try:
-                    r = await http.get(f"{url.rstrip('/')}/v1/chunks/{cid}")
-                except httpx.HTTPError:
-                    continue
-                if r.status_code == 200:
-                    return r.content
-        return None
-
-    return get
-
-
 class _LifecycleCollector(Collector):
     """Capacity, GC and scrub gauges from the service's last results."""
 
@@ -288,10 +267,13 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
     repository.space_guard = SpaceGuard(repository.store, min_free_bytes=settings.min_free_bytes,
                                         warn_free_bytes=settings.warn_free_bytes)
     replica = open_store(settings.scrub_replica) if settings.scrub_replica else None
-    registry: Registry = app.state.registry
+    # Never with the server's token: each job's ranks with that job's peer token
+    # (docs/SECURITY.md, "What leaves the server").
+    peers = peer_source(app.state.registry, app.state.views, app.state.peer_secret,
+                        settings.scrub_peer_timeout)
 
     def sources() -> Sequence[ChunkSource]:
-        found = [_peer_source(registry, settings.token)]
+        found = [peers]
         return [store_source(replica), *found] if replica is not None else found
 
     service = LifecycleService(repository, LifecycleSettings(

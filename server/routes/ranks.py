@@ -35,6 +35,7 @@ from ckptd.server.deps import (
     ViewsDep,
 )
 from ckptd.server.peering import refuse_peer_url
+from ckptd.server.presign import chunk_reads
 from ckptd.server.registry import RankView, StoreViews
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
@@ -177,7 +178,8 @@ async def _committed(
 @router.get(
     "/{job}/restore-plan",
     response_class=Response,
-    summary="Rank R's manifest of a committed step, and the live peers holding its chunks",
+    summary="Rank R's manifest of a committed step, the live peers holding its chunks, and "
+    "over an object store presigned URLs to read them from it",
     responses={
         200: {"model": RestorePlan, "description": "The plan"},
         **error_responses(404, 409, 422),
@@ -191,6 +193,7 @@ async def restore_plan(
     request: Request,
     rank: QueryRankDep,
     asked: QueryStepDep,
+    settings: SettingsDep,
 ) -> Response:
     step, record, _ = await _committed(job, asked, repo, views)
     try:
@@ -220,6 +223,8 @@ async def restore_plan(
     held = await asyncio.gather(*(held_ids(peer) for peer, _ in holders))
     urls = [url for _, url in holders]
     token = peer_token(request.app.state.peer_secret, job)
+    # Over an object store: the rank reads its own manifest's chunks from it directly.
+    direct = await chunk_reads(repo.store, settings, manifest.chunk_ids())
 
     def encode() -> bytes:
         # Set intersections (C speed) rather than a lookup per chunk and peer: a
@@ -241,6 +246,8 @@ async def restore_plan(
             "peers": peers,
             "peer_token": token,
         }
+        if direct is not None:
+            plan["reads"], plan["reads_expire_in"] = direct
         # The manifest's canonical bytes (kept since it was parsed) are its JSON:
         # spliced in, not encoded again (seconds for 100,000 tensors).
         head = json.dumps(plan, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -151,7 +151,10 @@
     const head = el("div", { class: "job-head" },
       el("h2", {}, job.job),
       el("span", { class: "pill pill-neutral" }, `world ${job.world_size ?? "?"}`),
-      el("span", { class: "pill pill-neutral" }, `latest ${job.latest ?? "none"}`),
+      job.damaged || job.unsupported
+        ? el("span", { class: "pill pill-dead", title: job.damaged || job.unsupported },
+          job.damaged ? "latest damaged" : "newer format: upgrade ckptd")
+        : el("span", { class: "pill pill-neutral" }, `latest ${job.latest ?? "none"}`),
       ...Object.entries(states).filter(([, n]) => n > 0).map(([state, n]) =>
         el("span", { class: `pill pill-${state}` }, el("span", { class: "dot" }), `${n} ${state}`)),
       job.snapshot_at !== null
@@ -226,8 +229,9 @@
   function renderSteps(job) {
     const rows = job.steps.slice().reverse().slice(0, 8).map((s) => el("tr", { "data-step": s.step },
       el("td", { class: "num" }, s.step),
-      el("td", {}, s.damaged
-        ? el("span", { class: "pill pill-dead", title: "scrub found corrupt chunks; restore of latest skips it" }, "damaged")
+      el("td", {}, s.damaged || s.unsupported
+        ? el("span", { class: "pill pill-dead", title: s.damaged || s.unsupported },
+          s.damaged ? "damaged" : "newer format")
         : s.committed
         ? el("span", { class: "pill pill-alive" }, s.is_latest ? "committed · latest" : "committed")
         : el("span", { class: "pill pill-neutral" }, `pending ${s.ranks_present}/${s.world_size ?? "?"}`)),

@@ -1,9 +1,11 @@
 """The dashboard in a real (headless) Chromium against a real ``ckptd serve``: a job
 with a dead and a degraded rank, and a checkpoint taken for a health reason.
 
-Needs Debian's ``chromium`` at /usr/bin/chromium and the ``playwright`` package
-(never ``playwright install``: it downloads its own browser). Saves a screenshot
-to ``artifacts/dashboard.png``."""
+Needs Debian's ``chromium`` at /usr/bin/chromium (``CKPTD_CHROMIUM`` names another)
+and the ``playwright`` package (never ``playwright install``: it downloads its own
+browser). Without chromium the tests skip, saying how to install it; in CI
+(``CI`` set, as ``.ci/run`` runs them) they fail instead: nothing skips silently
+there. Saves a screenshot to ``artifacts/dashboard.png``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ from ckptd.hashing import chunk_spans
 from tests.conftest import ServerProcess
 from tests.integration.test_api import CHUNK, COLS, commit, manifest, put_manifest, tensor
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(os.environ.get("CKPTD_CHROMIUM", "/usr/bin/chromium"))
+NO_CHROMIUM = (f"needs Debian's chromium at {CHROMIUM}: sudo apt-get install chromium "
+               "(or CKPTD_CHROMIUM=/path/to/chromium)")
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 INTERVAL = 0.3
 CHROMIUM_ARGS = [
@@ -30,13 +35,17 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium"
-    ),
-]
+pytestmark = pytest.mark.slow
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
+
+
+@pytest.fixture(autouse=True)
+def _chromium() -> None:
+    if not CHROMIUM.exists():
+        if IN_CI:
+            pytest.fail(f"CI runs the browser tests (.ci/run installs chromium), but it "
+                        f"{NO_CHROMIUM}", pytrace=False)
+        pytest.skip(NO_CHROMIUM)
 
 
 def beat(client: httpx.Client, job: str, rank: int, world: int, **body: Any) -> dict[str, Any]:

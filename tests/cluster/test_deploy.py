@@ -1,10 +1,17 @@
-"""The deployment: Kubernetes manifests (a StatefulSet of replicas behind a
-headless Service, a Secret, MinIO) and the local script that starts three
-replicas over an S3-compatible server (moto's here), used end to end."""
+"""The deployment: one image (the root Dockerfile, whose HEALTHCHECK is run here
+against a real ``ckptd serve`` configured as the image configures it, over http
+and https), Kubernetes manifests (a StatefulSet of replicas behind a headless
+Service, a Secret, MinIO; the image a kustomize parameter; laptop-sized requests,
+production sizes in an overlay), compose, and the local script that starts three
+replicas over an S3-compatible server (moto's here), used end to end.
+
+No Docker here: nothing is built; the image's own commands are run instead."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,13 +28,151 @@ from ckptd import __version__
 from ckptd.client import Checkpointer
 from tests.cluster.conftest import ROOT, s3_env
 from tests.conftest import free_port
+from tests.integration.test_install import instructions
+from tests.integration.test_tls import make_certificate
 
 DEPLOY = ROOT / "deploy"
+IMAGE_NAME = "ckptd"  # the name manifests and compose give the image the Dockerfile builds
 
 
 def documents(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d
             for d in yaml.safe_load_all(path.read_text()) if d}
+
+
+def dockerfile() -> dict[str, list[str]]:
+    """The root Dockerfile's final stage: its ENV, HEALTHCHECK, ENTRYPOINT and CMD."""
+    image: dict[str, list[str]] = {"ENV": [], "USER": []}
+    for word, args in instructions((ROOT / "Dockerfile").read_text()):
+        if word == "FROM":
+            image = {"ENV": [], "USER": []}
+        elif word == "ENV":
+            image["ENV"] += [f"{k}={v}" for k, v in re.findall(r"(\w+)=(\S+)", args)]
+        elif word == "USER":
+            image["USER"] = [args]
+        elif word == "HEALTHCHECK":
+            image[word] = json.loads(args.split(" CMD ", 1)[1])
+        elif word in ("ENTRYPOINT", "CMD"):
+            image[word] = json.loads(args)
+    return image
+
+
+def test_one_image_whose_command_serves_and_never_runs_as_root() -> None:
+    assert list(DEPLOY.rglob("Dockerfile*")) == []  # one image: the root Dockerfile's
+    image = dockerfile()
+    assert image["ENTRYPOINT"] + image["CMD"] == ["ckptd", "serve"]
+    assert image["USER"] and image["USER"] != ["root"]
+    env = dict(e.split("=", 1) for e in image["ENV"])
+    assert env["CKPTD_HOST"] == "0.0.0.0" and env["CKPTD_PORT"] == "8470"
+    text = (ROOT / "Dockerfile").read_text()
+    # The pinned CPU build of torch by default, a build argument for a CUDA one.
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
+    assert re.search(r'torch==\$\{TORCH_VERSION\}', text)
+    assert f"ARG TORCH_VERSION={torch.__version__.split('+')[0]}" in text
+
+
+def _serve_like_the_image(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes],
+                                                                         Path]:
+    """The image's ENTRYPOINT and CMD, configured as the image is: by CKPTD_* only."""
+    image = dockerfile()
+    command = image["ENTRYPOINT"] + image.get("CMD", [])
+    log = tmp_path / f"serve-{env['CKPTD_PORT']}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=tmp_path)
+    return proc, log
+
+
+def _image_env(tmp_path: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    env.update(e.split("=", 1) for e in dockerfile()["ENV"])  # the image's own
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # where ckptd is
+    # Loopback only in tests: the image's 0.0.0.0 would serve every interface.
+    env.update(CKPTD_HOST="127.0.0.1", CKPTD_PORT=str(free_port()),
+               CKPTD_STORE=str(tmp_path / "store"), **more)
+    return env
+
+
+def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dockerfile()["HEALTHCHECK"], env=env, capture_output=True, text=True,
+                          timeout=30)
+
+
+def make_service_certificate(where: Path) -> tuple[Path, Path]:
+    """A certificate as a cluster's CA issues one: for the service's name (not the
+    loopback address the check asks on), signed by a CA the file does not hold."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def build(subject: str, issuer: str, public: Any, signer: Any, ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(public).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5))
+                   .not_valid_after(now + dt.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("ckptd.ml.svc.cluster.local")]),
+                critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    build("cluster CA", "cluster CA", ca_key.public_key(), ca_key, True)  # kept elsewhere
+    leaf = build("ckptd", "cluster CA", key.public_key(), ca_key, False)
+    cert_path, key_path = where / "leaf.pem", where / "leaf-key.pem"
+    cert_path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("tls", ["", "self-signed", "issued"],
+                         ids=["http", "https-self-signed", "https-issued-for-the-service"])
+def test_the_image_health_check_follows_the_configured_port_and_tls(
+    tmp_path: Path, tls: str
+) -> None:
+    more = {}
+    if tls:
+        maker = make_certificate if tls == "self-signed" else make_service_certificate
+        cert, key = maker(tmp_path)
+        more = {"CKPTD_TLS_CERT": str(cert), "CKPTD_TLS_KEY": str(key)}
+    env = _image_env(tmp_path, **more)
+    assert env["CKPTD_PORT"] != "8470"  # another port than the image's default
+    # Before the server answers: unhealthy (exit 1, Docker's "unhealthy").
+    early = _healthcheck(env)
+    assert early.returncode == 1, early.stdout + early.stderr
+    proc, log = _serve_like_the_image(tmp_path, env)
+    try:
+        deadline = time.monotonic() + 60
+        while (done := _healthcheck(env)).returncode != 0:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, done.stdout + done.stderr + log.read_text()
+            time.sleep(0.3)
+        scheme = "https" if tls else "http"
+        assert f"{scheme}://127.0.0.1:{env['CKPTD_PORT']}/healthz" in done.stdout
+        # A proxy in the environment (for the object store) is not asked for loopback.
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        proxied = _healthcheck({**env, **{name: nowhere for name in (
+            "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}})
+        assert proxied.returncode == 0, proxied.stdout + proxied.stderr
+        assert f"on {scheme}://127.0.0.1:{env['CKPTD_PORT']}" in log.read_text()
+        if tls:  # the check speaks https because the server does, not by luck
+            plain = _healthcheck({k: v for k, v in env.items() if not k.startswith("CKPTD_TLS")})
+            assert plain.returncode == 1, plain.stdout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    late = _healthcheck(env)
+    assert late.returncode == 1 and "unhealthy" in late.stderr, late.stdout + late.stderr
 
 
 def test_kubernetes_manifests() -> None:
@@ -42,11 +187,22 @@ def test_kubernetes_manifests() -> None:
     assert sts["spec"]["serviceName"] == "ckptd"
     assert service["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
     (container,) = sts["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == f"ghcr.io/ckptd/ckptd:{__version__}"  # pinned, not :latest
+    # The image is a parameter: kustomize's images entry names it (one command,
+    # `kustomize edit set image ckptd=REGISTRY/ckptd:TAG`, points it at a registry),
+    # pinned to this version, never :latest; by default the image a local build makes.
+    assert container["image"] == f"{IMAGE_NAME}:{__version__}"
+    assert kustomize["images"] == [{"name": IMAGE_NAME, "newTag": __version__}]
+    assert container["imagePullPolicy"] == "IfNotPresent"  # `kind load docker-image` works
+    assert container["args"][0] == "serve"  # after the image's ENTRYPOINT, ckptd
+    assert dockerfile()["ENTRYPOINT"] == ["ckptd"]
     assert container["ports"] == [{"name": "http", "containerPort": 8470}]
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # Small enough for kind or minikube (3 replicas and MinIO on a laptop).
+    requests = container["resources"]["requests"]
+    assert cpu(requests["cpu"]) <= 0.5 and mebibytes(requests["memory"]) <= 1024
+    assert mebibytes(container["resources"]["limits"]["memory"]) <= 4096
 
     env = {e["name"]: e for e in container["env"]}
     assert env["CKPTD_HOST"]["value"] == "0.0.0.0"
@@ -75,6 +231,35 @@ def test_kubernetes_manifests() -> None:
     assert "mc mb" in str(docs["Job", "minio-make-bucket"])
 
 
+def cpu(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_the_production_overlay_sizes_the_replicas() -> None:
+    overlay = DEPLOY / "kubernetes" / "production"
+    kustomize = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomize["resources"] == [".."]
+    (patch,) = kustomize["patches"]
+    assert patch["target"] == {"kind": "StatefulSet", "name": "ckptd"}
+    doc = yaml.safe_load((overlay / patch["path"]).read_text())
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "ckptd"
+    resources = container["resources"]
+    assert cpu(resources["requests"]["cpu"]) >= 4
+    assert mebibytes(resources["requests"]["memory"]) >= 4096
+    # The sizes the operations page gives are the ones the overlay sets.
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert "deploy/kubernetes/production" in operations
+    for value in (resources["requests"]["cpu"], resources["requests"]["memory"],
+                  resources["limits"]["memory"]):
+        assert str(value) in operations, value
+
+
 def test_compose_file_matches_the_manifests() -> None:
     compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
     services = compose["services"]
@@ -84,7 +269,26 @@ def test_compose_file_matches_the_manifests() -> None:
     assert len(peers) == 1
     assert sorted(s["environment"]["CKPTD_ADVERTISE_URL"] for s in replicas) == sorted(
         peers.pop().split(","))
-    assert {s["image"] for s in replicas} == {f"ghcr.io/ckptd/ckptd:{__version__}"}
+    # The image is a parameter (CKPTD_IMAGE), by default the one the root Dockerfile builds.
+    assert {s["image"] for s in replicas} == {f"${{CKPTD_IMAGE:-{IMAGE_NAME}:{__version__}}}"}
+    assert {s["build"]["context"] for s in replicas} == {"../.."}
+    assert (DEPLOY / "compose" / "../.." / "Dockerfile").resolve() == ROOT / "Dockerfile"
+
+
+def test_compose_health_checks_use_commands_their_images_have() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, service in services.items():
+        if name.startswith("ckptd-"):
+            # ckptd's own check, which reads the port and TLS from the environment:
+            # so no --port or --tls-* among the arguments, where it cannot see them.
+            assert service["healthcheck"]["test"] == ["CMD", *dockerfile()["HEALTHCHECK"]]
+            assert not any(a.startswith(("--port", "--tls", "--host"))
+                           for a in service.get("command", [])), service["command"]
+    # MinIO's images ship mc (MinIO's own compose example checks with it), not curl.
+    assert services["minio"]["healthcheck"]["test"] == ["CMD", "mc", "ready", "local"]
+    checks = json.dumps([s.get("healthcheck") for s in services.values()])
+    assert "curl" not in checks and "wget" not in checks
 
 
 @pytest.mark.slow
@@ -120,3 +324,12 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
     for port in ports:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_the_health_check_reaches_a_wildcard_bind_on_loopback() -> None:
+    from ckptd.cli.healthcheck import probe_url
+
+    assert probe_url("0.0.0.0", 8470, False) == "http://127.0.0.1:8470/healthz"
+    assert probe_url("::", 9000, True) == "https://[::1]:9000/healthz"
+    assert probe_url("fd00::7", 1, False) == "http://[fd00::7]:1/healthz"
+    assert probe_url("ckptd-0.ckptd", 8470, False) == "http://ckptd-0.ckptd:8470/healthz"

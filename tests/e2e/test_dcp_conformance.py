@@ -140,34 +140,6 @@ def test_a_fqn_that_is_a_tensor_on_one_rank_and_a_value_on_another_is_typed(
     assert RankManifest.model_validate(doc)
 
 
-def test_several_shards_of_one_tensor_on_one_rank_are_refused_as_the_readme_says() -> None:
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import (
-        SavePlan,
-        TensorWriteData,
-        WriteItem,
-        WriteItemType,
-    )
-
-    from ckptd.errors import UnsupportedValue
-
-    def item(offset: int) -> WriteItem:
-        box = ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([2, 4]))
-        return WriteItem(MetadataIndex("w", torch.Size([offset, 0])), WriteItemType.SHARD,
-                         TensorWriteData(box, TensorProperties(dtype=torch.float32),
-                                         torch.Size([4, 4])))
-
-    with pytest.raises(UnsupportedValue) as info:
-        Writer("file:///tmp/unused", "j", 1).prepare_local_plan(SavePlan([item(0), item(2)]))
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    said = " ".join(readme.split())  # the README wraps lines
-    assert "UnsupportedValue: " + str(info.value).replace("'w'", "'NAME'") in said
-
-
 class BlobState:
     """A Stateful whose state is raw bytes (after PyTorch's file-system DCP test)."""
 

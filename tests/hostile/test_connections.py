@@ -9,6 +9,7 @@ import os
 import resource
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,3 +221,180 @@ def test_without_httptools_the_server_says_what_it_cannot_guard(tmp_path: Path) 
     warning = [line for line in srv.log().splitlines() if "httptools is not installed" in line]
     assert warning, srv.log()
     assert "CKPTD_HEADER_TIMEOUT" in warning[0] and "CKPTD_MAX_CONNECTIONS" in warning[0]
+
+
+class Flood(threading.Thread):
+    """Keeps ``n`` half-open connections to ``port`` (half with part of a request
+    head, half with nothing), each reopened at once when the server closes it;
+    stops by itself after ``seconds``."""
+
+    def __init__(self, port: int, n: int, seconds: float) -> None:
+        super().__init__(daemon=True)
+        self.port, self.n, self.seconds = port, n, seconds
+        self.stop = threading.Event()
+        self.opened = 0
+        self.reopened = 0
+
+    def _open(self, i: int) -> socket.socket | None:
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", self.port))
+            if i % 2:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        except OSError:
+            s.close()
+            return None
+        s.setblocking(False)
+        self.opened += 1
+        return s
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.seconds
+        socks: list[socket.socket | None] = [self._open(i) for i in range(self.n)]
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:  # bounded
+                for i, s in enumerate(socks):
+                    if s is not None:
+                        try:
+                            if s.recv(4096) != b"":
+                                continue  # an answer (a 503): closed next time round
+                        except BlockingIOError:
+                            continue  # still open, still waiting
+                        except OSError:
+                            pass
+                        s.close()
+                    socks[i] = self._open(i)
+                    self.reopened += 1
+                time.sleep(0.01)
+        finally:
+            for s in socks:
+                if s is not None:
+                    s.close()
+
+
+@pytest.fixture
+def capped_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """``ulimit -n 256`` (a cap of 192 connections), a token, and a header timeout
+    longer than the test: only admission can let anyone in."""
+    saved = os.environ.get("CKPTD_HEADER_TIMEOUT")
+    os.environ["CKPTD_HEADER_TIMEOUT"] = "120"
+    try:
+        srv = LimitedServer(store=tmp_path / "store", token="admit-me")
+        srv.nofile = 256  # type: ignore[attr-defined]
+        srv.start()
+    finally:
+        if saved is None:
+            os.environ.pop("CKPTD_HEADER_TIMEOUT", None)
+        else:
+            os.environ["CKPTD_HEADER_TIMEOUT"] = saved
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_a_flood_that_reconnects_at_once_locks_out_neither_health_nor_saves(
+    capped_server: ServerProcess,
+) -> None:
+    import torch
+
+    from ckptd.client import Checkpointer
+
+    srv = capped_server
+    flood = Flood(srv.port, 300, seconds=90)
+    flood.start()
+    try:
+        for _ in range(200):  # bounded: until the flood holds its connections
+            if flood.opened >= 300:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        # /healthz answers, each time, within its timeout.
+        for _ in range(5):
+            r = httpx.get(f"{srv.url}/healthz", timeout=5)
+            assert r.status_code == 200, r.text
+        # An authorized save commits.
+        state = {"w": torch.arange(300_000, dtype=torch.float32)}
+        with Checkpointer(srv.url, "admitted", token="admit-me", chunk_size=1 << 18) as ckpt:
+            result = ckpt.save(1, state).wait(timeout=60)
+        assert result.state == "committed", result
+        assert flood.is_alive() and flood.reopened > 0, "the flood stopped: nothing was tested"
+    finally:
+        flood.stop.set()
+        flood.join(30)
+    log = srv.log()
+    assert "Traceback" not in log
+    assert log.count("out of system resource") < 20, log.count("out of system resource")
+
+
+@pytest.fixture
+def ten_connections(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = _serve(tmp_path, {"CKPTD_MAX_CONNECTIONS": "10", "CKPTD_HEADER_TIMEOUT": "120"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _closed(s: socket.socket, wait: float = 5.0) -> bool:
+    s.settimeout(wait)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_admission_closes_the_longest_waiting_connections_never_a_request_under_way(
+    ten_connections: ServerProcess,
+) -> None:
+    srv = ten_connections
+    bodies = [os.urandom(1 << 20) for _ in range(3)]
+    busy, waiting, newer = [], [], []
+    try:
+        for body in bodies:  # uploads under way: head and half the body sent
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(f"PUT /v1/chunks/{chunk_id(body)} HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+            busy.append(s)
+        time.sleep(0.3)
+        for _ in range(7):  # at the cap now
+            waiting.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+            time.sleep(0.02)  # (an order the server sees)
+        time.sleep(0.3)
+        for _ in range(9):  # each admitted by closing the one waiting longest
+            newer.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+            time.sleep(0.02)
+        assert all(_closed(s) for s in waiting)
+        assert [_closed(s, 0.5) for s in newer] == [True, True] + [False] * 7
+        for s, body in zip(busy, bodies, strict=True):  # untouched: they finish
+            s.sendall(body[len(body) // 2:])
+            s.settimeout(10)
+            assert s.recv(4096).startswith(b"HTTP/1.1 201 "), body[:0]
+    finally:
+        for s in busy + waiting + newer:
+            s.close()
+
+
+def test_when_every_connection_is_under_way_a_new_one_gets_a_coded_503(
+    ten_connections: ServerProcess,
+) -> None:
+    srv = ten_connections
+    busy = []
+    try:
+        for i in range(10):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(f"PUT /v1/chunks/{chunk_id(str(i).encode())} HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Length: {1 << 20}\r\n\r\n".encode() + b"x" * 1000)
+            busy.append(s)
+        time.sleep(0.5)
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        busy.append(s)
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b'"unavailable"' in answer, answer
+    finally:
+        for s in busy:
+            s.close()

@@ -45,8 +45,13 @@ def test_healthz_says_not_ok_when_the_store_is_gone(
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
+    from tests.store.test_s3 import _OneRequestAtATime
+
     s3 = moto_server.ThreadedMotoServer("127.0.0.1", free_port(), verbose=False)
     s3.start()
+    # S3's conditional writes are atomic; moto's only one request at a time (the
+    # server checks its store's conditions at start).
+    s3._server.app = _OneRequestAtATime(s3._server.app)  # type: ignore[union-attr]
     host, port = s3.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="health")
@@ -111,3 +116,54 @@ def test_metrics_can_need_a_token_on_every_job(
         assert httpx.get(url, headers=srv.headers()).status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_store_failure_tells_a_tenant_no_bucket_endpoint_or_identity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3 error's message names the bucket, the prefix, the endpoint (and in an
+    AccessDenied, the server's cloud identity): the operator's to read, in the log
+    and with a token on every job; a job's token gets the key only."""
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    from tests.conftest import free_port
+    from tests.store.test_s3 import _OneRequestAtATime
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true"),
+                        ("AWS_CONFIG_FILE", "/nonexistent"), ("AWS_MAX_ATTEMPTS", "1"),
+                        ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    s3 = moto_server.ThreadedMotoServer("127.0.0.1", free_port(), verbose=False)
+    s3.start()
+    s3._server.app = _OneRequestAtATime(s3._server.app)  # type: ignore[union-attr]
+    host, port = s3.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="infra-bucket-name")
+    tokens = tmp_path / "tokens.json"
+    alpha = create_token(tokens, "alpha", "read")[0]
+    srv = ServerProcess(store=tmp_path / "unused", token="the-operator",
+                        extra_args=["--store", f"s3://infra-bucket-name/secret-prefix"
+                                    f"?endpoint={endpoint}", "--tokens-file", str(tokens)])
+    stopped = False
+    try:
+        srv.start()
+        s3.stop()
+        stopped = True
+        tenant = httpx.get(f"{srv.url}/v1/jobs/alpha/steps", timeout=60,
+                           headers={"Authorization": f"Bearer {alpha}"})
+        assert tenant.status_code == 500 and tenant.json()["code"] == "store_error", tenant.text
+        for secret in ("infra-bucket-name", "secret-prefix", str(port), "s3://"):
+            assert secret not in tenant.text, tenant.text
+        assert tenant.json()["detail"] == {"key": "jobs/alpha/steps/"}
+        operator = httpx.get(f"{srv.url}/v1/jobs/alpha/steps", timeout=60,
+                             headers={"Authorization": "Bearer the-operator"})
+        assert operator.status_code == 500 and "infra-bucket-name" in operator.text
+        assert "infra-bucket-name" in srv.log()  # the full error, for the operator
+    finally:
+        srv.stop()
+        if not stopped:
+            s3.stop()

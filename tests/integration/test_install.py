@@ -50,6 +50,7 @@ class Image:
     users: dict[str, int] = field(default_factory=dict)
     healthcheck: list[str] = field(default_factory=list)
     entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
     wheels: list[Path] = field(default_factory=list)
 
     def path(self, image_path: str) -> Path:
@@ -151,6 +152,8 @@ def replay(dockerfile: Path, image: Image, log: list[str]) -> None:
             image.healthcheck = json.loads(args.split("CMD", 1)[1].strip())
         elif word == "ENTRYPOINT":
             image.entrypoint = json.loads(args)
+        elif word == "CMD":
+            image.cmd = json.loads(args)
     image.env = {k: _map_paths(v, image, roots) for k, v in image.env.items()}
 
 
@@ -207,13 +210,14 @@ def _ckptd_env(image: Image, port: int, store: Path) -> dict[str, str]:
 
 @pytest.fixture
 def served(image: Image, tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Path]]:
-    """The image's entrypoint, run from its working directory (outside the checkout)."""
+    """The image's entrypoint and command, run from its working directory (outside
+    the checkout)."""
     port = free_port()
     env = _ckptd_env(image, port, tmp_path / "store")
     cwd = image.workdir or tmp_path
     assert REPO not in cwd.parents and cwd != REPO
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (open while the server runs)
-    entry = [image.bin(image.entrypoint[0]), *image.entrypoint[1:]]
+    entry = [image.bin(image.entrypoint[0]), *image.entrypoint[1:], *image.cmd]
     proc = subprocess.Popen(entry, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

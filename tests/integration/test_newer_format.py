@@ -33,11 +33,16 @@ def newer(tmp_path: Path, shm: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("command", [["ls"], ["ls", "j"], ["verify", "j"]])
-def test_listing_and_verify_say_upgrade_not_damaged(newer: Path, command: list[str]) -> None:
+@pytest.mark.parametrize(("command", "code"), [
+    (["ls"], "[unsupported_format]"), (["ls", "j"], "[unsupported_format]"),
+    # the store's document, not the caller's (a 5xx over HTTP)
+    (["verify", "j"], "[unsupported_stored_format]"),
+])
+def test_listing_and_verify_say_upgrade_not_damaged(
+        newer: Path, command: list[str], code: str) -> None:
     result = CliRunner().invoke(app, [*command, "--url", f"file://{newer}"])
     assert result.exit_code != 0
-    assert "unsupported_format" in result.output and "upgrade ckptd" in result.output
+    assert code in result.output and "upgrade ckptd" in result.output
     assert "damaged" not in result.output
 
 

@@ -82,3 +82,25 @@ def test_a_replica_whose_host_vanished_costs_a_save_seconds(tmp_path: Path, shm:
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_a_peer_or_replica_chunk_read_from_a_vanished_host_costs_a_connect_timeout() -> None:
+    """Chunk reads (peers, a replica's chunk route) go through ``PeerClient``, which
+    connected with the whole read timeout (60 s for a replica): a restore from a
+    vanished host waited that long before its next source."""
+    from ckptd.client.peer import PeerClient
+    from ckptd.errors import Unavailable
+
+    port = free_port()
+    client = PeerClient("t", timeout=60.0)
+    try:
+        with silent_port(port):
+            t0 = time.perf_counter()
+            with pytest.raises((Unavailable, OSError)):
+                client.fetch_into(f"http://127.0.0.1:{port}", "0" * 64,
+                                  memoryview(bytearray(16)))
+            took = time.perf_counter() - t0
+    finally:
+        client.close()
+    bound = knobs.connect_timeout() + 2.0
+    assert took < bound, f"a read from a silent host took {took:.1f} s (bound {bound:.1f} s)"

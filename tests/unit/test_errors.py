@@ -45,7 +45,10 @@ def test_codes_are_snake_case_and_statuses_are_http() -> None:
 def test_statuses_of_families() -> None:
     for cls in all_error_classes():
         status = http_status(cls.code)
-        if issubclass(cls, errors.InvalidRequest) and cls is not errors.TooLarge:
+        # (a stored document of a newer format is the server's to upgrade, not the
+        # caller's mistake; it is still an UnsupportedFormat to the client)
+        if issubclass(cls, errors.InvalidRequest) and cls not in (
+                errors.TooLarge, errors.UnsupportedStoredFormat):
             assert status == 400, cls
         if issubclass(cls, NotFound):
             assert status == 404, cls
@@ -54,6 +57,8 @@ def test_statuses_of_families() -> None:
         if issubclass(cls, errors.IntegrityError):
             assert status == 422, cls
     assert http_status("no_such_code") == 500
+    assert issubclass(errors.UnsupportedStoredFormat, errors.UnsupportedFormat)
+    assert http_status(errors.UnsupportedStoredFormat.code) == 500
 
 
 @pytest.mark.parametrize("code", sorted(HTTP_STATUS))

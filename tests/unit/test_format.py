@@ -291,6 +291,50 @@ def test_duplicate_entry_names_are_refused() -> None:
         parse(with_entries(e, e, tree={"list": [{"tensor": "w"}]}))
 
 
+def _row_shard(row: int, rows: int = 1, **changes: Any) -> dict[str, Any]:
+    """Rows ``[row, row + rows)`` of a [4, 3000] float32 tensor, as a sharded entry."""
+    n = rows * 3000 * 4
+    return entry_doc(placement="sharded", offsets=[row, 0], shape=[rows, 3000], nbytes=n,
+                     chunks=[CID] * math.ceil(n / 4096), **changes)
+
+
+def test_several_shards_of_one_tensor_in_one_manifest_parse() -> None:
+    # (1.3) A ShardedTensor with several local shards: rows 0 and 2..4 of one tensor,
+    # named once in the tree.
+    m = parse(with_entries(_row_shard(0), _row_shard(2, 2), tree=flat_tree(["w"])))
+    assert [e.offsets for e in m.entries] == [[0, 0], [2, 0]]
+
+
+@pytest.mark.parametrize(
+    ("second", "words"),
+    [
+        (_row_shard(0, 2), "twice"),  # the same box again
+        (_row_shard(1, 2), "overlap"),  # rows 1..2 and rows 0..1 share row 1
+        (_row_shard(2, dtype="int32"), "differ in dtype"),
+        (entry_doc(), "only sharded entries"),  # a whole (replicated) entry of the name
+    ],
+)
+def test_repeated_names_that_cannot_be_one_tensor_are_refused(
+    second: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidDocument, match=words):
+        parse(with_entries(_row_shard(0, 2), second, tree=flat_tree(["w"])))
+
+
+def test_one_manifest_holds_a_bounded_number_of_shards_of_one_tensor() -> None:
+    from ckptd.format import MAX_LOCAL_SHARDS
+
+    def shard(i: int) -> dict[str, Any]:
+        e = entry_doc(placement="sharded", global_shape=[MAX_LOCAL_SHARDS + 1, 1],
+                      offsets=[i, 0], shape=[1, 1], nbytes=4, chunks=[CID])
+        return e
+
+    parse(with_entries(*[shard(i) for i in range(MAX_LOCAL_SHARDS)], tree=flat_tree(["w"])))
+    with pytest.raises(InvalidDocument, match="at most"):
+        parse(with_entries(*[shard(i) for i in range(MAX_LOCAL_SHARDS + 1)],
+                           tree=flat_tree(["w"])))
+
+
 def test_tree_and_entries_must_name_the_same_tensors() -> None:
     a, b = entry_doc(name="a"), entry_doc(name="b")
     with pytest.raises(InvalidDocument, match="same tensors"):

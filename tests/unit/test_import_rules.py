@@ -204,3 +204,27 @@ def test_the_engine_packages_depend_one_way(package: str, forbidden: tuple[str, 
     assert paths
     faces = ("ckptd.client.checkpointer", "ckptd.client.dcp")
     assert violations(paths, (*forbidden, *faces), module_level_only=False) == []
+
+
+def test_integrations_load_only_when_asked_for() -> None:
+    """Integrations (client/integrations/) need optional packages: the core, the CLI
+    included, and the rest of the client import them only inside the functions
+    that use them; the engine's packages and the faces never."""
+    outside = [p for p in sources("ckptd") + sources("client")
+               if "integrations" not in p.relative_to(ROOT).parts]
+    assert violations(outside, ("ckptd.client.integrations",), module_level_only=True) == []
+    engine = [p for pkg in ("staging", "save", "restore", "dcp", "peer", "health")
+              for p in package_sources(pkg)]
+    assert engine
+    assert violations(engine, ("ckptd.client.integrations",), module_level_only=False) == []
+
+
+def test_setup_ships_the_integrations_packages() -> None:
+    """setup.py finds packages instead of listing them: the integrations ship too."""
+    import runpy
+    from unittest import mock
+
+    with mock.patch("setuptools.setup") as setup:
+        runpy.run_path(str(ROOT / "setup.py"))
+    shipped = set(setup.call_args.kwargs["packages"])
+    assert {"ckptd.client.integrations", "ckptd.client.integrations.safetensors"} <= shipped

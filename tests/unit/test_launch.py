@@ -89,3 +89,35 @@ def test_a_dcp_save_names_the_launch(tmp_path: Path, monkeypatch: pytest.MonkeyP
             await repo.close()
 
     assert asyncio.run(read()) == ("dcp-launch", "dcp-launch")
+
+
+def test_ranks_agree_on_a_live_launch_id_not_a_dead_launchs() -> None:
+    """torchrun's shared agent store outlives launches: a dead launch's id is still
+    there when the next launch's ranks meet. They take only an id whose beat moves
+    (its rank 0 is alive), and all the same one."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptd.client.distributed import agree_on_launch
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),  # type: ignore[attr-defined]
+                          wait_for_workers=False)
+    store.set("ckptd/launch", "deadlaunch 41")  # what the dead launch's rank 0 left
+    got: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        got[r] = agree_on_launch(store, r, 3, 30.0)
+
+    others = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for t in others:
+        t.start()
+    time.sleep(0.4)  # the others look at the dead id a while: it never moves
+    assert not got
+    rank(0)
+    for t in others:
+        t.join(30)
+    assert got[0] == got[1] == got[2] != "deadlaunch"
+    assert len(got[0]) == 32

@@ -60,3 +60,15 @@ def test_a_launcher_variable_that_is_no_number_is_named(
     monkeypatch.setenv("RANK", "2")  # past the world: named as an explicit rank is
     with pytest.raises(InvalidName, match=r"rank 2 of job 'env'.*world size is 2"):
         Checkpointer(f"file://{tmp_path / 'store'}", job="env", shm_dir=tmp_path / "shm")
+
+
+def test_the_health_probe_watches_the_ranks_own_gpu() -> None:
+    """LOCAL_RANK names the GPU whose health is this rank's (every GPU of the host
+    before: one hot GPU degraded all its ranks), as NVML names it, no CUDA touched."""
+    from ckptd.client.failover import rank_gpus
+
+    assert rank_gpus(None, {}) is None
+    assert rank_gpus(3, {}) == [3]
+    assert rank_gpus(1, {"CUDA_VISIBLE_DEVICES": "4,5"}) == [5]
+    assert rank_gpus(0, {"CUDA_VISIBLE_DEVICES": "GPU-8f2a,GPU-11c0"}) == ["GPU-8f2a"]
+    assert rank_gpus(2, {"CUDA_VISIBLE_DEVICES": "4,5"}) is None  # past them: watch all

@@ -379,3 +379,31 @@ def test_duplicating_a_box_as_a_different_shard_overlaps(
         [[shard("t", shape, o, s, seed=f"{o}{s}")] for o, s in [*boxes, boxes[i]]]
     )
     validate_step(replica_step)
+
+
+# -- several shards of one tensor on one rank (format 1.3) ---------------------------------
+
+
+def _ranks_holding(per_rank: Sequence[Sequence[tuple[int, int]]]) -> list[RankManifest]:
+    """Each rank holds the given row ranges [start, stop) of one [8, 16] tensor 't'."""
+    from ckptd.testing.manifests import flat_tree
+
+    return [
+        rank_manifest("j", 1, r, len(per_rank),
+                      [shard("t", [8, 16], [a, 0], [b - a, 16]) for a, b in rows],
+                      tree=flat_tree(["t"]))
+        for r, rows in enumerate(per_rank)
+    ]
+
+
+def test_local_shards_of_several_ranks_tile_one_tensor() -> None:
+    # ChunkShardingSpec placements [rank:0, rank:1, rank:1, rank:0]
+    report = validate_step(_ranks_holding([[(0, 2), (6, 8)], [(2, 4), (4, 6)]]))
+    assert (report.tensors, report.sharded_entries, report.logical_bytes) == (1, 4, 8 * 16)
+    assert validate_step(_ranks_holding([[(0, 3), (3, 8)]])).tensors == 1  # one rank, all
+
+
+def test_local_shards_that_leave_a_gap_or_overlap_another_ranks_are_refused() -> None:
+    assert code_of(_ranks_holding([[(0, 2), (6, 8)], [(2, 5)]])) == "tiling_gap"
+    assert code_of(_ranks_holding([[(0, 3), (6, 8)], [(2, 6)]])) == "tiling_overlap"
+    assert code_of(_ranks_holding([[(0, 2), (5, 8)]])) == "tiling_gap"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 21 (item 6) in one go, on a machine with a CUDA device:
+# tests/gpu/, the GPU rows (bench/gpu.py: save() stall against a pinned D2H copy,
+# restore from the local tier into CUDA tensors against a pinned H2D copy), and
+# bench/restore.py's CUDA rows. Results (text and markdown) go under $OUT (the
+# device runner's folder; default artifacts/gpu).
+#
+# Before: ../shared/gpu/prepare-wheels.sh (fills .whl/ here, kept out of git).
+# Run:    bash bench/gpu.sh [SIZE]          (SIZE: state size, default 4G)
+#         the device tool: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600)
+# About 6-8 minutes for 4G on one H100; each step has its own time limit, and a step
+# that fails is reported and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-artifacts/gpu}
+size=${1:-4G}
+mkdir -p "$out"
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: runs it, its output into $out/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%H:%M:%S))"
+    timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+    local rc=$?
+    if [ $rc -ne 0 ]; then
+        failed+=("$name")
+        echo "   FAILED (exit $rc$([ $rc -eq 124 ] && echo ': out of time')); last lines:"
+    fi
+    tail -n 25 "$out/$name.txt"
+}
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+    || { echo "cannot install ckptd here"; exit 1; }
+
+{ nvidia-smi || true; python3 -c 'import torch; print(torch.__version__, torch.version.cuda,
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'; nproc;
+  free -g; df -h /dev/shm /tmp; uptime; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+export CKPTD_HEARTBEAT_INTERVAL=0.5
+step tests-gpu 240 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
+step bench-gpu 300 python3 -m bench.gpu --size "$size" --rounds 3 --markdown "$out/gpu.md"
+step bench-restore-cuda 300 python3 -m bench.restore --only cuda --size "$size" --rounds 3 \
+    --markdown "$out/restore-cuda.md"
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all GPU steps passed; results in $out"

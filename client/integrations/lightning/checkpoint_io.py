@@ -1,0 +1,375 @@
+"""``CkptdCheckpointIO``: Lightning's ``CheckpointIO`` over a ``Checkpointer`` (the
+package docstring tells how paths map to steps and what a save guarantees)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptd.errors import CheckpointNotFound, CkptdError, Conflict, InvalidRequest
+from ckptd.format import check_job
+from ckptd.hashing import document_hash
+from ckptd.lifecycle.tags import TAG_RE
+
+from ...checkpointer import Checkpointer
+from ...endpoint import endpoint
+from ...loop import EventLoopThread
+from ...restore import RestoreOptions, restore_into
+from ...save.handle import SaveHandle
+from ...transport import open_transport
+from .tags import JobTags
+
+try:  # the unified package; the standalone one where it is all there is
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError:  # pragma: no cover
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment,unused-ignore]
+
+__all__ = ["POINTER_FORMAT", "CkptdCheckpointIO", "read_pointer", "tag_for_path"]
+
+log = logging.getLogger(__name__)
+
+POINTER_FORMAT = "ckptd.lightning_pointer"
+_POINTER_MAX = 64 * 1024  # a pointer is a few hundred bytes; a real .ckpt is larger
+LATEST = "latest"
+
+
+def tag_for_path(path: str | os.PathLike[str]) -> str:
+    """The ckptd tag a Lightning checkpoint path maps to: its file name without
+    ``.ckpt``, with what a tag may not hold made ``_`` (``epoch=0-step=10`` becomes
+    ``epoch_0-step_10``), cut to a tag's length with a hash of the whole name."""
+    name = Path(os.fspath(path)).name
+    if name.endswith(".ckpt"):
+        name = name[: -len(".ckpt")]
+    tag = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-") or "checkpoint"
+    if len(tag) > 128:
+        tag = f"{tag[:100]}-{document_hash(name.encode())[:16]}"
+    assert TAG_RE.fullmatch(tag)
+    return tag
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The pointer document at ``path``, or None when the file is no pointer (or is
+    not there)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_POINTER_MAX + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    if len(data) > _POINTER_MAX or not data.lstrip().startswith(b"{"):
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        return None
+    if not isinstance(doc.get("job"), str) or not isinstance(doc.get("step"), int):
+        raise InvalidRequest(f"{os.fspath(path)} is a damaged ckptd pointer: {data[:200]!r}")
+    return doc
+
+
+def _write_pointer(path: str, job: str, step: int, url: str) -> None:
+    """Writes the pointer at ``path`` atomically (a temporary file, then rename)."""
+    doc = {"format": POINTER_FORMAT, "version": 1, "job": job, "step": step, "url": url,
+           "about": "a checkpoint stored by ckptd; load it with CkptdCheckpointIO"}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fingerprint(state: Any) -> dict[str, tuple[Any, ...]]:
+    """Each tensor's identity and version (``_version`` counts in-place changes):
+    equal fingerprints mean no tensor was replaced or changed in between."""
+    out: dict[str, tuple[Any, ...]] = {}
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            out[path] = (x.data_ptr(), x._version, tuple(x.shape), x.dtype, x.device)
+        elif isinstance(x, Mapping):
+            for k, v in x.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+
+    walk(state, "")
+    return out
+
+
+@dataclass(slots=True)
+class _Saved:
+    """The last step this plugin stored or restored, and how (for a second save at it)."""
+
+    step: int
+    path: str
+    handle: SaveHandle | None  # None: restored, committed long since
+    tensors: dict[str, tuple[Any, ...]] | None  # None: not known (restored)
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint storage through ckptd (see the module docstring).
+
+    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``; ``job``
+    names the run. ``pointers``: write the pointer files Lightning's path logic
+    reads (default on). ``timeout`` bounds each load and the wait for the last save
+    at teardown. Other keyword arguments go to the ``Checkpointer`` (``shm_dir``,
+    ``staging_budget``, ``cache_dir``, ``serve_peers``...).
+
+    Lightning hands ``CheckpointIO`` the whole checkpoint on global rank 0 only
+    (DDP, a single device, FSDP with a full state dict), so it is stored as a
+    one-rank step of ``job``; every rank loads it back (rank 0 through its
+    ``Checkpointer``, the others read it from this node's pool, the cache
+    directory or the store, every chunk verified)."""
+
+    def __init__(self, url: str | None = None, job: str = "", token: str | None = None, *,
+                 pointers: bool = True, timeout: float | None = 600.0,
+                 **checkpointer_kwargs: Any) -> None:
+        self.url, self.token = endpoint(url, token)
+        self.job = check_job(job)
+        self.pointers = pointers
+        self.timeout = timeout
+        self._kwargs = checkpointer_kwargs
+        self._ckpt: Checkpointer | None = None
+        self._tags: JobTags | None = None
+        self._after: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._error: BaseException | None = None
+        self._last: _Saved | None = None
+        self._lock = threading.Lock()
+
+    # -- Lightning's interface ----------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        """Stages ``checkpoint`` as a step of the job and returns; the upload, commit,
+        tag and pointer follow in the background."""
+        if storage_options is not None:
+            raise TypeError("CkptdCheckpointIO takes no storage_options; pass Checkpointer "
+                            "settings to CkptdCheckpointIO(...) instead")
+        self._raise_failure()
+        path = os.fspath(path)
+        if not self._saves_here():
+            raise InvalidRequest(
+                f"{path}: this strategy hands the checkpoint to a rank other than 0 (sharded "
+                "state); CkptdCheckpointIO stores the whole checkpoint that global rank 0 "
+                "gets: save sharded state with ckptd.client.dcp (docs/dcp.md)")
+        tag = tag_for_path(path)
+        step = self._step_of(checkpoint)
+        last = self._last
+        if last is not None and last.step == step:
+            # Lightning saves one step under several names (a top-k file and last.ckpt):
+            # a step is stored once, so the next names tag it. Its tensors must be the
+            # ones stored (a training step between would have changed them).
+            fingerprint = _fingerprint(checkpoint)
+            if last.tensors is not None:
+                changed = [k for k, v in fingerprint.items() if last.tensors.get(k) != v]
+                changed += [k for k in last.tensors if k not in fingerprint]
+                if changed:
+                    raise Conflict(
+                        f"{path}: step {step} of {self.job} was saved already (as "
+                        f"{last.path}) and its tensor {changed[0]!r} changed since; a ckptd "
+                        "step is stored once: save the new state under a new step",
+                        job=self.job, step=step, path=path)
+            self._queue(last.handle, step, path, tag)
+            last.path = path
+            return
+        ckpt = self._checkpointer()
+        handle = ckpt.save(step, checkpoint, tag=tag)
+        self._last = _Saved(step, path, handle, _fingerprint(checkpoint))
+        self._queue(handle, step, path, None)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint ``path`` names (its pointer, else its name as a tag of the
+        job, or ``latest``), restored bitwise from ckptd. Nothing is unpickled, so
+        ``weights_only`` is always honoured. A path holding a ``torch.save`` file
+        instead is loaded with ``torch.load(weights_only=True)``."""
+        self._raise_failure()
+        path = os.fspath(path)
+        step = self._resolve(path)
+        if step is None:  # an ordinary checkpoint file: a run that moves to ckptd
+            return dict(torch.load(path, map_location=map_location, weights_only=True))
+        state: dict[str, Any] = {}
+        if self._saves_here():
+            self._checkpointer().restore(state, step, timeout=self.timeout)
+            self._last = _Saved(step, path, None, None)
+        else:
+            self._read(state, step)
+        if isinstance(map_location, str | torch.device):
+            state = _to_device(state, torch.device(map_location))
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Removes the pointer at ``path`` and the tag of its name (after the saves
+        queued before); the step's data stays for ckptd's retention."""
+        self._raise_failure()
+        path = os.fspath(path)
+        self._submit(self._remove, path)
+
+    def teardown(self) -> None:
+        """Waits for the saves in flight and their pointers, then closes the
+        checkpointer; raises what failed in the background."""
+        try:
+            for fut in list(self._pending):
+                fut.result()
+        finally:
+            with self._lock:
+                after, self._after = self._after, None
+                ckpt, self._ckpt = self._ckpt, None
+                tags, self._tags = self._tags, None
+            if after is not None:
+                after.shutdown(wait=True)
+            if tags is not None:
+                tags.close()
+            if ckpt is not None:
+                ckpt.close(self.timeout)
+        self._raise_failure()
+
+    # -- the background ---------------------------------------------------------------
+
+    def _queue(self, handle: SaveHandle | None, step: int, path: str, tag: str | None) -> None:
+        self._submit(self._after_commit, handle, step, path, tag)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._after is None:
+                self._after = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"ckptd-lightning-{self.job}")
+            fut = self._after.submit(self._guarded, fn, *args)
+        self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            log.error("%s: %s", self.job, exc)
+            if self._error is None:
+                self._error = exc
+
+    def _after_commit(self, handle: SaveHandle | None, step: int, path: str,
+                      tag: str | None) -> None:
+        """Once ``step`` committed: tags it (a second name of one step) and writes
+        the pointer at ``path``."""
+        if handle is not None:
+            handle.wait(self.timeout)
+        if tag is not None:
+            self._job_tags().set(tag, step)
+        if self.pointers:
+            _write_pointer(path, self.job, step, self.url)
+
+    def _remove(self, path: str) -> None:
+        doc = read_pointer(path)
+        if doc is None and os.path.exists(path):
+            log.warning("%s is not a ckptd pointer: left alone", path)
+            return
+        step = doc["step"] if doc is not None else None
+        if doc is not None and doc["job"] == self.job:
+            self._job_tags().remove(tag_for_path(path), step)
+        if doc is not None:
+            os.remove(path)
+
+    def _raise_failure(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    # -- parts ------------------------------------------------------------------------
+
+    def _checkpointer(self) -> Checkpointer:
+        with self._lock:
+            if self._ckpt is None:
+                kwargs = {"timeout": self.timeout, **self._kwargs}
+                self._ckpt = Checkpointer(self.url, self.job, 0, 1, self.token, **kwargs)
+            return self._ckpt
+
+    def _job_tags(self) -> JobTags:
+        with self._lock:
+            if self._tags is None:
+                self._tags = JobTags(self.url, self.token, self.job)
+            return self._tags
+
+    def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
+        for key in ("global_step", "step"):
+            value = checkpoint.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+        # Fabric with no step in its state: the step after the last one of this job.
+        last = self._last.step if self._last is not None else self._checkpointer().latest()
+        return 0 if last is None else last + 1
+
+    def _resolve(self, path: str) -> int | None:
+        """The committed step ``path`` names; None for a file that is no pointer."""
+        doc = read_pointer(path)
+        if doc is not None:
+            if doc["job"] != self.job:
+                raise InvalidRequest(f"{path} points to job {doc['job']!r}, not {self.job!r}: "
+                                     f"load it with CkptdCheckpointIO(job={doc['job']!r})")
+            return int(doc["step"])
+        if os.path.isfile(path):
+            return None
+        tag = tag_for_path(path)
+        step = self._job_tags().get(tag)
+        if step is not None:
+            return step
+        if tag == LATEST:
+            latest = self._job_tags().latest()
+            if latest is not None:
+                return latest
+        raise CheckpointNotFound(
+            f"{path}: no such file, and job {self.job} has no tag {tag!r}"
+            + (" and no committed step" if tag == LATEST else
+               " (pass ckpt_path='latest' for its newest step)"), job=self.job, path=path)
+
+    def _saves_here(self) -> bool:
+        """True on the rank Lightning hands saves to (global rank 0)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank() == 0
+        return int(os.environ.get("RANK", "0")) == 0
+
+    def _read(self, state: dict[str, Any], step: int) -> None:
+        """Restores rank 0's step ``step`` into ``state`` without a checkpointer of
+        our own (no heartbeats, no pool): this node's pool, the cache, the store."""
+        transport = open_transport(self.url, self.token, job=self.job)
+        loop = EventLoopThread(f"ckptd-lightning-read-{self.job}")
+        cache = self._kwargs.get("cache_dir") or os.environ.get("CKPTD_CACHE_DIR") or ""
+        try:
+            restore_into(
+                lambda coro: loop.run(coro, self.timeout), transport, state, job=self.job,
+                rank=0, world_size=1, step=step, adopt=False,
+                opts=RestoreOptions(pool_root=self._kwargs.get("shm_dir"), cache_dir=cache,
+                                    token=self.token),
+            )
+        finally:
+            try:
+                loop.run(transport.close(), 10.0)
+            except CkptdError as exc:  # closing must not hide the restore's result
+                log.debug("closing the read transport: %s", exc)
+            loop.stop()
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_to_device(v, device) for v in state)
+    return state
+

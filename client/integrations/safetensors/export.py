@@ -1,0 +1,408 @@
+"""``ckptd export --safetensors``: a committed step as Hugging Face sharded
+safetensors files and their ``model.safetensors.index.json``.
+
+Streamed: each file is written in windows of a few tens of MiB, in file order.
+A tensor whose stored boxes are runs of its bytes (whole rows: replicated,
+``Shard(0)``, 1-D) is its chunks in order; any other layout (``Shard(1)``,
+tensor-parallel columns) is assembled slab of rows by slab from the boxes under
+it. A chunk that is a file on this host (a ``file://`` store, the cache
+directory) is mapped, hashed where it lies and written from the map: one copy,
+by the kernel, as ``save_file`` makes. The others (over HTTP, slabs, a local file
+that did not verify) are fetched by the restore engine's fetcher (its tiers,
+its typed failures), verified and landed in a window, which is written while
+the next one fills. Memory stays at two windows (and a slab's landing) plus
+the maps being hashed, whatever the step's size.
+
+Files are written under temporary names and renamed once all are complete;
+the index comes last. A failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckptd import knobs
+from ckptd.errors import InvalidRequest
+from ckptd.hashing import chunk_spans
+from ckptd.knobs import MiB
+from ckptd.pages import map_readable
+
+from ...dtypes import byte_view, torch_dtype
+from ...endpoint import endpoint
+from ...loop import in_thread, run_private, spread
+from ...restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
+from ...restore.layout import fill_from_entry
+from ...restore.sources import (
+    DirectoryCacheSource,
+    LocalStoreSource,
+    Source,
+    StoreSource,
+    verify_hash,
+)
+from ...transport import Transport, open_transport, read_step
+from .layout import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    FilePlan,
+    GlobalTensor,
+    Placed,
+    global_tensors,
+    index_bytes,
+    parse_size,
+    plan_files,
+    run_start,
+)
+
+log = logging.getLogger(__name__)
+
+WINDOW = 64 * MiB  # bytes of a file filled, then written, at once (two in memory)
+
+# (bytes written, bytes in all)
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsExport:
+    """What an export wrote."""
+
+    step: int
+    tensors: int
+    files: list[str]  # file names, in order (the index not included)
+    nbytes: int  # the tensors' bytes
+    seconds: float
+    directory: str
+    skipped_local: list[str]  # rank-local entries, not global tensors
+    bytes_from: dict[str, int]  # by tier: cache, store
+
+
+def export_safetensors(
+    url: str,
+    job: str,
+    directory: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    token: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    only: Sequence[str] = (),
+    strip: str = "",
+    on_bytes: Progress | None = None,
+    transport: Transport | None = None,
+    window: int | None = None,
+) -> SafetensorsExport:
+    """Writes step ``step`` (default: latest) of ``job`` to ``directory`` (new, or
+    empty) as safetensors files of at most ``max_shard_size`` bytes each (a tensor
+    larger than that alone in its file), with ``model.safetensors.index.json``.
+
+    ``only``: the tensors whose names start with one of these prefixes
+    (``["model."]``); ``strip``: a prefix removed from the names in the files.
+    ``on_bytes(done, total)`` follows the bytes written."""
+    limit = parse_size(max_shard_size)
+    target = Path(directory)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InvalidRequest(f"{target} exists and is not an empty directory; "
+                             "export into a new one")
+    url, token = endpoint(url, token)
+
+    async def body() -> SafetensorsExport:
+        own = transport is None
+        t = open_transport(url, token, job=job) if transport is None else transport
+        try:
+            return await _export(t, job, step, target, limit, tuple(only), strip, on_bytes,
+                                 window)
+        finally:
+            if own:
+                await t.close()
+
+    return run_private(body(), None, what=f"exporting {job}", name="ckptd-export")
+
+
+async def _export(transport: Transport, job: str, step: int | None, target: Path,
+                  limit: int, only: tuple[str, ...], strip: str,
+                  on_bytes: Progress | None, window: int | None) -> SafetensorsExport:
+    t0 = time.perf_counter()
+    step, manifests = await read_step(transport, job, step)
+    selection = global_tensors(manifests, only, strip)
+    if not selection.tensors:
+        said = f" starting with {', '.join(map(repr, only))}" if only else ""
+        raise InvalidRequest(f"step {step} of {job} holds no tensor{said} to export"
+                             + (f" (it holds {', '.join(selection.skipped_other[:5])} ...)"
+                                if selection.skipped_other else ""))
+    metadata = {"format": "pt", "ckptd.job": job, "ckptd.step": str(step)}
+    plans = plan_files(selection.tensors, limit, metadata)
+    biggest_chunk = max(b.chunk_size for t in selection.tensors for b in t.boxes) \
+        if any(t.boxes for t in selection.tensors) else 0
+    size = window or max(biggest_chunk, min(WINDOW, max(MiB, limit // 4)))
+    total = sum(p.size for p in plans)
+    created = not target.exists()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot create {target}: {exc.strerror}; export into a "
+                             "directory you can write") from None
+    writer = _Writer(transport, step, size, on_bytes, total)
+    written: list[Path] = []
+    try:
+        for plan in plans:
+            tmp = target / f".tmp-{plan.filename}"
+            written.append(tmp)
+            await writer.write_file(tmp, plan)
+        for plan, tmp in zip(plans, written, strict=True):
+            os.replace(tmp, target / plan.filename)
+        written = [target / p.filename for p in plans]
+        tmp_index = target / f".tmp-{INDEX_NAME}"
+        written.append(tmp_index)
+        tmp_index.write_bytes(index_bytes(plans))
+        os.replace(tmp_index, target / INDEX_NAME)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if created and target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+        raise
+    finally:
+        writer.close()
+    nbytes = sum(t.nbytes for t in selection.tensors)
+    result = SafetensorsExport(step, len(selection.tensors), [p.filename for p in plans],
+                               nbytes, time.perf_counter() - t0, str(target),
+                               selection.skipped_local, writer.bytes_from())
+    log.info("exported step %d of %s: %d tensors, %d bytes in %d files in %.2f s", step, job,
+             result.tensors, nbytes, len(plans), result.seconds)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """A stored chunk whose bytes are bytes ``[at, at + size)`` of a file's data."""
+
+    cid: str
+    name: str
+    at: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Slab:
+    """Rows ``[r0, r0 + rows)`` of a tensor whose boxes are not runs of its bytes,
+    assembled from the boxes under them; they are bytes ``[at, at + size)``."""
+
+    tensor: GlobalTensor
+    r0: int
+    rows: int
+    at: int
+    size: int
+
+
+Piece = _Chunk | _Slab
+
+
+def pieces(plan: FilePlan, window: int) -> list[Piece]:
+    """A file's data, in order, as stored chunks and assembled slabs."""
+    out: list[Piece] = []
+    for p in plan.placed:
+        t = p.tensor
+        if t.contiguous:
+            out.extend(_chunks_of(p))
+            continue
+        row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+        per = max(1, window // max(1, row))
+        for r0 in range(0, t.shape[0], per):
+            rows = min(per, t.shape[0] - r0)
+            out.append(_Slab(t, r0, rows, p.begin + r0 * row, rows * row))
+    return out
+
+
+def _chunks_of(p: Placed) -> list[_Chunk]:
+    t = p.tensor
+    item = t.nbytes // max(1, math.prod(t.shape)) if math.prod(t.shape) else 0
+    out = []
+    for box in t.boxes:
+        e = box.entry
+        start = p.begin + run_start(e.offsets, t.shape) * item
+        for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, box.chunk_size), strict=True):
+            out.append(_Chunk(cid, t.source, start + a, b - a))
+    return out
+
+
+class _Writer:
+    """Fills windows of a file from the store, verified, and writes them, the
+    next window filling while the last one is written."""
+
+    def __init__(self, transport: Transport, step: int, window: int,
+                 on_bytes: Progress | None, total: int) -> None:
+        sources: list[Source] = []
+        cache = knobs.cache_dir()
+        if cache:
+            sources.append(DirectoryCacheSource(cache))
+        sources.append(LocalStoreSource.of(transport) or StoreSource(transport))
+        self.fetcher = ChunkFetcher(sources, 2 * knobs.restore_concurrency())
+        # Chunk files on this host, written from their maps (in tier order).
+        self.local_sources = [s for s in sources if isinstance(s, DirectoryCacheSource)]
+        self.bytes_local: dict[str, int] = {s.tier: 0 for s in self.local_sources}
+        self.workers = max(1, min(8, os.cpu_count() or 1))
+        self.step = step
+        self.window = window
+        self.buffers = [torch.empty(window, dtype=torch.uint8) for _ in range(2)]
+        self.on_bytes = on_bytes
+        self.total = total
+        self.done = 0
+
+    def close(self) -> None:
+        self.fetcher.close()
+        self.buffers = []
+
+    def bytes_from(self) -> dict[str, int]:
+        """Bytes read, by tier."""
+        out = dict(self.fetcher.bytes_from)
+        for tier, n in self.bytes_local.items():
+            out[tier] = out.get(tier, 0) + n
+        return {tier: n for tier, n in out.items() if n}
+
+    async def write_file(self, path: Path, plan: FilePlan) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            await in_thread(_write_all, fd, memoryview(plan.header), 0)
+            self._advance(len(plan.header))
+            base = len(plan.header)
+            pending: asyncio.Future[None] | None = None
+            turn = 0
+            for group in _windows(pieces(plan, self.window), self.window):
+                group = await self._write_local(fd, base, group)
+                if not group:
+                    continue
+                start, end = group[0].at, group[-1].at + group[-1].size
+                buf = self.buffers[turn] if end - start <= self.window else torch.empty(
+                    end - start, dtype=torch.uint8)  # one slab wider than a window
+                turn ^= 1
+                await self._fill(buf, group, start)
+                if pending is not None:
+                    await pending
+                pending = asyncio.ensure_future(self._write(fd, buf, group, start, base))
+            if pending is not None:
+                await pending
+        finally:
+            os.close(fd)
+
+    async def _write_local(self, fd: int, base: int, group: list[Piece]) -> list[Piece]:
+        """Writes the group's chunks that are files on this host straight from their
+        maps, each verified first; returns the pieces left for the window."""
+        local: list[tuple[_Chunk, str, str]] = []
+        rest: list[Piece] = []
+        for piece in group:
+            found = self._local_path(piece.cid) if isinstance(piece, _Chunk) else None
+            if found is None:
+                rest.append(piece)
+            else:
+                assert isinstance(piece, _Chunk)
+                local.append((piece, *found))
+        if not local:
+            return rest
+
+        def one(item: tuple[_Chunk, str, str]) -> bool:
+            chunk, path, _ = item
+            data = map_readable(Path(path))
+            if data is None or len(data) != chunk.size or verify_hash(data) != chunk.cid:
+                return False  # left to the fetcher: other tiers, or the typed failure
+            _write_all(fd, data, base + chunk.at)
+            return True
+
+        done = await spread(local, one, self.workers)
+        for (chunk, _, tier), ok in zip(local, done, strict=True):
+            if ok:
+                self.bytes_local[tier] += chunk.size
+                self._advance(chunk.size)
+            else:
+                rest.append(chunk)
+        return sorted(rest, key=lambda p: p.at)
+
+    def _local_path(self, cid: str) -> tuple[str, str] | None:
+        """The first chunk file on this host holding ``cid`` (tier order), its tier."""
+        for source in self.local_sources:
+            holders = source.holders(cid)
+            if holders:
+                return holders[0], source.tier
+        return None
+
+    async def _write(self, fd: int, buf: torch.Tensor, group: list[Piece], start: int,
+                     base: int) -> None:
+        """Writes the window's pieces, as runs of adjacent ones."""
+        view = byte_view(buf)
+        runs: list[list[int]] = []
+        for piece in group:
+            if runs and runs[-1][1] == piece.at:
+                runs[-1][1] += piece.size
+            else:
+                runs.append([piece.at, piece.at + piece.size])
+        for a, b in runs:
+            await in_thread(_write_all, fd, view[a - start : b - start], base + a)
+            self._advance(b - a)
+
+    def _advance(self, n: int) -> None:
+        self.done += n
+        if self.on_bytes is not None:
+            self.on_bytes(self.done, self.total)
+
+    async def _fill(self, buf: torch.Tensor, group: list[Piece], start: int) -> None:
+        """Lands every piece of ``group`` in ``buf`` (``start``: the file data offset
+        of its first byte), each chunk verified."""
+        wanted = WantedChunks()
+        view = byte_view(buf)
+        for piece in group:
+            at = piece.at - start
+            if isinstance(piece, _Chunk):
+                wanted.add(piece.cid, view[at : at + piece.size], piece.name)
+                continue
+            t = piece.tensor
+            dtype = torch_dtype(t.dtype)
+            slab = buf[at : at + piece.size].view(dtype).view((piece.rows, *t.shape[1:]))
+            box = ((piece.r0,) + (0,) * (len(t.shape) - 1), (piece.rows, *t.shape[1:]))
+            for stored in t.boxes:
+                fill_from_entry(wanted, t.source, slab, box, stored.entry, stored.chunk_size,
+                                False)
+        fetcher = self.fetcher
+        try:
+            found = await fetcher.locate_all(wanted, atomic=False)
+            if fetcher.failed:
+                raise failure(fetcher, wanted, self.step)
+            await deliver(found, wanted, prefilled=fetcher.prefilled)
+        finally:
+            # A window's views are not kept past it: its maps close, and what it
+            # prefilled is not taken for the next window's copies.
+            fetcher.prefilled.clear()
+            fetcher.stop_prefault()
+            for source in fetcher.sources:
+                if isinstance(source, DirectoryCacheSource):
+                    source.close()
+
+
+def _windows(items: list[Piece], window: int) -> list[list[Piece]]:
+    """Consecutive pieces, grouped up to ``window`` bytes (a larger piece alone). A
+    slab starts a window unless it lands aligned to its element size there."""
+    groups: list[list[Piece]] = []
+    current: list[Piece] = []
+    filled = 0
+    for piece in items:
+        misaligned = isinstance(piece, _Slab) and filled % 16 != 0
+        if current and (filled + piece.size > window or misaligned):
+            groups.append(current)
+            current, filled = [], 0
+        current.append(piece)
+        filled += piece.size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n

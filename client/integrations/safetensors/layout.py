@@ -1,0 +1,303 @@
+"""What a safetensors export holds and where (pure: no torch, no I/O).
+
+The global tensors of a committed step (``global_tensors``: every distinct box of
+each, from any world size), the files they go in (``plan_files``: Hugging Face's
+greedy split by ``max_shard_size`` and its file names), and each file's header,
+laid out as ``safetensors.torch.save_file`` lays out the same tensors: the
+``__metadata__`` first, tensors ordered by dtype alignment (widest first) then
+name, data offsets contiguous from 0, the JSON padded with spaces to 8 bytes.
+The same tensors and metadata give the same bytes as ``save_file``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ckptd.dtypes import itemsize
+from ckptd.errors import InvalidRequest, UnsupportedValue
+from ckptd.format import RankManifest, TensorEntry
+
+# ckptd dtype name -> safetensors dtype; in safetensors' own order of its dtype
+# enum, narrowest first: a file lays tensors out widest first (then by name), so
+# every tensor starts aligned to its element size.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "complex64": "C64",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
+CKPTD_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's default, "5GB"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# A header larger than this is refused by safetensors' reader (100 MB).
+MAX_HEADER = 100_000_000
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB`` (Hugging Face's decimal units: 5 x 10^9), ``500MB``, ``2GiB`` (binary),
+    or a number of bytes."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = _SIZE.fullmatch(text)
+        if m is None:
+            raise InvalidRequest(f"--max-shard-size {text!r} is not a size: write it like "
+                                 "5GB, 500MB, 2GiB or a number of bytes")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if size <= 0:
+        raise InvalidRequest(f"--max-shard-size must be more than 0 bytes, not {text!r}")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBox:
+    """One distinct stored box of a global tensor: the entry holding it."""
+
+    entry: TensorEntry
+    chunk_size: int
+
+
+@dataclass(slots=True)
+class GlobalTensor:
+    """One tensor of the export: its name in the files, the step's entry name,
+    dtype, global shape and the distinct stored boxes that tile it."""
+
+    name: str
+    source: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: list[StoredBox] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every box is one run of the tensor's C-order bytes (whole rows
+        of the leading dimensions): then the tensor's bytes are its boxes' chunks
+        in order, and each chunk goes straight to its place in the file."""
+        return all(box_is_run(b.entry.offsets, b.entry.shape, self.shape) for b in self.boxes)
+
+
+def box_is_run(offsets: Sequence[int], shape: Sequence[int], global_shape: Sequence[int]
+               ) -> bool:
+    """Whether a box's elements are consecutive in C order: after its first
+    dimension of more than one element, it spans every later dimension whole."""
+    if math.prod(shape) == 0:
+        return True
+    partial = False
+    for s, g in zip(shape, global_shape, strict=True):
+        if partial and s != g:
+            return False
+        if s > 1:
+            partial = True
+    return True
+
+
+def run_start(offsets: Sequence[int], global_shape: Sequence[int]) -> int:
+    """The element index (C order) of a box's first element."""
+    index = 0
+    for o, g in zip(offsets, global_shape, strict=True):
+        index = index * g + o
+    return index
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which of a step's tensors an export takes, and what it left out."""
+
+    tensors: list[GlobalTensor]
+    skipped_local: list[str]  # rank-local entries of a step of several ranks
+    skipped_other: list[str]  # tensors that --only left out
+
+
+def global_tensors(
+    manifests: Sequence[RankManifest], only: Sequence[str] = (), strip: str = ""
+) -> Selection:
+    """The step's global tensors in state-dict order (first rank first), each with
+    its distinct non-empty boxes; opaque blobs (``bytes`` nodes) are not tensors.
+    ``only``: keep names starting with one of these prefixes; ``strip``: remove this
+    prefix from the names that have it."""
+    blobs: set[str] = set()
+    for m in manifests:
+        _blobs(m.tree, blobs)
+    by_name: dict[str, GlobalTensor] = {}
+    boxes_seen: dict[str, set[Box]] = {}
+    skipped_local: list[str] = []
+    skipped_other: list[str] = []
+    several = len(manifests) > 1
+    for m in manifests:
+        for e in m.entries:
+            if e.name in blobs:
+                continue
+            if only and not e.name.startswith(tuple(only)):
+                if e.name not in skipped_other:
+                    skipped_other.append(e.name)
+                continue
+            if e.placement == "local" and several:
+                # A rank's own state (an RNG, a data loader position): no global tensor.
+                if e.name not in skipped_local:
+                    skipped_local.append(e.name)
+                continue
+            t = by_name.get(e.name)
+            if t is None:
+                t = GlobalTensor(_stripped(e.name, strip), e.name, e.dtype,
+                                 tuple(e.global_shape))
+                by_name[e.name] = t
+                boxes_seen[e.name] = set()
+            elif e.placement == "local":
+                continue  # (one rank: its only copy is taken)
+            if (e.dtype, tuple(e.global_shape)) != (t.dtype, t.shape):
+                raise InvalidRequest(f"{e.name!r}: ranks disagree on its dtype or shape")
+            box = (tuple(e.offsets), tuple(e.shape))
+            if math.prod(box[1]) and box not in boxes_seen[e.name]:
+                boxes_seen[e.name].add(box)
+                t.boxes.append(StoredBox(e, m.chunk_size))
+    tensors = list(by_name.values())
+    names: dict[str, str] = {}
+    for t in tensors:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise UnsupportedValue(
+                f"{t.source!r} is {t.dtype}, which safetensors cannot hold; leave it out "
+                "with --only", name=t.source)
+        if not t.name:
+            raise InvalidRequest(f"--strip {strip!r} leaves {t.source!r} with no name")
+        if t.name in names:
+            raise InvalidRequest(f"--strip {strip!r} gives {names[t.name]!r} and {t.source!r} "
+                                 f"the same name {t.name!r}")
+        names[t.name] = t.source
+        t.boxes.sort(key=lambda b: run_start(b.entry.offsets, t.shape))
+    return Selection(tensors, skipped_local, skipped_other)
+
+
+def _stripped(name: str, prefix: str) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def _blobs(node: dict[str, object], out: set[str]) -> None:
+    ((kind, body),) = node.items()
+    if kind == "bytes" and isinstance(body, str):
+        out.add(body)
+    elif kind == "dict" and isinstance(body, list):
+        for _, child in body:
+            _blobs(child, out)
+    elif kind in ("list", "tuple") and isinstance(body, list):
+        for child in body:
+            _blobs(child, out)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A tensor in a file: bytes ``[begin, end)`` of the file's data section."""
+
+    tensor: GlobalTensor
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    """One safetensors file: its name, its tensors in data order, its header."""
+
+    filename: str
+    placed: list[Placed]
+    header: bytes  # the 8-byte length and the padded JSON: the data starts after it
+
+    @property
+    def data_bytes(self) -> int:
+        return self.placed[-1].end if self.placed else 0
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+def plan_files(tensors: Sequence[GlobalTensor], max_shard_size: int,
+               metadata: dict[str, str]) -> list[FilePlan]:
+    """Hugging Face's split: tensors in order, a new file when the next would pass
+    ``max_shard_size``, a tensor larger than it alone in its file. One file is
+    ``model.safetensors``, several ``model-00001-of-0000N.safetensors``."""
+    groups: list[list[GlobalTensor]] = []
+    current: list[GlobalTensor] = []
+    size = 0
+    for t in tensors:
+        if t.nbytes > max_shard_size:
+            groups.append([t])
+            continue
+        if current and size + t.nbytes > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not groups:
+        groups.append(current)
+    n = len(groups)
+    plans = []
+    for i, group in enumerate(groups):
+        name = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        plans.append(layout_file(name, group, metadata))
+    return plans
+
+
+def layout_file(filename: str, tensors: Sequence[GlobalTensor], metadata: dict[str, str]
+                ) -> FilePlan:
+    """Where each tensor goes in one file, and the file's header."""
+    ordered = sorted(tensors, key=lambda t: (-_RANK[t.dtype], t.name))
+    placed: list[Placed] = []
+    at = 0
+    for t in ordered:
+        placed.append(Placed(t, at, at + t.nbytes))
+        at += t.nbytes
+    return FilePlan(filename, placed, header_bytes(placed, metadata))
+
+
+def header_bytes(placed: Sequence[Placed], metadata: dict[str, str]) -> bytes:
+    """The header of a file holding ``placed``: its length (u64, little-endian)
+    and the JSON, padded with spaces to a multiple of 8 bytes."""
+    doc: dict[str, object] = {}
+    if metadata:
+        doc["__metadata__"] = dict(sorted(metadata.items()))
+    for p in placed:
+        doc[p.tensor.name] = {"dtype": SAFETENSORS_DTYPES[p.tensor.dtype],
+                              "shape": list(p.tensor.shape), "data_offsets": [p.begin, p.end]}
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        raise InvalidRequest(f"a file's header would be {len(text)} bytes, past safetensors' "
+                             f"{MAX_HEADER}: lower --max-shard-size")
+    return struct.pack("<Q", len(text)) + text
+
+
+def index_bytes(plans: Sequence[FilePlan]) -> bytes:
+    """``model.safetensors.index.json``: the total size and each tensor's file."""
+    weight_map = {p.tensor.name: plan.filename for plan in plans for p in plan.placed}
+    total = sum(plan.data_bytes for plan in plans)
+    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")

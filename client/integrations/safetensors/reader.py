@@ -1,0 +1,101 @@
+"""Safetensors checkpoints read for ``ckptd import``: a Hugging Face directory
+(``model.safetensors.index.json`` and the files its weight map names, or one
+``.safetensors`` file in it) or a single ``.safetensors`` file, read with the
+``safetensors`` package (which never unpickles) into a flat ``{name: tensor}``
+state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptd.errors import InvalidRequest, UnsupportedValue
+
+from .layout import INDEX_NAME
+
+SUFFIX = ".safetensors"
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file or a directory that holds a
+    safetensors index or safetensors files."""
+    if path.is_file():
+        return path.suffix == SUFFIX
+    return path.is_dir() and ((path / INDEX_NAME).is_file() or any(path.glob(f"*{SUFFIX}")))
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file or directory, by name, in file order."""
+    if path.is_file():
+        return _read_file(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        return _read_indexed(path, index)
+    files = sorted(path.glob(f"*{SUFFIX}"))
+    if len(files) != 1:
+        raise InvalidRequest(f"{path} holds {len(files)} .safetensors files and no "
+                             f"{INDEX_NAME} saying which tensor is where; import one file, or "
+                             "add the index")
+    return _read_file(files[0])
+
+
+def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
+    try:
+        doc = json.loads(index.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"{index} is not JSON: {exc}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise InvalidRequest(f"{index} has no weight_map of tensor names to file names")
+    files: dict[str, list[str]] = {}
+    for name, filename in weight_map.items():
+        if "/" in filename or "\\" in filename or filename in ("", ".", ".."):
+            raise InvalidRequest(f"{index} maps {name!r} to {filename!r}, which is not a file "
+                                 f"name in {path}")
+        files.setdefault(filename, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for filename in sorted(files):
+        tensors = _read_file(path / filename)
+        missing = sorted(set(files[filename]) - tensors.keys())
+        if missing:
+            raise InvalidRequest(f"{filename} lacks {len(missing)} tensors that {INDEX_NAME} "
+                                 f"puts there (first: {missing[0]!r})")
+        for name in files[filename]:
+            state[name] = tensors[name]
+    return state
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise InvalidRequest("reading safetensors needs the safetensors package: "
+                             "pip install 'ckptd[safetensors]'") from None
+    if not path.is_file():
+        raise InvalidRequest(f"{path} does not exist or is not a file")
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = f.keys()  # (in file order)
+            for name in names:
+                out[name] = _tensor(f, name, path)
+    except SafetensorError as exc:
+        raise InvalidRequest(f"{path} is not a readable safetensors file: "
+                             f"{' '.join(str(exc).split())}") from None
+    return out
+
+
+def _tensor(f: Any, name: str, path: Path) -> torch.Tensor:
+    try:
+        tensor = f.get_tensor(name)
+    except (TypeError, ValueError, RuntimeError) as exc:  # a dtype torch has not
+        raise UnsupportedValue(f"{name!r} in {path} cannot be read as a torch tensor: "
+                               f"{' '.join(str(exc).split())}", name=name) from None
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequest(f"{name!r} in {path} is not a tensor")
+    return tensor

@@ -1,0 +1,377 @@
+"""torchft's ``CheckpointTransport`` over ckptd's peer chunk serving.
+
+torchft heals a recovering replica group by pulling the live state of a healthy
+one. ``CkptdTransport`` does that the ckptd way: the healthy group's
+``send_checkpoint`` stages the state into this process's staging pool (shared
+memory, one reusable copy; pinned, copied on a side stream from a GPU), hashes it
+into chunks and serves them, with a rank manifest that names every chunk, from a
+``PeerServer``; the recovering group's ``recv_checkpoint`` fetches the manifest
+and every chunk straight into fresh tensors and checks each against its blake3
+id on arrival. A chunk whose bytes do not hash to their id fails the heal with
+``ChunkHashMismatch`` (torchft reports it and the step does not commit) instead
+of loading garbage; nothing is unpickled on either side.
+
+    from ckptd.client.integrations.torchft import CkptdTransport
+    manager = Manager(..., checkpoint_transport=CkptdTransport(timeout=timedelta(seconds=60)))
+
+What crosses the wire is what ckptd stores: tensors as raw bytes, every other
+leaf as JSON (``ckptd.client.save.flatten``). A leaf ckptd cannot store without
+pickling fails ``send_checkpoint`` with ``UnsupportedValue`` naming its path.
+docs/integrations/torchft.md tells the rest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+from torchft.checkpointing.transport import CheckpointTransport
+
+from ckptd import knobs
+from ckptd.errors import (
+    ChunkHashMismatch,
+    CkptdError,
+    Conflict,
+    InvalidRequest,
+    Timeout,
+    UnsupportedValue,
+)
+from ckptd.format import Placement, RankManifest, TensorEntry
+from ckptd.hashing import chunk_count, chunk_id
+
+from ..dtypes import byte_view, dtype_name, torch_dtype
+from ..loop import run_private
+from ..peer import PeerClient, PeerIndex, PeerServer
+from ..restore.fill import fill, plan_fill, tensor_specs, unflatten
+from ..save.chunks import hash_views
+from ..save.flatten import flatten
+from ..staging.pool import StagingPool
+
+__all__ = ["CkptdTransport", "HealStats"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The metadata's format: torchft hands this string from the healthy group to the
+# recovering one (through its manager servers); a receiver refuses another.
+_METADATA_FORMAT = "ckptd.torchft/1"
+_POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between asks for a step not staged yet
+
+
+@dataclass(slots=True)
+class HealStats:
+    """What one transport sent and received (counts since it was made)."""
+
+    sends: int = 0
+    bytes_staged: int = 0
+    receives: int = 0
+    bytes_received: int = 0
+    chunks_verified: int = 0
+    last_send_seconds: float = 0.0
+    last_recv_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class _HealServer(PeerServer):
+    """A peer server that also says which manifest describes what it serves (its
+    ``/v1/peer`` answer), so that a receiver knows the chunk that lists the others."""
+
+    manifest: tuple[str, int] | None = None  # (its chunk id, its length)
+
+    def describe(self) -> dict[str, Any]:
+        doc = super().describe()
+        held = self.manifest
+        if doc.get("step") is not None and held is not None:
+            doc["manifest"], doc["manifest_bytes"] = held
+        return doc
+
+
+class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore]  # (untyped)
+    """torchft's checkpoint transport, served from a ckptd staging pool and
+    received verified chunk by chunk.
+
+    ``timeout`` bounds a receive (torchft passes its own per call too). The chunk
+    server binds ``host:port`` (default ``CKPTD_PEER_HOST``, 127.0.0.1, and a port
+    the OS picks: set ``host="0.0.0.0"`` or ``CKPTD_PEER_HOST`` when replica groups
+    run on several hosts) and is reached at ``advertise_host``
+    (``CKPTD_PEER_ADVERTISE_HOST``, else the address on the default route).
+    Requests carry a bearer token: ``token`` when every replica group is given the
+    same one, else a random one per transport that travels in ``metadata()``.
+    ``state_dict``: a callable returning a template (e.g. the Manager's state) that
+    ``recv_checkpoint`` fills in place and returns (DTensor leaves need one: their
+    local shards are sent; without a template they arrive as plain tensors).
+    ``shm_dir``: where the staging pool lives (default ``CKPTD_SHM_DIR`` or
+    /dev/shm). ``concurrency``: chunks fetched at once."""
+
+    def __init__(
+        self,
+        timeout: timedelta = timedelta(seconds=60),
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        advertise_host: str | None = None,
+        token: str | None = None,
+        state_dict: Callable[[], Any] | None = None,
+        chunk_size: int | None = None,
+        shm_dir: str | None = None,
+        concurrency: int = 4,
+    ) -> None:
+        self.timeout = timeout
+        self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
+        self.concurrency = max(1, int(concurrency))
+        self.stats = HealStats()
+        self._template = state_dict
+        self._shared_token = token is not None
+        self._token = token or secrets.token_urlsafe(24)
+        # A pool of its own, named for this transport (several may live in one
+        # process: torchft's tests run replica groups as threads).
+        self._label = f"torchft-{secrets.token_hex(4)}"
+        self._pool = StagingPool(self._label, 0, root=shm_dir)
+        self._lock = threading.Lock()  # one send stages at a time
+        try:
+            self._server = _HealServer(host=host, port=port, token=self._token,
+                                       advertise_host=advertise_host, job=self._label, rank=0)
+            self._server.start()
+        except BaseException:
+            self._pool.close()
+            raise
+
+    # -- torchft's interface ------------------------------------------------------------
+
+    def metadata(self) -> str:
+        """Where this transport serves (and its token, unless all share one)."""
+        doc = {"format": _METADATA_FORMAT, "url": self._server.url}
+        if not self._shared_token:
+            doc["token"] = self._token
+        return json.dumps(doc, sort_keys=True)
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
+        """Stages ``state_dict`` into the pool, hashes it and serves it as ``step``
+        until the next send (the pool holds a copy: the caller may change its state
+        as soon as this returns)."""
+        t0 = time.perf_counter()
+        if not isinstance(state_dict, Mapping):
+            raise UnsupportedValue(f"torchft sent a {type(state_dict).__name__}, not a state dict")
+        flat = flatten(state_dict)
+        with self._lock:
+            # What was served is about to be overwritten: stop serving it first (a
+            # receiver still reading it gets 409 from the seqlock, never torn bytes).
+            self._server.clear()
+            self._server.manifest = None
+            plan = self._pool.prepare(flat.tensors, self.chunk_size)
+            if plan.piece_count != 1:  # (no budget is set: one piece always)
+                raise InvalidRequest("the torchft transport stages a state in one piece")
+            piece = self._pool.stage(plan, 0, step)
+            piece.wait_copied()
+            views = [span.data for span in piece.spans]
+            ids = run_private(hash_views(views, self.chunk_size), timeout.total_seconds(),
+                              what="hashing the state to send")
+            entries: list[TensorEntry] = []
+            chunks: dict[str, memoryview] = {}
+            cs = self.chunk_size
+            staged = {span.index: (span, span_ids)
+                      for span, span_ids in zip(piece.spans, ids, strict=True)}
+            for index, info in enumerate(plan.infos):
+                span, span_ids = staged.get(index, (None, []))  # (an empty tensor: none)
+                placement: Placement = "local"
+                global_shape, offsets = list(info.shape), [0] * len(info.shape)
+                if info.name in flat.layouts:  # a DTensor's local shard
+                    placement, global_shape, offsets = flat.layouts[info.name]
+                entries.append(TensorEntry(
+                    name=info.name, dtype=dtype_name(info.dtype), placement=placement,
+                    global_shape=list(global_shape), offsets=list(offsets),
+                    shape=list(info.shape), nbytes=info.nbytes, chunks=list(span_ids)))
+                for k, cid in enumerate(span_ids):
+                    if span is not None:
+                        chunks.setdefault(cid, span.data[k * cs : (k + 1) * cs])
+            manifest = RankManifest(job=self._label, step=step, rank=0, world_size=1,
+                                    chunk_size=self.chunk_size, entries=entries,
+                                    tree=flat.tree)
+            manifest.check()
+            data = manifest.canonical()
+            mid = chunk_id(data)
+            chunks[mid] = memoryview(data)
+            generation = piece.generation
+            pool = self._pool
+            self._server.manifest = (mid, len(data))  # (no step is described before:
+            self._server.publish(PeerIndex(step=step, chunks=chunks,  # it was cleared)
+                                           valid=lambda: pool.generation == generation))
+        seconds = time.perf_counter() - t0
+        with self.stats.lock:
+            self.stats.sends += 1
+            self.stats.bytes_staged += plan.nbytes
+            self.stats.last_send_seconds = seconds
+        log.info("torchft: serving step %d to ranks %s: %d tensors, %d bytes in %d chunks "
+                 "(staged and hashed in %.3f s)", step, dst_ranks, len(entries), plan.nbytes,
+                 len(chunks) - 1, seconds)
+
+    def disallow_checkpoint(self) -> None:
+        """Nothing to wait for: what is served is the pool's copy, not the caller's
+        tensors, and it stays valid (a late receiver still gets exactly its step)
+        until the next ``send_checkpoint`` restages the pool."""
+
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+    ) -> T:
+        """Fetches ``step`` from the transport ``metadata`` names, every chunk
+        verified; the state (or the ``state_dict`` template, filled in place).
+
+        Raises ``ChunkHashMismatch`` for a chunk (or the manifest) whose bytes do not
+        hash to its id, ``Conflict`` when the sender serves another step (or restaged
+        during the receive), ``Timeout`` past ``timeout``, ``Unavailable`` when the
+        sender cannot be reached; nothing is returned then."""
+        t0 = time.perf_counter()
+        seconds = min(timeout.total_seconds(), self.timeout.total_seconds())
+        deadline = time.monotonic() + seconds
+        url, token = _parse_metadata(metadata, self._token)
+        client = PeerClient(token, timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            mid, size = _wait_for_step(client, url, step, deadline)
+            raw = bytearray(size)
+            _fetch_verified(client, url, mid, memoryview(raw), step, "the manifest")
+            manifest = RankManifest.parse(bytes(raw))
+            if manifest.step != step:
+                raise Conflict(f"torchft heal: {url} sent a manifest of step {manifest.step} "
+                               f"for step {step}", peer=url, step=step)
+            tensors = self._fetch_tensors(client, url, manifest, deadline)
+        finally:
+            client.close()
+        if self._template is not None:
+            target = self._template()
+            if not isinstance(target, MutableMapping):
+                raise InvalidRequest("the state_dict template must return a mutable mapping")
+            plan_fill(target, manifest.tree, tensor_specs(manifest.entries))
+            fill(target, manifest.tree, tensors)
+            state: Any = target
+        else:
+            sharded = [e.name for e in manifest.entries if e.placement == "sharded"]
+            if sharded:
+                raise UnsupportedValue(
+                    f"the sender's state holds DTensors ({sharded[0]!r}, ...): give "
+                    "CkptdTransport(state_dict=...) a template to receive them into",
+                    entries=sharded[:10])
+            state = unflatten(manifest.tree, tensors)
+        nbytes = manifest.nbytes
+        with self.stats.lock:
+            self.stats.receives += 1
+            self.stats.bytes_received += nbytes
+            self.stats.chunks_verified += sum(len(e.chunks) for e in manifest.entries) + 1
+            self.stats.last_recv_seconds = time.perf_counter() - t0
+        log.info("torchft: received step %d from %s: %d bytes, every chunk verified, %.3f s",
+                 step, url, nbytes, time.perf_counter() - t0)
+        return state  # type: ignore[no-any-return]
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops serving and removes the staging pool. Idempotent."""
+        self._server.close()
+        with self._lock:
+            self._pool.close()
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def _fetch_tensors(self, client: PeerClient, url: str, manifest: RankManifest,
+                       deadline: float) -> dict[str, torch.Tensor]:
+        """Every entry's tensor, each chunk fetched into place and verified; on the
+        first failure no new fetch starts, the running ones finish, it is raised."""
+        tensors: dict[str, torch.Tensor] = {}
+        jobs: list[tuple[str, memoryview, str]] = []
+        cs = manifest.chunk_size
+        for e in manifest.entries:
+            t = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+            tensors[e.name] = t
+            if e.nbytes == 0:
+                continue
+            view = byte_view(t)
+            if len(e.chunks) != chunk_count(e.nbytes, cs):  # (the manifest checked it)
+                raise ChunkHashMismatch(f"entry {e.name!r} lists the wrong number of chunks")
+            for k, cid in enumerate(e.chunks):
+                jobs.append((cid, view[k * cs : (k + 1) * cs], e.name))
+        stop = threading.Event()
+
+        def one(job: tuple[str, memoryview, str]) -> None:
+            if stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise Timeout(f"torchft heal of step {manifest.step} from {url} ran out of "
+                              "its timeout", peer=url, step=manifest.step)
+            cid, dest, name = job
+            _fetch_verified(client, url, cid, dest, manifest.step, f"entry {name!r}")
+
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency,
+                                                   thread_name_prefix="ckptd-heal") as pool:
+            futures = [pool.submit(one, job) for job in jobs]
+            first: BaseException | None = None
+            for fut in futures:
+                exc = fut.exception()
+                if exc is not None and first is None:
+                    first = exc
+                    stop.set()
+            if first is not None:
+                raise first
+        return tensors
+
+
+def _parse_metadata(metadata: str, own_token: str) -> tuple[str, str]:
+    """The sender's URL and token from torchft's metadata string."""
+    try:
+        doc = json.loads(metadata)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != _METADATA_FORMAT:
+        raise InvalidRequest(
+            f"torchft heal: the healthy group's checkpoint metadata {metadata[:120]!r} is not "
+            "a CkptdTransport's: every replica group must use CkptdTransport")
+    url, token = doc.get("url"), doc.get("token", own_token)
+    if not isinstance(url, str) or not isinstance(token, str):
+        raise InvalidRequest(f"torchft heal: malformed metadata {metadata[:120]!r}")
+    return url, token
+
+
+def _wait_for_step(client: PeerClient, url: str, step: int, deadline: float
+                   ) -> tuple[str, int]:
+    """Asks the sender what it serves until it serves ``step`` (torchft may ask
+    before the healthy group has staged it): the manifest's id and length."""
+    wait = _POLL_FIRST
+    while True:
+        doc = client.describe(url)
+        served = doc.get("step")
+        if served == step and isinstance(doc.get("manifest"), str):
+            size = doc.get("manifest_bytes")
+            if not isinstance(size, int) or size <= 0:
+                raise Conflict(f"torchft heal: {url} gave no manifest length", peer=url)
+            return str(doc["manifest"]), size
+        if isinstance(served, int) and served > step:
+            raise Conflict(f"torchft heal: {url} serves step {served}, past step {step}",
+                           peer=url, step=step, served=served)
+        if time.monotonic() + wait > deadline:
+            raise Timeout(f"torchft heal: {url} did not serve step {step} in time (it serves "
+                          f"{served})", peer=url, step=step)
+        time.sleep(wait)
+        wait = min(wait * 2, _POLL_MAX)
+
+
+def _fetch_verified(client: PeerClient, url: str, cid: str, dest: memoryview, step: int,
+                    what: str) -> None:
+    """Fetches chunk ``cid`` into ``dest`` and checks it hashes to ``cid``."""
+    try:
+        client.fetch_into(url, cid, dest)
+    except CkptdError as exc:
+        exc.detail.setdefault("step", step)
+        raise
+    if chunk_id(dest) != cid:
+        raise ChunkHashMismatch(
+            f"torchft heal of step {step}: a chunk of {what} from {url} does not hash to its "
+            f"id {cid}; the heal is refused (nothing was loaded)",
+            id=cid, peer=url, step=step)

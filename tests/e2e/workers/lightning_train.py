@@ -1,0 +1,154 @@
+"""A Lightning ``Trainer`` on 2 DDP ranks (gloo, CPU) checkpointing through
+``CkptdCheckpointIO``: ``ModelCheckpoint`` saves every epoch (and ``last``), and
+``fit(ckpt_path="last")`` resumes from the pointer Lightning finds. With
+``--kill-rank R --kill-epoch E`` rank R SIGKILLs itself early in epoch E of the
+first launch, once ``last`` names the step before it (committed), for torchrun to
+restart both ranks.
+
+argv: out_dir url job workdir [--kill-rank R --kill-epoch E]. Writes
+``<out>/rank<r>.json``: the launch, the step training started from, and digests of
+the model and the optimizer state."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptd.client.distributed import init_process_group
+from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer
+
+EPOCHS = 4
+BATCHES = 4  # per rank and epoch: global_step grows by 4 each epoch
+
+
+def digest(value: Any) -> str:
+    h = hashlib.blake2b()
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(path.encode())
+            h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in x:
+                walk(x[k], f"{path}/{k}")
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+        else:
+            h.update(f"{path}={x!r}".encode())
+
+    walk(value, "")
+    return h.hexdigest()
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                       torch.nn.Linear(64, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+class Watch(Callback):
+    """Notes where training started, and kills a rank when asked."""
+
+    def __init__(self, rank: int, kill_rank: int | None, kill_epoch: int | None,
+                 last: Path) -> None:
+        self.rank = rank
+        self.kill_rank, self.kill_epoch = kill_rank, kill_epoch
+        self.last = last
+        self.start_step: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (not first_launch or self.rank != self.kill_rank
+                or trainer.current_epoch != self.kill_epoch or batch_idx != 1):
+            return
+        want = self.kill_epoch * BATCHES
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the step before is committed: last names it
+            doc = read_pointer(self.last) if self.last.exists() else None
+            if doc is not None and doc["step"] == want:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"{self.last} never named step {want}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("url")
+    p.add_argument("job")
+    p.add_argument("workdir")
+    p.add_argument("--kill-rank", type=int)
+    p.add_argument("--kill-epoch", type=int)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    rank = int(os.environ["RANK"])
+    # Lightning uses a process group that exists already: this one keeps each torchrun
+    # attempt's keys apart (a restarted attempt otherwise meets the dead one's gloo
+    # addresses in the agent's store and fails to connect).
+    init_process_group("gloo", timeout=timedelta(seconds=60))
+    workdir = Path(args.workdir)
+    ckpts = workdir / "checkpoints"
+
+    torch.manual_seed(0)
+    x = torch.randn(2 * BATCHES * 8, 16)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(len(x), 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+    model = Regressor()
+
+    io = CkptdCheckpointIO(args.url, job=args.job, shm_dir=str(workdir / "shm"), timeout=60.0)
+    watch = Watch(rank, args.kill_rank, args.kill_epoch, ckpts / "last.ckpt")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, num_nodes=1, max_epochs=EPOCHS,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        plugins=[io], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_epochs=1, save_top_k=-1,
+                                   save_last=True), watch],
+    )
+    trainer.fit(model, loader, ckpt_path="last")
+    result = {
+        "rank": rank,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "start": watch.start_step,
+        "global_step": trainer.global_step,
+        "model": digest(model.state_dict()),
+        "optim": digest(trainer.optimizers[0].state_dict()),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

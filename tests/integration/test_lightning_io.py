@@ -1,0 +1,281 @@
+"""``CkptdCheckpointIO`` on its own and under Lightning in one process: paths to
+steps and tags, pointer files, a second name of one step, what cannot be stored,
+removals, failures raised later, Fabric, and a Trainer over a real ``ckptd serve``
+that resumes from ``last`` to the bits of an uninterrupted run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.errors import (
+    AlreadyCommitted,
+    CheckpointNotFound,
+    Conflict,
+    InvalidRequest,
+    UnsupportedValue,
+)
+from tests.conftest import ServerProcess
+
+# CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
+if not os.environ.get("CI"):
+    pytest.importorskip("lightning", reason="pip install 'ckptd[lightning]'")
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ckptd.client.integrations.lightning import (  # noqa: E402
+    POINTER_FORMAT,
+    CkptdCheckpointIO,
+    read_pointer,
+    tag_for_path,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'store'}"
+
+
+@pytest.fixture
+def io(store: str, shm: Path) -> Iterator[CkptdCheckpointIO]:
+    plugin = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    try:
+        yield plugin
+    finally:
+        plugin.teardown()
+
+
+def _checkpoint(step: int, seed: int = 0) -> dict[str, Any]:
+    """What Lightning's dump_checkpoint builds, in small."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    key = "ModelCheckpoint{'monitor': 'loss', 'mode': 'min', 'every_n_train_steps': 0}"
+    return {
+        "epoch": 1, "global_step": step, "pytorch-lightning_version": "2.6.6",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": step},
+                               "epoch_progress": {"total": {"ready": 2, "completed": 1}}}},
+        "callbacks": {key: {"best_model_score": torch.tensor(0.25),
+                            "best_k_models": {"/ckpts/epoch=0-step=4.ckpt": torch.tensor(0.5)},
+                            "kth_value": torch.tensor(float("inf")), "last_model_path": "",
+                            "dirpath": "/ckpts"}},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [{"step_size": 1, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 1}],
+        "MixedPrecision": {"scale": 65536.0, "growth_tracker": 0},
+        "hparams_name": "kwargs", "hyper_parameters": {"lr": 0.1, "betas": (0.9, 0.99),
+                                                       "name": None, "bf16": torch.ones(2,
+                                                       dtype=torch.bfloat16)},
+    }
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b and type(a) is type(b), (where, a, b)
+
+
+def _tags(store: str) -> dict[str, int]:
+    from ckptd.client.integrations.lightning.tags import JobTags
+
+    tags = JobTags(store, None, "lit")
+    try:
+        return tags.all()
+    finally:
+        tags.close()
+
+
+def test_paths_become_tags() -> None:
+    assert tag_for_path("/x/checkpoints/epoch=0-step=10.ckpt") == "epoch_0-step_10"
+    assert tag_for_path(Path("last.ckpt")) == "last"
+    assert tag_for_path("/x/last-v1.ckpt") == "last-v1"
+    assert tag_for_path("/x/.hidden") == "hidden"
+    long = tag_for_path("/x/" + "a=b" * 100 + ".ckpt")
+    assert len(long) <= 128 and long != tag_for_path("/x/" + "a=b" * 99 + "a_c.ckpt")
+
+
+def test_a_checkpoint_round_trips_bitwise_with_a_pointer(io: CkptdCheckpointIO, store: str,
+                                                         tmp_path: Path) -> None:
+    path = tmp_path / "ckpts" / "epoch=1-step=8.ckpt"
+    checkpoint = _checkpoint(8)
+    io.save_checkpoint(checkpoint, path)
+    io.teardown()  # waits for the commit and the pointer
+    doc = read_pointer(path)
+    assert doc is not None and doc["format"] == POINTER_FORMAT
+    assert (doc["job"], doc["step"]) == ("lit", 8)
+    assert json.loads(path.read_text())["url"] == store
+    got = io.load_checkpoint(path)
+    _same(checkpoint, got)
+    assert _tags(store) == {"epoch_1-step_8": 8}
+
+
+def test_a_second_name_of_one_step_tags_it(io: CkptdCheckpointIO, store: str,
+                                           tmp_path: Path) -> None:
+    checkpoint = _checkpoint(4)
+    io.save_checkpoint(checkpoint, tmp_path / "epoch=0-step=4.ckpt")
+    # Lightning's next save at the same step (last.ckpt): its bookkeeping differs.
+    key = next(iter(checkpoint["callbacks"]))
+    checkpoint["callbacks"][key] = {**checkpoint["callbacks"][key], "last_model_path": "x"}
+    io.save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    io.teardown()
+    assert _tags(store) == {"epoch_0-step_4": 4, "last": 4}
+    assert read_pointer(tmp_path / "last.ckpt")["step"] == 4  # type: ignore[index]
+    # A tensor changed in place since is another state: refused, not dropped.
+    checkpoint["state_dict"]["weight"].add_(1.0)
+    with pytest.raises(Conflict, match="weight"):
+        io.save_checkpoint(checkpoint, tmp_path / "other.ckpt")
+
+
+def test_what_cannot_be_stored_is_named(io: CkptdCheckpointIO, tmp_path: Path) -> None:
+    checkpoint = _checkpoint(4)
+    checkpoint["hyper_parameters"]["args"] = argparse.Namespace(lr=0.1)
+    with pytest.raises(UnsupportedValue, match=r"hyper_parameters.*args.*Namespace"):
+        io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+def test_names_without_pointers_and_latest(store: str, shm: Path, tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), pointers=False)
+    try:
+        io.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "epoch=0-step=4.ckpt")
+        io.save_checkpoint(_checkpoint(8, seed=2), tmp_path / "epoch=1-step=8.ckpt")
+        io.teardown()
+        assert not (tmp_path / "epoch=0-step=4.ckpt").exists()
+        # Another node: no file, the name is a tag of the job.
+        got = io.load_checkpoint("/elsewhere/epoch=0-step=4.ckpt")
+        _same(_checkpoint(4, seed=1)["state_dict"], got["state_dict"])
+        assert io.load_checkpoint("latest")["global_step"] == 8
+        with pytest.raises(CheckpointNotFound, match="no tag 'nope'"):
+            io.load_checkpoint("/elsewhere/nope.ckpt")
+    finally:
+        io.teardown()
+
+
+def test_remove_takes_the_pointer_and_the_tag_not_the_data(io: CkptdCheckpointIO, store: str,
+                                                           tmp_path: Path) -> None:
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    io.save_checkpoint(_checkpoint(4), path)
+    io.remove_checkpoint(path)  # queued after the save's pointer
+    io.teardown()
+    assert not path.exists() and _tags(store) == {}
+    assert io.load_checkpoint("latest")["global_step"] == 4  # the data stays
+    plain = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, plain)
+    io.remove_checkpoint(plain)  # not a pointer: left alone
+    io.teardown()
+    assert plain.exists()
+
+
+def test_a_background_failure_is_raised_by_the_next_call(store: str, shm: Path,
+                                                         tmp_path: Path) -> None:
+    first = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    first.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "a.ckpt")
+    first.teardown()
+    again = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    # Step 4 holds other bits already: the commit fails after save_checkpoint returned.
+    again.save_checkpoint(_checkpoint(4, seed=2), tmp_path / "b.ckpt")
+    with pytest.raises(AlreadyCommitted):
+        again.teardown()
+    assert not (tmp_path / "b.ckpt").exists()  # no pointer to what never committed
+
+
+def test_a_torch_save_file_loads_with_weights_only(io: CkptdCheckpointIO, tmp_path: Path) -> None:
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(3.0)}, "epoch": 2}, path)
+    got = io.load_checkpoint(path)
+    assert got["epoch"] == 2 and torch.equal(got["state_dict"]["w"], torch.arange(3.0))
+    torch.save({"obj": argparse.Namespace(a=1)}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        io.load_checkpoint(path)
+
+
+def test_fabric_saves_and_loads_in_place(store: str, shm: Path, tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    torch.manual_seed(0)
+    module = torch.nn.Linear(5, 2)
+    model, opt = fabric.setup(module, torch.optim.Adam(module.parameters()))
+    fabric.backward(model(torch.ones(3, 5)).sum())
+    opt.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": opt, "step": 3})
+    io.teardown()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    rest = fabric.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": opt})
+    io.teardown()
+    assert rest == {"step": 3}
+    _same(expected, dict(model.state_dict()))
+    assert read_pointer(tmp_path / "fabric.ckpt")["step"] == 3  # type: ignore[index]
+
+
+class _Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _fit(url: str, root: Path, shm: Path, epochs: int, resume: str | None) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    loader = DataLoader(TensorDataset(x, x[:, :1] * 2), batch_size=8)
+    model = _Regressor()
+    io = CkptdCheckpointIO(url, job=root.name, shm_dir=str(shm))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, plugins=[io],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+                            dirpath=root, save_last=True, save_top_k=-1)])
+    trainer.fit(model, loader, ckpt_path=resume)
+    return {"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
+            "step": trainer.global_step}
+
+
+def test_a_trainer_resumes_from_last_over_a_server(server: ServerProcess, shm: Path,
+                                                   tmp_path: Path) -> None:
+    whole = _fit(server.url, tmp_path / "whole", shm, 3, None)
+    _fit(server.url, tmp_path / "parts", shm, 2, None)
+    resumed = _fit(server.url, tmp_path / "parts", shm, 3, "last")
+    assert whole["step"] == resumed["step"] == 12
+    _same(whole["model"], resumed["model"])
+    _same(whole["optim"]["state"], resumed["optim"]["state"])
+    assert read_pointer(tmp_path / "parts" / "last.ckpt")["step"] == 12  # type: ignore[index]
+
+
+def test_a_save_on_another_rank_than_0_is_refused(io: CkptdCheckpointIO, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")  # (no process group here: the environment says)
+    with pytest.raises(InvalidRequest, match="rank other than 0"):
+        io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt")

@@ -1,0 +1,244 @@
+"""Reads that skip the server (issue 21, item 3): over an S3-compatible store the
+restore plan carries presigned GET URLs of the rank's chunks, and the rank reads
+them from the object store, verifying each; the server carries no restore bytes.
+
+Against moto's S3 server behind a front that checks presigned URLs as S3 does
+(signature and expiry: moto checks neither; ``tests/store/moto_presigned.py``),
+and a real ``ckptd serve`` over it. Covered: the bytes' source, the plan's scope,
+an expired URL (a skewed object store), bytes bad on the way (fall back to the
+server), bytes bad at rest (a typed error, the target untouched), and both knobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("moto.server")
+pytest.importorskip("aiobotocore")
+boto3 = pytest.importorskip("boto3")
+
+from ckptd.client import Checkpointer  # noqa: E402
+from ckptd.errors import ChunkHashMismatch  # noqa: E402
+from ckptd.format import chunk_key  # noqa: E402
+from tests.conftest import ServerProcess, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+BUCKET = "ckptd-direct"
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 256 << 10
+KEY_ID, SECRET = "ckptdpresignkey", "ckptd-presign-secret-0123456789"
+
+
+def aws_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPTD_"))}
+    env.update(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET,
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+               AWS_CONFIG_FILE="/nonexistent/aws-config",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials")
+    return env
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto behind the presigned-URL checks, on 127.0.0.1, with one bucket."""
+    port = free_port()
+    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.store.moto_presigned", str(port),
+                                 BUCKET], cwd=ROOT, env=aws_env(), stdout=subprocess.PIPE,
+                                stderr=log)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode().strip()
+        if not line.startswith("http://"):
+            pytest.fail(f"moto did not start: {line!r}")
+        yield line
+    finally:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+class S3Server(ServerProcess):
+    def base_env(self) -> dict[str, str]:
+        return aws_env()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def serve(front: str, prefix: str, tmp_path: Path, **env: str) -> S3Server:
+    srv = S3Server(store=f"s3://{BUCKET}/{prefix}?endpoint={front}", log_dir=tmp_path, env=env)
+    srv.start(timeout=60)
+    return srv
+
+
+@pytest.fixture
+def server(front: str, prefix: str, tmp_path: Path) -> Iterator[S3Server]:
+    srv = serve(front, prefix, tmp_path)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        httpx.post(f"{front}/__front/clock?skew=0")
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300_000, generator=g),  # 5 chunks of 256 KiB
+            "b": torch.randn(1000, generator=g), "step": 7}
+
+
+def zeros(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+            for k, v in state.items()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(b[k], torch.Tensor) else a[k] == b[k]
+               for k in b)
+
+
+def saved(server: ServerProcess, job: str, seed: int = 1) -> dict[str, Any]:
+    state = make_state(seed)
+    with Checkpointer(server.url, job, chunk_size=CHUNK, serve_peers=False) as ckpt:
+        ckpt.save(1, state).wait(timeout=120)
+    return state
+
+
+def restore(server: ServerProcess, job: str, target: dict[str, Any]) -> Any:
+    with Checkpointer(server.url, job, chunk_size=CHUNK, serve_peers=False) as ckpt:
+        return ckpt.restore(target, tiers=("store",))
+
+
+def first_chunks(server: ServerProcess, job: str) -> list[str]:
+    """The chunk ids of the first entry of rank 0's manifest of step 1."""
+    plan = httpx.get(f"{server.url}/v1/jobs/{job}/restore-plan",
+                     params={"rank": 0, "step": 1}).json()
+    entry = max(plan["manifest"]["entries"], key=lambda e: len(e["chunks"]))
+    return list(entry["chunks"])
+
+
+def chunk_lines(server: ServerProcess, since: int) -> list[str]:
+    """The server's access-log lines of chunk reads after ``since`` characters."""
+    return [line for line in server.log()[since:].splitlines()
+            if "/v1/chunks/" in line and ("GET" in line or "/read" in line)]
+
+
+def test_a_restore_reads_every_chunk_from_the_object_store(server: S3Server, front: str
+                                                          ) -> None:
+    state = saved(server, "direct")
+    before = httpx.get(f"{front}/__front/count").json()["presigned_gets"]
+    mark = len(server.log())
+    target = zeros(state)
+    result = restore(server, "direct", target)
+    assert same(target, state)
+    assert result.bytes_from.get("object", 0) == result.bytes_fetched > 0
+    assert result.bytes_from.get("store", 0) == 0 and not result.problems
+    got = httpx.get(f"{front}/__front/count").json()["presigned_gets"] - before
+    assert got == result.chunks  # each chunk once, through its presigned URL
+    assert chunk_lines(server, mark) == []  # the server carried none of them
+
+
+def test_the_plan_signs_only_the_ranks_own_chunks(server: S3Server, front: str) -> None:
+    with Checkpointer(server.url, "scoped", rank=0, world_size=2, chunk_size=CHUNK,
+                      serve_peers=False) as mine, \
+            Checkpointer(server.url, "scoped", rank=1, world_size=2, chunk_size=CHUNK,
+                         serve_peers=False) as other:
+        # Rank-private entries, different bytes: rank 1's chunks are not rank 0's.
+        handles = [mine.save(1, make_state(2), local=["w", "b"]),
+                   other.save(1, make_state(3), local=["w", "b"])]
+        for handle in handles:
+            handle.wait(timeout=120)
+    plan = httpx.get(f"{server.url}/v1/jobs/scoped/restore-plan",
+                     params={"rank": 0, "step": 1}).json()
+    mine = {cid for e in plan["manifest"]["entries"] for cid in e["chunks"]}
+    assert set(plan["reads"]) == mine and plan["reads_expire_in"] == 900
+    for cid, url in plan["reads"].items():
+        assert urlsplit(url).path.endswith("/" + chunk_key(cid))
+        assert SECRET not in url and "X-Amz-Signature=" in url
+    # A URL reads its own object and no other: moved to another key, it is refused.
+    cid, url = next(iter(plan["reads"].items()))
+    other = next(c for c in mine if c != cid)
+    moved = url.replace(cid, other)
+    assert httpx.get(url).status_code == 200
+    assert httpx.get(moved).status_code == 403
+
+
+def test_an_expired_url_falls_back_to_the_server(server: S3Server, front: str) -> None:
+    state = saved(server, "expired")
+    httpx.post(f"{front}/__front/clock?skew=3600")  # every URL looks an hour old
+    target = zeros(state)
+    result = restore(server, "expired", target)
+    assert same(target, state)
+    assert result.bytes_from.get("store", 0) == result.bytes_fetched > 0
+    refused = [p for p in result.problems if p.tier == "object"]
+    assert refused and all(p.kind == "failed" for p in refused)
+    assert "Request has expired" in refused[0].message
+
+
+def test_bytes_bad_on_the_way_are_taken_from_the_server(server: S3Server, front: str) -> None:
+    state = saved(server, "wire")
+    chunks = first_chunks(server, "wire")
+    bad = chunks[1]
+    httpx.post(f"{front}/__front/tamper", params={"key": bad})
+    target = zeros(state)
+    result = restore(server, "wire", target)
+    assert same(target, state)
+    assert [(p.tier, p.kind, p.chunk) for p in result.problems] == [("object", "mismatch", bad)]
+    assert result.bytes_from["store"] == CHUNK
+    assert result.bytes_from["object"] == result.bytes_fetched - CHUNK
+
+
+def test_bytes_bad_at_rest_are_a_hash_mismatch_and_leave_the_target(
+        server: S3Server, front: str, prefix: str) -> None:
+    state = saved(server, "rest")
+    chunks = first_chunks(server, "rest")
+    bad = chunks[0]
+    s3 = boto3.client("s3", endpoint_url=front, aws_access_key_id=KEY_ID,
+                      aws_secret_access_key=SECRET, region_name="us-east-1")
+    key = f"{prefix}/{chunk_key(bad)}"
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[100] ^= 1
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))  # the stored object damaged
+    target = zeros(state)
+    with pytest.raises(ChunkHashMismatch) as info:
+        restore(server, "rest", target)
+    kinds = {(p["tier"], p["kind"]) for p in info.value.detail["problems"]}
+    assert {("object", "mismatch"), ("store", "mismatch")} <= kinds
+    assert same(target, zeros(state))  # atomic: nothing of it reached the target
+
+
+def test_direct_reads_can_be_turned_off_on_either_side(
+        front: str, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    srv = serve(front, prefix, tmp_path, CKPTD_PRESIGNED_READS="false")
+    try:
+        state = saved(srv, "off")
+        plan = httpx.get(f"{srv.url}/v1/jobs/off/restore-plan",
+                         params={"rank": 0, "step": 1}).json()
+        assert not plan.get("reads")
+        target = zeros(state)
+        result = restore(srv, "off", target)
+        assert same(target, state) and result.bytes_from.get("object", 0) == 0
+    finally:
+        srv.stop()
+    srv = serve(front, prefix, tmp_path)
+    try:
+        monkeypatch.setenv("CKPTD_DIRECT_READS", "0")
+        target = zeros(state)
+        result = restore(srv, "off", target)
+        assert same(target, state) and result.bytes_from.get("object", 0) == 0
+        assert result.bytes_from["store"] == result.bytes_fetched
+    finally:
+        srv.stop()

@@ -1,0 +1,439 @@
+"""``ckptd export --safetensors`` and ``ckptd import`` of safetensors: a two-rank
+step with rows, columns, uneven and empty shards, bf16 and float8, exported over
+``file://`` and through a real server, read back by ``safetensors`` in a process
+where ckptd is not importable, filtered, round-tripped, and refused clearly."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from ckptd.cli import app
+from ckptd.client import Checkpointer, Shard
+from ckptd.client.integrations.safetensors import export_safetensors
+from ckptd.client.step_import import import_checkpoint
+from ckptd.errors import ChunkHashMismatch, InvalidRequest, UnsupportedValue
+
+pytestmark = pytest.mark.timeout(180)
+
+runner = CliRunner()
+JOB = "st"
+CHUNK = 4096
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    """The global tensors the two ranks hold parts of (names as the export writes them)."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model.rows": torch.randn(10, 600, generator=g).to(torch.bfloat16),  # uneven rows
+        "model.cols": torch.randn(50, 80, generator=g),  # split by columns, 3 : 5
+        "model.f8": torch.randn(3000, generator=g).to(torch.float8_e4m3fn),
+        "model.big": torch.randn(64, 100, generator=g),  # replicated, several chunks
+        "model.one_rank": torch.randn(4, 4, generator=g),  # rank 1 holds an empty box
+        "optim.exp_avg": torch.randn(33, 70, generator=g),  # columns, uneven
+        "optim.step": torch.tensor(12.0),
+        "optim.count": torch.arange(70, dtype=torch.int64),
+    }
+
+
+# name -> (rank 0's box, rank 1's box) as (offsets, shape); absent: replicated
+BOXES: dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] = {
+    "model.rows": (((0, 0), (7, 600)), ((7, 0), (3, 600))),
+    "model.cols": (((0, 0), (50, 30)), ((0, 30), (50, 50))),
+    "model.one_rank": (((0, 0), (4, 4)), ((4, 0), (0, 4))),
+    "optim.exp_avg": (((0, 0), (33, 31)), ((0, 31), (33, 39))),
+}
+
+
+def _box(t: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))].clone()
+
+
+def rank_state(full: dict[str, torch.Tensor], r: int) -> tuple[dict[str, Any], dict[str, Shard]]:
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    shards: dict[str, Shard] = {}
+    for name, t in full.items():
+        group, key = name.split(".", 1)
+        value = t
+        if name in BOXES:
+            offsets, shape = BOXES[name][r]
+            value = _box(t, offsets, shape)
+            shards[name] = Shard(tuple(t.shape), offsets)
+        (model if group == "model" else optim)[key] = value
+    rng = torch.full((8,), r, dtype=torch.uint8)  # rank-local: no global tensor
+    # A bytes leaf is an opaque blob, no tensor: the export leaves it out.
+    return {"model": model, "optim": optim, "rng": rng, "epoch": 3, "raw": b"\x80opaque"}, shards
+
+
+def save_two_ranks(url: str, shm: Path, job: str = JOB, step: int = 1) -> dict[str, torch.Tensor]:
+    full = full_state()
+    ckpts = [Checkpointer(url, job, rank=r, world_size=2, chunk_size=CHUNK, shm_dir=shm,
+                          serve_peers=False) for r in range(2)]
+    try:
+        handles = []
+        for r, c in enumerate(ckpts):
+            state, shards = rank_state(full, r)
+            handles.append(c.save(step, state, shards=shards, local=["rng"]))
+        assert "committed" in [h.wait(timeout=60).state for h in handles]
+    finally:
+        for c in ckpts:
+            c.close()
+    return full
+
+
+# Runs with no site (so no editable-install hook) and only site-packages on the
+# path: safetensors and torch are importable, ckptd is not.
+READER = """
+import hashlib, importlib.util, json, sys
+paths = sys.argv[2:]
+sys.path[:] = paths
+assert importlib.util.find_spec("ckptd") is None, "ckptd must not be importable here"
+import os
+from safetensors.torch import load_file
+index = json.load(open(os.path.join(sys.argv[1], "model.safetensors.index.json")))
+out = {}
+for name, filename in index["weight_map"].items():
+    t = load_file(os.path.join(sys.argv[1], filename))[name]
+    raw = t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+print(json.dumps({"tensors": out, "total": index["metadata"]["total_size"]}))
+"""
+
+
+def site_paths() -> list[str]:
+    paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    return paths + [p for p in sys.path if p.endswith(("lib-dynload", ".zip")) or
+                    p.rstrip("/").endswith(f"python{sys.version_info[0]}.{sys.version_info[1]}")]
+
+
+def read_without_ckptd(directory: Path, cwd: Path) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-S", "-c", READER, str(directory), *site_paths()],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def fingerprint(t: torch.Tensor) -> list[Any]:
+    import hashlib
+
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return fingerprint(a) == fingerprint(b)
+
+
+def test_export_of_two_ranks_reads_in_safetensors_without_ckptd(tmp_path: Path, shm: Path
+                                                                ) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    seen: list[tuple[int, int]] = []
+    # Small files and windows: many files, windows cut inside tensors, column slabs.
+    result = export_safetensors(url, JOB, tmp_path / "out", max_shard_size="20KB",
+                                window=8192, on_bytes=lambda d, t: seen.append((d, t)))
+    assert result.step == 1 and result.tensors == len(full)
+    assert result.skipped_local == ["rng"]  # rank-local state is no global tensor
+    assert len(result.files) > 3 and result.files[0] == f"model-00001-of-{len(result.files):05d}" \
+        ".safetensors"
+    out = read_without_ckptd(tmp_path / "out", tmp_path)
+    assert out["tensors"] == {name: fingerprint(t) for name, t in full.items()}
+    assert out["total"] == sum(t.numel() * t.element_size() for t in full.values())
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert files == {*result.files, "model.safetensors.index.json"}  # no temporaries left
+    # Progress counts up to every byte of every file.
+    assert seen[-1][0] == seen[-1][1] == sum((tmp_path / "out" / f).stat().st_size
+                                             for f in result.files)
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:], strict=False))
+    # Every file: no file but a lone large tensor passes the limit.
+    for f in result.files:
+        loaded = load_file(tmp_path / "out" / f)
+        size = sum(t.numel() * t.element_size() for t in loaded.values())
+        assert size <= 20_000 or len(loaded) == 1
+
+
+def test_file_bytes_are_what_save_file_writes(tmp_path: Path, shm: Path) -> None:
+    from safetensors.torch import save_file
+
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    export_safetensors(url, JOB, tmp_path / "out")  # one file: model.safetensors
+    ours = (tmp_path / "out" / "model.safetensors").read_bytes()
+    meta = {"format": "pt", "ckptd.job": JOB, "ckptd.step": "1"}
+    save_file(full, tmp_path / "ref.safetensors", metadata=meta)
+    ref = (tmp_path / "ref.safetensors").read_bytes()
+    # save_file orders __metadata__'s keys as a hash map does, so the headers are
+    # compared parsed; the tensors' layout and every data byte are compared whole.
+    (n_ours,), (n_ref,) = struct.unpack("<Q", ours[:8]), struct.unpack("<Q", ref[:8])
+    assert n_ours == n_ref and ours[8 + n_ours:] == ref[8 + n_ref:]
+    assert json.loads(ours[8:8 + n_ours]) == json.loads(ref[8:8 + n_ref])
+    head = json.loads(ours[8:8 + n_ours])
+    assert list(head)[0] == "__metadata__"
+
+
+def test_cli_export_through_a_server_with_only_and_strip(tmp_path: Path, shm: Path,
+                                                          server: Any) -> None:
+    full = save_two_ranks(server.url, shm)
+    done = runner.invoke(app, ["export", JOB, "1", "--safetensors", str(tmp_path / "m"),
+                               "--only", "model.", "--strip", "model.", "--url", server.url])
+    assert done.exit_code == 0, done.output
+    assert "5 tensors" in done.output and "verified" in done.output
+    got = load_file(tmp_path / "m" / "model.safetensors")
+    want = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+    assert sorted(got) == sorted(want)
+    assert all(same_bits(got[k], want[k]) for k in want)
+    # Two prefixes, no strip; the latest step when none is named.
+    done = runner.invoke(app, ["export", JOB, "--safetensors", str(tmp_path / "o"), "--only",
+                               "optim.step", "--only", "model.f8", "--url", server.url])
+    assert done.exit_code == 0, done.output
+    assert sorted(load_file(tmp_path / "o" / "model.safetensors")) == ["model.f8", "optim.step"]
+
+
+def test_import_of_an_export_round_trips_bitwise(tmp_path: Path, shm: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    export_safetensors(url, JOB, tmp_path / "a", max_shard_size="30KB")
+    done = runner.invoke(app, ["import", str(tmp_path / "a"), "--job", "back", "--step", "5",
+                               "--url", url])
+    assert done.exit_code == 0, done.output
+    assert "safetensors checkpoint" in done.output and "bitwise" in done.output
+    with Checkpointer(url, "back", shm_dir=shm) as ckpt:
+        restored: dict[str, Any] = {}
+        assert ckpt.restore(restored).step == 5
+    assert sorted(restored) == sorted(full)
+    assert all(same_bits(restored[k], full[k]) for k in full)
+    # The imported step exports to the same tensors again (the files may group them
+    # otherwise: safetensors keeps no state-dict order for the import to take).
+    second = export_safetensors(url, "back", tmp_path / "b", max_shard_size="30KB")
+    again: dict[str, torch.Tensor] = {}
+    for f in second.files:
+        again.update(load_file(tmp_path / "b" / f))
+    assert sorted(again) == sorted(full) and all(same_bits(again[k], full[k]) for k in full)
+    # A single .safetensors file is a checkpoint too.
+    one = tmp_path / "one.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": full["model.cols"], "h": full["model.rows"]}, one)
+    result = import_checkpoint(one, url, "single", 1, shm_dir=shm)
+    assert (result.kind, result.tensors) == ("safetensors", 2)
+
+
+def test_a_corrupt_chunk_fails_the_export_naming_it_and_leaves_nothing(tmp_path: Path,
+                                                                       shm: Path) -> None:
+    store = tmp_path / "store"
+    save_two_ranks(f"file://{store}", shm)
+    manifest = json.loads((store / f"jobs/{JOB}/steps/1/ranks/1.json").read_text())
+    entry = next(e for e in manifest["entries"] if e["name"] == "model.rows")
+    victim = store / "chunks" / entry["chunks"][0][:2] / entry["chunks"][0]
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    target = tmp_path / "out"
+    with pytest.raises(ChunkHashMismatch) as info:
+        export_safetensors(f"file://{store}", JOB, target, max_shard_size="20KB")
+    assert "'model.rows'" in str(info.value)
+    assert not target.exists()  # no partial export behind
+    done = runner.invoke(app, ["export", JOB, "1", "--safetensors", str(target),
+                               "--url", f"file://{store}"])
+    assert done.exit_code == 2 and "chunk_hash_mismatch" in done.output
+    assert "Traceback" not in done.output and len(done.output.strip().splitlines()) <= 3
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--safetensors", "{tmp}/x", "--zarr", "{tmp}/y"], "one place at a time"),
+    (["--safetensors", "{tmp}/x", "--max-shard-size", "lots"], "is not a size"),
+    (["--safetensors", "{tmp}/x", "--max-shard-size", "0"], "more than 0 bytes"),
+    (["--safetensors", "{tmp}/x", "--codec", "zstd"], "--codec is for --zarr"),
+    (["--zarr", "{tmp}/x", "--only", "model."], "are for --safetensors"),
+    (["--safetensors", "{tmp}/x", "--only", "nothing."], "holds no tensor starting with"),
+    (["--safetensors", "{tmp}/x", "--strip", "model.", "--only", "model.f8",
+      "--only", "f8"], "the same name"),
+    (["--safetensors", "{tmp}/full"], "not an empty directory"),
+])
+def test_mistakes_get_one_line(tmp_path: Path, shm: Path, args: list[str], said: str) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    if "f8" in args:  # a tensor named "f8" beside "model.f8"
+        with Checkpointer(url, "clash", shm_dir=shm) as c:
+            c.save(1, {"model": {"f8": full["model.f8"]}, "f8": full["model.f8"]}).wait(60)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("mine")
+    job = "clash" if "f8" in args else JOB
+    done = runner.invoke(app, ["export", job, "1", *[a.format(tmp=tmp_path) for a in args],
+                               "--url", url])
+    assert done.exit_code == 2, done.output
+    assert said in " ".join(done.output.split()), done.output
+    assert "Traceback" not in done.output and len(done.output.strip().splitlines()) <= 3
+    assert not (tmp_path / "x").exists()
+    assert (tmp_path / "full" / "keep").read_text() == "mine"
+
+
+def test_a_dtype_safetensors_cannot_hold_is_refused_by_name(tmp_path: Path, shm: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, "cx", shm_dir=shm) as c:
+        c.save(1, {"w": torch.ones(3), "z": torch.ones(2, dtype=torch.complex128)}).wait(60)
+    with pytest.raises(UnsupportedValue) as info:
+        export_safetensors(url, "cx", tmp_path / "out")
+    assert "'z'" in str(info.value) and "--only" in str(info.value)
+    export_safetensors(url, "cx", tmp_path / "out", only=["w"])  # left out, it exports
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == ["w"]
+
+
+def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    for source, said in ((bad, "not a readable safetensors file"),
+                         (folder, "not a file name in")):
+        done = runner.invoke(app, ["import", str(source), "--job", "j", "--step", "1",
+                                   "--url", f"file://{tmp_path / 'store'}"])
+        assert done.exit_code == 2, done.output
+        assert said in " ".join(done.output.split())
+        assert "Traceback" not in done.output
+    with pytest.raises(InvalidRequest):
+        import_checkpoint(folder, f"file://{tmp_path / 'store'}", "j", 1)
+
+
+def test_a_corrupt_cached_copy_is_passed_over_for_the_store(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    full = save_two_ranks(f"file://{store}", shm)
+    cache = tmp_path / "cache"
+    manifest = json.loads((store / f"jobs/{JOB}/steps/1/ranks/0.json").read_text())
+    entry = next(e for e in manifest["entries"] if e["name"] == "model.big")
+    for cid in entry["chunks"]:  # the cache holds model.big's chunks, the first one bad
+        (cache / "chunks" / cid[:2]).mkdir(parents=True, exist_ok=True)
+        data = bytearray((store / "chunks" / cid[:2] / cid).read_bytes())
+        if cid == entry["chunks"][0]:
+            data[0] ^= 0xFF
+        (cache / "chunks" / cid[:2] / cid).write_bytes(bytes(data))
+    monkeypatch.setenv("CKPTD_CACHE_DIR", str(cache))
+    result = export_safetensors(f"file://{store}", JOB, tmp_path / "out")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(same_bits(got[k], full[k]) for k in full)
+    # model.big's bytes but its first chunk came from the cache; that one, and all
+    # else, from the store.
+    assert result.bytes_from["cache"] == entry["nbytes"] - CHUNK
+    assert result.bytes_from["store"] == result.nbytes - result.bytes_from["cache"]
+
+
+MEMORY = """
+import json, sys
+from ckptd.client.integrations.safetensors import export_safetensors
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+export_safetensors(sys.argv[1], sys.argv[2], sys.argv[3], max_shard_size="16MB")  # warm
+before = status()
+export_safetensors(sys.argv[1], sys.argv[2], sys.argv[4], max_shard_size="16MB")
+print(json.dumps({"rise": status()["VmHWM"] - before["VmRSS"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["file", "http"])
+def test_memory_stays_below_one_file_whatever_the_step(where: str, tmp_path: Path, shm: Path,
+                                                       server: Any) -> None:
+    url = server.url if where == "http" else f"file://{tmp_path / 'store'}"
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(16)}}
+    with Checkpointer(url, "mem", shm_dir=shm, serve_peers=False) as ckpt:  # 64 MiB
+        ckpt.save(1, state).wait(120)
+    proc = subprocess.run([sys.executable, "-c", MEMORY, url, "mem", str(tmp_path / "a"),
+                           str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rise = json.loads(proc.stdout)["rise"]
+    files = sorted((tmp_path / "b").glob("*.safetensors"))
+    assert len(files) == 6 and max(f.stat().st_size for f in files) <= 16 * 10**6  # 3 each
+    assert rise <= 16 * 10**6, rise  # the largest file; the step is 64 MiB
+
+
+TRANSFORMERS = """
+import importlib.util, json, sys
+sys.path[:] = sys.argv[3:]
+assert importlib.util.find_spec("ckptd") is None, "ckptd must not be importable here"
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+ref = load_file(sys.argv[2])
+with torch.no_grad():
+    logits = model(ref.pop("input_ids")).logits
+state = model.state_dict()
+print(json.dumps({
+    "logits": bool(torch.equal(logits, ref.pop("logits"))),
+    "params": sorted(k for k in ref if not torch.equal(state[k], ref[k])),
+    "names": sorted(state) == sorted(ref),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_transformers_loads_a_two_rank_export_of_a_llama(tmp_path: Path, shm: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    url = f"file://{tmp_path / 'store'}"
+    # Two ranks, every matrix split by rows (FSDP's layout), with an optimizer beside.
+    ckpts = [Checkpointer(url, "llama", rank=r, world_size=2, chunk_size=CHUNK, shm_dir=shm,
+                          serve_peers=False) for r in range(2)]
+    try:
+        handles = []
+        for r, c in enumerate(ckpts):
+            model_part: dict[str, torch.Tensor] = {}
+            shards: dict[str, Shard] = {}
+            for k, v in weights.items():
+                if v.dim() == 2:
+                    half = v.shape[0] // 2
+                    model_part[k] = v[r * half : (r + 1) * half if r == 0 else None].clone()
+                    shards[f"model.{k}"] = Shard(tuple(v.shape), (r * half, 0))
+                else:
+                    model_part[k] = v
+            optim = {"exp_avg": {k: torch.zeros(3) for k in list(weights)[:2]}}
+            handles.append(c.save(1, {"model": model_part, "optim": optim}, shards=shards))
+        assert "committed" in [h.wait(timeout=60).state for h in handles]
+    finally:
+        for c in ckpts:
+            c.close()
+    out = tmp_path / "release"
+    done = runner.invoke(app, ["export", "llama", "--safetensors", str(out), "--only", "model.",
+                               "--strip", "model.", "--max-shard-size", "40KB", "--url", url])
+    assert done.exit_code == 0, done.output
+    assert len(list(out.glob("*.safetensors"))) > 1
+    config.save_pretrained(out)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    save_file({**weights, "input_ids": ids, "logits": logits}, tmp_path / "ref.safetensors")
+    proc = subprocess.run([sys.executable, "-S", "-c", TRANSFORMERS, str(out),
+                           str(tmp_path / "ref.safetensors"), *site_paths()],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"logits": True, "params": [], "names": True}

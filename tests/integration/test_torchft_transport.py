@@ -1,0 +1,234 @@
+"""``CkptdTransport`` against torchft's ``CheckpointTransport`` interface: two
+transports on 127.0.0.1, one sends (stages, hashes, serves), the other receives
+every chunk verified; a flipped byte in the sender's pool fails the receive with
+``ChunkHashMismatch``, and what cannot be healed says so with a typed error."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.errors import (
+    ChunkHashMismatch,
+    Conflict,
+    InvalidRequest,
+    Timeout,
+    Unauthorized,
+    UnsupportedValue,
+)
+
+# CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
+if not os.environ.get("CI"):
+    pytest.importorskip("torchft", reason="pip install 'ckptd[torchft]'")
+
+from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
+
+from ckptd.client.integrations.torchft import CkptdTransport  # noqa: E402
+
+T10 = timedelta(seconds=10)
+
+
+@pytest.fixture
+def pair(shm: Path) -> Iterator[tuple[CkptdTransport[Any], CkptdTransport[Any]]]:
+    sender: CkptdTransport[Any] = CkptdTransport(chunk_size=64 * 1024, shm_dir=str(shm))
+    receiver: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    try:
+        yield sender, receiver
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.Linear(300, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 200)).sum().backward()
+    opt.step()
+    return {
+        "user": {"default": {"model": model.state_dict(), "optim": opt.state_dict(),
+                             "bf16": torch.arange(7, dtype=torch.bfloat16),
+                             "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5)}},
+        "torchft": {"step": 3, "batches_committed": 6},
+    }
+
+
+def _bitwise(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            _bitwise(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _bitwise(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def _data_chunk(t: CkptdTransport[Any]) -> str:
+    """A chunk id the sender serves that is not the manifest's."""
+    manifest = t._server.manifest
+    assert manifest is not None
+    return next(cid for cid in t._server.index.chunks if cid != manifest[0])
+
+
+def test_it_is_a_torchft_transport(pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, _ = pair
+    assert isinstance(sender, CheckpointTransport)
+    doc = json.loads(sender.metadata())
+    assert doc["url"].startswith("http://127.0.0.1:") and doc["token"]
+
+
+def test_receive_is_bitwise_the_state_sent(pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    state = _state()
+    sender.send_checkpoint([1], 3, state, T10)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+    _bitwise(state, got)
+    # Received into fresh tensors: the sender's state is not shared.
+    weight = got["user"]["default"]["model"]["0.weight"]
+    assert weight.data_ptr() != state["user"]["default"]["model"]["0.weight"].data_ptr()
+    assert receiver.stats.receives == 1
+    # Every chunk of the state was hashed on arrival (the 64 KiB chunks of 240 KB
+    # of weights, and the manifest).
+    assert receiver.stats.chunks_verified > 10
+    assert receiver.stats.bytes_received == sender.stats.bytes_staged
+
+
+def test_the_sender_serves_its_copy_after_the_state_changes(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    """send_checkpoint stages a copy: torchft may step the optimizer as soon as
+    disallow_checkpoint returns, and a late receiver still gets the step it asked for."""
+    sender, receiver = pair
+    state = _state()
+    expected = {k: v.clone() for k, v in state["user"]["default"]["model"].items()}
+    sender.send_checkpoint([1], 3, state, T10)
+    sender.disallow_checkpoint()
+    for t in state["user"]["default"]["model"].values():
+        t.add_(1.0)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+    _bitwise(expected, got["user"]["default"]["model"])
+
+
+def test_a_flipped_byte_fails_the_heal_with_a_typed_error(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    sender.send_checkpoint([1], 3, _state(), T10)
+    cid = _data_chunk(sender)
+    sender._server.index.chunks[cid][100] ^= 0x01  # one bit of the pool, after hashing
+    with pytest.raises(ChunkHashMismatch) as err:
+        receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+    assert err.value.detail["id"] == cid and err.value.detail["step"] == 3
+    assert "refused" in err.value.message
+    assert receiver.stats.receives == 0  # nothing was handed to torchft
+
+
+def test_a_damaged_manifest_fails_the_heal(pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    sender.send_checkpoint([1], 3, _state(), T10)
+    assert sender._server.manifest is not None
+    mid = sender._server.manifest[0]
+    # The manifest's bytes are immutable: serve a damaged copy under its id.
+    index = sender._server.index
+    damaged = bytearray(index.chunks[mid])
+    damaged[10] ^= 0x20
+    chunks = dict(index.chunks)
+    chunks[mid] = memoryview(bytes(damaged))
+    sender._server.publish(type(index)(step=index.step, chunks=chunks, valid=index.valid))
+    with pytest.raises(ChunkHashMismatch, match="the manifest"):
+        receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+
+
+def test_a_receive_waits_for_the_step_to_be_staged(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    """torchft runs the recovering group's recv beside the healthy group's send: a
+    receive that asks first waits for the step."""
+    sender, receiver = pair
+    state = _state()
+    timer = threading.Timer(0.3, sender.send_checkpoint, ([1], 5, state, T10))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        got = receiver.recv_checkpoint(0, sender.metadata(), 5, T10)
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        timer.join()
+    _bitwise(state, got)
+
+
+def test_another_step_or_no_step_is_a_typed_error(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    with pytest.raises(Timeout, match="did not serve step 3"):
+        receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=0.3))
+    sender.send_checkpoint([1], 4, _state(), T10)
+    with pytest.raises(Conflict, match="serves step 4, past step 3"):
+        receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+
+
+def test_a_wrong_token_or_foreign_metadata_is_refused(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    sender.send_checkpoint([1], 3, _state(), T10)
+    doc = json.loads(sender.metadata())
+    doc["token"] = "not-the-token"
+    with pytest.raises(Unauthorized):
+        receiver.recv_checkpoint(0, json.dumps(doc), 3, T10)
+    with pytest.raises(InvalidRequest, match="every replica group must use CkptdTransport"):
+        receiver.recv_checkpoint(0, "http://127.0.0.1:1/checkpoint/", 3, T10)
+
+
+def test_unstorable_leaves_are_refused_before_anything_is_served(
+        pair: tuple[CkptdTransport[Any], ...]) -> None:
+    sender, receiver = pair
+    with pytest.raises(UnsupportedValue, match="object"):
+        sender.send_checkpoint([1], 3, {"user": {"fn": object()}}, T10)
+    assert sender._server.held_step is None
+
+
+def test_a_template_is_filled_in_place(shm: Path) -> None:
+    """With ``state_dict=`` (the way to receive DTensors), the receive fills the
+    template's own tensors and returns it."""
+    template = _state(seed=1)
+    weight = template["user"]["default"]["model"]["0.weight"]
+    sender: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    receiver: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm), state_dict=lambda: template)
+    try:
+        state = _state(seed=0)
+        sender.send_checkpoint([1], 3, state, T10)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+    assert got is template
+    assert got["user"]["default"]["model"]["0.weight"] is weight
+    _bitwise(state, got)
+
+
+def test_shutdown_removes_the_pool_and_stops_serving(shm: Path) -> None:
+    t: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    t.send_checkpoint([1], 1, _state(), T10)
+    assert any(shm.iterdir())
+    t.shutdown()
+    t.shutdown()  # idempotent
+    assert not any(p for p in shm.rglob("*") if p.is_file())
+    other: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    try:
+        with pytest.raises(Exception) as err:
+            other.recv_checkpoint(0, t.metadata(), 1, timedelta(seconds=1))
+        assert type(err.value).__name__ in ("Unavailable", "Timeout")
+    finally:
+        other.shutdown()
