@@ -150,7 +150,7 @@ class Job:
     def env(self) -> dict[str, str]:
         return base_env(**LAUNCH_ENV, CKPTD_URL=",".join(self.urls),
                         PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "e2e" / "workers"),
-                                                    str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                                                    os.environ.get("PYTHONPATH", "")]),
                         **self.extra_env)
 
     def start(self, host: Host) -> HostProcess:

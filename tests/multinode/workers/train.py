@@ -110,6 +110,8 @@ def main() -> None:
                              "anything is staged (the other ranks save it)")
     parser.add_argument("--mark-steps", default="",
                         help="comma-separated steps whose start every rank marks")
+    parser.add_argument("--width", type=int, default=32,
+                        help="the model's width (d_model); the state grows with its square")
     parser.add_argument("--pg-timeout", type=float, default=60.0,
                         help="the process group's timeout: how long a rank waits on a "
                              "peer that went silent")
@@ -127,7 +129,7 @@ def main() -> None:
     host = socket.gethostname()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.manual_seed(1234)
-    model = GPT()
+    model = GPT(d=args.width)
     torch.manual_seed(1000 + rank)  # batches and dropout differ between ranks
     # DDP rebuilds its gradient buckets after its first iteration, in the order
     # gradients became ready: a restarted job's first steps then sum each gradient
