@@ -23,6 +23,7 @@ from tests.multinode.outcomes import (
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(420)]
 
 DELAY_S = 0.1  # each way, on every frame to and from node2
+SNAPSHOT_LIMIT = 45.0  # seconds from the slowdown to the snapshot's commit
 
 
 def test_a_slow_node_gets_a_snapshot_before_it_dies_and_the_job_redoes_only_the_steps_since(
@@ -35,6 +36,7 @@ def test_a_slow_node_gets_a_snapshot_before_it_dies_and_the_job_redoes_only_the_
     job.start(node2)
     job.wait_event("step", 240, step=110)
     node2.slow_link(DELAY_S)  # from now on: no pause, only every frame slower
+    slowed = time.time()
 
     def health_snapshot() -> dict[str, object] | None:
         for summary in server.get(f"/v1/jobs/{JOB}/steps", via=node1)["steps"]:
@@ -45,8 +47,10 @@ def test_a_slow_node_gets_a_snapshot_before_it_dies_and_the_job_redoes_only_the_
         return None
 
     snapshot = wait_until("a coordinated snapshot asked by the health policy, committed",
-                          health_snapshot, 120, interval=0.5)
+                          health_snapshot, SNAPSHOT_LIMIT + 30, interval=0.5)
     assert isinstance(snapshot, dict)
+    # Seen within a probe interval or two, taken a few (slow) steps later.
+    assert float(snapshot["committed_at"]) - slowed <= SNAPSHOT_LIMIT, snapshot  # type: ignore[arg-type]
     taken = int(snapshot["step"])  # type: ignore[call-overload]
     killed = time.time()
     node2.kill()
