@@ -440,11 +440,15 @@ class Registry:
     def _lead(self, live: list[Heartbeat]) -> int:
         """Steps between the fastest rank and the target: at least the configured
         lead, and enough that every rank hears of the target (a heartbeat or two)
-        before its loop gets there, judged by the fastest rank's pace: the slower of
-        its median and its last step time. A job whose steps just turned slow (the
-        grey failure a snapshot is asked for) would otherwise get a target set by
-        the old median: 81 steps ahead at 0.05 s, reached 100 s later at 1.2 s."""
-        times = [t for b in live if (t := _pace(b.health.get("signals", {}))) is not None]
+        before its loop gets there, judged by the fastest median step time ranks
+        report."""
+        times = [
+            t
+            for b in live
+            if isinstance(t := b.health.get("signals", {}).get("step_time_median_s"), int | float)
+            and not isinstance(t, bool)
+            and t > 0
+        ]
         if not times:
             return self.snapshot_lead
         return max(self.snapshot_lead, math.ceil(2 * self.interval / min(times)) + 1)
@@ -534,11 +538,3 @@ class Registry:
                 j.dead.discard(r)
             if not j.ranks and j.target is None and now - j.touched > self.forget_after:
                 del self._jobs[name]
-
-
-def _pace(signals: dict[str, Any]) -> float | None:
-    """A rank's current seconds per step: the slower of its median and last step time."""
-    times = [t for key in ("step_time_median_s", "step_time_s")
-             if isinstance(t := signals.get(key), int | float) and not isinstance(t, bool)
-             and t > 0]
-    return max(times) if times else None
