@@ -178,8 +178,9 @@ class Job:
             self.check_agents()
             found = self.events(event, **match)
             return found if len(found) >= count else None
-        return wait_until(f"{self.name}: {count} x {event} {match or ''}{self.tail()}", seen,
-                          timeout)
+        found: list[dict[str, Any]] = wait_until(
+            f"{self.name}: {count} x {event} {match or ''}{self.tail()}", seen, timeout)
+        return found
 
     def check_agents(self) -> None:
         """Fails at once when a live host's agent exited with an error."""

@@ -32,7 +32,7 @@ class Outcome:
         """The digest of model and optimizer that the save of ``step`` was given."""
         found = {e["digest"] for e in self.events if e["event"] == "save" and e["step"] == step}
         assert len(found) == 1, f"step {step} saved as {found or 'nothing'}"
-        return found.pop()
+        return str(found.pop())
 
 
 def assert_bitwise(run: list[dict[str, Any]], clean: list[dict[str, Any]],

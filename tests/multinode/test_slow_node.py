@@ -7,6 +7,7 @@ are trained again, and the job ends bitwise equal to an undisturbed run."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -38,20 +39,20 @@ def test_a_slow_node_gets_a_snapshot_before_it_dies_and_the_job_redoes_only_the_
     node2.slow_link(DELAY_S)  # from now on: no pause, only every frame slower
     slowed = time.time()
 
-    def health_snapshot() -> dict[str, object] | None:
+    def health_snapshot() -> dict[str, Any] | None:
         for summary in server.get(f"/v1/jobs/{JOB}/steps", via=node1)["steps"]:
             if summary["committed"] and 100 < summary["step"] < 200:
                 record = server.get(f"/v1/jobs/{JOB}/steps/{summary['step']}", via=node1)
                 if record["meta"].get("reason") == "health":
-                    return record
+                    return dict(record)
         return None
 
     snapshot = wait_until("a coordinated snapshot asked by the health policy, committed",
                           health_snapshot, SNAPSHOT_LIMIT + 30, interval=0.5)
     assert isinstance(snapshot, dict)
     # Seen within a probe interval or two, taken a few (slow) steps later.
-    assert float(snapshot["committed_at"]) - slowed <= SNAPSHOT_LIMIT, snapshot  # type: ignore[arg-type]
-    taken = int(snapshot["step"])  # type: ignore[call-overload]
+    assert float(snapshot["committed_at"]) - slowed <= SNAPSHOT_LIMIT, snapshot
+    taken = int(snapshot["step"])
     killed = time.time()
     node2.kill()
     node3 = cluster.add_host("node3")
