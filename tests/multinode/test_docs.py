@@ -37,3 +37,10 @@ def test_every_node_runs_the_command_the_tests_run(tmp_path: Path) -> None:
     worker = ran.index(str(WORKER))
     assert [Path(ran[0]).name, *ran[1:worker], "train.py"] == doc[doc.index("torchrun"):]
     assert Job("llm-7b", tmp_path, URLS).env()["CKPTD_URL"] == env["CKPTD_URL"]
+
+
+def test_the_readme_gives_the_same_node_command() -> None:
+    readme = (DOC.parents[1] / "README.md").read_text()
+    several = readme.split("## Several nodes", 1)[1].split("\n## ", 1)[0]
+    blocks = [shlex.split(b) for b in re.findall(r"```bash\n(.*?)```", several, re.S)]
+    assert blocks == [commands()[1]]

@@ -15,9 +15,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-# Written on another branch (issue 19's multi-node page): drop from here once merged.
-PENDING = {"docs/multinode.md"}
-
 
 def setup_commands() -> list[str]:
     readme = README.read_text()
@@ -68,13 +65,11 @@ def test_every_page_the_readme_and_docs_link_to_exists() -> None:
     for page in pages:
         for link in _links(page):
             target = (page.parent / link).resolve()
-            if target.relative_to(REPO).as_posix() in PENDING:
-                continue
             assert target.exists(), f"{page.relative_to(REPO)} links to {link}, not there"
     linked = {(README.parent / link).resolve().relative_to(REPO).as_posix()
               for link in _links(README)}
     for page in ("client", "failover", "dcp", "operations", "replicas", "SECURITY",
-                 "retention", "zarr", "FORMAT", "API", "development"):
+                 "retention", "zarr", "FORMAT", "API", "development", "multinode"):
         assert f"docs/{page}.md" in linked, page
 
 
