@@ -8,7 +8,7 @@
 # Before: ../shared/gpu/prepare-wheels.sh (fills .whl/ here, kept out of git).
 # Run:    bash bench/gpu.sh [SIZE]          (SIZE: state size, default 4G)
 #         the device tool: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600)
-# About 6-8 minutes for 4G on one H100; each step has its own time limit, and a step
+# At most 8 minutes (2G fits; 4G may not); each step has its own time limit, and a step
 # that fails is reported and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,9 +43,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'; npr
 cat "$out/machine.txt"
 
 export CKPTD_HEARTBEAT_INTERVAL=0.5
-step tests-gpu 240 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
-step bench-gpu 300 python3 -m bench.gpu --size "$size" --rounds 3 --markdown "$out/gpu.md"
-step bench-restore-cuda 300 python3 -m bench.restore --only cuda --size "$size" --rounds 3 \
+step tests-gpu 150 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
+step bench-gpu 180 python3 -m bench.gpu --size "$size" --rounds 3 --markdown "$out/gpu.md"
+step bench-restore-cuda 150 python3 -m bench.restore --only cuda --size "$size" --rounds 3 \
     --markdown "$out/restore-cuda.md"
 
 if [ ${#failed[@]} -gt 0 ]; then
