@@ -215,8 +215,11 @@ def run(size: int, rounds: int, parent: str | None,
             peers = [] if dcp_only or cuda_only else [subprocess.Popen(
                 [sys.executable, "-m", "bench.restore", "--peer", server.url, str(r),
                  str(size)], stdout=subprocess.PIPE, text=True) for r in (1, 2)]
+            # Without peer processes rank 0 is the whole job: a step of WORLD ranks with
+            # one saved never commits, and the local tier restores only committed steps.
+            world = WORLD if peers else 1
             try:
-                owner = Checkpointer(server.url, JOB, rank=0, world_size=WORLD, chunk_size=CHUNK,
+                owner = Checkpointer(server.url, JOB, rank=0, world_size=world, chunk_size=CHUNK,
                                      serve_peers=False)
                 if not dcp_only:
                     owner.save(STEP, state).wait(timeout=600)
@@ -255,7 +258,7 @@ def run(size: int, rounds: int, parent: str | None,
                     # "in-place": atomic=False (verified chunks written straight into the
                     # target, one pass from the pool, a store file or a socket).
                     url = f"file://{server.store}" if "file" in mode.split() else server.url
-                    with Checkpointer(url, JOB, rank=0, world_size=WORLD,
+                    with Checkpointer(url, JOB, rank=0, world_size=world,
                                       serve_peers=False) as ckpt:
                         t0 = time.perf_counter()
                         result = ckpt.restore(target, tiers=(tier,),
@@ -273,7 +276,7 @@ def run(size: int, rounds: int, parent: str | None,
                     moments are created (fresh memory, as ``torch.load`` makes)."""
                     tier = system.split()[0]
                     fresh = replacement_target(state)
-                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                    with Checkpointer(server.url, JOB, rank=0, world_size=world,
                                       serve_peers=False) as ckpt:
                         t0 = time.perf_counter()
                         result = ckpt.restore(fresh, tiers=(tier,))
@@ -329,7 +332,7 @@ def run(size: int, rounds: int, parent: str | None,
 
                 def restore_cuda() -> float:
                     assert gpu_target is not None
-                    with Checkpointer(server.url, JOB, rank=0, world_size=WORLD,
+                    with Checkpointer(server.url, JOB, rank=0, world_size=world,
                                       serve_peers=False) as ckpt:
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
