@@ -1,0 +1,94 @@
+"""Where a local-tier restore spends its time: the restore of ``bench.gpu`` run a few
+times while a sampler thread records, every millisecond, the innermost ckptd frame
+of every thread (native work such as blake3, memcpy or a CUDA copy shows as the
+Python line that called it). Prints the top lines by samples.
+
+    python -m bench.profile_restore --size 2G --device cuda
+    python -m bench.profile_restore --size 512M --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from bench.common import make_state, parse_size, scratch_dir, tensors_of
+from bench.gpu import on_device, sync
+
+
+def where(frame) -> str:  # type: ignore[no-untyped-def]
+    """The innermost frame in ckptd's own code (client/, ckptd/, server/)."""
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if any(p in name for p in ("/client/", "/ckptd/", "/server/")):
+            return f"{os.path.basename(name)}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return f"(other) {os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="2G")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--atomic", type=int, default=1)
+    args = parser.parse_args()
+    from ckptd.client import Checkpointer
+
+    counts: collections.Counter[str] = collections.Counter()
+    active = threading.Event()
+    stop = threading.Event()
+    me = threading.get_ident()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            if active.is_set():
+                for tid, frame in sys._current_frames().items():
+                    if tid != me and tid != threading.get_ident():
+                        inner = frame.f_code.co_name
+                        if inner in ("_worker", "wait", "select", "get", "sleep", "run_forever",
+                                     "_run_once") or inner.startswith("_bootstrap"):
+                            continue  # an idle thread: pool worker, event loop, waits
+                        counts[where(frame)] += 1
+                    elif tid == me:
+                        counts["[main] " + where(frame)] += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    with scratch_dir(None, "ckptd-prof-") as scratch:
+        url = f"file://{scratch / 'store'}"
+        state = on_device(make_state(parse_size(args.size)), args.device)
+        with Checkpointer(url, "prof", chunk_size=4 << 20, serve_peers=False) as saver:
+            saver.save(1, state).wait(timeout=1800)
+            times = []
+            for _ in range(args.rounds):
+                target = on_device({k: v for k, v in state.items()}, args.device)
+                for t in tensors_of(target):
+                    t.zero_()
+                with Checkpointer(url, "prof", serve_peers=False) as reader:
+                    sync(args.device)
+                    active.set()
+                    t0 = time.perf_counter()
+                    reader.restore(target, step=1, tiers=("local",), atomic=bool(args.atomic))
+                    sync(args.device)
+                    times.append(time.perf_counter() - t0)
+                    active.clear()
+                del target
+    stop.set()
+    thread.join()
+    print("restore seconds:", ", ".join(f"{t:.3f}" for t in times))
+    total = sum(counts.values())
+    for w, n in counts.most_common(30):
+        print(f"{n:6d} {100 * n / total:5.1f}%  {w}")
+
+
+if __name__ == "__main__":
+    main()
