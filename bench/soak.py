@@ -484,7 +484,12 @@ def _summarize(args: argparse.Namespace, out: Path, rows: list[dict[str, float]]
 
 
 def _plot(out: Path, rows: list[dict[str, float]], args: argparse.Namespace) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("soak: no plot (matplotlib is missing: pip install -e '.[bench]'); the CSV has "
+              "every sample", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
