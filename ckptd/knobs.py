@@ -82,6 +82,15 @@ def server_wait() -> float:
     return _env_float("CKPTD_SERVER_WAIT", 20.0)
 
 
+def pool_wait() -> float:
+    """Seconds a restoring rank with no staging pool of its own (a replacement node's)
+    waits for the other ranks of its launch to serve theirs before it plans: the
+    survivors of a lost node serve their pools once their own restore verified them,
+    moments after they start, and a plan made before that reads the store instead
+    (``client/restore/meet.py``). 0: never wait."""
+    return _env_float("CKPTD_POOL_WAIT", 5.0)
+
+
 def retries() -> int:
     """Attempts after the first for a request that failed on connection or 5xx."""
     return _env_int("CKPTD_RETRIES", 4)

@@ -31,6 +31,7 @@ from .failures import CloseResult
 from .health.heartbeat import Heartbeat, HeartbeatReply
 from .launch import group_initialized, launch_incarnation
 from .peer import PeerServer
+from .restore.meet import PoolMeet
 from .restore.restorer import Restorer, RestoreResult
 from .save.handle import SaveHandle
 from .save.placement import Shard
@@ -424,14 +425,24 @@ class Checkpointer:
         self._session.check_open()
         use = self._restorer.check(state, tiers)
         before = self._timeline.rollback_state()
-        result, fetched = self._restorer.restore(
-            state, step, use=use, shards=shards, atomic=atomic, timeout=timeout,
-            strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
-            adopt=self._failover.server is not None,  # (nobody to serve the pool to)
-        )
-        self._saver.forget_saves()  # the loop trains on from a committed step
-        if fetched.adopted is not None and fetched.pool is not None:
-            self._failover.adopted(fetched.adopted, fetched.pool, beat=False)
+        # A rank with no pool (a replacement node's) waits for the others to serve
+        # theirs before it plans; a rank with one says so once it serves it.
+        meet = PoolMeet.here(self.job, self.rank, self.world_size) if "peer" in use else None
+        if meet is not None and not self._restorer.holds_pool():
+            meet.say()
+            meet.wait_for_others()
+        try:
+            result, fetched = self._restorer.restore(
+                state, step, use=use, shards=shards, atomic=atomic, timeout=timeout,
+                strict=strict, exclude_peers=tuple(u for u in (self._failover.url,) if u),
+                adopt=self._failover.server is not None,  # (nobody to serve the pool to)
+            )
+            self._saver.forget_saves()  # the loop trains on from a committed step
+            if fetched.adopted is not None and fetched.pool is not None:
+                self._failover.adopted(fetched.adopted, fetched.pool, beat=meet is not None)
+        finally:
+            if meet is not None:
+                meet.say()
         joined = self._timeline.join(result.step, before)
         self._failover.restored(result.step, joined)
         return result

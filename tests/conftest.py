@@ -24,6 +24,26 @@ import hypothesis  # noqa: F401
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_shm() -> Iterator[None]:
+    """Under pytest-xdist, each worker stages in a shared-memory root of its own
+    (``CKPTD_SHM_DIR``, inherited by the servers and ranks it starts): tests on
+    several workers name the same jobs, and one pool per job and rank is the
+    design, so two workers would otherwise meet in ``/dev/shm/ckptd-<uid>/<job>``."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or "CKPTD_SHM_DIR" in os.environ:
+        yield
+        return
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix=f"ckptd-test-{worker}-", dir=base))
+    os.environ["CKPTD_SHM_DIR"] = str(root)
+    try:
+        yield
+    finally:
+        os.environ.pop("CKPTD_SHM_DIR", None)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -28,6 +28,7 @@ from ckptd.hashing import chunk_id
 from ..loop import in_thread
 from ..peer import PeerClient, PeerIndex
 from ..session import Session
+from ..staging.pool import StagingPool
 from ..stateful import restore_view
 from ..transport import Transport
 from .direct import ObjectStoreSource
@@ -441,6 +442,21 @@ class Restorer:
             raise InvalidRequest(f"tiers must be a non-empty subset of {list(TIERS)}, "
                                  f"not {sorted(use)}")
         return use
+
+    def holds_pool(self) -> bool:
+        """Whether this node's shared memory holds a staging pool of this rank with a
+        step in it (a hint: a restore verifies every chunk)."""
+        c = self.session.config
+        try:
+            reader = StagingPool.open_existing(c.job, c.rank, self.session.staging.root)
+        except CkptdError:  # a pool of another version: there is one
+            return True
+        if reader is None:
+            return False
+        try:
+            return reader.step is not None
+        finally:
+            reader.close()
 
     def restore(
         self,
