@@ -371,6 +371,10 @@ class StepPlan(_Body):
 class SnapshotRequest(_Body):
     rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
     reason: Annotated[str, Field(min_length=1, max_length=1024)]
+    step_time_s: float | None = Field(
+        default=None, gt=0, le=86400,
+        description="The asking rank's latest step time: the job's pace now, where "
+        "heartbeats still carry the pace from before a slowdown.")
 
 
 class SnapshotReply(_Body):

@@ -321,9 +321,12 @@ def _step_plan(data: bytes) -> StepPlan:
     return StepPlan.model_validate({**doc, "commit": record, "manifests": manifests})
 
 
-def snapshot_request(job: str, rank: int, reason: str) -> Call[SnapshotReply]:
-    return Call("POST", f"{_job(job)}/snapshot-requests", answer(SnapshotReply),
-                json={"rank": int(rank), "reason": reason})
+def snapshot_request(job: str, rank: int, reason: str,
+                     step_time_s: float | None = None) -> Call[SnapshotReply]:
+    body: dict[str, Any] = {"rank": int(rank), "reason": reason}
+    if step_time_s is not None and step_time_s > 0:
+        body["step_time_s"] = float(step_time_s)
+    return Call("POST", f"{_job(job)}/snapshot-requests", answer(SnapshotReply), json=body)
 
 
 def rollback(job: str) -> Call[RollbackReply]:

@@ -311,8 +311,9 @@ class SyncTransport:
     def clear_rollback(self, job: str) -> RollbackReply:
         return self.run(calls.clear_rollback(job))
 
-    def snapshot_request(self, job: str, rank: int, reason: str) -> SnapshotReply:
-        return self.run(calls.snapshot_request(job, rank, reason))
+    def snapshot_request(self, job: str, rank: int, reason: str,
+                         step_time_s: float | None = None) -> SnapshotReply:
+        return self.run(calls.snapshot_request(job, rank, reason, step_time_s))
 
     def events(self, job: str) -> EventList:
         return self.run(calls.events(job))

@@ -406,10 +406,11 @@ class Registry:
     # -- coordinated snapshots ------------------------------------------------------
 
     def request_snapshot(
-        self, job: str, rank: int, reason: str, latest: int | None
+        self, job: str, rank: int, reason: str, latest: int | None, pace: float | None = None
     ) -> SnapshotDecision:
         """Sets a snapshot target ``snapshot_lead`` steps past the fastest live rank,
-        unless one is pending or one was set less than ``snapshot_min_interval`` ago."""
+        unless one is pending or one was set less than ``snapshot_min_interval`` ago.
+        ``pace``: the asking rank's latest step time (see ``_lead``)."""
         now = self._clock()
         with self._lock:
             j = self._jobs.setdefault(job, _Job(touched=now))
@@ -425,7 +426,7 @@ class Registry:
             base = max(steps) if steps else (latest if latest is not None else 0)
             if latest is not None:
                 base = max(base, latest)
-            target = SnapshotTarget(base + self._lead(live), reason, rank, now)
+            target = SnapshotTarget(base + self._lead(live, pace), reason, rank, now)
             j.target = j.last_target = target
             j.events.append(
                 Event(
@@ -437,11 +438,14 @@ class Registry:
             )
             return SnapshotDecision(target.step, reason, accepted=True)
 
-    def _lead(self, live: list[Heartbeat]) -> int:
+    def _lead(self, live: list[Heartbeat], pace: float | None = None) -> int:
         """Steps between the fastest rank and the target: at least the configured
         lead, and enough that every rank hears of the target (a heartbeat or two)
         before its loop gets there, judged by the fastest median step time ranks
-        report."""
+        report, or by ``pace``, the asking rank's latest step time, when that is
+        slower: the ranks of a job step together, and a rank asks because steps just
+        slowed down (a slow node), which heartbeats' medians show only much later (a
+        target set by the old pace lay 90 steps and 105 s ahead of a slowed job)."""
         times = [
             t
             for b in live
@@ -449,6 +453,8 @@ class Registry:
             and not isinstance(t, bool)
             and t > 0
         ]
+        if pace is not None and pace > 0:
+            times = [max(min(times), pace)] if times else [pace]
         if not times:
             return self.snapshot_lead
         return max(self.snapshot_lead, math.ceil(2 * self.interval / min(times)) + 1)

@@ -125,6 +125,7 @@ class HealthAgent(AgentRollbacks):
         if not any(isinstance(s, LoopSource) for s in found):
             found.append(LoopSource(window=policy.probe.step_window,
                                     min_samples=policy.probe.step_min_samples))
+        self._loop_source = next(s for s in found if isinstance(s, LoopSource))
         if not any(isinstance(s, RttSource) for s in found):
             found.append(RttSource())
         self.probe = HealthProbe(policy, found, on_action=self._on_action)
@@ -372,7 +373,15 @@ class HealthAgent(AgentRollbacks):
         assert self._server is not None and self._heartbeat is not None
         self._heartbeat.beat_now()  # so the server picks the target from this rank's step too
         try:
-            doc = self._server.snapshot_request(self.job, self.rank, clip_reason(action.reason))
+            # The job's pace now: the step that just slowed down is why a rank asks
+            # (the policy acts on one step's ratio), and the server's heartbeats still
+            # hold the pace from before. A one-off slow step then sets a target a few
+            # steps ahead, which ranks may pass before they hear of it: the loop's
+            # next save clears it.
+            recent = self._loop_source.recent_step_time(1)
+            pace = recent if recent is not None and 0 < recent <= 86400 else None
+            doc = self._server.snapshot_request(self.job, self.rank, clip_reason(action.reason),
+                                                step_time_s=pace)
         except CkptdError as exc:
             log.warning("%s/%d: snapshot request failed: [%s] %s", self.job, self.rank,
                         exc.code, exc.message)

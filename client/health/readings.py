@@ -146,6 +146,14 @@ class LoopSource(ReadingSource):
                     self._nonfinite_step = step
         return value is None or math.isfinite(value)
 
+    def recent_step_time(self, n: int = 3) -> float | None:
+        """The median of the last ``n`` step times (one slow step does not move it;
+        a slowdown does, long before the window's median), or None before ``n``."""
+        with self._lock:
+            if len(self._durations) < n:
+                return None
+            return statistics.median(list(self._durations)[-n:])
+
     def _restart_timing(self) -> None:
         self._durations.clear()
         self._last_duration = self._last_ratio = None

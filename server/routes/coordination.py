@@ -45,7 +45,8 @@ async def request_snapshot(
     metrics: MetricsDep,
 ) -> SnapshotReply:
     latest = await views.latest(job, fresh=True)
-    decision = registry.request_snapshot(job, body.rank, body.reason, latest)
+    decision = registry.request_snapshot(job, body.rank, body.reason, latest,
+                                          pace=body.step_time_s)
     metrics.snapshot_requested(decision.accepted)
     return SnapshotReply(
         snapshot_at=decision.step, reason=decision.reason, accepted=decision.accepted

@@ -266,3 +266,28 @@ def test_the_lead_grows_when_steps_are_fast_against_the_heartbeat() -> None:
     registry.note_commit("j", 102)
     registry.heartbeat("j", 1, world_size=2, step=103, health=fast)
     assert registry.request_snapshot("j", 1, "hot", latest=102).step == 103 + 17
+
+
+def test_the_lead_follows_the_asking_ranks_pace_when_steps_just_slowed() -> None:
+    # Heartbeats still carry the median of fast steps (0.05 s: 81 steps ahead), but
+    # the rank asks because its last steps took 1.0 s (a slow node holds every rank
+    # back): at that pace 2 intervals are 4 steps, so the target is 5 steps ahead,
+    # seconds away instead of 81 steps (81 s) away.
+    now = [1000.0]
+    registry = Registry(interval=2.0, dead_after=3, snapshot_lead=2, snapshot_min_interval=0.0,
+                        snapshot_timeout=600.0, clock=lambda: now[0], wall=lambda: now[0])
+    before = {"state": "ok", "reasons": [], "signals": {"step_time_median_s": 0.05}}
+    for rank in (0, 1):
+        registry.heartbeat("j", rank, world_size=2, step=110, health=before)
+    assert registry.request_snapshot("j", 0, "slow", latest=None, pace=1.0).step == 110 + 5
+    registry.note_commit("j", 115)
+    # A faster pace than the heartbeats' does not shorten the lead.
+    assert registry.request_snapshot("j", 1, "hot", latest=115, pace=0.001).step == 115 + 81
+
+
+def test_a_snapshot_request_carries_the_askers_pace(client: httpx.Client) -> None:
+    body = {"rank": 0, "reason": "slow", "step_time_s": 1.5}
+    resp = client.post("/v1/jobs/pace/snapshot-requests", json=body)
+    assert resp.status_code == 200, resp.text
+    assert client.post("/v1/jobs/pace/snapshot-requests",
+                       json={**body, "step_time_s": -1}).status_code == 400
