@@ -70,7 +70,9 @@ def stall_timeout() -> float:
     least twice ``connect_timeout``): a host that vanished mid-request. Longer than
     a server's ``--ingest-wait`` (10 s), for which a busy server stops reading an
     upload's body: its kernel answers, but its window stays shut, and Linux ends a
-    connection whose window stayed shut past TCP_USER_TIMEOUT too."""
+    connection whose window stayed shut past TCP_USER_TIMEOUT too. A host that
+    vanished is told apart sooner, by what TCP_INFO says (``client/stall.py``: nothing
+    acknowledged for 1.5 s while data or probes go unanswered)."""
     return _env_float("CKPTD_STALL_TIMEOUT", 20.0)
 
 

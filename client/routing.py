@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 
@@ -124,6 +125,15 @@ class Members:
         if len(self.urls) > 1:  # with one replica there is no next one to go to
             log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
                         url, type(exc).__name__)
+
+    def mark_gone(self, host: str, port: int) -> None:
+        """A connection to ``host``:``port`` stopped getting any answer (the stall
+        watcher, ``client/stall.py``): every member there is down."""
+        for url in list(self.urls):
+            u = urlparse(url)
+            default = 443 if u.scheme == "https" else 80
+            if (u.hostname or "").lower() == host.lower() and (u.port or default) == port:
+                self.mark_down(url, TimeoutError(f"{host}:{port} stopped answering"))
 
     def refresh_due(self) -> bool:
         # refresh_s <= 0: route over the URLs given only, never asking for more.

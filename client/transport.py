@@ -40,6 +40,7 @@ from ckptd.store.local import LocalStore
 from . import calls
 from .calls import Call
 from .routing import AsyncRouting
+from .stall import guard
 from .transport_http import Attempts, Session, SyncTransport, http_error, tls_trouble, tls_verify
 
 if TYPE_CHECKING:
@@ -259,9 +260,9 @@ class HttpTransport(Transport):
         # httpx ignores a client's verify= once it is given a transport: the inner one
         # carries the TLS settings.
         self._routing = AsyncRouting(
-            self.members, httpx.AsyncHTTPTransport(
+            self.members, guard(httpx.AsyncHTTPTransport(
                 limits=limits, verify=self.session.verify,
-                socket_options=self.session.socket_options()),
+                socket_options=self.session.socket_options()), self.members.mark_gone),
         )
         self._client = httpx.AsyncClient(
             base_url=self.members.seeds[0],

@@ -56,6 +56,7 @@ from ckptd.format import CommitRecord, check_job
 from . import calls
 from .calls import Call, answer_excerpt, not_a_server
 from .routing import Members, SyncRouting, members_for, merge_overviews
+from .stall import guard
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class Session:
         on), ends the connection; the call is retried and routing moves on. Not
         shorter: Linux also ends a connection whose peer kept its window shut that
         long, and a busy live server does, for up to its ``--ingest-wait`` (10 s),
-        before it admits an upload. Linux options, where the platform has them."""
+        before it admits an upload; the stall watcher (``stall.py``) cuts a connection
+        whose host stopped answering within seconds. Linux options, where the
+        platform has them."""
         idle = max(1, round(self.connect_timeout))
         stall = max(knobs.stall_timeout(), 2 * self.connect_timeout)
         opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
@@ -239,8 +242,9 @@ class SyncTransport:
             base_url=self.members.seeds[0],
             headers=self.session.headers,
             timeout=self.session.timeouts(),
-            transport=SyncRouting(self.members, httpx.HTTPTransport(
-                verify=self.session.verify, socket_options=self.session.socket_options())),
+            transport=SyncRouting(self.members, guard(httpx.HTTPTransport(
+                verify=self.session.verify, socket_options=self.session.socket_options()),
+                self.members.mark_gone)),
         )
 
     def __repr__(self) -> str:
