@@ -6,6 +6,7 @@ process tests use DCP's ``no_dist`` mode."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,11 @@ def test_dcp_save_on_4_ranks_async_save_and_load_on_2_ranks(
     assert boxes == [([0, 0], [3, 6]), ([3, 0], [3, 6]), ([6, 0], [3, 6]), ([9, 0], [1, 6])]
     for step in (1, 2):
         commit = json.loads((server.store / f"jobs/dcp/steps/{step}/commit.json").read_text())
-        # The launch, as the ranks' manifests name it (torchrun's run id and restart
-        # count, one node here): a smaller relaunch then commits without this one.
+        # The launch, as the ranks' manifests name it (torchrun's run id, restart
+        # count and its agent's own id, one node here): a smaller relaunch then
+        # commits without this one.
         launch = docs[0]["meta"]["incarnation"]
-        assert launch.startswith("torchelastic:") and launch.endswith(":0"), launch
+        assert re.fullmatch(r"torchelastic:[^:]+:0:[0-9a-f]{32}", launch), launch
         assert commit["world_size"] == 4 and commit["meta"] == {
             "producer": "ckptd.client.dcp", "incarnation": launch}
         assert_no_pickle(server.store, "dcp", step)
