@@ -181,3 +181,20 @@ def shm(tmp_path: Path) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# Under pytest-xdist (the README's test command), tests that start many processes
+# each keep to one worker: the multi-node scenarios share one undisturbed reference
+# run (a session fixture, made once per worker), and the torchrun tests of e2e each
+# take both cores of the CI machine for a while.
+_HEAVY_GROUPS = ("multinode", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        group = next((g for g in _HEAVY_GROUPS if g in parts[-3:-1]), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
