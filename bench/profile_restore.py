@@ -16,8 +16,6 @@ import sys
 import threading
 import time
 
-import torch
-
 from bench.common import make_state, parse_size, scratch_dir, tensors_of
 from bench.gpu import on_device, sync
 

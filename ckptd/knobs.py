@@ -89,8 +89,9 @@ def pool_wait() -> float:
     waits for the other ranks of its launch to serve theirs before it plans: the
     survivors of a lost node serve their pools once their own restore verified them,
     moments after they start, and a plan made before that reads the store instead
-    (``client/restore/meet.py``). 0: never wait."""
-    return _env_float("CKPTD_POOL_WAIT", 5.0)
+    (``client/restore/meet.py``). 0: never wait. Long enough for a survivor that
+    starts late on a loaded node (Python, torch, the group) and restores."""
+    return _env_float("CKPTD_POOL_WAIT", 15.0)
 
 
 def retries() -> int:

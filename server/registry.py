@@ -453,10 +453,10 @@ class Registry:
             and not isinstance(t, bool)
             and t > 0
         ]
-        if pace is not None and pace > 0:
-            times = [max(min(times), pace)] if times else [pace]
         if not times:
             return self.snapshot_lead
+        if pace is not None and pace > 0:  # a slower pace only: it never lengthens the lead
+            times = [max(min(times), pace)]
         return max(self.snapshot_lead, math.ceil(2 * self.interval / min(times)) + 1)
 
     def pending_target(self, job: str, latest: int | None) -> SnapshotTarget | None:

@@ -45,8 +45,10 @@ app = typer.Typer(
     rich_markup_mode=None,
     cls=HelpGroup,
 )
-console = Console()
-err_console = Console(stderr=True)
+# Messages are not broken at 80 columns: a path or URL in them stays whole (to copy,
+# or to grep in a log); a terminal wraps long lines itself. Tables still fit.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 UrlOpt = Annotated[
     str,

@@ -121,7 +121,13 @@ def shm(
         console.print(f"[yellow]kept[/] {escape(str(p.directory))}: a process claimed it "
                       "meanwhile, or it is not this user's to remove")
     if pools:
-        console.print(_table(pools))
+        table = _table(pools)
+        if console.is_terminal:
+            console.print(table)
+        else:  # off a terminal (a pipe, a log): whole rows, not squeezed into 80 columns
+            from rich.console import Console
+
+            Console(width=max(80, Console(width=10_000).measure(table).maximum)).print(table)
     elif not removed:
         console.print(f"no staging pools under {escape(str(root))}")
     for line in unreadable:

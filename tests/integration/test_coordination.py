@@ -281,8 +281,11 @@ def test_the_lead_follows_the_asking_ranks_pace_when_steps_just_slowed() -> None
         registry.heartbeat("j", rank, world_size=2, step=110, health=before)
     assert registry.request_snapshot("j", 0, "slow", latest=None, pace=1.0).step == 110 + 5
     registry.note_commit("j", 115)
-    # A faster pace than the heartbeats' does not shorten the lead.
+    # A faster pace than the heartbeats' does not lengthen the lead, nor does one
+    # where heartbeats report no pace yet (the configured lead, 2).
     assert registry.request_snapshot("j", 1, "hot", latest=115, pace=0.001).step == 115 + 81
+    registry.heartbeat("k", 0, world_size=1, step=7, health={"state": "ok", "reasons": []})
+    assert registry.request_snapshot("k", 0, "hot", latest=None, pace=0.001).step == 7 + 2
 
 
 def test_a_snapshot_request_carries_the_askers_pace(client: httpx.Client) -> None:

@@ -106,7 +106,7 @@ _SAMPLES: dict[str, Any] = {
     "job": "j", "step": 3, "rank": 0, "ids": ["a" * 64], "claimer": None, "cid": "a" * 64,
     "body": {}, "size": 0, "meta": None, "timeout": 1.0, "reason": "r", "from_epoch": None,
     "params": {}, "replica": None, "dry_run": False, "keep_last": None, "grace": None,
-    "budget_bytes": None, "name": "t",
+    "budget_bytes": None, "name": "t", "step_time_s": 0.5,
     "manifest": RankManifest(job="j", step=3, rank=0, world_size=1, chunk_size=4096,
                              entries=[], tree=None),
 }
