@@ -183,19 +183,16 @@ def shm(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# Under pytest-xdist (the README's test command), the tests that start many
-# processes run one after another on one worker, while the others run the rest
-# (which mostly wait on a server): the multi-node scenarios share one undisturbed
-# reference run (a session fixture, made once per worker), each takes both cores of
-# the CI machine for a while, and their bounds (seconds between steps, a snapshot
-# within so long) are about ckptd, not about a machine shared with another such run.
+# The README's test command runs the suite in two parts: the tests that start many
+# processes (multi-node scenarios, torchrun jobs: marked ``heavy`` here) one after
+# another, and the rest (which mostly wait on a server) on three pytest-xdist
+# workers. Each heavy test takes both cores of the CI machine for a while, and its
+# bounds (seconds between steps, a snapshot within so long) are about ckptd, not
+# about a machine shared with another such run.
 _HEAVY = ("multinode", "e2e")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        if any(g in parts[-3:-1] for g in _HEAVY):
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+        if any(g in Path(str(item.fspath)).parts[-3:-1] for g in _HEAVY):
+            item.add_marker(pytest.mark.heavy)

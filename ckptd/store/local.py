@@ -23,6 +23,7 @@ from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 _TMP = ".tmp-"
 _LOCKS = ".locks"
+_CLAIM = "/removing.json"  # a step's removal claim (``ckptd.keys.removal_key``)
 
 
 def _reason(exc: OSError) -> str:
@@ -175,18 +176,48 @@ class LocalStore(Store):
                 _fsync_dir(made.parent)
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
-        self._make_dirs(path.parent)
-        tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk must not also leak a temporary
-            raise
-        return tmp
+        for attempt in range(3):
+            self._make_dirs(path.parent)
+            tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+            except FileNotFoundError:
+                # A deletion pruned the empty directory between its making and this
+                # open (``_prune``): make it again.
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk must not also leak a temporary
+                raise
+            return tmp
+        raise AssertionError("unreachable")
+
+    def _prune(self, key: str) -> None:
+        """Removes the directories a deletion left empty inside a step's
+        (``jobs/<job>/steps/<n>/...``, the step's own too): retention deletes every
+        document of a forgotten step, and a week of steps left a directory each.
+        ``rmdir`` fails on a directory that is not empty, so nothing another writer
+        put is touched; a writer that made a directory just before it went makes it
+        again (``_write_temp``)."""
+        parts = key.split("/")
+        if len(parts) < 5 or parts[0] != "jobs" or parts[2] != "steps":
+            return
+        directory = self._path(key).parent
+        stop = self.root.joinpath(*parts[:3])  # jobs/<job>/steps stays
+        while directory != stop and stop in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:
+                return  # not empty (or gone): its parents are not empty either
+            if self.fsync:
+                with contextlib.suppress(OSError):
+                    _fsync_dir(directory.parent)
+            directory = directory.parent
 
     def _put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         path = self._path(key)
@@ -223,6 +254,8 @@ class LocalStore(Store):
         except OSError as exc:
             if exc.errno != errno.EISDIR:
                 raise StoreError(f"cannot delete {key}: {_reason(exc)}", key=key) from exc
+            return
+        self._prune(key)
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._delete, key)
@@ -239,13 +272,25 @@ class LocalStore(Store):
             path.unlink()
             if self.fsync:
                 _fsync_dir(path.parent)
-            return True
+            if key.endswith(_CLAIM):
+                # A retention pass's removal claim, released: its lock file goes too
+                # (one a removed step, for ever, otherwise). A pass that waited on
+                # this file finds no claim and takes a new one (under a new file), as
+                # it would after the release; two such passes at once both remove
+                # the same documents, which is idempotent.
+                with contextlib.suppress(FileNotFoundError):
+                    self._lock_path(key).unlink()
+        self._prune(key)
+        return True
 
     async def compare_and_delete(self, key: str, expected: bytes) -> bool:
         try:
             return await asyncio.to_thread(self._cad, key, expected)
         except OSError as exc:
             raise StoreError(f"cannot delete {key}: {_reason(exc)}", key=key) from exc
+
+    def _lock_path(self, key: str) -> Path:
+        return self.root / _LOCKS / key.replace("/", "%")
 
     @contextmanager
     def _ref_lock(self, key: str) -> Iterator[None]:
