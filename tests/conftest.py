@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -183,12 +184,13 @@ def shm(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# The README's test command runs the suite in two parts: the tests that start many
-# processes (multi-node scenarios, torchrun jobs: marked ``heavy`` here) one after
-# another, and the rest (which mostly wait on a server) on three pytest-xdist
-# workers. Each heavy test takes both cores of the CI machine for a while, and its
-# bounds (seconds between steps, a snapshot within so long) are about ckptd, not
-# about a machine shared with another such run.
+# The README's test command runs the suite on three pytest-xdist workers: the tests
+# that start many processes (multi-node scenarios, torchrun jobs: marked ``heavy``
+# here, ``-m heavy`` selects them) one after another on one worker, the rest
+# (which mostly wait on a server) test by test on the others. Each heavy test takes
+# both cores of the CI machine for a while, and its bounds (seconds between steps,
+# a snapshot within so long) are about ckptd, not about a machine shared with
+# another such run.
 _HEAVY = ("multinode", "e2e")
 
 
@@ -196,3 +198,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(g in Path(str(item.fspath)).parts[-3:-1] for g in _HEAVY):
             item.add_marker(pytest.mark.heavy)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist, the heavy tests go to one worker, one after another, while
+    the other workers take the rest test by test (xdist's own ``loadgroup`` does not
+    group under this pytest: it renames items, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "heavy" if any(f"tests/{g}/" in path for g in _HEAVY) else nodeid
+
+    return HeavyApart(config, log)
