@@ -185,13 +185,13 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 
 
 # The README's test command runs the suite on three pytest-xdist workers: the tests
-# that start many processes (multi-node scenarios, torchrun jobs: marked ``heavy``
-# here, ``-m heavy`` selects them) one after another on one worker, the rest
+# that start many processes (multi-node scenarios, torchrun jobs, replica clusters:
+# marked ``heavy`` here, ``-m heavy`` selects them) one after another on one worker, the rest
 # (which mostly wait on a server) test by test on the others. Each heavy test takes
 # both cores of the CI machine for a while, and its bounds (seconds between steps,
 # a snapshot within so long) are about ckptd, not about a machine shared with
 # another such run.
-_HEAVY = ("multinode", "e2e")
+_HEAVY = ("multinode", "e2e", "cluster")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

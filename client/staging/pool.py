@@ -118,7 +118,9 @@ class StagingPool:
                 try:
                     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
                     opened = _open_control(directory, lock=True)
-                except FileNotFoundError:  # a closing owner removed it under us
+                except (FileNotFoundError, FileExistsError):
+                    # A closing owner or a clean removed it under us (FileExistsError:
+                    # mkdir found it, then it was gone before pathlib saw a directory).
                     vanished += 1
                     if vanished == 5:
                         raise StagingError(
