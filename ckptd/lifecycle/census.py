@@ -271,9 +271,11 @@ class Census:
         await self._drop(drops)
         while self._queue:
             key = next(iter(self._queue))
-            del self._queue[key]
+            # Left in the queue until counted: a view taken meanwhile must not say
+            # it is complete without this step.
             if await self._count(*key):
                 self._found.add(key)
+            self._queue.pop(key, None)
             await self._refresh_view(every=VIEW_EVERY)
 
     async def _drop(self, keys: set[Key]) -> None:

@@ -21,7 +21,7 @@ import torch
 from ckptd.client import Checkpointer
 from ckptd.client.health.agent import HealthAgent, StepDecision
 from ckptd.client.health.readings import ScriptedSource
-from ckptd.errors import RollbackRequested
+from ckptd.errors import RollbackRequested, Superseded
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,6 +86,7 @@ class Rank:
     decisions: list[tuple[int, StepDecision]] = field(default_factory=list)
     rollbacks: list[tuple[int, RollbackRequested]] = field(default_factory=list)
     restored: list[int] = field(default_factory=list)
+    superseded: list[int] = field(default_factory=list)
     last_step_at: float = 0.0
     error: BaseException | None = None
 
@@ -130,7 +131,9 @@ def train(
     """A bounded training loop: step 1..``last`` (or until ``deadline``), saving
     every ``every`` steps and whenever the agent says so; on RollbackRequested,
     restore the step named, acknowledge, and run ``after_rollback`` more steps.
-    ``hook(step)`` runs before each step; True ends the loop."""
+    ``hook(step)`` runs before each step; True ends the loop. A save refused as
+    superseded (another rank's rollback ended the timeline) keeps the loop going
+    until the agent tells of the rollback."""
     step = 1
     state = state_at(0)
     try:
@@ -157,8 +160,16 @@ def train(
             periodic = every is not None and step % every == 0
             if decision.snapshot or periodic:
                 meta = decision.meta if decision.snapshot else {"reason": "periodic"}
-                r.ckpt.save(step, state, meta=meta).wait(20.0)
-                r.saved.append((step, meta))
+                try:
+                    r.ckpt.save(step, state, meta=meta).wait(20.0)
+                except Superseded:
+                    # Another rank's rollback ended this timeline before this rank's
+                    # heartbeat heard of it: the agent tells it at a next step, so the
+                    # loop goes on (as a real one would) until it does.
+                    r.superseded.append(step)
+                    last = max(last, step + 1)
+                else:
+                    r.saved.append((step, meta))
             time.sleep(STEP_S)
             step += 1
     except BaseException as exc:  # reported by run_ranks

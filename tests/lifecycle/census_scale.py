@@ -149,8 +149,9 @@ def measure(root: Path, shm: Path, *, jobs: int = 2, steps: int = 2, world_size:
             poller.kill()
             out, _ = poller.communicate(timeout=30)
             for line in out.splitlines():
-                i, latency = line.split()
-                sides[int(i)].health.append(float(latency))
+                parts = line.split()
+                if len(parts) == 2:  # (the kill may cut the last line short)
+                    sides[int(parts[0])].health.append(float(parts[1]))
         for srv, side in zip(servers, sides, strict=True):
             side.peak_rss, side.worker_peak_rss = _peaks(srv)
             srv.stop()

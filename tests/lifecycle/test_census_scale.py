@@ -42,6 +42,7 @@ def test_a_million_entries_keep_saves_health_and_space_fast(tmp_path: Path, shm:
     assert full["health_p90"] <= 2 * empty["health_p90"], (empty, full)
     jobs = {j["job"]: j for j in run.final["jobs"]}
     assert run.final["complete"] and run.final["damaged"] == []
+    assert {"moe-0", "moe-1", "saves"} <= set(jobs), run.final
     for i in range(2):
         assert jobs[f"moe-{i}"]["logical_bytes"] == 2 * run.big.step_logical_bytes
         assert jobs[f"moe-{i}"]["stored_bytes"] == len(run.big.chunks) * CHUNK_BYTES
