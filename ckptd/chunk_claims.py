@@ -9,6 +9,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+# Leases held before the expired ones are dropped the first time.
+LEASES_PURGE_FROM = 10_000
+
 
 class ChunkClaims:
     """Short leases on chunk ids a caller promised to send (soft state).
@@ -24,6 +27,7 @@ class ChunkClaims:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, tuple[str, float]] = {}
+        self._purge_at = LEASES_PURGE_FROM
         self._seq = 0
         self._open: dict[int, int] = {}  # window start -> calls open since then
         self._stored: dict[str, int] = {}  # id -> seq at which it was stored
@@ -52,8 +56,11 @@ class ChunkClaims:
                     mine.append(cid)
                 else:
                     theirs.append(cid)
-            if len(self._leases) > 1_000_000:  # drop expired leases now and then
+            if len(self._leases) > self._purge_at:
+                # Leases never released (a rank that died, a chunk it did not send)
+                # expire here now and then: twice as many as the last purge left.
                 self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
+                self._purge_at = max(LEASES_PURGE_FROM, 2 * len(self._leases))
         return mine, theirs
 
     def end(self, since: int) -> None:

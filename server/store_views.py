@@ -17,15 +17,35 @@ log = logging.getLogger(__name__)
 
 
 class _Lru(OrderedDict[Any, Any]):
-    def __init__(self, size: int) -> None:
+    """At most ``size`` entries, and at most ``weight`` of ``weigh(value)`` together
+    (the one entry put last is kept whatever it weighs)."""
+
+    def __init__(self, size: int, weight: int | None = None,
+                 weigh: Callable[[Any], int] = lambda value: 1) -> None:
         super().__init__()
         self.size = size
+        self.weight = weight
+        self.weigh = weigh
+        self.held = 0  # the entries' weight together
 
     def put(self, key: Any, value: Any) -> None:
+        self.drop(key)
         self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
+        self.held += self.weigh(value)
+        while len(self) > 1 and (len(self) > self.size
+                                 or (self.weight is not None and self.held > self.weight)):
+            _, old = self.popitem(last=False)
+            self.held -= self.weigh(old)
+
+    def drop(self, key: Any) -> None:
+        old = self.pop(key, None)
+        if old is not None:
+            self.held -= self.weigh(old)
+
+
+# Chunk ids of rank manifests held (a restore plan asks for every peer's): about
+# 150 bytes each, so at most ~150 MiB whatever the manifests' sizes.
+CHUNK_IDS_HELD = 1 << 20
 
 
 class StoreViews:
@@ -41,7 +61,7 @@ class StoreViews:
         self._latest: dict[str, tuple[float, int | None]] = {}
         self._rollback: dict[str, tuple[float, Ref | None, int]] = {}
         self._commits: _Lru = _Lru(4096)
-        self._chunk_ids: _Lru = _Lru(8192)
+        self._chunk_ids: _Lru = _Lru(8192, CHUNK_IDS_HELD, len)
 
     async def latest(self, job: str, *, fresh: bool = False) -> int | None:
         now = self._clock()
@@ -94,6 +114,15 @@ class StoreViews:
             if record is not None:
                 self._commits.put((job, step), record)
         return record
+
+    def forget(self, job: str, steps: list[int]) -> None:
+        """Retention forgot these steps: their documents leave the caches (a server
+        up for weeks holds the steps the store holds, not every step it saw)."""
+        gone = set(steps)
+        for key in [k for k in self._commits if k[0] == job and k[1] in gone]:
+            self._commits.drop(key)
+        for key in [k for k in self._chunk_ids if k[0] == job and k[1] in gone]:
+            self._chunk_ids.drop(key)
 
     async def chunk_ids(self, job: str, step: int, rank: int) -> frozenset[str]:
         """The chunk ids of a committed rank manifest (hash-checked when read)."""

@@ -85,6 +85,9 @@ class LifecycleService:
         self.gc_run: GcRun | None = None
         self._gc_task: asyncio.Task[None] | None = None
         self.last_run: GcRun | None = None  # the last one that ended, with its outcome
+        #: told (job, steps) of the steps retention forgot through this server, after
+        #: the census: a server's caches of them go with them (they must return at once)
+        self.on_forgotten: list[Callable[[str, list[int]], None]] = []
 
     @property
     def space(self) -> StoreSpace | None:
@@ -184,6 +187,8 @@ class LifecycleService:
             if plan.forgotten:
                 log.info("retention of %s forgot steps %s", job, plan.forgotten)
                 self.census.note_forgotten(job, plan.forgotten)
+                for hook in self.on_forgotten:
+                    hook(job, plan.forgotten)
         self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
 
     async def collect(self, *, dry_run: bool = False, grace: float | None = None) -> GcReport:

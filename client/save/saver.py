@@ -344,12 +344,19 @@ class Saver:
             self.failover.snapshot_failed(str(err))
 
     def ask_pending(self, timeout: float | None = None) -> None:
-        """Asks, in the background (at most twice a second), whether the oldest step
-        that was pending here committed; a step that cannot commit is recorded as
-        this rank's failure too. With ``timeout`` (closing), asks about every
-        pending step and waits up to that long for each answer."""
+        """Asks, in the background (at most twice a second), whether the newest step
+        that was pending here committed (then the older ones no longer matter); a
+        step that cannot commit is recorded as this rank's failure too. With
+        ``timeout`` (closing), asks about every pending step, newest first, and
+        waits up to that long for each answer.
+
+        Newest first: a rank that is always first to commit sees every step pending,
+        and asking the oldest one at a time fell behind a fast loop until it asked
+        about steps retention had forgotten since they committed, which the server
+        answers as not committed: a failure raised into the loop for a step that
+        had committed."""
         with self._pending_lock:
-            pending = list(self._pending_commits.items())
+            pending = sorted(self._pending_commits.items(), reverse=True)
         if not pending:
             return
         if timeout is None:
@@ -361,6 +368,9 @@ class Saver:
             pending = pending[:1]
         deadline = None if timeout is None else time.monotonic() + timeout
         for step, (serial, meta) in pending:
+            with self._pending_lock:
+                if step not in self._pending_commits:  # a newer one committed meanwhile
+                    continue
             self._pending_asked = time.monotonic()
             check = self.session.loop.submit(
                 self.session.transport.commit(self.config.job, step, meta or None))
@@ -380,8 +390,9 @@ class Saver:
         exc = future.exception()
         if exc is None:
             if future.result().state == "committed":
-                with self._pending_lock:
-                    self._pending_commits.pop(step, None)
+                with self._pending_lock:  # (what was pending before it no longer matters)
+                    for older in [s for s in self._pending_commits if s <= step]:
+                        del self._pending_commits[older]
             return
         if isinstance(exc, ValidationFailed | Conflict):  # never commits: a failure
             with self._pending_lock:

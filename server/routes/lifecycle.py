@@ -290,6 +290,7 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
         scrub_rate_bytes_per_s=settings.scrub_rate,
     ), sources=sources)
     app.state.metrics.prometheus.register(_LifecycleCollector(service))
+    service.on_forgotten += [app.state.views.forget, app.state.tenants.forget]
     service.start()
     return service
 

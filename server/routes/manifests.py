@@ -69,9 +69,13 @@ async def put_manifest(
             f"{manifest.rank}, the path names job {job!r} step {step} rank {rank}",
         )
     grant: Grant = request.state.caller
-    if not (grant.every_job and grant.may("read", None)):  # a tenant: it acts for ``job``
-        await _refuse_unknown_chunks(manifest, job, tenants, request.app.state.membership)
+    tenant = not (grant.every_job and grant.may("read", None))  # it acts for ``job``
+    if tenant:
+        ids = await _refuse_unknown_chunks(manifest, job, tenants,
+                                           request.app.state.membership)
     digest = await repo.put_manifest(manifest)
+    if tenant:
+        tenants.named(job, step, ids)  # (the ids held as its upload are the step's now)
     metrics.manifest_stored()
     return ManifestStored(hash=digest)
 
@@ -103,7 +107,7 @@ async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep)
 
 
 async def _refuse_unknown_chunks(manifest: RankManifest, job: str, tenants: TenantChunks,
-                                 membership: Membership) -> None:
+                                 membership: Membership) -> list[str]:
     """A scoped caller's manifest may name only chunks its job may know of
     (``TenantChunks``: uploaded by it, or named by its committed steps), else a
     chunk id learnt elsewhere would let it commit a step naming another tenant's
@@ -111,7 +115,8 @@ async def _refuse_unknown_chunks(manifest: RankManifest, job: str, tenants: Tena
     An unknown chunk is refused as one the store lacks (the same answer, whether
     stored or not); the caller sends its bytes. With replicas, a chunk another
     replica is home of was uploaded there, where this one cannot see it: only
-    those this replica is home of are checked (docs/design/006-tenants.md)."""
+    those this replica is home of are checked (docs/design/006-tenants.md). The
+    manifest's ids, sorted."""
     ids = await asyncio.to_thread(lambda: sorted(manifest.chunk_ids()))
     known = await tenants.known(job, ids)
     unknown = [cid for cid in ids if cid not in known]
@@ -122,3 +127,4 @@ async def _refuse_unknown_chunks(manifest: RankManifest, job: str, tenants: Tena
                        if rank_members(chunk_key(cid), urls)[0] == membership.self_url]
     if unknown:
         raise manifest_lacks(manifest.rank, unknown)
+    return ids

@@ -221,3 +221,32 @@ def test_close_reports_the_last_snapshots_failure_whose_callback_runs_late(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         a.close()
+
+
+
+def test_a_rank_always_first_to_commit_never_fails_a_step_that_committed(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 always commits first, so each of its saves ends pending and is asked
+    about later. Asked oldest first, those questions fell behind a fast loop until
+    they named a step retention was removing since it committed, which the server
+    answers as not committed: rank 0 then raised NotCommitted for a step that had
+    committed (the soak's probe, keep_last 4 at four steps a second). The newest
+    pending step is asked first, and its commit settles the older ones."""
+    import ckptd.repository.after_commit as after_commit
+    from ckptd.keys import manifest_key, removal_key
+
+    monkeypatch.setattr(after_commit, "REMOVAL_WAIT", 0.5)
+    root = tmp_path / "store"
+    a, b = _pair(f"file://{root}", shm, on_error="raise")
+    for step in range(1, 11):
+        assert a.save(step, {"w": torch.full((8,), float(step))}).wait(30).state == "pending"
+    for step in range(1, 11):
+        assert b.save(step, {"w": torch.full((8,), float(step))}).wait(30).state == "committed"
+    # Retention is removing step 3 (keep_last): its claim is held, a manifest gone.
+    claim = b'{"format":"ckptd.removal","since":%.3f,"token":"t","version":1}' % time.time()
+    (root / removal_key("j", 3)).parent.mkdir(parents=True, exist_ok=True)
+    (root / removal_key("j", 3)).write_bytes(claim)
+    (root / manifest_key("j", 3, 0)).unlink()
+    assert a.close().failed == 0
+    assert b.close().failed == 0
