@@ -204,3 +204,10 @@ def cluster_refresh() -> float:
     """Seconds between a client's re-reads of the replicas (``GET /v1/cluster``); 0:
     never, route over the URLs given only."""
     return _env_float("CKPTD_CLUSTER_REFRESH", 10.0)
+
+
+def malloc_mmap_threshold() -> int:
+    """Bytes from which a server's allocations are mapped apart and unmapped when
+    freed (glibc's ``M_MMAP_THRESHOLD``, fixed); 0 leaves glibc's own threshold,
+    which rises to the largest block freed so far (``server/native_heap.py``)."""
+    return _env_int("CKPTD_MALLOC_MMAP_THRESHOLD", 128 * 1024)

@@ -26,6 +26,7 @@ from ckptd.server.errors import install_error_handlers
 from ckptd.server.ingest import connection_protocol
 from ckptd.server.metrics import Metrics
 from ckptd.server.metrics import router as metrics_router
+from ckptd.server.native_heap import bound_native_heap
 from ckptd.server.registry import Registry, StoreViews
 from ckptd.server.routes import chunks, coordination, health, jobs, lifecycle, manifests, ranks
 from ckptd.server.routes import cluster as cluster_routes
@@ -177,6 +178,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     app = create_app(settings, store=store)
     app.state.http_parser = parser
     fd_limit = raise_fd_limit()
+    bound_native_heap()  # (a server up for weeks: see server/native_heap.py)
     # The event loop takes the GIL back from a document thread within 1 ms, not 5:
     # /healthz stays quick while a large manifest parses (issue 10 item 2).
     sys.setswitchinterval(0.001)
