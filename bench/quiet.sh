@@ -7,9 +7,11 @@
 # Before: ../shared/gpu/prepare-wheels.sh (fills .whl/), plus the safetensors wheel
 #         (cp /opt/pypi/files/safetensors-*.whl .whl/).
 # Run:    the device tool: run(command="bash bench/quiet.sh", carry=[".whl"], timeout_s=400)
+#         (bash bench/quiet.sh export: that row alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/quiet}
+only=${1:-all}
 mkdir -p "$out"
 failed=()
 
@@ -36,7 +38,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
 safetensors.__version__)'; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
+[ "$only" = all ] || [ "$only" = export ] && \
 step export 150 python3 -m bench.export --size 1G --rounds 3 --markdown "$out/export.md"
+[ "$only" = all ] || [ "$only" = dataplane ] && \
 step dataplane 170 python3 -m bench.dataplane --size 1G --rounds 3 --server-only \
     --markdown "$out/dataplane.md"
 

@@ -65,6 +65,9 @@ from .layout import (
 log = logging.getLogger(__name__)
 
 WINDOW = 64 * MiB  # bytes of a file filled, then written, at once (two in memory)
+# Bytes of chunk files on this host hashed and written from their maps between two
+# progress reports (8 maps at a time whatever this is).
+LOCAL_BATCH = 512 * MiB
 
 # (bytes written, bytes in all)
 Progress = Callable[[int, int], None]
@@ -274,10 +277,12 @@ class _Writer:
             self._advance(len(plan.header))
             base = len(plan.header)
             turn = 0
-            for group in _windows(pieces(plan, self.window), self.window):
-                group = await self._write_local(fd, base, group)
-                if not group:
-                    continue
+            # Chunks that are files here first, many windows' worth at a time: a
+            # window's 16 chunks on 8 threads left them idle at every window's end.
+            rest: list[Piece] = []
+            for batch in _windows(pieces(plan, self.window), LOCAL_BATCH):
+                rest += await self._write_local(fd, base, batch)
+            for group in _windows(rest, self.window):
                 start, end = group[0].at, group[-1].at + group[-1].size
                 buf = self.buffers[turn] if end - start <= self.window else torch.empty(
                     end - start, dtype=torch.uint8)  # one slab wider than a window
@@ -392,18 +397,19 @@ class _Writer:
 
 
 def _windows(items: list[Piece], window: int) -> list[list[Piece]]:
-    """Consecutive pieces, grouped up to ``window`` bytes (a larger piece alone). A
-    slab starts a window unless it lands aligned to its element size there."""
+    """Pieces in file order, grouped so that a group spans at most ``window`` bytes
+    of the file from its first piece's start (a larger piece alone; pieces written
+    already may leave gaps between). A slab starts a group unless it lands aligned
+    to its element size there."""
     groups: list[list[Piece]] = []
     current: list[Piece] = []
-    filled = 0
     for piece in items:
-        misaligned = isinstance(piece, _Slab) and filled % 16 != 0
-        if current and (filled + piece.size > window or misaligned):
+        offset = piece.at - current[0].at if current else 0
+        misaligned = isinstance(piece, _Slab) and offset % 16 != 0
+        if current and (offset + piece.size > window or misaligned):
             groups.append(current)
-            current, filled = [], 0
+            current = []
         current.append(piece)
-        filled += piece.size
     if current:
         groups.append(current)
     return groups
