@@ -308,9 +308,14 @@ def test_interrupted_restore_says_so(tmp_path: Path) -> None:
                                  "--rank", "0", "--to", str(tmp_path / "to"), "--url", url],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=base)
-        time.sleep(4.0)  # imports, then the first request
+        # Interrupted once it waits in its first request (not during its imports,
+        # which take seconds on a loaded machine): the mute server took it.
+        mute.settimeout(60)
+        conn, _ = mute.accept()
+        time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
+        conn.close()
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
