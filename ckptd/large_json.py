@@ -169,9 +169,9 @@ def encode_tree(tree: Any) -> bytes:
 # paused, then freezes them (``gc.freeze``): kept documents are never scanned
 # again, and are still freed by reference counting when dropped (they hold no
 # reference cycles). What freezing would leak is cyclic garbage alive at that
-# moment (closed connections, finished requests, errors): a collection of what is
-# not frozen yet runs first, which costs what the server made since the last
-# freeze, not the kept documents.
+# moment (closed connections, finished requests, errors): what is not frozen yet
+# is collected before a pause (what the server made since the last freeze), and
+# the youngest generation at its end (what the pause made, the documents with it).
 
 _pause_lock = threading.Lock()
 _pauses = 0
@@ -229,6 +229,13 @@ def _collector_paused(keep: bool) -> Iterator[None]:
             _built = _built or (finished and keep)
             if _pauses == 0:
                 if _built:
+                    # While the collector was paused, the other threads went on: the
+                    # connections they closed and the requests they finished are
+                    # cyclic garbage, in the youngest generation with the documents
+                    # (nothing is promoted while it is paused), and a freeze now would
+                    # keep it (with a closed upload's buffer, megabytes) for good.
+                    # One scan of what the pause made: the documents once, then never.
+                    gc.collect(0)
                     gc.freeze()  # (moves the generations' lists: no scan, no pause)
                     _compact_if_grown()
                 _built = False
