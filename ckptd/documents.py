@@ -9,7 +9,7 @@ import concurrent.futures
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ckptd import large_json
@@ -81,6 +81,9 @@ MANIFEST_CACHE_ENTRIES = 1_000_000
 # many covers both for 500 ranks (a larger job parses its small manifests again,
 # cheaply; large ones are capped by their entries).
 MANIFEST_CACHE_MANIFESTS = 1024
+# Manifests of this many bytes and more are parsed with the collector paused and
+# frozen once kept (about 10,000 tensor entries); smaller ones as any object.
+KEEP_FROZEN_FROM = 4 * 1024 * 1024
 
 
 def _parse_and_hash(data: bytes) -> RankManifest:
@@ -131,7 +134,7 @@ class ParsedManifests:
         held = self.get(key, data)
         if held is not None:
             return held
-        work = kept_document_work if self.kept_from_collector else document_work
+        work = self._work(data)
         manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
         self.put(key, data, manifest)
         return manifest
@@ -139,5 +142,14 @@ class ParsedManifests:
     async def parse_put(self, data: bytes) -> RankManifest:
         """A manifest a client puts, parsed and checked off the event loop
         (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
-        work = kept_document_work if self.kept_from_collector else document_work
-        return await work(_parse_and_hash, data)
+        manifest: RankManifest = await self._work(data)(_parse_and_hash, data)
+        return manifest
+
+    def _work(self, data: bytes) -> Callable[..., Awaitable[Any]]:
+        # Only large documents are kept from the collector: a freeze also freezes
+        # every object alive then (open connections, requests under way), and those
+        # that die in a cycle later are never collected. Small ones the collector's
+        # own pacing handles (its full passes grow rarer as what it holds grows).
+        if self.kept_from_collector and len(data) >= KEEP_FROZEN_FROM:
+            return kept_document_work
+        return document_work

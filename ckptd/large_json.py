@@ -10,6 +10,7 @@ import gc
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -183,7 +184,10 @@ _built = False  # a body finished since the collector was paused: freeze its wor
 # and frozen again. Kept documents alone grow it that far at most once or twice
 # in a server's life (the parsed cache holds at most ~7,000,000 objects).
 COMPACT_FROM = 4_000_000
+COMPACT_EVERY_S = 600.0
 _compacted_at = 0
+_compacted_time = 0.0  # monotonic
+_compaction_s = 0.0  # how long the last one took
 
 
 @contextmanager
@@ -246,11 +250,23 @@ def _collector_paused(keep: bool) -> Iterator[None]:
 def _compact_if_grown() -> None:
     """Collects the frozen set once it has grown past the bound above (called with
     the collector paused and the pause lock held)."""
-    global _compacted_at
     frozen = gc.get_freeze_count()
-    if frozen < max(COMPACT_FROM, 3 * _compacted_at):
+    now = time.monotonic()
+    # Also now and then whatever its size: objects alive at a freeze (connections,
+    # requests) that died in a cycle since are frozen garbage, few but holding
+    # buffers. The scan costs about 1 s per 2,000,000 objects, so at most every
+    # COMPACT_EVERY_S seconds and 200 times its own last duration.
+    due = now - _compacted_time >= max(COMPACT_EVERY_S, 200 * _compaction_s)
+    if frozen < max(COMPACT_FROM, 3 * _compacted_at) and not due:
         return
+    _compact(now)
+
+
+def _compact(now: float) -> None:
+    global _compacted_at, _compacted_time, _compaction_s
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     _compacted_at = gc.get_freeze_count()
+    _compacted_time = time.monotonic()
+    _compaction_s = _compacted_time - now
