@@ -77,3 +77,13 @@ def assert_one_launch_per_step(replica: Replica, via: Host, world: int) -> dict[
     for step, names in launches.items():
         assert len(names) == 1 and None not in names, f"step {step} written by {names}"
     return {step: next(iter(names)) for step, names in launches.items()}  # type: ignore[misc]
+
+
+def expect_steps(launches: dict[int, str], expected: set[int], events: list[dict[str, Any]]
+                 ) -> None:
+    """The committed steps are ``expected``, and any other is a snapshot the health
+    probe asked for (its save says so): on a loaded machine a slow step may ask for
+    one, which commits like any other."""
+    asked = {e["step"] for e in events if e["event"] == "save" and e.get("reason") == "health"}
+    assert expected <= set(launches) and set(launches) - expected <= asked, (
+        sorted(launches), sorted(asked))
