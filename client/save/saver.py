@@ -77,6 +77,7 @@ class Saver:
         self._pending_lock = threading.Lock()
         self._pending_check: concurrent.futures.Future[Any] | None = None
         self._pending_asked = 0.0
+        self._ask_newest = False  # which end of the pending steps the next ask takes
         # The future of the last snapshot's work that reads the staging pool: the
         # pool is overwritten only once it is done.
         self._inflight: concurrent.futures.Future[Any] | None = None
@@ -344,17 +345,18 @@ class Saver:
             self.failover.snapshot_failed(str(err))
 
     def ask_pending(self, timeout: float | None = None) -> None:
-        """Asks, in the background (at most twice a second), whether the newest step
-        that was pending here committed (then the older ones no longer matter); a
-        step that cannot commit is recorded as this rank's failure too. With
-        ``timeout`` (closing), asks about every pending step, newest first, and
-        waits up to that long for each answer.
+        """Asks, in the background (at most twice a second), whether a step that was
+        pending here committed: the oldest and the newest in turn (a committed one
+        settles the older ones); a step that cannot commit is recorded as this
+        rank's failure too. With ``timeout`` (closing), asks about every pending
+        step, the newest first, and waits up to that long for each answer.
 
-        Newest first: a rank that is always first to commit sees every step pending,
-        and asking the oldest one at a time fell behind a fast loop until it asked
-        about steps retention had forgotten since they committed, which the server
-        answers as not committed: a failure raised into the loop for a step that
-        had committed."""
+        Not the oldest alone: a rank that is always first to commit sees every step
+        pending, and asking the oldest one at a time fell behind a fast loop until
+        it asked about a step retention was removing since it committed, which the
+        server answers as not committed: a failure raised into the loop for a step
+        that had committed. Not the newest alone: while it is still pending, an
+        older step's failure (replicas that disagree) would wait for close()."""
         with self._pending_lock:
             pending = sorted(self._pending_commits.items(), reverse=True)
         if not pending:
@@ -365,7 +367,8 @@ class Saver:
                 time.monotonic() - self._pending_asked < 0.5
             ):
                 return
-            pending = pending[:1]
+            self._ask_newest = not self._ask_newest
+            pending = pending[:1] if self._ask_newest else pending[-1:]
         deadline = None if timeout is None else time.monotonic() + timeout
         for step, (serial, meta) in pending:
             with self._pending_lock:
