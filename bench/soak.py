@@ -119,7 +119,9 @@ def rank_main(args: argparse.Namespace) -> None:
             except Exception as exc:  # said, and the rank trains on (it is a soak)
                 say(event="restore_failed", error=repr(exc)[:500])
         while not stop:
-            step = int((time.time() - args.start) // args.every) + 1
+            # (a rank up before the clock starts saves its first step at the start:
+            # steps below 1 were saves of negative step numbers, refused)
+            step = max(1, int((time.time() - args.start) // args.every) + 1)
             due = args.start + step * args.every
             while time.time() < due and not stop:
                 time.sleep(max(0.0, min(0.2, due - time.time())))
