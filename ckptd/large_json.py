@@ -170,9 +170,11 @@ def encode_tree(tree: Any) -> bytes:
 # paused, then freezes them (``gc.freeze``): kept documents are never scanned
 # again, and are still freed by reference counting when dropped (they hold no
 # reference cycles). What freezing would leak is cyclic garbage alive at that
-# moment (closed connections, finished requests, errors): what is not frozen yet
-# is collected before a pause (what the server made since the last freeze), and
-# the youngest generation at its end (what the pause made, the documents with it).
+# moment (closed connections, finished requests, errors): the youngest generation
+# is collected at a pause's end (what the pause made, the documents with it), and
+# the frozen set is compacted now and then (below). No full collection before a
+# pause: manifests under KEEP_FROZEN_FROM are not frozen, and a full pass over a
+# cache of them is the multi-second pause this module exists to avoid.
 
 _pause_lock = threading.Lock()
 _pauses = 0
@@ -216,11 +218,6 @@ def _collector_paused(keep: bool) -> Iterator[None]:
     with _pause_lock:
         if _pauses == 0:
             _was_enabled = gc.isenabled()
-            if keep and _was_enabled:
-                # What the freeze at the end would keep forever is the cyclic garbage
-                # alive then: collect it first. The frozen set is not scanned, so this
-                # costs what the server made since the last freeze (milliseconds).
-                gc.collect()
             gc.disable()
         _pauses += 1
     finished = False
