@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import mmap
 import os
 import shutil
 import socket
@@ -90,13 +91,18 @@ class Chunks:
 
     nbytes: int
     seed: int = 0
-    data: list[bytearray] = field(default_factory=list)
+    data: list[mmap.mmap] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
         for start in range(0, self.nbytes, CHUNK):
-            self.data.append(bytearray(rng.bytes(min(CHUNK, self.nbytes - start))))
+            # Page-aligned, as the server's upload buffers are: the durable floor's
+            # put then writes them as the server's store does (ckptd.store.direct_io).
+            size = min(CHUNK, self.nbytes - start)
+            buf = mmap.mmap(-1, size)
+            buf[:] = rng.bytes(size)
+            self.data.append(buf)
         self.ids = [blake3.blake3(d).hexdigest() for d in self.data]
 
     def renew(self, generation: int) -> None:
@@ -153,7 +159,7 @@ class Connection:
             got += n
         return status, headers, view
 
-    def put(self, cid: str, data: bytearray) -> int:
+    def put(self, cid: str, data: mmap.mmap) -> int:
         self.sock.sendall(f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: bench\r\n"
                           f"Content-Length: {len(data)}\r\n\r\n".encode())
         self.sock.sendall(data)
@@ -217,7 +223,7 @@ def hash_floor(chunks: Chunks) -> float:
     return time.thread_time() - t0
 
 
-def write_floor(chunks: Sequence[bytearray], folder: Path) -> float:
+def write_floor(chunks: Sequence[mmap.mmap], folder: Path) -> float:
     """CPU seconds, on this thread, of writing each chunk to a file of its own in the
     page cache; the files are deleted again (untimed)."""
     folder.mkdir(exist_ok=True)
@@ -232,7 +238,7 @@ def write_floor(chunks: Sequence[bytearray], folder: Path) -> float:
     return used
 
 
-def durable_put_floor(ids: Sequence[str], chunks: Sequence[bytearray], folder: Path) -> float:
+def durable_put_floor(ids: Sequence[str], chunks: Sequence[mmap.mmap], folder: Path) -> float:
     """CPU seconds, on this thread, of putting each chunk as the store itself does
     (``LocalStore``'s own put, as its worker thread runs it in the server: a
     temporary file, write, fsync, link, the directory's fsync) into a scratch store,
@@ -302,10 +308,14 @@ class Drain:
 
 def egress_floor(paths: Sequence[Path]) -> float:
     """CPU seconds, on this thread, of reading each file into a reused buffer and
-    sending it on a loopback TCP connection."""
+    sending it on a loopback TCP connection, page cache warm (as the server reads
+    them next: the store wrote them around the cache)."""
     drain = Drain()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf)
     try:
         t0 = time.thread_time()
         for p in paths:

@@ -142,6 +142,13 @@ def direct_reads() -> bool:
     return os.environ.get("CKPTD_DIRECT_READS", "1").lower() not in ("0", "false", "no")
 
 
+def direct_writes() -> bool:
+    """A local store with fsync writes objects of 1 MiB and more from page-aligned
+    buffers around the page cache (``O_DIRECT``, ``ckptd/store/direct_io.py``): a
+    third less server CPU under ingest. 0 writes everything through the cache."""
+    return os.environ.get("CKPTD_DIRECT_WRITES", "1").lower() not in ("0", "false", "no")
+
+
 def peer_host() -> str | None:
     """Address the peer chunk server binds; None (unset): a ``Checkpointer``'s binds
     every interface, so replacement ranks on other hosts reach it (its token still

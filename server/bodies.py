@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,9 @@ PREALLOCATE = 16 * knobs.MiB
 # Idle body buffers kept for later uploads, in bytes, and for how long.
 BUFFERS_KEEP = 64 * knobs.MiB
 BUFFERS_IDLE_S = 30.0
+
+# A chunk body's buffer: a map (page-aligned) from BodyBuffers, a bytearray else.
+Buffer = bytearray | mmap.mmap
 
 
 def json_body_limit() -> int:
@@ -102,7 +106,7 @@ class BodyBuffers:
         self.keep = keep
         self.idle_s = idle_s
         self.smallest = smallest
-        self._idle: list[bytearray] = []  # oldest first: who goes when over ``keep``
+        self._idle: list[Buffer] = []  # oldest first: who goes when over ``keep``
         self._last_give = 0.0
         self._trim_loop: asyncio.AbstractEventLoop | None = None  # where the trim waits
         # Tests serve several apps, on several loops, in one process.
@@ -113,15 +117,17 @@ class BodyBuffers:
         with self._lock:
             return sum(len(buf) for buf in self._idle)
 
-    def take(self, size: int) -> bytearray:
-        """A buffer of exactly ``size`` bytes: an idle one if there is one."""
+    def take(self, size: int) -> Buffer:
+        """A buffer of exactly ``size`` bytes: an idle one if there is one. One of
+        ``smallest`` bytes or more starts on a page (an anonymous map), so that the
+        store can write it around the page cache (``ckptd.store.direct_io``)."""
         with self._lock:
             for i in range(len(self._idle) - 1, -1, -1):  # the newest is the warmest
                 if len(self._idle[i]) == size:
                     return self._idle.pop(i)
-        return bytearray(size)
+        return mmap.mmap(-1, size) if size >= self.smallest else bytearray(size)
 
-    def give(self, buf: bytearray) -> None:
+    def give(self, buf: Buffer) -> None:
         """Keeps ``buf`` for a later upload. Only once nothing reads it any more: a
         store that was still writing it would store another upload's bytes."""
         if not self.smallest <= len(buf) <= self.keep:
@@ -235,7 +241,7 @@ def ingest_budget(request: Request) -> IngestBudget:
 class ChunkBody:
     """An upload's bytes: the first ``size`` of ``buffer``, which hash to ``digest``."""
 
-    buffer: bytearray
+    buffer: Buffer
     size: int
     digest: str
 
@@ -253,6 +259,7 @@ async def read_chunk(request: Request) -> ChunkBody:
     expected = int(declared) if declared.isdigit() else None
     # One buffer, filled in place: growing a bytearray by each piece as it arrives
     # (~200 KiB) copies the body over and over as it reallocates.
+    body: Buffer
     if expected is None:  # chunked transfer encoding: the buffer grows as bytes arrive
         body = bytearray()
     elif expected <= PREALLOCATE:
@@ -269,6 +276,8 @@ async def read_chunk(request: Request) -> ChunkBody:
             raise TooLarge(f"chunk is over the limit of {limit} bytes", limit=limit)
         if end > len(body):  # doubling: each byte is copied about once more at most
             grown = max(end, min(2 * len(body), ceiling))
+            if not isinstance(body, bytearray):  # (a map cannot grow)
+                body = bytearray(body)
             body.extend(bytes(grown - len(body)))
         body[filled:end] = piece
         filled = end
@@ -280,7 +289,7 @@ async def read_chunk(request: Request) -> ChunkBody:
     return ChunkBody(body, filled, hasher.hexdigest())
 
 
-async def _hash_stretch(hasher: StreamingHasher, body: bytearray, start: int, end: int) -> None:
+async def _hash_stretch(hasher: StreamingHasher, body: Buffer, start: int, end: int) -> None:
     # The views are released before the bytearray grows (a bytearray with a live
     # export cannot be resized).
     with memoryview(body) as view, view[start:end] as stretch:

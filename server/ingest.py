@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from ckptd.errors import BodyTimeout
-from ckptd.server.bodies import PREALLOCATE
+from ckptd.server.bodies import PREALLOCATE, Buffer
 from ckptd.server.connections import GuardedProtocol
 
 # The scope extension that marks a request for the lean chunk route: its value is
@@ -69,7 +69,7 @@ class ChunkSink:
     def __init__(self, size: int, protocol: DirectBodyProtocol) -> None:
         self.size = size
         self.filled = 0
-        self.buffer: bytearray | None = None
+        self.buffer: Buffer | None = None
         self.error: BaseException | None = None
         self._protocol = protocol
         self._loop = protocol.loop
@@ -120,7 +120,7 @@ class ChunkSink:
         if end >= self.size:
             self._finish()
 
-    def attach(self, buffer: bytearray) -> None:
+    def attach(self, buffer: Buffer) -> None:
         """Receives the body into ``buffer`` (at least ``size`` bytes) from now on."""
         self.buffer = buffer
         transport = self._protocol.transport

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ckptd.errors import NotFound, StoreError, StoreFull
+from ckptd.store import direct_io
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
 _TMP = ".tmp-"
@@ -180,20 +181,23 @@ class LocalStore(Store):
             self._make_dirs(path.parent)
             tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             except FileNotFoundError:
                 # A deletion pruned the empty directory between its making and this
                 # open (``_prune``): make it again.
                 if attempt == 2:
                     raise
                 continue
+            try:
+                # Durable anyway, so a large object skips the page cache (direct_io).
+                direct_io.write_all(fd, data, direct=self.fsync and direct_io.worth_it(data))
+                if self.fsync:
+                    os.fsync(fd)
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a full disk must not also leak a temporary
                 raise
+            finally:
+                os.close(fd)
             return tmp
         raise AssertionError("unreachable")
 

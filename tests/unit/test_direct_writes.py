@@ -1,0 +1,151 @@
+"""Large objects a local store writes around the page cache (``ckptd.store.direct_io``):
+the bytes are the same, the pages are not left in the cache, and what cannot go
+direct (a buffer off a page, a filesystem that refuses) goes through the cache."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from ckptd.hashing import chunk_id
+from ckptd.keys import chunk_key
+from ckptd.knobs import MiB
+from ckptd.store import direct_io
+from ckptd.store.local import LocalStore
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT, mincore")
+
+
+def cached_share(path: Path, length: int) -> float:
+    """The share of the first ``length`` bytes of ``path`` in the page cache."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ) as m:
+        base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        pages = -(-length // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(length), vec) == 0
+        share = sum(v & 1 for v in vec) / pages
+        del base
+    return share
+
+
+def page_aligned_bytes(size: int, seed: int = 0) -> mmap.mmap:
+    buf = mmap.mmap(-1, size)
+    buf[:] = np.random.default_rng(seed).bytes(size)
+    return buf
+
+
+def put(store: LocalStore, data: bytes | bytearray | mmap.mmap | memoryview) -> Path:
+    cid = chunk_id(memoryview(data))
+    assert store._put_if_absent(chunk_key(cid), memoryview(data))
+    path = store.local_path(chunk_key(cid))
+    assert path is not None
+    assert path.read_bytes() == bytes(data)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTD_DIRECT_WRITES", raising=False)
+    monkeypatch.setattr(direct_io, "_refused", False)
+
+
+def test_a_large_page_aligned_object_is_stored_around_the_cache(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    # A tail off a page (1000 bytes): written through the cache after the rest.
+    data = page_aligned_bytes(4 * MiB + 1000, seed=2)
+    assert direct_io.worth_it(data)
+    cid = chunk_id(memoryview(data))
+    assert store._put_if_absent(chunk_key(cid), memoryview(data))
+    path = store.local_path(chunk_key(cid))
+    assert path is not None
+    assert cached_share(path, 4 * MiB) < 0.01  # looked at before anything reads it
+    assert path.read_bytes() == bytes(data)
+    assert not direct_io._refused
+
+
+def test_with_direct_writes_off_the_object_stays_in_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTD_DIRECT_WRITES", "0")
+    store = LocalStore(tmp_path)
+    data = page_aligned_bytes(4 * MiB, seed=3)
+    assert not direct_io.worth_it(data)
+    cid = chunk_id(memoryview(data))
+    assert store._put_if_absent(chunk_key(cid), memoryview(data))
+    path = store.local_path(chunk_key(cid))
+    assert path is not None
+    assert cached_share(path, 4 * MiB) > 0.9
+
+
+def test_a_buffer_off_a_page_and_a_small_object_go_through_the_cache(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    whole = page_aligned_bytes(4 * MiB + 8, seed=4)
+    off = memoryview(whole)[8:]  # starts 8 bytes into a page
+    assert not direct_io.worth_it(off)
+    assert not direct_io.worth_it(page_aligned_bytes(64 * 1024))  # under DIRECT_FROM
+    path = put(store, off)
+    assert path.stat().st_size == 4 * MiB
+
+
+def test_a_store_without_fsync_writes_through_the_cache(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    data = page_aligned_bytes(4 * MiB, seed=5)
+    cid = chunk_id(memoryview(data))
+    assert store._put_if_absent(chunk_key(cid), memoryview(data))
+    path = store.local_path(chunk_key(cid))
+    assert path is not None
+    assert cached_share(path, 4 * MiB) > 0.9
+
+
+def _refuses_misaligned(folder: Path) -> bool:
+    probe = folder / "probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+        os.pwrite(fd, memoryview(buf)[1 : 1 + mmap.PAGESIZE], 0)
+        return False
+    except OSError as exc:
+        return exc.errno == errno.EINVAL
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def test_a_refused_direct_write_is_written_through_the_cache(tmp_path: Path) -> None:
+    if not _refuses_misaligned(tmp_path):
+        pytest.skip("this filesystem takes any buffer with O_DIRECT (nothing to refuse)")
+    whole = page_aligned_bytes(4 * MiB + 1, seed=6)
+    off = memoryview(whole)[1:]  # the kernel refuses O_DIRECT from it: EINVAL
+    target = tmp_path / "object"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        direct_io.write_all(fd, off, direct=True)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert target.read_bytes() == bytes(off)
+    assert direct_io._refused  # the rest of the process no longer tries
+    assert not direct_io.worth_it(page_aligned_bytes(4 * MiB))
+
+
+def test_an_upload_to_the_server_is_stored_around_the_cache(server) -> None:  # noqa: ANN001
+    # The server's upload buffers start on a page (server/bodies.py): its store writes
+    # them direct. Whether they did shows in the chunk file's pages.
+    data = np.random.default_rng(7).bytes(4 * MiB)
+    cid = chunk_id(data)
+    r = httpx.put(f"{server.url}/v1/chunks/{cid}", content=data, timeout=30)
+    assert r.status_code == 201, r.text
+    path = Path(server.store) / chunk_key(cid)
+    assert path.is_file()
+    assert cached_share(path, 4 * MiB) < 0.01
+    assert path.read_bytes() == data
