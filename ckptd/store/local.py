@@ -4,7 +4,8 @@ Writes go to a temporary name, are fsync'd, and then appear atomically: objects 
 ``link`` (which fails if the name exists, so create-if-absent holds across
 processes), refs by ``rename`` under an ``flock``. The directory is fsync'd after
 each, so a crash leaves either the old state or the new one, plus temporaries that
-``list_prefix`` ignores."""
+``list_prefix`` ignores. Objects of 1 MiB and more from page-aligned buffers are
+written around the page cache (``direct_io``): they are fsync'd at once anyway."""
 
 from __future__ import annotations
 

@@ -132,9 +132,12 @@ class StagingPool:
                 time.sleep(_CLAIM_WAIT_S)
             if opened is not None:
                 if i:
-                    log.warning("staging: %s is in use by another live process (pid %s); "
-                                "staging into %s, which a restart will not find", primary,
-                                _owner_pid(primary), directory.name)
+                    owner = _owner_pid(primary)
+                    who = ("by another pool of this process (a second Checkpointer for "
+                           "the same job and rank)" if owner == os.getpid()
+                           else f"by another live process (pid {owner})")
+                    log.warning("staging: %s is in use %s; staging into %s, which a "
+                                "restart will not find", primary, who, directory.name)
                 return directory, opened[0], opened[1]
         raise StagingError(f"no free staging directory next to {primary}")
 

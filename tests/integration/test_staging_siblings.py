@@ -85,3 +85,27 @@ def test_a_stale_pool_removed_while_a_live_process_claims_its_name_keeps_the_new
                 child.kill()
                 child.wait()
     assert sorted(p.name for p in stale.parent.iterdir()) == ["rank-0.4242-abcdef"]
+
+
+def test_a_second_pool_of_the_same_process_is_told_as_such(
+    shm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two Checkpointers of one job and rank in one process: the second stages into
+    a sibling directory, and the warning says it is this process's own pool, not
+    "another live process" with this process's pid."""
+    from ckptd.client.staging.pool import StagingPool
+
+    monkeypatch.setattr("ckptd.client.staging.pool._CLAIM_RETRIES", 0)
+    first = StagingPool("j", 0, root=shm)
+    try:
+        with caplog.at_level("WARNING", logger="ckptd.client.staging.pool"):
+            second = StagingPool("j", 0, root=shm)
+        try:
+            said = " ".join(r.getMessage() for r in caplog.records)
+            assert "another pool of this process" in said, said
+            assert f"pid {os.getpid()}" not in said
+            assert second.directory != first.directory
+        finally:
+            second.close()
+    finally:
+        first.close()
