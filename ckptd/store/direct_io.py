@@ -14,7 +14,8 @@ Only where it is safe and cheap: the store fsyncs, the object is at least
 upload buffers and a client's staging pool do). The page-aligned prefix goes
 direct, the rest (under a page) through the cache, then one fsync covers both. A
 filesystem that refuses ``O_DIRECT`` (``EINVAL``), or a write it refuses
-part-way, is written through the cache instead, and this process stops trying.
+part-way, is written through the cache instead, and this process does not ask
+that filesystem again.
 
 What it changes for readers: nothing in what they read (the kernel drops cached
 pages a direct write covers); a chunk just stored is read from the device, not
@@ -34,9 +35,9 @@ from ckptd import knobs
 ALIGN = 4096  # the largest logical block size a device asks O_DIRECT to align to
 DIRECT_FROM = knobs.MiB
 
-# Set once a filesystem here refused O_DIRECT: the rest of this process writes
-# through the page cache (a store does not move between filesystems).
-_refused = False
+# The filesystems (``st_dev``) that refused O_DIRECT in this process: written
+# through the page cache from then on.
+_refused: set[int] = set()
 
 
 def page_aligned(data: bytes | bytearray | memoryview) -> bool:
@@ -49,9 +50,8 @@ def page_aligned(data: bytes | bytearray | memoryview) -> bool:
 
 
 def worth_it(data: bytes | bytearray | memoryview) -> bool:
-    """Whether an object of these bytes is written direct (see the module)."""
-    return (not _refused and knobs.direct_writes() and len(data) >= DIRECT_FROM
-            and page_aligned(data))
+    """Whether an object of these bytes is worth writing direct (see the module)."""
+    return knobs.direct_writes() and len(data) >= DIRECT_FROM and page_aligned(data)
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview, *, direct: bool) -> None:
@@ -59,7 +59,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, *, direct: bool) ->
     the page-aligned prefix with ``O_DIRECT`` when ``direct``; the caller fsyncs."""
     view = memoryview(data).cast("B")
     done = 0
-    if direct:
+    if direct and os.fstat(fd).st_dev not in _refused:
         done = _write_direct(fd, view)
     while done < len(view):
         done += os.pwrite(fd, view[done:], done)
@@ -69,14 +69,13 @@ def _write_direct(fd: int, view: memoryview) -> int:
     """Writes the page-aligned prefix of ``view`` with O_DIRECT; the bytes written
     (0 when the filesystem refused: the caller writes them all through the cache).
     Leaves ``fd`` without O_DIRECT."""
-    global _refused
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        _refused = True
+        _refused.add(os.fstat(fd).st_dev)
         return 0
     done = 0
     end = len(view) - len(view) % ALIGN
@@ -91,7 +90,7 @@ def _write_direct(fd: int, view: memoryview) -> int:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        _refused = True
+        _refused.add(os.fstat(fd).st_dev)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return done

@@ -56,7 +56,7 @@ def put(store: LocalStore, data: bytes | bytearray | mmap.mmap | memoryview) -> 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTD_DIRECT_WRITES", raising=False)
-    monkeypatch.setattr(direct_io, "_refused", False)
+    monkeypatch.setattr(direct_io, "_refused", set())
 
 
 def _bypasses_cache(folder: Path) -> str | None:
@@ -164,8 +164,13 @@ def test_a_refused_direct_write_is_written_through_the_cache(tmp_path: Path) -> 
     finally:
         os.close(fd)
     assert target.read_bytes() == bytes(off)
-    assert direct_io._refused  # the rest of the process no longer tries
-    assert not direct_io.worth_it(page_aligned_bytes(4 * MiB))
+    # This filesystem is not asked again in this process: an aligned object is
+    # written through the cache, and whole.
+    assert direct_io._refused == {os.stat(tmp_path).st_dev}
+    store = LocalStore(tmp_path / "store")
+    data = page_aligned_bytes(4 * MiB, seed=7)
+    path = put(store, data)
+    assert cached_share(path, 4 * MiB) > 0.9
 
 
 def test_an_upload_to_the_server_is_stored_around_the_cache(
