@@ -184,8 +184,10 @@ def run(size: int, rounds: int, parent: str | None) -> tuple[list[Table], list[t
                   f"{c:.2f}", fmt_x(ratio(c, base_cpu)), human_bytes(rise),
                   "-" if largest is None else human_bytes(min(largest, nbytes)),
                   samples.spread(name, "s"))
-    table.note("Every export reads each chunk from the store (page cache) and verifies its "
-               "blake3 before writing it; save_file writes tensors already in memory. Neither "
+    table.note("Every export reads each chunk from the store (page cache) and checks its "
+               "blake3 (a chunk file on this host as it copies it, a piece at a time: one "
+               "that does not verify is written again from another tier; any other before "
+               "it is written); save_file writes tensors already in memory. Neither "
                "fsyncs. CPU s: user + system seconds of the bench process (all threads) and, "
                "for http, of the server. Peak memory rise: VmHWM in a fresh process minus its "
                "VmRSS just before the call (save_file's state itself excluded); the target is "
