@@ -220,6 +220,10 @@ class VerifyResult(_Body):
         default_factory=list, description="What each bad or missing chunk breaks."
     )
     bytes_total: int = 0
+    unreadable: list[str] = Field(
+        default_factory=list,
+        description="Documents of a format version this server does not read (a newer "
+        "ckptd wrote them): not checked, nor what they name; the rest was.")
     ok: bool
 
 

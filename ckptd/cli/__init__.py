@@ -386,6 +386,10 @@ def verify(
     for record in report.get("bad_commits", []):
         problems += 1
         console.print(f"[bold red]bad commit record[/] {escape(record)}")
+    for doc in report.get("unreadable", []):  # a newer ckptd's: not damage, not checked
+        problems += 1
+        console.print(f"[bold yellow]not checked[/] {escape('[unsupported_stored_format]')} "
+                      f"{escape(doc)}")
     for m in _field(report, "bad_manifests"):
         problems += 1
         console.print(f"[bold red]bad manifest[/] {escape(m)}")

@@ -70,11 +70,14 @@ class VerifyReport:
     # Per bad or missing chunk: {"chunk", "problem", "breaks": [{"step", "rank", "tensor"}]}
     damage: list[dict[str, Any]] = field(default_factory=list)
     bytes_total: int = 0
+    # Documents of a format version this ckptd does not read (a newer ckptd wrote
+    # them): not damage, but not checked either (and what they name neither).
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not (self.bad_chunks or self.missing_chunks or self.bad_manifests
-                    or self.bad_refs or self.bad_commits)
+                    or self.bad_refs or self.bad_commits or self.unreadable)
 
 
 class RollbackSet(NamedTuple):

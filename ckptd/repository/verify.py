@@ -14,6 +14,7 @@ from ckptd.errors import (
     ManifestHashMismatch,
     ManifestNotFound,
     StoreCorrupt,
+    UnsupportedStoredFormat,
 )
 from ckptd.format import CommitRecord, check_job
 from ckptd.hashing import chunk_spans
@@ -46,13 +47,17 @@ class Verification(Timelines):
             except StoreCorrupt as exc:
                 report.bad_commits.append(exc.message)
                 continue
+            except UnsupportedStoredFormat as exc:  # the other steps are still checked
+                report.unreadable.append(exc.message)
+                continue
             if record is None:
                 if step is not None:
                     await self.read_commit(job, s)  # NotCommitted / CheckpointNotFound
                 continue
             records[s] = record
-        await self._verify_refs(job, report)
-        if not records and not report.bad_commits and not report.bad_refs:
+        await self._verify_refs(job, report, set(candidates))
+        if not records and not report.bad_commits and not report.bad_refs \
+                and not report.unreadable:
             raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
         report.steps = sorted(records)
         sizes: dict[str, int] = {}
@@ -63,6 +68,9 @@ class Verification(Timelines):
                     manifest = await self.read_manifest(job, s, rank)
                 except (ManifestHashMismatch, ManifestNotFound, StoreCorrupt) as exc:
                     report.bad_manifests.append(f"step {s} rank {rank}: {exc}")
+                    continue
+                except UnsupportedStoredFormat as exc:
+                    report.unreadable.append(exc.message)
                     continue
                 for e in manifest.entries:
                     spans = chunk_spans(e.nbytes, manifest.chunk_size)
@@ -101,7 +109,7 @@ class Verification(Timelines):
         report.damage.sort(key=lambda d: str(d["chunk"]))
         return report
 
-    async def _verify_refs(self, job: str, report: VerifyReport) -> None:
+    async def _verify_refs(self, job: str, report: VerifyReport, steps: set[int]) -> None:
         """``latest``, ``rollback`` and ``timeline`` parse, and each names a step
         whose commit record is there and is the one it names."""
         named: list[tuple[str, int, str]] = []
@@ -112,6 +120,9 @@ class Verification(Timelines):
             except StoreCorrupt as exc:
                 report.bad_refs.append(exc.message)
                 continue
+            except UnsupportedStoredFormat as exc:
+                report.unreadable.append(exc.message)
+                continue
             if ref is not None:
                 named.append((what, ref.step, ref.commit))
         for what, step, digest in named:
@@ -120,6 +131,11 @@ class Verification(Timelines):
             except StoreCorrupt:
                 report.bad_refs.append(f"{what} of {job} names step {step}, whose commit "
                                        "record is damaged")
+                continue
+            except UnsupportedStoredFormat as exc:
+                if step not in steps:  # (else said once already, with the commit records)
+                    report.unreadable.append(f"{what} of {job} names step {step}: "
+                                             f"{exc.message}")
                 continue
             if record is None:
                 report.bad_refs.append(f"{what} of {job} names step {step}, which has no "

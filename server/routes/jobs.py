@@ -210,5 +210,6 @@ def _result(report: VerifyReport) -> VerifyResult:
         bad_commits=report.bad_commits,
         damage=[ChunkDamage.model_validate(d) for d in report.damage],
         bytes_total=report.bytes_total,
+        unreadable=report.unreadable,
         ok=report.ok,
     )
