@@ -52,6 +52,7 @@ from .segments import (
     _read_generation,
     _Resources,
     _Segment,
+    own_user_root,
     pool_dir,
 )
 
@@ -103,6 +104,7 @@ class StagingPool:
         struct.pack_into("<Q", control, PID_AT, os.getpid())
 
     def _claim(self) -> tuple[Path, int, mmap.mmap]:
+        own_user_root(self.root)  # (StagingError when another user made it)
         primary = pool_dir(self.job, self.rank, self.root)
         candidates = [primary] + [
             primary.with_name(f"{primary.name}.{os.getpid()}-{secrets.token_hex(3)}")

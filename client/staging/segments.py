@@ -11,6 +11,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import sys
 import threading
@@ -30,6 +31,30 @@ log = logging.getLogger(__name__)
 
 def _user_root(root: Path | None) -> Path:
     return (shm_dir() if root is None else Path(root)) / f"ckptd-{os.getuid()}"
+
+
+def own_user_root(root: Path | None) -> Path:
+    """This user's directory of pools under ``root`` (``/dev/shm`` by default, which
+    anyone may write), made if missing, and checked before anything goes in it: a
+    directory (not a link) of this user's that no one else may write. Another
+    user could else make it first and then read the staged state, or swap a rank's
+    pool under it. A directory of this user's that others may write is closed to
+    them (as older ckptd versions may have made it)."""
+    path = _user_root(root)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(parents=True, mode=0o700)
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a link, or a file)"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if problem is not None:
+        raise StagingError(f"the staging directory {path} {problem}: someone else made "
+                           "it; remove it, or stage elsewhere with CKPTD_SHM_DIR")
+    if st.st_mode & 0o022:
+        os.chmod(path, 0o700)
+    return path
 
 
 def pool_dir(job: str, rank: int, root: str | os.PathLike[str] | None = None) -> Path:

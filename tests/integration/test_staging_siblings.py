@@ -109,3 +109,41 @@ def test_a_second_pool_of_the_same_process_is_told_as_such(
             second.close()
     finally:
         first.close()
+
+
+def test_a_staging_root_another_user_made_is_refused(shm: Path) -> None:
+    """``<shm>/ckptd-<uid>`` made first by someone else (a link to their directory,
+    or a directory of theirs) is refused with what to do, before anything is
+    staged in it; one of this user's that others may write is closed to them."""
+    from ckptd.client.staging.pool import StagingPool
+    from ckptd.client.staging.segments import _user_root
+    from ckptd.errors import StagingError
+
+    root = _user_root(shm)
+    theirs = shm / "theirs"
+    theirs.mkdir(mode=0o777)
+    root.symlink_to(theirs)
+    with pytest.raises(StagingError) as err:
+        StagingPool("j", 0, root=shm)
+    assert "not a directory" in str(err.value) and "CKPTD_SHM_DIR" in str(err.value)
+    assert not any(theirs.iterdir())  # nothing went in
+    root.unlink()
+
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o777)  # this user's, but open to all
+    pool = StagingPool("j", 0, root=shm)
+    try:
+        assert os.stat(root).st_mode & 0o777 == 0o700
+    finally:
+        pool.close()
+
+    if os.getuid() != 0:
+        return  # (only root can give a directory to another user)
+    root.mkdir(mode=0o700, exist_ok=True)  # (a closed pool takes its empty parents)
+    os.chown(root, 4242, 4242)
+    try:
+        with pytest.raises(StagingError) as err:
+            StagingPool("j", 0, root=shm)
+        assert "belongs to uid 4242" in str(err.value)
+    finally:
+        os.chown(root, 0, 0)
