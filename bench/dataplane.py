@@ -100,7 +100,7 @@ class Chunks:
             # Page-aligned, as the server's upload buffers are: the durable floor's
             # put then writes them as the server's store does (ckptd.store.direct_io).
             size = min(CHUNK, self.nbytes - start)
-            buf = mmap.mmap(-1, size)
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
             buf[:] = rng.bytes(size)
             self.data.append(buf)
         self.ids = [blake3.blake3(d).hexdigest() for d in self.data]

@@ -125,13 +125,15 @@ class BodyBuffers:
             for i in range(len(self._idle) - 1, -1, -1):  # the newest is the warmest
                 if len(self._idle[i]) == size:
                     return self._idle.pop(i)
-        return mmap.mmap(-1, size) if size >= self.smallest else bytearray(size)
+        if size < self.smallest:
+            return bytearray(size)
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # (anonymous: fd -1)
 
     def give(self, buf: Buffer) -> None:
         """Keeps ``buf`` for a later upload. Only once nothing reads it any more: a
         store that was still writing it would store another upload's bytes."""
-        if not self.smallest <= len(buf) <= self.keep:
-            return
+        if not self.smallest <= len(buf) <= self.keep or not isinstance(buf, mmap.mmap):
+            return  # (a bytearray of a grown body: a later take makes an aligned map)
         with self._lock:
             self._idle.append(buf)
             held = sum(len(b) for b in self._idle)

@@ -13,7 +13,7 @@ Only where it is safe and cheap: the store fsyncs, the object is at least
 ``DIRECT_FROM`` bytes, and the caller's buffer starts on a page (the server's
 upload buffers and a client's staging pool do). The page-aligned prefix goes
 direct, the rest (under a page) through the cache, then one fsync covers both. A
-filesystem that refuses ``O_DIRECT`` (``EINVAL``), or a write it refuses
+filesystem that refuses ``O_DIRECT`` (``EINVAL``, ``EOPNOTSUPP``), or a write it refuses
 part-way, is written through the cache instead, and this process does not ask
 that filesystem again.
 
@@ -34,6 +34,8 @@ from ckptd import knobs
 
 ALIGN = 4096  # the largest logical block size a device asks O_DIRECT to align to
 DIRECT_FROM = knobs.MiB
+# How a filesystem says it will not do O_DIRECT (at F_SETFL or at the write).
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 # The filesystems (``st_dev``) that refused O_DIRECT in this process: written
 # through the page cache from then on.
@@ -73,7 +75,7 @@ def _write_direct(fd: int, view: memoryview) -> int:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _REFUSALS:
             raise
         _refused.add(os.fstat(fd).st_dev)
         return 0
@@ -88,7 +90,7 @@ def _write_direct(fd: int, view: memoryview) -> int:
             if n % ALIGN:
                 break  # (a short write off a block: the rest goes through the cache)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _REFUSALS:
             raise
         _refused.add(os.fstat(fd).st_dev)
     finally:

@@ -190,15 +190,17 @@ class LocalStore(Store):
                     raise
                 continue
             try:
-                # Durable anyway, so a large object skips the page cache (direct_io).
-                direct_io.write_all(fd, data, direct=self.fsync and direct_io.worth_it(data))
-                if self.fsync:
-                    os.fsync(fd)
+                try:
+                    # Durable anyway, so a large object skips the page cache (direct_io).
+                    direct_io.write_all(fd, data,
+                                        direct=self.fsync and direct_io.worth_it(data))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)  # (a delayed write error may come here: NFS)
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a full disk must not also leak a temporary
                 raise
-            finally:
-                os.close(fd)
             return tmp
         raise AssertionError("unreachable")
 

@@ -10,6 +10,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,7 +200,9 @@ def remove_stale_pools(
     """Removes the pools under ``root`` (one job's, or all of this user's) whose
     owner is gone; returns their directories. Pools of live processes are kept."""
     base = _user_root(None if root is None else Path(root))
-    jobs = [base / job] if job is not None else (sorted(base.iterdir()) if base.is_dir() else [])
+    if not _is_own_directory(base):
+        return []  # (missing, or another user's or a link: nothing of this user's)
+    jobs = [base / job] if job is not None else sorted(base.iterdir())
     removed = []
     for job_dir in jobs:
         if not job_dir.is_dir():
@@ -209,6 +212,16 @@ def remove_stale_pools(
                 removed.append(d)
         _remove_empty_dirs(job_dir)
     return removed
+
+
+def _is_own_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory of this user's, not a link
+    (``segments.own_user_root`` refuses any other as a staging root)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _remove_if_stale(d: Path) -> bool:

@@ -11,7 +11,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import struct
 import sys
 import threading
@@ -36,25 +35,34 @@ def _user_root(root: Path | None) -> Path:
 def own_user_root(root: Path | None) -> Path:
     """This user's directory of pools under ``root`` (``/dev/shm`` by default, which
     anyone may write), made if missing, and checked before anything goes in it: a
-    directory (not a link) of this user's that no one else may write. Another
-    user could else make it first and then read the staged state, or swap a rank's
-    pool under it. A directory of this user's that others may write is closed to
-    them (as older ckptd versions may have made it)."""
+    directory (not a link) of this user's, which no one else may enter (made so
+    when it is not). Another user could else make it first and then read the
+    staged state, or swap a rank's pool under it. Checked through a descriptor
+    opened without following links, so what is checked is what is changed."""
     path = _user_root(root)
     with contextlib.suppress(FileExistsError):
         path.mkdir(parents=True, mode=0o700)
-    st = os.lstat(path)
-    problem = None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory (a link, or a file)"
-    elif st.st_uid != os.getuid():
-        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
-    if problem is not None:
-        raise StagingError(f"the staging directory {path} {problem}: someone else made "
-                           "it; remove it, or stage elsewhere with CKPTD_SHM_DIR")
-    if st.st_mode & 0o022:
-        os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise _not_ours(path, "is not a directory (a link, or a file)") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise _not_ours(path, f"belongs to uid {st.st_uid}, not to this user "
+                                  f"(uid {os.getuid()})")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
+
+
+def _not_ours(path: Path, problem: str) -> StagingError:
+    return StagingError(f"the staging directory {path} {problem}: someone else made it; "
+                        "remove it, or stage elsewhere with CKPTD_SHM_DIR")
 
 
 def pool_dir(job: str, rank: int, root: str | os.PathLike[str] | None = None) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import socket
 import time
@@ -84,20 +85,26 @@ async def test_body_buffers_reuse_by_exact_size_within_their_bound() -> None:
     buffers.give(first)
     assert len(buffers.take(mib + 1)) == mib + 1  # no other size is handed out
     for _ in range(4):
-        buffers.give(bytearray(mib))
+        buffers.give(mmap.mmap(-1, mib, flags=mmap.MAP_PRIVATE))
     assert buffers.idle_bytes == 3 * mib  # the oldest went
     buffers.give(bytearray(1024))  # small ones cost little to allocate: not kept
-    buffers.give(bytearray(4 * mib))  # over the bound: not kept
+    buffers.give(mmap.mmap(-1, 4 * mib))  # over the bound: not kept
     assert buffers.idle_bytes == 3 * mib
+    # A large one is a page-aligned map (the store writes it around the page cache);
+    # a bytearray given back (a grown body's) is not kept, so none is handed out.
+    buffers.clear()
+    buffers.give(bytearray(mib))
+    assert buffers.idle_bytes == 0
+    assert isinstance(buffers.take(mib), mmap.mmap) and isinstance(buffers.take(100), bytearray)
 
 
 async def test_body_buffers_go_once_uploads_stop() -> None:
     # Margins of 0.4 s each way: the loop of a loaded machine runs late.
     buffers = BodyBuffers(keep=4 * knobs.MiB, idle_s=1.0)
     t0 = time.monotonic()
-    buffers.give(bytearray(knobs.MiB))
+    buffers.give(mmap.mmap(-1, knobs.MiB, flags=mmap.MAP_PRIVATE))
     await asyncio.sleep(0.6)
-    buffers.give(bytearray(knobs.MiB))  # a give pushes the expiry back
+    buffers.give(mmap.mmap(-1, knobs.MiB, flags=mmap.MAP_PRIVATE))  # pushes the expiry back
     await asyncio.sleep(max(0.0, t0 + 1.2 - time.monotonic()))
     assert buffers.idle_bytes == 2 * knobs.MiB  # past the first give's second
     for _ in range(100):  # bounded: 5 s

@@ -147,3 +147,17 @@ def test_a_staging_root_another_user_made_is_refused(shm: Path) -> None:
         assert "belongs to uid 4242" in str(err.value)
     finally:
         os.chown(root, 0, 0)
+
+
+def test_stale_pools_are_not_looked_for_under_a_root_another_user_made(shm: Path) -> None:
+    """(Found by review.) Removing stale pools under ``<shm>/ckptd-<uid>`` that is a
+    link to someone's directory removes nothing there."""
+    from ckptd.client.staging.segments import _user_root
+
+    theirs = shm / "theirs"
+    pool = theirs / "j" / "rank-0"
+    pool.mkdir(parents=True)
+    (pool / "seg-0").write_bytes(b"x" * 4096)  # no control file, no live owner
+    _user_root(shm).symlink_to(theirs)
+    assert remove_stale_pools(shm) == []
+    assert (pool / "seg-0").exists()

@@ -56,3 +56,20 @@ def test_a_file_of_another_size_or_gone_is_not_the_chunk(tmp_path: Path) -> None
     path = chunk_file(tmp_path, data)
     assert not copy(path, chunk_id(data), SIZE + 1, tmp_path / "out", 0)
     assert not copy(tmp_path / "gone", chunk_id(data), SIZE, tmp_path / "out", 0)
+
+
+def test_a_failed_write_of_the_export_is_raised_not_taken_for_a_bad_chunk(
+        tmp_path: Path) -> None:
+    # (Found by review.) A full disk or a closed file is the export's own failure: it
+    # must not send the chunk to other tiers as if the file here were damaged.
+    data = np.random.default_rng(3).bytes(SIZE)
+    path = chunk_file(tmp_path, data)
+    out = tmp_path / "out"
+    out.write_bytes(b"")
+    fd = os.open(out, os.O_RDONLY)  # a write to it fails (EBADF)
+    try:
+        with pytest.raises(OSError):
+            _copy_verified(path, _Chunk(chunk_id(data), "t", 0, SIZE), fd, 0,
+                           memoryview(bytearray(MiB)))
+    finally:
+        os.close(fd)

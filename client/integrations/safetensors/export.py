@@ -431,25 +431,30 @@ def _copy_verified(path: Path, chunk: _Chunk, fd: int, offset: int, buf: memoryv
     """Copies the chunk file at ``path`` to ``fd`` at ``offset`` through ``buf``, a
     piece at a time, hashing as it goes; False when it is not the chunk (its size,
     or its hash at the end: the bytes it wrote are then written again by the tier
-    that serves the chunk, or the export fails and its file goes)."""
+    that serves the chunk, or the export fails and its file goes), or cannot be
+    read. A failed write to ``fd`` (a full disk) is raised: no tier would help."""
     try:
         src = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        if os.fstat(src).st_size != chunk.size:
+        try:
+            if os.fstat(src).st_size != chunk.size:
+                return False
+        except OSError:
             return False
         hasher = blake3.blake3()
         done = 0
         while done < chunk.size:
-            n = os.readv(src, [buf[: min(len(buf), chunk.size - done)]])
+            try:
+                n = os.readv(src, [buf[: min(len(buf), chunk.size - done)]])
+            except OSError:
+                return False  # (a read error: another tier's copy is read instead)
             if n <= 0:
                 return False
             hasher.update(buf[:n])
             _write_all(fd, buf[:n], offset + done)
             done += n
-    except OSError:
-        return False
     finally:
         os.close(src)
     return hasher.hexdigest() == chunk.cid
