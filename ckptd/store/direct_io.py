@@ -90,9 +90,13 @@ def _write_direct(fd: int, view: memoryview) -> int:
             if n % ALIGN:
                 break  # (a short write off a block: the rest goes through the cache)
     except OSError as exc:
-        if exc.errno not in _REFUSALS:
+        if exc.errno == errno.EFAULT:
+            pass  # memory the kernel cannot pin for a DMA (a device's mapping): this
+            # write goes through the cache, which reports a buffer really bad itself
+        elif exc.errno in _REFUSALS:
+            _refused.add(os.fstat(fd).st_dev)
+        else:
             raise
-        _refused.add(os.fstat(fd).st_dev)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return done
