@@ -54,6 +54,16 @@ def put(store: LocalStore, data: bytes | bytearray | mmap.mmap | memoryview) -> 
     return path
 
 
+def store_unread(store: LocalStore, data: mmap.mmap) -> Path:
+    """Puts ``data`` as its chunk; the file's path, not read since (its pages in
+    the cache are what the write left)."""
+    cid = chunk_id(memoryview(data))
+    assert store._put_if_absent(chunk_key(cid), memoryview(data))
+    path = store.local_path(chunk_key(cid))
+    assert path is not None
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTD_DIRECT_WRITES", raising=False)
@@ -116,10 +126,7 @@ def test_a_large_page_aligned_object_is_stored_around_the_cache(around_cache: Pa
     # A tail off a page (1000 bytes): written through the cache after the rest.
     data = page_aligned_bytes(4 * MiB + 1000, seed=2)
     assert direct_io.worth_it(data)
-    cid = chunk_id(memoryview(data))
-    assert store._put_if_absent(chunk_key(cid), memoryview(data))
-    path = store.local_path(chunk_key(cid))
-    assert path is not None
+    path = store_unread(store, data)
     assert cached_share(path, 4 * MiB) < 0.01  # looked at before anything reads it
     assert path.read_bytes() == bytes(data)
     assert not direct_io._refused
@@ -132,11 +139,7 @@ def test_with_direct_writes_off_the_object_stays_in_the_cache(
     store = LocalStore(around_cache)
     data = page_aligned_bytes(4 * MiB, seed=3)
     assert not direct_io.worth_it(data)
-    cid = chunk_id(memoryview(data))
-    assert store._put_if_absent(chunk_key(cid), memoryview(data))
-    path = store.local_path(chunk_key(cid))
-    assert path is not None
-    assert cached_share(path, 4 * MiB) > 0.9
+    assert cached_share(store_unread(store, data), 4 * MiB) > 0.9
 
 
 def test_a_buffer_off_a_page_and_a_small_object_go_through_the_cache(tmp_path: Path) -> None:
@@ -152,11 +155,7 @@ def test_a_buffer_off_a_page_and_a_small_object_go_through_the_cache(tmp_path: P
 def test_a_store_without_fsync_writes_through_the_cache(around_cache: Path) -> None:
     store = LocalStore(around_cache, fsync=False)
     data = page_aligned_bytes(4 * MiB, seed=5)
-    cid = chunk_id(memoryview(data))
-    assert store._put_if_absent(chunk_key(cid), memoryview(data))
-    path = store.local_path(chunk_key(cid))
-    assert path is not None
-    assert cached_share(path, 4 * MiB) > 0.9
+    assert cached_share(store_unread(store, data), 4 * MiB) > 0.9
 
 
 def _refuses_misaligned(folder: Path) -> bool:
