@@ -75,8 +75,10 @@ class Replica(ServerProcess):
     def args(self, value: list[str]) -> None:
         self.extra_args = list(value)
 
+    access_log = False  # (set before start: which requests it answered, in its log)
+
     def command(self) -> list[str]:
-        return [*super().command(), "--no-access-log"]
+        return [*super().command(), "--access-log" if self.access_log else "--no-access-log"]
 
     def base_env(self) -> dict[str, str]:
         return s3_env()

@@ -148,6 +148,13 @@ class Injector:
             path.write_bytes(bytes(data))
             record["corrupted_chunk"] = cid
             record["snapshot_step"] = step - 1
+        else:
+            # A kill is for a restore to mend: some step must be committed first. The
+            # steps are milliseconds, so under load the first kill (2 snapshots in)
+            # could come before any commit, and the restart had nothing to restore.
+            deadline = time.monotonic() + 60
+            while ckpt.latest() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
         if k.wipe:
             shutil.rmtree(ckpt.staging.directory, ignore_errors=True)
         record["t"] = time.time()
