@@ -12,12 +12,13 @@ repository like any save; then the step is read back and compared bitwise.
 from __future__ import annotations
 
 import asyncio
+import enum
 import importlib
 import io
 import logging
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,10 +197,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if module in _DCP_MODULES and "." not in name:
-            # Only a class the module itself defines: a module also holds what it
-            # imported (``os``, functions), and a dotted name would walk into them.
+            # Only a record the module itself defines (a dataclass or an enum): a
+            # module also holds what it imported (``os``, functions), a dotted name
+            # would walk into them, and its other classes (readers, writers, loaders
+            # that start threads) do things when a pickle calls them.
             found = getattr(importlib.import_module(module), name, None)
-            if isinstance(found, type) and found.__module__ == module:
+            if isinstance(found, type) and found.__module__ == module and (
+                    is_dataclass(found) or issubclass(found, enum.Enum)):
                 return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
