@@ -45,13 +45,21 @@ def libc_madvise() -> Callable[..., int] | None:
 _MADVISE = libc_madvise()
 
 
+def buffer_address(view: memoryview) -> int:
+    """Where a buffer's first byte lies in memory (a read-only buffer too)."""
+    if not view.readonly:  # (1 us where numpy's way takes 4-5: a restore asks per chunk)
+        with contextlib.suppress(TypeError, ValueError):
+            return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def populate_read(view: memoryview) -> bool:
     """Faults in every page of a mapped ``view``; False when a page cannot be read
     (it would have been a SIGBUS). True as well where the kernel has no such advice
     (before 5.14, or not Linux): there the pages fault as they are read, as before."""
     if len(view) == 0 or _MADVISE is None:
         return True
-    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    address = buffer_address(view)
     page = mmap.PAGESIZE
     start = address - address % page
     if _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(address + len(view) - start),

@@ -28,9 +28,8 @@ import errno
 import fcntl
 import os
 
-import numpy as np
-
 from ckptd import knobs
+from ckptd.pages import buffer_address
 
 ALIGN = 4096  # the largest logical block size a device asks O_DIRECT to align to
 DIRECT_FROM = knobs.MiB
@@ -47,8 +46,7 @@ def page_aligned(data: bytes | bytearray | memoryview) -> bool:
     view = memoryview(data)
     if not view.c_contiguous or view.nbytes == 0:
         return False
-    address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
-    return address % ALIGN == 0
+    return buffer_address(view.cast("B")) % ALIGN == 0
 
 
 def worth_it(data: bytes | bytearray | memoryview) -> bool:

@@ -30,12 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 import torch
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest
-from ckptd.hashing import chunk_spans
+from ckptd.hashing import StreamingHasher, chunk_spans
 from ckptd.knobs import MiB
 
 from ...dtypes import byte_view, torch_dtype
@@ -443,7 +442,7 @@ def _copy_verified(path: Path, chunk: _Chunk, fd: int, offset: int, buf: memoryv
                 return False
         except OSError:
             return False
-        hasher = blake3.blake3()
+        hasher = StreamingHasher()
         done = 0
         while done < chunk.size:
             try:
