@@ -10,14 +10,13 @@ import mmap
 import os
 import secrets
 import shutil
-import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from ckptd.errors import InvalidDocument, UnsupportedFormat
+from ckptd.errors import InvalidDocument, StagingError, UnsupportedFormat
 from ckptd.pages import libc_madvise
 
 from .format import CONTROL_NAME, CONTROL_SIZE, INDEX_NAME, ControlHeader, PoolIndex, SpanRecord
@@ -27,6 +26,7 @@ from .segments import (
     _remove_empty_dirs,
     _remove_pool_files,
     _user_root,
+    open_own_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,10 @@ def remove_stale_pools(
     """Removes the pools under ``root`` (one job's, or all of this user's) whose
     owner is gone; returns their directories. Pools of live processes are kept."""
     base = _user_root(None if root is None else Path(root))
-    if not _is_own_directory(base):
-        return []  # (missing, or another user's or a link: nothing of this user's)
+    try:  # (missing, or another user's or a link: nothing of this user's is there)
+        os.close(open_own_directory(base))
+    except (StagingError, OSError):
+        return []
     jobs = [base / job] if job is not None else sorted(base.iterdir())
     removed = []
     for job_dir in jobs:
@@ -212,16 +214,6 @@ def remove_stale_pools(
                 removed.append(d)
         _remove_empty_dirs(job_dir)
     return removed
-
-
-def _is_own_directory(path: Path) -> bool:
-    """Whether ``path`` is a directory of this user's, not a link
-    (``segments.own_user_root`` refuses any other as a staging root)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _remove_if_stale(d: Path) -> bool:

@@ -37,27 +37,34 @@ def own_user_root(root: Path | None) -> Path:
     anyone may write), made if missing, and checked before anything goes in it: a
     directory (not a link) of this user's, which no one else may enter (made so
     when it is not). Another user could else make it first and then read the
-    staged state, or swap a rank's pool under it. Checked through a descriptor
-    opened without following links, so what is checked is what is changed."""
+    staged state, or swap a rank's pool under it."""
     path = _user_root(root)
     with contextlib.suppress(FileExistsError):
         path.mkdir(parents=True, mode=0o700)
+    fd = open_own_directory(path)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_own_directory(path: Path) -> int:
+    """A descriptor of the directory ``path``, opened without following a link, so
+    that what is checked is what is then changed; ``StagingError`` when it is a
+    link, not a directory, or another user's (``OSError`` when it is not there)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         raise _not_ours(path, "is not a directory (a link, or a file)") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid():
-            raise _not_ours(path, f"belongs to uid {st.st_uid}, not to this user "
-                                  f"(uid {os.getuid()})")
-        if st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)
-    finally:
+    owner = os.fstat(fd).st_uid
+    if owner != os.getuid():
         os.close(fd)
-    return path
+        raise _not_ours(path, f"belongs to uid {owner}, not to this user (uid {os.getuid()})")
+    return fd
 
 
 def _not_ours(path: Path, problem: str) -> StagingError:
