@@ -4,7 +4,6 @@ direct (a buffer off a page, a filesystem that refuses) goes through the cache."
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -21,22 +20,9 @@ from ckptd.keys import chunk_key
 from ckptd.knobs import MiB
 from ckptd.store import direct_io
 from ckptd.store.local import LocalStore
+from tests.residency import cached_share
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT, mincore")
-
-
-def cached_share(path: Path, length: int) -> float:
-    """The share of the first ``length`` bytes of ``path`` in the page cache."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ) as m:
-        base = np.frombuffer(m, dtype=np.uint8).ctypes.data
-        pages = -(-length // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(length), vec) == 0
-        share = sum(v & 1 for v in vec) / pages
-        del base
-    return share
 
 
 def page_aligned_bytes(size: int, seed: int = 0) -> mmap.mmap:

@@ -5,32 +5,19 @@ chunks that land in it and of delivery."""
 from __future__ import annotations
 
 import ctypes
-import mmap
 import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from ckptd.client.restore import fetch, memory
 from ckptd.client.restore.memory import Landing, Prefault, span_of
 from ckptd.knobs import MiB
+from tests.residency import resident_share
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux advice")
-
-
-def _resident(view: memoryview) -> float:
-    """The share of ``view``'s pages in memory (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-    pages = -(-len(view) // page)
-    vec = (ctypes.c_ubyte * pages)()
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(len(view)), vec) == 0
-    return sum(v & 1 for v in vec) / pages
 
 
 def _populate_works() -> bool:
@@ -74,8 +61,8 @@ def test_fresh_memory_is_faulted_in_ahead_of_the_chunks_and_of_delivery() -> Non
     pre._thread.join(timeout=60)
     assert not pre.running()
     # Untouched by any chunk or copy, yet in memory: the worker faulted it in.
-    assert _resident(ahead) > 0.99
-    assert _resident(later) > 0.99
+    assert resident_share(ahead) > 0.99
+    assert resident_share(later) > 0.99
 
 
 @needs_populate
@@ -87,8 +74,8 @@ def test_the_worker_skips_what_the_chunks_have_reached() -> None:
     pre = Prefault.start(first, [], lambda: 8, [ahead])  # half the chunks started
     assert pre is not None
     pre._thread.join(timeout=60)
-    assert _resident(ahead[32 * MiB :]) > 0.99
-    assert _resident(ahead[: 32 * MiB]) < 0.01  # left to the chunks landing there
+    assert resident_share(ahead[32 * MiB :]) > 0.99
+    assert resident_share(ahead[: 32 * MiB]) < 0.01  # left to the chunks landing there
 
 
 @linux_only
