@@ -75,7 +75,7 @@ def test_the_home_replica_lost_mid_save_costs_seconds_and_the_job_ends_bitwise(
     assert max(stalls.values()) <= STALL_LIMIT, stalls
     assert all(r["close"]["failed"] == 0 for r in results), results
     launches = assert_one_launch_per_step(survivor, node1, world=4)
-    expect_steps(launches, {0, 100, 200}, job.events())
+    expect_steps(survivor, node1, launches, {0, 100, 200})
     for step, lost_at in ((100, unplugged_at), (200, killed_at)):
         record = survivor.get(f"/v1/jobs/{JOB}/steps/{step}", via=node1)
         took = record["committed_at"] - lost_at
