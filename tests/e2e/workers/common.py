@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,13 +21,23 @@ def init() -> tuple[int, int, Path]:
     return dist.get_rank(), dist.get_world_size(), Path(sys.argv[1])
 
 
-def finish(out: Path, rank: int, result: dict[str, Any]) -> None:
-    """Writes this rank's result, then leaves the group."""
+def finish(out: Path, rank: int, result: dict[str, Any]) -> NoReturn:
+    """Writes this rank's result, leaves the group, and ends the process at once.
+
+    Not through the interpreter's own teardown: there torch's gloo worker threads
+    can still abort ("terminate called without an active exception") or crash
+    after the group was destroyed (pytorch/pytorch#190489 and its kind): one rank
+    in a full run did, after every rank had written its result. What is tested
+    here is done by then; every ckptd object a worker made is closed before this
+    (their ``with`` blocks), so nothing of ckptd's is left to the exit."""
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out / f"rank{rank}.json")
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def global_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
