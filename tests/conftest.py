@@ -192,6 +192,7 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 # a snapshot within so long) are about ckptd, not about a machine shared with
 # another such run.
 _HEAVY = ("multinode", "e2e", "cluster")
+_BUILD_ONCE = ("tests/integration/test_install.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -202,13 +203,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist, the heavy tests go to one worker, one after another, while
-    the other workers take the rest test by test (xdist's own ``loadgroup`` does not
-    group under this pytest: it renames items, which pytest 9 no longer reads)."""
+    the other workers take the rest test by test, the install tests together (for
+    their one environment). xdist's own ``loadgroup`` does not group under this
+    pytest: it renames items, which pytest 9 no longer reads."""
     from xdist.scheduler import LoadScopeScheduling
 
     class HeavyApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "heavy" if any(f"tests/{g}/" in path for g in _HEAVY) else nodeid
+            if any(f"tests/{g}/" in path for g in _HEAVY):
+                return "heavy"
+            # A module whose fixture builds a fresh environment once for its tests:
+            # split test by test, two workers each built it (~100 s each).
+            return path if path in _BUILD_ONCE else nodeid
 
     return HeavyApart(config, log)

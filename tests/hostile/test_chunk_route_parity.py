@@ -33,7 +33,10 @@ def test_a_store_failure_on_a_chunk_tells_a_tenant_no_bucket_or_endpoint(
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                         ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true"),
                         ("AWS_CONFIG_FILE", "/nonexistent"), ("AWS_MAX_ATTEMPTS", "1"),
-                        ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")):
+                        ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
+                        # no retries: ckptd's own setting, which AWS_MAX_ATTEMPTS does not
+                        # override (each failing request waited ~8 s of backoff)
+                        ("CKPTD_RETRIES", "0")):
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
