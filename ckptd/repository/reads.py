@@ -27,6 +27,7 @@ from ckptd.format import (
     job_prefix,
     latest_key,
     manifest_key,
+    removal_key,
     step_prefix,
 )
 from ckptd.hashing import chunk_id, document_hash
@@ -118,6 +119,12 @@ class StoredReads:
         if record is not None:
             return record
         if await self._ranks_present(job, step):
+            if await self.store.exists(removal_key(job, step)):
+                # Retention deletes the record first, then the manifests under its
+                # claim: the step was (or was never) a checkpoint, and is going.
+                raise CheckpointNotFound(
+                    f"step {step} of {job} is being removed by retention; list the "
+                    f"steps that remain with: ckptd ls {job}", job=job, step=step)
             raise NotCommitted(f"step {step} of {job} never committed", job=job, step=step)
         raise CheckpointNotFound(f"no checkpoint at step {step} of {job}", job=job, step=step)
 

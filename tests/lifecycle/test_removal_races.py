@@ -306,3 +306,30 @@ def test_a_step_tagged_after_retention_planned_to_forget_it_is_kept(tmp_path: Pa
         assert not await store.exists(removal_key("j", 5))
 
     asyncio.run(scenario())
+
+
+def test_a_step_read_while_retention_removes_it_is_not_called_uncommitted(
+    tmp_path: Path,
+) -> None:
+    """Retention deletes a step's commit record first, then its manifests under its
+    removal claim: a read in between finds manifests and no record, which is not a
+    step that "never committed" (a 409 telling the caller to wait for the commit)
+    but one that is going (404, saying so). Without the claim it is still pending."""
+    from ckptd.errors import CheckpointNotFound
+    from ckptd.format import commit_key
+
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        await _pending_step(repo, "j", 5)
+        with pytest.raises(NotCommitted):
+            await repo.read_commit("j", 5)
+        await repo.commit("j", 5)
+        assert await _whole(repo, "j", 5)
+        # Retention, halfway: its claim made, the record deleted, manifests left.
+        await store.put_if_absent(removal_key("j", 5), b'{"format": "ckptd.removal"}')
+        await store.delete(commit_key("j", 5))
+        with pytest.raises(CheckpointNotFound, match="being removed by retention"):
+            await repo.read_commit("j", 5)
+
+    asyncio.run(scenario())
