@@ -526,3 +526,64 @@ def test_transformers_loads_a_two_rank_export_of_a_llama(tmp_path: Path, shm: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"logits": True, "params": [], "names": True}
+
+
+def _tiny_disk_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root, to mount a tiny tmpfs in a mount namespace of its own"
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=30)
+    return None if probe.returncode == 0 else "unshare --mount is refused here"
+
+
+def test_a_full_disk_gets_one_line_and_leaves_nothing(tmp_path: Path, shm: Path) -> None:
+    """An export into a filesystem without the room for it is refused before a byte
+    is written, in one line (where, how much is free, how much it needs, what to
+    do), exit 2, and nothing left there (a tmpfs of 16 KiB, in a mount namespace of
+    the command's own)."""
+    reason = _tiny_disk_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    url = f"file://{tmp_path / 'store'}"
+    save_two_ranks(url, shm)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    ckptd = Path(sys.executable).with_name("ckptd")
+    script = (f'mount -t tmpfs -o size=16k tmpfs "{disk}" && '
+              f'"{ckptd}" export {JOB} 1 --safetensors "{disk}/out" --url "{url}"; '
+              f'rc=$?; echo "left: $(ls -A "{disk}")"; exit $rc')
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, said
+    assert f"{disk}/out has 16.0 KiB free and the export needs" in said, said
+    assert "free space there or export elsewhere" in said, said
+    assert "Traceback" not in said and len(proc.stderr.strip().splitlines()) <= 3, said
+    assert proc.stdout.split("left:")[-1].strip() == "", proc.stdout  # nothing on the disk
+
+
+def test_a_write_that_fails_midway_gets_one_line_and_leaves_nothing(tmp_path: Path,
+                                                                   shm: Path) -> None:
+    """A write the filesystem refuses after the export began (here the file size
+    limit, ``ulimit -f``, where a full disk or a quota would do the same): the file
+    and the error in one line, exit 2, the partial file removed."""
+    url = f"file://{tmp_path / 'store'}"
+    save_two_ranks(url, shm)
+    ckptd = Path(sys.executable).with_name("ckptd")
+    target = tmp_path / "out"
+
+    def limit() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
+
+    proc = subprocess.run([str(ckptd), "export", JOB, "1", "--safetensors", str(target),
+                           "--url", url], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, said
+    assert f"cannot write {target}/model.safetensors (" in said, said
+    assert "File too large; free space there or export elsewhere" in said, said
+    assert "Traceback" not in said and len(proc.stderr.strip().splitlines()) <= 3, said
+    assert not target.exists() or not any(target.iterdir()), list(target.iterdir())

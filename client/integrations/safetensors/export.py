@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ckptd import knobs
-from ckptd.errors import InvalidRequest
+from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.hashing import StreamingHasher, chunk_spans
 from ckptd.knobs import MiB
 
@@ -158,10 +158,19 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
     writer = _Writer(transport, step, size, on_bytes, total)
     written: list[Path] = []
     try:
+        _check_room(target, total)
         for plan in plans:
             tmp = target / f".tmp-{plan.filename}"
             written.append(tmp)
-            await writer.write_file(tmp, plan)
+            try:
+                await writer.write_file(tmp, plan)
+            except CkptdError:  # (a store's errors are OSErrors too: theirs to tell)
+                raise
+            except OSError as exc:  # the target's: a full disk, a read-only directory
+                raise InvalidRequest(
+                    f"cannot write {target / plan.filename} ({_size(plan.size)}): "
+                    f"{exc.strerror or exc}; free space there or export elsewhere"
+                ) from None
         for i, plan in enumerate(plans):
             os.replace(written[i], target / plan.filename)
             written[i] = target / plan.filename  # (renamed: removed under this name)
@@ -457,6 +466,28 @@ def _copy_verified(path: Path, chunk: _Chunk, fd: int, offset: int, buf: memoryv
     finally:
         os.close(src)
     return hasher.hexdigest() == chunk.cid
+
+
+def _check_room(target: Path, total: int) -> None:
+    """Refuses, before a byte is written, an export that ``target``'s filesystem has
+    not the room for (a full disk found after gigabytes helps nobody). Writes can
+    still fail later (another writer, a quota): they are told the same way."""
+    try:
+        st = os.statvfs(target)
+    except OSError:
+        return
+    if st.f_blocks == 0:  # a filesystem that does not say (some FUSE ones)
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < total:
+        raise InvalidRequest(f"{target} has {_size(free)} free and the export needs "
+                             f"{_size(total)}; free space there or export elsewhere")
+
+
+def _size(n: int) -> str:
+    if n < MiB:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / MiB:.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
