@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from ckptd.errors import InvalidRequest
+from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.format import canonical_json
 from ckptd.store.base import Store as ObjectStore
 from ckptd.zarr.grid import chunk_indices
@@ -109,15 +110,34 @@ def export_step(
         assert view.step is not None
         result = ExportResult(view.step, len(h.arrays), chunks, nbytes,
                               time.perf_counter() - t0, str(target))
-    except BaseException:
-        if created and target.is_dir() and not any(target.iterdir()):
-            target.rmdir()  # an unknown job or step leaves no empty directory behind
+    except BaseException as exc:
+        # The directory was new or empty: what is in it now is this export's, and
+        # half a hierarchy is not one a reader should open. (An unknown job or
+        # step leaves no empty directory behind either.)
+        _remove_contents(target, created)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptdError):
+            # A write zarr's store could not make: a full disk, a quota, ``ulimit -f``.
+            raise InvalidRequest(f"cannot write into {target}: {exc.strerror or exc}; "
+                                 "free space there or export elsewhere") from None
         raise
     finally:
         view.close()
     log.info("exported step %d of %s: %d arrays, %d bytes in %.2f s", result.step, job,
              result.arrays, result.nbytes, result.seconds)
     return result
+
+
+def _remove_contents(target: Path, created: bool) -> None:
+    if not target.is_dir():
+        return
+    if created:
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    for child in target.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 # Codecs an export to an object store encodes itself (numcodecs, as zarr's do):

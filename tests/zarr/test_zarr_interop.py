@@ -92,6 +92,35 @@ def test_export_refuses_a_directory_that_is_not_empty(file_step: str, tmp_path: 
         export_step(file_step, JOB, tmp_path / "full")
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_write_that_fails_gets_one_line_and_leaves_no_half_hierarchy(
+        file_step: str, tmp_path: Path, existing: bool) -> None:
+    """A write the filesystem refuses (the file size limit, ``ulimit -f``, as a full
+    disk or a quota would): one line naming the directory, exit 2, and nothing of
+    the export left, whether it made the directory or was given an empty one."""
+    import resource
+    import signal
+
+    target = tmp_path / "z"
+    if existing:
+        target.mkdir()
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # below a chunk file
+
+    ckptd = Path(sys.executable).with_name("ckptd")
+    proc = subprocess.run([str(ckptd), "export", JOB, "1", "--zarr", str(target), "--url",
+                           file_step], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, said
+    assert f"cannot write into {target}: File too large; free space there" in said, said
+    assert "Traceback" not in said and len(proc.stderr.strip().splitlines()) <= 3, said
+    assert target.exists() == existing
+    assert not existing or not any(target.iterdir()), list(target.iterdir())
+
+
 def _restored(url: str, job: str, step: int) -> dict[str, Any]:
     with Checkpointer(url, job, serve_peers=False) as ckpt:
         state: dict[str, Any] = {}
