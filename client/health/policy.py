@@ -138,7 +138,8 @@ CATALOG: Final[tuple[SignalSpec, ...]] = (
     # The training loop (ckpt.step(step, loss=...)).
     SignalSpec("last_step", "loop", "info", "last step", "the last step the loop reported"),
     SignalSpec("step_time_s", "loop", "number", "step time",
-               "seconds between the last two reported steps", " s"),
+               "seconds between the last two reported steps, less the time the loop "
+               "spent in ckptd's save()", " s"),
     SignalSpec("step_time_median_s", "loop", "number", "median step time",
                "rolling median of step times over [probe] step_window steps", " s"),
     SignalSpec("step_time_ratio", "loop", "number", "step time",

@@ -153,6 +153,14 @@ class HealthProbe:
         if not loop.record_step(step, loss):
             self._evaluate([loop])
 
+    def exclude_from_step(self, seconds: float) -> None:
+        """``seconds`` the loop spent waiting in ckptd (``LoopSource.exclude``); a
+        probe without a ``LoopSource`` times no steps."""
+        for source in self.sources:
+            if isinstance(source, LoopSource):
+                source.exclude(seconds)
+                return
+
     def record_rtt(self, ms: float | None) -> None:
         """Pass one heartbeat's round trip (None: it failed) to the ``RttSource``."""
         self._source(RttSource).record_rtt(ms)

@@ -96,7 +96,11 @@ class LoopSource(ReadingSource):
 
     A step's time is from the first report of one step number to the first report
     of the next, so a loop that reports each micro-batch of a step is timed per
-    step. A step number lower than the last one (a restore) restarts the timing.
+    step, less the time the loop spent waiting in ckptd meanwhile (``exclude``:
+    a ``save()`` copying its snapshot, or held back by the one before it while the
+    store is slow): that is ckptd's, not the node's, and a snapshot asked for
+    because the last one was slow would only add to it. A step number lower than
+    the last one (a restore) restarts the timing.
     The non-finite flag stays set until ``reset``: after a NaN, only a rollback
     makes the state safe again.
     """
@@ -117,6 +121,7 @@ class LoopSource(ReadingSource):
         self._last_report: float | None = None
         self._last_duration: float | None = None
         self._last_ratio: float | None = None
+        self._waited = 0.0  # in ckptd since the current step's first report
         self._loss: float | None = None
         self._nonfinite_step: int | None = None
 
@@ -130,7 +135,7 @@ class LoopSource(ReadingSource):
                 self._step_started = now
             elif step > self._step:
                 assert self._step_started is not None
-                duration = now - self._step_started
+                duration = max(0.0, now - self._step_started - self._waited)
                 ratio = None
                 if len(self._durations) >= self._min_samples:
                     median = statistics.median(self._durations)
@@ -138,6 +143,7 @@ class LoopSource(ReadingSource):
                 self._durations.append(duration)
                 self._last_duration, self._last_ratio = duration, ratio
                 self._step_started = now
+                self._waited = 0.0
             self._step = step
             self._last_report = now
             if value is not None:
@@ -145,6 +151,12 @@ class LoopSource(ReadingSource):
                 if not math.isfinite(value) and self._nonfinite_step is None:
                     self._nonfinite_step = step
         return value is None or math.isfinite(value)
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` the loop spent waiting in ckptd: not part of the step's time."""
+        with self._lock:
+            if self._step_started is not None:
+                self._waited += max(0.0, seconds)
 
     def recent_step_time(self, n: int = 3) -> float | None:
         """The median of the last ``n`` step times (one slow step does not move it;
@@ -156,6 +168,7 @@ class LoopSource(ReadingSource):
 
     def _restart_timing(self) -> None:
         self._durations.clear()
+        self._waited = 0.0
         self._last_duration = self._last_ratio = None
 
     def reset(self) -> None:

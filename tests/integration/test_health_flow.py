@@ -503,3 +503,37 @@ def test_with_a_file_store_the_probe_runs_without_coordination(
             assert agent.status().signals["loss_nonfinite"] == 0
         finally:
             agent.close()
+
+
+def test_the_time_a_save_holds_the_loop_is_not_the_steps(tmp_path: Path, shm: Path) -> None:
+    """The README's loop: save() then step(). A save holds the loop for its copy, and
+    for the upload of the save before it when that is not done (a slow store): here
+    two saves in a row, the second waiting out the first's 256 MiB. The probe times
+    each step without that wait, so a slow save does not make a step "3x the
+    median" (which asked for one more snapshot each time the store was slow)."""
+    from ckptd.client.health.policy_file import parse_policy
+
+    policy = parse_policy("[probe]\nstep_window = 10\nstep_min_samples = 3\n"
+                          "[signals.step_time_ratio]\ndegraded = 3.0\n")
+    state = {"w": torch.randn(64 << 20)}
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, "held", shm_dir=shm, health_policy=policy,
+                      health_sources=[]) as ckpt:
+        held: dict[int, tuple[float, float, float | None]] = {}
+        for step in range(10):
+            began = time.monotonic()
+            time.sleep(0.005)  # the step's own work
+            waited = 0.0
+            if step in (6, 7):
+                t0 = time.monotonic()
+                ckpt.save(step, state)
+                waited = time.monotonic() - t0
+            took = time.monotonic() - began
+            assert ckpt.step(step, loss=1.0) is None  # no snapshot asked
+            timed = ckpt._health_agent().probe.evaluate_now().signals["step_time_s"]
+            if waited:
+                held[step] = (took, waited, timed)
+    took, waited, _ = held[7]
+    assert waited >= 0.05, held  # the second save waited for the first's upload
+    for took, waited, timed in held.values():
+        assert timed is not None and timed <= took - waited + 0.025, held

@@ -812,3 +812,27 @@ def test_each_gpu_is_opened_on_its_own() -> None:
     assert not nothing.available
     assert "could not open" in (nothing.unavailable_reason or "")
     assert set(nothing.read().values()) == {"unavailable"}
+
+
+def test_time_the_loop_waited_in_ckptd_is_not_step_time(clock: FakeClock) -> None:
+    """A save() that held the loop (its copy, or the last save still uploading to a
+    slow store) is ckptd's time, not the node's: the step is timed without it, so
+    a slow store does not read as a slow node (and ask for one more snapshot)."""
+    loop = LoopSource(window=10, min_samples=2, clock=clock)
+    loop.exclude(5.0)  # before any step: nothing to take it from
+    loop.record_step(0)
+    for step in (1, 2):
+        clock.advance(1.0)
+        loop.record_step(step)
+    clock.advance(9.0)
+    loop.exclude(6.0)  # inside save()
+    loop.exclude(2.0)  # and once more (the snapshot step() took)
+    loop.record_step(3)
+    assert loop.read()["step_time_s"] == 1.0 and loop.read()["step_time_ratio"] == 1.0
+    clock.advance(4.0)  # the wait is not carried into the next step
+    loop.record_step(4)
+    assert loop.read()["step_time_s"] == 4.0 and loop.read()["step_time_ratio"] == 4.0
+    clock.advance(1.0)
+    loop.exclude(3.0)  # more than the step took (clocks apart): never below 0
+    loop.record_step(5)
+    assert loop.read()["step_time_s"] == 0.0
