@@ -78,6 +78,15 @@ def _until_snapshot(ckpt: Checkpointer, source: ScriptedSource, state: dict[str,
     that step, the snapshot's handle, and the loop's own save of that step."""
     assert ckpt.step(1, loss=1.0, state=state) is None
     _degraded_at_next_step(ckpt, source)
+    agent = ckpt._health_agent()
+    if ckpt.heartbeat is not None:
+        # Over HTTP the server names the step in its answer to the request the
+        # probe's action sent from the agent's thread. These steps take 50 ms: on a
+        # loaded machine the loop could pass the step named before the answer came
+        # (skipped then, as it must be), which real steps leave time for.
+        heard = time.monotonic() + 20
+        while agent._posted_target is None and time.monotonic() < heard:
+            time.sleep(0.01)
     deadline = time.monotonic() + 30
     step = 1
     while time.monotonic() < deadline:  # bounded: a few heartbeats
