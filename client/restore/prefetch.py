@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import knobs
-from ckptd.errors import InvalidRequest
+from ckptd.errors import InvalidRequest, StoreError
 from ckptd.format import check_job, check_rank
 from ckptd.hashing import chunk_spans
 
@@ -103,7 +103,11 @@ async def _prefetch(
             buf = bytearray(sizes[cid])
             tier = await fetcher.fetch(cid, memoryview(buf))
             if tier is not None and tier != "cache":
-                await target.put_chunk(cid, memoryview(buf), digest=cid)  # verified on arrival
+                try:
+                    await target.put_chunk(cid, memoryview(buf), digest=cid)  # verified
+                except StoreError as exc:  # DIR's own: a full disk, a quota, ulimit -f
+                    raise type(exc)(f"cannot write into {root}: {exc.message}; free space "
+                                    "there or restore elsewhere", **exc.detail) from None
             done["bytes"] += sizes[cid]
             if bar is not None:
                 bar.update(task, completed=done["bytes"])

@@ -144,3 +144,36 @@ def test_unknown_job_is_exit_2_naming_the_jobs_there(
     store = tmp_path / "files"
     _save_one(f"file://{store}", "other", shm)
     assert_short_usage_error(ckptd("ls", "nojob", "--url", f"file://{store}"), "other")
+
+
+def test_restore_into_a_directory_that_refuses_writes_names_it(tmp_path: Path,
+                                                               shm: Path) -> None:
+    """``ckptd restore --to DIR`` whose writes fail (the file size limit here, as a
+    full disk or a quota would): one line that names DIR and says what to do, exit 2
+    (before: "cannot write chunks/<id>", DIR unnamed)."""
+    import resource
+    import signal
+
+    url = f"file://{tmp_path / 'store'}"
+    code = ("import sys, torch\n"
+            "from ckptd.client import Checkpointer\n"
+            "with Checkpointer(sys.argv[1], job='big', shm_dir=sys.argv[2]) as c:\n"
+            "    c.save(1, {'w': torch.ones(16384)}).wait(60)\n")
+    done = subprocess.run([sys.executable, "-c", code, url, str(shm)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))  # below the 64 KiB chunk
+
+    target = tmp_path / "into"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    done = subprocess.run([sys.executable, "-m", "ckptd", "restore", "--job", "big", "--rank",
+                           "0", "--to", str(target), "--url", url], capture_output=True,
+                          text=True, env={**env, "COLUMNS": "200"}, timeout=120,
+                          preexec_fn=limit)
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, said
+    assert f"cannot write into {target}:" in said and "restore elsewhere" in said, said
+    assert "Traceback" not in said, said
