@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Coroutine, Iterable, Mapping, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -347,20 +346,8 @@ class Checkpointer:
         and ``load_state_dict()`` (a module, optimizer, scheduler, ``RNGState``) are
         saved as their ``state_dict()``; raw ``bytes`` as opaque verified blobs."""
         self._take_group_launch()
-        started = time.monotonic()
-        try:
-            return self._saver.save(step, state, shards=shards, local=local, meta=meta,
-                                    block_training=block_training, tag=tag)
-        finally:
-            self._waited_in_save(time.monotonic() - started)
-
-    def _waited_in_save(self, seconds: float) -> None:
-        """The loop's time in a save is ckptd's, not the node's: the health probe
-        leaves it out of the step's time (a store slow for a while must not read
-        as a slow node, and ask for one more snapshot)."""
-        agent = self._failover.health_started
-        if agent is not None:
-            agent.probe.exclude_from_step(seconds)
+        return self._saver.save(step, state, shards=shards, local=local, meta=meta,
+                                block_training=block_training, tag=tag)
 
     def _take_group_launch(self) -> None:
         """Made before the process group and not told the launch: once there is a
@@ -517,11 +504,7 @@ class Checkpointer:
         elif isinstance(meta, Mapping):  # the caller's, and the reason for the commit
             meta = {**meta, **decision.meta}
         self._take_group_launch()
-        started = time.monotonic()
-        try:
-            return self._saver.save(step, state, meta=meta, coordinated=True, **save_kwargs)
-        finally:
-            self._waited_in_save(time.monotonic() - started)
+        return self._saver.save(step, state, meta=meta, coordinated=True, **save_kwargs)
 
     @property
     def rollback_to(self) -> int | None:

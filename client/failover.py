@@ -130,6 +130,11 @@ class FailoverAgent:
     def health_started(self) -> HealthAgent | None:
         return self._health
 
+    def loop_waited(self, seconds: float) -> None:
+        """``seconds`` the training loop spent inside ckptd: not its step's time."""
+        if self._health is not None:
+            self._health.probe.exclude_from_step(seconds)
+
     def health(self, latest: Callable[[], int | None], epoch: Callable[[], int | None]
                ) -> HealthAgent:
         """The health agent, started on first use (call under the session's lock)."""
