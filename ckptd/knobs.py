@@ -10,6 +10,16 @@ from pathlib import Path
 MiB = 1 << 20
 
 
+def human_bytes(n: int) -> str:
+    """``n`` bytes as people read them: 512 B, 16.0 KiB, 4.2 GiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":

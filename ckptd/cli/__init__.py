@@ -31,6 +31,7 @@ from ckptd import __version__
 from ckptd.cli.help import HelpGroup
 from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.format import check_job
+from ckptd.knobs import human_bytes
 
 if TYPE_CHECKING:
     from ckptd.client.transport_http import SyncTransport
@@ -65,14 +66,7 @@ DEFAULT_URL = "http://127.0.0.1:8470"
 
 
 def _human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+    return "-" if n is None else human_bytes(n)
 
 
 def _when(ts: float | None) -> str:

@@ -35,7 +35,7 @@ import torch
 from ckptd import knobs
 from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.hashing import StreamingHasher, chunk_spans
-from ckptd.knobs import MiB
+from ckptd.knobs import MiB, human_bytes
 
 from ...dtypes import byte_view, torch_dtype
 from ...endpoint import endpoint
@@ -168,7 +168,7 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
                 raise
             except OSError as exc:  # the target's: a full disk, a read-only directory
                 raise InvalidRequest(
-                    f"cannot write {target / plan.filename} ({_size(plan.size)}): "
+                    f"cannot write {target / plan.filename} ({human_bytes(plan.size)}): "
                     f"{exc.strerror or exc}; free space there or export elsewhere"
                 ) from None
         for i, plan in enumerate(plans):
@@ -480,14 +480,8 @@ def _check_room(target: Path, total: int) -> None:
         return
     free = st.f_bavail * st.f_frsize
     if free < total:
-        raise InvalidRequest(f"{target} has {_size(free)} free and the export needs "
-                             f"{_size(total)}; free space there or export elsewhere")
-
-
-def _size(n: int) -> str:
-    if n < MiB:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / MiB:.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
+        raise InvalidRequest(f"{target} has {human_bytes(free)} free and the export needs "
+                             f"{human_bytes(total)}; free space there or export elsewhere")
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
