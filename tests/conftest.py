@@ -51,6 +51,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux:
+    the listening socket's inode in /proc/net/tcp among the process's descriptors)."""
+    inodes = set()
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fd) in inodes for fd in fds.iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # (it exited, or closed a descriptor while read: poll again)
+
+
 class PortTaken(RuntimeError):
     """The port picked for a server was taken before it could bind it."""
 
@@ -119,7 +135,10 @@ class ServerProcess:
                     raise PortTaken(log)
                 raise RuntimeError(f"ckptd serve exited early:\n{log}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                # (the answer must be this process's: another test's server may have
+                # bound the port this one picked, while this one still starts)
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200 and (
+                        listens(self.proc.pid, self.port)):
                     return
             except httpx.HTTPError:
                 pass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -185,3 +187,26 @@ def test_small_manifests_are_parsed_as_any_object_and_never_frozen() -> None:
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_a_process_first_freeze_compacts_nothing() -> None:
+    """The periodic compaction counts from the process's start, not from the
+    monotonic clock's zero (the host's boot): a server's first large manifest set
+    one off, a full collection of everything it had built (0.25 s with the GIL
+    held, /healthz unanswered meanwhile). Cyclic garbage in the oldest generation
+    shows it: only a full collection frees it before the first freeze. Run in a
+    fresh interpreter (this one's state is shared)."""
+    script = (
+        "import gc\n"
+        "from ckptd import large_json\n"
+        "gc.disable()\n"
+        "garbage = [[] for _ in range(20_000)]\n"
+        "for c in garbage: c.append(c)\n"
+        "gc.collect()\n"  # (promoted to the oldest generation, alive)
+        "del garbage, c\n"
+        "with large_json.documents_kept_from_collector(): pass\n"
+        "print(gc.get_freeze_count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out) >= 20_000, out  # frozen as it was, no full collection
