@@ -126,10 +126,6 @@ class FailoverAgent:
 
     # -- health -----------------------------------------------------------------------
 
-    @property
-    def health_started(self) -> HealthAgent | None:
-        return self._health
-
     def loop_waited(self, seconds: float) -> None:
         """``seconds`` the training loop spent inside ckptd: not its step's time."""
         if self._health is not None:
