@@ -230,6 +230,7 @@ class RankManifest(_Document):
                 for start in range(0, len(entries), PARSE_SLICE):
                     validated.extend(_ENTRIES.validate_python(
                         entries[start:start + PARSE_SLICE], strict=True))
+                    large_json.scan_so_far()
             except ValidationError as exc:
                 raise _pydantic_error(exc, "rank manifest") from None
             manifest = head.model_copy(update={"entries": validated})
