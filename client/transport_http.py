@@ -191,7 +191,11 @@ class Attempts:
         if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
             raise last
         if self.attempts == 1 and isinstance(last, httpx.RequestError):
-            raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url) from None
+            raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url,
+                              unreached=True) from None
+        if isinstance(last, httpx.ConnectError):
+            raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {last}",
+                              url=self.url, unreached=True) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
                           url=self.url) from None
 

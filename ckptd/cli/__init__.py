@@ -78,6 +78,10 @@ def _when(ts: float | None) -> str:
 def _fail(exc: CkptdError) -> None:
     # Escaped: "[code]" and the message are text, not rich markup.
     err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}", soft_wrap=True)
+    if exc.detail.get("unreached"):
+        err_console.print("is a ckptd server running there? Start one with `ckptd serve "
+                          "--store DIR`, or name yours with --url or CKPTD_URL",
+                          soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(code=2)
 
 

@@ -24,7 +24,7 @@ NOBODY = "http://127.0.0.1:9"
 def ckptd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
           code: str | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
-    base.update(CKPTD_RETRIES="0", COLUMNS="80", **(env or {}))
+    base.update({"CKPTD_RETRIES": "0", "COLUMNS": "80", **(env or {})})
     argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "ckptd",
                                                                *args]
     return subprocess.run(argv, capture_output=True, text=True, env=base, cwd=cwd or REPO,
@@ -52,7 +52,8 @@ BAD = [
     (["serve", "--store", "ftp://x/y"], ["ftp://x/y", "s3://"]),
     (["ls", "--url", "ftp://host/x"], ["ftp://host/x", "http://"]),
     (["ls", "bad/job"], ["bad/job"]),
-    (["ls", "--url", NOBODY], ["127.0.0.1:9"]),
+    (["ls", "--url", NOBODY], ["127.0.0.1:9", "ckptd serve"]),
+    (["status", "--url", NOBODY], ["127.0.0.1:9", "ckptd serve"]),
     (["verify"], ["job"]),
     (["verify", "job", "notastep"], ["step"]),
     (["status", "--watch", "abc"], ["--watch"]),
@@ -92,6 +93,14 @@ def test_every_command_rejects_an_unknown_option_in_two_lines() -> None:
         answers = list(pool.map(lambda c: (c, ckptd(*c, "--no-such-option")), commands))
     for command, done in answers:
         assert_short_usage_error(done, "--no-such-option", " ".join(command))
+
+
+def test_a_server_unreached_after_retries_says_to_start_one() -> None:
+    """Retried, a refused connection said "GET ... failed after 5 attempts: All
+    connection attempts failed" and nothing of what to do."""
+    done = ckptd("ls", "--url", NOBODY, env={"CKPTD_RETRIES": "1"})
+    assert_short_usage_error(done, "cannot reach http://127.0.0.1:9 (2 attempts)",
+                             "ckptd serve --store", "CKPTD_URL")
 
 
 def test_bad_setting_from_the_environment_names_the_variable(tmp_path: Path) -> None:
