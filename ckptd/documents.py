@@ -83,11 +83,12 @@ MANIFEST_CACHE_ENTRIES = 1_000_000
 MANIFEST_CACHE_MANIFESTS = 1024
 # Manifests of this many bytes and more are parsed with the collector paused and
 # frozen once kept (about 10,000 tensor entries); smaller ones as any object, and
-# frozen in batches once this many of their entries are held unfrozen (a full pass
-# of the collector over them takes about 3 ms per 1,000 entries on the 2-core CI
-# host: a batch is ~30 ms, where the unfrozen cache of a 64-rank step was 0.4 s).
+# frozen in batches, once this many of their entries were parsed since the last
+# batch: the collection before each freeze holds the GIL about 50 - 90 ms on the
+# 2-core CI host with 16 PUTs of 2,000 entries under way (10,000 entries: 100 -
+# 135 ms), where left to the collector a 64-rank step's cache took 0.4 s a pass.
 KEEP_FROZEN_FROM = 4 * 1024 * 1024
-FREEZE_EVERY_ENTRIES = 10_000
+FREEZE_EVERY_ENTRIES = 4_000
 
 
 def _parse_and_hash(data: bytes) -> RankManifest:
@@ -133,8 +134,15 @@ class ParsedManifests:
                                            or len(self._held) > self.max_manifests):
                 _, (_, dropped) = self._held.popitem(last=False)
                 self._entries -= len(dropped.entries)
-            if not self.kept_from_collector or len(data) >= KEEP_FROZEN_FROM:
-                return  # (a large one was frozen as it was built)
+
+    def _parsed(self, data: bytes, manifest: RankManifest) -> None:
+        """Counts a manifest parsed with the collector running, and freezes a batch
+        of them once due: counted as parsed, not as cached, since a PUT holds its
+        manifest unfrozen through its store write (16 at a time doubled the
+        collector's passes)."""
+        if not self.kept_from_collector or len(data) >= KEEP_FROZEN_FROM:
+            return  # (a large one is frozen as it is built)
+        with self._lock:
             self._unfrozen += len(manifest.entries)
             if self._unfrozen < FREEZE_EVERY_ENTRIES:
                 return
@@ -151,20 +159,22 @@ class ParsedManifests:
         work = self._work(data)
         manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
         self.put(key, data, manifest)
+        self._parsed(data, manifest)
         return manifest
 
     async def parse_put(self, data: bytes) -> RankManifest:
         """A manifest a client puts, parsed and checked off the event loop
         (``InvalidDocument`` for a bad one: the caller's mistake, not the store's)."""
         manifest: RankManifest = await self._work(data)(_parse_and_hash, data)
+        self._parsed(data, manifest)
         return manifest
 
     def _work(self, data: bytes) -> Callable[..., Awaitable[Any]]:
         # Only large documents are built with the collector paused: a freeze also
         # freezes every object alive then (open connections, requests under way),
         # and those that die in a cycle later are collected only at a compaction.
-        # Small ones are frozen in batches once cached (``put``): the collector's
-        # own full passes grow rarer as what it holds grows, but each one longer.
+        # Small ones are frozen in batches (``_parsed``): the collector's own full
+        # passes grow rarer as what it holds grows, but each one longer.
         if self.kept_from_collector and len(data) >= KEEP_FROZEN_FROM:
             return kept_document_work
         return document_work

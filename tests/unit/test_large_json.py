@@ -7,6 +7,7 @@ import gc
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -266,3 +267,31 @@ def test_a_process_first_freeze_compacts_nothing() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert int(out) >= 20_000, out  # frozen as it was, no full collection
+
+
+def test_the_frozen_set_is_counted_only_when_it_may_have_grown_past_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counting the frozen set walks all of it (0.5 s with the GIL held for a full
+    cache of manifests): a batch of small manifests is frozen every few seconds,
+    and each freeze counted it. Now only what was frozen since the last count is
+    added up, and the set counted once that sum could reach the bound."""
+    counted = []
+    real = gc.get_freeze_count
+    monkeypatch.setattr(large_json, "COMPACT_EVERY_S", 3600.0)
+    monkeypatch.setattr(large_json, "_compacted_time", time.monotonic())
+    monkeypatch.setattr(large_json, "_compacted_at", 0)
+    monkeypatch.setattr(large_json, "_counted", 0, raising=False)
+    monkeypatch.setattr(large_json, "_frozen_since", 0, raising=False)
+    monkeypatch.setattr(large_json.gc, "get_freeze_count", lambda: counted.append(1) or real())
+    try:
+        gc.unfreeze()
+        for _ in range(5):
+            large_json.freeze_what_survives()
+        assert counted == []  # (a few thousand objects each time: far from 4,000,000)
+        monkeypatch.setattr(large_json, "COMPACT_FROM", 1)
+        large_json.freeze_what_survives()
+        assert counted == [1, 1]  # past the bound: counted, compacted (and counted)
+    finally:
+        monkeypatch.undo()
+        gc.unfreeze()
