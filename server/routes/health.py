@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ckptd import __version__
 from ckptd.api import HEALTHZ, Health
-from ckptd.errors import CkptdError
 from ckptd.server.auth import identify
 from ckptd.server.deps import RepoDep
 
