@@ -284,7 +284,7 @@ def freeze_what_survives() -> None:
 
 def _compact_if_grown() -> None:
     """Collects the frozen set once it has grown past the bound above (called with
-    the collector paused and the pause lock held)."""
+    the pause lock held, right after a freeze)."""
     global _counted, _frozen_since
     now = time.monotonic()
     # Also now and then whatever its size: objects alive at a freeze (connections,
