@@ -17,7 +17,11 @@ Rows:
   existing CUDA tensors, atomic and ``atomic=False``, against a pinned
   host-to-device copy of every tensor: "<= 3 x the pinned host-to-device copy";
 - ``cudaHostRegister`` of a pool-sized map (what page-locking the pool in the
-  restoring process would cost; information for the bounce-buffer design).
+  restoring process would cost; information for the bounce-buffer design);
+- with ``--sweep``: the two restores again under other copy settings
+  (``CKPTD_H2D_THREADS``, ``CKPTD_H2D_PIECE``, ``CKPTD_H2D_ONE_PASS=0``: the two-pass
+  ``atomic=False`` of before), each with where its time went (the restore's own
+  phases: plan, layout, verify, deliver).
 
 The store is a local directory (``file://``), so no server shares the cores.
 """
@@ -25,7 +29,9 @@ The store is a local directory (``file://``), so no server shares the cores.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -49,6 +55,40 @@ from bench.common import (
 
 JOB = "bench-gpu"
 CHUNK = 4 << 20
+# (label, environment) of the --sweep rows; the first is the defaults
+SWEEP: list[tuple[str, dict[str, str]]] = [
+    ("defaults", {}),
+    ("16 threads", {"CKPTD_H2D_THREADS": "16"}),
+    ("2 MiB pieces", {"CKPTD_H2D_PIECE": str(2 << 20)}),
+    ("16 threads, 2 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(2 << 20)}),
+    ("4 threads, 32 MiB pieces", {"CKPTD_H2D_THREADS": "4", "CKPTD_H2D_PIECE": str(32 << 20)}),
+    ("two passes (before)", {"CKPTD_H2D_ONE_PASS": "0"}),
+]
+
+
+class Phases(logging.Handler):
+    """Collects the restore's own debug lines (``restorer``: plan, layout, fetch,
+    fill; verified, delivered) as numbers, the last restore's."""
+
+    PATTERN = re.compile(r"(plan|layout|fetch|fill|verified in|delivered in) ([0-9.]+) s")
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.last: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for name, value in self.PATTERN.findall(record.getMessage()):
+            self.last[name.removesuffix(" in")] = float(value)
+
+    def __enter__(self) -> Phases:
+        self.last = {}
+        log = logging.getLogger("ckptd.client.restore.restorer")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("ckptd.client.restore.restorer").removeHandler(self)
 
 
 def on_device(state: Any, device: str) -> Any:
@@ -112,7 +152,8 @@ def host_register_seconds(nbytes: int) -> float | None:
     return seconds if ok else None
 
 
-def run(size: int, rounds: int, device: str, parent: str | None) -> tuple[Table, list[Any]]:
+def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = False
+        ) -> tuple[list[Table], list[Any]]:
     from ckptd.client import Checkpointer
 
     samples: dict[str, list[float]] = {}
@@ -144,28 +185,28 @@ def run(size: int, rounds: int, device: str, parent: str | None) -> tuple[Table,
                 expected = [t.cpu() for t in tensors_of(state)]
                 step = rnd + 1
                 for atomic in (True, False):
-                    target = on_device({k: v for k, v in state.items()}, device)
-                    for t in tensors_of(target):
-                        t.zero_()
                     add("h2d", floors.h2d())
-                    with Checkpointer(url, JOB, serve_peers=False,
-                                      shm_dir=os.environ.get("CKPTD_SHM_DIR")) as reader:
-                        sync(device)
-                        t0 = time.perf_counter()
-                        result = reader.restore(target, step=step, tiers=("local",),
-                                                atomic=atomic)
-                        sync(device)
-                        add("restore" if atomic else "restore in-place",
-                            time.perf_counter() - t0)
-                    assert result.bytes_from.get("local") == result.bytes_fetched, result
-                    got = tensors_of(target)
-                    assert all(torch.equal(g.cpu().view(-1).view(torch.uint8),
-                                           e.view(-1).view(torch.uint8))
-                               for g, e in zip(got, expected, strict=True)), "bitwise"
-                    del target, got
+                    seconds, _ = restore_once(url, state, expected, step, atomic, device)
+                    add("restore" if atomic else "restore in-place", seconds)
                 print(f"round {rnd + 1}/{rounds}: " + ", ".join(
                     f"{k} {fmt_s(v[-1])}" for k, v in samples.items()), file=sys.stderr,
                     flush=True)
+            swept: list[tuple[str, str, float, dict[str, float]]] = []
+            for label, env in SWEEP if sweep else []:
+                for atomic in (True, False):
+                    times: list[float] = []
+                    phases: list[dict[str, float]] = []
+                    for _ in range(2):
+                        with environment(env):
+                            seconds, phase = restore_once(url, state, expected, step, atomic,
+                                                          device)
+                        times.append(seconds)
+                        phases.append(phase)
+                    best = min(range(len(times)), key=times.__getitem__)
+                    swept.append((label, "atomic" if atomic else "atomic=False", times[best],
+                                  phases[best]))
+                    print(f"sweep {label}, {swept[-1][1]}: {fmt_s(times[best])} {phases[best]}",
+                          file=sys.stderr, flush=True)
         register = host_register_seconds(nbytes) if device.startswith("cuda") else None
 
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -192,7 +233,67 @@ def run(size: int, rounds: int, device: str, parent: str | None) -> tuple[Table,
                "restore reads the pool through its own mapping (a restarted process's: not "
                "page-locked), copies each chunk into page-locked bounce buffers and on to "
                "the device on several threads and streams.")
-    return table, info
+    tables = [table]
+    if swept:
+        h2d = med["h2d"]
+        more = Table(f"Restore settings, local tier -> {device} ({human_bytes(nbytes)}, "
+                     "faster of 2; phases of that restore)",
+                     ["settings", "restore", "time", "vs H2D", "plan", "verify", "deliver",
+                      "fill"])
+        for label, kind, t, phase in swept:
+            more.add(label, kind, fmt_s(t), fmt_x(t / h2d) if h2d else "-",
+                     *(fmt_s(phase[k]) if k in phase else "-"
+                       for k in ("plan", "verified", "delivered", "fill")))
+        more.note("Settings: CKPTD_H2D_THREADS (copying threads per device), CKPTD_H2D_PIECE "
+                  "(bounce buffer), CKPTD_H2D_ONE_PASS=0 (atomic=False verifies where the "
+                  "bytes lie, then copies: the code before). Atomic restores always verify "
+                  "first (nothing reaches the target before every chunk verified).")
+        tables.append(more)
+    return tables, info
+
+
+class environment:  # noqa: N801  (a context manager read as a phrase)
+    """Sets environment variables for a block, restoring them after."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc: object) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def restore_once(url: str, state: Any, expected: list[torch.Tensor], step: int, atomic: bool,
+                 device: str) -> tuple[float, dict[str, float]]:
+    """One restore of ``step`` from the local tier into zeroed tensors on ``device``,
+    checked bitwise: its seconds and its phases."""
+    from ckptd.client import Checkpointer
+
+    target = on_device({k: v for k, v in state.items()}, device)
+    for t in tensors_of(target):
+        t.zero_()
+    with Checkpointer(url, JOB, serve_peers=False,
+                      shm_dir=os.environ.get("CKPTD_SHM_DIR")) as reader, Phases() as phases:
+        sync(device)
+        t0 = time.perf_counter()
+        result = reader.restore(target, step=step, tiers=("local",), atomic=atomic)
+        sync(device)
+        seconds = time.perf_counter() - t0
+    assert result.bytes_from.get("local") == result.bytes_fetched, result
+    got = tensors_of(target)
+    assert all(torch.equal(g.cpu().view(-1).view(torch.uint8), e.view(-1).view(torch.uint8))
+               for g, e in zip(got, expected, strict=True)), "bitwise"
+    return seconds, dict(phases.last)
+
+
 
 
 def main() -> None:
@@ -202,16 +303,21 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="the restores again under other copy settings, with phases")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench.gpu: no CUDA device here; nothing measured (--device cpu runs the "
               "harness on the CPU)")
         return
-    table, info = run(parse_size(args.size), args.rounds, args.device, args.scratch)
-    table.print()
+    tables, info = run(parse_size(args.size), args.rounds, args.device, args.scratch,
+                       args.sweep)
+    for table in tables:
+        table.print()
     if args.markdown:
         lines = ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in info]
-        Path(args.markdown).write_text(table.markdown() + "\n" + "\n".join(lines) + "\n")
+        Path(args.markdown).write_text("\n".join(t.markdown() for t in tables) + "\n"
+                                       + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

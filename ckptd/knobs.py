@@ -137,6 +137,26 @@ def restore_concurrency() -> int:
     return _env_int("CKPTD_RESTORE_CONCURRENCY", max(8, os.cpu_count() or 1))
 
 
+def h2d_piece() -> int:
+    """Bytes of one page-locked bounce buffer of a restore into CUDA tensors (two
+    per copying thread)."""
+    return max(64 * 1024, _env_int("CKPTD_H2D_PIECE", 8 * MiB))
+
+
+def h2d_threads() -> int:
+    """Threads that copy verified host bytes into one CUDA device's tensors: each
+    copies into its bounce buffers (and, for ``atomic=False``, hashes there) while
+    the device's copy engine reads the other one."""
+    return max(1, _env_int("CKPTD_H2D_THREADS", max(2, min(8, (os.cpu_count() or 2) // 2))))
+
+
+def h2d_one_pass() -> bool:
+    """``atomic=False`` into CUDA tensors: hash each chunk from the bounce buffer the
+    device reads, while it is sent (one read of the host bytes), rather than where
+    it lies first and send it afterwards (two). On by default."""
+    return _env_int("CKPTD_H2D_ONE_PASS", 1) != 0
+
+
 def restore_huge_pages() -> bool:
     """Advise a restore's fresh memory (landing and assembly buffers) to use
     transparent huge pages. Off by default: on a host whose memory is fragmented

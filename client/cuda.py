@@ -153,7 +153,11 @@ class CudaLane:
     """One restore thread's way to a CUDA device (``restore.devices.Lane``): a side
     stream of its own that first waits for ``ready`` (the work the caller had
     queued), and two page-locked bounce buffers of ``piece`` bytes, each reused
-    only once the copy out of it finished."""
+    only once the copy out of it finished.
+
+    ``active()`` makes the device and the stream current on the thread, once for
+    all its copies: entering both per copy cost a fifth of a restore's thread time
+    on an H100 (bench/RESULTS.md, the 2026-11-27 GPU rows)."""
 
     def __init__(self, device: torch.device, ready: torch.cuda.Event | None,
                  piece: int) -> None:
@@ -163,7 +167,18 @@ class CudaLane:
         if ready is not None:
             self.stream.wait_event(ready)
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # One event per bounce buffer, recorded again at each send out of it.
         self._sent: list[torch.cuda.Event | None] = [None, None]
+        self._active = False
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self._active = True
+            try:
+                yield
+            finally:
+                self._active = False
 
     def direct(self, src: torch.Tensor) -> bool:
         try:
@@ -182,12 +197,16 @@ class CudaLane:
         return buf
 
     def send(self, dst: torch.Tensor, src: torch.Tensor, bounce: int | None = None) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            if bounce is not None:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self.stream)
-                self._sent[bounce] = event
+        if not self._active:  # (a caller outside ``active``: made current for this copy)
+            with self.active():
+                self.send(dst, src, bounce)
+            return
+        dst.copy_(src, non_blocking=True)
+        if bounce is not None:
+            event = self._sent[bounce]
+            if event is None:
+                event = self._sent[bounce] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
 
     def finish(self) -> None:
         self.stream.synchronize()

@@ -395,7 +395,7 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
         found = await fetcher.locate_all(batch.wanted, atomic=False)
         if fetcher.failed:
             raise failure(fetcher, batch.wanted, step)
-        await deliver(found, batch.wanted, prefilled=fetcher.prefilled)
+        await deliver(found, batch.wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
     for req, buf, written_by_dcp in batch.blobs:
         planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp,
                                                        req.storage_index.fqn)))

@@ -10,28 +10,42 @@ file's map) is copied into a bounce buffer piece by piece; a bounce buffer is
 reused only after the DMA out of it finished (its event), so a piece is never
 overwritten under a copy still reading it.
 
+``hashed=True`` (a restore with ``atomic=False``) hashes each chunk on the way,
+from the bounce buffer the device reads (or the page-locked bytes it reads), so
+that the bytes verified are the bytes sent and the host bytes are read once, not
+once to verify and once more to send.
+
 The device side is a ``Lane`` (``cuda.CudaLane`` on a GPU); the tests drive the
 same pipeline with a lane whose copies run later on a thread of their own, as a
 DMA engine's do (``tests/unit/test_restore_h2d.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
+import blake3
 import numpy as np
 import torch
 
 from ckptd.knobs import MiB
 
-PIECE = 8 * MiB  # one bounce buffer; two per thread
+PIECE = 8 * MiB  # one bounce buffer by default (``knobs.h2d_piece``); two per thread
 MAX_THREADS = 8
+HASH_PIECE = 512 * 1024  # hashed right after it is copied (``sources.copy_and_hash``)
 
 
 class Lane(Protocol):
     """One thread's way to a device: a stream of its own and two bounce buffers."""
+
+    def active(self) -> AbstractContextManager[object]:
+        """Entered once by the thread that uses the lane, around all its copies
+        (a CUDA lane makes its device and stream current there)."""
+        ...
 
     def direct(self, src: torch.Tensor) -> bool:
         """Whether ``src`` (host bytes) may be copied to the device as it is
@@ -39,8 +53,8 @@ class Lane(Protocol):
         ...
 
     def bounce(self, k: int) -> torch.Tensor:
-        """Bounce buffer ``k`` (0 or 1, ``PIECE`` bytes, uint8), once the copy out of
-        it that was sent last finished."""
+        """Bounce buffer ``k`` (0 or 1, at least the pieces' size, uint8), once the
+        copy out of it that was sent last finished."""
         ...
 
     def send(self, dst: torch.Tensor, src: torch.Tensor, bounce: int | None = None) -> None:
@@ -56,24 +70,43 @@ class Lane(Protocol):
 CopyJob = tuple[memoryview, torch.Tensor]  # (verified host bytes, uint8 device slice)
 
 
+def _cuda_lane(device: torch.device, ready: Any, piece: int) -> Lane:
+    from ..cuda import CudaLane  # only with CUDA tensors: no CUDA otherwise
+
+    return CudaLane(device, ready, piece)
+
+
+# Device type -> its lanes' maker (device, what the copies follow, piece size): the
+# devices a restore copies into through ``copy_to_device``. Others (no streams to
+# overlap) take a plain ``copy_``. The tests add a lane for the CPU, whose copies run
+# late on a thread of their own as a DMA engine's do.
+LANES: dict[str, Callable[[torch.device, Any, int], Lane]] = {"cuda": _cuda_lane}
+
+
 def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
-                   threads: int | None = None, inference: bool = False) -> None:
+                   threads: int | None = None, inference: bool = False,
+                   hashed: bool = False, piece: int | None = None) -> list[str] | None:
     """Copies each job's host bytes into its device slice, on ``threads`` threads
     (each opening its own ``lane()``, under ``no_grad`` and the caller's inference
     mode: both are per thread), and returns once every copy finished. The first
-    error stops the others and is raised."""
+    error stops the others and is raised. ``hashed``: returns the blake3 hex digest
+    of the bytes each job sent, in the jobs' order (hashed where the device read
+    them). ``piece``: the bounce pieces' size (``PIECE`` by default)."""
     if not jobs:
-        return
+        return [] if hashed else None
+    piece = piece or PIECE
     threads = max(1, min(threads or MAX_THREADS, len(jobs)))
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))  # large ones first
     taken = iter(order)
     lock = threading.Lock()
     errors: list[BaseException] = []
+    digests: list[str] = [""] * len(jobs) if hashed else []
+    pinned = _PinnedCache()
 
-    def next_job() -> CopyJob | None:
+    def next_job() -> int | None:
         with lock:
             i = next(taken, None)
-        return None if i is None or errors else jobs[i]
+        return None if i is None or errors else i
 
     def work() -> None:
         try:
@@ -83,9 +116,13 @@ def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
             return
         k = 0
         try:
-            with torch.inference_mode(inference), torch.no_grad():
-                while (job := next_job()) is not None:
-                    k = _copy_one(one, *job, k)
+            with one.active(), torch.inference_mode(inference), torch.no_grad():
+                while (i := next_job()) is not None:
+                    src, dst = jobs[i]
+                    hasher = blake3.blake3() if hashed else None
+                    k = _copy_one(one, src, dst, k, piece, pinned, hasher)
+                    if hasher is not None:
+                        digests[i] = hasher.hexdigest()
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -105,10 +142,33 @@ def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
             t.join()
     if errors:
         raise errors[0]
+    return digests if hashed else None
 
 
-def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int) -> int:
-    """One job through ``lane``; returns the bounce buffer to use next."""
+class _PinnedCache:
+    """Whether a host buffer is page-locked, asked once per buffer object (a pool
+    segment is pinned or not as a whole; asking CUDA costs a driver call)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[object, bool]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, lane: Lane, src: memoryview, host: torch.Tensor) -> bool:
+        owner = src.obj
+        if owner is None:
+            return lane.direct(host)
+        with self._lock:  # (held while CUDA is asked: once per buffer)
+            known = self._known.get(id(owner))
+            if known is None or known[0] is not owner:
+                known = self._known[id(owner)] = (owner, lane.direct(host))  # (kept alive)
+            return known[1]
+
+
+def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int,
+              pinned: Callable[[Lane, memoryview, torch.Tensor], bool] | None = None,
+              hasher: blake3.blake3 | None = None) -> int:
+    """One job through ``lane``; returns the bounce buffer to use next. ``hasher``
+    is fed the bytes as the device reads them."""
     n = len(src)
     if dst.numel() != n:
         raise ValueError(f"a device slice of {dst.numel()} bytes for {n} bytes")
@@ -117,14 +177,32 @@ def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
         host = torch.frombuffer(src, dtype=torch.uint8)
-    if lane.direct(host):
+    if (pinned or _ask)(lane, src, host):
         lane.send(dst, host)
+        if hasher is not None:
+            hasher.update(src)  # (blake3 lets the GIL go while it hashes)
         return k
     from_np = np.frombuffer(src, dtype=np.uint8)
-    for a in range(0, n, PIECE):
-        m = min(PIECE, n - a)
+    for a in range(0, n, piece):
+        m = min(piece, n - a)
         buf = lane.bounce(k)
-        np.copyto(buf.numpy()[:m], from_np[a : a + m])  # (no GIL while it copies)
+        staged = buf.numpy()[:m]
+        if hasher is None:
+            np.copyto(staged, from_np[a : a + m])  # (no GIL while it copies)
+        else:  # each bit hashed while it is still in the core's cache
+            for b in range(0, m, HASH_PIECE):
+                bit = staged[b : b + HASH_PIECE]
+                np.copyto(bit, from_np[a + b : a + b + len(bit)])
+                hasher.update(bit.data)  # the bytes the device will read, not the source's
         lane.send(dst[a : a + m], buf[:m], k)
         k ^= 1
     return k
+
+
+def _ask(lane: Lane, src: memoryview, host: torch.Tensor) -> bool:
+    return lane.direct(host)
+
+
+def no_context() -> AbstractContextManager[object]:
+    """``Lane.active`` of a lane that needs nothing made current."""
+    return contextlib.nullcontext()

@@ -25,7 +25,7 @@ from ckptd.errors import (
 from ckptd.knobs import MiB
 
 from ..loop import bounded, in_thread, spread
-from .devices import MAX_THREADS, PIECE, CopyJob, copy_to_device
+from .devices import LANES, CopyJob, copy_to_device
 from .memory import Landing, Prefault, Span, span_of
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
 
@@ -49,6 +49,9 @@ class ChunkFetcher:
         # chunk id -> the destination it was copied to and verified in (this batch's:
         # ``locate_all`` starts each batch without the last one's)
         self.prefilled: dict[str, memoryview] = {}
+        # chunk ids already in their device tensor, hashed as they were sent
+        # (``atomic=False``: ``_send_mapped``); delivery leaves them alone
+        self.sent: set[str] = set()
         self.prefault: Prefault | None = None
 
     async def locate(
@@ -186,6 +189,38 @@ class ChunkFetcher:
                 again[cid] = _Tried(source, holder, (problem,))
         return again
 
+    async def _send_mapped(self, items: Sequence[_InPlace], wanted: WantedChunks,
+                           reached: list[int], found: dict[str, memoryview]
+                           ) -> dict[str, _Tried]:
+        """Not atomic: sends ``items`` (chunks whose one destination is a slice of a
+        CUDA tensor) to the device where they lie and hashes each from the bounce
+        buffer the device read it from, one pass over the host bytes instead of a
+        hash where they lie and a copy later (``devices.copy_to_device``). Those
+        that verify are recorded in ``found`` and ``sent``; the others are returned
+        with their problem, for ``locate`` to take from other holders (their slice
+        is written again then)."""
+        self.landed_in_target = True  # (touched whatever the hashes say)
+        reached[0] = max(reached[0], max(item.position for item in items) + 1)
+        jobs = {item.cid: item.data for item in items}
+        digests = await in_thread(to_devices, jobs, {cid: wanted.devices[cid] for cid in jobs},
+                                  wanted.device_order, None, True)
+        again: dict[str, _Tried] = {}
+        for item in items:
+            source, holder, cid = item.source, item.holder, item.cid
+            actual = digests[cid]
+            problem: ChunkProblem | None = None
+            if actual != cid:
+                kind: ProblemKind = "stale" if source.tier == "local" else "mismatch"
+                problem = ChunkProblem(cid, source.tier, holder, kind, f"bytes hash to {actual}")
+            source.outcome(holder, problem)
+            if problem is None:
+                self._took(cid, source, holder, len(item.data), None)
+                found[cid] = item.data
+                self.sent.add(cid)
+            else:
+                again[cid] = _Tried(source, holder, (problem,))
+        return again
+
     async def fetch(self, cid: str, dest: memoryview) -> str | None:
         """Fills ``dest`` with verified chunk ``cid``; the tier it came from, or None.
         What an in-place source holds is copied into ``dest`` and hashed there: the
@@ -211,6 +246,7 @@ class ChunkFetcher:
         # those are the caller's again (a DCP planner post-processes them, training
         # changes them), and holding them would keep every batch's memory alive.
         self.prefilled.clear()
+        self.sent.clear()
         in_place = [s for s in self.sources if s.in_place]
         held = {cid for cid in wanted.chunks if any(s.holders(cid) for s in in_place)}
         landing = Landing(expect=sum(
@@ -222,7 +258,14 @@ class ChunkFetcher:
         found: dict[str, memoryview] = {}
         try:
             mapped = self._mapped_first(wanted, atomic)
+            one_pass = not atomic and knobs.h2d_one_pass()
+            sendable = [m for m in mapped if _one_device_slice(wanted, m.cid)] if one_pass else []
+            if sendable:
+                chosen = {m.cid for m in sendable}
+                mapped = [m for m in mapped if m.cid not in chosen]
             again = await self._hash_mapped(mapped, reached, found) if mapped else {}
+            if sendable:
+                again.update(await self._send_mapped(sendable, wanted, reached, found))
         except BaseException:
             self.stop_prefault()
             raise
@@ -275,6 +318,13 @@ class ChunkFetcher:
         self.stop_prefault()
         for s in self.sources:
             s.close()
+
+
+def _one_device_slice(wanted: WantedChunks, cid: str) -> bool:
+    """Whether chunk ``cid`` fills one slice of a device tensor copied through lanes
+    (a CUDA tensor) and nothing else."""
+    slices = wanted.devices.get(cid, ())
+    return not wanted.chunks.get(cid) and len(slices) == 1 and slices[0].device.type in LANES
 
 
 def _maps_bytes(source: Source) -> bool:
@@ -343,13 +393,15 @@ def _address(view: memoryview) -> int:
 async def deliver(
     found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None,
     prefilled: Mapping[str, memoryview] | None = None,
+    sent: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Copies every verified chunk to each of its destinations (the target's own
     tensors where they fit, on the host or a device), then the slices of elastic
     boxes; ``concurrency`` host copies at once (by default one per core, up to 8:
     more only fight over memory bandwidth). A chunk in ``prefilled`` was copied
     into one destination and verified there: the others are copied from that
-    copy, not from where it lies (a live pool may have changed since)."""
+    copy, not from where it lies (a live pool may have changed since). A chunk in
+    ``sent`` is in its device slice already, verified as it was sent."""
     concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
     spans: list[tuple[int, int, int]] = []  # (destination, source, length): addresses
     prefilled = prefilled or {}
@@ -365,8 +417,9 @@ async def deliver(
 
     # ``sources`` and ``wanted`` keep every view alive until the copies are done.
     await spread(copy_runs(spans, concurrency), _memmove, concurrency)
-    if wanted.devices:
-        await in_thread(to_devices, sources, wanted.devices, wanted.device_order)
+    devices = {cid: d for cid, d in wanted.devices.items() if cid not in sent}
+    if devices:
+        await in_thread(to_devices, sources, devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
@@ -418,33 +471,42 @@ class DeviceOrder:
 
 
 def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]],
-               order: DeviceOrder | None = None, threads: int | None = None) -> None:
+               order: DeviceOrder | None = None, threads: int | None = None,
+               hashed: bool = False) -> dict[str, str]:
     """Copies verified chunks from where they lie (the staging pool, the cache, a
     landing buffer) into device tensors: for a CUDA device on several threads, each
     with a side stream ordered after the work the caller had queued on the device's
     current stream (``order``; else this thread's) and its own page-locked bounce
     buffers (``devices.copy_to_device``); finished before returning (so the host
-    bytes may go once this returns)."""
+    bytes may go once this returns). ``hashed``: returns each chunk's blake3 as
+    its CUDA slice read it (one slice per chunk)."""
     inference = order.inference if order is not None else torch.is_inference_mode_enabled()
-    cuda: dict[torch.device, list[CopyJob]] = {}
+    laned: dict[torch.device, list[tuple[str, CopyJob]]] = {}
     with torch.inference_mode(inference), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
         for cid, dsts in devices.items():
             for dst in dsts:
-                if dst.device.type == "cuda":
-                    cuda.setdefault(dst.device, []).append((found[cid], dst))
+                if dst.device.type in LANES:
+                    laned.setdefault(dst.device, []).append((cid, (found[cid], dst)))
                 else:
                     dst.copy_(torch.frombuffer(found[cid], dtype=torch.uint8))
-    if not cuda:
-        return
-    from ..cuda import CudaLane, record_ready  # only with CUDA tensors: no CUDA otherwise
-
+    if not laned:
+        return {}
     ready = dict(order.ready) if order is not None else {}
-    ready.update(record_ready([d for d in cuda if d not in ready]))
-    threads = threads or max(2, min(MAX_THREADS, (os.cpu_count() or 2) // 2))
-    for device, jobs in cuda.items():
-        copy_to_device(jobs, functools.partial(CudaLane, device, ready[device], PIECE),
-                       threads, inference)
+    cuda = [d for d in laned if d.type == "cuda" and d not in ready]
+    if cuda:
+        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
+
+        ready.update(record_ready(cuda))
+    threads = threads or knobs.h2d_threads()
+    piece = knobs.h2d_piece()
+    digests: dict[str, str] = {}
+    for device, jobs in laned.items():
+        lane = functools.partial(LANES[device.type], device, ready.get(device), piece)
+        out = copy_to_device([job for _, job in jobs], lane, threads, inference, hashed, piece)
+        if out is not None:
+            digests.update(zip([cid for cid, _ in jobs], out, strict=True))
+    return digests
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from ckptd.hashing import chunk_spans
 
 from ..dtypes import byte_view, torch_dtype
 from ..sharding import dtensor_layout, is_dtensor
+from .devices import LANES
 from .fetch import WantedChunks
 from .fill import TensorSpec
 from .geometry import Box, slice_plan
@@ -194,7 +195,8 @@ def fits_in_place(existing: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 def _on_device(existing: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether the restore may copy chunks straight into this device tensor (once
     every chunk verified): one off the host that holds the entry's bytes."""
-    return existing.device.type not in ("cpu", "meta") and _holds_entry_bytes(
+    kind = existing.device.type
+    return (kind not in ("cpu", "meta") or kind in LANES) and _holds_entry_bytes(
         existing, dtype, shape)
 
 

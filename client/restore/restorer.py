@@ -191,7 +191,7 @@ async def fetch_layout(
                 raise _stated(exc, plan.step, fetcher.landed_in_target) from None
         # Phase 2: deliver (into the target's own tensors where they fit).
         written.target = True
-        await deliver(found, wanted, prefilled=fetcher.prefilled)
+        await deliver(found, wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
         log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
         if pool is not None and not pool.unchanged():
@@ -241,7 +241,9 @@ def _stated(err: CkptdError, step: int, partial: bool) -> CkptdError:
 async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str, memoryview],
                     others: Sequence[Source]) -> None:
     """Finds again, in ``others``, the chunks that were found in the local pool."""
-    local = [cid for cid, tier in fetcher.tier_of.items() if tier == "local"]
+    # (What went to a device as it was hashed is there verified: not fetched again.)
+    local = [cid for cid, tier in fetcher.tier_of.items()
+             if tier == "local" and cid not in fetcher.sent]
     log.warning("the staging pool changed during the restore; %d chunks from other tiers",
                 len(local))
     again = ChunkFetcher(others, fetcher.concurrency)
@@ -269,7 +271,7 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
     again = ChunkFetcher(others, fetcher.concurrency)
     landing = Landing()
     for cid, tier in list(fetcher.tier_of.items()):
-        if tier != "local":
+        if tier != "local" or cid in fetcher.sent:  # (verified as they were sent)
             continue
         for dest, _ in wanted.chunks[cid]:
             if await in_thread(chunk_id, dest) == cid:

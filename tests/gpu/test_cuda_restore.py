@@ -6,6 +6,7 @@ Skipped without a CUDA device."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.errors import RestoreError
 from tests.conftest import ServerProcess
 from tests.integration.restore_peer import (
     CHUNK,
@@ -33,6 +35,7 @@ pytestmark = [
 ]
 
 NBYTES = 8 << 20
+SMALL = 64 << 10  # chunks of the spoilt-pool tests
 
 
 def on_device(state: Any) -> Any:
@@ -144,3 +147,54 @@ def test_a_restore_follows_the_callers_stream(srv: ServerProcess, shm: Path) -> 
             ckpt.restore(target, tiers=("local",))
     torch.cuda.synchronize()
     assert_bitwise_on_device(target, expected)
+
+
+def _spoil_largest_segment(directory: Path, nbytes: int | None = None) -> None:
+    """Overwrites the start of the pool's largest segment (its generation stays
+    even: the index still claims the chunks there)."""
+    seg = max((p for p in directory.iterdir() if p.name.startswith("seg-")),
+              key=lambda p: p.stat().st_size)
+    with open(seg, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        f.write(os.urandom(nbytes or size))
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_chunk_the_pool_holds_wrong_reaches_the_device_from_the_store(
+        tmp_path: Path, shm: Path, atomic: bool) -> None:
+    """``atomic=False`` sends the pool's chunks to the device as it hashes them (from
+    the bounce buffers): one that does not verify is sent again from the store, so
+    the device tensors end bitwise the checkpoint all the same."""
+    g = torch.Generator().manual_seed(9)
+    expected = {f"t{i}": torch.randn(3 * SMALL // 4 + 101 * i, generator=g) for i in range(6)}
+    url = f"file://{tmp_path / 'store'}"
+    target = on_device(expected)
+    ptrs = [t.data_ptr() for t in tensors(target)]
+    with Checkpointer(url, "gpu-spoilt", chunk_size=SMALL, shm_dir=shm,
+                      serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        _spoil_largest_segment(writer.staging.directory, 1024)
+        with Checkpointer(url, "gpu-spoilt", shm_dir=shm, serve_peers=False) as reader:
+            result = reader.restore(target, atomic=atomic)
+    assert_bitwise_on_device(target, expected)
+    assert [t.data_ptr() for t in tensors(target)] == ptrs
+    assert result.bytes_from["local"] > 0 and result.bytes_from["store"] > 0
+    assert result.bytes_from["local"] + result.bytes_from["store"] == result.bytes_fetched
+    assert [p.tier for p in result.problems] == ["local"]
+
+
+def test_a_one_pass_restore_into_cuda_that_fails_says_the_device_was_written(
+        tmp_path: Path, shm: Path) -> None:
+    expected = {"t": torch.randn(SMALL // 4 * 3, generator=torch.Generator().manual_seed(2))}
+    url = f"file://{tmp_path / 'store'}"
+    target = on_device(expected)
+    with Checkpointer(url, "gpu-spoilt-all", chunk_size=SMALL, shm_dir=shm,
+                      serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        _spoil_largest_segment(writer.staging.directory)
+        with Checkpointer(url, "gpu-spoilt-all", shm_dir=shm, serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, tiers=("local",), atomic=False)
+    assert target["t"].view(torch.int32).any()  # what the pool gave did land
+    assert info.value.detail["partial"] is True and "partly restored" in str(info.value)

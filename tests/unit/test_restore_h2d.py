@@ -8,71 +8,21 @@ lane; tests/gpu runs it.)"""
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
-import time
 
+import blake3
 import pytest
 import torch
 
 from ckptd.client.restore import devices
-from ckptd.client.restore.devices import PIECE, copy_to_device
-
-
-class LateLane:
-    """A lane whose copies run late, one after the other, on a thread of their own;
-    ``pinned``: the addresses of host memory it takes as page-locked."""
-
-    lanes: list[LateLane] = []
-
-    def __init__(self, pinned: frozenset[int] = frozenset(), fail_after: int | None = None
-                 ) -> None:
-        self.engine = concurrent.futures.ThreadPoolExecutor(1)
-        self.buffers = [torch.empty(PIECE, dtype=torch.uint8) for _ in range(2)]
-        self.sent: list[concurrent.futures.Future[None] | None] = [None, None]
-        self.queued: list[concurrent.futures.Future[None]] = []
-        self.pinned = pinned
-        self.direct_copies = 0
-        self.bounced = 0
-        self.fail_after = fail_after
-        self.grad_enabled: list[bool] = []
-        LateLane.lanes.append(self)
-
-    def direct(self, src: torch.Tensor) -> bool:
-        return src.data_ptr() in self.pinned
-
-    def bounce(self, k: int) -> torch.Tensor:
-        sent = self.sent[k]
-        if sent is not None:
-            sent.result()
-        return self.buffers[k]
-
-    def send(self, dst: torch.Tensor, src: torch.Tensor, bounce: int | None = None) -> None:
-        self.grad_enabled.append(torch.is_grad_enabled())
-        if self.fail_after is not None and len(self.queued) >= self.fail_after:
-            raise RuntimeError("CUDA error: an illegal memory access (a test's)")
-
-        def dma() -> None:
-            time.sleep(0.002)  # later than the host thread goes on
-            dst.copy_(src)
-
-        future = self.engine.submit(dma)
-        self.queued.append(future)
-        if bounce is None:
-            self.direct_copies += 1
-        else:
-            self.bounced += 1
-            self.sent[bounce] = future
-
-    def finish(self) -> None:
-        for future in self.queued:
-            future.result()
-        self.engine.shutdown()
+from ckptd.client.restore.devices import copy_to_device
+from tests.late_lane import LateLane
 
 
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "PIECE", 1000)  # many pieces per chunk: reuse is exercised
+    monkeypatch.setattr(devices, "HASH_PIECE", 300)  # several hashed bits per piece
     LateLane.lanes = []
 
 
@@ -124,3 +74,44 @@ def test_a_slice_of_another_length_is_refused() -> None:
     target = torch.zeros(10, dtype=torch.uint8)
     with pytest.raises(ValueError):
         copy_to_device([(memoryview(b"x" * 11), target)], lambda: LateLane(), 1)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_hashed_copies_give_each_chunks_blake3(threads: int) -> None:
+    """``atomic=False`` hashes each chunk from the bounce buffers the device reads:
+    the digests must be those of the bytes, whatever the pieces and threads."""
+    data = chunks([4096, 10_000, 1, 0, 2500, 7777, 999], seed=3)
+    target = torch.zeros(sum(map(len, data)), dtype=torch.uint8)
+    jobs, at = [], 0
+    for blob in data:
+        jobs.append((memoryview(blob), target[at : at + len(blob)]))
+        at += len(blob)
+    digests = copy_to_device(jobs, lambda: LateLane(), threads, hashed=True)
+    assert digests == [blake3.blake3(b).hexdigest() for b in data]
+    assert bytes(target.numpy()) == b"".join(data)
+
+
+def test_hashed_page_locked_bytes_are_hashed_where_they_lie() -> None:
+    data = chunks([3000, 5000], seed=4)
+    src = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in data]
+    pinned = frozenset({src[0].data_ptr()})
+    target = torch.zeros(8000, dtype=torch.uint8)
+    jobs = [(memoryview(src[0].numpy().data), target[:3000]),
+            (memoryview(src[1].numpy().data), target[3000:])]
+    digests = copy_to_device(jobs, lambda: LateLane(pinned), 1, hashed=True)
+    assert digests == [blake3.blake3(b).hexdigest() for b in data]
+    assert bytes(target.numpy()) == b"".join(data)
+    (lane,) = LateLane.lanes
+    assert lane.direct_copies == 1
+
+
+def test_whether_memory_is_page_locked_is_asked_once_per_buffer() -> None:
+    """Asking CUDA costs a driver call: slices of one mapping (a pool segment) ask
+    once, whatever the number of chunks in it."""
+    whole = bytearray(chunks([40_000], seed=5)[0])
+    view = memoryview(whole)
+    target = torch.zeros(40_000, dtype=torch.uint8)
+    jobs = [(view[a : a + 4000], target[a : a + 4000]) for a in range(0, 40_000, 4000)]
+    copy_to_device(jobs, lambda: LateLane(), 2)
+    assert bytes(target.numpy()) == bytes(whole)
+    assert sum(lane.asked for lane in LateLane.lanes) == 1

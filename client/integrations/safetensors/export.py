@@ -405,7 +405,7 @@ class _Writer:
             found = await fetcher.locate_all(wanted, atomic=False)
             if fetcher.failed:
                 raise failure(fetcher, wanted, self.step)
-            await deliver(found, wanted, prefilled=fetcher.prefilled)
+            await deliver(found, wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
         finally:
             # A window's views are not kept past it: its maps close, and what it
             # prefilled is not taken for the next window's copies.

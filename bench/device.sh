@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every device-machine row in one call, most wanted first, for a session whose
+# device time allows one start (15 minutes in all, starting included): tests/gpu,
+# the GPU rows with the restore's settings swept, where an atomic=False restore's
+# thread time goes, the safetensors export against save_file and the server's data
+# plane on 16 quiet cores, then bench.restore's CUDA rows. Each step has its own
+# time limit; one that fails is reported and the next one runs. Results under $OUT.
+#
+# Before: ../shared/gpu/prepare-wheels.sh (fills .whl/), plus the safetensors wheel
+#         (cp /opt/pypi/files/safetensors-*.whl .whl/).
+# Run:    the device tool: run(command="bash bench/device.sh", carry=[".whl"], timeout_s=560)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-artifacts/device}
+size=${1:-2G}
+mkdir -p "$out"
+# shellcheck source=bench/device_steps.sh
+source bench/device_steps.sh
+
+{ nvidia-smi || true; python3 -c 'import torch, safetensors; print(torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
+safetensors.__version__)'; nproc; free -g; df -h /dev/shm /tmp; uptime; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+export CKPTD_HEARTBEAT_INTERVAL=0.5
+step tests-gpu 90 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
+step bench-gpu 150 python3 -m bench.gpu --size "$size" --rounds 3 --sweep \
+    --markdown "$out/gpu.md"
+step export 100 python3 -m bench.export --size 1G --rounds 3 --markdown "$out/export.md"
+step profile-in-place 45 python3 -m bench.profile_restore --size "$size" --rounds 3 --atomic 0
+step dataplane 100 python3 -m bench.dataplane --size 1G --rounds 3 --server-only \
+    --markdown "$out/dataplane.md"
+step restore-cuda 60 python3 -m bench.restore --only cuda --size "$size" --rounds 3 \
+    --markdown "$out/restore-cuda.md"
+
+uptime >> "$out/machine.txt"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed; results in $out"

@@ -1,0 +1,123 @@
+"""A restore into device tensors, end to end on the CPU: the CPU is given a lane
+(``restore.devices.LANES``) that copies late on a thread of its own, as a GPU's copy
+engine does, so the restore takes its device path (straight from the verified
+host bytes into the target's tensors, through bounce buffers) with no GPU.
+
+``atomic=False`` hashes each pool chunk from the bounce buffer it is sent from: a
+chunk the pool holds wrong reaches the target, fails its hash, and is sent again
+from the store. ``atomic=True`` sends nothing before every chunk verified: the
+lanes carry exactly the state's bytes, once. (tests/gpu runs the same with CUDA.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.client.restore import devices
+from ckptd.errors import RestoreError
+from tests.late_lane import LateLane
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def lanes(monkeypatch: pytest.MonkeyPatch, shm: Path) -> Iterator[list[LateLane]]:
+    """The CPU as a laned device; the lanes a restore opened."""
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+    monkeypatch.setenv("CKPTD_H2D_PIECE", str(CHUNK // 2))  # several pieces per chunk
+    opened: list[LateLane] = []
+
+    def make(device: torch.device, ready: Any, piece: int) -> LateLane:
+        lane = LateLane(piece=piece)
+        opened.append(lane)
+        return lane
+
+    monkeypatch.setitem(devices.LANES, "cpu", make)
+    yield opened
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(3 * CHUNK // 4 + 101 * i, generator=g) for i in range(6)}
+
+
+def spoil(writer: Checkpointer, nbytes: int | None = None) -> None:
+    """Overwrites the start of the pool's largest segment (its generation stays
+    even: the index still claims the chunks there)."""
+    seg = max((p for p in writer.staging.directory.iterdir() if p.name.startswith("seg-")),
+              key=lambda p: p.stat().st_size)
+    with open(seg, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        f.write(os.urandom(nbytes or size))
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_healthy_pool_reaches_the_device_tensors_once(
+        tmp_path: Path, lanes: list[LateLane], atomic: bool) -> None:
+    expected = state(1)
+    url = f"file://{tmp_path / 'store'}"
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    ptrs = {k: t.data_ptr() for k, t in target.items()}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader:
+            result = reader.restore(target, atomic=atomic)
+    for k, v in expected.items():
+        assert target[k].data_ptr() == ptrs[k]
+        assert torch.equal(target[k].view(torch.int32), v.view(torch.int32)), k
+    assert result.bytes_from["local"] == result.bytes_fetched == nbytes(expected)
+    assert sum(lane.bytes_sent for lane in lanes) == nbytes(expected)
+    # (a restarted process's map of the pool is not page-locked: through bounce buffers)
+    assert sum(lane.bounced for lane in lanes) > 0
+    assert not any(lane.direct_copies for lane in lanes)
+
+
+@pytest.mark.parametrize(("atomic", "one_pass"), [(False, "1"), (False, "0"), (True, "1")])
+def test_a_chunk_the_pool_holds_wrong_is_sent_again_from_the_store(
+        tmp_path: Path, lanes: list[LateLane], monkeypatch: pytest.MonkeyPatch,
+        atomic: bool, one_pass: str) -> None:
+    monkeypatch.setenv("CKPTD_H2D_ONE_PASS", one_pass)
+    expected = state(2)
+    url = f"file://{tmp_path / 'store'}"
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        spoil(writer, 1024)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader:
+            result = reader.restore(target, atomic=atomic)
+    for k, v in expected.items():
+        assert torch.equal(target[k].view(torch.int32), v.view(torch.int32)), k
+    assert result.bytes_from["local"] > 0 and result.bytes_from["store"] > 0
+    assert result.bytes_from["local"] + result.bytes_from["store"] == result.bytes_fetched
+    assert [p.tier for p in result.problems] == ["local"]
+    sent = sum(lane.bytes_sent for lane in lanes)
+    if atomic or one_pass == "0":  # verified where it lies first: sent once, right
+        assert sent == nbytes(expected)
+    else:  # the spoilt chunk was sent as it was hashed, then again from the store
+        assert sent == nbytes(expected) + CHUNK
+
+
+def test_a_one_pass_restore_that_fails_says_the_device_was_written(
+        tmp_path: Path, lanes: list[LateLane]) -> None:
+    expected = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(3))}
+    url = f"file://{tmp_path / 'store'}"
+    target = {"t": torch.zeros_like(expected["t"])}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        spoil(writer)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, tiers=("local",), atomic=False)
+    assert target["t"].view(torch.int32).any()  # what the pool gave did land
+    assert info.value.detail["partial"] is True and "partly restored" in str(info.value)
