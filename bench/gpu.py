@@ -19,9 +19,10 @@ Rows:
 - ``cudaHostRegister`` of a pool-sized map (what page-locking the pool in the
   restoring process would cost; information for the bounce-buffer design);
 - with ``--sweep``: the two restores again under other copy settings
-  (``CKPTD_H2D_THREADS``, ``CKPTD_H2D_PIECE``, ``CKPTD_H2D_ONE_PASS=0``: the two-pass
-  ``atomic=False`` of before), each with where its time went (the restore's own
-  phases: plan, layout, verify, deliver).
+  (``CKPTD_H2D_THREADS``, ``CKPTD_H2D_PIECE``, ``CKPTD_H2D_SCRATCH=0``: atomic
+  verifying where the bytes lie first, ``CKPTD_H2D_ONE_PASS=0`` as well: the two
+  passes of before), each with where its time went (the restore's own phases:
+  plan, layout, verify, deliver).
 
 The store is a local directory (``file://``), so no server shares the cores.
 """
@@ -62,7 +63,8 @@ SWEEP: list[tuple[str, dict[str, str]]] = [
     ("2 MiB pieces", {"CKPTD_H2D_PIECE": str(2 << 20)}),
     ("16 threads, 2 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(2 << 20)}),
     ("4 threads, 32 MiB pieces", {"CKPTD_H2D_THREADS": "4", "CKPTD_H2D_PIECE": str(32 << 20)}),
-    ("two passes (before)", {"CKPTD_H2D_ONE_PASS": "0"}),
+    ("atomic without scratch", {"CKPTD_H2D_SCRATCH": "0"}),
+    ("two passes (before)", {"CKPTD_H2D_ONE_PASS": "0", "CKPTD_H2D_SCRATCH": "0"}),
 ]
 
 
@@ -245,9 +247,11 @@ def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = F
                      *(fmt_s(phase[k]) if k in phase else "-"
                        for k in ("plan", "verified", "delivered", "fill")))
         more.note("Settings: CKPTD_H2D_THREADS (copying threads per device), CKPTD_H2D_PIECE "
-                  "(bounce buffer), CKPTD_H2D_ONE_PASS=0 (atomic=False verifies where the "
-                  "bytes lie, then copies: the code before). Atomic restores always verify "
-                  "first (nothing reaches the target before every chunk verified).")
+                  "(bounce buffer), CKPTD_H2D_SCRATCH=0 (atomic: every chunk hashed where "
+                  "it lies, then sent; else sent and hashed into device memory beside the "
+                  "target, then copied into it), CKPTD_H2D_ONE_PASS=0 (atomic=False "
+                  "verifies first too: the code before). Nothing reaches an atomic "
+                  "restore's target before every chunk verified.")
         tables.append(more)
     return tables, info
 

@@ -157,6 +157,19 @@ def h2d_one_pass() -> bool:
     return _env_int("CKPTD_H2D_ONE_PASS", 1) != 0
 
 
+def h2d_scratch() -> str:
+    """An atomic restore into CUDA tensors sends each chunk, hashed on the way, into
+    device memory beside the target and copies it into the target (device to
+    device) once every chunk verified: one read of the host bytes, as ``atomic=False``.
+    ``auto`` (the default) when the device has the room free (the chunks' bytes, and
+    a tenth of the device or 1 GiB to spare); ``1`` always; ``0`` never (every
+    chunk hashed where it lies first, then sent)."""
+    raw = os.environ.get("CKPTD_H2D_SCRATCH", "auto").strip().lower() or "auto"
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"CKPTD_H2D_SCRATCH={raw!r}: say auto, 0 or 1")
+    return raw
+
+
 def restore_huge_pages() -> bool:
     """Advise a restore's fresh memory (landing and assembly buffers) to use
     transparent huge pages. Off by default: on a host whose memory is fragmented

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,6 +29,8 @@ from ..loop import bounded, in_thread, spread
 from .devices import LANES, CopyJob, copy_to_device
 from .memory import Landing, Prefault, Span, span_of
 from .sources import ChunkProblem, ProblemKind, Source, copy_and_hash, copy_bytes, verify_hash
+
+log = logging.getLogger(__name__)
 
 COPY_PIECE_MIN = 16 * MiB  # delivery cuts its merged copies no smaller than this
 
@@ -52,6 +55,9 @@ class ChunkFetcher:
         # chunk ids already in their device tensor, hashed as they were sent
         # (``atomic=False``: ``_send_mapped``); delivery leaves them alone
         self.sent: set[str] = set()
+        # chunk id -> device memory beside the target it was sent to and verified in
+        # (atomic, ``_send_mapped``); delivery copies it into the target
+        self.on_device: dict[str, torch.Tensor] = {}
         self.prefault: Prefault | None = None
 
     async def locate(
@@ -190,20 +196,34 @@ class ChunkFetcher:
         return again
 
     async def _send_mapped(self, items: Sequence[_InPlace], wanted: WantedChunks,
-                           reached: list[int], found: dict[str, memoryview]
+                           reached: list[int], found: dict[str, memoryview],
+                           scratch: Mapping[torch.device, torch.Tensor] | None = None,
                            ) -> dict[str, _Tried]:
-        """Not atomic: sends ``items`` (chunks whose one destination is a slice of a
-        CUDA tensor) to the device where they lie and hashes each from the bounce
-        buffer the device read it from, one pass over the host bytes instead of a
-        hash where they lie and a copy later (``devices.copy_to_device``). Those
-        that verify are recorded in ``found`` and ``sent``; the others are returned
-        with their problem, for ``locate`` to take from other holders (their slice
+        """Sends ``items`` (chunks whose one destination is a slice of a device
+        tensor) to the device where they lie, and hashes each from the bounce buffer
+        the device read it from: one pass over the host bytes instead of a hash
+        where they lie and a copy later (``devices.copy_to_device``). Not atomic
+        (no ``scratch``): into their slices of the target. Atomic: into
+        ``scratch``, device memory beside the target, one run of it per device,
+        cut in the items' order; ``on_device`` records them for delivery to copy
+        into the target. Those that verify are recorded in ``found`` (and ``sent``
+        or ``on_device``); the others are returned with their problem, for
+        ``locate`` to take from other holders (a slice of the target they reached
         is written again then)."""
-        self.landed_in_target = True  # (touched whatever the hashes say)
+        if not scratch:
+            self.landed_in_target = True  # (touched whatever the hashes say)
         reached[0] = max(reached[0], max(item.position for item in items) + 1)
         jobs = {item.cid: item.data for item in items}
-        digests = await in_thread(to_devices, jobs, {cid: wanted.devices[cid] for cid in jobs},
-                                  wanted.device_order, None, True)
+        into: dict[str, list[torch.Tensor]] = {}
+        used: dict[torch.device, int] = {}
+        for item in items:
+            slice_ = wanted.devices[item.cid][0]
+            if scratch:
+                at, n = used.get(slice_.device, 0), len(item.data)
+                used[slice_.device] = at + n
+                slice_ = scratch[slice_.device][at : at + n]
+            into[item.cid] = [slice_]
+        digests = await in_thread(to_devices, jobs, into, wanted.device_order, None, True)
         again: dict[str, _Tried] = {}
         for item in items:
             source, holder, cid = item.source, item.holder, item.cid
@@ -216,7 +236,10 @@ class ChunkFetcher:
             if problem is None:
                 self._took(cid, source, holder, len(item.data), None)
                 found[cid] = item.data
-                self.sent.add(cid)
+                if scratch:
+                    self.on_device[cid] = into[cid][0]
+                else:
+                    self.sent.add(cid)
             else:
                 again[cid] = _Tried(source, holder, (problem,))
         return again
@@ -247,6 +270,7 @@ class ChunkFetcher:
         # changes them), and holding them would keep every batch's memory alive.
         self.prefilled.clear()
         self.sent.clear()
+        self.on_device.clear()
         in_place = [s for s in self.sources if s.in_place]
         held = {cid for cid in wanted.chunks if any(s.holders(cid) for s in in_place)}
         landing = Landing(expect=sum(
@@ -258,14 +282,20 @@ class ChunkFetcher:
         found: dict[str, memoryview] = {}
         try:
             mapped = self._mapped_first(wanted, atomic)
-            one_pass = not atomic and knobs.h2d_one_pass()
-            sendable = [m for m in mapped if _one_device_slice(wanted, m.cid)] if one_pass else []
+            sendable = [m for m in mapped if _one_device_slice(wanted, m.cid)]
+            scratch: dict[torch.device, torch.Tensor] = {}
+            if atomic and sendable:
+                scratch = _scratch_for(sendable, wanted)
+                sendable = [m for m in sendable if wanted.devices[m.cid][0].device in scratch]
+            elif not knobs.h2d_one_pass():
+                sendable = []
             if sendable:
                 chosen = {m.cid for m in sendable}
                 mapped = [m for m in mapped if m.cid not in chosen]
             again = await self._hash_mapped(mapped, reached, found) if mapped else {}
             if sendable:
-                again.update(await self._send_mapped(sendable, wanted, reached, found))
+                again.update(await self._send_mapped(sendable, wanted, reached, found,
+                                                     scratch))
         except BaseException:
             self.stop_prefault()
             raise
@@ -325,6 +355,36 @@ def _one_device_slice(wanted: WantedChunks, cid: str) -> bool:
     (a CUDA tensor) and nothing else."""
     slices = wanted.devices.get(cid, ())
     return not wanted.chunks.get(cid) and len(slices) == 1 and slices[0].device.type in LANES
+
+
+def _scratch_for(items: Sequence[_InPlace], wanted: WantedChunks
+                 ) -> dict[torch.device, torch.Tensor]:
+    """Device memory for an atomic restore to send ``items`` into, per device whose
+    bytes fit (``knobs.h2d_scratch``); none where they do not."""
+    setting = knobs.h2d_scratch()
+    need: dict[torch.device, int] = {}
+    for item in items:
+        device = wanted.devices[item.cid][0].device
+        need[device] = need.get(device, 0) + len(item.data)
+    out: dict[torch.device, torch.Tensor] = {}
+    for device, n in need.items():
+        if setting == "0" or (setting == "auto" and not _room_on(device, n)):
+            continue
+        try:
+            out[device] = torch.empty(n, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is one)
+            log.info("restore: no room for %d bytes beside the target on %s (%s); "
+                     "verifying first, then sending", n, device, exc)
+    return out
+
+
+def _room_on(device: torch.device, nbytes: int) -> bool:
+    """Whether CUDA ``device`` has ``nbytes`` free, and a tenth of it (or 1 GiB,
+    the less) to spare besides."""
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    return free - nbytes >= min(total // 10, 1 << 30)
 
 
 def _maps_bytes(source: Source) -> bool:
@@ -394,6 +454,7 @@ async def deliver(
     found: Mapping[str, memoryview], wanted: WantedChunks, concurrency: int | None = None,
     prefilled: Mapping[str, memoryview] | None = None,
     sent: frozenset[str] | set[str] = frozenset(),
+    on_device: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Copies every verified chunk to each of its destinations (the target's own
     tensors where they fit, on the host or a device), then the slices of elastic
@@ -401,7 +462,9 @@ async def deliver(
     more only fight over memory bandwidth). A chunk in ``prefilled`` was copied
     into one destination and verified there: the others are copied from that
     copy, not from where it lies (a live pool may have changed since). A chunk in
-    ``sent`` is in its device slice already, verified as it was sent."""
+    ``sent`` is in its device slice already, verified as it was sent; one in
+    ``on_device`` was sent and verified into device memory beside the target, and
+    is copied from there (device to device)."""
     concurrency = concurrency or max(2, min(8, os.cpu_count() or 1))
     spans: list[tuple[int, int, int]] = []  # (destination, source, length): addresses
     prefilled = prefilled or {}
@@ -417,9 +480,13 @@ async def deliver(
 
     # ``sources`` and ``wanted`` keep every view alive until the copies are done.
     await spread(copy_runs(spans, concurrency), _memmove, concurrency)
-    devices = {cid: d for cid, d in wanted.devices.items() if cid not in sent}
+    on_device = on_device or {}
+    devices = {cid: d for cid, d in wanted.devices.items()
+               if cid not in sent and cid not in on_device}
     if devices:
         await in_thread(to_devices, sources, devices, wanted.device_order)
+    if on_device:
+        await in_thread(from_scratch, on_device, wanted.devices, wanted.device_order)
     with torch.no_grad():
         for dst, src in wanted.copies:
             dst.copy_(src)
@@ -507,6 +574,63 @@ def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch
         if out is not None:
             digests.update(zip([cid for cid, _ in jobs], out, strict=True))
     return digests
+
+
+def from_scratch(on_device: Mapping[str, torch.Tensor],
+                 devices: Mapping[str, list[torch.Tensor]],
+                 order: DeviceOrder | None = None) -> None:
+    """Copies chunks verified in device memory (``on_device``: chunk id -> its
+    bytes there) into their slices of the target, device to device, on a stream
+    of each device's lane (ordered as ``to_devices``'s copies); chunks that follow
+    each other in both join into one copy. Finished before returning."""
+    inference = order.inference if order is not None else torch.is_inference_mode_enabled()
+    pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for cid, src in on_device.items():
+        for dst in devices[cid]:
+            pairs.setdefault(dst.device, []).append((dst, src))
+    ready = dict(order.ready) if order is not None else {}
+    cuda = [d for d in pairs if d.type == "cuda" and d not in ready]
+    if cuda:
+        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
+
+        ready.update(record_ready(cuda))
+    for device, copies in pairs.items():
+        joined = _joined(copies)  # (views made outside inference mode, as the target's)
+        lane = LANES[device.type](device, ready.get(device), 0)
+        try:
+            with lane.active(), torch.inference_mode(inference), torch.no_grad():
+                for dst, src in joined:
+                    lane.send(dst, src)
+        finally:
+            lane.finish()
+
+
+def _joined(copies: list[tuple[torch.Tensor, torch.Tensor]]
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` (uint8 destination, uint8 source), those that continue the last
+    one in both storages joined into one."""
+    def where(t: torch.Tensor) -> tuple[int, int]:
+        return t.untyped_storage().data_ptr(), int(t.storage_offset())
+
+    out: list[list[Any]] = []
+    for dst, src in sorted(copies, key=lambda c: where(c[0])):
+        if out:
+            last = out[-1]  # [dst storage, dst offset, src storage, src offset, n, dst, src]
+            (ds, do), (ss, so) = where(dst), where(src)
+            if (ds, ss) == (last[0], last[2]) and do == last[1] + last[4] \
+                    and so == last[3] + last[4] and dst.is_contiguous() and src.is_contiguous():
+                last[4] += dst.numel()
+                continue
+        out.append([*where(dst), *where(src), dst.numel(), dst, src])
+    joined: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _, do, _, so, n, dst, src in out:
+        if n == dst.numel():
+            joined.append((dst, src))
+            continue
+        whole_dst = dst.new_empty(0).set_(dst.untyped_storage(), do, (n,), (1,))
+        whole_src = src.new_empty(0).set_(src.untyped_storage(), so, (n,), (1,))
+        joined.append((whole_dst, whole_src))
+    return joined
 
 
 @dataclass(slots=True)

@@ -191,7 +191,8 @@ async def fetch_layout(
                 raise _stated(exc, plan.step, fetcher.landed_in_target) from None
         # Phase 2: deliver (into the target's own tensors where they fit).
         written.target = True
-        await deliver(found, wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
+        await deliver(found, wanted, prefilled=fetcher.prefilled, sent=fetcher.sent,
+                      on_device=fetcher.on_device)
         log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
         if pool is not None and not pool.unchanged():
@@ -219,6 +220,7 @@ async def fetch_layout(
         written.target = written.target or fetcher.landed_in_target
         fetcher.stop_prefault()
         found.clear()  # (views of the pool: a view left would keep it mapped here)
+        fetcher.on_device.clear()  # (device memory beside the target: given back)
         for s in sources:
             if s is pool and keep_pool:
                 continue
@@ -243,7 +245,7 @@ async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str
     """Finds again, in ``others``, the chunks that were found in the local pool."""
     # (What went to a device as it was hashed is there verified: not fetched again.)
     local = [cid for cid, tier in fetcher.tier_of.items()
-             if tier == "local" and cid not in fetcher.sent]
+             if tier == "local" and cid not in fetcher.sent and cid not in fetcher.on_device]
     log.warning("the staging pool changed during the restore; %d chunks from other tiers",
                 len(local))
     again = ChunkFetcher(others, fetcher.concurrency)
@@ -271,7 +273,8 @@ async def _recheck(fetcher: ChunkFetcher, wanted: WantedChunks, others: Sequence
     again = ChunkFetcher(others, fetcher.concurrency)
     landing = Landing()
     for cid, tier in list(fetcher.tier_of.items()):
-        if tier != "local" or cid in fetcher.sent:  # (verified as they were sent)
+        if tier != "local" or cid in fetcher.sent or cid in fetcher.on_device:
+            # (verified as they were sent: in the target, or copied there on the device)
             continue
         for dest, _ in wanted.chunks[cid]:
             if await in_thread(chunk_id, dest) == cid:

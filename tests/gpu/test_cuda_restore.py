@@ -160,12 +160,15 @@ def _spoil_largest_segment(directory: Path, nbytes: int | None = None) -> None:
         f.write(os.urandom(nbytes or size))
 
 
-@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize(("atomic", "scratch"), [(False, "auto"), (True, "0"), (True, "1")])
 def test_a_chunk_the_pool_holds_wrong_reaches_the_device_from_the_store(
-        tmp_path: Path, shm: Path, atomic: bool) -> None:
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch, atomic: bool,
+        scratch: str) -> None:
     """``atomic=False`` sends the pool's chunks to the device as it hashes them (from
     the bounce buffers): one that does not verify is sent again from the store, so
-    the device tensors end bitwise the checkpoint all the same."""
+    the device tensors end bitwise the checkpoint all the same. Atomic, the same
+    into device memory beside the target (``CKPTD_H2D_SCRATCH=1``), or hashed first."""
+    monkeypatch.setenv("CKPTD_H2D_SCRATCH", scratch)
     g = torch.Generator().manual_seed(9)
     expected = {f"t{i}": torch.randn(3 * SMALL // 4 + 101 * i, generator=g) for i in range(6)}
     url = f"file://{tmp_path / 'store'}"
@@ -198,3 +201,22 @@ def test_a_one_pass_restore_into_cuda_that_fails_says_the_device_was_written(
             reader.restore(target, tiers=("local",), atomic=False)
     assert target["t"].view(torch.int32).any()  # what the pool gave did land
     assert info.value.detail["partial"] is True and "partly restored" in str(info.value)
+
+
+def test_an_atomic_restore_into_cuda_that_fails_leaves_the_target_alone(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sent and hashed into device memory beside the target, the spoilt chunks never
+    reach the target itself."""
+    monkeypatch.setenv("CKPTD_H2D_SCRATCH", "1")
+    expected = {"t": torch.randn(SMALL // 4 * 3, generator=torch.Generator().manual_seed(3))}
+    url = f"file://{tmp_path / 'store'}"
+    target = on_device(expected)
+    with Checkpointer(url, "gpu-atomic", chunk_size=SMALL, shm_dir=shm,
+                      serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        _spoil_largest_segment(writer.staging.directory)
+        with Checkpointer(url, "gpu-atomic", shm_dir=shm, serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, tiers=("local",), atomic=True)
+    assert not target["t"].view(torch.int32).any()
+    assert info.value.detail.get("partial") is not True

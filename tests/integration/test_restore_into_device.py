@@ -5,8 +5,11 @@ host bytes into the target's tensors, through bounce buffers) with no GPU.
 
 ``atomic=False`` hashes each pool chunk from the bounce buffer it is sent from: a
 chunk the pool holds wrong reaches the target, fails its hash, and is sent again
-from the store. ``atomic=True`` sends nothing before every chunk verified: the
-lanes carry exactly the state's bytes, once. (tests/gpu runs the same with CUDA.)"""
+from the store. ``atomic=True`` sends nothing into the target before every chunk
+verified: either each chunk is hashed where it lies and then sent, once, or
+(``CKPTD_H2D_SCRATCH``) sent and hashed into device memory beside the target, then
+copied into it device to device, one copy per tensor. (tests/gpu runs the same
+with CUDA.)"""
 
 from __future__ import annotations
 
@@ -62,9 +65,11 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-@pytest.mark.parametrize("atomic", [False, True])
-def test_a_healthy_pool_reaches_the_device_tensors_once(
-        tmp_path: Path, lanes: list[LateLane], atomic: bool) -> None:
+@pytest.mark.parametrize(("atomic", "scratch"), [(False, "auto"), (True, "0"), (True, "1")])
+def test_a_healthy_pool_reaches_the_device_tensors(
+        tmp_path: Path, lanes: list[LateLane], monkeypatch: pytest.MonkeyPatch,
+        atomic: bool, scratch: str) -> None:
+    monkeypatch.setenv("CKPTD_H2D_SCRATCH", scratch)
     expected = state(1)
     url = f"file://{tmp_path / 'store'}"
     target = {k: torch.zeros_like(v) for k, v in expected.items()}
@@ -77,17 +82,44 @@ def test_a_healthy_pool_reaches_the_device_tensors_once(
         assert target[k].data_ptr() == ptrs[k]
         assert torch.equal(target[k].view(torch.int32), v.view(torch.int32)), k
     assert result.bytes_from["local"] == result.bytes_fetched == nbytes(expected)
-    assert sum(lane.bytes_sent for lane in lanes) == nbytes(expected)
     # (a restarted process's map of the pool is not page-locked: through bounce buffers)
     assert sum(lane.bounced for lane in lanes) > 0
-    assert not any(lane.direct_copies for lane in lanes)
+    straight = sum(lane.direct_copies for lane in lanes)
+    if scratch == "1":  # into device memory, then into the target: one copy per tensor
+        assert sum(lane.bytes_sent for lane in lanes) == 2 * nbytes(expected)
+        assert straight == len(expected)
+    else:
+        assert sum(lane.bytes_sent for lane in lanes) == nbytes(expected)
+        assert straight == 0
 
 
-@pytest.mark.parametrize(("atomic", "one_pass"), [(False, "1"), (False, "0"), (True, "1")])
+@pytest.mark.parametrize("scratch", ["0", "1"])
+def test_an_atomic_restore_that_fails_leaves_the_device_tensors_alone(
+        tmp_path: Path, lanes: list[LateLane], monkeypatch: pytest.MonkeyPatch,
+        scratch: str) -> None:
+    monkeypatch.setenv("CKPTD_H2D_SCRATCH", scratch)
+    expected = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(4))}
+    url = f"file://{tmp_path / 'store'}"
+    target = {"t": torch.zeros_like(expected["t"])}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        spoil(writer)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, tiers=("local",), atomic=True)
+    assert not target["t"].view(torch.int32).any()  # nothing reached the target
+    assert info.value.detail.get("partial") is not True
+    assert "partly restored" not in str(info.value)
+
+
+@pytest.mark.parametrize(("atomic", "one_pass", "scratch"),
+                         [(False, "1", "auto"), (False, "0", "auto"), (True, "1", "0"),
+                          (True, "1", "1")])
 def test_a_chunk_the_pool_holds_wrong_is_sent_again_from_the_store(
         tmp_path: Path, lanes: list[LateLane], monkeypatch: pytest.MonkeyPatch,
-        atomic: bool, one_pass: str) -> None:
+        atomic: bool, one_pass: str, scratch: str) -> None:
     monkeypatch.setenv("CKPTD_H2D_ONE_PASS", one_pass)
+    monkeypatch.setenv("CKPTD_H2D_SCRATCH", scratch)
     expected = state(2)
     url = f"file://{tmp_path / 'store'}"
     target = {k: torch.zeros_like(v) for k, v in expected.items()}
@@ -102,7 +134,9 @@ def test_a_chunk_the_pool_holds_wrong_is_sent_again_from_the_store(
     assert result.bytes_from["local"] + result.bytes_from["store"] == result.bytes_fetched
     assert [p.tier for p in result.problems] == ["local"]
     sent = sum(lane.bytes_sent for lane in lanes)
-    if atomic or one_pass == "0":  # verified where it lies first: sent once, right
+    if scratch == "1":  # all into device memory; the good ones on, the spoilt one again
+        assert sent == nbytes(expected) + (nbytes(expected) - CHUNK) + CHUNK
+    elif atomic or one_pass == "0":  # verified where it lies first: sent once, right
         assert sent == nbytes(expected)
     else:  # the spoilt chunk was sent as it was hashed, then again from the store
         assert sent == nbytes(expected) + CHUNK
