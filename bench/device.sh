@@ -8,7 +8,8 @@
 #
 # Before: ../shared/gpu/prepare-wheels.sh (fills .whl/), plus the safetensors wheel
 #         (cp /opt/pypi/files/safetensors-*.whl .whl/).
-# Run:    the device tool: run(command="bash bench/device.sh", carry=[".whl"], timeout_s=560)
+# Run:    the device tool: run(command="bash bench/device.sh", carry=[".whl"], timeout_s=600)
+#         (STEPS="tests-gpu bench-gpu" bash bench/device.sh: those steps alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/device}
@@ -23,6 +24,8 @@ safetensors.__version__)'; nproc; free -g; df -h /dev/shm /tmp; uptime; } > "$ou
 cat "$out/machine.txt"
 
 export CKPTD_HEARTBEAT_INTERVAL=0.5
+wanted() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+step() { wanted "$1" && run_step "$@"; }
 step tests-gpu 90 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
 step bench-gpu 200 python3 -m bench.gpu --size "$size" --rounds 3 --sweep \
     --markdown "$out/gpu.md"

@@ -1,8 +1,8 @@
 # Sourced by bench/gpu.sh and bench/quiet.sh (the device machine's runs): installs
-# the wheels in .whl/ and ckptd, and defines ``step``. Needs $out set.
+# the wheels in .whl/ and ckptd, and defines ``step`` (``run_step``). Needs $out set.
 failed=()
 
-step() {  # step NAME SECONDS COMMAND...: runs it, its output into $out/NAME.txt
+run_step() {  # run_step NAME SECONDS COMMAND...: runs it, its output into $out/NAME.txt
     local name=$1 limit=$2
     shift 2
     echo "== $name ($(date -u +%H:%M:%S))"
@@ -21,3 +21,5 @@ if [ -d .whl ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     || { echo "cannot install ckptd here"; exit 1; }
+
+step() { run_step "$@"; }  # (bench/device.sh narrows it to $STEPS)

@@ -57,14 +57,17 @@ from bench.common import (
 JOB = "bench-gpu"
 CHUNK = 4 << 20
 # (label, environment) of the --sweep rows; the first is the defaults
+TWO_PASSES = {"CKPTD_H2D_ONE_PASS": "0", "CKPTD_H2D_SCRATCH": "0"}
 SWEEP: list[tuple[str, dict[str, str]]] = [
     ("defaults", {}),
     ("16 threads", {"CKPTD_H2D_THREADS": "16"}),
-    ("2 MiB pieces", {"CKPTD_H2D_PIECE": str(2 << 20)}),
-    ("16 threads, 2 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(2 << 20)}),
-    ("4 threads, 32 MiB pieces", {"CKPTD_H2D_THREADS": "4", "CKPTD_H2D_PIECE": str(32 << 20)}),
-    ("atomic without scratch", {"CKPTD_H2D_SCRATCH": "0"}),
-    ("two passes (before)", {"CKPTD_H2D_ONE_PASS": "0", "CKPTD_H2D_SCRATCH": "0"}),
+    ("12 threads", {"CKPTD_H2D_THREADS": "12"}),
+    ("16 threads, 16 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(16 << 20)}),
+    ("16 threads, hashed 512 KiB at a time", {"CKPTD_H2D_THREADS": "16",
+                                              "CKPTD_H2D_HASH_PIECE": str(512 << 10)}),
+    ("two passes (before)", TWO_PASSES),
+    ("two passes, 12 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "12"}),
+    ("two passes, 16 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "16"}),
 ]
 
 
@@ -72,7 +75,7 @@ class Phases(logging.Handler):
     """Collects the restore's own debug lines (``restorer``: plan, layout, fetch,
     fill; verified, delivered) as numbers, the last restore's."""
 
-    PATTERN = re.compile(r"(plan|layout|fetch|fill|verified in|delivered in) ([0-9.]+) s")
+    PATTERN = re.compile(r"(opened in|plan|layout|fetch|fill|verified in|delivered in) ([0-9.]+) s")
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -80,7 +83,7 @@ class Phases(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         for name, value in self.PATTERN.findall(record.getMessage()):
-            self.last[name.removesuffix(" in")] = float(value)
+            self.last[{"opened in": "pool"}.get(name, name.removesuffix(" in"))] = float(value)
 
     def __enter__(self) -> Phases:
         self.last = {}
@@ -240,12 +243,12 @@ def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = F
         h2d = med["h2d"]
         more = Table(f"Restore settings, local tier -> {device} ({human_bytes(nbytes)}, "
                      "faster of 2; phases of that restore)",
-                     ["settings", "restore", "time", "vs H2D", "plan", "verify", "deliver",
-                      "fill"])
+                     ["settings", "restore", "time", "vs H2D", "pool open", "pool + plan", "layout",
+                      "verify", "deliver", "fill"])
         for label, kind, t, phase in swept:
             more.add(label, kind, fmt_s(t), fmt_x(t / h2d) if h2d else "-",
                      *(fmt_s(phase[k]) if k in phase else "-"
-                       for k in ("plan", "verified", "delivered", "fill")))
+                       for k in ("pool", "plan", "layout", "verified", "delivered", "fill")))
         more.note("Settings: CKPTD_H2D_THREADS (copying threads per device), CKPTD_H2D_PIECE "
                   "(bounce buffer), CKPTD_H2D_SCRATCH=0 (atomic: every chunk hashed where "
                   "it lies, then sent; else sent and hashed into device memory beside the "

@@ -32,11 +32,11 @@ import blake3
 import numpy as np
 import torch
 
+from ckptd import knobs
 from ckptd.knobs import MiB
 
 PIECE = 8 * MiB  # one bounce buffer by default (``knobs.h2d_piece``); two per thread
 MAX_THREADS = 8
-HASH_PIECE = 512 * 1024  # hashed right after it is copied (``sources.copy_and_hash``)
 
 
 class Lane(Protocol):
@@ -85,16 +85,19 @@ LANES: dict[str, Callable[[torch.device, Any, int], Lane]] = {"cuda": _cuda_lane
 
 def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
                    threads: int | None = None, inference: bool = False,
-                   hashed: bool = False, piece: int | None = None) -> list[str] | None:
+                   hashed: bool = False, piece: int | None = None,
+                   hash_piece: int | None = None) -> list[str] | None:
     """Copies each job's host bytes into its device slice, on ``threads`` threads
     (each opening its own ``lane()``, under ``no_grad`` and the caller's inference
     mode: both are per thread), and returns once every copy finished. The first
     error stops the others and is raised. ``hashed``: returns the blake3 hex digest
     of the bytes each job sent, in the jobs' order (hashed where the device read
-    them). ``piece``: the bounce pieces' size (``PIECE`` by default)."""
+    them). ``piece``: the bounce pieces' size (``PIECE`` by default);
+    ``hash_piece``: see ``_copy_one`` (``knobs.h2d_hash_piece`` by default)."""
     if not jobs:
         return [] if hashed else None
     piece = piece or PIECE
+    hash_piece = knobs.h2d_hash_piece() if hash_piece is None else hash_piece
     threads = max(1, min(threads or MAX_THREADS, len(jobs)))
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))  # large ones first
     taken = iter(order)
@@ -120,7 +123,7 @@ def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
                 while (i := next_job()) is not None:
                     src, dst = jobs[i]
                     hasher = blake3.blake3() if hashed else None
-                    k = _copy_one(one, src, dst, k, piece, pinned, hasher)
+                    k = _copy_one(one, src, dst, k, piece, pinned, hasher, hash_piece)
                     if hasher is not None:
                         digests[i] = hasher.hexdigest()
         except BaseException as exc:
@@ -166,9 +169,10 @@ class _PinnedCache:
 
 def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int,
               pinned: Callable[[Lane, memoryview, torch.Tensor], bool] | None = None,
-              hasher: blake3.blake3 | None = None) -> int:
+              hasher: blake3.blake3 | None = None, hash_piece: int = 0) -> int:
     """One job through ``lane``; returns the bounce buffer to use next. ``hasher``
-    is fed the bytes as the device reads them."""
+    is fed the bytes as the device reads them (``hash_piece`` at a time as they
+    are copied; 0: each piece once it is sent)."""
     n = len(src)
     if dst.numel() != n:
         raise ValueError(f"a device slice of {dst.numel()} bytes for {n} bytes")
@@ -187,14 +191,19 @@ def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int
         m = min(piece, n - a)
         buf = lane.bounce(k)
         staged = buf.numpy()[:m]
-        if hasher is None:
+        bits = hash_piece or m
+        if hasher is None or bits >= m:
             np.copyto(staged, from_np[a : a + m])  # (no GIL while it copies)
         else:  # each bit hashed while it is still in the core's cache
-            for b in range(0, m, HASH_PIECE):
-                bit = staged[b : b + HASH_PIECE]
+            for b in range(0, m, bits):
+                bit = staged[b : b + bits]
                 np.copyto(bit, from_np[a + b : a + b + len(bit)])
                 hasher.update(bit.data)  # the bytes the device will read, not the source's
         lane.send(dst[a : a + m], buf[:m], k)
+        if hasher is not None and bits >= m:
+            # After the send, beside the DMA (both only read the buffer): one call per
+            # piece, since each call is a hand-off of the GIL between the threads.
+            hasher.update(staged.data)
         k ^= 1
     return k
 

@@ -193,7 +193,7 @@ async def fetch_layout(
         written.target = True
         await deliver(found, wanted, prefilled=fetcher.prefilled, sent=fetcher.sent,
                       on_device=fetcher.on_device)
-        log.debug("%s step %d: chunks verified in %.3f s, delivered in %.3f s", plan.job,
+        log.debug("%s step %d: chunks verified in %.4f s, delivered in %.4f s", plan.job,
                   plan.step, t1 - t0, time.perf_counter() - t1)
         if pool is not None and not pool.unchanged():
             try:
@@ -326,6 +326,7 @@ def restore_into(
     # server then), one thread per core but one (the plan's own work).
     ahead = PoolAhead.open(job, rank, opts.pool_root, max(1, (os.cpu_count() or 1) - 1)
                            ) if opts.local else None
+    log.debug("%s/%d: pool opened in %.4f s", job, rank, time.perf_counter() - t0)
     try:
         return _restore_planned(call, transport, state, job=job, rank=rank,
                                 world_size=world_size, step=step, shards=shards, opts=opts,
@@ -370,7 +371,7 @@ def _restore_planned(
         raise _stated(exc, plan.step, written.target) from None
     t_fetch = time.perf_counter()
     fill(state, layout.tree, fetched.tensors)
-    log.debug("%s/%d: plan %.3f s, layout %.3f s, fetch %.3f s, fill %.3f s", job, rank,
+    log.debug("%s/%d: plan %.4f s, layout %.4f s, fetch %.4f s, fill %.4f s", job, rank,
               t_plan - t0, t_layout - t_plan, t_fetch - t_layout, time.perf_counter() - t_fetch)
     seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in fetched.tensors.values())
