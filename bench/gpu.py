@@ -157,8 +157,8 @@ def host_register_seconds(nbytes: int) -> float | None:
     return seconds if ok else None
 
 
-def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = False
-        ) -> tuple[list[Table], list[Any]]:
+def run(size: int, rounds: int, device: str, parent: str | None,
+        sweep: list[str] | None = None, sweep_rounds: int = 2) -> tuple[list[Table], list[Any]]:
     from ckptd.client import Checkpointer
 
     samples: dict[str, list[float]] = {}
@@ -196,22 +196,21 @@ def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = F
                 print(f"round {rnd + 1}/{rounds}: " + ", ".join(
                     f"{k} {fmt_s(v[-1])}" for k, v in samples.items()), file=sys.stderr,
                     flush=True)
-            swept: list[tuple[str, str, float, dict[str, float]]] = []
-            for label, env in SWEEP if sweep else []:
-                for atomic in (True, False):
-                    times: list[float] = []
-                    phases: list[dict[str, float]] = []
-                    for _ in range(2):
+            # Interleaved: every setting once per pass, so that a machine whose memory
+            # slows for a while slows them all alike.
+            chosen = [(label, env) for label, env in SWEEP if sweep is not None and
+                      (not sweep or label in sweep)]
+            runs: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {}
+            for _ in range(sweep_rounds if chosen else 0):
+                for label, env in chosen:
+                    for atomic in (True, False):
                         with environment(env):
                             seconds, phase = restore_once(url, state, expected, step, atomic,
                                                           device)
-                        times.append(seconds)
-                        phases.append(phase)
-                    best = min(range(len(times)), key=times.__getitem__)
-                    swept.append((label, "atomic" if atomic else "atomic=False", times[best],
-                                  phases[best]))
-                    print(f"sweep {label}, {swept[-1][1]}: {fmt_s(times[best])} {phases[best]}",
-                          file=sys.stderr, flush=True)
+                        kind = "atomic" if atomic else "atomic=False"
+                        runs.setdefault((label, kind), []).append((seconds, phase))
+                        print(f"sweep {label}, {kind}: {fmt_s(seconds)} {phase}",
+                              file=sys.stderr, flush=True)
         register = host_register_seconds(nbytes) if device.startswith("cuda") else None
 
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -239,16 +238,20 @@ def run(size: int, rounds: int, device: str, parent: str | None, sweep: bool = F
                "page-locked), copies each chunk into page-locked bounce buffers and on to "
                "the device on several threads and streams.")
     tables = [table]
-    if swept:
+    if runs:
         h2d = med["h2d"]
+        n = len(next(iter(runs.values())))
         more = Table(f"Restore settings, local tier -> {device} ({human_bytes(nbytes)}, "
-                     "faster of 2; phases of that restore)",
-                     ["settings", "restore", "time", "vs H2D", "pool open", "pool + plan", "layout",
-                      "verify", "deliver", "fill"])
-        for label, kind, t, phase in swept:
+                     f"{n} interleaved passes: median, fastest; phases of the median one)",
+                     ["settings", "restore", "median", "vs H2D", "fastest", "pool open",
+                      "pool + plan", "layout", "verify", "deliver"])
+        for (label, kind), got in runs.items():
+            ordered = sorted(got, key=lambda r: r[0])
+            t, phase = ordered[(len(ordered) - 1) // 2]
             more.add(label, kind, fmt_s(t), fmt_x(t / h2d) if h2d else "-",
+                     fmt_s(ordered[0][0]),
                      *(fmt_s(phase[k]) if k in phase else "-"
-                       for k in ("pool", "plan", "layout", "verified", "delivered", "fill")))
+                       for k in ("pool", "plan", "layout", "verified", "delivered")))
         more.note("Settings: CKPTD_H2D_THREADS (copying threads per device), CKPTD_H2D_PIECE "
                   "(bounce buffer), CKPTD_H2D_SCRATCH=0 (atomic: every chunk hashed where "
                   "it lies, then sent; else sent and hashed into device memory beside the "
@@ -310,15 +313,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--markdown", default=None)
-    parser.add_argument("--sweep", action="store_true",
-                        help="the restores again under other copy settings, with phases")
+    parser.add_argument("--sweep", nargs="*", default=None, metavar="LABEL",
+                        help="the restores again under other copy settings (all, or those "
+                             "named), with phases")
+    parser.add_argument("--sweep-rounds", type=int, default=2,
+                        help="interleaved passes over the settings")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench.gpu: no CUDA device here; nothing measured (--device cpu runs the "
               "harness on the CPU)")
         return
     tables, info = run(parse_size(args.size), args.rounds, args.device, args.scratch,
-                       args.sweep)
+                       args.sweep, args.sweep_rounds)
     for table in tables:
         table.print()
     if args.markdown:
