@@ -19,10 +19,11 @@ Rows:
 - ``cudaHostRegister`` of a pool-sized map (what page-locking the pool in the
   restoring process would cost; information for the bounce-buffer design);
 - with ``--sweep``: the two restores again under other copy settings
-  (``CKPTD_H2D_THREADS``, ``CKPTD_H2D_PIECE``, ``CKPTD_H2D_SCRATCH=0``: atomic
-  verifying where the bytes lie first, ``CKPTD_H2D_ONE_PASS=0`` as well: the two
-  passes of before), each with where its time went (the restore's own phases:
-  plan, layout, verify, deliver).
+  (``CKPTD_H2D_THREADS``, ``CKPTD_H2D_PIECE``, ``CKPTD_H2D_SCRATCH=1``: atomic
+  through device memory beside the target, ``CKPTD_H2D_ONE_PASS=0``: ``atomic=False``
+  verifying where the bytes lie first, as atomic does), interleaved over several
+  passes, each with where its time went (the restore's own phases: pool, plan,
+  layout, verify, deliver).
 
 The store is a local directory (``file://``), so no server shares the cores.
 """
@@ -65,6 +66,7 @@ SWEEP: list[tuple[str, dict[str, str]]] = [
     ("16 threads, 16 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(16 << 20)}),
     ("16 threads, hashed 512 KiB at a time", {"CKPTD_H2D_THREADS": "16",
                                               "CKPTD_H2D_HASH_PIECE": str(512 << 10)}),
+    ("atomic through device memory", {"CKPTD_H2D_SCRATCH": "1"}),
     ("two passes (before)", TWO_PASSES),
     ("two passes, 12 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "12"}),
     ("two passes, 16 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "16"}),
@@ -253,11 +255,12 @@ def run(size: int, rounds: int, device: str, parent: str | None,
                      *(fmt_s(phase[k]) if k in phase else "-"
                        for k in ("pool", "plan", "layout", "verified", "delivered")))
         more.note("Settings: CKPTD_H2D_THREADS (copying threads per device), CKPTD_H2D_PIECE "
-                  "(bounce buffer), CKPTD_H2D_SCRATCH=0 (atomic: every chunk hashed where "
-                  "it lies, then sent; else sent and hashed into device memory beside the "
-                  "target, then copied into it), CKPTD_H2D_ONE_PASS=0 (atomic=False "
-                  "verifies first too: the code before). Nothing reaches an atomic "
-                  "restore's target before every chunk verified.")
+                  "(bounce buffer), CKPTD_H2D_SCRATCH=1 (atomic: sent and hashed into "
+                  "device memory beside the target, then copied into it; by default every "
+                  "chunk is hashed where it lies, then sent), CKPTD_H2D_ONE_PASS=0 "
+                  "(atomic=False verifies first too: the code before). Nothing reaches an "
+                  "atomic restore's target before every chunk verified. 'pool + plan': "
+                  "from the restore's start to its plan (the pool's opening included).")
         tables.append(more)
     return tables, info
 

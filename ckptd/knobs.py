@@ -166,13 +166,15 @@ def h2d_one_pass() -> bool:
 
 
 def h2d_scratch() -> str:
-    """An atomic restore into CUDA tensors sends each chunk, hashed on the way, into
-    device memory beside the target and copies it into the target (device to
-    device) once every chunk verified: one read of the host bytes, as ``atomic=False``.
-    ``auto`` (the default) when the device has the room free (the chunks' bytes, and
-    a tenth of the device or 1 GiB to spare); ``1`` always; ``0`` never (every
-    chunk hashed where it lies first, then sent)."""
-    raw = os.environ.get("CKPTD_H2D_SCRATCH", "auto").strip().lower() or "auto"
+    """An atomic restore into CUDA tensors may send each chunk, hashed on the way,
+    into device memory beside the target, and copy it into the target (device to
+    device) once every chunk verified: one read of the host bytes, as ``atomic=False``,
+    for as much device memory again for the while. ``1``: always; ``auto``: when the
+    device has that room free (and a tenth of it or 1 GiB to spare); ``0``, the
+    default: every chunk hashed where it lies first, then sent (on one H200 with 16
+    cores, 2 GiB: 210 ms against 234 ms through device memory, memory-bound either
+    way; bench/RESULTS.md)."""
+    raw = os.environ.get("CKPTD_H2D_SCRATCH", "0").strip().lower() or "0"
     if raw not in ("auto", "0", "1"):
         raise ValueError(f"CKPTD_H2D_SCRATCH={raw!r}: say auto, 0 or 1")
     return raw
