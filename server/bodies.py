@@ -241,11 +241,12 @@ def ingest_budget(request: Request) -> IngestBudget:
 
 @dataclass(frozen=True, slots=True)
 class ChunkBody:
-    """An upload's bytes: the first ``size`` of ``buffer``, which hash to ``digest``."""
+    """An upload's bytes: the first ``size`` of ``buffer``, which hash to ``digest``
+    (None: not hashed yet; the store's put hashes them, ``Repository.put_chunk``)."""
 
     buffer: Buffer
     size: int
-    digest: str
+    digest: str | None
 
 
 async def read_chunk(request: Request) -> ChunkBody:

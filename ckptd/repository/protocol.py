@@ -76,6 +76,12 @@ log = logging.getLogger(__name__)
 REREAD_BATCH = 16
 
 
+
+def _check_digest(cid: str, actual: str) -> None:
+    if actual != cid:
+        raise ChunkHashMismatch(f"chunk body hashes to {actual}, not to its id {cid}", id=cid,
+                                actual=actual)
+
 class Repository(Verification, Listings, AfterCommit):
     """Checkpoints of many jobs over one Store, with validation on commit."""
 
@@ -158,7 +164,9 @@ class Repository(Verification, Listings, AfterCommit):
         """Stores a chunk after checking that ``data`` hashes to ``cid``.
 
         ``digest`` is the hash the caller already computed while streaming the body
-        in (the server does); it is then trusted instead of hashing twice."""
+        in; it is then trusted instead of hashing twice. Without it the bytes are
+        hashed where the store writes them (``Store.put_content``'s ``verify``),
+        before a byte is written."""
         check_chunk_id(cid)
         stored = False
         try:
@@ -168,15 +176,21 @@ class Repository(Verification, Listings, AfterCommit):
                 raise TooLarge(
                     f"chunk of {len(data)} bytes exceeds {knobs.MAX_CHUNK_SIZE}", id=cid
                 )
-            actual = digest if digest is not None else await asyncio.to_thread(chunk_id, data)
-            if actual != cid:
-                raise ChunkHashMismatch(
-                    f"chunk body hashes to {actual}, not to its id {cid}", id=cid, actual=actual
-                )
+            if digest is not None:
+                _check_digest(cid, digest)
+            verified = [digest is not None]
+
+            def verify() -> None:
+                if not verified[0]:
+                    _check_digest(cid, chunk_id(data))
+                    verified[0] = True
+
             key = chunk_key(cid)
             # A chunk stored already may be garbage a running sweep deletes: kept.
             created = await gc_fence.fenced_put(
-                self.store, cid, lambda: self.store.put_content(key, data))
+                self.store, cid,
+                lambda: self.store.put_content(key, data, None if verified[0] else verify))
+            assert verified[0], "a store returned from put_content without verifying"
             stored = True
             return created
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +61,19 @@ class Store(ABC):
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         """Writes the object unless the key exists. True when this call wrote it."""
 
-    async def put_content(self, key: str, data: bytes | memoryview) -> bool:
+    async def put_content(self, key: str, data: bytes | memoryview,
+                          verify: Callable[[], None] | None = None) -> bool:
         """``put_if_absent`` of a content-addressed object (a chunk: its key names its
         bytes, so any writer writes the same). True only when this call surely wrote
         it: where a store cannot tell (a retried write finding those bytes, which
-        another writer may have put), False; the object is there either way."""
+        another writer may have put), False; the object is there either way.
+
+        ``verify``: a blocking check of the bytes (their hash), run first, whether
+        or not the object exists, where the store's own blocking work runs (a
+        local store's thread: one hand-off per chunk, not two); what it raises ends
+        the put with nothing written."""
+        if verify is not None:
+            await asyncio.to_thread(verify)
         return await self.put_if_absent(key, data)
 
     @abstractmethod

@@ -15,7 +15,7 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -252,6 +252,17 @@ class LocalStore(Store):
 
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return await asyncio.to_thread(self._put_if_absent, key, data)
+
+    async def put_content(self, key: str, data: bytes | memoryview,
+                          verify: Callable[[], None] | None = None) -> bool:
+        if verify is None:
+            return await self.put_if_absent(key, data)
+        return await asyncio.to_thread(self._verified_put, key, data, verify)
+
+    def _verified_put(self, key: str, data: bytes | memoryview,
+                      verify: Callable[[], None]) -> bool:
+        verify()  # (the bytes' hash, in the thread that writes them)
+        return self._put_if_absent(key, data)
 
     def _delete(self, key: str) -> None:
         try:

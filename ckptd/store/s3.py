@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -348,7 +348,10 @@ class S3Store(Store):
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return await self._put_absent(key, data, read_back=True)
 
-    async def put_content(self, key: str, data: bytes | memoryview) -> bool:
+    async def put_content(self, key: str, data: bytes | memoryview,
+                          verify: Callable[[], None] | None = None) -> bool:
+        if verify is not None:
+            await asyncio.to_thread(verify)
         # Equal bytes found on a retry say nothing of who wrote them (two replicas
         # store the same chunk at once): counted as not written here.
         return await self._put_absent(key, data, read_back=False)

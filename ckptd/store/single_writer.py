@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from ckptd.errors import NotFound
@@ -52,11 +52,14 @@ class SingleWriterStore(Store):
                 return False
             return await self.inner.put_if_absent(key, data)
 
-    async def put_content(self, key: str, data: bytes | memoryview) -> bool:
+    async def put_content(self, key: str, data: bytes | memoryview,
+                          verify: Callable[[], None] | None = None) -> bool:
         async with self._lock(key):
             if await self.inner.exists(key):
+                if verify is not None:
+                    await asyncio.to_thread(verify)
                 return False
-            return await self.inner.put_content(key, data)
+            return await self.inner.put_content(key, data, verify)
 
     async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
         async with self._lock(key):

@@ -74,6 +74,31 @@ class StoreConformance:
         assert await store.get("k") == b"first"
 
     @pytest.mark.asyncio
+    async def test_put_content_verifies_before_it_writes(self, store: Store) -> None:
+        """``put_content``'s ``verify`` runs once, before a byte is written, and
+        also when the object is there already; what it raises ends the put with
+        nothing written."""
+        calls: list[str] = []
+
+        def ok() -> None:
+            calls.append("ok")
+
+        def refuse() -> None:
+            calls.append("refused")
+            raise ValueError("bytes do not hash to their key")
+
+        with pytest.raises(ValueError):
+            await store.put_content("content/a", b"wrong", refuse)
+        assert not await store.exists("content/a")
+        assert await store.put_content("content/a", b"right", ok) is True
+        assert await store.get("content/a") == b"right"
+        with pytest.raises(ValueError):  # (there already: still checked)
+            await store.put_content("content/a", b"wrong", refuse)
+        assert await store.put_content("content/a", b"right", ok) is False
+        assert calls == ["refused", "ok", "refused", "ok"]
+        assert await store.get("content/a") == b"right"
+
+    @pytest.mark.asyncio
     async def test_put_takes_buffers_and_copies_them(self, store: Store) -> None:
         buf = bytearray(b"abcdef")
         assert await store.put_if_absent("buf/bytearray", memoryview(buf)) is True
