@@ -139,10 +139,17 @@ def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
     else:
         pool = [threading.Thread(target=work, name=f"ckptd-h2d-{n}", daemon=True)
                 for n in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        started = []
+        try:
+            for t in pool:
+                t.start()
+                started.append(t)
+        except BaseException as exc:  # (no thread to be had): the started ones stop
+            errors.append(exc)
+            raise
+        finally:
+            for t in started:  # never return while a copy may still read or write
+                t.join()
     if errors:
         raise errors[0]
     return digests if hashed else None
@@ -181,10 +188,10 @@ def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
         host = torch.frombuffer(src, dtype=torch.uint8)
-    if (pinned or _ask)(lane, src, host):
+    # Hashed on the way: through a bounce buffer even when page-locked, since the
+    # bytes hashed must be the bytes sent (a DMA where they lie reads them later).
+    if hasher is None and (pinned or _ask)(lane, src, host):
         lane.send(dst, host)
-        if hasher is not None:
-            hasher.update(src)  # (blake3 lets the GIL go while it hashes)
         return k
     from_np = np.frombuffer(src, dtype=np.uint8)
     for a in range(0, n, piece):

@@ -372,6 +372,10 @@ def _scratch_for(items: Sequence[_InPlace], wanted: WantedChunks
             continue
         try:
             out[device] = torch.empty(n, dtype=torch.uint8, device=device)
+            if device.type == "cuda":
+                # Allocated on this thread's stream, written on the lanes': a block
+                # that work still queued here reads must be free before they write.
+                torch.cuda.current_stream(device).synchronize()
         except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is one)
             log.info("restore: no room for %d bytes beside the target on %s (%s); "
                      "verifying first, then sending", n, device, exc)

@@ -170,11 +170,18 @@ class ReadIn:
         if _MADVISE is None or sum(n for _, n in spans) < MAP_FROM:
             return None
         read_in = cls(spans, threads, keep)
+        started = []
         try:
             for t in read_in._threads:
                 t.start()
-        finally:
+                started.append(t)
+        except RuntimeError:  # (no thread to be had): pages fault in as they are read
+            read_in._stop.set()
             read_in._go.set()
+            for t in started:
+                t.join()
+            return None
+        read_in._go.set()
         return read_in
 
     def _run(self) -> None:

@@ -207,7 +207,7 @@ async def missing_chunks(
     "/{id}",
     status_code=201,
     response_model=ChunkStored,
-    summary="Store a chunk (its raw bytes); hashed while it streams in",
+    summary="Store a chunk (its raw bytes); stored only if they hash to its id",
     responses={
         200: {"model": ChunkStored, "description": "The store already held this chunk"},
         **error_responses(413, 422),

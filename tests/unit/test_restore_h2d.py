@@ -90,7 +90,9 @@ def test_hashed_copies_give_each_chunks_blake3(threads: int, bits: int) -> None:
     assert bytes(target.numpy()) == b"".join(data)
 
 
-def test_hashed_page_locked_bytes_are_hashed_where_they_lie() -> None:
+def test_hashed_page_locked_bytes_still_go_through_a_bounce_buffer() -> None:
+    """A DMA straight from page-locked bytes reads them later than a hash would:
+    hashed on the way, the bytes are sent from the buffer they were hashed in."""
     data = chunks([3000, 5000], seed=4)
     src = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in data]
     pinned = frozenset({src[0].data_ptr()})
@@ -101,7 +103,31 @@ def test_hashed_page_locked_bytes_are_hashed_where_they_lie() -> None:
     assert digests == [blake3.blake3(b).hexdigest() for b in data]
     assert bytes(target.numpy()) == b"".join(data)
     (lane,) = LateLane.lanes
-    assert lane.direct_copies == 1
+    assert lane.direct_copies == 0 and lane.bounced == 8
+
+
+def test_a_thread_that_cannot_start_stops_the_copies_before_the_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copy may still run (reading a pool map, writing the target) once
+    ``copy_to_device`` has raised."""
+    data = chunks([5000] * 8, seed=6)
+    target = torch.zeros(40_000, dtype=torch.uint8)
+    jobs = [(memoryview(b), target[i * 5000 : (i + 1) * 5000]) for i, b in enumerate(data)]
+    real_start = threading.Thread.start
+    starts = [0]
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("ckptd-h2d-"):  # (not the lanes' own engine threads)
+            starts[0] += 1
+            if starts[0] == 3:
+                raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        copy_to_device(jobs, lambda: LateLane(), 4)
+    assert not any(t.name.startswith("ckptd-h2d-") for t in threading.enumerate())
+    assert all(f.done() for lane in LateLane.lanes for f in lane.queued)
 
 
 def test_whether_memory_is_page_locked_is_asked_once_per_buffer() -> None:

@@ -129,3 +129,25 @@ def test_the_worker_ends_by_itself() -> None:
         assert not pre.running()
     left = {t.ident for t in threading.enumerate() if t.name == "ckptd-prefault"} - before
     assert not left
+
+
+def test_a_read_in_whose_threads_cannot_all_start_gives_up_and_leaves_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ReadIn`` starts every thread before any reads in; one that cannot start
+    (no threads to be had) ends the read-in: the started ones are stopped and
+    joined, and the restore goes on without it (pages fault in as read)."""
+    pool = torch.empty(32 * MiB, dtype=torch.uint8)
+    real_start = threading.Thread.start
+    starts = [0]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "ckptd-read-in":
+            starts[0] += 1
+            if starts[0] == 3:
+                raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    view = memoryview(pool.numpy())
+    assert memory.ReadIn.start([span_of(view)], 4, [pool]) is None
+    assert not any(t.name == "ckptd-read-in" for t in threading.enumerate())
