@@ -10,6 +10,7 @@ argv: out_dir, then options (see ``main``). Writes ``<out>/rank<r>.json``."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import logging
@@ -169,6 +170,11 @@ def main() -> None:
             result["error"] = type(exc).__name__
             result["message"] = str(exc)
     ckpt = ns.get("ckpt")
+    if args.per_rank_buffer:
+        # Both ranks' loops ended before either closes: without collectives, a
+        # loaded machine let one rank run its 120 steps and close before the other
+        # had saved step 0, and nobody can know then that step 0 never commits.
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=240))
     if ckpt is not None:
         closed = ckpt.close()
         result["close"] = {"saves": closed.saves, "failed": closed.failed}
