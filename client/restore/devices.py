@@ -22,10 +22,12 @@ DMA engine's do (``tests/unit/test_restore_h2d.py``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import blake3
@@ -222,3 +224,117 @@ def _ask(lane: Lane, src: memoryview, host: torch.Tensor) -> bool:
 def no_context() -> AbstractContextManager[object]:
     """``Lane.active`` of a lane that needs nothing made current."""
     return contextlib.nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceOrder:
+    """What device copies made on another thread must follow, taken on the
+    caller's thread (CUDA's current stream and inference mode are per thread):
+    an event recorded on each device's current stream, and the inference mode."""
+
+    ready: Mapping[torch.device, Any]
+    inference: bool
+
+    @classmethod
+    def here(cls, devices: Iterable[torch.device]) -> DeviceOrder:
+        """Taken now, on the calling thread (before the restore's own work)."""
+        from ..cuda import record_ready  # only with device tensors: no CUDA otherwise
+
+        cuda = [d for d in set(devices) if d.type == "cuda"]
+        return cls(record_ready(cuda) if cuda else {}, torch.is_inference_mode_enabled())
+
+
+def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch.Tensor]],
+               order: DeviceOrder | None = None, threads: int | None = None,
+               hashed: bool = False) -> dict[str, str]:
+    """Copies verified chunks from where they lie (the staging pool, the cache, a
+    landing buffer) into device tensors: for a CUDA device on several threads, each
+    with a side stream ordered after the work the caller had queued on the device's
+    current stream (``order``; else this thread's) and its own page-locked bounce
+    buffers (``devices.copy_to_device``); finished before returning (so the host
+    bytes may go once this returns). ``hashed``: returns each chunk's blake3 as
+    its CUDA slice read it (one slice per chunk)."""
+    inference = order.inference if order is not None else torch.is_inference_mode_enabled()
+    laned: dict[torch.device, list[tuple[str, CopyJob]]] = {}
+    with torch.inference_mode(inference), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about read-only pool maps
+        for cid, dsts in devices.items():
+            for dst in dsts:
+                if dst.device.type in LANES:
+                    laned.setdefault(dst.device, []).append((cid, (found[cid], dst)))
+                else:
+                    dst.copy_(torch.frombuffer(found[cid], dtype=torch.uint8))
+    if not laned:
+        return {}
+    ready = dict(order.ready) if order is not None else {}
+    cuda = [d for d in laned if d.type == "cuda" and d not in ready]
+    if cuda:
+        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
+
+        ready.update(record_ready(cuda))
+    threads = threads or knobs.h2d_threads()
+    piece = knobs.h2d_piece()
+    digests: dict[str, str] = {}
+    for device, jobs in laned.items():
+        lane = functools.partial(LANES[device.type], device, ready.get(device), piece)
+        out = copy_to_device([job for _, job in jobs], lane, threads, inference, hashed, piece)
+        if out is not None:
+            digests.update(zip([cid for cid, _ in jobs], out, strict=True))
+    return digests
+
+
+def from_scratch(on_device: Mapping[str, torch.Tensor],
+                 devices: Mapping[str, list[torch.Tensor]],
+                 order: DeviceOrder | None = None) -> None:
+    """Copies chunks verified in device memory (``on_device``: chunk id -> its
+    bytes there) into their slices of the target, device to device, on a stream
+    of each device's lane (ordered as ``to_devices``'s copies); chunks that follow
+    each other in both join into one copy. Finished before returning."""
+    inference = order.inference if order is not None else torch.is_inference_mode_enabled()
+    pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for cid, src in on_device.items():
+        for dst in devices[cid]:
+            pairs.setdefault(dst.device, []).append((dst, src))
+    ready = dict(order.ready) if order is not None else {}
+    cuda = [d for d in pairs if d.type == "cuda" and d not in ready]
+    if cuda:
+        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
+
+        ready.update(record_ready(cuda))
+    for device, copies in pairs.items():
+        joined = _joined(copies)  # (views made outside inference mode, as the target's)
+        lane = LANES[device.type](device, ready.get(device), 0)
+        try:
+            with lane.active(), torch.inference_mode(inference), torch.no_grad():
+                for dst, src in joined:
+                    lane.send(dst, src)
+        finally:
+            lane.finish()
+
+
+def _joined(copies: list[tuple[torch.Tensor, torch.Tensor]]
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` (uint8 destination, uint8 source), those that continue the last
+    one in both storages joined into one."""
+    def where(t: torch.Tensor) -> tuple[int, int]:
+        return t.untyped_storage().data_ptr(), int(t.storage_offset())
+
+    out: list[list[Any]] = []
+    for dst, src in sorted(copies, key=lambda c: where(c[0])):
+        if out:
+            last = out[-1]  # [dst storage, dst offset, src storage, src offset, n, dst, src]
+            (ds, do), (ss, so) = where(dst), where(src)
+            if (ds, ss) == (last[0], last[2]) and do == last[1] + last[4] \
+                    and so == last[3] + last[4] and dst.is_contiguous() and src.is_contiguous():
+                last[4] += dst.numel()
+                continue
+        out.append([*where(dst), *where(src), dst.numel(), dst, src])
+    joined: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _, do, _, so, n, dst, src in out:
+        if n == dst.numel():
+            joined.append((dst, src))
+            continue
+        whole_dst = dst.new_empty(0).set_(dst.untyped_storage(), do, (n,), (1,))
+        whole_src = src.new_empty(0).set_(src.untyped_storage(), so, (n,), (1,))
+        joined.append((whole_dst, whole_src))
+    return joined

@@ -234,7 +234,7 @@ def build_layout(
         own_box = e.placement == "local" or box == (tuple(e.offsets), tuple(e.shape))
         if own_box and isinstance(existing, torch.Tensor) and _on_device(existing, dtype, box[1]):
             # Straight from the verified host bytes into the device tensor: no
-            # host buffer in between, no second copy (see ``fetch.to_devices``).
+            # host buffer in between, no second copy (see ``devices.to_devices``).
             flat = existing.detach().reshape(-1).view(torch.uint8)
             for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, cs), strict=True):
                 wanted.add_device(cid, flat[a:b], e.name)

@@ -31,15 +31,9 @@ from ..session import Session
 from ..staging.pool import StagingPool
 from ..stateful import restore_view
 from ..transport import Transport
+from .devices import DeviceOrder, to_devices
 from .direct import ObjectStoreSource
-from .fetch import (
-    ChunkFetcher,
-    DeviceOrder,
-    WantedChunks,
-    deliver,
-    failure,
-    to_devices,
-)
+from .fetch import ChunkFetcher, WantedChunks, deliver, failure
 from .fill import fill, plan_fill
 from .keys import Kind, Path, check_keys, stateful_kinds
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
