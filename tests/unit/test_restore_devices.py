@@ -1,7 +1,8 @@
 """Chunks bound for device tensors go straight from the verified host bytes into
-the target tensor (``WantedChunks.add_device`` and ``fetch.to_devices``), never
-before every chunk verified. No GPU here: the layout's device test is pointed at a
-CPU tensor, so the same path runs with CPU copies (tests/gpu runs it on CUDA)."""
+the target tensor (``WantedChunks.add_device``, and ``devices.to_devices`` called
+from ``fetch.deliver``), never before every chunk verified. No GPU here: the
+layout's device test is pointed at a CPU tensor, so the same path runs with CPU
+copies (tests/gpu runs it on CUDA)."""
 
 from __future__ import annotations
 
