@@ -64,8 +64,6 @@ SWEEP: list[tuple[str, dict[str, str]]] = [
     ("16 threads", {"CKPTD_H2D_THREADS": "16"}),
     ("12 threads", {"CKPTD_H2D_THREADS": "12"}),
     ("16 threads, 16 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(16 << 20)}),
-    ("16 threads, hashed 512 KiB at a time", {"CKPTD_H2D_THREADS": "16",
-                                              "CKPTD_H2D_HASH_PIECE": str(512 << 10)}),
     ("atomic through device memory", {"CKPTD_H2D_SCRATCH": "1"}),
     ("two passes (before)", TWO_PASSES),
     ("two passes, 12 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "12"}),

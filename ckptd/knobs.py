@@ -150,14 +150,6 @@ def h2d_threads() -> int:
     return max(1, _env_int("CKPTD_H2D_THREADS", max(2, min(8, (os.cpu_count() or 2) // 2))))
 
 
-def h2d_hash_piece() -> int:
-    """``atomic=False`` into CUDA tensors: hash each bounce piece this many bytes at a
-    time as it is copied (each bit then hashed from the core's cache); 0, the
-    default, hashes the whole piece once it is sent, one call per piece (each call
-    hands the GIL between the copying threads)."""
-    return max(0, _env_int("CKPTD_H2D_HASH_PIECE", 0))
-
-
 def h2d_one_pass() -> bool:
     """``atomic=False`` into CUDA tensors: hash each chunk from the bounce buffer the
     device reads, while it is sent (one read of the host bytes), rather than where

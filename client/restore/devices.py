@@ -11,9 +11,9 @@ reused only after the DMA out of it finished (its event), so a piece is never
 overwritten under a copy still reading it.
 
 ``hashed=True`` (a restore with ``atomic=False``) hashes each chunk on the way,
-from the bounce buffer the device reads (or the page-locked bytes it reads), so
-that the bytes verified are the bytes sent and the host bytes are read once, not
-once to verify and once more to send.
+from the bounce buffer the device reads (page-locked bytes too go through one
+then), so that the bytes verified are the bytes sent and the host bytes are read
+once, not once to verify and once more to send.
 
 The device side is a ``Lane`` (``cuda.CudaLane`` on a GPU); the tests drive the
 same pipeline with a lane whose copies run later on a thread of their own, as a
@@ -21,7 +21,6 @@ DMA engine's do (``tests/unit/test_restore_h2d.py``)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import warnings
@@ -87,19 +86,16 @@ LANES: dict[str, Callable[[torch.device, Any, int], Lane]] = {"cuda": _cuda_lane
 
 def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
                    threads: int | None = None, inference: bool = False,
-                   hashed: bool = False, piece: int | None = None,
-                   hash_piece: int | None = None) -> list[str] | None:
+                   hashed: bool = False, piece: int | None = None) -> list[str] | None:
     """Copies each job's host bytes into its device slice, on ``threads`` threads
     (each opening its own ``lane()``, under ``no_grad`` and the caller's inference
     mode: both are per thread), and returns once every copy finished. The first
     error stops the others and is raised. ``hashed``: returns the blake3 hex digest
     of the bytes each job sent, in the jobs' order (hashed where the device read
-    them). ``piece``: the bounce pieces' size (``PIECE`` by default);
-    ``hash_piece``: see ``_copy_one`` (``knobs.h2d_hash_piece`` by default)."""
+    them). ``piece``: the bounce pieces' size (``PIECE`` by default)."""
     if not jobs:
         return [] if hashed else None
     piece = piece or PIECE
-    hash_piece = knobs.h2d_hash_piece() if hash_piece is None else hash_piece
     threads = max(1, min(threads or MAX_THREADS, len(jobs)))
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))  # large ones first
     taken = iter(order)
@@ -125,7 +121,7 @@ def copy_to_device(jobs: Sequence[CopyJob], lane: Callable[[], Lane],
                 while (i := next_job()) is not None:
                     src, dst = jobs[i]
                     hasher = blake3.blake3() if hashed else None
-                    k = _copy_one(one, src, dst, k, piece, pinned, hasher, hash_piece)
+                    k = _copy_one(one, src, dst, k, piece, pinned, hasher)
                     if hasher is not None:
                         digests[i] = hasher.hexdigest()
         except BaseException as exc:
@@ -177,11 +173,12 @@ class _PinnedCache:
 
 
 def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int,
-              pinned: Callable[[Lane, memoryview, torch.Tensor], bool] | None = None,
-              hasher: blake3.blake3 | None = None, hash_piece: int = 0) -> int:
+              pinned: _PinnedCache, hasher: blake3.blake3 | None = None) -> int:
     """One job through ``lane``; returns the bounce buffer to use next. ``hasher``
-    is fed the bytes as the device reads them (``hash_piece`` at a time as they
-    are copied; 0: each piece once it is sent)."""
+    is fed the bytes as the device reads them: each piece once it is sent, beside
+    the DMA (both only read the buffer), one call per piece (hashing 512 KiB at a
+    time as it is copied handed the GIL between the threads so often that it took
+    twice as long on 16 cores, bench/RESULTS.md)."""
     n = len(src)
     if dst.numel() != n:
         raise ValueError(f"a device slice of {dst.numel()} bytes for {n} bytes")
@@ -192,7 +189,7 @@ def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int
         host = torch.frombuffer(src, dtype=torch.uint8)
     # Hashed on the way: through a bounce buffer even when page-locked, since the
     # bytes hashed must be the bytes sent (a DMA where they lie reads them later).
-    if hasher is None and (pinned or _ask)(lane, src, host):
+    if hasher is None and pinned(lane, src, host):
         lane.send(dst, host)
         return k
     from_np = np.frombuffer(src, dtype=np.uint8)
@@ -200,30 +197,12 @@ def _copy_one(lane: Lane, src: memoryview, dst: torch.Tensor, k: int, piece: int
         m = min(piece, n - a)
         buf = lane.bounce(k)
         staged = buf.numpy()[:m]
-        bits = hash_piece or m
-        if hasher is None or bits >= m:
-            np.copyto(staged, from_np[a : a + m])  # (no GIL while it copies)
-        else:  # each bit hashed while it is still in the core's cache
-            for b in range(0, m, bits):
-                bit = staged[b : b + bits]
-                np.copyto(bit, from_np[a + b : a + b + len(bit)])
-                hasher.update(bit.data)  # the bytes the device will read, not the source's
+        np.copyto(staged, from_np[a : a + m])  # (no GIL while it copies)
         lane.send(dst[a : a + m], buf[:m], k)
-        if hasher is not None and bits >= m:
-            # After the send, beside the DMA (both only read the buffer): one call per
-            # piece, since each call is a hand-off of the GIL between the threads.
-            hasher.update(staged.data)
+        if hasher is not None:
+            hasher.update(staged.data)  # the bytes the device reads, not the source's
         k ^= 1
     return k
-
-
-def _ask(lane: Lane, src: memoryview, host: torch.Tensor) -> bool:
-    return lane.direct(host)
-
-
-def no_context() -> AbstractContextManager[object]:
-    """``Lane.active`` of a lane that needs nothing made current."""
-    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,12 +245,7 @@ def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch
                     dst.copy_(torch.frombuffer(found[cid], dtype=torch.uint8))
     if not laned:
         return {}
-    ready = dict(order.ready) if order is not None else {}
-    cuda = [d for d in laned if d.type == "cuda" and d not in ready]
-    if cuda:
-        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
-
-        ready.update(record_ready(cuda))
+    ready = _ready(laned, order)
     threads = threads or knobs.h2d_threads()
     piece = knobs.h2d_piece()
     digests: dict[str, str] = {}
@@ -281,6 +255,19 @@ def to_devices(found: Mapping[str, memoryview], devices: Mapping[str, list[torch
         if out is not None:
             digests.update(zip([cid for cid, _ in jobs], out, strict=True))
     return digests
+
+
+def _ready(devices: Iterable[torch.device], order: DeviceOrder | None
+           ) -> dict[torch.device, Any]:
+    """What each device's copies follow: ``order``'s events, else an event
+    recorded now on this thread's current stream of each CUDA device."""
+    ready = dict(order.ready) if order is not None else {}
+    cuda = [d for d in devices if d.type == "cuda" and d not in ready]
+    if cuda:
+        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
+
+        ready.update(record_ready(cuda))
+    return ready
 
 
 def from_scratch(on_device: Mapping[str, torch.Tensor],
@@ -295,12 +282,7 @@ def from_scratch(on_device: Mapping[str, torch.Tensor],
     for cid, src in on_device.items():
         for dst in devices[cid]:
             pairs.setdefault(dst.device, []).append((dst, src))
-    ready = dict(order.ready) if order is not None else {}
-    cuda = [d for d in pairs if d.type == "cuda" and d not in ready]
-    if cuda:
-        from ..cuda import record_ready  # only with CUDA tensors: no CUDA otherwise
-
-        ready.update(record_ready(cuda))
+    ready = _ready(pairs, order)
     for device, copies in pairs.items():
         joined = _joined(copies)  # (views made outside inference mode, as the target's)
         lane = LANES[device.type](device, ready.get(device), 0)

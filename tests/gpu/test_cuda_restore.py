@@ -187,9 +187,11 @@ def test_a_chunk_the_pool_holds_wrong_reaches_the_device_from_the_store(
     assert [p.tier for p in result.problems] == ["local"]
 
 
-def test_a_one_pass_restore_into_cuda_that_fails_says_the_device_was_written(
-        tmp_path: Path, shm: Path) -> None:
-    expected = {"t": torch.randn(SMALL // 4 * 3, generator=torch.Generator().manual_seed(2))}
+def _restore_from_a_spoilt_pool(tmp_path: Path, shm: Path, atomic: bool, seed: int
+                                ) -> tuple[dict[str, torch.Tensor], RestoreError]:
+    """A one-tensor state saved, every staged byte of it spoilt, and restored from
+    the pool alone into zeroed CUDA tensors: those tensors and the error."""
+    expected = {"t": torch.randn(SMALL // 4 * 3, generator=torch.Generator().manual_seed(seed))}
     url = f"file://{tmp_path / 'store'}"
     target = on_device(expected)
     with Checkpointer(url, "gpu-spoilt-all", chunk_size=SMALL, shm_dir=shm,
@@ -198,9 +200,15 @@ def test_a_one_pass_restore_into_cuda_that_fails_says_the_device_was_written(
         _spoil_largest_segment(writer.staging.directory)
         with Checkpointer(url, "gpu-spoilt-all", shm_dir=shm, serve_peers=False) as reader, \
                 pytest.raises(RestoreError) as info:
-            reader.restore(target, tiers=("local",), atomic=False)
+            reader.restore(target, tiers=("local",), atomic=atomic)
+    return target, info.value
+
+
+def test_a_one_pass_restore_into_cuda_that_fails_says_the_device_was_written(
+        tmp_path: Path, shm: Path) -> None:
+    target, error = _restore_from_a_spoilt_pool(tmp_path, shm, atomic=False, seed=2)
     assert target["t"].view(torch.int32).any()  # what the pool gave did land
-    assert info.value.detail["partial"] is True and "partly restored" in str(info.value)
+    assert error.detail["partial"] is True and "partly restored" in str(error)
 
 
 def test_an_atomic_restore_into_cuda_that_fails_leaves_the_target_alone(
@@ -208,15 +216,6 @@ def test_an_atomic_restore_into_cuda_that_fails_leaves_the_target_alone(
     """Sent and hashed into device memory beside the target, the spoilt chunks never
     reach the target itself."""
     monkeypatch.setenv("CKPTD_H2D_SCRATCH", "1")
-    expected = {"t": torch.randn(SMALL // 4 * 3, generator=torch.Generator().manual_seed(3))}
-    url = f"file://{tmp_path / 'store'}"
-    target = on_device(expected)
-    with Checkpointer(url, "gpu-atomic", chunk_size=SMALL, shm_dir=shm,
-                      serve_peers=False) as writer:
-        writer.save(1, expected).wait(timeout=60)
-        _spoil_largest_segment(writer.staging.directory)
-        with Checkpointer(url, "gpu-atomic", shm_dir=shm, serve_peers=False) as reader, \
-                pytest.raises(RestoreError) as info:
-            reader.restore(target, tiers=("local",), atomic=True)
+    target, error = _restore_from_a_spoilt_pool(tmp_path, shm, atomic=True, seed=3)
     assert not target["t"].view(torch.int32).any()
-    assert info.value.detail.get("partial") is not True
+    assert error.detail.get("partial") is not True

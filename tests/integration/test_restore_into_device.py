@@ -61,6 +61,22 @@ def spoil(writer: Checkpointer, nbytes: int | None = None) -> None:
         f.write(os.urandom(nbytes or size))
 
 
+def restore_from_a_spoilt_pool(tmp_path: Path, atomic: bool, seed: int
+                               ) -> tuple[dict[str, torch.Tensor], RestoreError]:
+    """A one-tensor state saved, every staged byte of it spoilt, and restored from
+    the pool alone into zeroed tensors: those tensors and the error."""
+    expected = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(seed))}
+    url = f"file://{tmp_path / 'store'}"
+    target = {"t": torch.zeros_like(expected["t"])}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        spoil(writer)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, tiers=("local",), atomic=atomic)
+    return target, info.value
+
+
 def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -98,18 +114,10 @@ def test_an_atomic_restore_that_fails_leaves_the_device_tensors_alone(
         tmp_path: Path, lanes: list[LateLane], monkeypatch: pytest.MonkeyPatch,
         scratch: str) -> None:
     monkeypatch.setenv("CKPTD_H2D_SCRATCH", scratch)
-    expected = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(4))}
-    url = f"file://{tmp_path / 'store'}"
-    target = {"t": torch.zeros_like(expected["t"])}
-    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
-        writer.save(1, expected).wait(timeout=60)
-        spoil(writer)
-        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
-                pytest.raises(RestoreError) as info:
-            reader.restore(target, tiers=("local",), atomic=True)
+    target, error = restore_from_a_spoilt_pool(tmp_path, atomic=True, seed=4)
     assert not target["t"].view(torch.int32).any()  # nothing reached the target
-    assert info.value.detail.get("partial") is not True
-    assert "partly restored" not in str(info.value)
+    assert error.detail.get("partial") is not True
+    assert "partly restored" not in str(error)
 
 
 @pytest.mark.parametrize(("atomic", "one_pass", "scratch"),
@@ -144,14 +152,6 @@ def test_a_chunk_the_pool_holds_wrong_is_sent_again_from_the_store(
 
 def test_a_one_pass_restore_that_fails_says_the_device_was_written(
         tmp_path: Path, lanes: list[LateLane]) -> None:
-    expected = {"t": torch.randn(CHUNK // 4 * 3, generator=torch.Generator().manual_seed(3))}
-    url = f"file://{tmp_path / 'store'}"
-    target = {"t": torch.zeros_like(expected["t"])}
-    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
-        writer.save(1, expected).wait(timeout=60)
-        spoil(writer)
-        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
-                pytest.raises(RestoreError) as info:
-            reader.restore(target, tiers=("local",), atomic=False)
+    target, error = restore_from_a_spoilt_pool(tmp_path, atomic=False, seed=3)
     assert target["t"].view(torch.int32).any()  # what the pool gave did land
-    assert info.value.detail["partial"] is True and "partly restored" in str(info.value)
+    assert error.detail["partial"] is True and "partly restored" in str(error)
