@@ -65,7 +65,10 @@ def test_metadata_of_a_three_rank_step_is_one_request_and_chunks_come_from_peers
         reader = Reader(srv.url, "dcp-peers", token=TOKEN)
         before = requests_in_log(srv)
         reader.read_metadata()
-        asked = requests_in_log(srv)[len(before):]
+        # (The session's look at the cluster, made in the background when it opens,
+        # may land in this window on a loaded machine: it is routing, not metadata.)
+        asked = [r for r in requests_in_log(srv)[len(before):]
+                 if not r.startswith("GET /v1/cluster")]
         # Not a request per rank (latest, commit, each manifest, each rank's plan).
         assert len(asked) == 1 and asked[0].startswith("GET /v1/jobs/dcp-peers/step-plan?"), asked
         target = tiers.target_like(expected)
