@@ -104,7 +104,6 @@ class StagingPool:
         struct.pack_into("<Q", control, PID_AT, os.getpid())
 
     def _claim(self) -> tuple[Path, int, mmap.mmap]:
-        own_user_root(self.root)  # (StagingError when another user made it)
         primary = pool_dir(self.job, self.rank, self.root)
         candidates = [primary] + [
             primary.with_name(f"{primary.name}.{os.getpid()}-{secrets.token_hex(3)}")
@@ -118,7 +117,11 @@ class StagingPool:
             vanished = 0
             while True:
                 try:
-                    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    # Each level made here, private: a clean removes the user's and the
+                    # job's directories once empty, and may do so between two mkdirs.
+                    own_user_root(self.root)  # (StagingError when another user made it)
+                    directory.parent.mkdir(exist_ok=True, mode=0o700)
+                    directory.mkdir(exist_ok=True, mode=0o700)
                     opened = _open_control(directory, lock=True)
                 except (FileNotFoundError, FileExistsError):
                     # A closing owner or a clean removed it under us (FileExistsError:

@@ -39,9 +39,16 @@ def own_user_root(root: Path | None) -> Path:
     when it is not). Another user could else make it first and then read the
     staged state, or swap a rank's pool under it."""
     path = _user_root(root)
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(parents=True, mode=0o700)
-    fd = open_own_directory(path)
+    for attempt in range(5):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(parents=True, mode=0o700)
+        try:
+            fd = open_own_directory(path)
+            break
+        except FileNotFoundError:
+            # A clean removed it, empty, between the mkdir and the open: make it again.
+            if attempt == 4:
+                raise StagingError(f"cannot create the staging directory {path}") from None
     try:
         if os.fstat(fd).st_mode & 0o077:
             os.fchmod(fd, 0o700)

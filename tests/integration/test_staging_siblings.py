@@ -161,3 +161,60 @@ def test_stale_pools_are_not_looked_for_under_a_root_another_user_made(shm: Path
     _user_root(shm).symlink_to(theirs)
     assert remove_stale_pools(shm) == []
     assert (pool / "seg-0").exists()
+
+
+def test_a_claim_survives_a_clean_removing_the_empty_user_and_job_directories(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Seen once in CI: a clean raced a restarting worker.) A clean removes the
+    user's and the job's directories once they are empty; when that happens between
+    the claim's mkdir and its open, or after the user's directory was checked, the
+    claim makes them again, each private, instead of failing or leaving a directory
+    made with the umask's mode."""
+    from ckptd.client.staging import segments
+    from ckptd.client.staging.pool import StagingPool
+    from ckptd.client.staging.segments import _user_root
+
+    root = _user_root(shm)
+    real_open = segments.open_own_directory
+    vanished: list[Path] = []
+
+    def open_after_a_clean(path: Path) -> int:
+        if not vanished:  # the first open finds the directory just removed, empty
+            vanished.append(path)
+            os.rmdir(path)
+        return real_open(path)
+
+    monkeypatch.setattr(segments, "open_own_directory", open_after_a_clean)
+    pool = StagingPool("j", 0, root=shm)
+    try:
+        assert vanished == [root]
+        assert pool.directory == pool_dir("j", 0, shm)
+        for d in (root, pool.directory.parent, pool.directory):
+            assert os.stat(d).st_mode & 0o777 == 0o700, d
+    finally:
+        pool.close()
+    monkeypatch.undo()
+
+    real_root = segments.own_user_root
+
+    def checked_then_cleaned(where: Path | None) -> Path:
+        path = real_root(where)
+        if len(vanished) == 1:  # checked, then emptied and removed before the mkdirs
+            vanished.append(path)
+            os.rmdir(path)
+        return path
+
+    from ckptd.client.staging import pool as pool_module
+    monkeypatch.setattr(pool_module, "own_user_root", checked_then_cleaned)
+    old = os.umask(0o022)
+    try:
+        pool = StagingPool("j", 1, root=shm)
+    finally:
+        os.umask(old)
+    try:
+        assert len(vanished) == 2 and pool.directory == pool_dir("j", 1, shm)
+        for d in (root, pool.directory.parent, pool.directory):
+            assert os.stat(d).st_mode & 0o777 == 0o700, d
+    finally:
+        pool.close()
