@@ -24,11 +24,12 @@ from .loop import ClientClosing
 log = logging.getLogger("ckptd.client.checkpointer")
 
 
-def wrap_error(exc: BaseException, what: str) -> CkptdError:
-    """A typed error for anything that went wrong in the background."""
+def wrap_error(exc: BaseException, what: str,
+               kind: type[CkptdError] = CkptdError) -> CkptdError:
+    """A typed error (``kind``) for anything that went wrong in the background."""
     if isinstance(exc, CkptdError):
         return exc
-    err = CkptdError(f"{what} failed: {type(exc).__name__}: {exc}")
+    err = kind(f"{what} failed: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
 

@@ -60,14 +60,16 @@ class Session:
         if self.closed:
             raise InvalidRequest("this Checkpointer is closed")
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        """Runs ``coro`` on the background loop; errors come out typed."""
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None,
+             what: str = "request", kind: type[CkptdError] = CkptdError) -> T:
+        """Runs ``coro`` on the background loop; errors come out typed (any that is
+        not ckptd's as a ``kind`` saying that ``what`` failed, its cause kept)."""
         try:
             return self.loop.run(coro, timeout)
         except CkptdError:
             raise
         except Exception as exc:
-            raise wrap_error(exc, "request") from exc
+            raise wrap_error(exc, what, kind) from exc
 
     def close(self) -> None:
         """Ends the loop's work still under way (what is quick finishes, the rest is

@@ -19,6 +19,7 @@ from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
     InvalidRequest,
+    RestoreError,
     Timeout,
     UnsupportedFormat,
 )
@@ -362,7 +363,7 @@ def _restore_planned(
         fetched: Fetched = call(fetch_layout(transport, plan, layout, opts, rank, written,
                                              adopt, ahead))
     except CkptdError as exc:  # (a deadline that passed during delivery, too)
-        raise _stated(exc, plan.step, written.target) from None
+        raise _stated(exc, plan.step, written.target) from exc.__cause__
     t_fetch = time.perf_counter()
     fill(state, layout.tree, fetched.tensors)
     log.debug("%s/%d: plan %.4f s, layout %.4f s, fetch %.4f s, fill %.4f s", job, rank,
@@ -478,17 +479,20 @@ class Restorer:
         timeout = s.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
 
+        what = (f"the restore of {c.job}'s " + ("latest step" if step is None else f"step {step}")
+                + f" (rank {c.rank})")
+
         def call(coro: Coroutine[Any, Any, T]) -> T:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return s.call(coro, left)
+                # (An error not ckptd's, e.g. a device's, is the restore's failure.)
+                return s.call(coro, left, what, RestoreError)
             except Timeout as exc:
                 if timeout is None or "after_s" not in exc.detail:
                     raise  # (a peer's or a request's own deadline says what it was)
                 # Said of the whole restore, not of the moment left to its last part.
-                which = "latest" if step is None else f"step {step}"
-                raise Timeout(f"the restore of {c.job} {which} (rank {c.rank}) ran out of "
-                              f"its {timeout:g} s timeout; pass a longer timeout=",
+                raise Timeout(f"{what} ran out of its {timeout:g} s timeout; pass a longer "
+                              "timeout=",
                               job=c.job, rank=c.rank, timeout_s=timeout) from None
 
         cache = c.cache_dir if c.cache_dir is not None else knobs.cache_dir()

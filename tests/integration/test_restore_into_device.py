@@ -155,3 +155,28 @@ def test_a_one_pass_restore_that_fails_says_the_device_was_written(
     target, error = restore_from_a_spoilt_pool(tmp_path, atomic=False, seed=3)
     assert target["t"].view(torch.int32).any()  # what the pool gave did land
     assert error.detail["partial"] is True and "partly restored" in str(error)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_device_copy_that_fails_mid_restore_says_the_target_was_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shm: Path, atomic: bool) -> None:
+    """A device's own error in the middle of the copies (a CUDA RuntimeError: not one
+    of ckptd's) reaches the caller typed, its cause kept, and saying the target is
+    partly restored: some tensors got the step's bytes, others did not."""
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+    monkeypatch.setenv("CKPTD_H2D_PIECE", str(CHUNK // 2))
+    monkeypatch.setitem(devices.LANES, "cpu",
+                        lambda device, ready, piece: LateLane(piece=piece, fail_after=2))
+    expected = state(5)
+    url = f"file://{tmp_path / 'store'}"
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with Checkpointer(url, "lanes", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        with Checkpointer(url, "lanes", serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target, atomic=atomic)
+    error = info.value
+    assert isinstance(error.__cause__, RuntimeError), repr(error.__cause__)
+    assert "illegal memory access" in str(error) and error.detail["step"] == 1
+    assert error.detail["partial"] is True and "partly restored" in str(error)
+    assert any(target[k].view(torch.int32).any() for k in target)  # some bytes did land
