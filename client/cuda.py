@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -72,16 +72,33 @@ class CopyDone:
     def synchronize(self, timeout: float | None = None) -> None:
         """Blocks until every copy finished; ``Timeout`` after ``timeout`` seconds."""
         if timeout is None:
-            for _, e in self.events:
-                e.synchronize()  # a blocking-sync event: the thread sleeps, no spin
+            self._wait_events()
             return
-        deadline = time.monotonic() + timeout
-        delay = 1e-4
-        while not self.query():
-            if time.monotonic() >= deadline:
-                raise Timeout(f"staging copies still running after {timeout} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        if self.query():
+            return
+        # A thread sleeps on the events and wakes this one the moment they complete:
+        # polling them with a growing sleep noticed a 40 ms copy's end up to 10 ms
+        # late, a quarter more stall for the training loop. (Left behind on a
+        # timeout, it ends with the copies.)
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                self._wait_events()
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="ckptd-staged", daemon=True).start()
+        if not done.wait(timeout):
+            raise Timeout(f"staging copies still running after {timeout} s")
+        self._wait_events()  # returns at once; raises what the waiting thread met
+
+    def _wait_events(self) -> None:
+        for device, e in self.events:
+            # (On the event's own device: a thread with no current device would make
+            # one on device 0, a context that costs hundreds of MiB there.)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                e.synchronize()  # a blocking-sync event: the thread sleeps, no spin
 
     def block_streams(self) -> None:
         """Makes each device's current stream wait for the copies (returns at once)."""

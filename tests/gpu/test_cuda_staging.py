@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.errors import Timeout
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,6 +107,25 @@ def test_save_returns_before_the_copy_of_a_large_tensor_is_done(tmp_path: Path,
         mutate(state)
         handle.wait(timeout=120)
         assert_same(restored(ckpt, 2), expected)
+        # The same with a timeout: a thread sleeps on the events for this one.
+        expected = on_cpu(state)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        handle = ckpt.save(3, state)
+        assert handle._copy_done is not None and not handle._copy_done.query()
+        handle.staged(timeout=60)
+        assert handle._copy_done.query()
+        mutate(state)
+        handle.wait(timeout=120)
+        assert_same(restored(ckpt, 3), expected)
+        expected = on_cpu(state)
+        torch.cuda._sleep(SLEEP_CYCLES * 100)  # far longer than the timeout below
+        handle = ckpt.save(4, state)
+        with pytest.raises(Timeout):
+            handle.staged(timeout=0.01)
+        handle.staged()
+        mutate(state)
+        handle.wait(timeout=120)
+        assert_same(restored(ckpt, 4), expected)
 
 
 def test_kernels_queued_after_block_current_stream_run_after_the_copies(

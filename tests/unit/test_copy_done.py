@@ -1,0 +1,70 @@
+"""``CopyDone.synchronize`` with a timeout (``handle.staged(timeout=...)``): the host
+learns that the staging copies ended when they end, not at its next poll. The events
+here stand in for CUDA events (absent hardware) with the same two calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ckptd.client.cuda import CopyDone
+from ckptd.errors import Timeout
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Copies:
+    """A device's copies that end ``seconds`` after they were queued."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.finished = threading.Event()
+        self.queries = 0
+        self.ended_at = 0.0
+        if seconds is not None:
+            timer = threading.Timer(seconds, self.end)
+            timer.daemon = True
+            timer.start()
+
+    def end(self) -> None:
+        self.ended_at = time.perf_counter()
+        self.finished.set()
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.finished.is_set()
+
+    def synchronize(self) -> None:  # a blocking-sync event: sleeps until the copies end
+        self.finished.wait()
+
+
+def test_staged_with_a_timeout_wakes_when_the_copies_end_not_at_a_poll() -> None:
+    copies = [Copies(0.043), Copies(0.02)]
+    done = CopyDone([(torch.device("cpu"), c) for c in copies])
+    done.synchronize(timeout=10)
+    woke = time.perf_counter()
+    assert all(c.finished.is_set() for c in copies)
+    # Slept on the events: asked once whether they were done, not every few
+    # milliseconds (polling with a growing sleep woke up to 10 ms after the end).
+    assert sum(c.queries for c in copies) <= len(copies)
+    assert woke - copies[0].ended_at < 0.5  # (loose: a loaded CI host schedules late)
+
+
+def test_staged_with_a_timeout_times_out_while_the_copies_run() -> None:
+    never = Copies(None)
+    done = CopyDone([(torch.device("cpu"), never)])
+    t0 = time.perf_counter()
+    with pytest.raises(Timeout, match="still running after 0.2 s"):
+        done.synchronize(timeout=0.2)
+    assert 0.2 <= time.perf_counter() - t0 < 5
+    never.end()  # (the waiting thread ends with them)
+
+
+def test_staged_with_a_timeout_returns_at_once_when_the_copies_are_done() -> None:
+    over = Copies(None)
+    over.end()
+    done = CopyDone([(torch.device("cpu"), over)])
+    done.synchronize(timeout=1)
+    assert over.queries == 1
