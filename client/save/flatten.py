@@ -28,7 +28,7 @@ from ..sharding import dtensor_layout, is_dtensor, local_tensor
 
 
 def _tensor_name(path: Sequence[str | int]) -> str:
-    return ".".join(str(p) for p in path)
+    return ".".join(map(str, path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,17 @@ def _flatten_node(
         raise UnsupportedValue(
             f"{path_str(path)} is nested deeper than {MAX_TREE_DEPTH} levels", path=path_str(path)
         )
+    # What a state is mostly made of first, by exact type (a save walks every node of
+    # the state each step: its time is the training loop's stall).
+    cls = type(value)
+    if cls is torch.Tensor:
+        return {"tensor": _add_tensor(value, path, tensors, where)}
+    if cls is dict:
+        return _mapping_node(value, path, tensors, where, layouts, local)
+    if cls is str and value.isascii() or cls is int:
+        return {"value": value}
+    if cls is float and math.isfinite(value):
+        return {"value": value}
     if is_dtensor(value):
         # The layout first: a Partial placement is refused before any copy.
         layout = dtensor_layout(value, path_str(path))
@@ -136,19 +147,7 @@ def _flatten_node(
             ) from None
         return {"value": s}
     if isinstance(value, Mapping):
-        items: list[list[Any]] = []
-        for key, child in value.items():
-            if isinstance(key, bool) or not isinstance(key, str | int):
-                raise UnsupportedValue(
-                    f"{path_str(path)} has a key {key!r} of type {type(key).__name__}; "
-                    "only str and int keys can be checkpointed",
-                    path=path_str(path),
-                )
-            key = str.__str__(key) if isinstance(key, str) else int(key)
-            items.append(
-                [key, _flatten_node(child, (*path, key), tensors, where, layouts, local)]
-            )
-        return {"dict": items}
+        return _mapping_node(value, path, tensors, where, layouts, local)
     if type(value) is list or type(value) is tuple or type(value) is torch.Size:
         kind = "list" if type(value) is list else "tuple"
         return {
@@ -165,6 +164,28 @@ def _flatten_node(
         path=path_str(path),
         type=type(value).__qualname__,
     )
+
+
+def _mapping_node(
+    value: Mapping[Any, Any],
+    path: tuple[str | int, ...],
+    tensors: list[tuple[str, torch.Tensor]],
+    where: dict[str, tuple[str | int, ...]],
+    layouts: dict[str, tuple[Placement, list[int], list[int]]],
+    local: set[str] | None,
+) -> dict[str, Any]:
+    items: list[list[Any]] = []
+    for key, child in value.items():
+        if type(key) is not str:
+            if isinstance(key, bool) or not isinstance(key, str | int):
+                raise UnsupportedValue(
+                    f"{path_str(path)} has a key {key!r} of type {type(key).__name__}; "
+                    "only str and int keys can be checkpointed",
+                    path=path_str(path),
+                )
+            key = str.__str__(key) if isinstance(key, str) else int(key)
+        items.append([key, _flatten_node(child, (*path, key), tensors, where, layouts, local)])
+    return {"dict": items}
 
 
 def _bytes_node(
