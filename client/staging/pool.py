@@ -204,9 +204,9 @@ class StagingPool:
         sources = []
         devices = set()
         for name, t in tensors:
-            infos.append(TensorInfo(name, t.dtype, tuple(t.shape), t.numel() * t.element_size()))
+            infos.append(TensorInfo(name, t.dtype, tuple(t.shape), t.nbytes))
             sources.append(t)
-            if t.device.type == "cuda":
+            if t.is_cuda:
                 devices.add(t.device)
         if devices and not cuda.available():
             raise InvalidRequest("the state holds CUDA tensors but CUDA is not available")
