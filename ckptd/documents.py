@@ -151,13 +151,16 @@ class ParsedManifests:
         # documents queued on the document thread it came after dozens more.
         large_json.freeze_what_survives()
 
-    async def parse(self, key: str, data: bytes) -> RankManifest:
-        """The manifest in ``data`` (stored at ``key``), parsed off the event loop."""
+    async def parse(self, key: str, data: bytes, committed: str | None = None
+                    ) -> RankManifest:
+        """The manifest in ``data`` (stored at ``key``), parsed off the event loop
+        (``committed``: as ``RankManifest.parse`` takes it)."""
         held = self.get(key, data)
         if held is not None:
             return held
         work = self._work(data)
-        manifest: RankManifest = await work(parse_stored, RankManifest.parse, data, key)
+        parse = functools.partial(RankManifest.parse, committed=committed)
+        manifest: RankManifest = await work(parse_stored, parse, data, key)
         self.put(key, data, manifest)
         self._parsed(data, manifest)
         return manifest

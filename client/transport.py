@@ -356,14 +356,15 @@ class HttpTransport(Transport):
             )
         content = await self.run(calls.get_manifest(job, step, rank))
         # Hash the bytes as they came, before parsing: only the committed bytes pass.
-        if await asyncio.to_thread(document_hash, content) != record.manifests[rank].hash:
+        expected = record.manifests[rank].hash
+        if await asyncio.to_thread(document_hash, content) != expected:
             raise ManifestHashMismatch(
                 f"manifest of rank {rank}, step {step} of {job} does not match its commit "
                 "record",
                 rank=rank,
                 step=step,
             )
-        manifest = RankManifest.parse(content)
+        manifest = RankManifest.parse(content, expected)
         if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
             raise InvalidDocument(
                 f"asked for rank {rank} of step {step} of {job}, got rank {manifest.rank} of "

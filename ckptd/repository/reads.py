@@ -98,7 +98,7 @@ class StoredReads:
                 f"manifest of rank {rank}, step {step} does not match its commit record",
                 rank=rank,
             )
-        return await self._manifests.parse(manifest_key(job, step, rank), data)
+        return await self._manifests.parse(manifest_key(job, step, rank), data, expected)
 
     async def _try_read_commit(self, job: str, step: int) -> CommitRecord | None:
         try:

@@ -152,6 +152,22 @@ def test_manifest_bytes_are_stable() -> None:
     assert doc["format"] == "ckptd.rank_manifest" and doc["version"] == FORMAT_VERSION
 
 
+def test_a_committed_manifest_keeps_its_checked_bytes_as_its_encoding() -> None:
+    """Bytes read back and checked against a commit record's digest are the canonical
+    encoding that digest was taken of: kept as such, not encoded again (a restore's
+    plan parses its manifest this way); the checks still run."""
+    a, _ = demo_step("job", 3, 2)[1]
+    stored = bytes(a.canonical())  # (another object than a's own encoding)
+    committed = RankManifest.parse(stored, a.digest())
+    assert committed == a
+    assert committed.canonical() is stored and committed.digest() == a.digest()
+    assert RankManifest.parse(stored).canonical() is not stored  # (encoded anew)
+    doc = json.loads(stored)
+    doc["entries"][0]["nbytes"] = -1  # checked all the same
+    with pytest.raises(InvalidDocument):
+        RankManifest.parse(canonical_json(doc), a.digest())
+
+
 def test_commit_record_and_ref_bytes() -> None:
     report = ValidationReport(
         tensors=1, logical_bytes=8, chunks=1, replicated_entries=1, sharded_entries=0,
