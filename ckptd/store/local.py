@@ -255,8 +255,9 @@ class LocalStore(Store):
 
     async def put_content(self, key: str, data: bytes | memoryview,
                           verify: Callable[[], None] | None = None) -> bool:
-        if verify is None:
-            return await self.put_if_absent(key, data)
+        if verify is None or type(self).put_if_absent is not LocalStore.put_if_absent:
+            # (A subclass that wraps put_if_absent sees every put, chunks included.)
+            return await super().put_content(key, data, verify)
         return await asyncio.to_thread(self._verified_put, key, data, verify)
 
     def _verified_put(self, key: str, data: bytes | memoryview,

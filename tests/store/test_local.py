@@ -234,3 +234,27 @@ async def test_local_path_names_the_file_readers_may_map_and_other_backends_have
     with pytest.raises(InvalidRequest):
         store.local_path("../escape")
     assert MemoryStore().local_path(f"chunks/{cid[:2]}/{cid}") is None
+
+
+async def test_a_subclass_wrapping_put_if_absent_sees_verified_content_puts(
+        tmp_path: Path) -> None:
+    """(A store's verified chunk put writes from its own thread.) A subclass that
+    wraps ``put_if_absent``, as tests' recording stores do, still sees chunk puts,
+    and the verify still runs before anything is written."""
+    seen: list[str] = []
+
+    class Recording(LocalStore):
+        async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+            seen.append(key)
+            return await super().put_if_absent(key, data)
+
+    store = Recording(str(tmp_path))
+    checked: list[bool] = []
+    assert await store.put_content("chunks/ab/x", b"bytes", lambda: checked.append(True))
+    assert seen == ["chunks/ab/x"] and checked == [True]
+    def refuse() -> None:
+        raise ValueError("bytes do not hash to their key")
+
+    with pytest.raises(ValueError):
+        await store.put_content("chunks/ab/y", b"bad", refuse)
+    assert seen == ["chunks/ab/x"] and not await store.exists("chunks/ab/y")
