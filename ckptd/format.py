@@ -219,7 +219,9 @@ class RankManifest(_Document):
         ``committed``: the digest a commit record names, which ``data`` was checked
         against (``document_hash(data) == committed``): those bytes are then the
         canonical encoding that digest was taken of, kept as such rather than
-        encoded again (two thirds of the parse of a 342-tensor manifest)."""
+        encoded again (two thirds of the parse of a 342-tensor manifest). Not when
+        they hold a ``\\u`` escape: the encoding is what refuses a lone surrogate
+        in the tree, and canonical bytes escape only control characters."""
         doc = _parse_json(data, "rank manifest")
         _check_header(doc, MANIFEST_FORMAT, "rank manifest")
         entries = doc.get("entries")
@@ -239,9 +241,11 @@ class RankManifest(_Document):
             except ValidationError as exc:
                 raise _pydantic_error(exc, "rank manifest") from None
             manifest = head.model_copy(update={"entries": validated})
-        if committed is not None:
+        if committed is not None and b"\\u" not in data:
             manifest._remember(data, committed)
-        manifest.check()  # (which also encodes it once, for canonical() and digest())
+        # (Which also encodes it once, for canonical() and digest(), unless the
+        # committed bytes are kept as its encoding just above.)
+        manifest.check()
         return manifest
 
     def canonical(self) -> bytes:

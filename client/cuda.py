@@ -64,6 +64,10 @@ class CopyDone:
 
     def __init__(self, events: list[tuple[torch.device, torch.cuda.Event]]) -> None:
         self.events = events
+        self._lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+        self._ended = threading.Event()
+        self._failed: BaseException | None = None
 
     def query(self) -> bool:
         """True once every copy finished."""
@@ -74,24 +78,29 @@ class CopyDone:
         if timeout is None:
             self._wait_events()
             return
-        if self.query():
+        if not self._ended.is_set() and self.query():
             return
-        # A thread sleeps on the events and wakes this one the moment they complete:
-        # polling them with a growing sleep noticed a 40 ms copy's end up to 10 ms
-        # late, a quarter more stall for the training loop. (Left behind on a
-        # timeout, it ends with the copies.)
-        done = threading.Event()
-
-        def wait() -> None:
-            try:
-                self._wait_events()
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, name="ckptd-staged", daemon=True).start()
-        if not done.wait(timeout):
+        # One thread sleeps on the events and wakes every caller the moment they
+        # complete: polling them with a growing sleep noticed a 40 ms copy's end up
+        # to 10 ms late, a quarter more stall for the training loop. (One per stage,
+        # however often asked; after a timeout it ends with the copies.)
+        with self._lock:
+            if self._waiter is None:
+                self._waiter = threading.Thread(target=self._wait_for_all,
+                                                name="ckptd-staged", daemon=True)
+                self._waiter.start()
+        if not self._ended.wait(timeout):
             raise Timeout(f"staging copies still running after {timeout} s")
-        self._wait_events()  # returns at once; raises what the waiting thread met
+        if self._failed is not None:
+            raise self._failed
+
+    def _wait_for_all(self) -> None:
+        try:
+            self._wait_events()
+        except BaseException as exc:  # (told to the callers, not printed by this thread)
+            self._failed = exc
+        finally:
+            self._ended.set()
 
     def _wait_events(self) -> None:
         for device, e in self.events:

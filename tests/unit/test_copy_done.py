@@ -68,3 +68,31 @@ def test_staged_with_a_timeout_returns_at_once_when_the_copies_are_done() -> Non
     done = CopyDone([(torch.device("cpu"), over)])
     done.synchronize(timeout=1)
     assert over.queries == 1
+
+
+def test_staged_asked_again_and_again_while_the_copies_run_starts_one_thread() -> None:
+    slow = Copies(None)
+    done = CopyDone([(torch.device("cpu"), slow)])
+    before = threading.active_count()
+    for _ in range(50):  # a loop that polls staged(timeout=0) while it does other work
+        with pytest.raises(Timeout):
+            done.synchronize(timeout=0)
+    assert threading.active_count() <= before + 1
+    slow.end()
+    done.synchronize(timeout=10)
+
+
+class Failing(Copies):
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access (a test's)")
+
+
+def test_an_error_the_events_meet_reaches_the_caller_not_the_thread_hook(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hooked: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: hooked.append(args.exc_value))
+    done = CopyDone([(torch.device("cpu"), Failing(None))])
+    for _ in range(2):  # told to every caller
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            done.synchronize(timeout=10)
+    assert hooked == []

@@ -166,6 +166,14 @@ def test_a_committed_manifest_keeps_its_checked_bytes_as_its_encoding() -> None:
     doc["entries"][0]["nbytes"] = -1  # checked all the same
     with pytest.raises(InvalidDocument):
         RankManifest.parse(canonical_json(doc), a.digest())
+    # A lone surrogate in the tree has no canonical encoding: refused, even from
+    # bytes that match a digest (a damaged or hostile store's).
+    doc = json.loads(stored)
+    doc["tree"]["dict"].append(["odd", {"value": "\ud800"}])
+    bad = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert b"\\ud800" in bad
+    with pytest.raises(InvalidDocument, match="canonical"):
+        RankManifest.parse(bad, blake3.blake3(bad).hexdigest())
 
 
 def test_commit_record_and_ref_bytes() -> None:
