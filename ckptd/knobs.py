@@ -3,9 +3,12 @@ explicit arguments (which always win, by being passed where these are read)."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
+
+from ckptd.errors import InvalidRequest
 
 MiB = 1 << 20
 
@@ -20,29 +23,53 @@ def human_bytes(n: int) -> str:
     return f"{size:.1f} TiB"
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, low: int | None = None, high: int | None = None) -> int:
+    """``name``'s value, a whole number in [``low``, ``high``] (``default`` when
+    unset); ``InvalidRequest`` saying what to set for anything else."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+        value = int(raw)
+    except ValueError:
+        raise _bad(name, raw, "is not a whole number", default, low, high) from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _bad(name, raw, "is out of range", default, low, high)
+    return value
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, low: float | None = None,
+               above: float | None = None) -> float:
+    """``name``'s value, a number of at least ``low`` or more than ``above``
+    (``default`` when unset); ``InvalidRequest`` saying what to set for anything else."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or (low is not None and value < low) or (
+            above is not None and value <= above):
+        wanted = (f"a number of seconds above {above:g}" if above is not None
+                  else f"a number of at least {low:g}" if low is not None else "a number")
+        raise InvalidRequest(f"{name}={raw!r} is not {wanted}; set one, or unset it for the "
+                             f"default ({default:g})", knob=name)
+    return value
+
+
+def _bad(name: str, raw: str, problem: str, default: int, low: int | None,
+         high: int | None) -> InvalidRequest:
+    span = (f"from {low} to {high}" if low is not None and high is not None
+            else f"of at least {low}" if low is not None
+            else f"of at most {high}" if high is not None else "")
+    return InvalidRequest(f"{name}={raw!r} {problem}; set a whole number {span}, or unset it "
+                          f"for the default ({default})".replace("  ", " "), knob=name)
 
 
 def chunk_size() -> int:
     """Bytes per chunk of a tensor shard (the last chunk of a shard is shorter)."""
-    return _env_int("CKPTD_CHUNK_SIZE", 4 * MiB)
+    return _env_int("CKPTD_CHUNK_SIZE", 4 * MiB, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
 
 
 # A chunk can never be larger than this, whatever a manifest says: the server holds
@@ -53,17 +80,17 @@ MIN_CHUNK_SIZE = 4096
 
 def hash_threads_threshold() -> int:
     """Buffers at least this large are hashed with blake3's own threads."""
-    return _env_int("CKPTD_HASH_THREADS_THRESHOLD", 2 * MiB)
+    return _env_int("CKPTD_HASH_THREADS_THRESHOLD", 2 * MiB, 0)
 
 
 def upload_concurrency() -> int:
-    return _env_int("CKPTD_UPLOAD_CONCURRENCY", 8)
+    return _env_int("CKPTD_UPLOAD_CONCURRENCY", 8, 1)
 
 
 def request_timeout() -> float:
     """Seconds for one HTTP request (each read and write; connecting has
     ``connect_timeout``)."""
-    return _env_float("CKPTD_REQUEST_TIMEOUT", 60.0)
+    return _env_float("CKPTD_REQUEST_TIMEOUT", 60.0, above=0)
 
 
 def connect_timeout() -> float:
@@ -71,7 +98,7 @@ def connect_timeout() -> float:
     answers nothing: its calls move to the next replica after this long, not after
     ``request_timeout``). A connection that waits for an answer sends keepalive
     probes after this long idle."""
-    return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0)
+    return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0, above=0)
 
 
 def stall_timeout() -> float:
@@ -83,7 +110,7 @@ def stall_timeout() -> float:
     connection whose window stayed shut past TCP_USER_TIMEOUT too. A host that
     vanished is told apart sooner, by what TCP_INFO says (``client/stall.py``: nothing
     acknowledged for 1.5 s while data or probes go unanswered)."""
-    return _env_float("CKPTD_STALL_TIMEOUT", 20.0)
+    return _env_float("CKPTD_STALL_TIMEOUT", 20.0, above=0)
 
 
 def server_wait() -> float:
@@ -91,7 +118,7 @@ def server_wait() -> float:
     before it raises (a warning says what it waits for after 2 s): long enough for
     a server that restarts as a replacement rank starts (``ckptd serve`` takes ~2 s
     to listen on a loaded 2-core machine; a container restart takes longer)."""
-    return _env_float("CKPTD_SERVER_WAIT", 20.0)
+    return _env_float("CKPTD_SERVER_WAIT", 20.0, low=0)
 
 
 def pool_wait() -> float:
@@ -101,31 +128,31 @@ def pool_wait() -> float:
     moments after they start, and a plan made before that reads the store instead
     (``client/restore/meet.py``). 0: never wait. Long enough for a survivor that
     starts late on a loaded node (Python, torch, the group) and restores."""
-    return _env_float("CKPTD_POOL_WAIT", 15.0)
+    return _env_float("CKPTD_POOL_WAIT", 15.0, low=0)
 
 
 def retries() -> int:
     """Attempts after the first for a request that failed on connection or 5xx."""
-    return _env_int("CKPTD_RETRIES", 4)
+    return _env_int("CKPTD_RETRIES", 4, 0)
 
 
 def retry_backoff() -> float:
     """Seconds before the first retry; doubles each time."""
-    return _env_float("CKPTD_RETRY_BACKOFF", 0.2)
+    return _env_float("CKPTD_RETRY_BACKOFF", 0.2, low=0)
 
 
 def missing_batch() -> int:
     """Most chunk ids in one missing-chunks call."""
-    return _env_int("CKPTD_MISSING_BATCH", 50_000)
+    return _env_int("CKPTD_MISSING_BATCH", 50_000, 1)
 
 
 def claim_lease() -> float:
     """Seconds a missing-chunks call reserves the ids it returns for its caller."""
-    return _env_float("CKPTD_CLAIM_LEASE", 30.0)
+    return _env_float("CKPTD_CLAIM_LEASE", 30.0, above=0)
 
 
 def max_manifest_bytes() -> int:
-    return _env_int("CKPTD_MAX_MANIFEST_BYTES", 64 * MiB)
+    return _env_int("CKPTD_MAX_MANIFEST_BYTES", 64 * MiB, 1)
 
 
 # -- restore tiers, peers and heartbeats (ckptd.client.restore, .peer, .heartbeat) -----
@@ -134,7 +161,7 @@ def max_manifest_bytes() -> int:
 def restore_concurrency() -> int:
     """Chunks one restore fetches at once (over all its sources): at least one per
     core, since each verifies its chunk on a worker thread."""
-    return _env_int("CKPTD_RESTORE_CONCURRENCY", max(8, os.cpu_count() or 1))
+    return _env_int("CKPTD_RESTORE_CONCURRENCY", max(8, os.cpu_count() or 1), 1)
 
 
 def h2d_piece() -> int:
@@ -209,7 +236,7 @@ def peer_interface() -> str | None:
 
 def peer_port() -> int:
     """Port of the peer chunk server; 0 lets the OS choose."""
-    return _env_int("CKPTD_PEER_PORT", 0)
+    return _env_int("CKPTD_PEER_PORT", 0, 0, 65535)
 
 
 def peer_advertise_host() -> str | None:
@@ -223,17 +250,17 @@ def peer_advertise_host() -> str | None:
 def peer_concurrency() -> int:
     """Chunk requests the peer chunk server answers at once (more wait, then 503),
     so that serving peers cannot starve training of CPU and memory bandwidth."""
-    return _env_int("CKPTD_PEER_CONCURRENCY", 4)
+    return _env_int("CKPTD_PEER_CONCURRENCY", 4, 1)
 
 
 def peer_timeout() -> float:
     """Seconds for one chunk request to a peer (connect and each read)."""
-    return _env_float("CKPTD_PEER_TIMEOUT", 10.0)
+    return _env_float("CKPTD_PEER_TIMEOUT", 10.0, above=0)
 
 
 def heartbeat_interval() -> float:
     """Seconds between heartbeats until the server's reply names its own interval."""
-    return _env_float("CKPTD_HEARTBEAT_INTERVAL", 3.0)
+    return _env_float("CKPTD_HEARTBEAT_INTERVAL", 3.0, above=0)
 
 
 def cache_dir() -> str | None:
@@ -255,11 +282,11 @@ def shm_dir() -> Path:
 def cluster_refresh() -> float:
     """Seconds between a client's re-reads of the replicas (``GET /v1/cluster``); 0:
     never, route over the URLs given only."""
-    return _env_float("CKPTD_CLUSTER_REFRESH", 10.0)
+    return _env_float("CKPTD_CLUSTER_REFRESH", 10.0, low=0)
 
 
 def malloc_mmap_threshold() -> int:
     """Bytes from which a server's allocations are mapped apart and unmapped when
     freed (glibc's ``M_MMAP_THRESHOLD``, fixed); 0 leaves glibc's own threshold,
     which rises to the largest block freed so far (``server/native_heap.py``)."""
-    return _env_int("CKPTD_MALLOC_MMAP_THRESHOLD", 128 * 1024)
+    return _env_int("CKPTD_MALLOC_MMAP_THRESHOLD", 128 * 1024, 0)

@@ -108,6 +108,18 @@ def test_bad_setting_from_the_environment_names_the_variable(tmp_path: Path) -> 
     assert_short_usage_error(done, "CKPTD_PORT", "abc")
 
 
+@pytest.mark.parametrize("setting", ["CKPTD_REQUEST_TIMEOUT=abc", "CKPTD_REQUEST_TIMEOUT=0",
+                                     "CKPTD_RETRIES=-1", "CKPTD_CONNECT_TIMEOUT=nan",
+                                     "CKPTD_CLUSTER_REFRESH=-3"])
+def test_a_bad_client_setting_from_the_environment_is_two_lines_naming_it(
+        setting: str) -> None:
+    """(Found by a probe: a traceback of 76 lines, or "failed after 0 attempts: None"
+    for -1 retries, or a 0 s timeout blamed on the server.)"""
+    name, value = setting.split("=")
+    done = ckptd("ls", "--url", NOBODY, env={name: value})
+    assert_short_usage_error(done, f"{name}={value!r}", "unset it for the default")
+
+
 def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) -> None:
     # aiobotocore is installed here: hide it the way a missing package fails.
     code = ("import sys; sys.modules['aiobotocore'] = None; sys.argv[0] = 'ckptd'; "
