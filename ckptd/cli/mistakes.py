@@ -158,7 +158,11 @@ def writable_store(settings: Settings, store: Store) -> Store:
 def existing_store(url: str) -> str:
     """``url`` unchanged when it is not a local path, or names a store directory that
     exists: a reading command never creates a store where none was."""
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError as exc:  # e.g. "http://[::1" (an address without its bracket)
+        raise InvalidRequest(f"URL {url!r} is not a URL ({exc}): use http://host:port "
+                             "or file:///path") from None
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
                              "directory is file:///absolute/path (three slashes)")

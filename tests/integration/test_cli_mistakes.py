@@ -53,6 +53,12 @@ BAD = [
     (["ls", "--url", "ftp://host/x"], ["ftp://host/x", "http://"]),
     (["ls", "bad/job"], ["bad/job"]),
     (["ls", "--url", NOBODY], ["127.0.0.1:9", "ckptd serve"]),
+    # (found by a probe: each of these was an 80 - 130 line traceback)
+    (["ls", "--url", "http://127.0.0.1:notaport"], ["notaport", "http://host:port"]),
+    (["ls", "--url", "http://127.0.0.1:99999"], ["99999", "0-65535"]),
+    (["ls", "--url", "http://[::1"], ["http://[::1", "not a URL"]),
+    (["ls", "--url", "http://256.1.1.1:80"], ["256.1.1.1 is not an IP address"]),
+    (["ls", "--url", f"{NOBODY},http://127.0.0.1:x"], ["http://127.0.0.1:x"]),
     (["status", "--url", NOBODY], ["127.0.0.1:9", "ckptd serve"]),
     (["verify"], ["job"]),
     (["verify", "job", "notastep"], ["step"]),

@@ -359,6 +359,10 @@ def test_listing_through_the_transport(store: Path) -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(InvalidRequest):
         Checkpointer("ftp://x/y", "j")
+    for bad in ("http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1",
+                "http://256.1.1.1:80", "http://127.0.0.1:0"):
+        with pytest.raises(InvalidRequest, match="URL"):
+            Checkpointer(bad, "j")
     with pytest.raises(InvalidRequest):
         Checkpointer("file:///tmp/x", "bad job name")
     with pytest.raises(InvalidRequest):
