@@ -4,11 +4,13 @@ documents only the repository writes (``Repository.import_step``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest, StoreError
@@ -63,9 +65,36 @@ def restore_command(
     rank = int(rank)
     if rank < 0:
         raise InvalidRequest(f"rank {rank} is negative")
-    root = Path(to)
-    return run_private(_prefetch(url, token, job, rank, root, step, local, peers, progress,
-                                 console), timeout, what="ckptd restore --to", name="ckptd-restore")
+    root = _directory(to)
+    existed = root.exists()
+    try:
+        return run_private(_prefetch(url, token, job, rank, root, step, local, peers, progress,
+                                     console), timeout, what="ckptd restore --to",
+                           name="ckptd-restore")
+    except BaseException:
+        if not existed:  # (a failed restore leaves no empty store behind)
+            _remove_empty(root)
+        raise
+
+
+def _directory(to: str | os.PathLike[str]) -> Path:
+    """``--to`` as a directory: a path, or ``file:///path`` (what ``--url`` takes);
+    ``InvalidRequest`` for another URL (it was a directory named ``http:`` here)."""
+    text = os.fspath(to)
+    if "://" not in text:
+        return Path(text)
+    parsed = urlparse(text)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost") and parsed.path:
+        return Path(parsed.path)
+    raise InvalidRequest(f"--to takes a local directory (a path, or file:///path), not "
+                         f"{text!r}")
+
+
+def _remove_empty(root: Path) -> None:
+    """Removes ``root`` and the directories under it while they hold no file."""
+    for here, _, _ in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(here)
 
 
 async def _prefetch(

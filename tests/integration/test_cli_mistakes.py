@@ -204,3 +204,25 @@ def test_restore_into_a_directory_that_refuses_writes_names_it(tmp_path: Path,
     assert done.returncode == 2, said
     assert f"cannot write into {target}:" in said and "restore elsewhere" in said, said
     assert "Traceback" not in said, said
+
+
+def test_restore_to_takes_a_directory_or_a_file_url_and_leaves_none_on_failure(
+        tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe.) ``--to file:///x`` made a directory named ``file:`` in the
+    working directory and said ok; ``--to http://...`` one named ``http:``; and a
+    restore that failed left the empty ``--to`` directory it had made."""
+    done = ckptd("restore", "--job", "j", "--rank", "0", "--to", "http://host/x", "--url",
+                 NOBODY, cwd=tmp_path)
+    assert_short_usage_error(done, "--to", "http://host/x", "file:///path")
+    assert not any(tmp_path.iterdir())
+    store = tmp_path / "store"
+    _save_one(f"file://{store}", "j", shm)
+    into = tmp_path / "into"
+    done = ckptd("restore", "--job", "nojob", "--rank", "0", "--to", f"file://{into}",
+                 "--url", f"file://{store}", cwd=tmp_path)
+    assert_short_usage_error(done, "nojob")
+    assert not into.exists()
+    done = ckptd("restore", "--job", "j", "--rank", "0", "--to", f"file://{into}", "--url",
+                 f"file://{store}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (into / "jobs" / "j").is_dir() and not (tmp_path / "file:").exists()
