@@ -241,7 +241,7 @@ def serve(
     ] = False,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
-    from ckptd.cli.mistakes import server_settings, writable_store
+    from ckptd.cli.mistakes import check_listen, server_settings, writable_store
     from ckptd.server.app import run
 
     overrides: dict[str, Any] = {
@@ -275,6 +275,7 @@ def serve(
     try:
         settings, opened = server_settings(overrides)
         opened = writable_store(settings, opened)  # refuses one that ignores conditions
+        check_listen(settings.host, settings.port)
     except CkptdError as exc:
         _fail(exc)
         return

@@ -3,6 +3,8 @@ wrong and what is allowed, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import errno
+import socket
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,3 +187,28 @@ def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:
     else:
         known = f"it holds {len(jobs)} jobs (`ckptd ls` lists them)"
     return JobNotFound(f"no job {job!r} at {where}; {known}", job=job)
+
+
+def check_listen(host: str, port: int) -> None:
+    """``InvalidRequest`` when ``ckptd serve`` could not listen at ``host:port``: the
+    port is taken, or the host is no address of this machine (uvicorn's own answer
+    was nine lines of its log, the reason in the middle). Binds a socket as the
+    server will (``SO_REUSEADDR``) and closes it again."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidRequest(f"--host {host!r}: {exc.strerror}; give an address of this "
+                             "machine (127.0.0.1, 0.0.0.0) or its name") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InvalidRequest(f"port {port} on {host} is in use (another ckptd "
+                                     "serve?); stop it, or pass another --port") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise InvalidRequest(f"--host {host}: not an address of this machine; give "
+                                     "one of its addresses, or 0.0.0.0 for all") from None
+            raise InvalidRequest(f"cannot listen on {host}:{port}: {exc.strerror}") from None

@@ -226,3 +226,17 @@ def test_restore_to_takes_a_directory_or_a_file_url_and_leaves_none_on_failure(
                  f"file://{store}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (into / "jobs" / "j").is_dir() and not (tmp_path / "file:").exists()
+
+
+def test_serve_on_a_port_in_use_says_so_in_a_line(tmp_path: Path) -> None:
+    """(Found by a probe.) uvicorn's answer was nine lines of its log with the reason
+    in the middle, and ``serve --check`` said it would serve."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for check in ([], ["--check"]):
+            done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", port, *check)
+            assert_short_usage_error(done, f"port {port} on 127.0.0.1 is in use", "--port")
