@@ -41,7 +41,11 @@ def check_step(step: int) -> int:
 
 def check_rank(rank: int, world_size: int, *, job: str | None = None) -> int:
     check_world_size(world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        hint = " (e.g. int(os.environ['RANK']))" if isinstance(rank, str) else ""
+        raise InvalidName(f"rank must be an int, not {type(rank).__name__} {rank!r}{hint}",
+                          rank=repr(rank))
+    if not 0 <= rank < world_size:
         of_job = f" of job {job!r}" if job is not None else ""
         raise InvalidName(
             f"rank {rank!r}{of_job} must be in [0, {world_size}): the world size is "

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ckptd.errors import RestoreError
+from ckptd.errors import InvalidRequest, RestoreError
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_spans
 
@@ -97,6 +97,9 @@ def needed_box(
     if e.placement == "local":
         return own
     if shard is not None:
+        if not (hasattr(shard, "global_shape") and hasattr(shard, "offsets")):
+            raise InvalidRequest(f"shards[{e.name!r}] is a {type(shard).__name__}: pass "
+                                 "Shard(global_shape, offsets)", name=e.name)
         sg, so = tuple(shard.global_shape), tuple(shard.offsets)
         if sg != g:
             raise RestoreError(f"{e.name!r}: the Shard says global shape {list(sg)}, the "

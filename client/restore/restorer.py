@@ -437,6 +437,9 @@ class Restorer:
         """The tiers to use; refuses a target that is no mapping or unknown tiers."""
         if not isinstance(state, MutableMapping):
             raise InvalidRequest(f"restore needs a mutable mapping, not {type(state).__name__}")
+        if isinstance(tiers, str):
+            raise InvalidRequest(f"tiers takes a list of tiers, e.g. tiers=[{tiers!r}], not "
+                                 f"the string {tiers!r}")
         use = set(TIERS if tiers is None else tiers)
         unknown = sorted(use - set(TIERS))
         if unknown or not use:

@@ -359,6 +359,8 @@ def test_listing_through_the_transport(store: Path) -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(InvalidRequest):
         Checkpointer("ftp://x/y", "j")
+    with pytest.raises(InvalidRequest, match=r"rank must be an int, not str '0'"):
+        Checkpointer("file:///tmp/x", "j", rank="0")
     for bad in ("http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1",
                 "http://256.1.1.1:80", "http://127.0.0.1:0"):
         with pytest.raises(InvalidRequest, match="URL"):
@@ -390,3 +392,17 @@ def test_cuda_tensors_round_trip_through_host_staging(store: Path) -> None:
         ckpt.restore(target)
     assert target["w"] is w and target["w"].is_cuda
     assert_bitwise({k: v.cpu() for k, v in target.items()}, expected)
+
+
+def test_restore_arguments_of_the_wrong_kind_are_refused_saying_what_to_pass(
+        store: Path, shm: Path) -> None:
+    """(Found by a probe: tiers="store" was refused as "not ['e', 'o', 'r', 's', 't']",
+    shards={"w": 3} was an AttributeError from inside the layout.)"""
+    with Checkpointer(url(store), "kinds", shm_dir=shm, serve_peers=False) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}).wait(timeout=30)
+        target = {"w": torch.zeros(4)}
+        with pytest.raises(InvalidRequest, match=r"tiers=\['store'\]"):
+            ckpt.restore(target, tiers="store")
+        with pytest.raises(InvalidRequest, match=r"Shard\(global_shape, offsets\)"):
+            ckpt.restore(target, shards={"w": 3})
+        assert not target["w"].any()
