@@ -82,6 +82,9 @@ def _fail(exc: CkptdError) -> None:
         err_console.print("is a ckptd server running there? Start one with `ckptd serve "
                           "--store DIR`, or name yours with --url or CKPTD_URL",
                           soft_wrap=True, highlight=False, markup=False)
+    elif exc.code == "unauthorized":
+        err_console.print("pass a token the server accepts with --token or CKPTD_TOKEN",
+                          soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(code=2)
 
 

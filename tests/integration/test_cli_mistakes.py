@@ -240,3 +240,12 @@ def test_serve_on_a_port_in_use_says_so_in_a_line(tmp_path: Path) -> None:
         for check in ([], ["--check"]):
             done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", port, *check)
             assert_short_usage_error(done, f"port {port} on 127.0.0.1 is in use", "--port")
+
+
+def test_a_missing_or_wrong_token_says_how_to_pass_one(token_server: ServerProcess) -> None:
+    """(Found by a probe: "missing or wrong bearer token", nothing of what to do.)"""
+    for extra in ([], ["--token", "not-it"]):
+        done = ckptd("ls", "--url", token_server.url, *extra)
+        assert_short_usage_error(done, "[unauthorized]", "--token or CKPTD_TOKEN")
+    ok = ckptd("ls", "--url", token_server.url, "--token", "s3cret-token")
+    assert ok.returncode == 0, ok.stderr
