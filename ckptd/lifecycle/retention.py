@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptd.errors import InvalidPolicy, InvalidRequest, NotFound, StoreError
+from ckptd.errors import InvalidPolicy, InvalidRequest, JobNotFound, NotFound, StoreError
 from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.removals import claim_since
@@ -236,6 +236,12 @@ async def forget(
         if n is not None and n < 1:
             raise InvalidRequest(f"{name} must be >= 1, not {n}")
     plan = await plan_forget(repo, job, policy, now=now if now is not None else clock())
+    if not plan.steps:
+        jobs = sorted(await repo.list_jobs())
+        if job not in jobs:  # (a typo: "forgot 0 steps" said it went well)
+            there = ("jobs there: " + ", ".join(jobs[:10]) + (", ..." if len(jobs) > 10 else "")
+                     if jobs else "the store holds no jobs")
+            raise JobNotFound(f"no job {job!r} to forget; {there}", job=job)
     plan.dry_run = dry_run
     if dry_run:
         return plan

@@ -249,3 +249,16 @@ def test_a_missing_or_wrong_token_says_how_to_pass_one(token_server: ServerProce
         assert_short_usage_error(done, "[unauthorized]", "--token or CKPTD_TOKEN")
     ok = ckptd("ls", "--url", token_server.url, "--token", "s3cret-token")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_forget_of_a_job_that_is_not_there_names_the_jobs_that_are(
+        server: ServerProcess, tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe: "forgot 0 steps of nojob", exit 0, for a typo.)"""
+    store = tmp_path / "files"
+    _save_one(f"file://{store}", "real", shm)
+    _save_one(server.url, "served", shm)
+    for url, there in ((f"file://{store}", "real"), (server.url, "served")):
+        done = ckptd("forget", "nojob", "--keep-last", "1", "--url", url)
+        assert_short_usage_error(done, "no job 'nojob'", there)
+        kept = ckptd("forget", there, "--keep-last", "1", "--url", url)
+        assert kept.returncode == 0 and "forgot 0 steps" in kept.stdout, kept.stderr
