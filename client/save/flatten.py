@@ -223,9 +223,11 @@ def _add_tensor(
             paths=[path_str(where[name]), path_str(path)],
         )
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        kind = ("is quantized" if tensor.is_quantized else "is nested" if tensor.is_nested
+                else f"has layout {tensor.layout}")
         raise UnsupportedValue(
-            f"tensor at {path_str(path)} has layout {tensor.layout}; only dense tensors "
-            "can be checkpointed",
+            f"tensor at {path_str(path)} {kind}; only dense tensors can be checkpointed "
+            "(dequantize it, or save its parts)",
             path=path_str(path),
         )
     if tensor.device.type == "meta":

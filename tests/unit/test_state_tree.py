@@ -169,6 +169,17 @@ def test_unsupported_values_are_refused_with_their_path(make: Any, path: str) ->
     assert path in str(info.value)
 
 
+def test_a_quantized_or_nested_tensor_is_refused_as_what_it_is() -> None:
+    """(Found by a probe: both were refused as "has layout torch.strided; only dense
+    tensors...", which contradicts itself.)"""
+    quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+    with pytest.raises(UnsupportedValue, match=r"state\['q'\] is quantized; only dense"):
+        flatten({"q": quantized})
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(UnsupportedValue, match=r"state\['n'\] is nested; only dense"):
+        flatten({"n": nested})
+
+
 def test_unsupported_tensor_dtype_is_refused() -> None:
     with pytest.raises(UnsupportedValue, match=r"state\['q'\]"):
         flatten({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})
