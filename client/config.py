@@ -5,6 +5,7 @@ and the saver, the restorer and the failover agent each read what they need."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,15 @@ class CheckpointerConfig:
             raise InvalidRequest(
                 f"chunk_size {self.chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
             )
+        if self.peer_port is not None and (
+                isinstance(self.peer_port, bool) or not isinstance(self.peer_port, int)
+                or not 0 <= self.peer_port <= 65535):
+            raise InvalidRequest(f"peer_port must be a port from 0 (any) to 65535, not "
+                                 f"{self.peer_port!r}")
+        if self.shm_dir is not None and os.path.exists(self.shm_dir) and not os.path.isdir(
+                self.shm_dir):
+            raise InvalidRequest(f"shm_dir {os.fspath(self.shm_dir)!r} is a file, not a "
+                                 "directory: name a directory (e.g. /dev/shm) for staging")
         if self.default_placement not in ("replicated", "local"):
             raise InvalidRequest(
                 f"default_placement must be 'replicated' or 'local', not "
@@ -117,7 +127,11 @@ class CheckpointerConfig:
             incarnation = launch_incarnation()
         if on_error is None:
             on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
-        size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
+        try:
+            size = knobs.chunk_size() if chunk_size is None else operator.index(chunk_size)
+        except TypeError:  # ("4MB", 4.0: int() took the float and refused the text)
+            raise InvalidRequest(f"chunk_size is a whole number of bytes (e.g. 4 << 20 for "
+                                 f"4 MiB), not {chunk_size!r}") from None
         return cls(url, job, rank, world_size, token, chunk_size=size, on_error=on_error,
                    incarnation=incarnation, local_rank=local_rank, **settings)
 

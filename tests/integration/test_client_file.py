@@ -361,6 +361,13 @@ def test_bad_arguments_are_refused() -> None:
         Checkpointer("ftp://x/y", "j")
     with pytest.raises(InvalidRequest, match=r"rank must be an int, not str '0'"):
         Checkpointer("file:///tmp/x", "j", rank="0")
+    # (found by a probe: OverflowError, ValueError and NotADirectoryError from inside)
+    with pytest.raises(InvalidRequest, match="peer_port must be a port"):
+        Checkpointer("file:///tmp/x", "j", peer_port=99999)
+    with pytest.raises(InvalidRequest, match="chunk_size is a whole number of bytes"):
+        Checkpointer("file:///tmp/x", "j", chunk_size="4MB")
+    with pytest.raises(InvalidRequest, match="is a file, not a directory"):
+        Checkpointer("file:///tmp/x", "j", shm_dir=__file__)
     for bad in ("http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1",
                 "http://256.1.1.1:80", "http://127.0.0.1:0"):
         with pytest.raises(InvalidRequest, match="URL"):
