@@ -175,7 +175,15 @@ def existing_store(url: str) -> str:
                 f"no store at {path} ({'a file' if path.exists() else 'no such directory'}); "
                 "check --url (reading commands never create a store)"
             )
+        if not any((path / name).exists() for name in STORE_MARKS) and any(path.iterdir()):
+            raise NotFound(f"{path} is no ckptd store (it holds files, but no jobs/ or "
+                           "chunks/); check --url: a store is the directory `ckptd serve "
+                           "--store` was given")
     return url
+
+
+# What a store directory holds once anything was written (an empty one is a new store).
+STORE_MARKS = ("jobs", "chunks", "gc", "cluster", ".locks")
 
 
 def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:

@@ -262,3 +262,16 @@ def test_forget_of_a_job_that_is_not_there_names_the_jobs_that_are(
         assert_short_usage_error(done, "no job 'nojob'", there)
         kept = ckptd("forget", there, "--keep-last", "1", "--url", url)
         assert kept.returncode == 0 and "forgot 0 steps" in kept.stdout, kept.stderr
+
+
+def test_reading_a_directory_that_is_no_store_says_so(tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe: the store's parent, given as --url, listed an empty table.)"""
+    store = tmp_path / "store"
+    _save_one(f"file://{store}", "j", shm)
+    (tmp_path / "notes.txt").write_text("not a store")
+    done = ckptd("ls", "--url", f"file://{tmp_path}")
+    assert_short_usage_error(done, f"{tmp_path} is no ckptd store", "--url")
+    assert ckptd("ls", "--url", f"file://{store}").returncode == 0
+    empty = tmp_path / "new"
+    empty.mkdir()
+    assert ckptd("ls", "--url", f"file://{empty}").returncode == 0  # (a new store)
