@@ -479,6 +479,9 @@ class Restorer:
         ``Stateful`` objects get their ``load_state_dict()`` once it is filled.
         ``adopt``: keep the pool's verified chunks mapped, to serve them."""
         s, c = self.session, self.session.config
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidRequest(f"restore's timeout is seconds above 0 (or None: the "
+                                 f"checkpointer's), not {timeout!r}")
         timeout = s.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -530,6 +533,9 @@ class Restorer:
         """This node's pool checked against a committed step (``adopt_pool``): the
         step, its verified chunks and the source keeping them mapped, or None."""
         s, c = self.session, self.session.config
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidRequest(f"restore's timeout is seconds above 0 (or None: the "
+                                 f"checkpointer's), not {timeout!r}")
         timeout = s.timeout if timeout is None else timeout
         with s.lock:
             try:

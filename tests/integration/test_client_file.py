@@ -412,4 +412,7 @@ def test_restore_arguments_of_the_wrong_kind_are_refused_saying_what_to_pass(
             ckpt.restore(target, tiers="store")
         with pytest.raises(InvalidRequest, match=r"Shard\(global_shape, offsets\)"):
             ckpt.restore(target, shards={"w": 3})
+        for bad in (-1, 0):
+            with pytest.raises(InvalidRequest, match="seconds above 0"):
+                ckpt.restore(target, timeout=bad)
         assert not target["w"].any()
