@@ -202,8 +202,11 @@ def check_listen(host: str, port: int) -> None:
     port is taken, or the host is no address of this machine (uvicorn's own answer
     was nine lines of its log, the reason in the middle). Binds a socket as the
     server will (``SO_REUSEADDR``) and closes it again."""
+    # (The family uvicorn binds with: IPv6 only for an address with a colon.)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise InvalidRequest(f"--host {host!r}: {exc.strerror}; give an address of this "
                              "machine (127.0.0.1, 0.0.0.0) or its name") from None
