@@ -63,8 +63,11 @@ def healthcheck(
         settings = Settings()
     except ValidationError as exc:
         first = exc.errors()[0]
-        _unhealthy("(no URL)", f"the server's settings are invalid: CKPTD_"
-                   f"{'_'.join(str(p) for p in first['loc']).upper()}: {first['msg']}")
+        where = "_".join(str(p) for p in first["loc"]).upper()
+        # (A rule over several settings names none: its message names them.)
+        what = f"CKPTD_{where}: " if where else ""
+        message = str(first["msg"]).removeprefix("Value error, ")
+        _unhealthy("(no URL)", f"the server's settings are invalid: {what}{message}")
         return
     url = probe_url(settings.host, settings.port, settings.tls_cert is not None)
     context = None

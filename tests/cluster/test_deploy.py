@@ -333,3 +333,16 @@ def test_the_health_check_reaches_a_wildcard_bind_on_loopback() -> None:
     assert probe_url("::", 9000, True) == "https://[::1]:9000/healthz"
     assert probe_url("fd00::7", 1, False) == "http://[fd00::7]:1/healthz"
     assert probe_url("ckptd-0.ckptd", 8470, False) == "http://ckptd-0.ckptd:8470/healthz"
+
+
+def test_the_health_check_names_a_bad_setting_in_a_line(tmp_path: Path) -> None:
+    """(Found by a probe: a certificate without its key was told as a variable
+    "CKPTD_:".)"""
+    env = _image_env(tmp_path)
+    done = _healthcheck({**env, "CKPTD_TLS_CERT": str(tmp_path / "cert.pem")})
+    assert done.returncode != 0
+    said = (done.stdout + done.stderr).strip()
+    assert "CKPTD_:" not in said and "give both tls_cert and tls_key" in said, said
+    assert len(said.splitlines()) == 1, said
+    done = _healthcheck({**env, "CKPTD_PORT": "abc"})
+    assert done.returncode != 0 and "CKPTD_PORT" in done.stdout + done.stderr
