@@ -82,8 +82,14 @@ def token_revoke(
     file: FileOpt = DEFAULT_FILE,
 ) -> None:
     """Remove a token; a running server stops accepting it within a second."""
+    from pathlib import Path
+
     from ckptd.tokens import revoke_token
 
+    if not Path(file).is_file():  # (it said "no token X in FILE", as if FILE were read)
+        console.print(f"[bold red]error[/] no tokens file {escape(file)}: pass the file the "
+                      "server reads with --file (ckptd serve --tokens-file)", soft_wrap=True)
+        raise typer.Exit(code=2)
     try:
         found = revoke_token(file, token_id)
     except CkptdError as exc:

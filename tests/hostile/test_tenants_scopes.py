@@ -234,5 +234,10 @@ def test_ckptd_token_create_list_revoke(tmp_path: Path) -> None:
         r = runner.invoke(app, ["token", "create", *bad, "--file", str(path)])
         assert r.exit_code == 2 and "Traceback" not in r.output
         assert len(r.output.strip().splitlines()) <= 3
+    # (found by a probe: a file that is not there said "no token X in FILE")
+    missing = runner.invoke(app, ["token", "revoke", grant.id, "--file",
+                                  str(tmp_path / "elsewhere.json")])
+    assert missing.exit_code == 2 and "no tokens file" in missing.output, missing.output
+    assert TokenFile(path).lookup(token) is not None
     assert runner.invoke(app, ["token", "revoke", grant.id, "--file", str(path)]).exit_code == 0
     assert TokenFile(path).lookup(token) is None
