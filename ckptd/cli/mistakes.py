@@ -101,6 +101,14 @@ def _check_server_files(settings: Settings) -> None:
     if settings.retention is not None:
         load_retention(settings.retention)
     tokens = None if settings.tokens_file is None else Path(settings.tokens_file)
+    if tokens is not None and tokens.is_file():
+        from ckptd.tokens import TokenFile
+
+        try:  # (read as the server reads it: --check said ok for a file serve refused)
+            TokenFile(tokens)
+        except CkptdError as exc:
+            raise InvalidRequest(f"--tokens-file {tokens}: {exc.message}; write it with "
+                                 "`ckptd token create ... --file FILE`") from None
     if tokens is not None and not tokens.is_file():
         # A server over no tokens file answers 401 to every request until one is
         # written there (it reads the file again when it changes): a directory that

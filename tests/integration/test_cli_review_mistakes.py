@@ -257,6 +257,15 @@ def test_a_tokens_file_that_is_not_there_is_named(args: list[str], tmp_path: Pat
     assert_short_usage_error(done, "/nonexist/tokens.json", "token create")
 
 
+def test_serve_check_reads_the_tokens_file_as_serve_does(tmp_path: Path) -> None:
+    """(Found by a probe: --check said "ok: would serve" for a file serve refused.)"""
+    bad = tmp_path / "tokens.json"
+    bad.write_text('{"nope": 1}')
+    done = ckptd("serve", "--check", "--port", "0", "--store", str(tmp_path / "s"),
+                 "--tokens-file", str(bad))
+    assert_short_usage_error(done, "--tokens-file", "not a ckptd.tokens document")
+
+
 def test_every_serve_option_names_its_environment_variable() -> None:
     from typer.main import get_command
 
