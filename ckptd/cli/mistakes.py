@@ -225,8 +225,9 @@ def check_listen(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise InvalidRequest(f"port {port} on {host} is in use (another ckptd "
-                                     "serve?); stop it, or pass another --port") from None
+                raise InvalidRequest(f"port {port} on {host}: address already in use "
+                                     "(another ckptd serve?); stop it, or pass another "
+                                     "--port") from None
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise InvalidRequest(f"--host {host}: not an address of this machine; give "
                                      "one of its addresses, or 0.0.0.0 for all") from None
