@@ -8,11 +8,12 @@ with it (``ckptd.client.routing``); both agree on a key's home through this modu
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, urlparse
 
 from ckptd.errors import InvalidDocument, InvalidRequest, Unavailable
 
@@ -24,6 +25,7 @@ __all__ = [
     "job_key",
     "member_key",
     "normalize_url",
+    "parse_url",
     "parse_urls",
     "rank_members",
     "route_key",
@@ -86,13 +88,44 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def parse_url(url: str, use: str = "http://host:port or file:///path") -> ParseResult:
+    """``urlparse(url)``; its ValueError for what is no URL (``http://[::1``, an
+    address without its bracket) said as ``InvalidRequest`` in a line, with ``use``."""
+    try:
+        return urlparse(url)
+    except ValueError as exc:
+        raise InvalidRequest(f"URL {url!r} is not a URL ({exc}): use {use}") from None
+
+
+def _server_url(url: str) -> str:
+    """``normalize_url(url)``, refusing in a line a server URL that names no host, a
+    port that is not one (``:notaport``, ``:99999``, ``:0``) or an IPv4 address that
+    is not one: the HTTP stack's own errors for them were tracebacks."""
+    url = url.strip()
+    parsed = parse_url(url, "http://host:port")
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError as exc:
+        raise InvalidRequest(f"server URL {url!r}: {exc}; use http://host:port") from None
+    if parsed.scheme in ("http", "https") and not host:
+        raise InvalidRequest(f"server URL {url!r} names no host; use http://host:port")
+    if port == 0:
+        raise InvalidRequest(f"server URL {url!r}: port 0 is no server's; use http://host:port")
+    if host and host.replace(".", "").isdigit():
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise InvalidRequest(f"server URL {url!r}: {host} is not an IP address") from None
+    return normalize_url(url)
+
+
 def parse_urls(text: str) -> list[str]:
-    """A comma-separated list of replica URLs (``http://a:8470,http://b:8470``), in
-    order, without duplicates."""
+    """A comma-separated list of server URLs (``http://a:8470,http://b:8470``), in
+    order, without duplicates; ``InvalidRequest`` in a line for a malformed one."""
     urls: list[str] = []
     for part in text.split(","):
         if part.strip():
-            url = normalize_url(part)
+            url = _server_url(part)
             if url not in urls:
                 urls.append(url)
     if not urls:

@@ -11,20 +11,19 @@ implementations read side by side, method against method.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlparse
 
 import httpx
 
 from ckptd import knobs
 from ckptd.api import ClusterView, StepPlan
 from ckptd.cluster import chunk_key as chunk_route_key
+from ckptd.cluster import parse_url, parse_urls
 from ckptd.errors import (
     CheckpointNotFound,
     InvalidDocument,
@@ -504,14 +503,9 @@ def open_transport(
     (a local directory store, used in process). ``job``: the job its chunk calls act
     for (a scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that
     signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``)."""
-    try:
-        parsed = urlparse(url)
-    except ValueError as exc:  # e.g. "http://[::1" (an address without its bracket)
-        raise InvalidRequest(f"URL {url!r} is not a URL ({exc}): use http://host:port "
-                             "or file:///path") from None
+    parsed = parse_url(url)
     if parsed.scheme in ("http", "https"):
-        for one in url.split(","):  # (several replicas: each checked)
-            _check_http_url(one.strip())
+        parse_urls(url)  # (several replicas: each checked)
         return HttpTransport(url, token, job=job, ca_bundle=ca_bundle)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -520,26 +514,6 @@ def open_transport(
             raise InvalidRequest(f"file URL {url!r} names no path")
         return LocalTransport.open(parsed.path)
     raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port or file:///path")
-
-
-def _check_http_url(url: str) -> None:
-    """``InvalidRequest`` for a server URL that names no host, a port that is not
-    one (``:notaport``, ``:99999``) or an IPv4 address that is not one, said in a
-    line: the HTTP stack's own errors for them were tracebacks."""
-    try:
-        parsed = urlparse(url)
-        host, port = parsed.hostname, parsed.port  # (the port: ValueError when bad)
-    except ValueError as exc:
-        raise InvalidRequest(f"server URL {url!r}: {exc}; use http://host:port") from None
-    if parsed.scheme not in ("http", "https") or not host:
-        raise InvalidRequest(f"server URL {url!r} names no host; use http://host:port")
-    if port == 0:
-        raise InvalidRequest(f"server URL {url!r}: port 0 is no server's; use http://host:port")
-    if host.replace(".", "").isdigit():
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise InvalidRequest(f"server URL {url!r}: {host} is not an IP address") from None
 
 
 async def read_step(

@@ -8,7 +8,6 @@ import socket
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import typer
 from rich.markup import escape
@@ -168,11 +167,9 @@ def writable_store(settings: Settings, store: Store) -> Store:
 def existing_store(url: str) -> str:
     """``url`` unchanged when it is not a local path, or names a store directory that
     exists: a reading command never creates a store where none was."""
-    try:
-        parsed = urlparse(url)
-    except ValueError as exc:  # e.g. "http://[::1" (an address without its bracket)
-        raise InvalidRequest(f"URL {url!r} is not a URL ({exc}): use http://host:port "
-                             "or file:///path") from None
+    from ckptd.cluster import parse_url
+
+    parsed = parse_url(url)
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
                              "directory is file:///absolute/path (three slashes)")

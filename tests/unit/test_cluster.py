@@ -100,6 +100,19 @@ def test_url_lists() -> None:
         home("job:x", [])
 
 
+@pytest.mark.parametrize("bad,said", [
+    ("http://a:notaport", "notaport"), ("http://a:99999", "0-65535"),
+    ("http://[::1", "not a URL"), ("http://256.1.1.1:80", "not an IP address"),
+    ("http://a:0", "port 0"), ("http://:8470", "names no host"),
+])
+def test_url_lists_refuse_a_malformed_server_url_in_a_line(bad: str, said: str) -> None:
+    """(found by a probe: ``--peers`` let ':notaport' through to the server, and
+    '[::1' was urllib's bare ValueError; the client's check was another copy)"""
+    with pytest.raises(InvalidRequest, match=said) as caught:
+        parse_urls(f"http://b:8470,{bad}")
+    assert bad in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_member_lease_round_trip_and_damage() -> None:
     m = Member("r-0", "http://a:8470", 12.5)
     assert Member.parse(m.to_json(), member_key("r-0")) == m
