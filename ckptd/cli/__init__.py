@@ -290,9 +290,16 @@ def serve(
 
 
 def _transport(url: str, token: str | None) -> Any:
+    """A server (http://), or a store read in this process: file:// and s3:// (read
+    directly, as ``gc`` and ``space`` read one). Called inside the command's loop."""
     from ckptd.cli.mistakes import existing_store
-    from ckptd.client.transport import open_transport
+    from ckptd.client.transport import LocalTransport, open_transport
 
+    if url.startswith("s3://"):
+        from ckptd.repository import Repository
+        from ckptd.store import open_store
+
+        return LocalTransport(Repository(open_store(url)))
     return open_transport(existing_store(url), token=token)
 
 
