@@ -258,3 +258,27 @@ async def test_a_subclass_wrapping_put_if_absent_sees_verified_content_puts(
     with pytest.raises(ValueError):
         await store.put_content("chunks/ab/y", b"bad", refuse)
     assert seen == ["chunks/ab/x"] and not await store.exists("chunks/ab/y")
+
+
+async def test_document_reads_do_not_wait_behind_chunk_writes(tmp_path: Path) -> None:
+    # A server's chunk puts take milliseconds each (hash, write, fsync): with every
+    # default-pool thread busy writing chunks, a manifest read or a listing (a commit,
+    # a restore plan) must still be answered at once.
+    import threading
+
+    store = LocalStore(tmp_path / "store")
+    await store.put_if_absent("jobs/j/doc.json", b"{}")
+    release = threading.Event()
+    threads = min(32, (os.cpu_count() or 1) + 4)  # the default pool's (and the writers')
+    data = [os.urandom(1024) for _ in range(threads)]
+    puts = [asyncio.create_task(store.put_content(f"chunks/{chunk_id(d)[:2]}/{chunk_id(d)}", d,
+                                                  verify=lambda: release.wait(10)))
+            for d in data]
+    try:
+        await asyncio.sleep(0.2)  # the puts take their threads
+        assert not any(p.done() for p in puts)
+        assert await asyncio.wait_for(store.get("jobs/j/doc.json"), 2.0) == b"{}"
+        assert await asyncio.wait_for(listed(store, "jobs/"), 2.0) == ["jobs/j/doc.json"]
+    finally:
+        release.set()
+        assert all(await asyncio.gather(*puts))
