@@ -350,12 +350,7 @@ def verify(
 ) -> None:
     """Check a job's refs, commit records, manifests and chunks; exit 1 naming what
     is damaged and which steps, ranks and tensors it breaks."""
-    from rich.progress import TransferSpeedColumn
-
-    bar = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
-    )
+    bar = transfer_bar()
     task = bar.add_task(f"verifying {job}" + (f" step {step}" if step is not None else ""),
                         total=None)
 
@@ -546,6 +541,19 @@ def progress_bar() -> Progress:
         DownloadColumn(),
         TimeRemainingColumn(),
         console=console,
+    )
+
+
+def transfer_bar() -> Progress:
+    """The bar of a command whose answer is a report after it (verify, export): bytes
+    and rate, gone when done; none off a terminal, where rich ends a bar with a blank
+    line (the first line of the report, in a pipe or a log)."""
+    from rich.progress import TransferSpeedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
+        disable=not console.is_interactive,
     )
 
 

@@ -12,7 +12,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _human, app, console
+from ckptd.cli import (
+    DEFAULT_URL,
+    TokenOpt,
+    UrlOpt,
+    _fail,
+    _human,
+    app,
+    console,
+    transfer_bar,
+)
 from ckptd.errors import CkptdError, InvalidRequest
 
 
@@ -84,15 +93,6 @@ def export(
 
 def _export_safetensors(job: str, step: int | None, directory: str, max_shard_size: str,
                         only: list[str], strip: str, url: str, token: str | None) -> None:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from ckptd.client.integrations.safetensors import export_safetensors, parse_size
 
     try:
@@ -100,10 +100,7 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     except CkptdError as exc:
         _fail(exc)
         return
-    bar = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
-    )
+    bar = transfer_bar()
     task = bar.add_task(f"exporting {job}", total=None)
 
     def on_bytes(done: int, total: int) -> None:

@@ -32,3 +32,21 @@ def test_a_long_path_stays_on_its_line_when_output_is_piped(tmp_path: Path) -> N
     bad = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--url", f"file://{target}x"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert f"{target}x" in bad.stdout + bad.stderr
+
+
+def test_verify_and_export_answer_on_their_first_line_when_piped(tmp_path: Path) -> None:
+    """(found by a probe: rich ends a progress bar off a terminal with a blank line,
+    and that was the first line of their output)"""
+    url = f"file://{tmp_path / 'store'}"
+    with Checkpointer(url, job="plain", serve_peers=False, shm_dir=tmp_path / "shm") as ckpt:
+        ckpt.save(4, {"w": torch.arange(1000.0)}).wait(timeout=60)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    for args, first in [
+        (["verify", "plain"], "checked 1 chunks"),
+        (["export", "plain", "--safetensors", str(tmp_path / "st")], "ok: step 4 of plain"),
+        (["export", "plain", "--zarr", str(tmp_path / "z")], "ok: step 4 of plain"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "ckptd", *args, "--url", url],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.splitlines()[0].startswith(first), (args, done.stdout)
