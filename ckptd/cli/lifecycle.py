@@ -267,16 +267,33 @@ def tag(
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Tag a committed step so that retention keeps it."""
+    """Tag a committed step so that retention keeps it (a tag on another step moves)."""
 
-    async def direct(repo: Any) -> Any:
+    # The step the tag was on, read first, to say that it moves; a tags document that
+    # does not read is no reason not to tag (setting a tag replaces a damaged one).
+    async def direct(repo: Any) -> int | None:
         from ckptd.lifecycle.tags import read_tags
 
+        was = None
+        with contextlib.suppress(CkptdError):
+            was = (await read_tags(repo.store, job)).get(name)
         await repo.tag(job, name, step)
-        return await read_tags(repo.store, job)
+        return was
 
-    _run(url, token, lambda server: server.tag(job, name, step), direct)
-    console.print(f"tagged step {step} of {escape(job)} {escape(name)!r}")
+    def remote(server: SyncTransport) -> int | None:
+        from ckptd.client import calls
+
+        was = None
+        with contextlib.suppress(CkptdError):
+            was = server.run(calls.tags(job)).get(name)
+        server.tag(job, name, step)
+        return was
+
+    was = _run(url, token, remote, direct)
+    if was is not None and was != step:
+        console.print(f"moved tag {escape(name)!r} of {escape(job)}: step {was} -> step {step}")
+    else:
+        console.print(f"tagged step {step} of {escape(job)} {escape(name)!r}")
 
 
 @app.command()

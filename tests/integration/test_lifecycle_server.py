@@ -154,3 +154,20 @@ def test_a_background_collection_answers_at_once_and_is_followed(one_step: Serve
     report = status["last_run"]["report"]
     assert status["last_run"]["error"] is None and report["chunks_deleted"] == 1
     assert status["last_run"]["ended_at"] - run["started_at"] >= 3
+
+
+def test_a_tag_moved_to_another_step_says_from_which(tmp_path: Path) -> None:
+    """(found by a probe: a tag on step 1 moved to step 2 said only "tagged step 2")"""
+    root = tmp_path / "store"
+    asyncio.run(_fill(root, range(1, 3)))
+    assert "->" not in _cli("tag", JOB, "1", "best", "--url", str(root))
+    out = _cli("tag", JOB, "2", "best", "--url", str(root))  # directly on the store
+    assert "moved" in out and "step 1 -> step 2" in out, out
+    assert "->" not in _cli("tag", JOB, "2", "best", "--url", str(root))  # where it was
+    srv = ServerProcess(store=root)
+    srv.start()
+    try:
+        out = _cli("tag", JOB, "1", "best", "--url", srv.url)  # through a server
+        assert "moved" in out and "step 2 -> step 1" in out, out
+    finally:
+        srv.stop()
