@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptd import knobs
-from ckptd.errors import InvalidRequest
+from ckptd.errors import InvalidPolicy, InvalidRequest
 from ckptd.format import check_job, check_rank
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
@@ -93,6 +93,8 @@ class CheckpointerConfig:
             raise InvalidRequest(f"on_busy must be 'wait' or 'skip', not {self.on_busy!r}")
         if self.on_error not in ("raise", "warn"):
             raise InvalidRequest(f"on_error must be 'raise' or 'warn', not {self.on_error!r}")
+        if self.health_policy is not None:
+            _check_policy_file(self.health_policy)
         if self.staging_budget is not None and self.staging_budget < self.chunk_size + PAGE:
             raise InvalidRequest(
                 f"staging_budget {self.staging_budget} cannot hold one chunk of "
@@ -138,6 +140,24 @@ class CheckpointerConfig:
     def replace(self, **changes: Any) -> CheckpointerConfig:
         """A copy with ``changes`` (checked like a new one)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_policy_file(policy: Policy | str | os.PathLike[str]) -> None:
+    """A policy file read as the health agent reads it at the first step, refused now
+    (missing, unreadable or invalid) in a line naming it; a ``Policy`` passes."""
+    from .health.policy import Policy
+    from .health.policy_file import load_policy
+
+    if isinstance(policy, Policy):
+        return
+    if not isinstance(policy, (str, os.PathLike)):
+        raise InvalidRequest(f"health_policy must be a Policy or a TOML file's path, not "
+                             f"{type(policy).__name__} {policy!r}")
+    try:
+        load_policy(os.fspath(policy))
+    except InvalidPolicy as exc:
+        raise InvalidPolicy(f"health_policy {exc.message}; `ckptd policy check FILE` "
+                            "checks one", **exc.detail) from None
 
 
 def rank_context(rank: int | None, world_size: int | None, local_rank: int | None,

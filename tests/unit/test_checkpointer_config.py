@@ -57,3 +57,25 @@ def test_a_bad_setting_is_refused_by_the_config(tmp_path: Path, changes: dict[st
     cfg = CheckpointerConfig.of(f"file://{tmp_path}", "cfg", rank=0, world_size=2)
     with pytest.raises(InvalidRequest):
         cfg.replace(**changes)
+
+
+def test_a_health_policy_file_that_cannot_be_read_is_refused_at_construction(
+    tmp_path: Path, shm: Path
+) -> None:
+    """(found by a probe: it was refused only at the first step())"""
+    url = f"file://{tmp_path / 'store'}"
+    directory = tmp_path / "a-directory.toml"
+    directory.mkdir()
+    for bad in (tmp_path / "missing.toml", directory):
+        with pytest.raises(InvalidRequest) as caught:
+            Checkpointer(url, "cfg", shm_dir=shm, health_policy=bad)
+        said = str(caught.value)
+        assert str(bad) in said and "health_policy" in said and "\n" not in said, said
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[thresholds\n")
+    with pytest.raises(InvalidRequest, match="broken.toml"):
+        Checkpointer(url, "cfg", shm_dir=shm, health_policy=str(broken))
+    good = tmp_path / "good.toml"
+    good.write_text("")
+    with Checkpointer(url, "cfg", shm_dir=shm, health_policy=good) as ckpt:
+        assert ckpt.config.health_policy == good
