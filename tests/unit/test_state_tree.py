@@ -14,6 +14,7 @@ import torch
 from ckptd.client.dtypes import byte_view, dtype_name, torch_dtype
 from ckptd.client.restore.fill import TensorSpec, fill, plan_fill, tensor_specs, unflatten
 from ckptd.client.save.flatten import flatten, value_tree
+from ckptd.dtypes import ITEMSIZE
 from ckptd.errors import InvalidDocument, RestoreError, UnsupportedValue
 from ckptd.format import TensorEntry, canonical_json, check_tree
 
@@ -457,3 +458,23 @@ def test_stateful_leaves_flatten_as_their_state_dict() -> None:
     assert [n for n, _ in flat.tensors][:1] == ["c.n"]
     assert {"rng.python.state", "rng.torch"} <= flat.local
     assert "c.n" not in flat.local
+
+
+@pytest.mark.parametrize("name", sorted(map(str, ITEMSIZE)))
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (0,), (2, 0, 3)])
+def test_byte_view_is_every_dtype_s_bytes_writable_in_place(name: str, shape: tuple[int, ...]
+                                                           ) -> None:
+    # A restore writes chunks through these views into the target's own memory:
+    # a view that copied, or read a dtype numpy lacks (bfloat16, float8) as another
+    # size, would restore wrong bytes.
+    dtype = torch_dtype(name)
+    t = torch.zeros(shape, dtype=dtype)
+    view = byte_view(t)
+    assert (view.format, view.ndim, view.readonly, view.nbytes) == ("B", 1, False, t.nbytes)
+    pattern = bytes(range(1, t.nbytes + 1))
+    view[:] = pattern
+    assert t.reshape(-1).view(torch.uint8).tolist() == list(pattern)
+    if t.is_floating_point() and t.numel():
+        g = torch.ones(shape, dtype=dtype, requires_grad=True)
+        byte_view(g)[:t.element_size()] = bytes(t.element_size())
+        assert g.reshape(-1)[0].item() == 0
