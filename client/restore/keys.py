@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from ckptd.errors import RestoreError
+from ckptd.errors import InvalidRequest, RestoreError
 
 from ..dtypes import path_str
 from ..stateful import ModelState, has_stateful, is_stateful
@@ -49,6 +49,61 @@ def stateful_kinds(state: Any) -> dict[Path, Kind]:
     if isinstance(state, Mapping):
         walk(state, ())
     return kinds
+
+
+def stateful_places(state: Any) -> dict[Path, str]:
+    """Where each Stateful object of the target sits, with its type's name;
+    ``InvalidRequest`` for one inside a list or tuple, which ``restore_view`` does not
+    reach (it was left as it was and its place in the list given a dict)."""
+    places: dict[Path, str] = {}
+
+    def walk(value: Any, path: Path, sequence: str | None) -> None:
+        if is_stateful(value):
+            if sequence is not None:
+                raise InvalidRequest(
+                    f"restore: {path_str(path)} is a {type(value).__name__} inside a "
+                    f"{sequence}; restore loads such objects only as a mapping's values: "
+                    "pass model.state_dict() in its place, or put it in a dict")
+            places[path] = type(value).__name__
+        elif isinstance(value, Mapping):
+            for key, child in value.items():
+                walk(child, (*path, key), sequence)
+        elif isinstance(value, list | tuple):
+            for i, child in enumerate(value):
+                walk(child, (*path, i), sequence or type(value).__name__)
+
+    walk(state, (), None)
+    return places
+
+
+def check_places(tree: Mapping[str, Any], places: Mapping[Path, str], step: int) -> None:
+    """``InvalidRequest`` for a Stateful object where the checkpoint holds no state
+    dict (a tensor, a value, a list): its ``load_state_dict()`` would refuse that with
+    torch's TypeError once the rest was written. (One the checkpoint lacks is
+    ``check_keys``'s.)"""
+    for path, name in places.items():
+        node = _node(tree, path)
+        if node is None:
+            continue
+        ((what, _),) = node.items()
+        if what != "dict":
+            held = {"tensor": "a tensor", "value": "a plain value"}.get(what, f"a {what}")
+            raise InvalidRequest(
+                f"restore: {path_str(path)} is a {name}, but step {step} holds {held} "
+                "there, not a state dict (a module restores where its model.state_dict() "
+                f"was saved): pass {held} there")
+
+
+def _node(tree: Mapping[str, Any], path: Path) -> Mapping[str, Any] | None:
+    """The checkpoint tree's node at ``path`` through its mappings, or None."""
+    node = tree
+    for key in path:
+        ((what, body),) = node.items()
+        found = dict((k, child) for k, child in body).get(key) if what == "dict" else None
+        if found is None:
+            return None
+        node = found
+    return node
 
 
 def check_keys(

@@ -36,7 +36,7 @@ from .devices import DeviceOrder, to_devices
 from .direct import ObjectStoreSource
 from .fetch import ChunkFetcher, WantedChunks, deliver, failure
 from .fill import fill, plan_fill
-from .keys import Kind, Path, check_keys, stateful_kinds
+from .keys import Kind, Path, check_keys, check_places, stateful_kinds, stateful_places
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .memory import Landing
 from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
@@ -95,6 +95,7 @@ class RestoreOptions:
     atomic: bool = True  # nothing reaches the target before every chunk verified
     strict: bool = True  # the target's keys match the checkpoint's (``keys.check_keys``)
     stateful: dict[Path, Kind] = field(default_factory=dict)  # where Stateful objects sit
+    places: dict[Path, str] = field(default_factory=dict)  # and their types (check_places)
 
 
 @dataclass(slots=True)
@@ -346,6 +347,7 @@ def _restore_planned(
     if plan.rank != rank:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
+    check_places(plan.manifest.tree, opts.places, plan.step)
     if opts.strict:  # before anything changes, like plan_fill below
         check_keys(plan.manifest.tree, state, opts.stateful, plan.step)
     boxes, other = needed_boxes(plan, state, shards or {}, world_size)
@@ -513,6 +515,7 @@ class Restorer:
             atomic=atomic,
             strict=strict,
             stateful=stateful_kinds(state),
+            places=stateful_places(state),
         )
         # Stateful objects (model, optimizer, RNGState) restore through a view that
         # holds their state_dict(); load_state_dict() gets it once it is filled.

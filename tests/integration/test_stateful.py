@@ -80,3 +80,42 @@ def test_rng_state_is_saved_rank_local(tmp_path: Path, shm: Path) -> None:
     assert "committed" in states
     for ckpt in ckpts:
         assert ckpt.close().failed == 0
+
+
+def test_a_module_where_the_checkpoint_holds_no_state_dict_is_refused_in_a_line(
+    tmp_path: Path, shm: Path
+) -> None:
+    """(found by a probe: a module where the step held a tensor or a value raised
+    torch's TypeError from load_state_dict; a module in a list was left untouched,
+    the list's item replaced by a dict)"""
+    from ckptd.errors import InvalidRequest
+
+    url = f"file://{tmp_path / 'store'}"
+    saved = torch.nn.Linear(3, 2)
+    with Checkpointer(url, "m", shm_dir=shm) as ckpt:
+        ckpt.save(1, {"model": saved.state_dict(), "w": saved.weight.detach().clone(),
+                      "n": 1, "models": [saved.state_dict()]}).wait(60)
+        for target, where in [({"w": torch.nn.Linear(3, 2)}, "state['w']"),
+                              ({"n": torch.nn.Linear(3, 2)}, "state['n']"),
+                              ({"models": [torch.nn.Linear(3, 2)]}, "state['models'][0]")]:
+            before = [t.clone() for t in target_tensors(target)]
+            for strict in (True, False):
+                with pytest.raises(InvalidRequest, match="state_dict()") as caught:
+                    ckpt.restore(target, strict=strict)
+                said = str(caught.value)
+                assert where in said and "Linear" in said and "\n" not in said, said
+            assert all(torch.equal(a, b) for a, b in zip(before, target_tensors(target),
+                                                          strict=True))
+        model = torch.nn.Linear(3, 2)  # where the step holds its state dict: restored
+        assert ckpt.restore({"model": model}, strict=False).step == 1
+        assert torch.equal(model.weight, saved.weight)
+
+
+def target_tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.nn.Module):
+        return list(state.state_dict().values())
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in target_tensors(v)]
+    if isinstance(state, list):
+        return [t for v in state for t in target_tensors(v)]
+    return [state] if isinstance(state, torch.Tensor) else []
