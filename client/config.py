@@ -134,6 +134,10 @@ class CheckpointerConfig:
         except TypeError:  # ("4MB", 4.0: int() took the float and refused the text)
             raise InvalidRequest(f"chunk_size is a whole number of bytes (e.g. 4 << 20 for "
                                  f"4 MiB), not {chunk_size!r}") from None
+        if settings.get("peer_port") is None:
+            # Checked now, as the argument is: the peer server reads it as it starts,
+            # and a checkpointer over a file:// store starts none.
+            knobs.peer_port()
         return cls(url, job, rank, world_size, token, chunk_size=size, on_error=on_error,
                    incarnation=incarnation, local_rank=local_rank, **settings)
 

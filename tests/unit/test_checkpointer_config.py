@@ -79,3 +79,19 @@ def test_a_health_policy_file_that_cannot_be_read_is_refused_at_construction(
     good.write_text("")
     with Checkpointer(url, "cfg", shm_dir=shm, health_policy=good) as ckpt:
         assert ckpt.config.health_policy == good
+
+
+@pytest.mark.parametrize("raw", ["99999", "-1", "http"])
+def test_a_bad_peer_port_from_the_environment_is_refused_at_construction(
+    raw: str, tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``peer_port=99999`` is: it was read only where the peer server started
+    (a file:// store's checkpointer, which starts none, never said)."""
+    monkeypatch.setenv("CKPTD_PEER_PORT", raw)
+    with pytest.raises(InvalidRequest, match=f"CKPTD_PEER_PORT='{raw}'.*0 to 65535"):
+        Checkpointer(f"file://{tmp_path / 'store'}", "cfg", shm_dir=shm)
+    with pytest.raises(InvalidRequest, match="CKPTD_PEER_PORT"):
+        CheckpointerConfig.of(f"file://{tmp_path / 'store'}", "cfg")
+    # An argument wins over the environment, as for every knob.
+    with Checkpointer(f"file://{tmp_path / 'store'}", "cfg", shm_dir=shm, peer_port=0):
+        pass
