@@ -17,6 +17,7 @@ import importlib
 import io
 import logging
 import pickle
+import re
 import time
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
@@ -75,11 +76,10 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            # torch's text runs to a dozen lines; its first says what it refused.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedValue(
-                f"{path} holds objects that weights_only loading refuses ({first}); "
-                "save plain tensors and containers"
+                f"{path} holds pickled objects, which ckptd does not unpickle "
+                f"(weights_only: {_refused(exc)}); torch.save plain tensors and "
+                "containers (e.g. model.state_dict()) and import that"
             ) from None
         except Exception as exc:  # noqa: BLE001 - see below
             # A damaged file trips torch's unpickler anywhere, with whatever its parsing
@@ -94,6 +94,22 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
         raise NotFound(f"{path} does not exist")
     raise InvalidRequest(f"{path} is neither a zarr v3 hierarchy (zarr.json), a DCP "
                          "directory (.metadata), safetensors nor a torch.save file")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _refused(exc: pickle.UnpicklingError) -> str:
+    """What torch's weights_only unpickler refused, in a line: its text is a dozen
+    lines with terminal bold codes, the object named in the "WeightsUnpickler error"
+    line's first sentence (the last line that has one, in another torch)."""
+    lines = [" ".join(line.split()) for line in _ANSI.sub("", str(exc)).splitlines()]
+    lines = [line for line in lines if line]
+    named = [line for line in lines if "WeightsUnpickler error:" in line]
+    if named:
+        said = named[0].split("WeightsUnpickler error:", 1)[1].strip()
+        return said.split(". ", 1)[0].rstrip(".")
+    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _looks_like_torch_save(path: Path) -> bool:
@@ -242,7 +258,7 @@ def read_dcp(path: Path) -> dict[str, Any]:
             except pickle.UnpicklingError as exc:
                 raise UnsupportedValue(
                     f"{read_item.dest_index.fqn!r} in {path} is an object that weights_only "
-                    f"loading refuses ({str(exc).splitlines()[0]})",
+                    f"loading refuses ({_refused(exc)})",
                     name=read_item.dest_index.fqn,
                 ) from None
             fqn = read_item.dest_index.fqn

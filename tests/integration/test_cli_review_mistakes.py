@@ -50,6 +50,22 @@ def test_import_of_files_that_are_no_checkpoint(tmp_path: Path) -> None:
     assert_short_usage_error(done, str(cut), "not a readable torch.save file")
 
 
+def test_import_of_a_pickle_of_objects_says_why_in_plain_text(tmp_path: Path) -> None:
+    """(found by a probe: torch's refusal, ANSI bold codes and all, cut off before the
+    line that named the object)"""
+    import datetime
+
+    import torch
+
+    source = tmp_path / "objects.pt"
+    torch.save({"w": torch.ones(2), "when": datetime.datetime(2026, 1, 1)}, source)
+    done = ckptd("import", str(source), "--job", "imp", "--step", "9",
+                 "--url", f"file://{tmp_path / 'store'}")
+    assert_short_usage_error(done, str(source), "datetime.datetime",
+                             "does not unpickle", "plain tensors")
+    assert "\x1b" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--retention", "/nonexist.toml"], ["/nonexist.toml"]),
     (["--peers", "garbage"], ["--peers", "garbage", "http://"]),
