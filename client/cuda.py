@@ -26,6 +26,15 @@ log = logging.getLogger(__name__)
 _HOST_REGISTER_PORTABLE = 1
 
 
+def _on(device: torch.device | None) -> contextlib.AbstractContextManager[object]:
+    """Makes a CUDA ``device`` current for a runtime call (nothing for another or
+    None): a thread with no current device would make one on device 0, a context
+    that costs hundreds of MiB there."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def available() -> bool:
     """True when this torch build can reach a CUDA device (initializes nothing)."""
     return torch.cuda.is_available()
@@ -39,7 +48,7 @@ def pin(ptr: int, nbytes: int, device: torch.device | None = None) -> bool:
     copies then still land correctly, but synchronously."""
     if nbytes == 0:
         return False
-    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+    with _on(device):
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))  # type: ignore[no-untyped-call]
     if err != 0:
         log.warning("staging: cudaHostRegister of %d bytes failed (cudaError %d); copies "
@@ -48,9 +57,11 @@ def pin(ptr: int, nbytes: int, device: torch.device | None = None) -> bool:
     return True
 
 
-def unpin(ptr: int) -> None:
-    """Undoes ``pin``; the caller makes sure no copy into the pages is running."""
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
+def unpin(ptr: int, device: torch.device | None = None) -> None:
+    """Undoes ``pin`` (on ``device``, as ``pin`` ran); the caller makes sure no copy
+    into the pages is running."""
+    with _on(device):
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
     if err != 0:
         log.warning("staging: cudaHostUnregister failed (cudaError %d)", err)
 
@@ -71,11 +82,16 @@ class CopyDone:
 
     def query(self) -> bool:
         """True once every copy finished."""
-        return all(e.query() for _, e in self.events)  # type: ignore[no-untyped-call]
+        for device, e in self.events:
+            with _on(device):
+                if not e.query():  # type: ignore[no-untyped-call]
+                    return False
+        return True
 
     def synchronize(self, timeout: float | None = None) -> None:
-        """Blocks until every copy finished; ``Timeout`` after ``timeout`` seconds."""
-        if timeout is None:
+        """Blocks until every copy finished; ``Timeout`` after ``timeout`` seconds
+        (None, or more than a lock can wait: no limit)."""
+        if timeout is None or not timeout < threading.TIMEOUT_MAX:
             self._wait_events()
             return
         if not self._ended.is_set() and self.query():
@@ -86,13 +102,18 @@ class CopyDone:
         # however often asked; after a timeout it ends with the copies.)
         with self._lock:
             if self._waiter is None:
-                self._waiter = threading.Thread(target=self._wait_for_all,
-                                                name="ckptd-staged", daemon=True)
-                self._waiter.start()
+                waiter = threading.Thread(target=self._wait_for_all, name="ckptd-staged",
+                                          daemon=True)
+                try:
+                    waiter.start()
+                except RuntimeError:  # (no thread to be had: wait on this one)
+                    self._wait_events()
+                    return
+                self._waiter = waiter
         if not self._ended.wait(timeout):
             raise Timeout(f"staging copies still running after {timeout} s")
         if self._failed is not None:
-            raise self._failed
+            raise self._failed.with_traceback(None)
 
     def _wait_for_all(self) -> None:
         try:
@@ -104,9 +125,7 @@ class CopyDone:
 
     def _wait_events(self) -> None:
         for device, e in self.events:
-            # (On the event's own device: a thread with no current device would make
-            # one on device 0, a context that costs hundreds of MiB there.)
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            with _on(device):  # (on the event's own device)
                 e.synchronize()  # a blocking-sync event: the thread sleeps, no spin
 
     def block_streams(self) -> None:

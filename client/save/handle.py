@@ -4,13 +4,27 @@ the snapshot (``SaveHandle``)."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import threading
 from collections.abc import Callable
 
-from ckptd.errors import CkptdError, SnapshotSkipped, Timeout
+from ckptd.errors import CkptdError, InvalidRequest, SnapshotSkipped, Timeout
 
 from ..cuda import CopyDone
 from ..failures import wrap_error
 from .snapshot import SaveResult
+
+
+def _limit(timeout: float | None, what: str) -> float | None:
+    """``timeout`` as a wait takes it: None for no limit (``math.inf`` too, which a
+    lock cannot wait); a caller's mistake (negative, NaN, not a number) refused."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or math.isnan(timeout) or timeout < 0):
+        raise InvalidRequest(f"{what}(timeout=) takes seconds, 0 or more (None: no limit), "
+                             f"not {timeout!r}")
+    return None if timeout >= threading.TIMEOUT_MAX else timeout
 
 
 class SaveHandle:
@@ -74,6 +88,7 @@ class SaveHandle:
         once. With CUDA tensors the copies run on a side stream: this blocks the
         host until they are done (``Timeout`` after ``timeout`` seconds). Call it
         before changing the tensors, e.g. before ``optimizer.step()``."""
+        timeout = _limit(timeout, "staged")
         if self._copy_done is not None:
             self._copy_done.synchronize(timeout)
 
@@ -91,6 +106,7 @@ class SaveHandle:
         Raises ``SnapshotSkipped`` for a skipped save, ``Timeout`` when ``timeout``
         seconds pass first (the snapshot goes on), or the typed ``CkptdError`` that
         failed the snapshot."""
+        timeout = _limit(timeout, "wait")
         if self._future is None:
             raise SnapshotSkipped(
                 f"save of step {self.step} was skipped: a snapshot was in flight", step=self.step

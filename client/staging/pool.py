@@ -375,7 +375,7 @@ class StagingPool:
 
     def _unpin(self, seg: _Segment) -> None:
         if seg.pinned:
-            cuda.unpin(seg.tensor.data_ptr())
+            cuda.unpin(seg.tensor.data_ptr(), self._pin_device)
             seg.pinned = False
 
     def _sync_copies(self) -> None:

@@ -4,14 +4,18 @@ here stand in for CUDA events (absent hardware) with the same two calls."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from ckptd.client.cuda import CopyDone
-from ckptd.errors import Timeout
+from ckptd.client.save.handle import SaveHandle
+from ckptd.errors import InvalidRequest, Timeout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -96,3 +100,47 @@ def test_an_error_the_events_meet_reaches_the_caller_not_the_thread_hook(
         with pytest.raises(RuntimeError, match="illegal memory access"):
             done.synchronize(timeout=10)
     assert hooked == []
+
+
+def test_staged_without_a_limit_given_as_infinity_waits_for_the_copies() -> None:
+    # math.inf is more than a lock can wait (OverflowError): it means no limit.
+    copies = Copies(0.05)
+    CopyDone([(torch.device("cpu"), copies)]).synchronize(timeout=math.inf)
+    assert copies.finished.is_set()
+
+
+def test_staged_when_no_waiting_thread_can_start_waits_on_the_caller_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process at its thread limit: the copies' end must still be noticed, by this
+    # call and the next, not sat out to the timeout.
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name == "ckptd-staged":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    copies = Copies(0.05)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    done = CopyDone([(torch.device("cpu"), copies)])
+    t0 = time.perf_counter()
+    done.synchronize(timeout=20)
+    done.synchronize(timeout=20)
+    assert copies.finished.is_set() and time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "5", True])
+def test_a_save_handle_s_timeout_that_is_no_number_of_seconds_is_refused(bad: object) -> None:
+    handle = SaveHandle(1, concurrent.futures.Future(), copy_done=CopyDone([]))
+    with pytest.raises(InvalidRequest, match="takes seconds"):
+        handle.staged(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="takes seconds"):
+        handle.wait(timeout=bad)  # type: ignore[arg-type]
+
+
+def test_a_save_handle_waits_without_limit_on_infinity() -> None:
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    threading.Timer(0.05, future.set_result, ("result",)).start()
+    handle = SaveHandle(1, future, copy_done=CopyDone([]))
+    handle.staged(timeout=math.inf)
+    assert handle.wait(timeout=math.inf) == "result"
