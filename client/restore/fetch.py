@@ -368,14 +368,18 @@ def _scratch_for(items: Sequence[_InPlace], wanted: WantedChunks
         if setting == "0" or (setting == "auto" and not _room_on(device, n)):
             continue
         try:
-            out[device] = torch.empty(n, dtype=torch.uint8, device=device)
-            if device.type == "cuda":
-                # Allocated on this thread's stream, written on the lanes': a block
-                # that work still queued here reads must be free before they write.
-                torch.cuda.current_stream(device).synchronize()
+            scratch = torch.empty(n, dtype=torch.uint8, device=device)
         except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is one)
             log.info("restore: no room for %d bytes beside the target on %s (%s); "
                      "verifying first, then sending", n, device, exc)
+            continue
+        if device.type == "cuda":
+            # Allocated on this thread's stream, written on the lanes': a block that
+            # work still queued here reads must be free before they write. (Outside
+            # the allocation's try: an earlier device error surfaces here, and is no
+            # lack of room.)
+            torch.cuda.current_stream(device).synchronize()
+        out[device] = scratch
     return out
 
 
