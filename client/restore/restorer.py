@@ -26,6 +26,7 @@ from ckptd.errors import (
 from ckptd.format import TensorEntry
 from ckptd.hashing import chunk_id
 
+from ..failures import wrap_error
 from ..loop import in_thread
 from ..peer import PeerClient, PeerIndex
 from ..session import Session
@@ -367,7 +368,13 @@ def _restore_planned(
     except CkptdError as exc:  # (a deadline that passed during delivery, too)
         raise _stated(exc, plan.step, written.target) from exc.__cause__
     t_fetch = time.perf_counter()
-    fill(state, layout.tree, fetched.tensors)
+    try:
+        fill(state, layout.tree, fetched.tensors)
+    except CkptdError as exc:
+        raise _stated(exc, plan.step, True) from exc.__cause__
+    except Exception as exc:  # (a device's error in a copy into the target: checked before)
+        what = f"the copy of step {plan.step} into the target"
+        raise _stated(wrap_error(exc, what, RestoreError), plan.step, True) from exc
     log.debug("%s/%d: plan %.4f s, layout %.4f s, fetch %.4f s, fill %.4f s", job, rank,
               t_plan - t0, t_layout - t_plan, t_fetch - t_layout, time.perf_counter() - t_fetch)
     seconds = time.perf_counter() - t0

@@ -180,3 +180,38 @@ def test_a_device_copy_that_fails_mid_restore_says_the_target_was_written(
     assert "illegal memory access" in str(error) and error.detail["step"] == 1
     assert error.detail["partial"] is True and "partly restored" in str(error)
     assert any(target[k].view(torch.int32).any() for k in target)  # some bytes did land
+
+
+class FailingCopies(torch.Tensor):
+    """A tensor whose in-place copies fail as a device's do (a CUDA error raised by
+    ``copy_``): a stand-in for a GPU, which this machine lacks."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_copy_into_the_target_that_fails_after_the_fetch_says_the_target_was_written(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target tensor the restore cannot fill where it lies (here: not contiguous) is
+    assembled beside it and copied in at the end; a device's error in that copy is
+    the restore's typed failure too, its cause kept, the target said partly written."""
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+    expected = state(7)
+    url = f"file://{tmp_path / 'store'}"
+    target: dict[str, torch.Tensor] = {k: torch.zeros_like(v) for k, v in expected.items()}
+    last = sorted(target)[-1]
+    expected[last] = torch.randn(8, 6)
+    target[last] = torch.zeros(6, 8).t().as_subclass(FailingCopies)  # (transposed)
+    with Checkpointer(url, "copies", chunk_size=CHUNK, serve_peers=False) as writer:
+        writer.save(1, expected).wait(timeout=60)
+        with Checkpointer(url, "copies", serve_peers=False) as reader, \
+                pytest.raises(RestoreError) as info:
+            reader.restore(target)
+    error = info.value
+    assert isinstance(error.__cause__, RuntimeError), repr(error.__cause__)
+    assert "illegal memory access" in str(error) and error.detail["step"] == 1
+    assert error.detail["partial"] is True and "partly restored" in str(error)
