@@ -175,12 +175,14 @@ class ReadIn:
             for t in read_in._threads:
                 t.start()
                 started.append(t)
-        except RuntimeError:  # (no thread to be had): pages fault in as they are read
+        except BaseException as exc:  # (no thread to be had, or an interrupt)
             read_in._stop.set()
-            read_in._go.set()
+            read_in._go.set()  # (the started ones end at once, not wait for ever)
             for t in started:
                 t.join()
-            return None
+            if not isinstance(exc, RuntimeError):
+                raise
+            return None  # pages fault in as they are read
         read_in._go.set()
         return read_in
 

@@ -151,3 +151,28 @@ def test_a_read_in_whose_threads_cannot_all_start_gives_up_and_leaves_none(
     view = memoryview(pool.numpy())
     assert memory.ReadIn.start([span_of(view)], 4, [pool]) is None
     assert not any(t.name == "ckptd-read-in" for t in threading.enumerate())
+
+
+def test_a_read_in_interrupted_while_its_threads_start_leaves_none_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt (Ctrl-C) while ``ReadIn`` starts its threads goes on to the
+    caller, and the threads already started end: none waits for ever to begin."""
+    pool = torch.empty(32 * MiB, dtype=torch.uint8)
+    real_start = threading.Thread.start
+    starts = [0]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "ckptd-read-in":
+            starts[0] += 1
+            if starts[0] == 3:
+                raise KeyboardInterrupt
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    view = memoryview(pool.numpy())
+    with pytest.raises(KeyboardInterrupt):
+        memory.ReadIn.start([span_of(view)], 4, [pool])
+    deadline = time.monotonic() + 10
+    while any(t.name == "ckptd-read-in" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a read-in thread still waits to begin"
+        time.sleep(0.01)
