@@ -32,6 +32,10 @@ def fill_from_entry(wanted: WantedChunks, name: str, buf: torch.Tensor, box: Box
     (bo, bs), eo, es = box, tuple(e.offsets), tuple(e.shape)
     if (bo, bs) == (eo, es):
         view = byte_view(buf)
+        if len(e.chunks) == 1 and 0 < e.nbytes <= chunk_size:
+            # (most tensors of a state are one chunk: no span generator for them)
+            wanted.add(e.chunks[0], view[:e.nbytes], name, in_target)
+            return math.prod(bs)
         for cid, (a, b) in zip(e.chunks, chunk_spans(e.nbytes, chunk_size), strict=True):
             wanted.add(cid, view[a:b], name, in_target)
         return math.prod(bs)
