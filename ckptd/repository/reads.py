@@ -11,7 +11,6 @@ from ckptd.errors import (
     ChunkHashMismatch,
     ChunkNotFound,
     InvalidRequest,
-    ManifestHashMismatch,
     ManifestNotFound,
     NotCommitted,
     NotFound,
@@ -84,21 +83,30 @@ class StoredReads:
     async def _read_committed_manifest(self, record: CommitRecord, rank: int) -> RankManifest:
         """``read_manifest`` with the commit record already read."""
         job, step = record.job, record.step
+        key = manifest_key(job, step, rank)
+        # A committed step's manifest missing or not its committed bytes is store
+        # damage (a 5xx naming the document), never the caller's request.
         try:
-            data = await self.store.get(manifest_key(job, step, rank))
+            data = await self.store.get(key)
         except NotFound:
-            raise ManifestNotFound(
-                f"no manifest of rank {rank} for step {step} of {job}", rank=rank
-            ) from None
+            # Retention removes the record first, then the manifests: a step read
+            # while it goes is not damage.
+            await self.read_commit(job, step)  # CheckpointNotFound once it is gone
+            if await self.store.exists(removal_key(job, step)):
+                raise CheckpointNotFound(
+                    f"step {step} of {job} is being removed by retention; list the "
+                    f"steps that remain with: ckptd ls {job}", job=job, step=step) from None
+            raise StoreCorrupt(
+                f"damaged step: {key}, named by the commit record of step {step} of {job}, "
+                "is missing", key=key, job=job, step=step, rank=rank) from None
         # Hash the stored bytes before parsing them: bytes that are not the
         # committed ones are refused whatever they say.
         expected = record.manifests[rank].hash
         if await asyncio.to_thread(document_hash, data) != expected:
-            raise ManifestHashMismatch(
-                f"manifest of rank {rank}, step {step} does not match its commit record",
-                rank=rank,
-            )
-        return await self._manifests.parse(manifest_key(job, step, rank), data, expected)
+            raise StoreCorrupt(
+                f"damaged document {key}: its bytes are not those the commit record of "
+                f"step {step} of {job} names", key=key, job=job, step=step, rank=rank)
+        return await self._manifests.parse(key, data, expected)
 
     async def _try_read_commit(self, job: str, step: int) -> CommitRecord | None:
         try:

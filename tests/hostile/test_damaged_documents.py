@@ -20,7 +20,7 @@ from ckptd.testing.manifests import demo_step, put_rank
 from tests.conftest import ServerProcess
 
 STEPS = {"tags": 2, "badman": 2, "badver": 2, "badrecord": 2, "claim": 3, "claimed": 2,
-         "rot": 2}
+         "rot": 2, "gone": 2}
 
 
 async def _fill(root: Path) -> None:
@@ -42,6 +42,7 @@ def damaged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     man.write_bytes(man.read_bytes()[:100])
     man = jobs / "badver" / "steps" / "2" / "ranks" / "0.json"
     man.write_bytes(man.read_bytes().replace(b'"version":1', b'"version":7'))
+    (jobs / "gone" / "steps" / "2" / "ranks" / "1.json").unlink()
     record = jobs / "badrecord" / "steps" / "2" / "commit.json"
     record.write_bytes(record.read_bytes()[:40])
     for job in ("claim", "claimed"):
@@ -77,7 +78,7 @@ def test_damaged_tags_are_store_damage_and_a_tag_write_repairs_them(api: httpx.C
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("job", ["badman", "badver"])
+@pytest.mark.parametrize("job", ["badman", "badver", "gone"])
 def test_a_damaged_manifest_of_latest_makes_every_rank_restore_the_step_before(
     api: httpx.Client, job: str
 ) -> None:
@@ -91,6 +92,18 @@ def test_a_damaged_manifest_of_latest_makes_every_rank_restore_the_step_before(
     assert f"jobs/{job}/steps/2/ranks/" in " ".join(r.json()["fallback"])
     r = api.get(f"/v1/jobs/{job}/latest")
     assert r.status_code == 200 and r.json()["step"] == 1, r.text
+
+
+@pytest.mark.parametrize(("job", "bad"), [("badman", 1), ("badver", 0), ("gone", 1)])
+def test_a_damaged_manifest_of_a_committed_step_read_by_its_step_is_store_corrupt(
+    api: httpx.Client, job: str, bad: int
+) -> None:
+    key = f"jobs/{job}/steps/2/ranks/{bad}.json"  # truncated, replaced or deleted
+    _corrupt(api.get(f"/v1/jobs/{job}/steps/2/ranks/{bad}"), key)
+    _corrupt(api.get(f"/v1/jobs/{job}/restore-plan", params={"rank": bad, "step": 2}), key)
+    _corrupt(api.get(f"/v1/jobs/{job}/step-plan", params={"rank": 0, "step": 2}), key)
+    r = api.get(f"/v1/jobs/{job}/steps/2/ranks/{1 - bad}")  # the intact rank still reads
+    assert r.status_code == 200, r.text
 
 
 def test_space_counts_around_a_damaged_commit_record(api: httpx.Client) -> None:

@@ -446,16 +446,19 @@ async def test_read_manifest_detects_a_manifest_changed_on_disk(repo: Repository
     tampered = replace(manifests[1], meta={"evil": True}).canonical()
     await store.delete(key)
     await store.put_if_absent(key, tampered)
-    with pytest.raises(ManifestHashMismatch):
+    # Store damage naming the document, not the caller's request (a 4xx).
+    with pytest.raises(StoreCorrupt) as caught:
         await repo.read_manifest(JOB, 1, 1)
+    assert caught.value.detail["key"] == key
     # the same content, re-encoded with other whitespace: not the committed bytes either
     await store.delete(key)
     await store.put_if_absent(key, json.dumps(json.loads(manifests[1].canonical())).encode())
-    with pytest.raises(ManifestHashMismatch):
+    with pytest.raises(StoreCorrupt):
         await repo.read_manifest(JOB, 1, 1)
     await store.delete(key)
-    with pytest.raises(ManifestNotFound):
+    with pytest.raises(StoreCorrupt) as caught:
         await repo.read_manifest(JOB, 1, 1)
+    assert caught.value.detail["key"] == key
     assert await repo.read_manifest(JOB, 1, 0) == manifests[0]
 
 
