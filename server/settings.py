@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ckptd.lifecycle.gc import MAX_GRACE
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -127,7 +129,8 @@ class Settings(BaseSettings):
         default=0.0, ge=0, description="Seconds between background garbage collections (0: off)."
     )
     gc_grace: float = Field(
-        default=600.0, ge=0, description="GC grace period: longer than the longest save."
+        default=600.0, ge=0, le=MAX_GRACE, allow_inf_nan=False,
+        description="GC grace period: longer than the longest save (at most 7 days).",
     )
     gc_lease: float = Field(default=60.0, gt=0, description="Seconds a GC lease lasts unrenewed.")
     scrub_interval: float = Field(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 import uuid
@@ -49,6 +50,22 @@ _COMMIT_KEY = re.compile(r"^jobs/([^/]+)/steps/(\d+)/commit\.json$")
 _DELETE_BATCH = 256
 _DELETE_CONCURRENCY = 16
 _READ_CONCURRENCY = 16
+
+#: The longest grace period a collection waits out (7 days): it holds the store's
+#: GC lease meanwhile, so an endless one (``inf``) would hold it until a restart.
+MAX_GRACE = 7 * 86400.0
+
+
+def check_grace(grace: float) -> float:
+    """``grace`` if it is a grace period a collection can wait out, else
+    ``InvalidRequest`` saying what is."""
+    # (NaN fails every comparison: the ``not`` refuses it too.)
+    if not 0 <= grace <= MAX_GRACE or not math.isfinite(grace):
+        raise InvalidRequest(
+            f"grace must be from 0 to {MAX_GRACE:.0f} seconds (7 days), not {grace:g}: a "
+            "collection holds the store's GC lease while it waits", grace=str(grace),
+            max_grace=MAX_GRACE)
+    return grace
 
 
 def _lease_lost(generation: int, why: str) -> GcInProgress:
@@ -313,8 +330,9 @@ async def collect_garbage(
 ) -> GcReport:
     """Deletes every chunk that no rank manifest names (or, with ``dry_run``, lists
     them without taking the lease or deleting anything)."""
-    if grace < 0:  # a negative grace would sweep chunks of saves still in flight
-        raise InvalidRequest(f"grace must be >= 0 seconds, not {grace:g}")
+    # A negative grace would sweep chunks of saves still in flight; an endless one
+    # would hold the lease for ever.
+    check_grace(grace)
     t0 = time.perf_counter()
     report = GcReport(dry_run=dry_run)
     if dry_run:

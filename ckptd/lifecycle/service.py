@@ -16,7 +16,7 @@ from typing import Any
 from ckptd.errors import CkptdError, GcInProgress
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
-from ckptd.lifecycle.gc import GcReport, collect_garbage
+from ckptd.lifecycle.gc import GcReport, check_grace, collect_garbage
 from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget
 from ckptd.lifecycle.scrub import ChunkSource, ScrubReport, scrub
 from ckptd.repository import Repository
@@ -114,9 +114,10 @@ class LifecycleService:
         polls ``gc_run`` / ``last_run``): its grace period alone may outlast a
         reverse proxy's read timeout. One at a time on a server: while one runs,
         that one is returned."""
+        # Refused here, not in the run: a run that cannot start is not started.
+        wait = check_grace(self.settings.gc_grace if grace is None else grace)
         if self.gc_run is not None:
             return self.gc_run
-        wait = self.settings.gc_grace if grace is None else grace
         run = GcRun(id=uuid.uuid4().hex[:12], started_at=time.time(), grace=wait)
         self.gc_run = run
 

@@ -156,6 +156,27 @@ def test_a_background_collection_answers_at_once_and_is_followed(one_step: Serve
     assert status["last_run"]["ended_at"] - run["started_at"] >= 3
 
 
+@pytest.mark.parametrize("grace", ["inf", "1e308", "604801", "nan"])
+def test_a_grace_period_no_collection_can_wait_out_is_refused(
+        one_step: ServerProcess, tmp_path: Path, grace: str) -> None:
+    """(found by a probe: grace=inf started a run that held the GC lease in
+    'marking' until a restart, every later collection 503 gc_in_progress)"""
+    srv = one_step
+    for path in ("/v1/gc/runs", "/v1/gc"):
+        r = httpx.post(f"{srv.url}{path}", params={"grace": grace}, timeout=10)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+        assert grace == "nan" or "7 days" in r.json()["message"], r.text
+    status = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()
+    assert status["running"] is None and status["state"]["phase"] == "idle", status
+    result = runner.invoke(app, ["gc", "--grace", grace, "--url", srv.url])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    result = runner.invoke(app, ["gc", "--grace", grace, "--url", str(tmp_path / "store")])
+    assert result.exit_code != 0 and (grace == "nan" or "7 days" in result.output), \
+        result.output
+    r = httpx.post(f"{srv.url}/v1/gc", params={"grace": 0}, timeout=30)  # no lease held
+    assert r.status_code == 200 and r.json()["chunks_deleted"] == 1, r.text
+
+
 def test_a_tag_moved_to_another_step_says_from_which(tmp_path: Path) -> None:
     """(found by a probe: a tag on step 1 moved to step 2 said only "tagged step 2")"""
     root = tmp_path / "store"
