@@ -495,7 +495,11 @@ def restore(
         + (f" ({tiers})" if tiers else "")
     )
     for problem in result.problems:
-        console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
+        if problem.kind == "damaged":  # (what made a restore of latest take an older step)
+            console.print(f"[yellow]latest skipped[/]: restored step {result.step}, the newest "
+                          f"restorable one: {escape(problem.message)}", soft_wrap=True)
+        else:
+            console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
 
 
 policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True,

@@ -20,7 +20,7 @@ from ckptd.hashing import chunk_spans
 from ..loop import bounded, run_private
 from ..transport import open_transport
 from .fetch import ChunkFetcher, WantedChunks, failure
-from .plan import load_plan
+from .plan import fallback_problems, load_plan
 from .restorer import RestoreOptions, make_sources
 from .sources import ChunkProblem, PeerSource
 
@@ -137,6 +137,8 @@ async def _prefetch(
                 except StoreError as exc:  # DIR's own: a full disk, a quota, ulimit -f
                     raise type(exc)(f"cannot write into {root}: {exc.message}; free space "
                                     "there or restore elsewhere", **exc.detail) from None
+            if tier is None:
+                return  # (the bar counts verified bytes only: it never ends full on a failure)
             done["bytes"] += sizes[cid]
             if bar is not None:
                 bar.update(task, completed=done["bytes"])
@@ -147,6 +149,9 @@ async def _prefetch(
             await bounded(sizes, one, fetcher.concurrency)
         finally:
             if bar is not None:
+                if fetcher.failed:
+                    bar.update(task, description=f"{job} step {plan.step} rank {rank} "
+                               f"[red]failed[/]: {len(fetcher.failed)} chunks")
                 bar.stop()
             for s in sources:
                 s.close()
@@ -163,7 +168,8 @@ async def _prefetch(
         return PrefetchResult(
             job=job, rank=rank, step=plan.step, directory=str(root), chunks=len(sizes),
             bytes=total, seconds=time.perf_counter() - t0,
-            bytes_from=dict(fetcher.bytes_from), problems=list(fetcher.problems),
+            bytes_from=dict(fetcher.bytes_from),
+            problems=[*fallback_problems(plan), *fetcher.problems],
         )
     finally:
         await transport.close()
