@@ -75,19 +75,28 @@ def forget(
                                                   "tagged, latest and rollback ones).")] = None,
     retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
                          ] = None,
+    step: Annotated[int | None, typer.Option(min=0, help="Forget this damaged step only, "
+                                             "latest too (what ckptd gc names).")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Apply a job's retention: forget the steps it does not keep (chunks go at the next gc)."""
+    if step is not None and (keep_last is not None or retention is not None):
+        _fail(InvalidRequest("--step forgets one damaged step: pass it without --keep-last "
+                             "and --retention"))
     if retention is not None and _remote(url):
         _fail(InvalidRequest("--retention applies to a store (--url file:///path or s3://); "
                              "a server applies its own (ckptd serve --retention): pass "
                              "--keep-last N"))
 
     async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.retention import RetentionPolicy, load_retention
+        from ckptd.lifecycle.retention import RetentionPolicy, forget_damaged_step, load_retention
         from ckptd.lifecycle.retention import forget as apply
 
+        if step is not None:
+            plan = await forget_damaged_step(repo, job, step, dry_run=dry_run)
+            return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
+                    "steps": [dataclasses.asdict(d) for d in plan.steps]}
         policy = load_retention(retention).for_job(job) if retention else RetentionPolicy()
         if keep_last is not None:
             policy = dataclasses.replace(policy, keep_last=keep_last)
@@ -101,7 +110,18 @@ def forget(
         return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
                 "steps": [dataclasses.asdict(d) for d in plan.steps]}
 
-    plan = _run(url, token, lambda server: server.forget(job, dry_run, keep_last), direct)
+    def remote(server: SyncTransport) -> Any:
+        if step is None:
+            return server.forget(job, dry_run, keep_last)
+        from ckptd.api import ForgetResult
+        from ckptd.client.calls import Call, answer
+        from ckptd.format import check_job
+
+        return server.run(Call("POST", f"/v1/jobs/{check_job(job)}/forget",
+                               answer(ForgetResult),
+                               params={"dry_run": dry_run, "step": step}))
+
+    plan = _run(url, token, remote, direct)
     table = Table("step", "state", "decision", "why")
     style = {"keep": "green", "forget": "red", "abandon": "red", "pending": "yellow"}
     for d in plan["steps"]:

@@ -283,9 +283,13 @@ async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
         except InvalidDocument as exc:
             # Its chunks are unknown, so none may be deleted on a guess. Store damage
             # (a 5xx naming the manifest), not the caller's request.
+            m = _MANIFEST_KEY.match(key)
+            forget = (f"ckptd forget {m.group(1)} --step {m.group(2)}" if m is not None
+                      else "ckptd forget JOB --step STEP")
             raise StoreCorrupt(
                 f"garbage collection stopped: rank manifest {key} does not parse "
-                f"({exc.message}); forget that step, then collect again", key=key,
+                f"({exc.message}); forget that step ({forget}), then collect again",
+                key=key,
             ) from None
 
     await asyncio.gather(*(one(k) for k in keys))

@@ -10,6 +10,7 @@ its chunks go at the next garbage collection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -20,8 +21,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptd.errors import InvalidPolicy, InvalidRequest, JobNotFound, NotFound, StoreError
-from ckptd.format import canonical_json, commit_key, removal_key, step_prefix
+from ckptd.errors import (
+    CheckpointNotFound,
+    InvalidDocument,
+    InvalidPolicy,
+    InvalidRequest,
+    JobNotFound,
+    NotFound,
+    StoreCorrupt,
+    StoreError,
+)
+from ckptd.format import (
+    Ref,
+    canonical_json,
+    check_step,
+    commit_key,
+    latest_key,
+    removal_key,
+    step_prefix,
+)
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.removals import claim_since
 from ckptd.lifecycle.tags import read_tags
@@ -263,6 +281,87 @@ async def forget(
         elif d.decision == "abandon":
             await _abandon(repo, job, d.step)
     return plan
+
+
+async def forget_damaged_step(
+    repo: Repository, job: str, step: int, *, dry_run: bool = False
+) -> ForgetPlan:
+    """Forgets one damaged step (a document of it missing, unreadable or not the
+    committed bytes, or marked by scrub), ``latest`` included: retention keeps
+    ``latest`` whatever it holds, and one damaged manifest stops every garbage
+    collection. ``latest`` then names the step a restore of it already gets, the
+    newest usable one below. An intact step is refused: retention forgets those."""
+    check_step(step)
+    why = await _damage_of(repo, job, step)
+    committed = await repo.store.exists(commit_key(job, step))
+    plan = ForgetPlan(job=job, dry_run=dry_run,
+                      steps=[StepDecision(step, committed, "forget", (why,))])
+    if dry_run:
+        return plan
+    claim = await _claim(repo, job, step)
+    if claim is not None:  # (None: another pass is removing it)
+        await repo.store.delete(commit_key(job, step))  # first, as ``forget`` does
+        await _remove_step(repo, job, step, claim)
+    await _latest_below(repo, job, step)
+    return plan
+
+
+async def _damage_of(repo: Repository, job: str, step: int) -> str:
+    """What is damaged in ``step``; ``InvalidRequest`` when nothing is."""
+    try:
+        record = await repo.try_read_commit(job, step)
+    except StoreCorrupt as exc:
+        return exc.message
+    if record is not None:
+        if await repo.store.exists(damage_key(job, step)):
+            return f"marked damaged by scrub ({damage_key(job, step)})"
+        damage = await repo.manifests_damage(record)
+        if damage is not None:
+            return damage[1]
+    else:
+        ranks = await repo.ranks_present(job, step)
+        if not ranks:
+            raise CheckpointNotFound(f"no step {step} of {job} to forget; list its steps "
+                                     f"with: ckptd ls {job}", job=job, step=step)
+        for rank in ranks:  # a pending step: an unparseable manifest stops GC too
+            try:
+                await repo._read_manifest_raw(job, step, rank)
+            except (StoreCorrupt, NotFound) as exc:
+                return exc.message
+    raise InvalidRequest(
+        f"step {step} of {job} is intact: forget --step removes a damaged step only; "
+        f"apply retention with: ckptd forget {job} --keep-last N", job=job, step=step)
+
+
+async def _latest_below(repo: Repository, job: str, step: int) -> None:
+    """Points ``latest``, where it names the forgotten ``step``, at the step a
+    restore of it gets now (removed when no step is left); a commit that moved it
+    meanwhile wins the swap."""
+    key = latest_key(job)
+    try:
+        current = await repo.store.get(key)
+        named = Ref.parse(current).step
+    except (NotFound, InvalidDocument):  # (a damaged ref: the next commit replaces it)
+        return
+    if named != step:
+        return
+    left = await repo.step_numbers(job)
+    if not any(await repo.store.exists_many([commit_key(job, s) for s in left])):
+        with contextlib.suppress(StoreError):  # no checkpoint left: no latest
+            await repo.store.compare_and_delete(key, current)
+        return
+    try:
+        found = await repo.restorable_step(job)
+    except StoreCorrupt as exc:  # every step left is damaged: those are to forget too
+        log.warning("%s: latest still names forgotten step %d: %s", job, step, exc)
+        return
+    if found.step is None:
+        return
+    record = await repo.read_commit(job, found.step)
+    ref = Ref(step=found.step, commit=record.digest()).canonical()
+    if await repo.store.compare_and_swap(key, current, ref):
+        log.warning("%s: latest moved back from forgotten step %d to step %d", job, step,
+                    found.step)
 
 
 # A removal claim this old is a dead pass's: another pass takes it over.

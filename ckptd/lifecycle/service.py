@@ -17,7 +17,7 @@ from ckptd.errors import CkptdError, GcInProgress
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.gc import GcReport, check_grace, collect_garbage
-from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget
+from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget, forget_damaged_step
 from ckptd.lifecycle.scrub import ChunkSource, ScrubReport, scrub
 from ckptd.repository import Repository
 
@@ -187,10 +187,23 @@ class LifecycleService:
             self.last_forget[job] = plan
             if plan.forgotten:
                 log.info("retention of %s forgot steps %s", job, plan.forgotten)
-                self.census.note_forgotten(job, plan.forgotten)
-                for hook in self.on_forgotten:
-                    hook(job, plan.forgotten)
+                self._forgotten(job, plan.forgotten)
         self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
+
+    async def forget_damaged(self, job: str, step: int, *, dry_run: bool = False
+                             ) -> ForgetPlan:
+        """``forget_damaged_step``, and the caches told."""
+        plan = await forget_damaged_step(self.repo, job, step, dry_run=dry_run)
+        if not dry_run:
+            log.warning("forgot damaged step %d of %s: %s", step, job,
+                        "; ".join(plan.steps[0].reasons))
+            self._forgotten(job, plan.forgotten)
+        return plan
+
+    def _forgotten(self, job: str, steps: list[int]) -> None:
+        self.census.note_forgotten(job, steps)
+        for hook in self.on_forgotten:
+            hook(job, steps)
 
     async def collect(self, *, dry_run: bool = False, grace: float | None = None) -> GcReport:
         listed_at = time.time()  # (about when it lists chunks/: first, after its lease)

@@ -227,6 +227,12 @@ class Listings(StoredReads):
                 del checks[key]  # a store error is not kept: the next call asks again
             raise
 
+    async def manifests_damage(self, record: CommitRecord) -> tuple[str, str] | None:
+        """The first damaged rank manifest of a committed step (its key, what is
+        wrong), read afresh, or None when every one is the one its record names."""
+        self.recheck_manifests(record.job, record.step)
+        return await self._manifests_damage(record)
+
     def recheck_manifests(self, job: str, step: int) -> bool:
         """Drops what a check kept of ``step``'s manifests (a read of one found it
         damaged since); True when a finding was kept, so choosing again may differ."""

@@ -28,7 +28,7 @@ from ckptd.errors import InvalidRequest, NotFound
 from ckptd.lifecycle.capacity import SpaceGuard
 from ckptd.lifecycle.gc import MAX_GRACE, GcReport, gc_state
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
-from ckptd.lifecycle.retention import RetentionPolicy, load_retention
+from ckptd.lifecycle.retention import RetentionPolicy, StepDecision, load_retention
 from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
 from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings
 from ckptd.lifecycle.tags import read_tags, remove_tag
@@ -123,9 +123,17 @@ async def forget_steps(
     service: ServiceDep,
     dry_run: Annotated[bool, Query(description="Say what would go; change nothing.")] = False,
     keep_last: Annotated[int | None, Query(ge=1)] = None,
+    step: Annotated[int | None, Query(
+        ge=0, description="Forget this damaged step only (latest too); 400 when intact.")
+    ] = None,
 ) -> ForgetResult:
     from ckptd.lifecycle.retention import forget
 
+    if step is not None:
+        if keep_last is not None:
+            raise InvalidRequest("pass step or keep_last, not both", job=job)
+        plan = await service.forget_damaged(job, step, dry_run=dry_run)
+        return _forget_result(job, dry_run, plan.forgotten, plan.steps)
     config = service.settings.retention
     policy = config.for_job(job) if config is not None else RetentionPolicy()
     if keep_last is not None:
@@ -135,9 +143,14 @@ async def forget_steps(
             f"no retention rule for {job}: start the server with --retention FILE, or pass "
             "keep_last", job=job)
     plan = await forget(repo, job, policy, dry_run=dry_run)
-    return ForgetResult(job=job, dry_run=dry_run, forgotten=plan.forgotten, steps=[
+    return _forget_result(job, dry_run, plan.forgotten, plan.steps)
+
+
+def _forget_result(job: str, dry_run: bool, forgotten: list[int],
+                   steps: Sequence[StepDecision]) -> ForgetResult:
+    return ForgetResult(job=job, dry_run=dry_run, forgotten=forgotten, steps=[
         StepDecisionBody(step=d.step, committed=d.committed, decision=d.decision,
-                         reasons=list(d.reasons)) for d in plan.steps])
+                         reasons=list(d.reasons)) for d in steps])
 
 
 @router.post(

@@ -192,3 +192,47 @@ def test_a_tag_moved_to_another_step_says_from_which(tmp_path: Path) -> None:
         assert "moved" in out and "step 2 -> step 1" in out, out
     finally:
         srv.stop()
+
+
+def test_a_damaged_latest_step_that_stops_gc_is_forgotten_as_gc_says(tmp_path: Path) -> None:
+    """(found by a probe: gc said 'forget that step' of a damaged manifest of the
+    latest step, but forget never forgets latest)"""
+    root = tmp_path / "store"
+
+    async def fill() -> None:
+        repo = Repository(LocalStore(root, fsync=False))
+        for job in ("d1", "d2"):
+            for step in (1, 2, 3):
+                for manifest, chunks in demo_step(job, step, 2, seed=job):
+                    await put_rank(repo, manifest, chunks)
+                assert (await repo.commit(job, step)).state == "committed"
+
+    asyncio.run(fill())
+    for job in ("d1", "d2"):
+        man = root / "jobs" / job / "steps" / "3" / "ranks" / "0.json"
+        man.write_bytes(man.read_bytes()[:100])
+    srv = ServerProcess(store=root)
+    srv.start()
+    try:
+        r = httpx.post(f"{srv.url}/v1/gc", params={"grace": 0}, timeout=30)
+        assert r.status_code == 500 and r.json()["code"] == "store_corrupt", r.text
+        assert "ckptd forget d" in r.json()["message"] and "--step 3" in r.json()["message"]
+        out = _cli("forget", "d1", "--keep-last", "1", "--url", srv.url)
+        assert "forgot 2 steps" in out and "[1, 2]" in out, out  # latest (3) is kept
+        result = runner.invoke(app, ["forget", "d2", "--step", "2", "--url", srv.url])
+        assert result.exit_code != 0 and "intact" in result.output, result.output
+        out = _cli("forget", "d1", "--step", "3", "--url", srv.url)
+        assert "forgot 1 steps" in out and "[3]" in out, out
+        out = _cli("forget", "d2", "--step", "3", "--url", str(root))  # on the store
+        assert "forgot 1 steps" in out and "[3]" in out, out
+        r = httpx.get(f"{srv.url}/v1/jobs/d1/latest", timeout=10)
+        assert r.status_code == 404, r.text  # d1 kept no intact step: nothing to restore
+        r = httpx.get(f"{srv.url}/v1/jobs/d2/latest", timeout=10)
+        assert r.status_code == 200 and r.json()["step"] == 2, r.text
+        assert not r.json().get("problems"), r.text
+        r = httpx.get(f"{srv.url}/v1/jobs/d2/restore-plan", params={"rank": 0}, timeout=10)
+        assert r.status_code == 200 and r.json()["step"] == 2, r.text
+        r = httpx.post(f"{srv.url}/v1/gc", params={"grace": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["chunks_deleted"] > 0, r.text
+    finally:
+        srv.stop()
