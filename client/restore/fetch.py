@@ -577,13 +577,18 @@ def failure(fetcher: ChunkFetcher, wanted: WantedChunks, step: int) -> CkptdErro
     where = ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
     of_step = f" of step {step}" if step >= 0 else ""
 
+    def store_unreached(p: ChunkProblem) -> bool:
+        return p in fetcher.unreached and p.tier not in _BESIDE_THE_STORE
+
     def unreached_only(problems: list[ChunkProblem]) -> bool:
-        return any(p in fetcher.unreached for p in problems) and all(
-            p in fetcher.unreached or p.tier in _BESIDE_THE_STORE for p in problems)
+        # (a peer that went away too is no news: the store's answer decides)
+        return any(map(store_unreached, problems)) and all(
+            store_unreached(p) or p.tier in _BESIDE_THE_STORE for p in problems)
 
     if ids and all(unreached_only(fetcher.failed[cid]) for cid in ids):
-        lost = next(p for p in fetcher.failed[ids[0]] if p in fetcher.unreached)
-        url = next((u for u in fetcher.unreached.values() if u), "")
+        lost = next(filter(store_unreached, fetcher.failed[ids[0]]))
+        url = next((fetcher.unreached[p] for cid in ids for p in fetcher.failed[cid]
+                    if store_unreached(p) and fetcher.unreached[p]), "")
         whom = f"the server {url}" if url else "the store"
         return Unavailable(
             f"lost {whom} mid-restore: {len(ids)} chunks of {where}{of_step} could not be "
