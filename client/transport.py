@@ -460,7 +460,8 @@ class HttpTransport(Transport):
             return None
         from .transport_reads import BatchedChunkReads
 
-        return BatchedChunkReads(raw.fetch_many_into, self._home, finish)
+        return BatchedChunkReads(raw.fetch_many_into, self._home, finish,
+                                 alone=lambda: len(self.members.urls) <= 1)
 
     def _home(self, cid: str) -> str:
         return self.members.order(chunk_route_key(cid))[0]

@@ -44,10 +44,13 @@ class BatchedChunkReads:
 
     def __init__(self, read_many: ReadMany, home: Callable[[str], str],
                  finish: Callable[[memoryview], str], lanes: int = LANES,
-                 most: int = MOST) -> None:
+                 most: int = MOST, alone: Callable[[], bool] = lambda: False) -> None:
         self._read_many = read_many
         self._home = home
         self._finish = finish
+        #: whether the store is one server: a read it let time out has no replica
+        #: to go to (asking it again costs another whole timeout per try)
+        self.alone = alone
         self.lanes = max(1, lanes)
         self.most = max(1, min(most, MAX_CHUNK_READ))
         self._waiting: dict[str, list[_Read]] = {}

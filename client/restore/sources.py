@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import blake3
 import numpy as np
 
-from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Unavailable
+from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Timeout, Unavailable
 from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
 from ckptd.pages import populate_read
@@ -444,16 +444,41 @@ class StoreSource(Source):
         # The chunks asked at once go in one request per replica (each verified in
         # the reading thread as it arrives).
         self._reads = transport.chunk_reads(verify_hash)
+        # The transport's last word that no replica answers (its retries and
+        # failover spent): the chunks asked after it fail at once. A server that
+        # hangs (alive, its kernel acknowledging, nothing sent) cost every chunk its
+        # own retries of a whole request timeout: hours for a large restore.
+        self.unreachable: Unavailable | Timeout | None = None
 
     def holders(self, cid: str) -> Sequence[str]:
         return ("store",)
 
     async def fetch_into(self, holder: str, cid: str, dest: memoryview) -> str | None:
+        if (gone := self.unreachable) is not None:
+            raise type(gone)(f"not asked: {gone.message}", **gone.detail)
+        try:
+            return await self._fetch_into(cid, dest)
+        except (Unavailable, Timeout) as exc:
+            # (Not a server's own "try again shortly": it answers, and will again.)
+            if self.unreachable is None and "retry_after_s" not in exc.detail:
+                log.warning("the store is not answering (%s); the chunks left fail at once",
+                            exc)
+                self.unreachable = exc
+            raise
+
+    async def _fetch_into(self, cid: str, dest: memoryview) -> str | None:
         if self._reads is not None and not self._reads.refused:
             # As the direct read below: any failure goes the transport's way.
             try:
                 return await self._reads.read(cid, dest)
             except Exception as exc:
+                if (isinstance(exc, Unavailable) and exc.detail.get("reason") == "timeout"
+                        and self._reads.alone()):
+                    # A server that lets a whole request time out is hung (a lost host
+                    # or a dead process is told apart sooner): one server, nowhere else.
+                    raise Unavailable(f"the store's server {exc.detail.get('peer', '')} "
+                                      f"stopped answering: {exc}",
+                                      **{"url": exc.detail.get("peer"), **exc.detail}) from exc
                 log.debug("batched read of chunk %s failed (%s); through the transport",
                           cid, exc)
         elif self._read is not None:

@@ -105,3 +105,48 @@ def test_a_server_killed_mid_restore_is_unavailable_not_lost_chunks(
     text = console.export_text()
     assert "100.7/100.7 MB" not in text, text
     assert "failed:" in text, text
+
+
+class Stopper(Killer):
+    """Stops the server (SIGSTOP: alive, its kernel still acknowledging, nothing
+    sent) once it has sent ``after`` more bytes: a hung server, not a dead one."""
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if sent_by(self.proc.pid) - self.start >= self.after:
+                self.proc.send_signal(signal.SIGSTOP)
+                self.killed = True
+                return
+            time.sleep(0.001)
+
+
+def test_a_server_that_hangs_mid_restore_fails_it_in_about_one_request_timeout(
+    srv: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each chunk went through the transport's retries of a whole request timeout
+    # after its batched read timed out: at the default 60 s, hours for a large
+    # restore (the CLI printed nothing meanwhile).
+    timeout = 4.0
+    monkeypatch.setenv("CKPTD_REQUEST_TIMEOUT", str(timeout))
+    monkeypatch.setenv("CKPTD_RETRIES", "3")
+    state = {f"w{i}": torch.randn(SIZE // 4 // 8) for i in range(8)}
+    with Checkpointer(srv.url, "big", chunk_size=CHUNK, shm_dir=tmp_path / "shm") as ckpt:
+        ckpt.save(1, state).wait(timeout=120)
+    target = {name: torch.zeros_like(t) for name, t in state.items()}
+    assert srv.proc is not None
+    proc = srv.proc
+    try:
+        with Checkpointer(srv.url, "big", shm_dir=tmp_path / "shm") as ckpt:
+            ckpt.latest()
+            stopper = Stopper(srv, 8 * MIB)
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable) as info:
+                ckpt.restore(target, tiers=["store"])
+            took = time.monotonic() - t0
+            stopper.thread.join(timeout=30)
+            assert stopper.killed
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert took < 4 * timeout, f"{took:.1f} s"  # (one timeout, and room for a slow host)
+    assert srv.url in str(info.value) and "stopped answering" in str(info.value)
