@@ -367,10 +367,14 @@ def cluster() -> Call[ClusterView]:
 # -- the store's lifecycle ------------------------------------------------------------
 
 
-def forget(job: str, dry_run: bool, keep_last: int | None) -> Call[ForgetResult]:
+def forget(job: str, dry_run: bool, keep_last: int | None,
+           step: int | None = None) -> Call[ForgetResult]:
+    """``step``: that one damaged step (not with ``keep_last``)."""
     params: dict[str, Any] = {"dry_run": dry_run}
     if keep_last is not None:  # 0 too: the server refuses it, it must not mean "none"
         params["keep_last"] = keep_last
+    if step is not None:
+        params["step"] = step
     return Call("POST", f"{_job(job)}/forget", answer(ForgetResult), params=params)
 
 

@@ -339,8 +339,9 @@ class SyncTransport:
                  for u in urls]
         return Overview.model_validate(merge_overviews(views, urls), strict=False)
 
-    def forget(self, job: str, dry_run: bool, keep_last: int | None) -> ForgetResult:
-        return self.run(calls.forget(job, dry_run, keep_last))
+    def forget(self, job: str, dry_run: bool, keep_last: int | None,
+               step: int | None = None) -> ForgetResult:
+        return self.run(calls.forget(job, dry_run, keep_last, step))
 
     def gc(self, dry_run: bool, grace: float | None) -> GcResult:
         return self.run(calls.gc(dry_run, grace))

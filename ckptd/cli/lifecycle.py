@@ -111,15 +111,7 @@ def forget(
                 "steps": [dataclasses.asdict(d) for d in plan.steps]}
 
     def remote(server: SyncTransport) -> Any:
-        if step is None:
-            return server.forget(job, dry_run, keep_last)
-        from ckptd.api import ForgetResult
-        from ckptd.client.calls import Call, answer
-        from ckptd.format import check_job
-
-        return server.run(Call("POST", f"/v1/jobs/{check_job(job)}/forget",
-                               answer(ForgetResult),
-                               params={"dry_run": dry_run, "step": step}))
+        return server.forget(job, dry_run, keep_last, step)
 
     plan = _run(url, token, remote, direct)
     table = Table("step", "state", "decision", "why")
