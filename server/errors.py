@@ -62,13 +62,25 @@ def error_response(
     return JSONResponse(err.to_json(), status_code=status, headers=answer_headers)
 
 
+def log_answered(method: str, path: str, exc: CkptdError, status: int) -> None:
+    """Logs an error answered with ``status``: a typed 5xx (gc_in_progress,
+    store_corrupt, store_full, ...) says what happened, in one WARNING line; only
+    ``internal`` (not one ckptd expects) gets its traceback at ERROR."""
+    if status >= 500 and exc.code == CkptdError.code:
+        log.error("%s %s: %s", method, path, exc.code, exc_info=exc)
+    elif status >= 500:
+        # The code is in the message: the repeat filter (connections.REPEATS, keyed
+        # by message) then drops a flood of one code, never the first of another.
+        log.warning(f"%s %s: {status} {exc.code}: %s", method, path, exc.message)
+        log.debug("%s %s: %s", method, path, exc.code, exc_info=exc)
+    else:
+        log.debug("%s %s: %s: %s", method, path, exc.code, exc.message)
+
+
 async def _ckptd_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CkptdError)
     status = http_status(exc.code)
-    if status >= 500:
-        log.error("%s %s: %s", request.method, request.url.path, exc.code, exc_info=exc)
-    else:
-        log.debug("%s %s: %s: %s", request.method, request.url.path, exc.code, exc.message)
+    log_answered(request.method, request.url.path, exc, status)
     return error_response(as_told(request, exc), status)
 
 

@@ -314,8 +314,9 @@ def ls(
     token: TokenOpt = None,
 ) -> None:
     """List jobs, or one job's steps with sizes and whether each committed. A job or
-    step whose documents cannot be read is listed as such (exit code 1 when a newer
-    ckptd wrote them)."""
+    step whose documents cannot be read is listed as such, and the exit code is 1
+    (damaged: `ckptd verify JOB` names every damaged document; or a newer ckptd
+    wrote them)."""
     from ckptd.cli.listing import Notes, jobs_table, steps_table
 
     notes = Notes()  # one job's unreadable documents: told, not fatal
@@ -335,8 +336,9 @@ def ls(
     except CkptdError as exc:
         _fail(exc)
     notes.print(err_console)
-    if notes.newer:
-        raise typer.Exit(code=1)  # this ckptd is too old to read all of it: upgrade
+    if notes.newer or notes.damaged:
+        # Too old to read all of it (upgrade), or damage listed: not a clean answer.
+        raise typer.Exit(code=1)
 
 
 @app.command()

@@ -24,11 +24,13 @@ class Notes:
 
     lines: list[str] = field(default_factory=list)
     newer: bool = False  # a document of a newer format: this ckptd must be upgraded
+    damaged: bool = False  # a damaged document listed: ``ckptd verify`` names them all
 
     def unreadable(self, what: str, doc: Any) -> str | None:
         """The table cell for a job or step that cannot be read (noted), or None."""
         if isinstance(why := _get(doc, "damaged"), str):
             self.lines.append(f"[red]damaged[/] {escape(f'{what}: {why}')}")
+            self.damaged = True
             return "[red]damaged[/]"
         if isinstance(why := _get(doc, "unsupported"), str):
             self.lines.append(f"[bold red]error[/] {escape(f'[unsupported_format] {what}: {why}')}")
@@ -39,6 +41,19 @@ class Notes:
     def print(self, console: Console) -> None:
         for line in self.lines:
             console.print(line, soft_wrap=True)
+
+
+def _latest_cell(named: int | None, latest: Any, steps: list[Any]) -> str:
+    """The latest column: the step a restore of latest gets, and the step the job's
+    ref names when that one cannot be read (damaged; unreadable: a newer format)."""
+    ref = next((s for s in steps if _get(s, "step") == named), None)
+    why = "unreadable" if _get(ref, "unsupported") else "damaged"
+    if latest is not None:
+        step = _get(latest, "step")
+        if named is not None and named != step and _get(ref, "damaged"):
+            return f"{step} ({named} {why})"
+        return str(step)
+    return f"{named} ({why})" if named is not None else "-"
 
 
 async def jobs_table(transport: Any, notes: Notes) -> Table:
@@ -52,21 +67,23 @@ async def jobs_table(transport: Any, notes: Notes) -> Table:
         except CkptdError as exc:
             steps, j = [], {"damaged": exc.message, **j}
         bad = notes.unreadable(name, j)
-        unreadable = [s for s in steps if _get(s, "damaged") or _get(s, "unsupported")]
-        if unreadable:
-            n = len(unreadable)
-            notes.newer |= any(_get(s, "unsupported") for s in unreadable)
-            notes.lines.append(f"[yellow]unreadable[/] {escape(name)}: {n} "
-                               f"step{'s' if n > 1 else ''} (`ckptd ls {escape(name)}`)")
+        newer = [s for s in steps if _get(s, "unsupported")]
+        damaged = [s for s in steps if _get(s, "damaged") and not _get(s, "unsupported")]
+        for word, found in (("[yellow]unreadable[/]", newer), ("[red]damaged[/]", damaged)):
+            if n := len(found):  # (unreadable: a newer ckptd wrote them)
+                notes.lines.append(f"{word} {escape(name)}: {n} "
+                                   f"step{'s' if n > 1 else ''} (`ckptd ls {escape(name)}`)")
+        notes.newer |= bool(newer)
+        notes.damaged |= bool(damaged)
         committed = [s for s in steps if _get(s, "committed")]
+        pending = [s for s in steps if not (_get(s, "committed") or _get(s, "damaged")
+                                            or _get(s, "unsupported"))]
         latest = next((s for s in steps if _get(s, "is_latest")), None)
-        named = _get(j, "latest")  # (a step that cannot be read is not is_latest)
         table.add_row(
             escape(name),
-            bad or (str(_get(latest, "step")) if latest else
-                    f"{named} (unreadable)" if named is not None else "-"),
+            bad or _latest_cell(_get(j, "latest"), latest, steps),
             str(len(committed)),
-            str(len(steps) - len(committed) - len(unreadable)),
+            str(len(pending)),
             _human(_get(latest, "logical_bytes") if latest else None),
         )
     return table

@@ -34,7 +34,12 @@ async def read_tags(store: Store, job: str) -> dict[str, int]:
         data = await store.get(key)
     except NotFound:
         return {}
-    return dict(parse_stored(Tags.parse, data, key).tags)
+    try:
+        return dict(parse_stored(Tags.parse, data, key).tags)
+    except StoreCorrupt as exc:  # tags are names only: replacing them loses no data
+        raise StoreCorrupt(f"{exc.message}; `ckptd tag {job} STEP NAME` replaces it "
+                           "(the tags it held are lost, no checkpoint is)",
+                           **exc.detail) from None
 
 
 async def _change(store: Store, job: str, name: str, step: int | None,

@@ -4,6 +4,7 @@ one choice of the step a restore of ``latest`` gets."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TypedDict
@@ -114,11 +115,17 @@ class Listings(StoredReads):
                     return StepInfo(step, False, None, len(ranks), None, None, False,
                                     **unreadable(exc))
                 if record is not None:
+                    why = (f"scrub found corrupt chunks ({damage_key(job, step)})"
+                           if str(step) in damaged else None)
+                    if step == latest and why is None:
+                        # A restore of latest checks its manifests and falls back past
+                        # a damaged one: the listing says the same.
+                        manifests = await self._manifests_damage(record)
+                        why = manifests[1] if manifests is not None else None
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
-                        record.report.logical_bytes, record.committed_at, step == latest,
-                        damaged=(f"scrub found corrupt chunks ({damage_key(job, step)})"
-                                 if str(step) in damaged else None),
+                        record.report.logical_bytes, record.committed_at,
+                        step == latest and why is None, damaged=why,
                     )
                 world = None
                 if ranks:
@@ -128,7 +135,17 @@ class Listings(StoredReads):
                         log.info("%s step %d: unreadable manifest: %s", job, step, exc)
                 return StepInfo(step, False, world, len(ranks), None, None, False)
 
-        return list(await asyncio.gather(*(info(s) for s in steps)))
+        infos = list(await asyncio.gather(*(info(s) for s in steps)))
+        if any(i.step == latest and i.damaged for i in infos):
+            # Latest's commit record or manifests are damaged: then latest is the
+            # step a restore of latest gets (the listing agrees with /latest).
+            try:
+                usable = (await self.restorable_step(job)).step
+            except UNREADABLE:
+                usable = None
+            infos = [dataclasses.replace(i, is_latest=i.step == usable and i.committed)
+                     for i in infos]
+        return infos
 
     async def restorable_step(self, job: str) -> RestorableStep:
         """The newest committed step whose ``latest`` ref and commit record read

@@ -18,6 +18,7 @@ from ckptd.errors import (
 )
 from ckptd.format import CommitRecord, check_job
 from ckptd.hashing import chunk_spans
+from ckptd.lifecycle.tags import read_tags
 from ckptd.repository.results import VerifyReport
 from ckptd.repository.timelines import Timelines
 
@@ -110,8 +111,15 @@ class Verification(Timelines):
         return report
 
     async def _verify_refs(self, job: str, report: VerifyReport, steps: set[int]) -> None:
-        """``latest``, ``rollback`` and ``timeline`` parse, and each names a step
-        whose commit record is there and is the one it names."""
+        """Every ref of the job parses (``latest``, ``rollback``, ``timeline``,
+        ``tags``), and the first three each name a step whose commit record is there
+        and is the one it names. (A tag may name a step retention removed.)"""
+        try:
+            await read_tags(self.store, job)
+        except StoreCorrupt as exc:
+            report.bad_refs.append(exc.message)
+        except UnsupportedStoredFormat as exc:
+            report.unreadable.append(exc.message)
         named: list[tuple[str, int, str]] = []
         for what, read in (("latest", self._latest_ref), ("rollback", self.read_rollback),
                            ("timeline", self.timeline)):

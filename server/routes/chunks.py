@@ -50,7 +50,7 @@ from ckptd.server.bodies import (
 )
 from ckptd.server.deps import ChunkIdDep, MetricsDep, RepoDep, TenantsDep
 from ckptd.server.egress import EgressHold, egress_budget
-from ckptd.server.errors import as_told, error_response
+from ckptd.server.errors import as_told, error_response, log_answered
 from ckptd.server.ingest import DIRECT, ChunkSink
 from ckptd.server.metrics import Metrics
 from ckptd.server.routes import error_responses
@@ -300,11 +300,7 @@ def direct_chunk_app(app: FastAPI) -> ASGIApp:
             return
         except CkptdError as exc:
             status = http_status(exc.code)
-            if status >= 500:
-                log.error("%s %s: %s", scope["method"], scope["path"], exc.code, exc_info=exc)
-            else:
-                log.debug("%s %s: %s: %s", scope["method"], scope["path"], exc.code,
-                          exc.message)
+            log_answered(scope["method"], scope["path"], exc, status)
             # A body not read to its end would be read as the next request.
             answer = error_response(
                 as_told(request, exc), status,

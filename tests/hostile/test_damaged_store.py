@@ -4,6 +4,7 @@ restore of "latest" falls back to the newest step that reads cleanly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,12 +19,14 @@ from tests.conftest import ServerProcess
 
 @pytest.fixture(scope="module")
 def damaged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Jobs ``good`` (step 1), ``badref`` (step 1, garbage latest) and ``badcommit``
-    (steps 1 and 2, step 2's commit record half-written)."""
+    """Jobs ``good`` (step 1), ``badref`` (step 1, garbage latest), ``badcommit``
+    (steps 1 and 2, step 2's commit record half-written) and ``badmanifest`` (steps
+    1 and 2, step 2's rank manifest half-written)."""
     srv = ServerProcess(store=tmp_path_factory.mktemp("damaged") / "store")
     srv.start()
     try:
-        for job, steps in (("good", [1]), ("badref", [1]), ("badcommit", [1, 2])):
+        for job, steps in (("good", [1]), ("badref", [1]), ("badcommit", [1, 2]),
+                           ("badmanifest", [1, 2])):
             with Checkpointer(srv.url, job, chunk_size=4096, serve_peers=False,
                               heartbeat_interval=0) as ckpt:
                 for step in steps:
@@ -33,6 +36,8 @@ def damaged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         (jobs / "badref" / "refs" / "latest").write_bytes(b"\x00garbage{")
         record = jobs / "badcommit" / "steps" / "2" / "commit.json"
         record.write_bytes(record.read_bytes()[:40])
+        manifest = jobs / "badmanifest" / "steps" / "2" / "ranks" / "0.json"
+        manifest.write_bytes(manifest.read_bytes()[:40])
         yield srv
     finally:
         srv.stop()
@@ -79,18 +84,42 @@ def test_overview_keeps_every_job(api: httpx.Client) -> None:
     assert any(s.get("damaged") for s in views["badcommit"]["steps"])
 
 
-def test_cli_ls_lists_every_job(damaged: ServerProcess) -> None:
-    for args in ([], ["badcommit"], ["badref"]):
-        out = subprocess.run(
-            [sys.executable, "-m", "ckptd", "ls", *args, "--url", damaged.url],
-            capture_output=True, text=True, timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
+def _ls(damaged: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd", "ls", *args, "--url", damaged.url],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def test_cli_ls_lists_every_job_and_exits_1_on_damage(damaged: ServerProcess) -> None:
+    for args in ([], ["badcommit"], ["badref"], ["badmanifest"]):
+        out = _ls(damaged, *args)
+        assert out.returncode == 1, out.stdout + out.stderr  # damage listed: not clean
         assert "Traceback" not in out.stderr
         if not args:
             assert "good" in out.stdout and "badref" in out.stdout
         if args == ["badcommit"]:
             assert "damaged" in out.stdout
+    good = _ls(damaged, "good")
+    assert good.returncode == 0, good.stdout + good.stderr
+
+
+def _rows(out: str) -> dict[str, str]:
+    """A table's rows by their first cell."""
+    cells = [line.replace("\u2502", " ").split() for line in out.splitlines()]
+    return {c[0]: " ".join(c) for c in cells if c}
+
+
+def test_cli_ls_shows_the_step_a_restore_of_latest_uses(damaged: ServerProcess) -> None:
+    rows = _rows(_ls(damaged, "badmanifest").stdout)
+    assert "damaged" in rows["2"] and "latest" not in rows["2"], rows
+    assert "latest" in rows["1"], rows
+    jobs = {k: v for k, v in _rows(_ls(damaged).stdout).items() if k.startswith("bad")}
+    # The step /latest and restores use, and the damaged one the ref names; a
+    # garbage commit record is "damaged", not "unreadable" (a newer ckptd's).
+    assert "1 (2 damaged)" in jobs["badmanifest"], jobs
+    assert "1 (2 damaged)" in jobs["badcommit"], jobs
+    assert "unreadable" not in "".join(jobs.values()), jobs
 
 
 def test_restore_of_latest_falls_back_and_says_so(damaged: ServerProcess, api: httpx.Client

@@ -17,7 +17,7 @@ from ckptd.client import Checkpointer
 from ckptd.hashing import chunk_id
 from tests.conftest import ServerProcess
 
-JOBS = {"clean": 0, "gone": 1, "rot": 2, "torn": 3}
+JOBS = {"clean": 0, "gone": 1, "rot": 2, "torn": 3, "tagged": 4, "retag": 5}
 
 
 def _emb(job: str) -> torch.Tensor:
@@ -43,7 +43,10 @@ def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         _save(srv.url, "gone", [1, 2])
         _save(srv.url, "rot", [1, 2])
         _save(srv.url, "torn", [1, 2])
+        _save(srv.url, "tagged", [1])
+        _save(srv.url, "retag", [1])
         jobs = srv.store / "jobs"
+        (jobs / "tagged" / "refs" / "tags").write_bytes(b"[1,2]")  # JSON, not the tags
         shutil.rmtree(jobs / "gone" / "steps" / "2")  # deleted by hand
         record = jobs / "torn" / "steps" / "1" / "commit.json"
         record.write_bytes(record.read_bytes()[:30])
@@ -79,6 +82,28 @@ def test_a_damaged_commit_record_is_named(store_server: ServerProcess) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     assert "jobs/torn/steps/1/commit.json" in out.stdout.replace("\n", "")
     assert "Traceback" not in out.stderr
+
+
+def test_a_damaged_tags_ref_is_named(store_server: ServerProcess) -> None:
+    out = _cli(store_server, "tagged")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "bad ref" in out.stdout
+    assert "jobs/tagged/refs/tags" in out.stdout.replace("\n", "")
+
+
+def test_a_damaged_tags_ref_says_how_to_replace_it(store_server: ServerProcess) -> None:
+    tags = store_server.store / "jobs" / "retag" / "refs" / "tags"
+    tags.write_bytes(b"[1,2]")
+    with httpx.Client(base_url=store_server.url, timeout=60) as c:
+        r = c.get("/v1/jobs/retag/tags")
+        assert r.status_code == 500 and r.json()["code"] == "store_corrupt", r.text
+        assert "ckptd tag retag STEP NAME" in r.json()["message"], r.text
+        done = subprocess.run([sys.executable, "-m", "ckptd", "tag", "retag", "1", "best",
+                               "--url", store_server.url],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        r = c.get("/v1/jobs/retag/tags")
+        assert r.status_code == 200 and "best" in r.text, r.text
 
 
 def test_a_bad_chunk_names_the_steps_ranks_and_tensors_it_breaks(
