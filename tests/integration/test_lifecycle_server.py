@@ -90,7 +90,8 @@ def test_lifecycle_through_the_server(tmp_path: Path, monkeypatch: pytest.Monkey
         assert httpx.get(f"{url}/v1/jobs/{JOB}/latest").json()["step"] == 5
         assert httpx.get(f"{url}/v1/jobs/{JOB}/damage").json() == {
             "6": [manifest.entries[0].chunks[0]]}
-        assert "damaged" in _cli("ls", JOB, "--url", url)
+        listed = runner.invoke(app, ["ls", JOB, "--url", url])  # (damage listed: exit 1)
+        assert listed.exit_code == 1 and "damaged" in listed.output, listed.output
         overview = httpx.get(f"{url}/v1/overview").json()
         assert [s["step"] for s in overview["jobs"][0]["steps"] if s.get("damaged")] == [6]
         assert "damaged steps [6]" in _cli("status", "--url", url)

@@ -72,6 +72,9 @@ def timed_checkpointer(mark: Marks, model: nn.Module, optimizer: torch.optim.Opt
 
     def timed_init(self: Checkpointer, *args: Any, **kwargs: Any) -> None:
         start = time.time()
+        policy = os.environ.get("CKPTD_TEST_HEALTH_POLICY")
+        if policy:  # (a scenario whose outcome a probe's snapshot would change)
+            kwargs.setdefault("health_policy", policy)
         init(self, *args, **kwargs)
         mark("checkpointer_ready", began=start, rank_seen=self.rank, world_seen=self.world_size)
 
