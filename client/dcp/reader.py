@@ -50,7 +50,8 @@ from ckptd.knobs import MiB
 
 from ..dtypes import byte_view, torch_dtype
 from ..peer import PeerClient
-from ..restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
+from ..restore.failure import failure
+from ..restore.fetch import ChunkFetcher, WantedChunks, deliver
 from ..restore.fill import unflatten
 from ..restore.geometry import Box
 from ..restore.layout import fill_from_entry, fits_in_place

@@ -19,7 +19,8 @@ from ckptd.hashing import chunk_spans
 
 from ..loop import bounded, run_private
 from ..transport import open_transport
-from .fetch import ChunkFetcher, WantedChunks, failure
+from .failure import failure
+from .fetch import ChunkFetcher, WantedChunks
 from .plan import fallback_problems, load_plan
 from .restorer import RestoreOptions, make_sources
 from .sources import ChunkProblem, PeerSource

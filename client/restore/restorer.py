@@ -35,7 +35,8 @@ from ..stateful import restore_view
 from ..transport import Transport
 from .devices import DeviceOrder, to_devices
 from .direct import ObjectStoreSource
-from .fetch import ChunkFetcher, WantedChunks, deliver, failure
+from .failure import failure
+from .fetch import ChunkFetcher, WantedChunks, deliver
 from .fill import fill, plan_fill
 from .keys import Kind, Path, check_keys, check_places, stateful_kinds, stateful_places
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes

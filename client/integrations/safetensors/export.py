@@ -40,7 +40,8 @@ from ckptd.knobs import MiB, human_bytes
 from ...dtypes import byte_view, torch_dtype
 from ...endpoint import endpoint
 from ...loop import in_thread, run_private, spread
-from ...restore.fetch import ChunkFetcher, WantedChunks, deliver, failure
+from ...restore.failure import failure
+from ...restore.fetch import ChunkFetcher, WantedChunks, deliver
 from ...restore.layout import fill_from_entry
 from ...restore.sources import (
     DirectoryCacheSource,
