@@ -3,10 +3,7 @@ and replica processes on 127.0.0.1 that a test starts, kills and restarts."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import PortTaken, ServerProcess, free_port
+from tests.moto_server import moto_server, s3_env
 
 __all__ = ["PortTaken"]  # (the replica tests catch it)
 
@@ -26,34 +24,12 @@ BUCKET = "ckptd-cluster"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def s3_env() -> dict[str, str]:
-    """Dummy credentials for moto, and nothing from the user's AWS setup."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AWS_", "CKPTD_"))}
-    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-               AWS_CONFIG_FILE="/nonexistent/aws-config",
-               AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials")
-    return env
-
-
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """moto's S3 server on 127.0.0.1 in a child process, with one bucket."""
-    port = free_port()
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster.moto_s3", str(port), BUCKET],
-            cwd=ROOT, env=s3_env(), stdout=subprocess.PIPE, stderr=log)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode().strip()
-        if not line.startswith("http://"):
-            pytest.fail(f"moto did not start: {line!r}")
-        yield line
-    finally:
-        proc.kill()
-        proc.wait(timeout=15)
+    with moto_server("tests.cluster.moto_s3", BUCKET, s3_env(),
+                     tmp_path_factory.mktemp("moto")) as url:
+        yield url
 
 
 class Replica(ServerProcess):

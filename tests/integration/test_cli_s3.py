@@ -4,7 +4,6 @@ process of its own; the store's objects are a file:// store's, uploaded."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -17,8 +16,8 @@ pytest.importorskip("moto.server")
 pytest.importorskip("aiobotocore")
 boto3 = pytest.importorskip("boto3")
 
-from tests.conftest import free_port  # noqa: E402
 from tests.integration.test_cli_mistakes import _save_one  # noqa: E402
+from tests.moto_server import moto_server, s3_env  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -27,32 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def aws_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPTD_"))}
-    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-               AWS_CONFIG_FILE="/nonexistent/aws-config",
-               AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials",
-               CKPTD_RETRIES="0", COLUMNS="200")
-    return env
+    return s3_env(CKPTD_RETRIES="0", COLUMNS="200")
 
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """moto's S3 server on 127.0.0.1 with one bucket."""
-    port = free_port()
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.moto_s3", str(port),
-                                 BUCKET], cwd=ROOT, env=aws_env(), stdout=subprocess.PIPE,
-                                stderr=log)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode().strip()
-        if not line.startswith("http://"):
-            pytest.fail(f"moto did not start: {line!r}")
-        yield line
-    finally:
-        proc.kill()
-        proc.wait(timeout=15)
+    with moto_server("tests.cluster.moto_s3", BUCKET, aws_env(),
+                     tmp_path_factory.mktemp("moto")) as url:
+        yield url
 
 
 @pytest.fixture

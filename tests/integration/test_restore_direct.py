@@ -10,9 +10,6 @@ server), bytes bad at rest (a typed error, the target untouched), and both knobs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,42 +27,26 @@ boto3 = pytest.importorskip("boto3")
 from ckptd.client import Checkpointer  # noqa: E402
 from ckptd.errors import ChunkHashMismatch  # noqa: E402
 from ckptd.format import chunk_key  # noqa: E402
-from tests.conftest import ServerProcess, free_port  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402
+from tests.moto_server import moto_server, s3_env  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 BUCKET = "ckptd-direct"
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256 << 10
 KEY_ID, SECRET = "ckptdpresignkey", "ckptd-presign-secret-0123456789"
 
 
 def aws_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPTD_"))}
-    env.update(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET,
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-               AWS_CONFIG_FILE="/nonexistent/aws-config",
-               AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials")
-    return env
+    return s3_env(KEY_ID, SECRET)
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """moto behind the presigned-URL checks, on 127.0.0.1, with one bucket."""
-    port = free_port()
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.store.moto_presigned", str(port),
-                                 BUCKET], cwd=ROOT, env=aws_env(), stdout=subprocess.PIPE,
-                                stderr=log)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode().strip()
-        if not line.startswith("http://"):
-            pytest.fail(f"moto did not start: {line!r}")
-        yield line
-    finally:
-        proc.kill()
-        proc.wait(timeout=15)
+    with moto_server("tests.store.moto_presigned", BUCKET, aws_env(),
+                     tmp_path_factory.mktemp("moto")) as url:
+        yield url
 
 
 class S3Server(ServerProcess):

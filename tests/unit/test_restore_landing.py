@@ -131,12 +131,8 @@ def test_the_worker_ends_by_itself() -> None:
     assert not left
 
 
-def test_a_read_in_whose_threads_cannot_all_start_gives_up_and_leaves_none(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ReadIn`` starts every thread before any reads in; one that cannot start
-    (no threads to be had) ends the read-in: the started ones are stopped and
-    joined, and the restore goes on without it (pages fault in as read)."""
-    pool = torch.empty(32 * MiB, dtype=torch.uint8)
+def _third_read_in_start_raises(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    """The third read-in thread's start raises ``error``; the others start."""
     real_start = threading.Thread.start
     starts = [0]
 
@@ -144,10 +140,19 @@ def test_a_read_in_whose_threads_cannot_all_start_gives_up_and_leaves_none(
         if self.name == "ckptd-read-in":
             starts[0] += 1
             if starts[0] == 3:
-                raise RuntimeError("can't start new thread")
+                raise error
         real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_read_in_whose_threads_cannot_all_start_gives_up_and_leaves_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ReadIn`` starts every thread before any reads in; one that cannot start
+    (no threads to be had) ends the read-in: the started ones are stopped and
+    joined, and the restore goes on without it (pages fault in as read)."""
+    pool = torch.empty(32 * MiB, dtype=torch.uint8)
+    _third_read_in_start_raises(monkeypatch, RuntimeError("can't start new thread"))
     view = memoryview(pool.numpy())
     assert memory.ReadIn.start([span_of(view)], 4, [pool]) is None
     assert not any(t.name == "ckptd-read-in" for t in threading.enumerate())
@@ -158,17 +163,7 @@ def test_a_read_in_interrupted_while_its_threads_start_leaves_none_waiting(
     """An interrupt (Ctrl-C) while ``ReadIn`` starts its threads goes on to the
     caller, and the threads already started end: none waits for ever to begin."""
     pool = torch.empty(32 * MiB, dtype=torch.uint8)
-    real_start = threading.Thread.start
-    starts = [0]
-
-    def start(self: threading.Thread) -> None:
-        if self.name == "ckptd-read-in":
-            starts[0] += 1
-            if starts[0] == 3:
-                raise KeyboardInterrupt
-        real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    _third_read_in_start_raises(monkeypatch, KeyboardInterrupt())
     view = memoryview(pool.numpy())
     with pytest.raises(KeyboardInterrupt):
         memory.ReadIn.start([span_of(view)], 4, [pool])
