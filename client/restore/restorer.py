@@ -261,6 +261,7 @@ async def _relocate(fetcher: ChunkFetcher, wanted: WantedChunks, found: dict[str
     for tier, n in again.bytes_from.items():
         fetcher.bytes_from[tier] = fetcher.bytes_from.get(tier, 0) + n
     fetcher.problems.extend(again.problems)
+    fetcher.unreached.update(again.unreached)  # (a store lost meanwhile: Unavailable)
     if fetcher.failed:
         raise failure(fetcher, wanted, -1)
 
