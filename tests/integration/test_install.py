@@ -94,6 +94,9 @@ def replay(dockerfile: Path, image: Image, log: list[str]) -> None:
             roots.update(m for m in re.findall(r"(?<![\w.:/])(/[a-z]+)(?=[/\s\"']|$)", args)
                          if m not in ("/dev",))
     env = {**os.environ, "PATH": f"{image.venv / 'bin'}:{os.environ['PATH']}"}
+    # No .pyc compiled at install: torch's thousands of modules cost ~20 s of the
+    # CI machine's CPU that nothing here needs (what is installed is the same).
+    env["PIP_COMPILE"] = "false"  # (PIP_NO_COMPILE=1 does not turn it off)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     cwd = image.root
