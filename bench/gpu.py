@@ -65,6 +65,8 @@ SWEEP: list[tuple[str, dict[str, str]]] = [
     ("12 threads", {"CKPTD_H2D_THREADS": "12"}),
     ("16 threads, 16 MiB pieces", {"CKPTD_H2D_THREADS": "16", "CKPTD_H2D_PIECE": str(16 << 20)}),
     ("atomic through device memory", {"CKPTD_H2D_SCRATCH": "1"}),
+    ("blocking events", {"CKPTD_H2D_BLOCKING_EVENTS": "1"}),
+    ("blocking events, 12 threads", {"CKPTD_H2D_BLOCKING_EVENTS": "1", "CKPTD_H2D_THREADS": "12"}),
     ("two passes (before)", TWO_PASSES),
     ("two passes, 12 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "12"}),
     ("two passes, 16 threads", {**TWO_PASSES, "CKPTD_H2D_THREADS": "16"}),

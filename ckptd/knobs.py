@@ -184,6 +184,14 @@ def h2d_one_pass() -> bool:
     return _env_int("CKPTD_H2D_ONE_PASS", 1) != 0
 
 
+def h2d_blocking_events() -> bool:
+    """The copying threads wait for a bounce buffer's copy to end by blocking in the
+    driver (``1``) rather than spinning on it (``0``, CUDA's default event). Up to
+    eight threads spinning take as many cores from the hashing; not measured yet
+    (``python -m bench.gpu --sweep``), so off by default."""
+    return _env_int("CKPTD_H2D_BLOCKING_EVENTS", 0) != 0
+
+
 def h2d_scratch() -> str:
     """An atomic restore into CUDA tensors may send each chunk, hashed on the way,
     into device memory beside the target, and copy it into the target (device to

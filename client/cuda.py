@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ckptd import knobs
 from ckptd.errors import Timeout
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ class CudaLane:
         self._buffers: list[torch.Tensor | None] = [None, None]
         # One event per bounce buffer, recorded again at each send out of it.
         self._sent: list[torch.cuda.Event | None] = [None, None]
+        self._blocking = knobs.h2d_blocking_events()
         self._active = False
 
     @contextmanager
@@ -250,7 +252,8 @@ class CudaLane:
         if bounce is not None:
             event = self._sent[bounce]
             if event is None:
-                event = self._sent[bounce] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event = self._sent[bounce] = torch.cuda.Event(  # type: ignore[no-untyped-call]
+                    blocking=self._blocking)
             event.record(self.stream)
 
     def finish(self) -> None:

@@ -79,9 +79,12 @@ def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         server.stop()
 
 
-@pytest.mark.parametrize("tier", ["local", "store", "store-file"])
+@pytest.mark.parametrize(("tier", "blocking"), [("local", "0"), ("store", "0"),
+                                               ("store-file", "0"), ("local", "1")])
 def test_restore_into_cuda_tensors_from_each_tier(srv: ServerProcess, shm: Path,
-                                                 tier: str) -> None:
+                                                 tier: str, blocking: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_H2D_BLOCKING_EVENTS", blocking)  # (bounce buffers' events)
     expected = make_state(11, NBYTES)
     url = f"file://{srv.store}" if tier == "store-file" else srv.url
     target = on_device(expected)
