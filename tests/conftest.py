@@ -205,12 +205,16 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 
 # The README's test command runs the suite on three pytest-xdist workers: the tests
 # that start many processes (multi-node scenarios, torchrun jobs, replica clusters:
-# marked ``heavy`` here, ``-m heavy`` selects them) one after another on one worker, the rest
-# (which mostly wait on a server) test by test on the others. Each heavy test takes
-# both cores of the CI machine for a while, and its bounds (seconds between steps,
-# a snapshot within so long) are about ckptd, not about a machine shared with
-# another such run.
+# marked ``heavy`` here, ``-m heavy`` selects them) one after another in two lanes,
+# the rest (which mostly wait on a server) test by test on the workers free. The
+# multi-node scenarios and torchrun jobs share one lane: each takes both cores of
+# the CI machine for a while, and its bounds (seconds between steps, a snapshot
+# within so long) are about ckptd, not about a machine shared with another such
+# run. The replica clusters (bound by one moto process, with no such bounds) take
+# the other: in the one lane they made it the suite's critical path (~21 of its 23
+# minutes on the 2-core VM, the other workers idle for its last minutes).
 _HEAVY = ("multinode", "e2e", "cluster")
+_LANES = {"cluster": "replicas"}  # heavy folder -> its own lane (else "heavy")
 _BUILD_ONCE = ("tests/integration/test_install.py",)
 
 
@@ -221,17 +225,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under pytest-xdist, the heavy tests go to one worker, one after another, while
-    the other workers take the rest test by test, the install tests together (for
-    their one environment). xdist's own ``loadgroup`` does not group under this
-    pytest: it renames items, which pytest 9 no longer reads."""
+    """Under pytest-xdist, the heavy tests go to their lanes, one after another in
+    each, while the other workers take the rest test by test, the install tests
+    together (for their one environment). xdist's own ``loadgroup`` does not group
+    under this pytest: it renames items, which pytest 9 no longer reads. (xdist
+    hands out the largest scopes first: both lanes start at once.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class HeavyApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            if any(f"tests/{g}/" in path for g in _HEAVY):
-                return "heavy"
+            for g in _HEAVY:
+                if f"tests/{g}/" in path:
+                    return _LANES.get(g, "heavy")
             # A module whose fixture builds a fresh environment once for its tests:
             # split test by test, two workers each built it (~100 s each).
             return path if path in _BUILD_ONCE else nodeid
