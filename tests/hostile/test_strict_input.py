@@ -149,3 +149,14 @@ def test_deep_json_in_meta_is_a_400(client: httpx.Client) -> None:
         "/v1/jobs/j/steps/1/commit", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("world_size", [-1, 0, 2**20 + 1])
+def test_a_bad_world_size_is_a_malformed_document(client: httpx.Client, world_size: int) -> None:
+    """(found by a probe: ``world_size: -1`` was answered ``invalid_name``, the code of
+    a bad name in the URL; a world size is a field of the document)"""
+    data = json.dumps({**_manifest_doc([0]), "world_size": world_size}).encode()
+    r = client.put("/v1/jobs/j/steps/1/ranks/0", content=data)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_document", r.text
+    assert "world_size" in r.json()["message"] and "\n" not in r.json()["message"]
