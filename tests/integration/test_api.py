@@ -430,6 +430,20 @@ def test_commit_and_read_back(client: httpx.Client) -> None:
     assert_error(put_manifest(client, other), 409, "already_committed")
 
 
+def test_a_rank_outside_the_steps_world_is_not_found(client: httpx.Client) -> None:
+    """(found by a probe: rank 5 of a 1-rank step was 400 invalid_request; there is
+    no such manifest, as there is no such step: 404, naming the world size)"""
+    sharded_step(client, "j", 1, 1)
+    assert commit(client, "j", 1).json()["state"] == "committed"
+    body = assert_error(client.get(manifest_path("j", 1, 5)), 404, "manifest_not_found")
+    assert "world size 1" in body["message"] and "\n" not in body["message"]
+    assert body["detail"]["world_size"] == 1
+    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5, "step": 1})
+    assert "world size 1" in assert_error(r, 404, "manifest_not_found")["message"]
+    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5})  # (latest: no fallback)
+    assert_error(r, 404, "manifest_not_found")
+    assert client.get(manifest_path("j", 1, 0)).status_code == 200
+
 def test_manifest_is_immutable_before_commit(client: httpx.Client) -> None:
     first = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
     assert put_manifest(client, first).status_code == 201
