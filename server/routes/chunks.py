@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -58,6 +59,26 @@ from ckptd.server.routing import ApiRoute
 from ckptd.server.tenancy import TenantChunks
 
 log = logging.getLogger(__name__)
+
+
+
+class ChunkSegment(Convertor[str]):
+    """A path segment that may name a chunk: any but the names of the fixed routes
+    beside ``/{id}``. So ``GET /v1/chunks/missing`` is answered by its POST route,
+    405 with ``Allow: POST``, not read as a chunk id "missing" (400 invalid_name);
+    any other segment still reaches the id check, which says what an id is."""
+
+    FIXED = ("missing", "read")
+    regex = f"(?!(?:{'|'.join(FIXED)})$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("chunk", ChunkSegment())  # (before the routes below compile it)
 
 router = APIRouter(
     prefix="/v1/chunks",
@@ -204,7 +225,7 @@ async def missing_chunks(
 
 
 @router.put(
-    "/{id}",
+    "/{id:chunk}",
     status_code=201,
     response_model=ChunkStored,
     summary="Store a chunk (its raw bytes); stored only if they hash to its id",
@@ -315,7 +336,7 @@ def direct_chunk_app(app: FastAPI) -> ASGIApp:
 
 
 @router.head(
-    "/{id}",
+    "/{id:chunk}",
     summary="Whether the store holds a chunk",
     responses={200: {"description": "Stored"}, **error_responses(404)},
 )
@@ -328,7 +349,7 @@ async def has_chunk(
 
 
 @router.get(
-    "/{id}",
+    "/{id:chunk}",
     response_class=ChunkResponse,
     status_code=200,
     summary="A chunk's raw bytes, streamed",
