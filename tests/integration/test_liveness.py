@@ -286,8 +286,9 @@ def test_restore_plan_errors(client: httpx.Client) -> None:
     assert_error(client.get(f"/v1/jobs/{job}/restore-plan", params={"rank": "x"}),
                  400, "invalid_name")
     data_parallel_step(client, job, 5, 2)
+    # (a rank past the step's world has no manifest: 404, as GET of its manifest)
     assert_error(client.get(f"/v1/jobs/{job}/restore-plan", params={"rank": 2, "step": 5}),
-                 400, "invalid_request")
+                 404, "manifest_not_found")
 
 
 # -- soft state ---------------------------------------------------------------------
