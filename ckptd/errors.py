@@ -62,6 +62,12 @@ class TooLarge(InvalidRequest):
     code = "too_large"
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A request body whose Content-Type is not the one its route reads (JSON)."""
+
+    code = "unsupported_media_type"
+
+
 class Unauthorized(CkptdError, PermissionError):
     code = "unauthorized"
 
@@ -388,6 +394,7 @@ HTTP_STATUS: dict[str, int] = {
     "store_corrupt": 500,
     "body_timeout": 408,
     "unsupported_stored_format": 500,
+    "unsupported_media_type": 415,
 }
 
 

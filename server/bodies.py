@@ -16,7 +16,7 @@ from fastapi import Request
 from starlette.types import Message, Receive
 
 from ckptd import knobs
-from ckptd.errors import BodyTimeout, CkptdError, TooLarge, Unavailable
+from ckptd.errors import BodyTimeout, CkptdError, TooLarge, Unavailable, UnsupportedMediaType
 from ckptd.hashing import StreamingHasher
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,23 @@ def _check_declared_length(request: Request, limit: int, what: str) -> None:
     # on the digits keeps int() away from absurdly long ones)
     if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise TooLarge(f"{what} of {declared[:20]} bytes is over the limit of {limit}", limit=limit)
+
+
+def check_json_type(request: Request, *, required: bool = True) -> None:
+    """Refuses (415) a JSON body sent as another media type: JSON is ``application/json``
+    or ``application/*+json`` (parameters aside). One sent with no Content-Type at all
+    is refused only when ``required``: a form or text/plain POST is what a browser
+    sends another site without asking first, and none of our clients sends one."""
+    sent = request.headers.get("content-type", "")
+    media = sent.partition(";")[0].strip().lower()
+    if not media and not required:
+        return
+    if media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")):
+        came = f"not {sent[:80]!r}" if media else "it came with none"
+        raise UnsupportedMediaType(
+            f"this body is JSON: send it as Content-Type: application/json ({came})",
+            content_type=sent[:80])
 
 
 def body_timeout(request: Request) -> float:

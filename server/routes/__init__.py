@@ -12,6 +12,7 @@ _MEANING = {
     404: "Not found",
     409: "The request conflicts with what the store holds, or the ranks disagree",
     413: "Body over the limit",
+    415: "A body sent as another media type than application/json",
     422: "Bytes that do not hash to their name",
     500: "Server or store failure",
     503: "Busy for now (a garbage collection sweep); retry",

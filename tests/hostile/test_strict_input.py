@@ -160,3 +160,39 @@ def test_a_bad_world_size_is_a_malformed_document(client: httpx.Client, world_si
     assert r.status_code == 400, r.text
     assert r.json()["code"] == "invalid_document", r.text
     assert "world_size" in r.json()["message"] and "\n" not in r.json()["message"]
+
+
+# -- media types: JSON is application/json ----------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "application/jsonx", None])
+def test_a_json_body_sent_as_another_type_is_415(client: httpx.Client,
+                                                 content_type: str | None) -> None:
+    """(found by a probe: JSON sent as text/plain was told "Input should be a valid
+    dictionary"; every client of ours sends application/json)"""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", content=b'{"world_size": 1}',
+                    headers=headers)
+    assert r.status_code == 415, r.text
+    body = r.json()
+    assert body["code"] == "unsupported_media_type"
+    assert "application/json" in body["message"] and "\n" not in body["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8",
+                                          "Application/JSON", "application/merge-patch+json"])
+def test_json_media_types_are_json(client: httpx.Client, content_type: str) -> None:
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", content=b'{"world_size": 1}',
+                    headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+
+
+def test_a_manifest_sent_as_another_type_is_415(client: httpx.Client) -> None:
+    data = json.dumps({**_manifest_doc([0]), "step": 7}).encode()
+    r = client.put("/v1/jobs/j/steps/7/ranks/0", content=data,
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
+    assert r.json()["code"] == "unsupported_media_type"
+    # (a manifest with no type at all is read as JSON, as it always was)
+    assert client.put("/v1/jobs/j/steps/7/ranks/0", content=data).status_code == 201
