@@ -68,6 +68,13 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
+class LengthRequired(InvalidRequest):
+    """An upload with neither a Content-Length nor chunked transfer encoding: HTTP
+    reads it as having no body, which is not what its sender meant."""
+
+    code = "length_required"
+
+
 class Unauthorized(CkptdError, PermissionError):
     code = "unauthorized"
 
@@ -395,6 +402,7 @@ HTTP_STATUS: dict[str, int] = {
     "body_timeout": 408,
     "unsupported_stored_format": 500,
     "unsupported_media_type": 415,
+    "length_required": 411,
 }
 
 

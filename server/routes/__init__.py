@@ -11,6 +11,7 @@ _MEANING = {
     401: "No token, or the wrong one",
     404: "Not found",
     409: "The request conflicts with what the store holds, or the ranks disagree",
+    411: "An upload with neither a Content-Length nor chunked transfer encoding",
     413: "Body over the limit",
     415: "A body sent as another media type than application/json",
     422: "Bytes that do not hash to their name",

@@ -36,7 +36,7 @@ from ckptd.chunk_reads import (
     ChunkReadRequest,
     chunk_sizes_header,
 )
-from ckptd.errors import ChunkNotFound, CkptdError, http_status
+from ckptd.errors import ChunkNotFound, CkptdError, LengthRequired, http_status
 from ckptd.format import check_chunk_id, chunk_key
 from ckptd.pages import map_readable
 from ckptd.repository import Repository
@@ -231,7 +231,7 @@ async def missing_chunks(
     summary="Store a chunk (its raw bytes); stored only if they hash to its id",
     responses={
         200: {"model": ChunkStored, "description": "The store already held this chunk"},
-        **error_responses(413, 422),
+        **error_responses(411, 413, 422),
     },
     openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
     dependencies=scope(CHUNK_WRITE),
@@ -240,6 +240,12 @@ async def put_chunk(cid: ChunkIdDep, request: Request, response: Response) -> Ch
     # (Under ``ckptd serve`` an upload with a Content-Length is answered by
     # ``direct_chunk_app``; this route takes the others, and every upload of an app
     # served some other way.)
+    if ("content-length" not in request.headers
+            and "chunked" not in request.headers.get("transfer-encoding", "").lower()):
+        # HTTP reads such a request as one with no body: its sender forgot the length
+        # (a 422 for the empty body's hash would say its bytes were wrong).
+        raise LengthRequired("a chunk upload needs a Content-Length (or Transfer-Encoding: "
+                             "chunked); without either it has no body")
     job: str | None = request.state.acting_job
     stored = await store_upload(request, cid, job, lambda: read_chunk(request))
     if not stored.created:
