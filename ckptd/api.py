@@ -244,13 +244,14 @@ class HealthReport(_Body):
         max_length=1024,
         description="Probe readings by name, one per instance as name[instance] (e.g. "
         "gpu_temperature_c[0], gpu_ecc_uncorrected_volatile[0], host_memory_percent). "
-        "A NaN or infinite number is kept as the string 'nan', 'inf' or '-inf'.",
+        "JSON has no NaN: a non-finite reading is the string 'nan', 'inf' or '-inf'.",
     )
 
     @field_validator("signals")
     @classmethod
     def _finite(cls, signals: dict[str, SignalValue]) -> dict[str, SignalValue]:
-        # A NaN loss is a real reading, but JSON has no NaN: keep it as text.
+        # A NaN loss is a real reading, but JSON has no NaN: kept as text (a body
+        # holding a bare NaN never gets here: server.bodies.refuse_non_finite).
         return {
             k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in signals.items()

@@ -62,6 +62,19 @@ class TooLarge(InvalidRequest):
     code = "too_large"
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A request body whose Content-Type is not the one its route reads (JSON)."""
+
+    code = "unsupported_media_type"
+
+
+class LengthRequired(InvalidRequest):
+    """An upload with neither a Content-Length nor chunked transfer encoding: HTTP
+    reads it as having no body, which is not what its sender meant."""
+
+    code = "length_required"
+
+
 class Unauthorized(CkptdError, PermissionError):
     code = "unauthorized"
 
@@ -388,6 +401,8 @@ HTTP_STATUS: dict[str, int] = {
     "store_corrupt": 500,
     "body_timeout": 408,
     "unsupported_stored_format": 500,
+    "unsupported_media_type": 415,
+    "length_required": 411,
 }
 
 

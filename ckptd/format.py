@@ -284,6 +284,12 @@ class RankManifest(_Document):
     def _check(self) -> None:
         check_job(self.job)
         check_step(self.step)
+        # A world size is a field of the document, not a name in a URL: a bad one is
+        # a malformed document (as ``chunk_size`` is), not ``invalid_name``.
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:  # (strict: an int, not a bool)
+            raise InvalidDocument(
+                f"rank manifest: world_size {self.world_size!r} must be in "
+                f"[1, {MAX_WORLD_SIZE}]", field="world_size")
         check_rank(self.rank, self.world_size, job=self.job)
         manifest_epoch(self)
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:

@@ -35,6 +35,7 @@ from ckptd.errors import (
 from ckptd.format import CommitRecord, RankManifest, check_job
 from ckptd.hashing import document_hash
 from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
+from ckptd.repository.reads import committed_rank
 from ckptd.store.local import LocalStore
 
 from . import calls
@@ -350,10 +351,7 @@ class HttpTransport(Transport):
                             record: CommitRecord | None = None) -> RankManifest:
         if record is None or (record.job, record.step) != (job, step):
             record = await self.read_commit(job, step)
-        if not 0 <= rank < record.world_size:
-            raise InvalidRequest(
-                f"rank {rank} is outside world size {record.world_size} of step {step}"
-            )
+        committed_rank(record, rank)  # (as the server and a local read answer it)
         content = await self.run(calls.get_manifest(job, step, rank))
         # Hash the bytes as they came, before parsing: only the committed bytes pass.
         expected = record.manifests[rank].hash

@@ -4,6 +4,7 @@ body of a known maximum size per request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import mmap
 import threading
@@ -11,12 +12,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from starlette.types import Message, Receive
 
 from ckptd import knobs
-from ckptd.errors import BodyTimeout, CkptdError, TooLarge, Unavailable
+from ckptd.errors import (
+    BodyTimeout,
+    CkptdError,
+    InvalidRequest,
+    TooLarge,
+    Unavailable,
+    UnsupportedMediaType,
+)
 from ckptd.hashing import StreamingHasher
 
 log = logging.getLogger(__name__)
@@ -49,6 +58,48 @@ def _check_declared_length(request: Request, limit: int, what: str) -> None:
     # on the digits keeps int() away from absurdly long ones)
     if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise TooLarge(f"{what} of {declared[:20]} bytes is over the limit of {limit}", limit=limit)
+
+
+def check_json_type(request: Request, *, required: bool = True) -> None:
+    """Refuses (415) a JSON body sent as another media type: JSON is ``application/json``
+    or ``application/*+json`` (parameters aside). One sent with no Content-Type at all
+    is refused only when ``required``: a form or text/plain POST is what a browser
+    sends another site without asking first, and none of our clients sends one."""
+    sent = request.headers.get("content-type", "")
+    media = sent.partition(";")[0].strip().lower()
+    if not media and not required:
+        return
+    if media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")):
+        came = f"not {sent[:80]!r}" if media else "it came with none"
+        raise UnsupportedMediaType(
+            f"this body is JSON: send it as Content-Type: application/json ({came})",
+            content_type=sent[:80])
+
+
+class _NotANumber(ValueError):
+    """NaN, Infinity or -Infinity where JSON has a number."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotANumber(name)
+
+
+def refuse_non_finite(body: bytes) -> None:
+    """Refuses (400) a JSON body holding ``NaN``, ``Infinity`` or ``-Infinity``:
+    Python's parser (FastAPI's) reads them, JSON has no such numbers, and the
+    documents refuse them too (``ckptd.large_json``). Parsed a second time only when
+    those letters are in it at all: few bodies pay for the check."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return
+    try:
+        json.loads(body, parse_constant=_refuse_constant)
+    except _NotANumber as exc:
+        raise InvalidRequest(
+            f"the request body is not valid JSON: {exc} is no JSON number (send a "
+            "finite number, or null)", constant=str(exc)) from None
+    except ValueError:
+        return  # (not JSON at all: FastAPI's parse says so, as for any other body)
 
 
 def body_timeout(request: Request) -> float:

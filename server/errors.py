@@ -137,6 +137,10 @@ async def _starlette_error(request: Request, exc: Exception) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else f"HTTP {exc.status_code}"
     if exc.status_code == 404:
         message = f"no route for {request.method} {request.url.path[:200]}"
+    allowed = (exc.headers or {}).get("Allow")
+    if exc.status_code == 405 and allowed:
+        message = (f"{request.method} is not a method of {request.url.path[:200]}; "
+                   f"it takes {allowed}")
     return error_response(cls(message), exc.status_code, exc.headers)
 
 

@@ -11,7 +11,12 @@ from fastapi.routing import APIRoute
 from ckptd.errors import InvalidRequest
 from ckptd.format import MAX_JSON_DEPTH, json_too_deep
 from ckptd.server.auth import UNDECLARED, acting_job, authenticate, route_scope
-from ckptd.server.bodies import bounded, json_body_limit
+from ckptd.server.bodies import (
+    bounded,
+    check_json_type,
+    json_body_limit,
+    refuse_non_finite,
+)
 
 
 class ApiRoute(APIRoute):
@@ -45,6 +50,9 @@ class ApiRoute(APIRoute):
             if parses_body:
                 request = bounded(request, json_body_limit(), "JSON body")
                 body = await request.body()  # read here, so TooLarge is ours and not a 400
+                if body:  # (a route whose body is optional may be sent none)
+                    check_json_type(request)
+                    refuse_non_finite(body)
                 if json_too_deep(body):  # before FastAPI's parser recurses into it
                     raise InvalidRequest(f"JSON body nests deeper than {MAX_JSON_DEPTH} levels")
             return await handler(request)

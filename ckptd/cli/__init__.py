@@ -51,12 +51,34 @@ app = typer.Typer(
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
+# What --url takes differs by command: a server or a store read in this process
+# (``_transport``, the lifecycle commands), a server only (``_server``), or a server
+# or a store directory (``open_transport``). Each help names what its command takes.
 UrlOpt = Annotated[
     str,
     typer.Option(
         "--url",
         envvar="CKPTD_URL",
-        help="http://host:port of a ckptd server, or file:///path of a store directory.",
+        help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
+        "a store read directly: file:///path or s3://bucket/prefix.",
+    ),
+]
+ServerUrlOpt = Annotated[
+    str,
+    typer.Option(
+        "--url",
+        envvar="CKPTD_URL",
+        help="http://host:port of a ckptd server (replicas: several, comma-separated); "
+        "this command needs a server, not a store.",
+    ),
+]
+ServerOrFileUrlOpt = Annotated[
+    str,
+    typer.Option(
+        "--url",
+        envvar="CKPTD_URL",
+        help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
+        "file:///path of a store directory (an S3 store: through a server serving it).",
     ),
 ]
 TokenOpt = Annotated[
@@ -438,7 +460,7 @@ def rollback(
     reason: Annotated[
         str, typer.Option(help="Why (shown in status and the dashboard).")
     ] = "manual",
-    url: UrlOpt = DEFAULT_URL,
+    url: ServerUrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Tell every rank of a job to go back to a committed step (or --clear that)."""
@@ -471,7 +493,7 @@ def restore(
         int | None, typer.Option("--step", help="Committed step (default: latest).")
     ] = None,
     peers: Annotated[bool, typer.Option(help="Fetch from live peers first.")] = True,
-    url: UrlOpt = DEFAULT_URL,
+    url: ServerOrFileUrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container

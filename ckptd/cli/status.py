@@ -9,7 +9,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import DEFAULT_URL, TokenOpt, UrlOpt, _fail, _server, _when, app, console
+from ckptd.cli import (
+    DEFAULT_URL,
+    ServerUrlOpt,
+    TokenOpt,
+    _fail,
+    _server,
+    _when,
+    app,
+    console,
+)
 from ckptd.errors import CkptdError
 from ckptd.format import check_job
 
@@ -170,7 +179,7 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
 @app.command()
 def status(
     job: Annotated[str | None, typer.Argument(help="Only this job.")] = None,
-    url: UrlOpt = DEFAULT_URL,
+    url: ServerUrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
     watch: Annotated[
         float | None,

@@ -32,8 +32,10 @@ DEFAULT_FILE = "./ckptd-tokens.json"
 def token_create(
     job: Annotated[str, typer.Option("--job", help="A job name, a prefix like 'llm-*', or '*'.")],
     role: Annotated[
-        str, typer.Option("--role", help="read (restore, dashboards), write (training ranks), "
-                          "admin (rollback, verify, retention).")
+        str, typer.Option("--role", help="read (restores, dashboards, ls, status), write "
+                          "(training ranks: saves, commits, heartbeats, rollback, tags), admin "
+                          "(verify, retention, removing a tag; on '*': gc and scrub). Each "
+                          "role holds the ones before it (docs/SECURITY.md).")
     ],
     note: Annotated[str, typer.Option(help="Who or what it is for.")] = "",
     file: FileOpt = DEFAULT_FILE,

@@ -26,6 +26,21 @@ def check_tag(name: object) -> str:
     return name
 
 
+# The names of a job's own refs (``jobs/<job>/refs/latest``, ``.../rollback``): a tag
+# named so would be read as the ref ("restore latest", Lightning's ckpt_path="latest").
+RESERVED_TAGS = frozenset({"latest", "rollback"})
+
+
+def check_new_tag(name: object) -> str:
+    """``check_tag`` of a tag being set: not one of ``RESERVED_TAGS`` either. (Reading
+    and removing take any tag name: one set before these were refused can go.)"""
+    tag = check_tag(name)
+    if tag in RESERVED_TAGS:
+        raise InvalidName(f"tag {tag!r} is reserved: the job's {tag} ref has that name; "
+                          "choose another name", tag=tag)
+    return tag
+
+
 async def read_tags(store: Store, job: str) -> dict[str, int]:
     """Tag name -> step of ``job`` (empty when it has none); ``StoreCorrupt`` naming
     the document when it is damaged (setting or removing a tag replaces it)."""
@@ -72,7 +87,7 @@ async def _change(store: Store, job: str, name: str, step: int | None,
 
 async def set_tag(store: Store, job: str, name: str, step: int) -> None:
     """Points tag ``name`` of ``job`` at ``step`` (moving it if it named another)."""
-    await _change(store, job, check_tag(name), check_step(step))
+    await _change(store, job, check_new_tag(name), check_step(step))
 
 
 async def remove_tag(store: Store, job: str, name: str) -> bool:

@@ -32,7 +32,7 @@ from ckptd.format import (
     removal_key,
 )
 from ckptd.lifecycle.removals import drop_damaged_claim
-from ckptd.lifecycle.tags import TAG_META, check_tag, set_tag, take_back_tag
+from ckptd.lifecycle.tags import TAG_META, check_new_tag, set_tag, take_back_tag
 from ckptd.repository.reads import StoredReads
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def tag_of(manifests: Iterable[RankManifest]) -> str | None:
         tag = m.meta.get(TAG_META)
         if isinstance(tag, str):
             try:
-                check_tag(tag)
+                check_new_tag(tag)
             except InvalidRequest:
                 continue
             return tag

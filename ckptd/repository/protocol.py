@@ -62,7 +62,7 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
-from ckptd.lifecycle.tags import TAG_META, check_tag
+from ckptd.lifecycle.tags import TAG_META, check_new_tag
 from ckptd.repository.after_commit import AfterCommit, tag_of
 from ckptd.repository.listings import Listings
 from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
@@ -345,7 +345,7 @@ class Repository(Verification, Listings, AfterCommit):
             raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
         tag = (meta or {}).get(TAG_META)
         if tag is not None:
-            check_tag(tag)
+            check_new_tag(tag)  # (refused before the step commits, not after)
         existing = await self._try_read_commit(job, step)
         if existing is not None:
             # Checked only while retention removes it: an imported step (``restore

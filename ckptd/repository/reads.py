@@ -10,7 +10,6 @@ from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     ChunkNotFound,
-    InvalidRequest,
     ManifestNotFound,
     NotCommitted,
     NotFound,
@@ -31,6 +30,19 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.store.base import Store
+
+
+def committed_rank(record: CommitRecord, rank: int) -> int:
+    """``rank`` if the committed step of ``record`` has it; else ``ManifestNotFound``
+    naming the step's world size: a rank past it has no manifest, as a step that
+    never was has no record (a 404, not a bad request)."""
+    if not 0 <= rank < record.world_size:
+        last = record.world_size - 1
+        raise ManifestNotFound(
+            f"step {record.step} of {record.job} has world size {record.world_size}: no "
+            f"rank {rank} (its ranks are 0 to {last})", job=record.job, step=record.step,
+            rank=rank, world_size=record.world_size)
+    return rank
 
 
 class StoredReads:
@@ -76,9 +88,7 @@ class StoredReads:
     async def read_manifest(self, job: str, step: int, rank: int) -> RankManifest:
         """A rank's manifest of a committed step, checked against the commit record."""
         record = await self.read_commit(job, step)
-        if not 0 <= rank < record.world_size:
-            raise InvalidRequest(f"rank {rank} is outside world size {record.world_size}")
-        return await self._read_committed_manifest(record, rank)
+        return await self._read_committed_manifest(record, committed_rank(record, rank))
 
     async def _read_committed_manifest(self, record: CommitRecord, rank: int) -> RankManifest:
         """``read_manifest`` with the commit record already read."""

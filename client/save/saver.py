@@ -33,7 +33,7 @@ from ckptd.format import (
     canonical_json,
     check_step,
 )
-from ckptd.lifecycle.tags import TAG_META, check_tag
+from ckptd.lifecycle.tags import TAG_META, check_new_tag
 
 from ..cuda import CopyDone
 from ..failures import FailureLog, SnapshotFailureWarning, name_save_error
@@ -482,7 +482,7 @@ def _save_args(
         out[TAG_META] = tag  # the commit tags the step
     if out.get(TAG_META) is not None:
         # The commit would refuse it only after the whole upload: the step lost.
-        check_tag(out[TAG_META])
+        check_new_tag(out[TAG_META])
     return shards, names, out
 
 

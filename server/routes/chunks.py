@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -35,7 +36,7 @@ from ckptd.chunk_reads import (
     ChunkReadRequest,
     chunk_sizes_header,
 )
-from ckptd.errors import ChunkNotFound, CkptdError, http_status
+from ckptd.errors import ChunkNotFound, CkptdError, LengthRequired, http_status
 from ckptd.format import check_chunk_id, chunk_key
 from ckptd.pages import map_readable
 from ckptd.repository import Repository
@@ -58,6 +59,26 @@ from ckptd.server.routing import ApiRoute
 from ckptd.server.tenancy import TenantChunks
 
 log = logging.getLogger(__name__)
+
+
+
+class ChunkSegment(Convertor[str]):
+    """A path segment that may name a chunk: any but the names of the fixed routes
+    beside ``/{id}``. So ``GET /v1/chunks/missing`` is answered by its POST route,
+    405 with ``Allow: POST``, not read as a chunk id "missing" (400 invalid_name);
+    any other segment still reaches the id check, which says what an id is."""
+
+    FIXED = ("missing", "read")
+    regex = f"(?!(?:{'|'.join(FIXED)})$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("chunk", ChunkSegment())  # (before the routes below compile it)
 
 router = APIRouter(
     prefix="/v1/chunks",
@@ -204,13 +225,13 @@ async def missing_chunks(
 
 
 @router.put(
-    "/{id}",
+    "/{id:chunk}",
     status_code=201,
     response_model=ChunkStored,
     summary="Store a chunk (its raw bytes); stored only if they hash to its id",
     responses={
         200: {"model": ChunkStored, "description": "The store already held this chunk"},
-        **error_responses(413, 422),
+        **error_responses(411, 413, 422),
     },
     openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
     dependencies=scope(CHUNK_WRITE),
@@ -219,6 +240,12 @@ async def put_chunk(cid: ChunkIdDep, request: Request, response: Response) -> Ch
     # (Under ``ckptd serve`` an upload with a Content-Length is answered by
     # ``direct_chunk_app``; this route takes the others, and every upload of an app
     # served some other way.)
+    if ("content-length" not in request.headers
+            and "chunked" not in request.headers.get("transfer-encoding", "").lower()):
+        # HTTP reads such a request as one with no body: its sender forgot the length
+        # (a 422 for the empty body's hash would say its bytes were wrong).
+        raise LengthRequired("a chunk upload needs a Content-Length (or Transfer-Encoding: "
+                             "chunked); without either it has no body")
     job: str | None = request.state.acting_job
     stored = await store_upload(request, cid, job, lambda: read_chunk(request))
     if not stored.created:
@@ -315,7 +342,7 @@ def direct_chunk_app(app: FastAPI) -> ASGIApp:
 
 
 @router.head(
-    "/{id}",
+    "/{id:chunk}",
     summary="Whether the store holds a chunk",
     responses={200: {"description": "Stored"}, **error_responses(404)},
 )
@@ -328,7 +355,7 @@ async def has_chunk(
 
 
 @router.get(
-    "/{id}",
+    "/{id:chunk}",
     response_class=ChunkResponse,
     status_code=200,
     summary="A chunk's raw bytes, streamed",

@@ -14,7 +14,12 @@ from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
 from ckptd.repository.protocol import manifest_lacks
 from ckptd.server.auth import READ, WRITE, scope
-from ckptd.server.bodies import declared_body_bytes, ingest_budget, read_body
+from ckptd.server.bodies import (
+    check_json_type,
+    declared_body_bytes,
+    ingest_budget,
+    read_body,
+)
 from ckptd.server.cluster import Membership
 from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep, TenantsDep
 from ckptd.server.routes import error_responses
@@ -38,7 +43,7 @@ MANIFEST_HASH_HEADER = "X-Ckptd-Manifest-Hash"
     status_code=201,
     response_model=ManifestStored,
     summary="Put a rank's manifest, once every chunk it names is stored",
-    responses=error_responses(409, 413),
+    responses=error_responses(409, 413, 415),
     dependencies=scope(WRITE),
     openapi_extra={
         "requestBody": {
@@ -55,6 +60,7 @@ async def put_manifest(
     job: JobDep, step: StepDep, rank: RankDep, request: Request, repo: RepoDep,
     metrics: MetricsDep, tenants: TenantsDep,
 ) -> ManifestStored:
+    check_json_type(request, required=False)  # (one sent with no type is read as JSON)
     limit = knobs.max_manifest_bytes()
     # Its bytes count in the uploads' budget, as a chunk's do, from before a buffer
     # exists until they are parsed: 16 manifests of 48 MiB pinned 768 MiB outside it.

@@ -22,6 +22,7 @@ from ckptd.api import (
 from ckptd.errors import CkptdError, ManifestHashMismatch, ManifestNotFound, StoreCorrupt
 from ckptd.format import CommitRecord, RankManifest, check_rank
 from ckptd.repository import Repository
+from ckptd.repository.reads import committed_rank
 from ckptd.server.auth import READ, WRITE, peer_token, scope
 from ckptd.server.deps import (
     JobDep,
@@ -196,6 +197,7 @@ async def restore_plan(
     settings: SettingsDep,
 ) -> Response:
     step, record, _ = await _committed(job, asked, repo, views)
+    committed_rank(record, rank)  # (a caller's rank past the world: 404, never damage)
     try:
         manifest = await repo.read_manifest(job, step, rank)
     except _DAMAGE:

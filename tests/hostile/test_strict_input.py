@@ -149,3 +149,74 @@ def test_deep_json_in_meta_is_a_400(client: httpx.Client) -> None:
         "/v1/jobs/j/steps/1/commit", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("world_size", [-1, 0, 2**20 + 1])
+def test_a_bad_world_size_is_a_malformed_document(client: httpx.Client, world_size: int) -> None:
+    """(found by a probe: ``world_size: -1`` was answered ``invalid_name``, the code of
+    a bad name in the URL; a world size is a field of the document)"""
+    data = json.dumps({**_manifest_doc([0]), "world_size": world_size}).encode()
+    r = client.put("/v1/jobs/j/steps/1/ranks/0", content=data)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_document", r.text
+    assert "world_size" in r.json()["message"] and "\n" not in r.json()["message"]
+
+
+# -- media types: JSON is application/json ----------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "application/jsonx", None])
+def test_a_json_body_sent_as_another_type_is_415(client: httpx.Client,
+                                                 content_type: str | None) -> None:
+    """(found by a probe: JSON sent as text/plain was told "Input should be a valid
+    dictionary"; every client of ours sends application/json)"""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", content=b'{"world_size": 1}',
+                    headers=headers)
+    assert r.status_code == 415, r.text
+    body = r.json()
+    assert body["code"] == "unsupported_media_type"
+    assert "application/json" in body["message"] and "\n" not in body["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8",
+                                          "Application/JSON", "application/merge-patch+json"])
+def test_json_media_types_are_json(client: httpx.Client, content_type: str) -> None:
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", content=b'{"world_size": 1}',
+                    headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+
+
+def test_a_manifest_sent_as_another_type_is_415(client: httpx.Client) -> None:
+    data = json.dumps({**_manifest_doc([0]), "step": 7}).encode()
+    r = client.put("/v1/jobs/j/steps/7/ranks/0", content=data,
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
+    assert r.json()["code"] == "unsupported_media_type"
+    # (a manifest with no type at all is read as JSON, as it always was)
+    assert client.put("/v1/jobs/j/steps/7/ranks/0", content=data).status_code == 201
+
+
+# -- JSON has no NaN ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_in_a_json_body_are_refused(client: httpx.Client, token: str) -> None:
+    """(found by a probe: Python's parser, under FastAPI's, read them; a heartbeat
+    signal of NaN was kept as "nan". Documents refuse them already: ckptd.large_json)"""
+    body = '{"world_size": 1, "health": {"signals": {"loss": TOKEN}}}'.replace("TOKEN", token)
+    r = client.post("/v1/jobs/j/ranks/0/heartbeat", content=body,
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_request"
+    assert token.lstrip("-") in r.json()["message"] and "\n" not in r.json()["message"]
+    r = client.post("/v1/jobs/j/steps/1/commit", content='{"meta": {"x": ' + token + "}}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+
+
+def test_nan_in_a_json_string_is_text(client: httpx.Client) -> None:
+    body = {"world_size": 1, "health": {"state": "critical", "reasons": ["loss is NaN"],
+                                        "signals": {"loss": "nan", "Infinity": 1}}}
+    assert client.post("/v1/jobs/j/ranks/0/heartbeat", json=body).status_code == 200

@@ -241,3 +241,36 @@ def test_ckptd_token_create_list_revoke(tmp_path: Path) -> None:
     assert TokenFile(path).lookup(token) is not None
     assert runner.invoke(app, ["token", "revoke", grant.id, "--file", str(path)]).exit_code == 0
     assert TokenFile(path).lookup(token) is None
+
+
+# Words of ``ckptd token create --role``'s help, and the routes each one stands for.
+ROLE_HELP_WORDS = {
+    "rollback": [("POST", "/v1/jobs/{job}/rollback"), ("DELETE", "/v1/jobs/{job}/rollback")],
+    "verify": [("POST", "/v1/jobs/{job}/verify")],
+    "retention": [("POST", "/v1/jobs/{job}/forget")],
+    "gc": [("POST", "/v1/gc"), ("POST", "/v1/gc/runs")],
+    "scrub": [("POST", "/v1/scrub")],
+    "heartbeats": [("POST", "/v1/jobs/{job}/ranks/{rank}/heartbeat")],
+    "commits": [("POST", "/v1/jobs/{job}/steps/{step}/commit")],
+}
+
+
+def test_token_create_help_puts_each_operation_under_the_role_it_needs() -> None:
+    """(found by a probe: --role's help put rollback under admin, where a write token
+    may set and clear the marker: docs/SECURITY.md, "Tokens and scopes")"""
+    from typer.testing import CliRunner
+
+    from ckptd.cli import app
+
+    out = " ".join(CliRunner().invoke(app, ["token", "create", "--help"]).output.split())
+    role_help = out.split("--role", 1)[1].split(" --", 1)[0]
+    said = dict(re.findall(r"\b(read|write|admin) \(([^)]*)\)", role_help))
+    assert set(said) == {"read", "write", "admin"}, role_help
+    needs = {(m, p): scope.role for m, p, scope in app_routes() if scope is not None}
+    assert "rollback" in said["write"], role_help
+    for word, routes in ROLE_HELP_WORDS.items():
+        roles = {needs[route] for route in routes}
+        assert len(roles) == 1, (word, roles)
+        for role, text in said.items():
+            assert (re.search(rf"\b{word}\b", text) is not None) <= (role in roles), (
+                word, role, roles, role_help)

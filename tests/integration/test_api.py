@@ -430,6 +430,20 @@ def test_commit_and_read_back(client: httpx.Client) -> None:
     assert_error(put_manifest(client, other), 409, "already_committed")
 
 
+def test_a_rank_outside_the_steps_world_is_not_found(client: httpx.Client) -> None:
+    """(found by a probe: rank 5 of a 1-rank step was 400 invalid_request; there is
+    no such manifest, as there is no such step: 404, naming the world size)"""
+    sharded_step(client, "j", 1, 1)
+    assert commit(client, "j", 1).json()["state"] == "committed"
+    body = assert_error(client.get(manifest_path("j", 1, 5)), 404, "manifest_not_found")
+    assert "world size 1" in body["message"] and "\n" not in body["message"]
+    assert body["detail"]["world_size"] == 1
+    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5, "step": 1})
+    assert "world size 1" in assert_error(r, 404, "manifest_not_found")["message"]
+    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5})  # (latest: no fallback)
+    assert_error(r, 404, "manifest_not_found")
+    assert client.get(manifest_path("j", 1, 0)).status_code == 200
+
 def test_manifest_is_immutable_before_commit(client: httpx.Client) -> None:
     first = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
     assert put_manifest(client, first).status_code == 201
@@ -623,6 +637,35 @@ def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
     r = client.delete("/v1/jobs")
     assert r.status_code == 405 and r.json()["code"] == "invalid_request"
 
+
+
+def _shadowed(doc: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(method, fixed path, allowed methods) of each fixed route whose path a route
+    with a parameter there matches too (``/v1/chunks/missing`` and ``/{id}``), for
+    each method that only the parameter's route takes."""
+    paths = {p: {m.upper() for m in ops} for p, ops in doc["paths"].items()}
+    for fixed, allowed in paths.items():
+        for other, methods in paths.items():
+            pattern = "^" + re.sub(r"\{[^/]+?\}", "[^/]+", other) + "$"
+            if fixed.count("{") < other.count("{") and re.match(pattern, fixed):
+                for method in sorted(methods - allowed):
+                    yield method, fixed, ", ".join(sorted(allowed))
+
+
+def test_a_fixed_route_is_never_read_as_a_parameter(client: httpx.Client) -> None:
+    """(found by a probe: GET /v1/chunks/missing, a POST route, was answered 400
+    invalid_name, read as a chunk id "missing")"""
+    shadowed = list(_shadowed(client.get("/openapi.json").json()))
+    assert ("GET", "/v1/chunks/missing", "POST") in shadowed, shadowed
+    for method, path, allowed in shadowed:
+        r = client.request(method, path, content=b"x" if method == "PUT" else None)
+        assert r.status_code == 405, (method, path, r.text)
+        assert r.headers["allow"] == allowed
+        if method != "HEAD":
+            body = assert_error(r, 405, "invalid_request")
+            assert allowed in body["message"] and "\n" not in body["message"], body
+    assert_error(client.get("/v1/chunks/notahash"), 400, "invalid_name")  # still an id
+    assert_error(client.get("/v1/chunks/" + "0" * 64), 404, "chunk_not_found")
 
 # -- auth -----------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from ckptd.cli import SERVE_DEFAULTS
 from ckptd.cli.status import status_view
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from tests.conftest import ServerProcess
 
 
@@ -116,3 +118,58 @@ def test_docs_work_offline_pointing_to_the_api_reference(server: ServerProcess) 
     started = time.monotonic()
     assert httpx.get(f"{server.url}/redoc", timeout=5).status_code in (401, 404)
     assert time.monotonic() - started < 5
+
+
+def _url_helps() -> dict[str, str]:
+    """Each command's ``--url`` help, by the command's name."""
+    from typer.main import get_command
+
+    from ckptd.cli import app
+
+    found: dict[str, str] = {}
+
+    def walk(command: Any, name: str) -> None:
+        for sub, child in getattr(command, "commands", {}).items():  # (a group's)
+            walk(child, f"{name} {sub}".strip())
+        for param in command.params:
+            if "--url" in getattr(param, "opts", ()):
+                found[name] = " ".join(str(getattr(param, "help", "")).split())
+
+    walk(get_command(app), "")
+    return found
+
+
+def test_every_url_help_names_the_urls_its_command_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(found by a probe: --url said http:// or file:// only, where most commands
+    read an s3:// store as well; status and rollback take a server only.) Each
+    command is run on an s3:// and a file:// URL: its help names the schemes it
+    does not refuse."""
+    import torch
+    from typer.testing import CliRunner
+
+    from ckptd.cli import app
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "src.pt")
+    # Arguments that take each command as far as its URL.
+    reach = {
+        "ls": [], "verify": ["j"], "rollback": ["j", "1"], "status": [],
+        "restore": ["--job", "j", "--rank", "0", "--to", str(tmp_path / "to")],
+        "forget": ["j", "--keep-last", "1"], "gc": ["--dry-run", "--grace", "0"],
+        "scrub": [], "tag": ["j", "1", "t"], "untag": ["j", "t"], "space": [],
+        "export": ["j", "--zarr", str(tmp_path / "z")],
+        "import": [str(tmp_path / "src.pt"), "--job", "j", "--step", "1"],
+        "diff": ["j", "1", "2"],
+    }
+    helps = _url_helps()
+    assert set(helps) == set(reach), "a command with --url to probe here"
+    for name, value in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                        "AWS_DEFAULT_REGION": "us-east-1", "CKPTD_RETRIES": "0"}.items():
+        monkeypatch.setenv(name, value)
+    urls = {"s3://": "s3://ckptd-none/p?endpoint=http://127.0.0.1:9",  # (nothing listens)
+            "file://": f"file://{tmp_path / 'store'}"}
+    for name, args in reach.items():
+        for scheme, url in urls.items():
+            out = " ".join(CliRunner().invoke(app, [name, *args, "--url", url]).output.split())
+            refused = "needs a server" in out or "unsupported URL" in out
+            assert (scheme in helps[name]) == (not refused), (name, scheme, helps[name], out)

@@ -195,6 +195,33 @@ def test_a_tag_moved_to_another_step_says_from_which(tmp_path: Path) -> None:
         srv.stop()
 
 
+@pytest.mark.parametrize("name", ["latest", "rollback"])
+def test_a_tag_named_as_a_ref_is_refused_by_the_server(tmp_path: Path, name: str) -> None:
+    """(found by a probe: tags "latest" and "rollback" were kept, beside the refs of
+    those names.) The server refuses them, so every client is told: the route, a
+    commit tagging its step, the CLI through it; and a store read directly."""
+    root = tmp_path / "store"
+    asyncio.run(_fill(root, range(1, 2)))
+    refused = runner.invoke(app, ["tag", JOB, "1", name, "--url", str(root)])
+    assert refused.exit_code != 0 and "reserved" in refused.output, refused.output
+    srv = ServerProcess(store=root)
+    srv.start()
+    try:
+        r = httpx.put(f"{srv.url}/v1/jobs/{JOB}/tags/{name}", json={"step": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_name", r.text
+        message = r.json()["message"]
+        assert "reserved" in message and "another name" in message and "\n" not in message
+        r = httpx.post(f"{srv.url}/v1/jobs/{JOB}/steps/1/commit",
+                       json={"meta": {"tag": name}}, timeout=30)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_name", r.text
+        refused = runner.invoke(app, ["tag", JOB, "1", name, "--url", srv.url])
+        assert refused.exit_code != 0 and "another name" in refused.output, refused.output
+        assert "Traceback" not in refused.output
+        assert httpx.get(f"{srv.url}/v1/jobs/{JOB}/tags", timeout=30).json() == {}
+        assert _cli("tag", JOB, "1", f"{name}-1", "--url", srv.url)  # (a name like it is fine)
+    finally:
+        srv.stop()
+
 def test_a_damaged_latest_step_that_stops_gc_is_forgotten_as_gc_says(tmp_path: Path) -> None:
     """(found by a probe: gc said 'forget that step' of a damaged manifest of the
     latest step, but forget never forgets latest)"""

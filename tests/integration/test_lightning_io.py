@@ -23,6 +23,7 @@ from ckptd.errors import (
     InvalidRequest,
     UnsupportedValue,
 )
+from ckptd.lifecycle.tags import check_new_tag
 from tests.conftest import ServerProcess
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
@@ -113,6 +114,10 @@ def test_paths_become_tags() -> None:
     assert tag_for_path(Path("last.ckpt")) == "last"
     assert tag_for_path("/x/last-v1.ckpt") == "last-v1"
     assert tag_for_path("/x/.hidden") == "hidden"
+    # No tag is named as a ref (the server refuses one): those keep their suffix.
+    assert tag_for_path("/x/latest.ckpt") == "latest.ckpt"
+    assert tag_for_path("rollback") == "rollback.ckpt"
+    assert check_new_tag(tag_for_path("/x/latest.ckpt")) == "latest.ckpt"
     long = tag_for_path("/x/" + "a=b" * 100 + ".ckpt")
     assert len(long) <= 128 and long != tag_for_path("/x/" + "a=b" * 99 + "a_c.ckpt")
 

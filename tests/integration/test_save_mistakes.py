@@ -23,16 +23,18 @@ def open_ckpt(tmp_path: Path, shm: Path, **kw: Any) -> Checkpointer:
                         on_error="raise", **kw)
 
 
-@pytest.mark.parametrize("how", ["tag", "meta"])
+@pytest.mark.parametrize(("how", "name", "said"), [
+    ("tag", "best model!", "letters, digits"), ("meta", "best model!", "letters, digits"),
+    # (the refs' own names: the server refuses them at commit, after the upload)
+    ("tag", "latest", "reserved"), ("meta", "rollback", "reserved"),
+])
 def test_a_malformed_tag_is_refused_before_the_upload(
-    tmp_path: Path, shm: Path, how: str
+    tmp_path: Path, shm: Path, how: str, name: str, said: str
 ) -> None:
     state = {"w": torch.arange(10.0)}
-    bad: dict[str, Any] = (
-        {"tag": "best model!"} if how == "tag" else {"meta": {"tag": "best model!"}}
-    )
+    bad: dict[str, Any] = {"tag": name} if how == "tag" else {"meta": {"tag": name}}
     with open_ckpt(tmp_path, shm) as ckpt:
-        with pytest.raises(InvalidRequest, match="letters, digits"):
+        with pytest.raises(InvalidRequest, match=said):
             ckpt.save(3, state, **bad)
         assert ckpt.latest() is None  # nothing was uploaded, nothing failed behind
         # The loop fixes the tag and the same step commits, tagged.

@@ -230,6 +230,27 @@ def test_an_empty_chunk_is_stored(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/v1/chunks/{chunk_id(b'')}", timeout=10).content == b""
 
 
+def test_an_upload_with_neither_a_length_nor_chunks_is_411(server: ServerProcess) -> None:
+    """(found by a probe: such a PUT has no body, and was answered 422, the empty
+    body's hash not the id's; the sender forgot its Content-Length)"""
+    data = os.urandom(1000)
+    cid = chunk_id(data)
+    with Wire(server.port) as w:
+        w.send(f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        status, _, body = w.answer()
+        assert status == 411, body
+        error = json.loads(body)
+        assert error["code"] == "length_required"
+        assert "Content-Length" in error["message"] and "\n" not in error["message"]
+        w.send(_put(cid, data))  # the connection goes on: nothing was left unread
+        assert w.answer()[0] == 201
+    # Chunked transfer encoding needs no length.
+    other = os.urandom(1000)
+    r = httpx.put(f"{server.url}/v1/chunks/{chunk_id(other)}", content=iter([other]),
+                  timeout=30)
+    assert r.status_code == 201, r.text
+    assert "Traceback" not in server.log()
+
 def test_a_short_body_stores_nothing(server: ServerProcess) -> None:
     data = os.urandom(2 * knobs.MiB)
     cid = chunk_id(data)

@@ -48,7 +48,8 @@ def test_statuses_of_families() -> None:
         # (a stored document of a newer format is the server's to upgrade, not the
         # caller's mistake; it is still an UnsupportedFormat to the client)
         if issubclass(cls, errors.InvalidRequest) and cls not in (
-                errors.TooLarge, errors.UnsupportedStoredFormat):
+                errors.TooLarge, errors.UnsupportedStoredFormat, errors.UnsupportedMediaType,
+                errors.LengthRequired):
             assert status == 400, cls
         if issubclass(cls, NotFound):
             assert status == 404, cls
@@ -59,6 +60,9 @@ def test_statuses_of_families() -> None:
     assert http_status("no_such_code") == 500
     assert issubclass(errors.UnsupportedStoredFormat, errors.UnsupportedFormat)
     assert http_status(errors.UnsupportedStoredFormat.code) == 500
+    # (a body of another media type than JSON: the caller's, of its own status)
+    assert http_status(errors.UnsupportedMediaType.code) == 415
+    assert http_status(errors.LengthRequired.code) == 411  # (an upload without a length)
 
 
 @pytest.mark.parametrize("code", sorted(HTTP_STATUS))

@@ -379,7 +379,7 @@ def test_manifest_header_rules() -> None:
         parse(manifest_doc(job=""))
     with pytest.raises(InvalidName):
         parse(manifest_doc(rank=2))  # world size 2
-    with pytest.raises(InvalidName):
+    with pytest.raises(InvalidDocument, match="world_size"):  # a field, not a name
         parse(manifest_doc(world_size=0))
     with pytest.raises(InvalidName):
         parse(manifest_doc(step=-1))

@@ -309,7 +309,7 @@ async def test_commit_record_names_every_manifest_by_its_hash(repo: Repository, 
         assert ref.size == len(raw)
         assert await repo.read_manifest(JOB, 5, m.rank) == m
     assert record.report.tensors == 2 and record.report.local_entries == 4
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ManifestNotFound, match="world size 4"):  # no such manifest: 404
         await repo.read_manifest(JOB, 5, 4)
 
 

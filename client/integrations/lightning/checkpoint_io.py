@@ -19,7 +19,7 @@ import torch
 from ckptd.errors import CheckpointNotFound, CkptdError, Conflict, InvalidRequest
 from ckptd.format import check_job
 from ckptd.hashing import document_hash
-from ckptd.lifecycle.tags import TAG_RE
+from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_RE
 
 from ...checkpointer import Checkpointer
 from ...endpoint import endpoint
@@ -43,16 +43,27 @@ _POINTER_MAX = 64 * 1024  # a pointer is a few hundred bytes; a real .ckpt is la
 LATEST = "latest"
 
 
-def tag_for_path(path: str | os.PathLike[str]) -> str:
-    """The ckptd tag a Lightning checkpoint path maps to: its file name without
-    ``.ckpt``, with what a tag may not hold made ``_`` (``epoch=0-step=10`` becomes
-    ``epoch_0-step_10``), cut to a tag's length with a hash of the whole name."""
+def _name(path: str | os.PathLike[str]) -> str:
+    """A checkpoint path's file name without ``.ckpt``."""
     name = Path(os.fspath(path)).name
-    if name.endswith(".ckpt"):
-        name = name[: -len(".ckpt")]
-    tag = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-") or "checkpoint"
+    return name[: -len(".ckpt")] if name.endswith(".ckpt") else name
+
+
+def _stem(path: str | os.PathLike[str]) -> str:
+    """``_name`` with what a tag may not hold made ``_`` (``epoch=0-step=10`` becomes
+    ``epoch_0-step_10``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", _name(path)).lstrip("._-") or "checkpoint"
+
+
+def tag_for_path(path: str | os.PathLike[str]) -> str:
+    """The ckptd tag a Lightning checkpoint path maps to: its ``_stem``, cut to a tag's
+    length with a hash of the whole name; a stem that is a ref's name (``latest.ckpt``:
+    no tag may be named ``latest``) keeps its ``.ckpt``."""
+    tag = _stem(path)
+    if tag in RESERVED_TAGS:
+        tag = f"{tag}.ckpt"
     if len(tag) > 128:
-        tag = f"{tag[:100]}-{document_hash(name.encode())[:16]}"
+        tag = f"{tag[:100]}-{document_hash(_name(path).encode())[:16]}"
     assert TAG_RE.fullmatch(tag)
     return tag
 
@@ -345,13 +356,13 @@ class CkptdCheckpointIO(CheckpointIO):
         step = self._job_tags().get(tag)
         if step is not None:
             return step
-        if tag == LATEST:
+        if _stem(path) == LATEST:
             latest = self._job_tags().latest()
             if latest is not None:
                 return latest
         raise CheckpointNotFound(
             f"{path}: no such file, and job {self.job} has no tag {tag!r}"
-            + (" and no committed step" if tag == LATEST else
+            + (" and no committed step" if _stem(path) == LATEST else
                " (pass ckpt_path='latest' for its newest step)"), job=self.job, path=path)
 
     def _saves_here(self) -> bool:
