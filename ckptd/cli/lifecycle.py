@@ -62,9 +62,17 @@ def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
             with _server(url, token) as server:
                 answer = remote(server)
                 return answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
-        return _direct(url, direct)
+        return _direct(_existing(url), direct)
     except CkptdError as exc:
         _fail(exc)
+
+
+def _existing(url: str) -> str:
+    """``url`` when it is a server's or names a store that exists: these commands
+    act on a store, and never create one at a mistyped path."""
+    from ckptd.cli.mistakes import existing_store
+
+    return url if _remote(url) else existing_store(url)
 
 
 @app.command()
@@ -147,6 +155,10 @@ def gc(
     # sweeps. Through a server it runs in the background and this follows it, so
     # no request lasts that long (a reverse proxy's read timeout would cut it).
     wait = "" if grace is None else f", after a {grace:g} s grace period"
+    try:
+        _existing(url)  # (before the grace period is announced)
+    except CkptdError as exc:
+        _fail(exc)
     if not dry_run and not _remote(url) and (grace is None or grace > 0):
         err_console.print(f"collecting garbage: waits out a {600.0 if grace is None else grace:g}"
                           " s grace period first (saves in flight finish meanwhile)",

@@ -178,7 +178,7 @@ def existing_store(url: str) -> str:
         if not path.is_dir():
             raise NotFound(
                 f"no store at {path} ({'a file' if path.exists() else 'no such directory'}); "
-                "check --url (reading commands never create a store)"
+                "check --url (this command never creates a store)"
             )
         if not any((path / name).exists() for name in STORE_MARKS) and any(path.iterdir()):
             raise NotFound(f"{path} is no ckptd store (it holds files, but no jobs/ or "

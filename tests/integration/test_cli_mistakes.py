@@ -146,6 +146,18 @@ def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Pat
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.parametrize("command", [["gc"], ["gc", "--dry-run"], ["scrub"], ["space"],
+                                     ["forget", "job", "--keep-last", "1"],
+                                     ["tag", "job", "1", "best"], ["untag", "job", "best"]])
+def test_store_commands_never_create_a_store(command: list[str], tmp_path: Path) -> None:
+    """A mistyped store path is refused at once (``gc`` created it and sat out its
+    600 s grace period; the others created it and said the job was not there)."""
+    where = tmp_path / "no" / "store"
+    done = ckptd(*command, "--url", f"file://{where}")
+    assert_short_usage_error(done, str(where), "never creates a store")
+    assert not (tmp_path / "no").exists()
+
+
 def _save_one(url: str, job: str, shm: Path) -> None:
     code = (
         "import sys, torch\n"
