@@ -203,6 +203,17 @@ def test_cli_export_through_a_server_with_only_and_strip(tmp_path: Path, shm: Pa
     assert sorted(load_file(tmp_path / "o" / "model.safetensors")) == ["model.f8", "optim.step"]
 
 
+def test_a_string_only_is_one_prefix(tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe.) ``only="model."`` was iterated per character, as the
+    prefixes m, o, d, e, l and ".": the export silently held ``optim.*`` too."""
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    result = export_safetensors(url, JOB, tmp_path / "out", only="model.", strip="model.")
+    want = sorted(k.removeprefix("model.") for k in full if k.startswith("model."))
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == want
+    assert result.tensors == len(want)
+
+
 def test_import_of_an_export_round_trips_bitwise(tmp_path: Path, shm: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     full = save_two_ranks(url, shm)

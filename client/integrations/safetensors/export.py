@@ -60,6 +60,7 @@ from .layout import (
     index_bytes,
     parse_size,
     plan_files,
+    prefixes,
     run_start,
 )
 
@@ -100,7 +101,7 @@ def export_safetensors(
     *,
     token: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    only: Sequence[str] = (),
+    only: str | Sequence[str] = (),
     strip: str = "",
     on_bytes: Progress | None = None,
     transport: Transport | None = None,
@@ -110,10 +111,12 @@ def export_safetensors(
     empty) as safetensors files of at most ``max_shard_size`` bytes each (a tensor
     larger than that alone in its file), with ``model.safetensors.index.json``.
 
-    ``only``: the tensors whose names start with one of these prefixes
-    (``["model."]``); ``strip``: a prefix removed from the names in the files.
+    ``only``: the tensors whose names start with this prefix, or one of these
+    (``"model."``, ``["model.", "lm_head."]``); ``strip``: a prefix removed from the
+    names in the files.
     ``on_bytes(done, total)`` follows the bytes written."""
     limit = parse_size(max_shard_size)
+    wanted = prefixes(only)
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InvalidRequest(f"{target} exists and is not an empty directory; "
@@ -124,7 +127,7 @@ def export_safetensors(
         own = transport is None
         t = open_transport(url, token, job=job) if transport is None else transport
         try:
-            return await _export(t, job, step, target, limit, tuple(only), strip, on_bytes,
+            return await _export(t, job, step, target, limit, wanted, strip, on_bytes,
                                  window)
         finally:
             if own:

@@ -138,13 +138,25 @@ class Selection:
     skipped_other: list[str]  # tensors that --only left out
 
 
+def prefixes(only: str | Sequence[str]) -> tuple[str, ...]:
+    """``only`` as a tuple of name prefixes: one string is one prefix (not its
+    characters, each a prefix)."""
+    if isinstance(only, str):
+        return (only,)
+    out = tuple(only)
+    if not all(isinstance(p, str) for p in out):
+        raise InvalidRequest(f"only takes name prefixes (strings), not {out!r:.80}")
+    return out
+
+
 def global_tensors(
-    manifests: Sequence[RankManifest], only: Sequence[str] = (), strip: str = ""
+    manifests: Sequence[RankManifest], only: str | Sequence[str] = (), strip: str = ""
 ) -> Selection:
     """The step's global tensors in state-dict order (first rank first), each with
     its distinct non-empty boxes; opaque blobs (``bytes`` nodes) are not tensors.
-    ``only``: keep names starting with one of these prefixes; ``strip``: remove this
-    prefix from the names that have it."""
+    ``only``: keep names starting with this prefix, or one of these; ``strip``:
+    remove this prefix from the names that have it."""
+    only = prefixes(only)
     blobs: set[str] = set()
     for m in manifests:
         _blobs(m.tree, blobs)
@@ -157,7 +169,7 @@ def global_tensors(
         for e in m.entries:
             if e.name in blobs:
                 continue
-            if only and not e.name.startswith(tuple(only)):
+            if only and not e.name.startswith(only):
                 if e.name not in skipped_other:
                     skipped_other.append(e.name)
                 continue
