@@ -25,6 +25,18 @@ from ckptd.cli import (
 from ckptd.errors import CkptdError, InvalidRequest
 
 
+def _existing(url: str) -> str:
+    """``url``, unless it is a ``file://`` path that holds no store: then the two
+    lines ``ckptd ls`` says, exit 2 (reading never creates a store)."""
+    from ckptd.cli.mistakes import existing_store
+
+    try:
+        return existing_store(url)
+    except CkptdError as exc:
+        _fail(exc)
+        raise  # (_fail exits)
+
+
 def _zarr_missing() -> None:
     _fail(InvalidRequest("this needs zarr: pip install 'ckptd[zarr]'"))
 
@@ -61,6 +73,7 @@ def export(
     Hugging Face safetensors files with their index (--safetensors)."""
     if zarr_dir and safetensors_dir:
         _fail(InvalidRequest("export to one place at a time: --zarr DIR or --safetensors DIR"))
+    url = _existing(url)
     if safetensors_dir:
         if codec is not None:
             _fail(InvalidRequest("--codec is for --zarr; safetensors files are not compressed"))
@@ -177,6 +190,7 @@ def diff(
     except ImportError:
         _zarr_missing()
         return
+    url = _existing(url)
     try:
         diffs = diff_steps(url, job, step_a, step_b, token=token, values=values)
     except CkptdError as exc:

@@ -173,7 +173,8 @@ class Reader(StorageReader):
         self.metadata_error = None
         try:
             _require_where(self.url, self.job, "Reader")
-            index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
+            index = _run(self.url, self.token, self._read_index, self.timeout, self.job,
+                         create=False)
         except CkptdError as exc:
             self.metadata_error = exc
             raise
@@ -280,7 +281,8 @@ class Reader(StorageReader):
             async def work(transport: Transport) -> dict[str, int]:
                 return await self._load(transport, index, reads, blobs, planner)
 
-            self._count(_run(self.url, self.token, work, self.timeout, self.job))
+            self._count(_run(self.url, self.token, work, self.timeout, self.job,
+                             create=False))
         future: Future[None] = Future()
         future.set_result(None)
         return future

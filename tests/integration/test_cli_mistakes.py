@@ -138,12 +138,53 @@ def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"],
-                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"]])
+                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"],
+                                     # (found by a probe: these created it, then said the
+                                     # job had no committed checkpoint)
+                                     ["export", "j", "--safetensors", "{tmp}/out"],
+                                     ["export", "j", "--zarr", "{tmp}/out"],
+                                     ["diff", "j", "1", "2"]])
 def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Path) -> None:
     where = tmp_path / "no" / "store"
-    done = ckptd(*command, "--url", f"file://{where}")
+    done = ckptd(*[a.format(tmp=tmp_path) for a in command], "--url", f"file://{where}")
     assert_short_usage_error(done, str(where))
-    assert not (tmp_path / "no").exists()
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
+
+
+def _read_with_the_api(what: str, url: str, tmp_path: Path) -> object:
+    from zarr.core.sync import sync
+
+    from ckptd.client.dcp import Reader
+    from ckptd.client.integrations.safetensors import export_safetensors
+    from ckptd.client.restore import restore_command
+    from ckptd.client.step_diff import diff_steps
+    from ckptd.client.zarr_export import export_step
+    from ckptd.zarr import CheckpointStore
+
+    if what == "safetensors":
+        return export_safetensors(url, "j", tmp_path / "out")
+    if what == "zarr":
+        return export_step(url, "j", tmp_path / "out")
+    if what == "diff":
+        return diff_steps(url, "j", 1, 2)
+    if what == "view":
+        return sync(CheckpointStore(url, "j").hierarchy())
+    if what == "restore":
+        return restore_command(url, "j", 0, tmp_path / "out", progress=False)
+    return Reader(url, "j", 1).read_metadata()
+
+
+@pytest.mark.parametrize("what", ["safetensors", "zarr", "diff", "view", "restore", "dcp"])
+def test_reading_through_the_api_never_creates_a_store(what: str, tmp_path: Path) -> None:
+    """(Found by a probe.) A mistyped file:// path is the typed NotFound naming it;
+    the store was created and the answer was 'no committed checkpoint'."""
+    from ckptd.errors import NotFound
+
+    where = tmp_path / "no" / "store"
+    with pytest.raises(NotFound) as info:
+        _read_with_the_api(what, f"file://{where}", tmp_path)
+    assert f"no store at {where}" in str(info.value), info.value
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", [["gc"], ["gc", "--dry-run"], ["scrub"], ["space"],

@@ -125,7 +125,8 @@ def export_safetensors(
 
     async def body() -> SafetensorsExport:
         own = transport is None
-        t = open_transport(url, token, job=job) if transport is None else transport
+        t = (open_transport(url, token, job=job, create=False) if transport is None
+             else transport)
         try:
             return await _export(t, job, step, target, limit, wanted, strip, on_bytes,
                                  window)
