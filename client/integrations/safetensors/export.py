@@ -100,7 +100,7 @@ def export_safetensors(
     step: int | None = None,
     *,
     token: str | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     only: str | Sequence[str] = (),
     strip: str = "",
     on_bytes: Progress | None = None,

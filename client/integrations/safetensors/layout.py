@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ckptd.dtypes import itemsize
 from ckptd.errors import InvalidRequest, UnsupportedValue
@@ -59,20 +61,28 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int | float) -> int:
     """``5GB`` (Hugging Face's decimal units: 5 x 10^9), ``500MB``, ``2GiB`` (binary),
-    or a number of bytes."""
-    if isinstance(text, int):
-        size = text
-    else:
+    or a number of bytes (``1.5e9`` too): a whole number of them, more than 0."""
+    said = f"--max-shard-size {text!r}"
+    if isinstance(text, str):
         m = _SIZE.fullmatch(text)
         if m is None:
-            raise InvalidRequest(f"--max-shard-size {text!r} is not a size: write it like "
-                                 "5GB, 500MB, 2GiB or a number of bytes")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if size <= 0:
+            raise InvalidRequest(f"{said} is not a size: write it like 5GB, 500MB, 2GiB or "
+                                 "a number of bytes")
+        exact = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
+    elif isinstance(text, numbers.Real) and not isinstance(text, bool) and \
+            math.isfinite(text):
+        exact = Fraction(text)
+    else:
+        raise InvalidRequest(f"{said} is not a size: give a number of bytes or a string "
+                             "like 5GB, 500MB, 2GiB")
+    if exact.denominator != 1:
+        raise InvalidRequest(f"{said} is not a whole number of bytes ({float(exact)}); "
+                             "round it")
+    if exact <= 0:
         raise InvalidRequest(f"--max-shard-size must be more than 0 bytes, not {text!r}")
-    return size
+    return int(exact)
 
 
 @dataclass(frozen=True, slots=True)
