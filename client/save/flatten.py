@@ -202,6 +202,20 @@ def _bytes_node(
     return {"bytes": _add_tensor(blob, path, tensors, where)}
 
 
+def not_storable(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s bytes cannot be stored as they are, and what to do (the
+    end of a sentence that names it); None for a dense tensor with data."""
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        kind = ("is quantized" if tensor.is_quantized else "is nested" if tensor.is_nested
+                else f"has layout {tensor.layout}")
+        return (f"{kind}; only dense tensors can be checkpointed "
+                "(dequantize it, or save its parts)")
+    if tensor.device.type == "meta":
+        return ("is on the meta device (no data): materialize it first, e.g. "
+                "model.to_empty(device=...), then load or initialize its weights")
+    return None
+
+
 def _add_tensor(
     tensor: torch.Tensor,
     path: tuple[str | int, ...],
@@ -222,16 +236,9 @@ def _add_tensor(
             name=name,
             paths=[path_str(where[name]), path_str(path)],
         )
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        kind = ("is quantized" if tensor.is_quantized else "is nested" if tensor.is_nested
-                else f"has layout {tensor.layout}")
-        raise UnsupportedValue(
-            f"tensor at {path_str(path)} {kind}; only dense tensors can be checkpointed "
-            "(dequantize it, or save its parts)",
-            path=path_str(path),
-        )
-    if tensor.device.type == "meta":
-        raise UnsupportedValue(f"tensor at {path_str(path)} is on the meta device (no data)")
+    refusal = not_storable(tensor)
+    if refusal is not None:
+        raise UnsupportedValue(f"tensor at {path_str(path)} {refusal}", path=path_str(path))
     try:
         dtype_name(tensor.dtype)
     except UnsupportedValue:
