@@ -63,6 +63,10 @@ def export(
         list[str] | None, typer.Option(
             "--only", help="Export only tensors whose names start with this (repeatable).")
     ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option(
+            "--exclude", help="Leave out tensors whose names start with this (repeatable).")
+    ] = None,
     strip: Annotated[
         str, typer.Option("--strip", help="Remove this prefix from the exported names.")
     ] = "",
@@ -77,11 +81,12 @@ def export(
     if safetensors_dir:
         if codec is not None:
             _fail(InvalidRequest("--codec is for --zarr; safetensors files are not compressed"))
-        _export_safetensors(job, step, safetensors_dir, max_shard_size, only or [], strip,
-                            url, token)
+        _export_safetensors(job, step, safetensors_dir, max_shard_size, only or [],
+                            exclude or [], strip, url, token)
         return
-    if only or strip or max_shard_size != "5GB":
-        _fail(InvalidRequest("--only, --strip and --max-shard-size are for --safetensors DIR"))
+    if only or exclude or strip or max_shard_size != "5GB":
+        _fail(InvalidRequest("--only, --exclude, --strip and --max-shard-size are for "
+                             "--safetensors DIR"))
     if not zarr_dir:
         _fail(InvalidRequest("say where to: ckptd export JOB [STEP] --zarr DIR "
                              "(or --safetensors DIR)"))
@@ -105,7 +110,8 @@ def export(
 
 
 def _export_safetensors(job: str, step: int | None, directory: str, max_shard_size: str,
-                        only: list[str], strip: str, url: str, token: str | None) -> None:
+                        only: list[str], exclude: list[str], strip: str, url: str,
+                        token: str | None) -> None:
     from ckptd.client.integrations.safetensors import export_safetensors, parse_size
 
     try:
@@ -122,8 +128,8 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     try:
         with bar:
             result = export_safetensors(url, job, directory, step, token=token,
-                                        max_shard_size=limit, only=only, strip=strip,
-                                        on_bytes=on_bytes)
+                                        max_shard_size=limit, only=only,
+                                        exclude=exclude, strip=strip, on_bytes=on_bytes)
     except CkptdError as exc:
         _fail(exc)
         return

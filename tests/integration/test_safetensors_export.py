@@ -333,6 +333,11 @@ def test_an_export_whose_renames_fail_midway_leaves_no_file(tmp_path: Path, shm:
     (["--safetensors", "{tmp}/x", "--strip", "model.", "--only", "model.f8",
       "--only", "f8"], "the same name"),
     (["--safetensors", "{tmp}/full"], "not an empty directory"),
+    # (found by a probe: the names were exported unchanged, with no word)
+    (["--safetensors", "{tmp}/x", "--strip", "modle."], "--strip 'modle.' matches no"),
+    (["--safetensors", "{tmp}/x", "--only", "optim.", "--exclude", "optim."],
+     "holds no tensor starting with 'optim.' and not with 'optim.'"),
+    (["--zarr", "{tmp}/x", "--exclude", "model."], "are for --safetensors"),
 ])
 def test_mistakes_get_one_line(tmp_path: Path, shm: Path, args: list[str], said: str) -> None:
     url = f"file://{tmp_path / 'store'}"
@@ -358,9 +363,14 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_by_name(tmp_path: Path, shm:
         c.save(1, {"w": torch.ones(3), "z": torch.ones(2, dtype=torch.complex128)}).wait(60)
     with pytest.raises(UnsupportedValue) as info:
         export_safetensors(url, "cx", tmp_path / "out")
-    assert "'z'" in str(info.value) and "--only" in str(info.value)
-    export_safetensors(url, "cx", tmp_path / "out", only=["w"])  # left out, it exports
+    # (Found by a probe: it said "leave it out with --only", which only includes.)
+    assert "'z'" in str(info.value) and "--exclude z" in str(info.value)
+    export_safetensors(url, "cx", tmp_path / "out", exclude="z")  # left out, it exports
     assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == ["w"]
+    done = runner.invoke(app, ["export", "cx", "--safetensors", str(tmp_path / "cli"),
+                               "--exclude", "z", "--url", url])
+    assert done.exit_code == 0, done.output
+    assert sorted(load_file(tmp_path / "cli" / "model.safetensors")) == ["w"]
 
 
 def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Path) -> None:

@@ -103,6 +103,7 @@ def export_safetensors(
     max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     only: str | Sequence[str] = (),
     strip: str = "",
+    exclude: str | Sequence[str] = (),
     on_bytes: Progress | None = None,
     transport: Transport | None = None,
     window: int | None = None,
@@ -112,11 +113,12 @@ def export_safetensors(
     larger than that alone in its file), with ``model.safetensors.index.json``.
 
     ``only``: the tensors whose names start with this prefix, or one of these
-    (``"model."``, ``["model.", "lm_head."]``); ``strip``: a prefix removed from the
-    names in the files.
+    (``"model."``, ``["model.", "lm_head."]``); ``exclude``: then not those whose names
+    start with this prefix, or one of these; ``strip``: a prefix removed from the
+    names in the files (refused when no exported name has it).
     ``on_bytes(done, total)`` follows the bytes written."""
     limit = parse_size(max_shard_size)
-    wanted = prefixes(only)
+    wanted, unwanted = prefixes(only), prefixes(exclude, "exclude")
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InvalidRequest(f"{target} exists and is not an empty directory; "
@@ -128,8 +130,8 @@ def export_safetensors(
         t = (open_transport(url, token, job=job, create=False) if transport is None
              else transport)
         try:
-            return await _export(t, job, step, target, limit, wanted, strip, on_bytes,
-                                 window)
+            return await _export(t, job, step, target, limit, (wanted, unwanted), strip,
+                                 on_bytes, window)
         finally:
             if own:
                 await t.close()
@@ -138,13 +140,16 @@ def export_safetensors(
 
 
 async def _export(transport: Transport, job: str, step: int | None, target: Path,
-                  limit: int, only: tuple[str, ...], strip: str,
+                  limit: int, which: tuple[tuple[str, ...], tuple[str, ...]], strip: str,
                   on_bytes: Progress | None, window: int | None) -> SafetensorsExport:
     t0 = time.perf_counter()
     step, manifests = await read_step(transport, job, step)
-    selection = global_tensors(manifests, only, strip)
+    only, exclude = which
+    selection = global_tensors(manifests, only, strip, exclude)
     if not selection.tensors:
-        said = f" starting with {', '.join(map(repr, only))}" if only else ""
+        said = (f" starting with {', '.join(map(repr, only))}" if only else "") + (
+            f"{' and' if only else ''} not with {', '.join(map(repr, exclude))}"
+            if exclude else "")
         raise InvalidRequest(f"step {step} of {job} holds no tensor{said} to export"
                              + (f" (it holds {', '.join(selection.skipped_other[:5])} ...)"
                                 if selection.skipped_other else ""))

@@ -148,25 +148,29 @@ class Selection:
     skipped_other: list[str]  # tensors that --only left out
 
 
-def prefixes(only: str | Sequence[str]) -> tuple[str, ...]:
-    """``only`` as a tuple of name prefixes: one string is one prefix (not its
-    characters, each a prefix)."""
-    if isinstance(only, str):
-        return (only,)
-    out = tuple(only)
+def prefixes(given: str | Sequence[str], what: str = "only") -> tuple[str, ...]:
+    """``only`` or ``exclude`` as a tuple of name prefixes: one string is one prefix
+    (not its characters, each a prefix)."""
+    if isinstance(given, str):
+        return (given,)
+    out = tuple(given)
     if not all(isinstance(p, str) for p in out):
-        raise InvalidRequest(f"only takes name prefixes (strings), not {out!r:.80}")
+        raise InvalidRequest(f"{what} takes name prefixes (strings), not {out!r:.80}")
     return out
 
 
 def global_tensors(
-    manifests: Sequence[RankManifest], only: str | Sequence[str] = (), strip: str = ""
+    manifests: Sequence[RankManifest], only: str | Sequence[str] = (), strip: str = "",
+    exclude: str | Sequence[str] = (),
 ) -> Selection:
     """The step's global tensors in state-dict order (first rank first), each with
     its distinct non-empty boxes; opaque blobs (``bytes`` nodes) are not tensors.
-    ``only``: keep names starting with this prefix, or one of these; ``strip``:
-    remove this prefix from the names that have it."""
+    ``only``: keep names starting with this prefix, or one of these; ``exclude``:
+    then leave out those starting with this prefix, or one of these; ``strip``:
+    remove this prefix from the names that have it (``InvalidRequest`` when none
+    has it: a mistyped prefix)."""
     only = prefixes(only)
+    exclude = prefixes(exclude, "exclude")
     blobs: set[str] = set()
     for m in manifests:
         _blobs(m.tree, blobs)
@@ -179,7 +183,8 @@ def global_tensors(
         for e in m.entries:
             if e.name in blobs:
                 continue
-            if only and not e.name.startswith(only):
+            if (only and not e.name.startswith(only)) or (
+                    exclude and e.name.startswith(exclude)):
                 if e.name not in skipped_other:
                     skipped_other.append(e.name)
                 continue
@@ -208,7 +213,7 @@ def global_tensors(
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsupportedValue(
                 f"{t.source!r} is {t.dtype}, which safetensors cannot hold; leave it out "
-                "with --only", name=t.source)
+                f"with --exclude {t.source} (exclude=[{t.source!r}])", name=t.source)
         if not t.name:
             raise InvalidRequest(f"--strip {strip!r} leaves {t.source!r} with no name")
         if t.name in names:
@@ -216,6 +221,11 @@ def global_tensors(
                                  f"the same name {t.name!r}")
         names[t.name] = t.source
         t.boxes.sort(key=lambda b: run_start(b.entry.offsets, t.shape))
+    if strip and tensors and not any(t.source.startswith(strip) for t in tensors):
+        # (Names exported unchanged were not what the --strip asked for: a typo.)
+        some = ", ".join(repr(t.source) for t in tensors[:3])
+        raise InvalidRequest(f"--strip {strip!r} matches no exported name (they are {some}"
+                             f"{' ...' if len(tensors) > 3 else ''}); check it, or leave it out")
     return Selection(tensors, skipped_local, skipped_other)
 
 
