@@ -20,6 +20,8 @@ from ckptd.cli import (
     _human,
     app,
     console,
+    step_number,
+    step_or_latest,
     transfer_bar,
 )
 from ckptd.errors import CkptdError, InvalidRequest
@@ -44,16 +46,20 @@ def _zarr_missing() -> None:
 @app.command("export")
 def export(
     job: Annotated[str, typer.Argument(help="Job to export.")],
-    step: Annotated[int | None, typer.Argument(help="Committed step (default: latest).")] = None,
+    step: Annotated[int | None, typer.Argument(
+        parser=step_or_latest, metavar="STEP",
+        help="Committed step, or latest (default: latest).")] = None,
     zarr_dir: Annotated[
-        str, typer.Option("--zarr", help="New directory to write a zarr v3 hierarchy to.")
+        str, typer.Option("--zarr",
+                          help="A new or empty directory to write a zarr v3 hierarchy to.")
     ] = "",
     codec: Annotated[
         str | None, typer.Option(help="Compress chunks: zstd, gzip or blosc (default: none).")
     ] = None,
     safetensors_dir: Annotated[
         str, typer.Option("--safetensors",
-                          help="New directory to write Hugging Face safetensors files to.")
+                          help="A new or empty directory to write Hugging Face safetensors "
+                          "files to.")
     ] = "",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size",
@@ -151,7 +157,8 @@ def import_(
                             "file, or safetensors (a file, or a directory with its index).")
     ],
     job: Annotated[str, typer.Option("--job", help="Job to import into.")],
-    step: Annotated[int, typer.Option("--step", help="Step number to commit it as.")],
+    step: Annotated[int, typer.Option("--step", parser=step_number, metavar="STEP",
+                                      help="Step number to commit it as.")],
     url: ServerOrFileUrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
@@ -181,8 +188,10 @@ def _number(x: float | None) -> str:
 @app.command("diff")
 def diff(
     job: Annotated[str, typer.Argument(help="Job.")],
-    step_a: Annotated[int, typer.Argument(help="The older step.")],
-    step_b: Annotated[int, typer.Argument(help="The newer step.")],
+    step_a: Annotated[int, typer.Argument(parser=step_number, metavar="STEP_A",
+                                          help="The older step.")],
+    step_b: Annotated[int, typer.Argument(parser=step_number, metavar="STEP_B",
+                                          help="The newer step.")],
     values: Annotated[
         bool, typer.Option("--values", help="Read changed chunks for max-abs/relative diffs.")
     ] = False,
