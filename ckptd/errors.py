@@ -68,6 +68,12 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
+class MethodNotAllowed(InvalidRequest):
+    """A method the route does not take (its ``Allow`` header says which do)."""
+
+    code = "method_not_allowed"
+
+
 class LengthRequired(InvalidRequest):
     """An upload with neither a Content-Length nor chunked transfer encoding: HTTP
     reads it as having no body, which is not what its sender meant."""
@@ -403,6 +409,7 @@ HTTP_STATUS: dict[str, int] = {
     "unsupported_stored_format": 500,
     "unsupported_media_type": 415,
     "length_required": 411,
+    "method_not_allowed": 405,
 }
 
 

@@ -88,7 +88,7 @@ def diff_steps(
     transport: Transport | None = None,
 ) -> list[TensorDiff]:
     """Every tensor of either step, with what changed from ``step_a`` to ``step_b``."""
-    shared_transport = transport or open_transport(url, token, job=job)
+    shared_transport = transport or open_transport(url, token, job=job, create=False)
     sa = CheckpointStore(url, job, step_a, token, transport=shared_transport)
     sb = CheckpointStore(url, job, step_b, token, transport=shared_transport)
     try:

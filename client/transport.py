@@ -166,8 +166,10 @@ class LocalTransport(Transport):
         self.repository = repository
 
     @classmethod
-    def open(cls, path: str) -> LocalTransport:
-        return cls(Repository(LocalStore(path)))
+    def open(cls, path: str, *, create: bool = True) -> LocalTransport:
+        """The store in directory ``path``; ``create=False``: ``NotFound`` when there
+        is none (a reader's mistyped path), rather than a new, empty one."""
+        return cls(Repository(LocalStore(path, create=create)))
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
         return await self.repository.missing_chunks(ids, claimer)
@@ -496,12 +498,15 @@ class _Pieces:
 
 
 def open_transport(
-    url: str, token: str | None = None, job: str | None = None, *, ca_bundle: str | None = None
+    url: str, token: str | None = None, job: str | None = None, *, ca_bundle: str | None = None,
+    create: bool = True,
 ) -> Transport:
     """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
     (a local directory store, used in process). ``job``: the job its chunk calls act
     for (a scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that
-    signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``)."""
+    signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``).
+    ``create=False`` (readers): a ``file://`` path with no store is ``NotFound``
+    naming it, not a new store; writers leave it True."""
     parsed = parse_url(url)
     if parsed.scheme in ("http", "https"):
         parse_urls(url)  # (several replicas: each checked)
@@ -511,7 +516,7 @@ def open_transport(
             raise InvalidRequest(f"file URL {url!r} must name a local path (file:///path)")
         if not parsed.path:
             raise InvalidRequest(f"file URL {url!r} names no path")
-        return LocalTransport.open(parsed.path)
+        return LocalTransport.open(parsed.path, create=create)
     raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port or file:///path")
 
 

@@ -140,7 +140,8 @@ class CheckpointStore(Store):
 
     def _open_transport(self) -> Transport:
         if self._transport is None:
-            self._transport = open_transport(self.url, self.token, job=self.job)
+            self._transport = open_transport(self.url, self.token, job=self.job,
+                                             create=False)
         return self._transport
 
     async def array_node(self, path: str) -> ArrayNode:

@@ -20,6 +20,7 @@ from ckptd.errors import (
     Forbidden,
     InvalidName,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     StoreError,
     TooLarge,
@@ -36,6 +37,7 @@ _STARLETTE_CODES: dict[int, type[CkptdError]] = {
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,
+    405: MethodNotAllowed,
     413: TooLarge,
 }
 

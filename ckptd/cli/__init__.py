@@ -19,6 +19,7 @@ import datetime as _dt
 import enum
 import logging
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -31,6 +32,7 @@ from ckptd import __version__
 from ckptd.cli.help import HelpGroup
 from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.format import check_job
+from ckptd.keys import STEP_PATTERN
 from ckptd.knobs import human_bytes
 
 if TYPE_CHECKING:
@@ -85,6 +87,26 @@ TokenOpt = Annotated[
     str | None, typer.Option("--token", envvar="CKPTD_TOKEN", help="Bearer token.")
 ]
 DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def step_number(text: str) -> int:
+    """A step as the CLI takes it: one spelling, as in the API's URLs (digits, no
+    sign, no leading zero): ``05`` is refused, not read as 5."""
+    if not re.fullmatch(STEP_PATTERN, text):
+        raise typer.BadParameter(f"{text!r} is not a step: write it in digits, with no "
+                                 "sign or leading zero (5, not 05)")
+    return int(text)
+
+
+def step_or_latest(text: str) -> int | None:
+    """A step, or ``latest`` (None: the command's default)."""
+    if text == "latest":
+        return None
+    try:
+        return step_number(text)
+    except typer.BadParameter:
+        raise typer.BadParameter(f"{text!r} is not a step: write it in digits, with no sign "
+                                 "or leading zero (5, not 05), or latest") from None
 
 
 def _human(n: int | None) -> str:
@@ -367,7 +389,8 @@ def ls(
 def verify(
     job: Annotated[str, typer.Argument(help="Job to verify.")],
     step: Annotated[
-        int | None, typer.Argument(help="Step (default: every committed step).")
+        int | None, typer.Argument(parser=step_number, metavar="STEP",
+                                   help="Step (default: every committed step).")
     ] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
@@ -452,7 +475,8 @@ def _server(url: str, token: str | None) -> SyncTransport:
 def rollback(
     job: Annotated[str, typer.Argument(help="The job.")],
     step: Annotated[
-        int | None, typer.Argument(help="A committed step the job must go back to.")
+        int | None, typer.Argument(parser=step_number, metavar="STEP",
+                                   help="A committed step the job must go back to.")
     ] = None,
     clear: Annotated[
         bool, typer.Option("--clear", help="Clear the job's rollback marker.")
@@ -490,7 +514,8 @@ def restore(
     rank: Annotated[int, typer.Option("--rank", min=0, help="Rank whose shard to fetch.")],
     to: Annotated[str, typer.Option("--to", help="Local directory store to fill.")],
     step: Annotated[
-        int | None, typer.Option("--step", help="Committed step (default: latest).")
+        int | None, typer.Option("--step", parser=step_or_latest, metavar="STEP",
+                                 help="Committed step, or latest (default: latest).")
     ] = None,
     peers: Annotated[bool, typer.Option(help="Fetch from live peers first.")] = True,
     url: ServerOrFileUrlOpt = DEFAULT_URL,

@@ -25,6 +25,7 @@ from ckptd.cli import (
     app,
     console,
     err_console,
+    step_number,
 )
 from ckptd.errors import CkptdError, InvalidRequest
 
@@ -83,8 +84,9 @@ def forget(
                                                   "tagged, latest and rollback ones).")] = None,
     retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
                          ] = None,
-    step: Annotated[int | None, typer.Option(min=0, help="Forget this damaged step only, "
-                                             "latest too (what ckptd gc names).")] = None,
+    step: Annotated[int | None, typer.Option(parser=step_number, metavar="STEP",
+                                             help="Forget this damaged step only, latest "
+                                             "too (what ckptd gc names).")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
@@ -286,7 +288,7 @@ def scrub(
 @app.command()
 def tag(
     job: Annotated[str, typer.Argument()],
-    step: Annotated[int, typer.Argument()],
+    step: Annotated[int, typer.Argument(parser=step_number, metavar="STEP")],
     name: Annotated[str, typer.Argument(help="Tag name; retention keeps tagged steps.")],
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,

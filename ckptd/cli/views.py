@@ -20,9 +20,23 @@ from ckptd.cli import (
     _human,
     app,
     console,
+    step_number,
+    step_or_latest,
     transfer_bar,
 )
 from ckptd.errors import CkptdError, InvalidRequest
+
+
+def _existing(url: str) -> str:
+    """``url``, unless it is a ``file://`` path that holds no store: then the two
+    lines ``ckptd ls`` says, exit 2 (reading never creates a store)."""
+    from ckptd.cli.mistakes import existing_store
+
+    try:
+        return existing_store(url)
+    except CkptdError as exc:
+        _fail(exc)
+        raise  # (_fail exits)
 
 
 def _zarr_missing() -> None:
@@ -32,16 +46,20 @@ def _zarr_missing() -> None:
 @app.command("export")
 def export(
     job: Annotated[str, typer.Argument(help="Job to export.")],
-    step: Annotated[int | None, typer.Argument(help="Committed step (default: latest).")] = None,
+    step: Annotated[int | None, typer.Argument(
+        parser=step_or_latest, metavar="STEP",
+        help="Committed step, or latest (default: latest).")] = None,
     zarr_dir: Annotated[
-        str, typer.Option("--zarr", help="New directory to write a zarr v3 hierarchy to.")
+        str, typer.Option("--zarr",
+                          help="A new or empty directory to write a zarr v3 hierarchy to.")
     ] = "",
     codec: Annotated[
         str | None, typer.Option(help="Compress chunks: zstd, gzip or blosc (default: none).")
     ] = None,
     safetensors_dir: Annotated[
         str, typer.Option("--safetensors",
-                          help="New directory to write Hugging Face safetensors files to.")
+                          help="A new or empty directory to write Hugging Face safetensors "
+                          "files to.")
     ] = "",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size",
@@ -50,6 +68,10 @@ def export(
     only: Annotated[
         list[str] | None, typer.Option(
             "--only", help="Export only tensors whose names start with this (repeatable).")
+    ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option(
+            "--exclude", help="Leave out tensors whose names start with this (repeatable).")
     ] = None,
     strip: Annotated[
         str, typer.Option("--strip", help="Remove this prefix from the exported names.")
@@ -61,14 +83,16 @@ def export(
     Hugging Face safetensors files with their index (--safetensors)."""
     if zarr_dir and safetensors_dir:
         _fail(InvalidRequest("export to one place at a time: --zarr DIR or --safetensors DIR"))
+    url = _existing(url)
     if safetensors_dir:
         if codec is not None:
             _fail(InvalidRequest("--codec is for --zarr; safetensors files are not compressed"))
-        _export_safetensors(job, step, safetensors_dir, max_shard_size, only or [], strip,
-                            url, token)
+        _export_safetensors(job, step, safetensors_dir, max_shard_size, only or [],
+                            exclude or [], strip, url, token)
         return
-    if only or strip or max_shard_size != "5GB":
-        _fail(InvalidRequest("--only, --strip and --max-shard-size are for --safetensors DIR"))
+    if only or exclude or strip or max_shard_size != "5GB":
+        _fail(InvalidRequest("--only, --exclude, --strip and --max-shard-size are for "
+                             "--safetensors DIR"))
     if not zarr_dir:
         _fail(InvalidRequest("say where to: ckptd export JOB [STEP] --zarr DIR "
                              "(or --safetensors DIR)"))
@@ -92,7 +116,8 @@ def export(
 
 
 def _export_safetensors(job: str, step: int | None, directory: str, max_shard_size: str,
-                        only: list[str], strip: str, url: str, token: str | None) -> None:
+                        only: list[str], exclude: list[str], strip: str, url: str,
+                        token: str | None) -> None:
     from ckptd.client.integrations.safetensors import export_safetensors, parse_size
 
     try:
@@ -109,8 +134,8 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     try:
         with bar:
             result = export_safetensors(url, job, directory, step, token=token,
-                                        max_shard_size=limit, only=only, strip=strip,
-                                        on_bytes=on_bytes)
+                                        max_shard_size=limit, only=only,
+                                        exclude=exclude, strip=strip, on_bytes=on_bytes)
     except CkptdError as exc:
         _fail(exc)
         return
@@ -132,7 +157,8 @@ def import_(
                             "file, or safetensors (a file, or a directory with its index).")
     ],
     job: Annotated[str, typer.Option("--job", help="Job to import into.")],
-    step: Annotated[int, typer.Option("--step", help="Step number to commit it as.")],
+    step: Annotated[int, typer.Option("--step", parser=step_number, metavar="STEP",
+                                      help="Step number to commit it as.")],
     url: ServerOrFileUrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
@@ -162,8 +188,10 @@ def _number(x: float | None) -> str:
 @app.command("diff")
 def diff(
     job: Annotated[str, typer.Argument(help="Job.")],
-    step_a: Annotated[int, typer.Argument(help="The older step.")],
-    step_b: Annotated[int, typer.Argument(help="The newer step.")],
+    step_a: Annotated[int, typer.Argument(parser=step_number, metavar="STEP_A",
+                                          help="The older step.")],
+    step_b: Annotated[int, typer.Argument(parser=step_number, metavar="STEP_B",
+                                          help="The newer step.")],
     values: Annotated[
         bool, typer.Option("--values", help="Read changed chunks for max-abs/relative diffs.")
     ] = False,
@@ -177,6 +205,7 @@ def diff(
     except ImportError:
         _zarr_missing()
         return
+    url = _existing(url)
     try:
         diffs = diff_steps(url, job, step_a, step_b, token=token, values=values)
     except CkptdError as exc:

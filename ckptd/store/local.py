@@ -74,9 +74,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalStore(Store):
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True,
+                 create: bool = True) -> None:
+        """A store in ``root``, created when it is not there; ``create=False`` (who
+        only reads: an export, a diff, a load) raises ``NotFound`` naming ``root``
+        instead: a mistyped path is not a new, empty store."""
         self.root = Path(root).resolve()
         self.fsync = fsync
+        if not create and not self.root.is_dir():
+            what = "a file" if self.root.exists() else "no such directory"
+            raise NotFound(f"no store at {self.root} ({what}); check the URL (reading "
+                           "never creates a store)", path=str(self.root))
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -110,7 +110,8 @@ class Reader(StorageReader):
 
     ``timeout`` bounds each storage call; ``read_budget`` bounds the fresh memory
     one batch of ``read_data`` holds (chunks that are not landed straight in their
-    target tensors)."""
+    target tensors). A step named (here or by ``reset``) that is not committed is
+    ``CheckpointNotFound`` at once; a ``file://`` path with no store, ``NotFound``."""
 
     def __init__(
         self,
@@ -138,6 +139,23 @@ class Reader(StorageReader):
         # Why the last read_metadata failed: DCP replaces that error with its own
         # AssertionError("metadata is None; ..."), and ckptd_error finds it here.
         self.metadata_error: CkptdError | None = None
+        self._check_step()
+
+    def _check_step(self) -> None:
+        """A step named (here, or by ``dcp.load(checkpoint_id=...)``'s ``reset``) must
+        be committed: ``CheckpointNotFound`` now, before ``dcp.load`` begins. From
+        ``read_metadata`` torch first logs it as a warning with its traceback ("Global
+        metadata is not found. Falling back to rank local metadata."), then raises
+        its own error. One small read (the commit record); the latest is resolved
+        when the load reads it."""
+        if self.step is None or not self.url or not self.job:
+            return
+        job, step = self.job, self.step
+
+        async def read(transport: Transport) -> None:
+            await transport.read_commit(job, step)
+
+        _run(self.url, self.token, read, self.timeout, self.job, create=False)
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
@@ -162,18 +180,23 @@ class Reader(StorageReader):
         if step is None:
             self.url, self.job, step = parse_checkpoint_id(checkpoint_id)
         self.step = step
+        self._check_step()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_checkpoint_id(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
         """DCP's metadata rebuilt from the step's committed manifests: per tensor its
         dtype, global size and every stored box; a bytes entry per plain value."""
+        # (Not named **kwargs: DCP asks a reader whose read_metadata takes "kwargs" a
+        # second time, for a rank's own metadata, when the first call failed; ckptd's
+        # is global, and that second read logged a second traceback.)
         self.metadata_error = None
         try:
             _require_where(self.url, self.job, "Reader")
-            index = _run(self.url, self.token, self._read_index, self.timeout, self.job)
+            index = _run(self.url, self.token, self._read_index, self.timeout, self.job,
+                         create=False)
         except CkptdError as exc:
             self.metadata_error = exc
             raise
@@ -280,7 +303,8 @@ class Reader(StorageReader):
             async def work(transport: Transport) -> dict[str, int]:
                 return await self._load(transport, index, reads, blobs, planner)
 
-            self._count(_run(self.url, self.token, work, self.timeout, self.job))
+            self._count(_run(self.url, self.token, work, self.timeout, self.job,
+                             create=False))
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -161,13 +161,16 @@ def _run(
     work: Callable[[Transport], Coroutine[Any, Any, T]],
     timeout: float | None,
     job: str | None = None,
+    *,
+    create: bool = True,
 ) -> T:
     """Runs ``work`` with a fresh transport on a private event loop
     (``loop.run_private``: from any thread, DCP's async_save calls from its own,
-    inside a running event loop or not). ``Timeout`` after ``timeout`` seconds."""
+    inside a running event loop or not). ``Timeout`` after ``timeout`` seconds.
+    ``create=False`` (the reader): a ``file://`` path with no store is ``NotFound``."""
 
     async def body() -> T:
-        transport = open_transport(url, token, job=job)
+        transport = open_transport(url, token, job=job, create=create)
         try:
             return await work(transport)
         finally:

@@ -50,7 +50,7 @@ from ..dtypes import byte_view, dtype_name
 from ..launch import launch_incarnation
 from ..loop import run_private
 from ..save.chunks import hash_views, upload_missing
-from ..save.flatten import value_tree
+from ..save.flatten import not_storable, value_tree
 from ..transport import Transport
 from .target import (
     META_KEY,
@@ -421,8 +421,9 @@ def _write_tensor(item: WriteItem, resolved: Any) -> torch.Tensor:
     if not isinstance(resolved, torch.Tensor) or item.tensor_data is None:
         raise InvalidRequest(f"{fqn!r}: the planner resolved a tensor item to {type(resolved)}")
     tensor = resolved.detach()
-    if tensor.layout != torch.strided:
-        raise UnsupportedValue(f"{fqn!r} has layout {tensor.layout}; only dense tensors")
+    refusal = not_storable(tensor)  # (as a Checkpointer says it; before any upload)
+    if refusal is not None:
+        raise UnsupportedValue(f"{fqn!r} {refusal}", name=fqn)
     tensor = tensor.to("cpu").contiguous()
     sizes = [int(d) for d in item.tensor_data.chunk.sizes]
     if list(tensor.shape) != sizes:

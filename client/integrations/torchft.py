@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -44,6 +45,7 @@ from ckptd.errors import (
     CkptdError,
     Conflict,
     InvalidRequest,
+    RestoreError,
     Timeout,
     UnsupportedValue,
 )
@@ -54,6 +56,7 @@ from ..dtypes import byte_view, dtype_name, torch_dtype
 from ..loop import run_private
 from ..peer import PeerClient, PeerIndex, PeerServer, peer_address
 from ..restore.fill import fill, plan_fill, tensor_specs, unflatten
+from ..restore.keys import check_keys
 from ..save.chunks import hash_views
 from ..save.flatten import flatten
 from ..staging.pool import StagingPool
@@ -102,7 +105,8 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
     """torchft's checkpoint transport, served from a ckptd staging pool and
     received verified chunk by chunk.
 
-    ``timeout`` bounds a receive (torchft passes its own per call too). The chunk
+    ``timeout`` bounds a receive (torchft passes its own per call too): a
+    ``timedelta``, as torchft's interface has it, or seconds. The chunk
     server binds ``host:port`` (default ``CKPTD_PEER_HOST``, else
     ``CKPTD_PEER_INTERFACE``'s address, else every interface, for replica groups on
     other hosts; and a port the OS picks) and is reached at ``advertise_host``
@@ -113,13 +117,15 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
     same one, else a random one per transport that travels in ``metadata()``.
     ``state_dict``: a callable returning a template (e.g. the Manager's state) that
     ``recv_checkpoint`` fills in place and returns (DTensor leaves need one: their
-    local shards are sent; without a template they arrive as plain tensors).
+    local shards are sent; without a template they arrive as plain tensors). As
+    ``Checkpointer.restore``, a receive refuses a template holding entries the
+    sender did not send, and adds those it sent beyond the template.
     ``shm_dir``: where the staging pool lives (default ``CKPTD_SHM_DIR`` or
     /dev/shm). ``concurrency``: chunks fetched at once."""
 
     def __init__(
         self,
-        timeout: timedelta = timedelta(seconds=60),
+        timeout: timedelta | float = timedelta(seconds=60),
         *,
         host: str | None = None,
         port: int | None = None,
@@ -130,7 +136,10 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         shm_dir: str | None = None,
         concurrency: int = 4,
     ) -> None:
-        self.timeout = timeout
+        self.timeout = timedelta(seconds=_seconds(timeout))
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 <= port <= 65535):
+            raise InvalidRequest(f"port must be a port from 0 (any) to 65535, not {port!r}")
         self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
         self.concurrency = max(1, int(concurrency))
         self.stats = HealStats()
@@ -166,12 +175,13 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         return json.dumps(doc, sort_keys=True)
 
     def send_checkpoint(
-        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | float
     ) -> None:
         """Stages ``state_dict`` into the pool, hashes it and serves it as ``step``
         until the next send (the pool holds a copy: the caller may change its state
         as soon as this returns)."""
         t0 = time.perf_counter()
+        limit = _seconds(timeout)
         if not isinstance(state_dict, Mapping):
             raise UnsupportedValue(f"torchft sent a {type(state_dict).__name__}, not a state dict")
         flat = flatten(state_dict)
@@ -186,7 +196,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             piece = self._pool.stage(plan, 0, step)
             piece.wait_copied()
             views = [span.data for span in piece.spans]
-            ids = run_private(hash_views(views, self.chunk_size), timeout.total_seconds(),
+            ids = run_private(hash_views(views, self.chunk_size), limit,
                               what="hashing the state to send")
             entries: list[TensorEntry] = []
             chunks: dict[str, memoryview] = {}
@@ -233,7 +243,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         until the next ``send_checkpoint`` restages the pool."""
 
     def recv_checkpoint(
-        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta | float
     ) -> T:
         """Fetches ``step`` from the transport ``metadata`` names, every chunk
         verified; the state (or the ``state_dict`` template, filled in place).
@@ -241,9 +251,11 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         Raises ``ChunkHashMismatch`` for a chunk (or the manifest) whose bytes do not
         hash to its id, ``Conflict`` when the sender serves another step (or restaged
         during the receive), ``Timeout`` past ``timeout``, ``Unavailable`` when the
-        sender cannot be reached; nothing is returned then."""
+        sender cannot be reached; ``RestoreError`` naming the entries the template
+        holds that the sender did not send (the template is left as it was); nothing
+        is returned then."""
         t0 = time.perf_counter()
-        seconds = min(timeout.total_seconds(), self.timeout.total_seconds())
+        seconds = min(_seconds(timeout), self.timeout.total_seconds())
         deadline = time.monotonic() + seconds
         url, token = _parse_metadata(metadata, self._token)
         client = PeerClient(token, timeout=max(0.1, deadline - time.monotonic()))
@@ -255,6 +267,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if manifest.step != step:
                 raise Conflict(f"torchft heal: {url} sent a manifest of step {manifest.step} "
                                f"for step {step}", peer=url, step=step)
+            target = self._target(manifest)  # refused before a chunk is fetched
             try:
                 tensors = self._fetch_tensors(client, url, manifest, deadline)
             except (ChunkNotFound, Conflict) as exc:
@@ -269,11 +282,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
                     "again", peer=url, step=step, served=served) from None
         finally:
             client.close()
-        if self._template is not None:
-            target = self._template()
-            if not isinstance(target, MutableMapping):
-                raise InvalidRequest("the state_dict template must return a mutable mapping")
-            plan_fill(target, manifest.tree, tensor_specs(manifest.entries))
+        if target is not None:
             fill(target, manifest.tree, tensors)
             state: Any = target
         else:
@@ -301,6 +310,28 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             self._pool.close()
 
     # -- receiving ----------------------------------------------------------------------
+
+    def _target(self, manifest: RankManifest) -> MutableMapping[Any, Any] | None:
+        """The template to fill, checked against the sender's manifest while it is
+        unchanged (None without one): strict as ``Checkpointer.restore`` is, since an
+        entry the sender lacks would keep this group's own value, a stale state."""
+        if self._template is None:
+            return None
+        target = self._template()
+        if not isinstance(target, MutableMapping):
+            raise InvalidRequest("the state_dict template must return a mutable mapping")
+        try:
+            check_keys(manifest.tree, target, {}, manifest.step)
+        except RestoreError as exc:  # said of the heal: restore's strict=False is not here
+            entries = exc.detail.get("entries", [])
+            shown = ", ".join(entries[:5]) + (" and more" if len(entries) > 5 else "")
+            raise RestoreError(
+                f"torchft heal of step {manifest.step}: the sender's state lacks entries "
+                f"the state_dict template holds: {shown}; nothing was loaded (every "
+                "replica group must hold the same state)",
+                entries=entries, step=manifest.step) from None
+        plan_fill(target, manifest.tree, tensor_specs(manifest.entries))
+        return target
 
     def _fetch_tensors(self, client: PeerClient, url: str, manifest: RankManifest,
                        deadline: float) -> dict[str, torch.Tensor]:
@@ -342,6 +373,15 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if first is not None:
                 raise first
         return tensors
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    """A timeout given as torchft's ``timedelta`` or as seconds, in seconds."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds) or seconds <= 0):
+        raise InvalidRequest(f"timeout must be a timedelta or seconds above 0, not {timeout!r}")
+    return float(seconds)
 
 
 def _parse_metadata(metadata: str, own_token: str) -> tuple[str, str]:

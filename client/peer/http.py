@@ -459,7 +459,7 @@ class BoundedHTTPServer:
             "transfer-encoding" in request.headers
         ):
             with contextlib.suppress(OSError):
-                request.json(405, {"code": "invalid_request",
+                request.json(405, {"code": "method_not_allowed",
                                    "message": "a peer answers GET without a body"},
                              {"Connection": "close", "Allow": "GET"})
             return None

@@ -106,7 +106,7 @@ async def _prefetch(
     from ckptd.store.local import LocalStore
 
     t0 = time.perf_counter()
-    transport = open_transport(url, token, job=job)
+    transport = open_transport(url, token, job=job, create=False)  # (reads it)
     # Only the repository writes a store (in the documented order); fsync off: a
     # prefetched cache is rebuilt, not recovered, after a crash.
     target = Repository(LocalStore(root, fsync=False))

@@ -156,8 +156,9 @@ def _flatten_node(
                 for i, c in enumerate(value)
             ]
         }
+    named = f"{type(value).__module__}.{type(value).__qualname__}"
     raise UnsupportedValue(
-        f"{path_str(path)} holds a {type(value).__module__}.{type(value).__qualname__}, "
+        f"{path_str(path)} holds {'an' if named[0].lower() in 'aeiou' else 'a'} {named}, "
         "which ckptd cannot store without pickling (supported: dict, list, tuple, tensor, "
         "bytes, None, bool, int, float, str, and objects with state_dict() and "
         "load_state_dict())",
@@ -202,6 +203,24 @@ def _bytes_node(
     return {"bytes": _add_tensor(blob, path, tensors, where)}
 
 
+def not_storable(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s bytes cannot be stored as they are, and what to do (the
+    end of a sentence that names it); None for a dense tensor with data."""
+    if tensor.is_quantized:
+        return ("is quantized; only dense tensors can be checkpointed (dequantize it, or "
+                "save its parts)")
+    if tensor.is_nested:
+        return ("is nested; only dense tensors can be checkpointed (.unbind() it into "
+                "its tensors, and save those)")
+    if tensor.layout != torch.strided:
+        return (f"has layout {tensor.layout}; only dense tensors can be checkpointed "
+                "(save .to_dense(), or its indices and values)")
+    if tensor.device.type == "meta":
+        return ("is on the meta device (no data): materialize it first, e.g. "
+                "model.to_empty(device=...), then load or initialize its weights")
+    return None
+
+
 def _add_tensor(
     tensor: torch.Tensor,
     path: tuple[str | int, ...],
@@ -212,7 +231,7 @@ def _add_tensor(
     if not name or len(name) > MAX_NAME_LEN:
         raise UnsupportedValue(
             f"tensor at {path_str(path)} has the name {name[:80]!r}, which is empty or longer "
-            f"than {MAX_NAME_LEN}",
+            f"than {MAX_NAME_LEN}; rename it (its key, or the keys that lead to it)",
             path=path_str(path),
         )
     if name in where:
@@ -222,16 +241,9 @@ def _add_tensor(
             name=name,
             paths=[path_str(where[name]), path_str(path)],
         )
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        kind = ("is quantized" if tensor.is_quantized else "is nested" if tensor.is_nested
-                else f"has layout {tensor.layout}")
-        raise UnsupportedValue(
-            f"tensor at {path_str(path)} {kind}; only dense tensors can be checkpointed "
-            "(dequantize it, or save its parts)",
-            path=path_str(path),
-        )
-    if tensor.device.type == "meta":
-        raise UnsupportedValue(f"tensor at {path_str(path)} is on the meta device (no data)")
+    refusal = not_storable(tensor)
+    if refusal is not None:
+        raise UnsupportedValue(f"tensor at {path_str(path)} {refusal}", path=path_str(path))
     try:
         dtype_name(tensor.dtype)
     except UnsupportedValue:

@@ -203,6 +203,7 @@ def test_a_writer_needs_a_step(tmp_path: Path) -> None:
 
 
 def test_reading_a_job_without_checkpoints_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()  # (a store: a path with none is NotFound, not created)
     reader = Reader(f"file://{tmp_path / 'store'}", "none")
     with pytest.raises(CheckpointNotFound):
         reader.read_metadata()
@@ -284,6 +285,21 @@ def test_an_object_that_weights_only_loading_refuses_is_refused_at_save(tmp_path
                  storage_writer=Writer(f"file://{tmp_path / 'store'}", "j", 1), no_dist=True)
     assert isinstance(failure(info), UnsupportedValue) and "'obj'" in str(failure(info))
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_meta_tensor_is_refused_before_any_upload_saying_what_to_do(tmp_path: Path) -> None:
+    """(Found by a probe: torch's NotImplementedError "Cannot copy out of meta
+    tensor", which ckptd_error did not find; a Checkpointer refuses it typed.)"""
+    from ckptd.client.dcp import ckptd_error
+
+    store = tmp_path / "store"
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2), "m": torch.empty(2, device="meta")},
+                 storage_writer=Writer(f"file://{store}", "j", 1), no_dist=True)
+    err = ckptd_error(info.value)
+    assert isinstance(err, UnsupportedValue) and "'m'" in str(err), info.value
+    assert "meta device" in str(err) and "to_empty(" in str(err)
+    assert not list(store.glob("chunks/*/*")) and not list(store.glob("jobs/*/steps/*/ranks/*"))
 
 
 def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(

@@ -635,7 +635,7 @@ def test_commit_body_is_optional_and_checked(client: httpx.Client) -> None:
 def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
     assert_error(client.get("/v1/nothing"), 404, "not_found")
     r = client.delete("/v1/jobs")
-    assert r.status_code == 405 and r.json()["code"] == "invalid_request"
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
 
 
 
@@ -662,7 +662,7 @@ def test_a_fixed_route_is_never_read_as_a_parameter(client: httpx.Client) -> Non
         assert r.status_code == 405, (method, path, r.text)
         assert r.headers["allow"] == allowed
         if method != "HEAD":
-            body = assert_error(r, 405, "invalid_request")
+            body = assert_error(r, 405, "method_not_allowed")
             assert allowed in body["message"] and "\n" not in body["message"], body
     assert_error(client.get("/v1/chunks/notahash"), 400, "invalid_name")  # still an id
     assert_error(client.get("/v1/chunks/" + "0" * 64), 404, "chunk_not_found")

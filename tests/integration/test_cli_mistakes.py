@@ -72,6 +72,17 @@ BAD = [
     (["policy", "check", "/does/not/exist.toml"], ["/does/not/exist.toml"]),
     (["demo", "--nproc", "0"], ["--nproc"]),
     (["nosuchcommand"], ["nosuchcommand"]),
+    # (found by a probe: 05 was step 5 here, and refused by the API: one spelling)
+    (["export", "j", "05", "--zarr", "/tmp/x"], ["'05'", "leading zero", "latest"]),
+    (["export", "j", "+5", "--zarr", "/tmp/x"], ["'+5'", "no sign"]),
+    (["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x", "--step", "05"], ["'05'"]),
+    (["diff", "j", "01", "2"], ["'01'", "leading zero"]),
+    (["verify", "j", "007"], ["'007'"]),
+    (["rollback", "j", "05"], ["'05'"]),
+    (["tag", "j", "05", "best"], ["'05'"]),
+    (["forget", "j", "--step", "05"], ["'05'"]),
+    (["import", "/tmp/x", "--job", "j", "--step", "05"], ["'05'"]),
+    (["import", "/tmp/x", "--job", "j", "--step", "latest"], ["'latest'"]),
 ]
 
 
@@ -138,12 +149,53 @@ def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"],
-                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"]])
+                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"],
+                                     # (found by a probe: these created it, then said the
+                                     # job had no committed checkpoint)
+                                     ["export", "j", "--safetensors", "{tmp}/out"],
+                                     ["export", "j", "--zarr", "{tmp}/out"],
+                                     ["diff", "j", "1", "2"]])
 def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Path) -> None:
     where = tmp_path / "no" / "store"
-    done = ckptd(*command, "--url", f"file://{where}")
+    done = ckptd(*[a.format(tmp=tmp_path) for a in command], "--url", f"file://{where}")
     assert_short_usage_error(done, str(where))
-    assert not (tmp_path / "no").exists()
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
+
+
+def _read_with_the_api(what: str, url: str, tmp_path: Path) -> object:
+    from zarr.core.sync import sync
+
+    from ckptd.client.dcp import Reader
+    from ckptd.client.integrations.safetensors import export_safetensors
+    from ckptd.client.restore import restore_command
+    from ckptd.client.step_diff import diff_steps
+    from ckptd.client.zarr_export import export_step
+    from ckptd.zarr import CheckpointStore
+
+    if what == "safetensors":
+        return export_safetensors(url, "j", tmp_path / "out")
+    if what == "zarr":
+        return export_step(url, "j", tmp_path / "out")
+    if what == "diff":
+        return diff_steps(url, "j", 1, 2)
+    if what == "view":
+        return sync(CheckpointStore(url, "j").hierarchy())
+    if what == "restore":
+        return restore_command(url, "j", 0, tmp_path / "out", progress=False)
+    return Reader(url, "j", 1).read_metadata()
+
+
+@pytest.mark.parametrize("what", ["safetensors", "zarr", "diff", "view", "restore", "dcp"])
+def test_reading_through_the_api_never_creates_a_store(what: str, tmp_path: Path) -> None:
+    """(Found by a probe.) A mistyped file:// path is the typed NotFound naming it;
+    the store was created and the answer was 'no committed checkpoint'."""
+    from ckptd.errors import NotFound
+
+    where = tmp_path / "no" / "store"
+    with pytest.raises(NotFound) as info:
+        _read_with_the_api(what, f"file://{where}", tmp_path)
+    assert f"no store at {where}" in str(info.value), info.value
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", [["gc"], ["gc", "--dry-run"], ["scrub"], ["space"],
@@ -216,6 +268,21 @@ def test_restore_into_a_directory_that_refuses_writes_names_it(tmp_path: Path,
     assert done.returncode == 2, said
     assert f"cannot write into {target}:" in said and "restore elsewhere" in said, said
     assert "Traceback" not in said, said
+
+
+def test_latest_is_a_step_where_the_help_says_default_latest(tmp_path: Path,
+                                                              shm: Path) -> None:
+    """(Found by a probe: "default: latest", but `latest` was refused with "Input
+    should be a valid integer".)"""
+    url = f"file://{tmp_path / 'store'}"
+    _save_one(url, "j", shm)
+    help_text = " ".join(ckptd("export", "--help").stdout.split())
+    assert "a new or empty directory" in help_text.lower(), help_text
+    done = ckptd("export", "j", "latest", "--safetensors", str(tmp_path / "st"), "--url", url)
+    assert done.returncode == 0 and "step 1 of j" in done.stdout, done.stderr
+    done = ckptd("restore", "--job", "j", "--rank", "0", "--to", str(tmp_path / "r"),
+                 "--step", "latest", "--url", url)
+    assert done.returncode == 0 and "step 1 of j" in done.stdout, done.stderr
 
 
 def test_restore_to_takes_a_directory_or_a_file_url_and_leaves_none_on_failure(

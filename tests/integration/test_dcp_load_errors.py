@@ -3,6 +3,7 @@ failed, which DCP replaces with ``AssertionError("metadata is None; ...")``."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -34,10 +35,23 @@ def url(tmp_path: Path) -> str:
     return url
 
 
-def test_a_step_that_does_not_exist(url: str) -> None:
-    err = load_error(Reader(url, job="d", step=99))
-    assert isinstance(err, CheckpointNotFound)
-    assert err.detail["step"] == 99
+@pytest.mark.parametrize("how", ["step=", "checkpoint_id="])
+def test_a_step_that_does_not_exist_is_refused_before_torch_logs_a_fallback(
+        url: str, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """(Found by a probe.) Raised from read_metadata, it made torch log "Global
+    metadata is not found. Falling back to rank local metadata." with a traceback
+    on stderr (twice, with "Rank local metadata is not found."), then raise its own
+    error: an explicit step is checked when the Reader is made (or reset)."""
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointNotFound) as info, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how == "step=":
+            dcp.load({"w": torch.zeros(4)}, storage_reader=Reader(url, job="d", step=99))
+        else:
+            dcp.load({"w": torch.zeros(4)}, storage_reader=Reader(url, job="d"),
+                     checkpoint_id=f"{url}/d/99")
+    assert info.value.detail["step"] == 99
+    assert not [r.getMessage() for r in caplog.records if "metadata" in r.getMessage()]
 
 
 def test_a_job_that_does_not_exist(url: str) -> None:
@@ -51,7 +65,7 @@ def test_a_server_that_cannot_be_reached(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_later_failure_is_not_blamed_on_an_earlier_metadata_error(url: str) -> None:
-    reader = Reader(url, job="d", step=99)
+    reader = Reader(url, job="nosuch")  # (the latest of no job: read_metadata fails)
     assert isinstance(load_error(reader), CheckpointNotFound)
     reader.reset(f"{url}/d/1")  # metadata reads now; the load fails on its shape
     with warnings.catch_warnings(), pytest.raises(BaseException) as info:

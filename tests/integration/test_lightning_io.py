@@ -20,11 +20,13 @@ from ckptd.errors import (
     AlreadyCommitted,
     CheckpointNotFound,
     Conflict,
+    InvalidName,
     InvalidRequest,
+    Unavailable,
     UnsupportedValue,
 )
 from ckptd.lifecycle.tags import check_new_tag
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, free_port
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
 if not os.environ.get("CI"):
@@ -219,8 +221,45 @@ def test_a_torch_save_file_loads_with_weights_only(io: CkptdCheckpointIO, tmp_pa
     got = io.load_checkpoint(path)
     assert got["epoch"] == 2 and torch.equal(got["state_dict"]["w"], torch.arange(3.0))
     torch.save({"obj": argparse.Namespace(a=1)}, path)
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(UnsupportedValue, match="pickled objects.*Namespace") as err:
         io.load_checkpoint(path)
+    assert "\n" not in err.value.message
+
+
+def test_a_file_neither_pointer_nor_torch_save_is_refused_in_one_line(
+        io: CkptdCheckpointIO, tmp_path: Path) -> None:
+    """Such a file gave torch's errors (an UnpicklingError advising
+    weights_only=False, EOFError, KeyError 101); a pointer cut short says so."""
+    path = tmp_path / "last.ckpt"
+    path.write_text('{"format": "ckptd.lightning_pointer", "job": "fa')
+    with pytest.raises(InvalidRequest, match="damaged ckptd pointer") as err:
+        io.load_checkpoint(path)
+    assert str(path) in err.value.message and "\n" not in err.value.message
+    torch.save({"w": torch.arange(1000.0)}, path)
+    path.write_bytes(path.read_bytes()[:300])  # a torch.save file cut short
+    with pytest.raises(InvalidRequest, match="not a readable torch.save file"):
+        io.load_checkpoint(path)
+    for content in (b"", b"hello\n", b'{"a": 1}', b"e" * 10):
+        path.write_bytes(content)
+        with pytest.raises(InvalidRequest,
+                           match="neither a ckptd pointer nor a torch.save checkpoint") as err:
+            io.load_checkpoint(path)
+        assert str(path) in err.value.message and "\n" not in err.value.message
+
+
+def test_a_job_is_asked_for_and_an_unreachable_server_said_at_construction(
+        store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No job said "job name '' must match ..."; a server that cannot be reached was
+    found at the first save, after an epoch of training (reach.py, as a
+    Checkpointer's construction does: no rank or process group is needed for it)."""
+    with pytest.raises(InvalidName, match="pass job=") as err:
+        CkptdCheckpointIO(store)
+    assert "\n" not in err.value.message
+    monkeypatch.setenv("CKPTD_SERVER_WAIT", "0")
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(Unavailable, match="cannot reach the ckptd server") as err:
+        CkptdCheckpointIO(url, job="lit")
+    assert url in err.value.message
 
 
 def test_fabric_saves_and_loads_in_place(store: str, shm: Path, tmp_path: Path) -> None:

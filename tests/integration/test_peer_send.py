@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ckptd.client.peer import PeerClient, PeerIndex, PeerServer
-from ckptd.errors import ChunkSizeMismatch, Conflict
+from ckptd.errors import ChunkSizeMismatch, Conflict, MethodNotAllowed, from_json, http_status
 from ckptd.hashing import chunk_id
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,3 +153,15 @@ def test_an_http_1_0_client_gets_a_length_never_a_chunked_body() -> None:
         assert b"transfer-encoding" not in head.lower()
         assert f"content-length: {len(DATA)}".encode() in head.lower()
         assert body == DATA
+
+
+def test_a_method_a_peer_does_not_take_is_405_method_not_allowed() -> None:
+    """The code of an answer is the one its status stands for (``HTTP_STATUS``):
+    a peer's 405 said ``invalid_request``, a 400's code."""
+    with PeerServer(token="t") as server:
+        server.publish(PeerIndex(step=2, chunks={CID: memoryview(DATA)}))
+        r = httpx.put(f"{server.url}/v1/chunks/{CID}", content=b"x",
+                      headers={"Authorization": "Bearer t"})
+        assert r.status_code == 405 and r.headers["allow"] == "GET"
+        err = from_json(r.json())
+        assert isinstance(err, MethodNotAllowed) and http_status(err.code) == 405, r.text

@@ -203,6 +203,17 @@ def test_cli_export_through_a_server_with_only_and_strip(tmp_path: Path, shm: Pa
     assert sorted(load_file(tmp_path / "o" / "model.safetensors")) == ["model.f8", "optim.step"]
 
 
+def test_a_string_only_is_one_prefix(tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe.) ``only="model."`` was iterated per character, as the
+    prefixes m, o, d, e, l and ".": the export silently held ``optim.*`` too."""
+    url = f"file://{tmp_path / 'store'}"
+    full = save_two_ranks(url, shm)
+    result = export_safetensors(url, JOB, tmp_path / "out", only="model.", strip="model.")
+    want = sorted(k.removeprefix("model.") for k in full if k.startswith("model."))
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == want
+    assert result.tensors == len(want)
+
+
 def test_import_of_an_export_round_trips_bitwise(tmp_path: Path, shm: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     full = save_two_ranks(url, shm)
@@ -322,6 +333,11 @@ def test_an_export_whose_renames_fail_midway_leaves_no_file(tmp_path: Path, shm:
     (["--safetensors", "{tmp}/x", "--strip", "model.", "--only", "model.f8",
       "--only", "f8"], "the same name"),
     (["--safetensors", "{tmp}/full"], "not an empty directory"),
+    # (found by a probe: the names were exported unchanged, with no word)
+    (["--safetensors", "{tmp}/x", "--strip", "modle."], "--strip 'modle.' matches no"),
+    (["--safetensors", "{tmp}/x", "--only", "optim.", "--exclude", "optim."],
+     "holds no tensor starting with 'optim.' and not with 'optim.'"),
+    (["--zarr", "{tmp}/x", "--exclude", "model."], "are for --safetensors"),
 ])
 def test_mistakes_get_one_line(tmp_path: Path, shm: Path, args: list[str], said: str) -> None:
     url = f"file://{tmp_path / 'store'}"
@@ -347,9 +363,14 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_by_name(tmp_path: Path, shm:
         c.save(1, {"w": torch.ones(3), "z": torch.ones(2, dtype=torch.complex128)}).wait(60)
     with pytest.raises(UnsupportedValue) as info:
         export_safetensors(url, "cx", tmp_path / "out")
-    assert "'z'" in str(info.value) and "--only" in str(info.value)
-    export_safetensors(url, "cx", tmp_path / "out", only=["w"])  # left out, it exports
+    # (Found by a probe: it said "leave it out with --only", which only includes.)
+    assert "'z'" in str(info.value) and "--exclude z" in str(info.value)
+    export_safetensors(url, "cx", tmp_path / "out", exclude="z")  # left out, it exports
     assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == ["w"]
+    done = runner.invoke(app, ["export", "cx", "--safetensors", str(tmp_path / "cli"),
+                               "--exclude", "z", "--url", url])
+    assert done.exit_code == 0, done.output
+    assert sorted(load_file(tmp_path / "cli" / "model.safetensors")) == ["w"]
 
 
 def test_import_refuses_a_damaged_file_and_a_bad_index_in_one_line(tmp_path: Path) -> None:

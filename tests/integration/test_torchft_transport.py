@@ -21,6 +21,7 @@ from ckptd.errors import (
     ChunkHashMismatch,
     Conflict,
     InvalidRequest,
+    RestoreError,
     Timeout,
     Unauthorized,
     UnsupportedValue,
@@ -301,3 +302,62 @@ def test_a_sender_that_stages_the_next_step_mid_heal_fails_it_with_conflict(
     with pytest.raises(Conflict, match="step 2 .*step 1|step 1.*step 2"):
         receiver.recv_checkpoint(0, sender.metadata(), 1, T10)
     assert len(fetched) >= 2
+
+
+def test_a_template_holding_entries_the_sender_lacks_is_refused_unchanged(shm: Path) -> None:
+    """As ``Checkpointer.restore`` refuses a target holding entries the step lacks,
+    the heal refuses a template holding entries the sender did not send, naming them,
+    before the template changes (they kept the receiver's own values: a stale state
+    that looked healed). Entries sent beyond the template are added, as restore adds
+    them to a plain dict."""
+    template = {"w": torch.zeros(4, 4), "extra": torch.zeros(1),
+                "meta": {"lr": 0.1, "mom": 0.9}}
+    sender: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    receiver: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm), state_dict=lambda: template)
+    try:
+        sender.send_checkpoint([1], 3, {"w": torch.ones(4, 4), "meta": {"lr": 0.5}}, T10)
+        with pytest.raises(RestoreError) as err:
+            receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+        assert err.value.detail["entries"] == ["state['extra']", "state['meta']['mom']"]
+        assert "state['extra'], state['meta']['mom']" in err.value.message
+        assert "step 3" in err.value.message and "\n" not in err.value.message
+        assert torch.equal(template["w"], torch.zeros(4, 4))
+        assert template["meta"] == {"lr": 0.1, "mom": 0.9}
+        assert receiver.stats.receives == 0
+        sent = {"w": torch.ones(4, 4), "extra": torch.ones(1), "meta": {"lr": 0.5, "mom": 0.8},
+                "new": torch.arange(2.0)}
+        sender.send_checkpoint([1], 4, sent, T10)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 4, T10)
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+    assert got is template
+    _bitwise(sent, got)
+
+
+def test_timeouts_take_seconds_and_bad_arguments_are_refused_at_the_call(
+        pair: tuple[CkptdTransport[Any], ...], shm: Path) -> None:
+    """torchft passes timedeltas; plain seconds are taken too (they failed in the
+    receive with an AttributeError). A bad timeout or port is refused in one line
+    where it is given (a port past 65535 was an OverflowError from bind())."""
+    sender, receiver = pair
+    sender.send_checkpoint([1], 3, {"w": torch.arange(4.0)}, 10)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 3, 2.5)
+    assert torch.equal(got["w"], torch.arange(4.0))
+    for bad in (True, 0, -1, float("nan"), "5"):
+        with pytest.raises(InvalidRequest, match="timeout") as err:
+            receiver.recv_checkpoint(0, sender.metadata(), 3, bad)  # type: ignore[arg-type]
+        assert "\n" not in err.value.message
+    with pytest.raises(InvalidRequest, match="timeout"):
+        sender.send_checkpoint([1], 4, {"w": torch.arange(4.0)}, None)  # type: ignore[arg-type]
+    t: CkptdTransport[Any] = CkptdTransport(5, shm_dir=str(shm / "own"))
+    try:
+        assert t.timeout == timedelta(seconds=5)
+    finally:
+        t.shutdown()
+    with pytest.raises(InvalidRequest, match="timeout"):
+        CkptdTransport("60", shm_dir=str(shm / "own"))  # type: ignore[arg-type]
+    for port in (70000, -1, True):
+        with pytest.raises(InvalidRequest, match="port .*65535"):
+            CkptdTransport(port=port, shm_dir=str(shm / "own"))
+    assert not any(p for p in (shm / "own").rglob("*") if p.is_file())

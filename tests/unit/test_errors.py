@@ -49,7 +49,7 @@ def test_statuses_of_families() -> None:
         # caller's mistake; it is still an UnsupportedFormat to the client)
         if issubclass(cls, errors.InvalidRequest) and cls not in (
                 errors.TooLarge, errors.UnsupportedStoredFormat, errors.UnsupportedMediaType,
-                errors.LengthRequired):
+                errors.LengthRequired, errors.MethodNotAllowed):
             assert status == 400, cls
         if issubclass(cls, NotFound):
             assert status == 404, cls
@@ -63,6 +63,7 @@ def test_statuses_of_families() -> None:
     # (a body of another media type than JSON: the caller's, of its own status)
     assert http_status(errors.UnsupportedMediaType.code) == 415
     assert http_status(errors.LengthRequired.code) == 411  # (an upload without a length)
+    assert http_status(errors.MethodNotAllowed.code) == 405  # (its Allow header says which)
 
 
 @pytest.mark.parametrize("code", sorted(HTTP_STATUS))

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,10 +33,20 @@ def test_sizes_read_as_hugging_face_writes_them(text: str | int, size: int) -> N
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "five", "5XB", "-1", "0", "GB"])
-def test_bad_sizes_are_a_usage_mistake(text: str) -> None:
-    with pytest.raises(InvalidRequest):
-        parse_size(text)
+@pytest.mark.parametrize(("number", "size"), [(1.5e9, 1_500_000_000), (4096.0, 4096),
+                                            (np.int64(10), 10), (np.float64(2e3), 2000)])
+def test_a_whole_number_of_bytes_is_a_size_whatever_its_type(number: object, size: int
+                                                             ) -> None:
+    """(Found by a probe: ``max_shard_size=1.5e9`` was a ``TypeError`` from ``re``.)"""
+    assert parse_size(number) == size  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["", "five", "5XB", "-1", "0", "GB", "1.5B", "1.0000001KB",
+                                  2.5, float("nan"), float("inf"), -3.0, True, [1], None])
+def test_bad_sizes_are_a_usage_mistake(text: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_size(text)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value) and "max-shard-size" in str(info.value)
 
 
 def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32

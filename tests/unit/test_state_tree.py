@@ -181,6 +181,40 @@ def test_a_quantized_or_nested_tensor_is_refused_as_what_it_is() -> None:
         flatten({"n": nested})
 
 
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: torch.eye(2).to_sparse(), ".to_dense()"),
+    (lambda: torch.eye(2).to_sparse_csr(), ".to_dense()"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), ".unbind()"),
+    (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8), "dequantize"),
+    (lambda: torch.empty(2, device="meta"), "to_empty(device="),
+], ids=["sparse", "sparse-csr", "nested", "quantized", "meta"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_tensor_with_no_dense_data_is_refused_saying_what_to_do_for_its_kind(
+        make: Any, said: str) -> None:
+    """(Found by a probe: sparse and nested tensors were told to "dequantize it",
+    and a meta tensor was refused without a word on what to do.)"""
+    with pytest.raises(UnsupportedValue) as info:
+        flatten({"t": make()})
+    assert said in str(info.value), info.value
+    if said != "dequantize":
+        assert "dequantize" not in str(info.value)
+
+
+def test_an_unsupported_object_is_named_with_the_right_article() -> None:
+    import argparse
+
+    with pytest.raises(UnsupportedValue, match=r"holds an argparse\.Namespace,"):
+        flatten({"args": argparse.Namespace(lr=1.0)})
+    with pytest.raises(UnsupportedValue, match=r"holds a \S+\.Opaque,"):
+        flatten({"o": Opaque()})
+
+
+@pytest.mark.parametrize("name", ["", "x" * 5000])
+def test_a_tensor_name_that_is_empty_or_too_long_says_to_rename_it(name: str) -> None:
+    with pytest.raises(UnsupportedValue, match="rename"):
+        flatten({name: torch.ones(1)})
+
+
 def test_unsupported_tensor_dtype_is_refused() -> None:
     with pytest.raises(UnsupportedValue, match=r"state\['q'\]"):
         flatten({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})

@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import pickle
 import re
 import threading
 from collections.abc import Mapping
@@ -16,17 +17,27 @@ from typing import Any
 
 import torch
 
-from ckptd.errors import CheckpointNotFound, CkptdError, Conflict, InvalidRequest
+from ckptd import knobs
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    Conflict,
+    InvalidName,
+    InvalidRequest,
+    UnsupportedValue,
+)
 from ckptd.format import check_job
 from ckptd.hashing import document_hash
 from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_RE
 
 from ...checkpointer import Checkpointer
 from ...endpoint import endpoint
-from ...loop import EventLoopThread
+from ...loop import EventLoopThread, run_private
+from ...reach import reach
 from ...restore import RestoreOptions, restore_into
 from ...save.handle import SaveHandle
-from ...transport import open_transport
+from ...step_import import _looks_like_torch_save, _refused
+from ...transport import HttpTransport, open_transport
 from .tags import JobTags
 
 try:  # the unified package; the standalone one where it is all there is
@@ -81,6 +92,11 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         doc = json.loads(data)
     except ValueError:
+        if POINTER_FORMAT.encode() in data:  # one cut short (or edited): not a file to load
+            raise InvalidRequest(
+                f"{os.fspath(path)} is a damaged ckptd pointer (not JSON): {data[:120]!r}; "
+                "remove it to load its checkpoint by its name, a tag of the job (or pass "
+                "ckpt_path='latest')", path=os.fspath(path)) from None
         return None
     if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
         return None
@@ -136,10 +152,18 @@ class CkptdCheckpointIO(CheckpointIO):
     """Lightning's checkpoint storage through ckptd (see the module docstring).
 
     ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``; ``job``
-    names the run. ``pointers``: write the pointer files Lightning's path logic
+    names the run (required). ``pointers``: write the pointer files Lightning's path logic
     reads (default on). ``timeout`` bounds each load and the wait for the last save
     at teardown. Other keyword arguments go to the ``Checkpointer`` (``shm_dir``,
     ``staging_budget``, ``cache_dir``, ``serve_peers``...).
+
+    An ``http(s)://`` server that cannot be reached (or refuses the token) is said
+    here, as a ``Checkpointer``'s construction says it: Lightning calls a
+    ``CheckpointIO`` at no earlier point than its first save or load, which come
+    after setup and, for a save, after training. Every rank builds the plugin and
+    every rank needs the server (rank 0 saves, all load), so each asks it; the
+    ``Checkpointer`` itself is made at the first save, once the process group says
+    which rank is global rank 0.
 
     Lightning hands ``CheckpointIO`` the whole checkpoint on global rank 0 only
     (DDP, a single device, FSDP with a full state dict), so it is stored as a
@@ -151,6 +175,9 @@ class CkptdCheckpointIO(CheckpointIO):
                  pointers: bool = True, timeout: float | None = 600.0,
                  **checkpointer_kwargs: Any) -> None:
         self.url, self.token = endpoint(url, token)
+        if not job:
+            raise InvalidName("CkptdCheckpointIO needs the run's name: pass job= (e.g. "
+                              "CkptdCheckpointIO(url, job='mnist'))")
         self.job = check_job(job)
         self.pointers = pointers
         self.timeout = timeout
@@ -162,6 +189,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._last: _Saved | None = None
         self._lock = threading.Lock()
+        self._reach_server()
 
     # -- Lightning's interface ----------------------------------------------------------
 
@@ -211,12 +239,13 @@ class CkptdCheckpointIO(CheckpointIO):
         """The checkpoint ``path`` names (its pointer, else its name as a tag of the
         job, or ``latest``), restored bitwise from ckptd. Nothing is unpickled, so
         ``weights_only`` is always honoured. A path holding a ``torch.save`` file
-        instead is loaded with ``torch.load(weights_only=True)``."""
+        instead is loaded with ``torch.load(weights_only=True)``; any other file is
+        refused with ``InvalidRequest``."""
         self._raise_failure()
         path = os.fspath(path)
         step = self._resolve(path)
         if step is None:  # an ordinary checkpoint file: a run that moves to ckptd
-            return dict(torch.load(path, map_location=map_location, weights_only=True))
+            return _torch_load(path, map_location)
         state: dict[str, Any] = {}
         if self._saves_here():
             self._checkpointer().restore(state, step, timeout=self.timeout)
@@ -286,7 +315,11 @@ class CkptdCheckpointIO(CheckpointIO):
             _write_pointer(path, self.job, step, self.url)
 
     def _remove(self, path: str) -> None:
-        doc = read_pointer(path)
+        try:
+            doc = read_pointer(path)
+        except InvalidRequest as exc:  # (a damaged pointer: a load says so)
+            log.warning("%s: left alone", exc.message)
+            return
         if doc is None and os.path.exists(path):
             log.warning("%s is not a ckptd pointer: left alone", path)
             return
@@ -302,6 +335,25 @@ class CkptdCheckpointIO(CheckpointIO):
             raise error
 
     # -- parts ------------------------------------------------------------------------
+
+    def _reach_server(self) -> None:
+        """Raises, typed, when the ckptd server cannot be reached or refuses the
+        token, within ``CKPTD_SERVER_WAIT`` seconds (``reach.py``); nothing to ask
+        of a directory store."""
+        if not self.url.startswith(("http://", "https://")):
+            return
+        within = knobs.server_wait()
+
+        async def ask() -> None:
+            transport = open_transport(self.url, self.token, job=self.job)
+            try:
+                assert isinstance(transport, HttpTransport)
+                await reach(transport, self.job, within)
+            finally:
+                await transport.close()
+
+        run_private(ask(), within + 2 * knobs.connect_timeout() + 5.0,
+                    what=f"reaching the ckptd server at {self.url}")
 
     def _checkpointer(self) -> Checkpointer:
         with self._lock:
@@ -390,6 +442,31 @@ class CkptdCheckpointIO(CheckpointIO):
             except CkptdError as exc:  # closing must not hide the restore's result
                 log.debug("closing the read transport: %s", exc)
             loop.stop()
+
+
+def _torch_load(path: str, map_location: Any) -> dict[str, Any]:
+    """The ``torch.save`` checkpoint at ``path``, loaded with ``weights_only=True``;
+    ``InvalidRequest`` in one line for a file that is none (torch's unpickler said
+    so only in a traceback: EOFError, KeyError 101, advice to unpickle it)."""
+    if not _looks_like_torch_save(Path(path)):
+        raise InvalidRequest(f"{path} is neither a ckptd pointer nor a torch.save checkpoint: "
+                             "pass the path of a checkpoint (or the name of a tag of the job)",
+                             path=path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedValue(
+            f"{path} holds pickled objects, which CkptdCheckpointIO does not unpickle "
+            f"(weights_only: {_refused(exc)}); load it with torch.load yourself if you "
+            "trust it", path=path) from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere in torch
+        said = " ".join(str(exc).split())[:200]
+        raise InvalidRequest(f"{path} is not a readable torch.save file: "
+                             f"{type(exc).__name__}: {said}", path=path) from None
+    if not isinstance(state, dict):
+        raise InvalidRequest(f"{path} holds a torch.save {type(state).__name__}, not a "
+                             "checkpoint dict", path=path)
+    return state
 
 
 def _to_device(state: Any, device: torch.device) -> Any:

@@ -60,6 +60,7 @@ from .layout import (
     index_bytes,
     parse_size,
     plan_files,
+    prefixes,
     run_start,
 )
 
@@ -99,9 +100,10 @@ def export_safetensors(
     step: int | None = None,
     *,
     token: str | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    only: Sequence[str] = (),
+    max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
+    only: str | Sequence[str] = (),
     strip: str = "",
+    exclude: str | Sequence[str] = (),
     on_bytes: Progress | None = None,
     transport: Transport | None = None,
     window: int | None = None,
@@ -110,10 +112,13 @@ def export_safetensors(
     empty) as safetensors files of at most ``max_shard_size`` bytes each (a tensor
     larger than that alone in its file), with ``model.safetensors.index.json``.
 
-    ``only``: the tensors whose names start with one of these prefixes
-    (``["model."]``); ``strip``: a prefix removed from the names in the files.
+    ``only``: the tensors whose names start with this prefix, or one of these
+    (``"model."``, ``["model.", "lm_head."]``); ``exclude``: then not those whose names
+    start with this prefix, or one of these; ``strip``: a prefix removed from the
+    names in the files (refused when no exported name has it).
     ``on_bytes(done, total)`` follows the bytes written."""
     limit = parse_size(max_shard_size)
+    wanted, unwanted = prefixes(only), prefixes(exclude, "exclude")
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InvalidRequest(f"{target} exists and is not an empty directory; "
@@ -122,10 +127,11 @@ def export_safetensors(
 
     async def body() -> SafetensorsExport:
         own = transport is None
-        t = open_transport(url, token, job=job) if transport is None else transport
+        t = (open_transport(url, token, job=job, create=False) if transport is None
+             else transport)
         try:
-            return await _export(t, job, step, target, limit, tuple(only), strip, on_bytes,
-                                 window)
+            return await _export(t, job, step, target, limit, (wanted, unwanted), strip,
+                                 on_bytes, window)
         finally:
             if own:
                 await t.close()
@@ -134,13 +140,16 @@ def export_safetensors(
 
 
 async def _export(transport: Transport, job: str, step: int | None, target: Path,
-                  limit: int, only: tuple[str, ...], strip: str,
+                  limit: int, which: tuple[tuple[str, ...], tuple[str, ...]], strip: str,
                   on_bytes: Progress | None, window: int | None) -> SafetensorsExport:
     t0 = time.perf_counter()
     step, manifests = await read_step(transport, job, step)
-    selection = global_tensors(manifests, only, strip)
+    only, exclude = which
+    selection = global_tensors(manifests, only, strip, exclude)
     if not selection.tensors:
-        said = f" starting with {', '.join(map(repr, only))}" if only else ""
+        said = (f" starting with {', '.join(map(repr, only))}" if only else "") + (
+            f"{' and' if only else ''} not with {', '.join(map(repr, exclude))}"
+            if exclude else "")
         raise InvalidRequest(f"step {step} of {job} holds no tensor{said} to export"
                              + (f" (it holds {', '.join(selection.skipped_other[:5])} ...)"
                                 if selection.skipped_other else ""))

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ckptd.dtypes import itemsize
 from ckptd.errors import InvalidRequest, UnsupportedValue
@@ -59,20 +61,28 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int | float) -> int:
     """``5GB`` (Hugging Face's decimal units: 5 x 10^9), ``500MB``, ``2GiB`` (binary),
-    or a number of bytes."""
-    if isinstance(text, int):
-        size = text
-    else:
+    or a number of bytes (``1.5e9`` too): a whole number of them, more than 0."""
+    said = f"--max-shard-size {text!r}"
+    if isinstance(text, str):
         m = _SIZE.fullmatch(text)
         if m is None:
-            raise InvalidRequest(f"--max-shard-size {text!r} is not a size: write it like "
-                                 "5GB, 500MB, 2GiB or a number of bytes")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if size <= 0:
+            raise InvalidRequest(f"{said} is not a size: write it like 5GB, 500MB, 2GiB or "
+                                 "a number of bytes")
+        exact = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
+    elif isinstance(text, numbers.Real) and not isinstance(text, bool) and \
+            math.isfinite(text):
+        exact = Fraction(text)
+    else:
+        raise InvalidRequest(f"{said} is not a size: give a number of bytes or a string "
+                             "like 5GB, 500MB, 2GiB")
+    if exact.denominator != 1:
+        raise InvalidRequest(f"{said} is not a whole number of bytes ({float(exact)}); "
+                             "round it")
+    if exact <= 0:
         raise InvalidRequest(f"--max-shard-size must be more than 0 bytes, not {text!r}")
-    return size
+    return int(exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +148,29 @@ class Selection:
     skipped_other: list[str]  # tensors that --only left out
 
 
+def prefixes(given: str | Sequence[str], what: str = "only") -> tuple[str, ...]:
+    """``only`` or ``exclude`` as a tuple of name prefixes: one string is one prefix
+    (not its characters, each a prefix)."""
+    if isinstance(given, str):
+        return (given,)
+    out = tuple(given)
+    if not all(isinstance(p, str) for p in out):
+        raise InvalidRequest(f"{what} takes name prefixes (strings), not {out!r:.80}")
+    return out
+
+
 def global_tensors(
-    manifests: Sequence[RankManifest], only: Sequence[str] = (), strip: str = ""
+    manifests: Sequence[RankManifest], only: str | Sequence[str] = (), strip: str = "",
+    exclude: str | Sequence[str] = (),
 ) -> Selection:
     """The step's global tensors in state-dict order (first rank first), each with
     its distinct non-empty boxes; opaque blobs (``bytes`` nodes) are not tensors.
-    ``only``: keep names starting with one of these prefixes; ``strip``: remove this
-    prefix from the names that have it."""
+    ``only``: keep names starting with this prefix, or one of these; ``exclude``:
+    then leave out those starting with this prefix, or one of these; ``strip``:
+    remove this prefix from the names that have it (``InvalidRequest`` when none
+    has it: a mistyped prefix)."""
+    only = prefixes(only)
+    exclude = prefixes(exclude, "exclude")
     blobs: set[str] = set()
     for m in manifests:
         _blobs(m.tree, blobs)
@@ -157,7 +183,8 @@ def global_tensors(
         for e in m.entries:
             if e.name in blobs:
                 continue
-            if only and not e.name.startswith(tuple(only)):
+            if (only and not e.name.startswith(only)) or (
+                    exclude and e.name.startswith(exclude)):
                 if e.name not in skipped_other:
                     skipped_other.append(e.name)
                 continue
@@ -186,7 +213,7 @@ def global_tensors(
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsupportedValue(
                 f"{t.source!r} is {t.dtype}, which safetensors cannot hold; leave it out "
-                "with --only", name=t.source)
+                f"with --exclude {t.source} (exclude=[{t.source!r}])", name=t.source)
         if not t.name:
             raise InvalidRequest(f"--strip {strip!r} leaves {t.source!r} with no name")
         if t.name in names:
@@ -194,6 +221,11 @@ def global_tensors(
                                  f"the same name {t.name!r}")
         names[t.name] = t.source
         t.boxes.sort(key=lambda b: run_start(b.entry.offsets, t.shape))
+    if strip and tensors and not any(t.source.startswith(strip) for t in tensors):
+        # (Names exported unchanged were not what the --strip asked for: a typo.)
+        some = ", ".join(repr(t.source) for t in tensors[:3])
+        raise InvalidRequest(f"--strip {strip!r} matches no exported name (they are {some}"
+                             f"{' ...' if len(tensors) > 3 else ''}); check it, or leave it out")
     return Selection(tensors, skipped_local, skipped_other)
 
 
