@@ -98,7 +98,7 @@ def refuse_non_finite(body: bytes) -> None:
         raise InvalidRequest(
             f"the request body is not valid JSON: {exc} is no JSON number (send a "
             "finite number, or null)", constant=str(exc)) from None
-    except ValueError:
+    except (ValueError, RecursionError):
         return  # (not JSON at all: FastAPI's parse says so, as for any other body)
 
 

@@ -52,9 +52,9 @@ class ApiRoute(APIRoute):
                 body = await request.body()  # read here, so TooLarge is ours and not a 400
                 if body:  # (a route whose body is optional may be sent none)
                     check_json_type(request)
-                    refuse_non_finite(body)
-                if json_too_deep(body):  # before FastAPI's parser recurses into it
+                if json_too_deep(body):  # before any parser recurses into it
                     raise InvalidRequest(f"JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+                refuse_non_finite(body)
             return await handler(request)
 
         return handle

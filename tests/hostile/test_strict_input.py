@@ -220,3 +220,12 @@ def test_nan_in_a_json_string_is_text(client: httpx.Client) -> None:
     body = {"world_size": 1, "health": {"state": "critical", "reasons": ["loss is NaN"],
                                         "signals": {"loss": "nan", "Infinity": 1}}}
     assert client.post("/v1/jobs/j/ranks/0/heartbeat", json=body).status_code == 200
+
+
+def test_nan_nested_past_the_parsers_depth_is_a_400(client: httpx.Client) -> None:
+    """(found by review: the NaN check parsed the body before the depth check ran,
+    and Python's parser raised RecursionError: a 500 and a traceback per request)"""
+    body = "[" * 5000 + "NaN" + "]" * 5000
+    r = client.post("/v1/chunks/read", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+    assert "deeper" in r.json()["message"]
