@@ -173,7 +173,7 @@ def existing_store(url: str) -> str:
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
                              "directory is file:///absolute/path (three slashes)")
-    if parsed.scheme == "file" and parsed.path:
+    if parsed.scheme in ("file", "") and parsed.path:  # (a bare path is a local store)
         path = Path(parsed.path)
         if not path.is_dir():
             raise NotFound(

@@ -205,9 +205,10 @@ def test_store_commands_never_create_a_store(command: list[str], tmp_path: Path)
     """A mistyped store path is refused at once (``gc`` created it and sat out its
     600 s grace period; the others created it and said the job was not there)."""
     where = tmp_path / "no" / "store"
-    done = ckptd(*command, "--url", f"file://{where}")
-    assert_short_usage_error(done, str(where), "never creates a store")
-    assert not (tmp_path / "no").exists()
+    for url in (f"file://{where}", str(where)):  # (a bare path too: found by review)
+        done = ckptd(*command, "--url", url)
+        assert_short_usage_error(done, str(where), "never creates a store")
+        assert not (tmp_path / "no").exists()
 
 
 def _save_one(url: str, job: str, shm: Path) -> None:
