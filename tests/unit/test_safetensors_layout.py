@@ -34,7 +34,8 @@ def test_sizes_read_as_hugging_face_writes_them(text: str | int, size: int) -> N
 
 
 @pytest.mark.parametrize(("number", "size"), [(1.5e9, 1_500_000_000), (4096.0, 4096),
-                                            (np.int64(10), 10), (np.float64(2e3), 2000)])
+                                            (np.int64(10), 10), (np.float64(2e3), 2000),
+                                            (np.float32(4096), 4096), (np.float16(512), 512)])
 def test_a_whole_number_of_bytes_is_a_size_whatever_its_type(number: object, size: int
                                                              ) -> None:
     """(Found by a probe: ``max_shard_size=1.5e9`` was a ``TypeError`` from ``re``.)"""

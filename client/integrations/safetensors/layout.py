@@ -73,7 +73,8 @@ def parse_size(text: str | int | float) -> int:
         exact = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
     elif isinstance(text, numbers.Real) and not isinstance(text, bool) and \
             math.isfinite(text):
-        exact = Fraction(text)
+        # (numpy's float32 / float16 are Reals that Fraction does not take: as float)
+        exact = Fraction(text if isinstance(text, numbers.Integral) else float(text))
     else:
         raise InvalidRequest(f"{said} is not a size: give a number of bytes or a string "
                              "like 5GB, 500MB, 2GiB")
