@@ -176,6 +176,13 @@ def test_names_without_pointers_and_latest(store: str, shm: Path, tmp_path: Path
         got = io.load_checkpoint("/elsewhere/epoch=0-step=4.ckpt")
         _same(_checkpoint(4, seed=1)["state_dict"], got["state_dict"])
         assert io.load_checkpoint("latest")["global_step"] == 8
+        # A latest.ckpt saved before a newer step: 'latest' is still the newest step
+        # (found by review: it read latest.ckpt's tag first), latest.ckpt its own.
+        io.save_checkpoint(_checkpoint(9, seed=3), tmp_path / "latest.ckpt")
+        io.save_checkpoint(_checkpoint(12, seed=4), tmp_path / "best.ckpt")
+        io.teardown()
+        assert io.load_checkpoint("latest")["global_step"] == 12
+        assert io.load_checkpoint("/elsewhere/latest.ckpt")["global_step"] == 9
         with pytest.raises(CheckpointNotFound, match="no tag 'nope'"):
             io.load_checkpoint("/elsewhere/nope.ckpt")
     finally:

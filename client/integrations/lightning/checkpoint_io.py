@@ -404,6 +404,10 @@ class CkptdCheckpointIO(CheckpointIO):
             return int(doc["step"])
         if os.path.isfile(path):
             return None
+        if Path(path).name == LATEST:  # (ckpt_path='latest': the newest step, not a tag)
+            latest = self._job_tags().latest()
+            if latest is not None:
+                return latest
         tag = tag_for_path(path)
         step = self._job_tags().get(tag)
         if step is not None:
