@@ -62,7 +62,7 @@ from ckptd.format import (
 )
 from ckptd.hashing import chunk_id, document_hash
 from ckptd.lifecycle import fence as gc_fence
-from ckptd.lifecycle.tags import TAG_META, check_new_tag
+from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_META, check_tag
 from ckptd.repository.after_commit import AfterCommit, tag_of
 from ckptd.repository.listings import Listings
 from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
@@ -345,7 +345,15 @@ class Repository(Verification, Listings, AfterCommit):
             raise InvalidRequest(f"commit meta is not canonical JSON: {exc}") from None
         tag = (meta or {}).get(TAG_META)
         if tag is not None:
-            check_new_tag(tag)  # (refused before the step commits, not after)
+            check_tag(tag)  # (refused before the step commits, not after)
+            if tag in RESERVED_TAGS:
+                # A client from before these names were reserved tags its step so
+                # (Lightning's latest.ckpt): the step commits untagged, as one whose
+                # tag could not be set; refusing it would lose the step on every retry.
+                log.warning("%s step %d: its commit asks for tag %r, a reserved name; "
+                            "committed without the tag", job, step, tag)
+                tag = None
+                meta = {k: v for k, v in (meta or {}).items() if k != TAG_META}
         existing = await self._try_read_commit(job, step)
         if existing is not None:
             # Checked only while retention removes it: an imported step (``restore
