@@ -34,10 +34,12 @@ from torch.futures import Future
 from ckptd import knobs
 from ckptd.dtypes import itemsize
 from ckptd.errors import (
+    CheckpointNotFound,
     CkptdError,
     Conflict,
     InvalidDocument,
     InvalidRequest,
+    NotFound,
     RestoreError,
     UnsupportedValue,
 )
@@ -80,6 +82,14 @@ from .writer import load_value
 log = logging.getLogger(__name__)
 
 
+def _no_checkpoint(exc: NotFound, job: str | None) -> CheckpointNotFound:
+    """``exc`` as ``CheckpointNotFound``: a store not there yet (a first run's resume
+    over ``file://``, before any save made it) holds no checkpoint either."""
+    if isinstance(exc, CheckpointNotFound):
+        return exc
+    return CheckpointNotFound(str(exc), **{"job": job, **exc.detail})
+
+
 # Fresh memory (bytes) one ``read_data`` batch may hold at once for chunks that do
 # not land straight in their targets.
 DEFAULT_READ_BUDGET = 256 * MiB
@@ -111,7 +121,7 @@ class Reader(StorageReader):
     ``timeout`` bounds each storage call; ``read_budget`` bounds the fresh memory
     one batch of ``read_data`` holds (chunks that are not landed straight in their
     target tensors). A step named (here or by ``reset``) that is not committed is
-    ``CheckpointNotFound`` at once; a ``file://`` path with no store, ``NotFound``."""
+    ``CheckpointNotFound`` at once, as is a ``file://`` path with no store."""
 
     def __init__(
         self,
@@ -155,7 +165,16 @@ class Reader(StorageReader):
         async def read(transport: Transport) -> None:
             await transport.read_commit(job, step)
 
-        _run(self.url, self.token, read, self.timeout, self.job, create=False)
+        try:
+            _run(self.url, self.token, read, self.timeout, self.job, create=False)
+        except NotFound as exc:  # (the same answer on every rank)
+            raise _no_checkpoint(exc, job) from None
+        except CkptdError as exc:
+            # Not known missing (a server that did not answer, ...): ``reset`` runs on
+            # each rank before DCP's first collective, so one rank raising here would
+            # leave the others waiting in it. ``read_metadata`` says it, inside DCP's
+            # error exchange, as before.
+            log.debug("checking step %d of %s before the load: %s", step, job, exc)
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
@@ -197,6 +216,9 @@ class Reader(StorageReader):
             _require_where(self.url, self.job, "Reader")
             index = _run(self.url, self.token, self._read_index, self.timeout, self.job,
                          create=False)
+        except NotFound as exc:
+            self.metadata_error = err = _no_checkpoint(exc, self.job)
+            raise err from None
         except CkptdError as exc:
             self.metadata_error = exc
             raise

@@ -22,6 +22,7 @@ from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     InvalidRequest,
+    Unavailable,
     UnsupportedValue,
 )
 
@@ -203,9 +204,29 @@ def test_a_writer_needs_a_step(tmp_path: Path) -> None:
 
 
 def test_reading_a_job_without_checkpoints_is_a_typed_error(tmp_path: Path) -> None:
-    (tmp_path / "store").mkdir()  # (a store: a path with none is NotFound, not created)
-    reader = Reader(f"file://{tmp_path / 'store'}", "none")
+    # A first run's resume: `except CheckpointNotFound: start fresh`, before any save
+    # made the store (found by review: the missing store was NotFound, its parent).
+    where = tmp_path / "store"
+    with pytest.raises(CheckpointNotFound, match=str(where)):
+        Reader(f"file://{where}", "none", step=3)
+    with pytest.raises(CheckpointNotFound, match=str(where)):
+        Reader(f"file://{where}", "none").read_metadata()
+    assert not where.exists()
+    where.mkdir()  # an empty store: no checkpoint of the job either
     with pytest.raises(CheckpointNotFound):
+        Reader(f"file://{where}", "none").read_metadata()
+
+
+def test_a_server_not_answering_is_said_by_the_load_not_by_the_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(found by review) ``reset`` runs on each rank before DCP's first collective:
+    only a step known missing is raised there; one rank's unanswered call raised
+    there would leave the other ranks waiting in the collective."""
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("CKPTD_RETRIES", "0")
+    reader = Reader(f"http://127.0.0.1:{free_port()}", "j", step=3)  # (not raised here)
+    with pytest.raises(Unavailable):
         reader.read_metadata()
 
 
