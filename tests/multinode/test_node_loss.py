@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.multinode.conftest import ROOT
+from tests.multinode.conftest import ROOT, no_step_time_snapshots
 from tests.multinode.hosts import Cluster
 from tests.multinode.jobs import Job, replicas, wait_until
 from tests.multinode.outcomes import (
@@ -91,12 +91,10 @@ def test_elastic_scale_in_goes_on_with_the_surviving_node_bitwise(
     # No snapshot the probe asks for: on a loaded host a slow step asks for one, and
     # a step the 4-rank world commits after 100 is where the 2-rank run goes on from,
     # no longer the undisturbed scale-in's step 100 (so no longer bitwise).
-    policy = cluster.dir / "no-step-time-snapshots.toml"
-    policy.write_text('[signals.step_time_ratio]\ndegraded = "off"\ncritical = "off"\n')
     job = Job("scale-in", cluster.dir / "out", [server.url], nnodes="1:2",
               worker_args=["--pause-host", "node2", "--pause-in", "save", "--pause-at", "200",
                            "--pause-after", "-1"],
-              env={"CKPTD_TEST_HEALTH_POLICY": str(policy)})
+              env=no_step_time_snapshots(cluster.dir))
     job.start(node1)
     job.start(node2)
     job.wait_event("paused", 240)
