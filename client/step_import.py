@@ -72,21 +72,9 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
             raise InvalidRequest(f"{path} is not a readable zarr v3 hierarchy: {exc}") from None
     if path.is_dir() and (path / ".metadata").is_file():
         return "dcp", read_dcp(path)
-    if path.is_file() and _looks_like_torch_save(path):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsupportedValue(
-                f"{path} holds pickled objects, which ckptd does not unpickle "
-                f"(weights_only: {_refused(exc)}); torch.save plain tensors and "
-                "containers (e.g. model.state_dict()) and import that"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - see below
-            # A damaged file trips torch's unpickler anywhere, with whatever its parsing
-            # raised (an IndexError on its stack, a struct.error on a cut file).
-            said = " ".join(str(exc).split())[:200]  # one line: torch's texts run to several
-            raise InvalidRequest(f"{path} is not a readable torch.save file: "
-                                 f"{type(exc).__name__}: {said}") from None
+    if path.is_file() and looks_like_torch_save(path):
+        state = load_torch_save(path, "cpu", "torch.save plain tensors and containers (e.g. "
+                                "model.state_dict()) and import that")
         if not isinstance(state, dict):
             state = {"state": state}
         return "torch", state
@@ -94,6 +82,24 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
         raise NotFound(f"{path} does not exist")
     raise InvalidRequest(f"{path} is neither a zarr v3 hierarchy (zarr.json), a DCP "
                          "directory (.metadata), safetensors nor a torch.save file")
+
+
+def load_torch_save(path: Path, map_location: Any, advice: str) -> Any:
+    """The ``torch.save`` file at ``path``, loaded with ``weights_only=True`` (never
+    unpickled otherwise): ``UnsupportedValue`` naming what it holds beyond tensors and
+    containers (then ``advice``), ``InvalidRequest`` in one line for a damaged file."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedValue(
+            f"{path} holds pickled objects, which ckptd does not unpickle "
+            f"(weights_only: {_refused(exc)}); {advice}", path=str(path)) from None
+    except Exception as exc:  # noqa: BLE001 - see below
+        # A damaged file trips torch's unpickler anywhere, with whatever its parsing
+        # raised (an IndexError on its stack, a struct.error on a cut file).
+        said = " ".join(str(exc).split())[:200]  # one line: torch's texts run to several
+        raise InvalidRequest(f"{path} is not a readable torch.save file: "
+                             f"{type(exc).__name__}: {said}", path=str(path)) from None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -112,7 +118,7 @@ def _refused(exc: pickle.UnpicklingError) -> str:
     return lines[0][:200] if lines else type(exc).__name__
 
 
-def _looks_like_torch_save(path: Path) -> bool:
+def looks_like_torch_save(path: Path) -> bool:
     """A zip archive (torch.save since 1.6) or a pickle (the legacy format): anything
     else is not a checkpoint, and torch's unpickler would only say so in a traceback."""
     try:

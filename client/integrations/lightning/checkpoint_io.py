@@ -7,7 +7,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import pickle
 import re
 import threading
 from collections.abc import Mapping
@@ -24,7 +23,6 @@ from ckptd.errors import (
     Conflict,
     InvalidName,
     InvalidRequest,
-    UnsupportedValue,
 )
 from ckptd.format import check_job
 from ckptd.hashing import document_hash
@@ -36,7 +34,7 @@ from ...loop import EventLoopThread, run_private
 from ...reach import reach
 from ...restore import RestoreOptions, restore_into
 from ...save.handle import SaveHandle
-from ...step_import import _looks_like_torch_save, _refused
+from ...step_import import load_torch_save, looks_like_torch_save
 from ...transport import HttpTransport, open_transport
 from .tags import JobTags
 
@@ -452,21 +450,12 @@ def _torch_load(path: str, map_location: Any) -> dict[str, Any]:
     """The ``torch.save`` checkpoint at ``path``, loaded with ``weights_only=True``;
     ``InvalidRequest`` in one line for a file that is none (torch's unpickler said
     so only in a traceback: EOFError, KeyError 101, advice to unpickle it)."""
-    if not _looks_like_torch_save(Path(path)):
+    if not looks_like_torch_save(Path(path)):
         raise InvalidRequest(f"{path} is neither a ckptd pointer nor a torch.save checkpoint: "
                              "pass the path of a checkpoint (or the name of a tag of the job)",
                              path=path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsupportedValue(
-            f"{path} holds pickled objects, which CkptdCheckpointIO does not unpickle "
-            f"(weights_only: {_refused(exc)}); load it with torch.load yourself if you "
-            "trust it", path=path) from None
-    except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere in torch
-        said = " ".join(str(exc).split())[:200]
-        raise InvalidRequest(f"{path} is not a readable torch.save file: "
-                             f"{type(exc).__name__}: {said}", path=path) from None
+    state = load_torch_save(Path(path), map_location,
+                            "load it with torch.load yourself if you trust it")
     if not isinstance(state, dict):
         raise InvalidRequest(f"{path} holds a torch.save {type(state).__name__}, not a "
                              "checkpoint dict", path=path)
