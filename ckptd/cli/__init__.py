@@ -19,7 +19,6 @@ import datetime as _dt
 import enum
 import logging
 import os
-import re
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,9 +29,17 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ckptd import __version__
 from ckptd.cli.help import HelpGroup
+from ckptd.cli.options import (  # (shared with the commands' modules)
+    DEFAULT_URL,
+    ServerOrFileUrlOpt,
+    ServerUrlOpt,
+    TokenOpt,
+    UrlOpt,
+    step_number,
+    step_or_latest,
+)
 from ckptd.errors import CkptdError, InvalidRequest
 from ckptd.format import check_job
-from ckptd.keys import STEP_PATTERN
 from ckptd.knobs import human_bytes
 
 if TYPE_CHECKING:
@@ -53,60 +60,8 @@ app = typer.Typer(
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
-# What --url takes differs by command: a server or a store read in this process
-# (``_transport``, the lifecycle commands), a server only (``_server``), or a server
-# or a store directory (``open_transport``). Each help names what its command takes.
-UrlOpt = Annotated[
-    str,
-    typer.Option(
-        "--url",
-        envvar="CKPTD_URL",
-        help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
-        "a store read directly: file:///path or s3://bucket/prefix.",
-    ),
-]
-ServerUrlOpt = Annotated[
-    str,
-    typer.Option(
-        "--url",
-        envvar="CKPTD_URL",
-        help="http://host:port of a ckptd server (replicas: several, comma-separated); "
-        "this command needs a server, not a store.",
-    ),
-]
-ServerOrFileUrlOpt = Annotated[
-    str,
-    typer.Option(
-        "--url",
-        envvar="CKPTD_URL",
-        help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
-        "file:///path of a store directory (an S3 store: through a server serving it).",
-    ),
-]
-TokenOpt = Annotated[
-    str | None, typer.Option("--token", envvar="CKPTD_TOKEN", help="Bearer token.")
-]
-DEFAULT_URL = "http://127.0.0.1:8470"
-
-
-def step_number(text: str) -> int:
-    """A step as the CLI takes it: one spelling, as in the API's URLs (digits, no
-    sign, no leading zero): ``05`` is refused, not read as 5."""
-    if not re.fullmatch(STEP_PATTERN, text):
-        raise typer.BadParameter(f"{text!r} is not a step: write it in digits, with no "
-                                 "sign or leading zero (5, not 05)")
-    return int(text)
-
-
-def step_or_latest(text: str) -> int | None:
-    """A step, or ``latest`` (None: the command's default)."""
-    if text == "latest":
-        return None
-    try:
-        return step_number(text)
-    except typer.BadParameter:
-        raise typer.BadParameter(f"{text!r} is not a step: write it in digits, with no sign "
-                                 "or leading zero (5, not 05), or latest") from None
+__all__ = ["DEFAULT_URL", "ServerOrFileUrlOpt", "ServerUrlOpt", "TokenOpt", "UrlOpt", "app",
+           "step_number", "step_or_latest"]
 
 
 def _human(n: int | None) -> str:
