@@ -421,7 +421,8 @@ class Checkpointer:
         ``state_dict()`` and get it back by ``load_state_dict()``. The result's
         ``step`` is the step restored: ``start = ckpt.restore(state).step + 1``.
 
-        The pool's chunks that verified are then served to peers (with a server)."""
+        The pool's chunks are then served to peers (with a server) when they verified
+        as the whole of this rank's manifest of the step."""
         self._session.check_open()
         use = self._restorer.check(state, tiers)
         before = self._timeline.rollback_state()
@@ -523,12 +524,14 @@ class Checkpointer:
             return self._failover.health(self.latest, lambda: self.epoch)
 
     def adopt(self, step: int | None = None, *, timeout: float | None = None) -> int | None:
-        """Re-adopts this node's staging pool: checks each chunk it holds against
-        this rank's manifest of a committed step (the latest when None), serves the
-        ones that match to peers and says so in a heartbeat sent now. Returns that
-        step, or None when the pool holds none of its chunks (or there is no pool,
-        or no commit). ``restore`` does this by itself; calling it first on every
-        rank (then a barrier) lets a rank that lost its node find its peers."""
+        """Re-adopts this node's staging pool: checks the chunks it holds against
+        this rank's manifest of a committed step (the latest when None) and, when
+        every chunk of that manifest matches, serves them to peers and says so in a
+        heartbeat sent now. Returns that step, or None when the pool does not hold
+        all of it (a newer save overwrote part: peers would be sent to it for the
+        rest), or there is no pool, or no commit. ``restore`` does this by itself;
+        calling it first on every rank (then a barrier) lets a rank that lost its
+        node find its peers."""
         self._session.check_open()
         adopted = self._restorer.adopt(step, timeout)
         if adopted is None:

@@ -202,7 +202,7 @@ async def fetch_layout(
         if adopt and pool is not None and pool.unchanged():
             verified = {cid: found[cid] for cid, tier in fetcher.tier_of.items()
                         if tier == "local"}
-            if verified:
+            if verified and _whole(plan, pool_rank, verified):
                 # Served while nobody stages into that pool (its seqlock generation).
                 adopted = PeerIndex(step=plan.step, chunks=verified, valid=pool.unchanged)
                 keep_pool = True
@@ -225,6 +225,24 @@ async def fetch_layout(
             s.close()
             if isinstance(s, PeerSource):
                 s.client.close()
+
+
+def _whole(plan: RestorePlan, rank: int, verified: Mapping[str, memoryview]) -> bool:
+    """True when the pool gave every chunk of ``rank``'s manifest of the plan's step.
+    A rank that serves a step is a holder of its whole manifest to the server's
+    planner: a pool holding part of it (a newer save that never committed overwrote
+    the rest) would send a replacement's requests to a peer that answers 404, so it
+    is not served at all."""
+    manifest = plan.manifest if plan.rank == rank else plan.manifests.get(rank)
+    if manifest is None:
+        return False
+    needed = manifest.chunk_ids()
+    if needed - verified.keys():
+        log.info("%s/%d: the staging pool holds %d of the %d chunks of step %d: not "
+                 "served to peers", plan.job, rank, len(needed & verified.keys()),
+                 len(needed), plan.step)
+        return False
+    return True
 
 
 def _stated(err: CkptdError, step: int, partial: bool) -> CkptdError:
@@ -430,11 +448,14 @@ async def adopt_pool(
                     break
 
     await in_thread(check)
-    if not verified:
+    if len(verified) < len(needed):  # (served whole or not at all: see _whole)
+        if verified:
+            log.info("%s/%d: the staging pool holds %d of the %d chunks of step %d: not "
+                     "served to peers", job, rank, len(verified), len(needed), step)
         pool.close()
         return step, None, None
-    log.info("%s/%d: staging pool holds %d of %d chunks of step %d", job, rank,
-             len(verified), len(needed), step)
+    log.info("%s/%d: staging pool holds the %d chunks of step %d", job, rank,
+             len(needed), step)
     return step, PeerIndex(step=step, chunks=verified, valid=pool.unchanged), pool
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from restore_peer import (  # noqa: E402
     CHUNK,
     TOKEN,
+    held_steps,
     make_state,
     spawn,
     wait_held,
@@ -248,6 +249,37 @@ def test_adopt_serves_only_verified_chunks_of_a_committed_step(
         result = ckpt.restore(target)
         assert_bitwise(target, expected)
         assert result.bytes_from["local"] == sum(distinct_bytes(expected).values())
+
+
+def test_a_pool_holding_part_of_a_step_is_not_served_as_holding_it(
+    srv: ServerProcess, shm: Path
+) -> None:
+    """Step 4 committed, then the worker saved step 5 over its pool and died: the
+    pool holds only the few step-4 chunks step 5 left alone (the constant ones).
+    A holder of a step is a holder of its whole manifest to the server's planner:
+    served, it would send a replacement rank's requests for every other chunk to a
+    peer that answers 404. It is restored from, but neither adopted nor served."""
+    for step, seed in ((4, 2), (5, 3)):
+        proc = spawn(srv.url, "part", 0, 1, step, seed=seed, nbytes=256 << 10,
+                     stage_only=True)
+        assert proc.wait(60) == -signal.SIGKILL
+    expected = make_state(2, 256 << 10)
+    want = distinct_bytes(expected)
+    with Checkpointer(srv.url, "part", token=TOKEN, chunk_size=CHUNK,
+                      heartbeat_interval=0.2) as ckpt:
+        assert ckpt.adopt(4) is None
+        server = ckpt.peer_server
+        assert server is not None and server.held_step is None
+        target = target_like(expected)
+        result = ckpt.restore(target, step=4)
+        assert_bitwise(target, expected)
+        assert 0 < result.bytes_from["local"] < sum(want.values())
+        assert result.bytes_from["local"] + result.bytes_from["store"] == sum(want.values())
+        assert server.held_step is None and not server.index.chunks
+        ckpt.heartbeat.beat_now()
+        assert held_steps(srv, "part").get(0) is None
+        assert ckpt.adopt(5) == 5  # the step it holds whole is served
+        wait_held(srv, "part", [0], 5)
 
 
 # -- refusals ----------------------------------------------------------------------------
