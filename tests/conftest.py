@@ -15,14 +15,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 # Imported here, at collection: hypothesis's pytest plugin imports it at the end
 # of a session that ran none of its tests, from deep in pytest's hooks, where
 # CPython 3.11.7's parser (under pytest's assertion rewriting) fails with
 # "SystemError: AST constructor recursion depth mismatch" and the run exits 1.
 import hypothesis  # noqa: F401
 import pytest
+
+
+def _one_default_tls_context() -> None:
+    """The tests' ``httpx.get(...)`` calls (a poll every 50 ms, in places) each
+    build a client, and each client its default TLS context: certifi's whole bundle
+    read, ~40 ms of CPU, even for http:// (the suite's CPU is its wall time on two
+    cores). Here the default context is built once per trust setting and shared,
+    as ``client/transport_http.tls_verify`` does in ckptd itself; any other
+    ``verify=`` (a test's own CA, an SSLContext, False) is built as httpx builds it."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=4)
+    def default(cafile: str | None, capath: str | None) -> Any:
+        return build(verify=True)
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is True and cert is None and trust_env:
+            return default(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+
+
+_one_default_tls_context()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,6 +75,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def healthy(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` answers ``GET /healthz`` with a 200 (plain
+    http.client: a poll that costs no client of its own)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+    try:
+        conn.request("GET", "/healthz")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def listens(pid: int, port: int) -> bool:
@@ -134,14 +175,10 @@ class ServerProcess:
                 if "address already in use" in log.lower():
                     raise PortTaken(log)
                 raise RuntimeError(f"ckptd serve exited early:\n{log}")
-            try:
-                # (the answer must be this process's: another test's server may have
-                # bound the port this one picked, while this one still starts)
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200 and (
-                        listens(self.proc.pid, self.port)):
-                    return
-            except httpx.HTTPError:
-                pass
+            # (the answer must be this process's: another test's server may have
+            # bound the port this one picked, while this one still starts)
+            if healthy(self.port) and listens(self.proc.pid, self.port):
+                return
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"ckptd serve did not answer within {timeout}s:\n{self.log()}")

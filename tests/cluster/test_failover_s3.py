@@ -44,72 +44,72 @@ def test_sigkill_of_the_jobs_home_mid_save(
     monkeypatch.setenv("CKPTD_RETRY_BACKOFF", "0.05")
     cluster = static_cluster(s3_store, tmp_path, 3,
                              {"CKPTD_HEARTBEAT_INTERVAL": str(INTERVAL)})
-    job, world = "failover", 2
-    urls = [r.url for r in cluster.replicas]
-    victim_url, next_url = rank_members(job_key(job), urls)[:2]
-    victim = cluster.replicas[urls.index(victim_url)]
-    ckpts = checkpointers(cluster.urls, job, world, shm)
-    try:
-        assert {r.state for r in save_all(ckpts, 1, dp=1)} >= {"committed"}
-        deadline = time.monotonic() + 10
-        while live_ranks(victim_url, job) != {0, 1} and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert live_ranks(victim_url, job) == {0, 1}
-
-        # Kill the job's home (and the home of a third of the chunks) while step 2
-        # is on its way: it commits through the survivors, or fails typed.
-        handles = []
-        for r, ckpt in enumerate(ckpts):
-            state, shards = rank_state(r, 2, dp=1)
-            handles.append(ckpt.save(2, state, shards=shards))
-        victim.stop(signal.SIGKILL)
-        killed = time.monotonic()
-        back: list[float] = []
-
-        def watch() -> None:  # when the next home lists both ranks again
-            while time.monotonic() - killed < 30:
-                try:
-                    if live_ranks(next_url, job) == {0, 1}:
-                        back.append(time.monotonic() - killed)
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        outcomes: list[Any] = []
-        for h in handles:
-            try:
-                outcomes.append(h.wait(timeout=120).state)
-            except CkptdError as exc:
-                outcomes.append(exc.code)
-        assert all(isinstance(o, str) for o in outcomes), outcomes
-
-        # The job's soft state is rebuilt at the next replica in its rendezvous
-        # order from the next heartbeats: the ranks are listed again within about
-        # one heartbeat interval of the failover.
-        watcher.join()
-        assert back and back[0] < 2 * INTERVAL + 1.0, back
-
-        # The next step commits through the survivors.
-        results = save_all(ckpts, 3, dp=1)
-        assert "committed" in {r.state for r in results}
-    finally:
-        for ckpt in ckpts:
-            ckpt.close()
-
-    # Nothing durable was lost: a survivor verifies every committed step clean.
-    async def check() -> dict[str, Any]:
-        transport = open_transport(next_url)
+    try:  # (the replicas stop however the test ends)
+        job, world = "failover", 2
+        urls = [r.url for r in cluster.replicas]
+        victim_url, next_url = rank_members(job_key(job), urls)[:2]
+        victim = cluster.replicas[urls.index(victim_url)]
+        ckpts = checkpointers(cluster.urls, job, world, shm)
         try:
-            steps = [s.step for s in await transport.list_steps(job) if s.committed]
-            assert 3 in steps and 1 in steps
-            return await transport.verify(job)
-        finally:
-            await transport.close()
+            assert {r.state for r in save_all(ckpts, 1, dp=1)} >= {"committed"}
+            deadline = time.monotonic() + 10
+            while live_ranks(victim_url, job) != {0, 1} and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert live_ranks(victim_url, job) == {0, 1}
 
-    try:
+            # Kill the job's home (and the home of a third of the chunks) while step 2
+            # is on its way: it commits through the survivors, or fails typed.
+            handles = []
+            for r, ckpt in enumerate(ckpts):
+                state, shards = rank_state(r, 2, dp=1)
+                handles.append(ckpt.save(2, state, shards=shards))
+            victim.stop(signal.SIGKILL)
+            killed = time.monotonic()
+            back: list[float] = []
+
+            def watch() -> None:  # when the next home lists both ranks again
+                while time.monotonic() - killed < 30:
+                    try:
+                        if live_ranks(next_url, job) == {0, 1}:
+                            back.append(time.monotonic() - killed)
+                            return
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.05)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            outcomes: list[Any] = []
+            for h in handles:
+                try:
+                    outcomes.append(h.wait(timeout=120).state)
+                except CkptdError as exc:
+                    outcomes.append(exc.code)
+            assert all(isinstance(o, str) for o in outcomes), outcomes
+
+            # The job's soft state is rebuilt at the next replica in its rendezvous
+            # order from the next heartbeats: the ranks are listed again within about
+            # one heartbeat interval of the failover.
+            watcher.join()
+            assert back and back[0] < 2 * INTERVAL + 1.0, back
+
+            # The next step commits through the survivors.
+            results = save_all(ckpts, 3, dp=1)
+            assert "committed" in {r.state for r in results}
+        finally:
+            for ckpt in ckpts:
+                ckpt.close()
+
+        # Nothing durable was lost: a survivor verifies every committed step clean.
+        async def check() -> dict[str, Any]:
+            transport = open_transport(next_url)
+            try:
+                steps = [s.step for s in await transport.list_steps(job) if s.committed]
+                assert 3 in steps and 1 in steps
+                return await transport.verify(job)
+            finally:
+                await transport.close()
+
         report = asyncio.run(check())
         assert report["ok"], report
     finally:
