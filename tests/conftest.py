@@ -34,7 +34,7 @@ def _one_default_tls_context() -> None:
 
     import httpx._transports.default as transports
 
-    build = transports.create_ssl_context
+    build = getattr(transports, "create_ssl_context")  # noqa: B009 (not re-exported)
 
     @functools.lru_cache(maxsize=4)
     def default(cafile: str | None, capath: str | None) -> Any:
@@ -45,7 +45,7 @@ def _one_default_tls_context() -> None:
             return default(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
         return build(verify=verify, cert=cert, trust_env=trust_env)
 
-    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+    setattr(transports, "create_ssl_context", create_ssl_context)  # noqa: B010
 
 
 _one_default_tls_context()

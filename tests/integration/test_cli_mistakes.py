@@ -211,16 +211,15 @@ def test_store_commands_never_create_a_store(command: list[str], tmp_path: Path)
         assert not (tmp_path / "no").exists()
 
 
-def _save_one(url: str, job: str, shm: Path) -> None:
-    code = (
-        "import sys, torch\n"
-        "from ckptd.client import Checkpointer\n"
-        "with Checkpointer(sys.argv[1], job=sys.argv[2], shm_dir=sys.argv[3]) as c:\n"
-        "    c.save(1, {'w': torch.ones(8)}).wait(60)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code, url, job, str(shm)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+def _save_one(url: str, job: str, shm: Path, torch_ones: int = 8) -> None:
+    """Step 1 of ``job`` (one small tensor) in ``url``: saved here (a process of its
+    own would import torch again, seconds of CPU for each store a test sets up)."""
+    import torch
+
+    from ckptd.client import Checkpointer
+
+    with Checkpointer(url, job=job, shm_dir=str(shm)) as c:
+        assert c.save(1, {"w": torch.ones(torch_ones)}).wait(60).state == "committed"
 
 
 def test_unknown_job_is_exit_2_naming_the_jobs_there(
@@ -247,13 +246,7 @@ def test_restore_into_a_directory_that_refuses_writes_names_it(tmp_path: Path,
     import signal
 
     url = f"file://{tmp_path / 'store'}"
-    code = ("import sys, torch\n"
-            "from ckptd.client import Checkpointer\n"
-            "with Checkpointer(sys.argv[1], job='big', shm_dir=sys.argv[2]) as c:\n"
-            "    c.save(1, {'w': torch.ones(16384)}).wait(60)\n")
-    done = subprocess.run([sys.executable, "-c", code, url, str(shm)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    _save_one(url, "big", shm, torch_ones=16384)
 
     def limit() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
