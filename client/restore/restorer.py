@@ -228,19 +228,25 @@ async def fetch_layout(
 
 
 def _whole(plan: RestorePlan, rank: int, verified: Mapping[str, memoryview]) -> bool:
-    """True when the pool gave every chunk of ``rank``'s manifest of the plan's step.
-    A rank that serves a step is a holder of its whole manifest to the server's
-    planner: a pool holding part of it (a newer save that never committed overwrote
-    the rest) would send a replacement's requests to a peer that answers 404, so it
-    is not served at all."""
+    """True when the pool gave every chunk of ``rank``'s manifest of the plan's step
+    (``serves_whole``)."""
     manifest = plan.manifest if plan.rank == rank else plan.manifests.get(rank)
-    if manifest is None:
-        return False
-    needed = manifest.chunk_ids()
-    if needed - verified.keys():
-        log.info("%s/%d: the staging pool holds %d of the %d chunks of step %d: not "
-                 "served to peers", plan.job, rank, len(needed & verified.keys()),
-                 len(needed), plan.step)
+    return manifest is not None and serves_whole(plan.job, rank, plan.step,
+                                                 manifest.chunk_ids(), verified)
+
+
+def serves_whole(job: str, rank: int, step: int, needed: set[str],
+                 verified: Mapping[str, memoryview]) -> bool:
+    """True when ``verified`` holds every chunk of ``needed`` (a rank's manifest of
+    ``step``). A rank that serves a step is a holder of its whole manifest to the
+    server's planner: a pool holding part of it (a newer save that never committed
+    overwrote the rest) would send a replacement's requests to a peer that answers
+    404, so it is not served at all (said in the log)."""
+    held = len(needed & verified.keys())
+    if held < len(needed):
+        if held:
+            log.info("%s/%d: the staging pool holds %d of the %d chunks of step %d: not "
+                     "served to peers", job, rank, held, len(needed), step)
         return False
     return True
 
@@ -448,10 +454,7 @@ async def adopt_pool(
                     break
 
     await in_thread(check)
-    if len(verified) < len(needed):  # (served whole or not at all: see _whole)
-        if verified:
-            log.info("%s/%d: the staging pool holds %d of the %d chunks of step %d: not "
-                     "served to peers", job, rank, len(verified), len(needed), step)
+    if not serves_whole(job, rank, step, needed, verified):
         pool.close()
         return step, None, None
     log.info("%s/%d: staging pool holds the %d chunks of step %d", job, rank,
