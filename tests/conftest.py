@@ -71,10 +71,51 @@ def _worker_shm() -> Iterator[None]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+_PORT_SLICE = 2000  # ports per pytest process (an xdist worker, or a plain run)
+_ports: Iterator[int] | None = None
+
+
+def _port_candidates() -> Iterator[int]:
+    """This process's own slice of ports below the kernel's ephemeral range: a port
+    picked by binding port 0 comes from that range, which every outgoing connection
+    of the suite (thousands) draws its local port from too, so between the pick and
+    a server's bind a connection could take it (a server that then cannot bind, or
+    a script that gives up). Below the range, and one slice per xdist worker, no
+    connection and no other worker picks it. Starts at a random place in the slice
+    (a port of a run just before may still be in TIME_WAIT) and goes round."""
+    import contextlib
+    import itertools
+    import random
+
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    slices = max(0, (low - 12000) // _PORT_SLICE)
+    if not slices:  # no room below the ephemeral range: the kernel's pick
+        while True:
+            yield 0
+    first = 12000 + (index % slices) * _PORT_SLICE
+    start = random.randrange(_PORT_SLICE)
+    for offset in itertools.cycle(range(_PORT_SLICE)):
+        yield first + (start + offset) % _PORT_SLICE
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 that nothing listens on or holds now, from this test
+    process's own slice (see ``_port_candidates``)."""
+    global _ports
+    if _ports is None:
+        _ports = _port_candidates()
+    for _ in range(_PORT_SLICE):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", next(_ports)))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free port in this test process's slice")
 
 
 def healthy(port: int) -> bool:

@@ -27,10 +27,17 @@ stop() {
 trap stop EXIT
 trap 'exit 0' INT TERM
 
-wait_http() {  # URL SECONDS
-    "$PYTHON" - "$1" "$2" <<'PY'
-import sys, time, urllib.request
-url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+wait_http() {  # URL SECONDS PID LOG: until URL answers; fails early if PID exits
+    "$PYTHON" - "$@" <<'PY'
+import os, sys, time, urllib.request
+url, seconds, pid, log = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+deadline = time.monotonic() + seconds
+def gone(why):
+    try:
+        tail = open(log, errors="replace").read().splitlines()[-15:]
+    except OSError:
+        tail = []
+    sys.exit("\n".join([f"{url} {why}; the end of {log}:", *tail]))
 while time.monotonic() < deadline:
     try:
         urllib.request.urlopen(url, timeout=1)
@@ -38,8 +45,20 @@ while time.monotonic() < deadline:
     except OSError as exc:
         if getattr(exc, "code", None):  # an HTTP answer: the server is up
             sys.exit(0)
-        time.sleep(0.2)
-sys.exit(f"{url} did not answer")
+    try:  # a child that exited stays a zombie until the shell reaps it
+        exited = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        exited = os.path.isdir("/proc/self")
+    except OSError:  # no /proc (macOS): whether the pid is there at all
+        try:
+            os.kill(pid, 0)
+            exited = False
+        except ProcessLookupError:
+            exited = True
+    if exited:
+        gone(f"never answered: process {pid} exited")
+    time.sleep(0.2)
+gone(f"did not answer in {seconds:g} s")
 PY
 }
 
@@ -49,7 +68,7 @@ if [[ -z "${S3_ENDPOINT:-}" ]]; then
     export AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-testing}
     "$PYTHON" -m moto.server -H 127.0.0.1 -p "${S3_PORT:-9000}" > "$LOG_DIR/s3.log" 2>&1 &
     pids+=($!)
-    wait_http "$S3_ENDPOINT" 60
+    wait_http "$S3_ENDPOINT" 60 "$!" "$LOG_DIR/s3.log"
 fi
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
 "$PYTHON" - "$S3_ENDPOINT" "$BUCKET" <<'PY'
@@ -67,7 +86,11 @@ for port in "${ports[@]}"; do
         --peers "$peers" --no-access-log > "$LOG_DIR/ckptd-$port.log" 2>&1 &
     pids+=($!)
 done
-for port in "${ports[@]}"; do wait_http "http://127.0.0.1:$port/healthz" 120; done
+for i in "${!ports[@]}"; do
+    port=${ports[$i]}
+    wait_http "http://127.0.0.1:$port/healthz" 120 "${pids[$((${#pids[@]} - ${#ports[@]} + i))]}" \
+        "$LOG_DIR/ckptd-$port.log"
+done
 echo "ready $peers"
 echo "logs in $LOG_DIR" >&2
 while true; do sleep 1; done

@@ -303,13 +303,15 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
     env = {**s3_env(), "PYTHON": sys.executable, "PORTS": " ".join(map(str, ports)),
            "S3_PORT": str(free_port()), "LOG_DIR": str(tmp_path),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", str(DEPLOY / "compose" / "local-cluster.sh")], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    errors = tmp_path / "script.err"
+    with errors.open("wb") as sink:
+        proc = subprocess.Popen(["bash", str(DEPLOY / "compose" / "local-cluster.sh")], env=env,
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=sink,
+                                start_new_session=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
-        assert line.startswith("ready "), line
+        assert line.startswith("ready "), (line, errors.read_text(errors="replace")[-3000:])
         urls = line.removeprefix("ready ")
         assert urls.split(",") == [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls.split(","):

@@ -170,11 +170,13 @@ def test_retention_file_with_rules_for_other_jobs_says_so(saved_store: str,
 def test_gc_through_a_server_says_what_it_waits_for(server: ServerProcess) -> None:
     import httpx
 
-    started = httpx.post(f"{server.url}/v1/gc/runs", params={"grace": 3}, timeout=10)
+    # A grace that outlasts the CLI's start on a loaded 2-core machine (3 s did not:
+    # the run had ended, and the CLI's gc was a run of its own).
+    started = httpx.post(f"{server.url}/v1/gc/runs", params={"grace": 10}, timeout=10)
     assert started.status_code == 202, started.text
     joined = ckptd("gc", "--grace", "0", "--url", server.url)
     assert joined.returncode == 0, joined.stderr
-    assert "already under way" in joined.stderr and "grace 3 s" in joined.stderr, joined.stderr
+    assert "already under way" in joined.stderr and "grace 10 s" in joined.stderr, joined.stderr
     assert "not the 0 s asked" in joined.stderr, joined.stderr
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}

@@ -18,6 +18,7 @@ from tests.multinode.outcomes import (
     Outcome,
     assert_bitwise,
     assert_one_launch_per_step,
+    expect_steps,
     restores_after,
 )
 
@@ -67,4 +68,7 @@ def test_a_slow_node_gets_a_snapshot_before_it_dies_and_the_job_redoes_only_the_
     # Redone: the steps from the snapshot to where node2 died, not those since step 100.
     assert taken <= died_at < 200, (taken, died_at)
     launches = assert_one_launch_per_step(server, node1, world=4)
-    assert set(launches) == {0, 100, taken, 200}
+    # Any other committed step is a snapshot the probe asked for after the restore (on
+    # a loaded host the replacement's steps can be slow too); one before the kill would
+    # have been the step restored, which the assertion above pins to ``taken``.
+    expect_steps(server, node1, launches, {0, 100, taken, 200})

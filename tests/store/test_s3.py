@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -33,14 +32,9 @@ from ckptd.repository import Repository  # noqa: E402
 from ckptd.store import S3Store, open_store  # noqa: E402
 from ckptd.store.base import Store  # noqa: E402
 from ckptd.testing.store_conformance import StoreConformance  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 BUCKET = "ckptd-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _OneRequestAtATime:
