@@ -99,14 +99,24 @@ def test_readme_loop_warns_with_on_error_warn(tmp_path: Path) -> None:
 def test_readme_loop_goes_back_after_a_nan_loss_and_carries_on(tmp_path: Path) -> None:
     """Rank 1's loss goes NaN at step 120: the job is marked for rollback to step
     100, every rank ends its process, torchrun restarts them, they restore step
-    100 and are not rolled back again; step 200 commits and ends the rollback."""
+    100 and are not rolled back again; the next commit (step 200, or a snapshot the
+    health probe asked for on the way) ends the rollback."""
     def server_says(server: ServerProcess) -> None:
         base = f"{server.url}/v1/jobs/llm-7b"
         assert httpx.get(f"{base}/rollback").json() == {"rollback_to": None, "epoch": 1}
         events = httpx.get(f"{base}/events").json()["events"]
-        assert [(e["kind"], e["step"]) for e in events if e["kind"].startswith("rollback")] \
-            == [("rollback_set", 100), ("rollback_cleared", 200)]
-        assert httpx.get(f"{base}/steps/200").json()["meta"]["epoch"] == 1
+        rollbacks = [(e["kind"], e["step"]) for e in events if e["kind"].startswith("rollback")]
+        assert [kind for kind, _ in rollbacks] == ["rollback_set", "rollback_cleared"], rollbacks
+        (_, to), (_, cleared) = rollbacks
+        assert to == 100, rollbacks
+        # On a loaded host a slow step asks for a snapshot, and its commit is the first
+        # after the restart: it ends the rollback as step 200's would have (failed 1 of
+        # ~10 full runs on the 2-core VM with 193, a snapshot the probe asked for).
+        if cleared != 200:
+            meta = httpx.get(f"{base}/steps/{cleared}").json()["meta"]
+            assert 100 < cleared < 200 and meta.get("reason") == "health", (cleared, meta)
+        for step in {cleared, 200}:
+            assert httpx.get(f"{base}/steps/{step}").json()["meta"]["epoch"] == 1
 
     results = _run(tmp_path, "nan", "--nan-rank", "1", "--nan-at", "120", restarts=1,
                    then=server_says)
