@@ -338,3 +338,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return path if path in _BUILD_ONCE else nodeid
 
     return HeavyApart(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """With CKPTD_TEST_CPU_REPORT=FILE, each test's CPU seconds (this process's, and
+    its reaped children's: the servers, CLI commands and torchrun jobs it started) are
+    appended to FILE, one tab-separated line per test: the suite's wall time on CI's
+    two cores is its CPU, and this says where it goes (docs/development.md)."""
+    report = os.environ.get("CKPTD_TEST_CPU_REPORT")
+    if not report:
+        return (yield)
+    import resource
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    own, children = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    try:
+        return (yield)
+    finally:
+        own, children = cpu(resource.RUSAGE_SELF) - own, cpu(resource.RUSAGE_CHILDREN) - children
+        with open(report, "a") as out:
+            out.write(f"{own + children:.2f}\t{own:.2f}\t{children:.2f}\t{item.nodeid}\n")
