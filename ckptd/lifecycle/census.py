@@ -30,10 +30,10 @@ from typing import Any
 
 from ckptd.errors import CkptdError, NotFound, StoreError
 from ckptd.format import check_job, check_step, commit_key, manifest_key
+from ckptd.lifecycle.book_views import SUMMARY_MIN_BYTES, Begun, BookError, BookView
 from ckptd.lifecycle.capacity import JobSpace, StepSpace, StoreSpace, disk_space
 from ckptd.lifecycle.census_worker import Worker, WorkerLost
 from ckptd.lifecycle.gc import _CHUNK_KEY
-from ckptd.lifecycle.space_book import SUMMARY_MIN_BYTES, Begun, BookError, BookView
 from ckptd.repository import Repository
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,13 @@ import struct
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptd.errors import CkptdError
-from ckptd.lifecycle.space_book import Begun, BookError, BookView, JobView, SpaceBook
+from ckptd.lifecycle.book_views import Begun, BookError, BookView, JobView
+
+if TYPE_CHECKING:
+    from ckptd.lifecycle.space_book import SpaceBook
 
 _HEAD = struct.Struct("<I")
 _FRAME = struct.Struct("<Q")
@@ -102,6 +105,8 @@ def main() -> None:
     if niceness:
         with contextlib.suppress(OSError):
             os.nice(niceness)
+    from ckptd.lifecycle.space_book import SpaceBook
+
     book = SpaceBook()
     read, write = sys.stdin.buffer, sys.stdout.buffer
     while (message := _read_message(read)) is not None:
@@ -123,13 +128,20 @@ def main() -> None:
 # -- the parent --------------------------------------------------------------------------
 
 
+def _inline_book() -> SpaceBook:
+    from ckptd.lifecycle.space_book import SpaceBook
+
+    return SpaceBook()
+
+
 class Worker:
     """Calls a book: in a child process (``process``), or on a thread here."""
 
     def __init__(self, *, process: bool, niceness: int = 10) -> None:
         self.process = process
         self.niceness = niceness  # the child's, below the server's
-        self._book = SpaceBook()  # (inline only)
+        # Inline only: a server's book is its child's (numpy is imported there).
+        self._book: SpaceBook | None = None if process else _inline_book()
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self.starts = 0  # child processes started, the first included
@@ -139,6 +151,7 @@ class Worker:
         the book raised it, ``WorkerLost`` when the child died or the call was cut
         off (the next call starts a new child, with an empty book)."""
         if not self.process:
+            assert self._book is not None  # (not a process: an inline book)
             return await asyncio.to_thread(getattr(self._book, method), *args), 0.0
         async with self._lock:
             child = await self._started()

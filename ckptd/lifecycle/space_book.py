@@ -24,13 +24,12 @@ from typing import Any, Final
 import blake3
 import numpy as np
 
+from ckptd.lifecycle.book_views import Begun, BookError, BookView, JobView
+
 # (Nothing here imports pydantic or ckptd.format: the worker starts in a fifth of
 # the time, and parses its documents itself.)
 
 SPACE_FORMAT: Final = "ckptd.step_space"
-# Steps whose rank manifests add up to less than this are counted from them again
-# (cheaper than another document to read); larger ones get a space summary.
-SUMMARY_MIN_BYTES: Final = 4 << 20
 
 _IDS = np.dtype(">u8")  # a chunk id's first 8 bytes, as stored in a summary
 _SIZES = np.dtype("<u4")  # chunk sizes: at most 256 MiB
@@ -46,11 +45,6 @@ def canonical(doc: dict[str, Any]) -> bytes:
     """The format's canonical JSON (docs/FORMAT.md, ``ckptd.format.canonical_json``)."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
-
-
-class BookError(Exception):
-    """A document the book could not count (damaged, or a newer ckptd's); its text
-    names the document. Plain, so that it crosses the process boundary."""
 
 
 class _Newer(ValueError):
@@ -91,33 +85,6 @@ def _commit_record(data: bytes) -> tuple[str, int, list[str], int, int]:
         hashes.append(ref["hash"])
         total += ref["size"]
     return doc["job"], doc["step"], hashes, total, report["logical_bytes"]
-
-
-@dataclass(frozen=True, slots=True)
-class Begun:
-    """What a commit record says that its counting needs."""
-
-    world_size: int
-    manifest_bytes: int  # the rank manifests' sizes, summed
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class JobView:
-    job: str
-    stored_bytes: int
-    logical_bytes: int
-    steps: tuple[tuple[int, int, int], ...]  # (step, logical bytes, unique bytes)
-
-
-@dataclass(frozen=True, slots=True)
-class BookView:
-    jobs: tuple[JobView, ...]
-    referenced_chunks: int  # distinct chunks that counted steps name
-    referenced_bytes: int
-    references: int  # (step, chunk) pairs held: the book's size, 12 bytes each
-    new_chunks: int = 0  # referenced now, not in the last listing of chunks/ (``listed``)
-    new_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 
 from ckptd.format import RankManifest, commit_key, manifest_key
 from ckptd.hashing import chunk_id, chunk_spans
+from ckptd.lifecycle.book_views import SUMMARY_MIN_BYTES
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census, census, space_key
 from ckptd.lifecycle.gc import collect_garbage
 from ckptd.lifecycle.retention import RetentionPolicy, forget
-from ckptd.lifecycle.space_book import SUMMARY_MIN_BYTES, canonical, manifest_chunks
+from ckptd.lifecycle.space_book import canonical, manifest_chunks
 from ckptd.repository import Repository
 from ckptd.store import LocalStore, MemoryStore
 from ckptd.store.base import Store
