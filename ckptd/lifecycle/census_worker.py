@@ -105,9 +105,7 @@ def main() -> None:
     if niceness:
         with contextlib.suppress(OSError):
             os.nice(niceness)
-    from ckptd.lifecycle.space_book import SpaceBook
-
-    book = SpaceBook()
+    book = _new_book()
     read, write = sys.stdin.buffer, sys.stdout.buffer
     while (message := _read_message(read)) is not None:
         method, args = message
@@ -125,13 +123,15 @@ def main() -> None:
         write.flush()
 
 
-# -- the parent --------------------------------------------------------------------------
-
-
-def _inline_book() -> SpaceBook:
+def _new_book() -> SpaceBook:
+    """An empty book, numpy imported with it: in the worker's process, or inline
+    (the CLI); a server that starts a worker never imports either."""
     from ckptd.lifecycle.space_book import SpaceBook
 
     return SpaceBook()
+
+
+# -- the parent --------------------------------------------------------------------------
 
 
 class Worker:
@@ -141,7 +141,7 @@ class Worker:
         self.process = process
         self.niceness = niceness  # the child's, below the server's
         # Inline only: a server's book is its child's (numpy is imported there).
-        self._book: SpaceBook | None = None if process else _inline_book()
+        self._book: SpaceBook | None = None if process else _new_book()
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self.starts = 0  # child processes started, the first included

@@ -17,6 +17,7 @@ BUCKET=${BUCKET:-ckptd}
 PREFIX=${PREFIX:-checkpoints}
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t ckptd-cluster.XXXXXX)}
 pids=()
+replicas=()  # PORT:PID of each ckptd serve
 
 stop() {
     trap - EXIT INT TERM
@@ -38,6 +39,17 @@ def gone(why):
     except OSError:
         tail = []
     sys.exit("\n".join([f"{url} {why}; the end of {log}:", *tail]))
+def exited(pid):
+    try:  # (Linux: a child that exited is a zombie until the shell reaps it)
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        if os.path.isdir("/proc/self"):
+            return True  # no such process
+    try:  # no /proc (macOS)
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
 while time.monotonic() < deadline:
     try:
         urllib.request.urlopen(url, timeout=1)
@@ -45,17 +57,7 @@ while time.monotonic() < deadline:
     except OSError as exc:
         if getattr(exc, "code", None):  # an HTTP answer: the server is up
             sys.exit(0)
-    try:  # a child that exited stays a zombie until the shell reaps it
-        exited = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        exited = os.path.isdir("/proc/self")
-    except OSError:  # no /proc (macOS): whether the pid is there at all
-        try:
-            os.kill(pid, 0)
-            exited = False
-        except ProcessLookupError:
-            exited = True
-    if exited:
+    if exited(pid):
         gone(f"never answered: process {pid} exited")
     time.sleep(0.2)
 gone(f"did not answer in {seconds:g} s")
@@ -85,11 +87,11 @@ for port in "${ports[@]}"; do
     "$PYTHON" -m ckptd serve --store "$store" --host 127.0.0.1 --port "$port" \
         --peers "$peers" --no-access-log > "$LOG_DIR/ckptd-$port.log" 2>&1 &
     pids+=($!)
+    replicas+=("$port:$!")
 done
-for i in "${!ports[@]}"; do
-    port=${ports[$i]}
-    wait_http "http://127.0.0.1:$port/healthz" 120 "${pids[$((${#pids[@]} - ${#ports[@]} + i))]}" \
-        "$LOG_DIR/ckptd-$port.log"
+for replica in "${replicas[@]}"; do
+    port=${replica%%:*}
+    wait_http "http://127.0.0.1:$port/healthz" 120 "${replica##*:}" "$LOG_DIR/ckptd-$port.log"
 done
 echo "ready $peers"
 echo "logs in $LOG_DIR" >&2
