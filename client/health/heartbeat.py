@@ -110,8 +110,8 @@ class Heartbeat:
         self.on_peer_token: Callable[[str], None] | None = None
         self._peer_url_refused: str | None = None
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
-        # One try per beat: a heartbeat that does not get through is sent again at the
-        # next interval anyway (routing still moves to a live replica within it).
+        # No retries with backoff: a heartbeat that does not get through is sent again
+        # at the next interval anyway. One lost on the way is resent at once (beat_now).
         self.transport = SyncTransport(self.url, token, timeout=timeout, retries=0)
         self._step: int | None = None
         self._held_step: int | None = None
@@ -214,9 +214,18 @@ class Heartbeat:
             if self._stop.is_set():
                 return None
             self._check_pending()
+            body = self.body()
             t0 = time.perf_counter()
             try:
-                answer = self.transport.heartbeat(self.job, self.rank, self.body())
+                try:
+                    answer = self.transport.heartbeat(self.job, self.rank, body)
+                except Unavailable:
+                    # Lost mid-way (its replica died under it, or dropped the pooled
+                    # connection): sent again at once. The resend connects afresh, a dead
+                    # replica refuses it and routing takes it to the next one, where it
+                    # would otherwise wait a whole interval (the job's liveness with it).
+                    t0 = time.perf_counter()
+                    answer = self.transport.heartbeat(self.job, self.rank, body)
             except CkptdError as exc:
                 self.failures += 1
                 # An answer that came (a refusal) still measured the round trip.

@@ -1,0 +1,53 @@
+"""A heartbeat whose replica dies while it is under way reaches the next replica at
+once, not an interval later: the job's liveness must not wait on a replica's death."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+from ckptd.client.health.heartbeat import Heartbeat
+from ckptd.cluster import home, job_key
+from tests.cluster.conftest import Replica
+
+
+def _job_at_home(url: str, urls: list[str]) -> str:
+    """A job name whose home replica is ``url``."""
+    return next(j for j in (f"beat-{i}" for i in range(1000)) if home(job_key(j), urls) == url)
+
+
+def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(tmp_path: Path) -> None:
+    a = Replica(str(tmp_path / "store"), tmp_path)
+    b = Replica(str(tmp_path / "store"), tmp_path)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}"]
+    hb: Heartbeat | None = None
+    try:
+        a.start(), b.start()
+        job = _job_at_home(a.url, [a.url, b.url])
+        # A long interval: only the beats this test sends go.
+        hb = Heartbeat(f"{a.url},{b.url}", job, 0, 1, interval=600.0, timeout=20.0)
+        assert hb.beat_now() is not None  # to its home, a; the connection stays open
+        assert a.proc is not None
+        # a stops with the next beat in its socket, then dies: the beat is lost mid-way.
+        a.proc.send_signal(signal.SIGSTOP)
+        replies: list[object] = []
+        sender = threading.Thread(target=lambda: replies.append(hb.beat_now()))
+        t0 = time.monotonic()
+        sender.start()
+        time.sleep(0.5)
+        a.stop(signal.SIGKILL)
+        sender.join(30.0)
+        took = time.monotonic() - t0
+        assert not sender.is_alive()
+        assert replies and replies[0] is not None, "the beat was lost with its replica"
+        assert hb.failures == 0 and hb.beats == 2
+        assert took < 10.0, f"the beat reached the next replica only after {took:.1f}s"
+        status = b.cluster()
+        assert status["mode"] == "static"
+    finally:
+        if hb is not None:
+            hb.stop()
+        a.stop(), b.stop()
