@@ -540,6 +540,10 @@ class CommitRecord(_Document):
         record = _load(cls, data, COMMIT_FORMAT, "commit record")
         check_job(record.job)
         check_step(record.step)
+        if not 1 <= record.world_size <= MAX_WORLD_SIZE:  # (a step of no ranks is no step)
+            raise InvalidDocument(
+                f"commit record: world_size {record.world_size!r} must be in "
+                f"[1, {MAX_WORLD_SIZE}]", field="world_size")
         if [m.rank for m in record.manifests] != list(range(record.world_size)):
             raise InvalidDocument("commit record must name one manifest per rank, in order")
         return record

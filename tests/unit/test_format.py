@@ -192,6 +192,10 @@ def test_commit_record_and_ref_bytes() -> None:
         b'"sharded_entries":0,"tensors":1,"warnings":[]},"step":2,"version":1,"world_size":1}'
     )
     assert CommitRecord.parse(record.canonical()) == record
+    # A record of no ranks names no manifest "in order" trivially: refused all the same.
+    empty = record.model_copy(update={"world_size": 0, "manifests": []})
+    with pytest.raises(InvalidDocument, match="world_size 0"):
+        CommitRecord.parse(empty.canonical())
     ref = Ref(step=2, commit=record.digest())
     assert ref.canonical() == (
         b'{"commit":"' + record.digest().encode() + b'","format":"ckptd.ref","step":2,"version":1}'
