@@ -208,7 +208,7 @@ async def _send_held(send: Send, parts: list[memoryview], timeout: float) -> boo
     "/missing",
     response_model=MissingResponse,
     summary="Which of these chunks the store lacks (and lease them to a claimer)",
-    responses=error_responses(413),
+    responses=error_responses(413, 415),
     dependencies=scope(CHUNK_WRITE),
 )
 async def missing_chunks(
@@ -402,7 +402,7 @@ async def get_chunk(
             "the caller's job's).",
             "headers": {CHUNK_SIZES_HEADER: {"schema": {"type": "string"}}},
         },
-        **error_responses(413),
+        **error_responses(413, 415),
     },
 )
 async def read_chunks(

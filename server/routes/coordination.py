@@ -35,6 +35,7 @@ def event_body(event: Event) -> EventBody:
     "/{job}/snapshot-requests",
     response_model=SnapshotReply,
     summary="Ask every rank to snapshot a little ahead of the fastest live rank",
+    responses=error_responses(413, 415),
     dependencies=scope(WRITE),
 )
 async def request_snapshot(
@@ -57,7 +58,7 @@ async def request_snapshot(
     "/{job}/rollback",
     response_model=RollbackReply,
     summary="Mark the job to go back to a committed step (durable, a ref in the store)",
-    responses=error_responses(404, 409),
+    responses=error_responses(404, 409, 413, 415),
     dependencies=scope(WRITE),
 )
 async def set_rollback(

@@ -87,7 +87,7 @@ async def read_commit(job: JobDep, step: StepDep, repo: RepoDep) -> CommitRecord
     "/{job}/steps/{step}/commit",
     response_model=CommitResponse,
     summary="Commit a step once all its ranks' manifests are in and agree",
-    responses=error_responses(404, 409),
+    responses=error_responses(404, 409, 413, 415),
     dependencies=scope(WRITE),
 )
 async def commit(

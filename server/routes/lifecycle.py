@@ -175,7 +175,7 @@ async def list_tags(job: JobDep, repo: RepoDep) -> dict[str, int]:
     "/jobs/{job}/tags/{name}",
     dependencies=scope(WRITE),
     summary="Tag a committed step (retention keeps it)",
-    responses=error_responses(404, 409),
+    responses=error_responses(404, 409, 413, 415),
 )
 async def put_tag(job: JobDep, name: str, repo: RepoDep,
                   body: Annotated[TagBody, Body()]) -> dict[str, int]:

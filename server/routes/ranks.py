@@ -73,6 +73,7 @@ def rank_status(view: RankView) -> RankStatus:
     "/{job}/ranks/{rank}/heartbeat",
     response_model=HeartbeatReply,
     summary="A rank is alive: its step, held step, peer URL and health",
+    responses=error_responses(413, 415),
     dependencies=scope(WRITE),
 )
 async def heartbeat(

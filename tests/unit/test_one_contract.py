@@ -197,3 +197,20 @@ def test_a_streamed_verify_report_is_read_with_the_routes_model() -> None:
     assert calls.verify_report(report.model_dump(mode="json")) == report
     with pytest.raises(InvalidDocument):
         calls.verify_report({"job": "j"})
+
+
+def test_every_json_body_documents_its_refusals(openapi: dict[str, Any]) -> None:
+    """A route that reads a JSON body refuses one sent as another media type (415)
+    or over the limit (413), before it parses it (``server/routing.py``): its
+    OpenAPI answers say so, for clients generated from the document."""
+    bodies = 0
+    for template, item in openapi["paths"].items():
+        for method, op in item.items():
+            if "application/json" not in op.get("requestBody", {}).get("content", {}):
+                continue
+            bodies += 1
+            for status in ("413", "415"):
+                assert status in op["responses"], f"{method.upper()} {template} lacks {status}"
+                schema = op["responses"][status]["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorBody"}
+    assert bodies >= 8
