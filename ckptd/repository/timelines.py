@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
+import zlib
 
 from ckptd.documents import parse_stored
 from ckptd.errors import Conflict, NotFound, StoreError, Superseded
@@ -14,14 +16,27 @@ from ckptd.repository.results import RollbackSet
 
 log = logging.getLogger(__name__)
 
+_STRIPES = 64
+
 
 class Timelines(StoredReads):
     """Rollbacks and timelines: the marker that sends a job back to a committed
     step, and the epoch that refuses work saved before it."""
 
+    # Rollbacks of one job, one at a time in this process, per event loop (an asyncio
+    # lock belongs to one; a server runs one): see ``set_rollback``.
+    _rollback_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[asyncio.Lock]]
+
     @staticmethod
     def _rollback_key(job: str) -> str:
         return f"{job_prefix(job)}refs/rollback"
+
+    def _rollback_lock(self, job: str) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        stripes = self._rollback_locks.get(loop)
+        if stripes is None:
+            stripes = self._rollback_locks[loop] = [asyncio.Lock() for _ in range(_STRIPES)]
+        return stripes[zlib.crc32(job.encode("utf-8")) % _STRIPES]
 
     async def read_rollback(self, job: str) -> Ref | None:
         """The job's rollback marker (a Ref to a committed step), or None."""
@@ -66,7 +81,18 @@ class Timelines(StoredReads):
         ``from_epoch`` is the timeline the asking rank is in. A rank that has not yet
         rolled back to the latest rollback asks from an ended timeline: while that
         rollback is marked, its request is already answered, and the current marker
-        and epoch come back unchanged."""
+        and epoch come back unchanged.
+
+        One at a time per job in this process: every rank of a job sees the same NaN
+        and asks at once, and its requests meet at the job's home replica. Without the
+        lock a second asker could find the new timeline written but not yet its
+        marker, and start a timeline of its own (refusing the saves of the ranks that
+        had rolled back to the first)."""
+        async with self._rollback_lock(check_job(job)):
+            return await self._start_rollback(job, step, from_epoch)
+
+    async def _start_rollback(self, job: str, step: int, from_epoch: int | None
+                              ) -> RollbackSet:
         record = await self.read_commit(job, step)
         new = Ref(step=step, commit=record.digest())
         # The timeline first: between the two writes, saves are refused until the

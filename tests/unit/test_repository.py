@@ -606,6 +606,22 @@ async def test_a_rollback_asked_from_an_ended_timeline_is_the_same_rollback(repo
     assert (done.marker.step, done.epoch, done.started) == (2, 4, True)
 
 
+async def test_ranks_asking_at_once_from_one_timeline_start_one_rollback(repo: Repository
+                                                                           ) -> None:
+    """Every rank sees the same NaN and asks in the same moment: one new timeline,
+    not one per rank (each would refuse the saves of the ranks that rolled back to the
+    one before it). The first asker's step is the rollback; the others get it."""
+    await commit_all(repo, 1)
+    await commit_all(repo, 2)
+    asks = [repo.set_rollback(JOB, 1 + rank % 2, from_epoch=0) for rank in range(8)]
+    done = await asyncio.gather(*asks)
+    assert {d.epoch for d in done} == {1}
+    assert sum(d.started for d in done) == 1
+    assert len({d.marker for d in done}) == 1
+    marker, epoch = await repo.rollback_state(JOB)
+    assert (marker, epoch) == (done[0].marker, 1)
+
+
 async def test_the_marker_and_epoch_are_read_as_one_pair(repo: Repository, store: Store) -> None:
     """Between set_rollback's two writes (timeline, then marker) a reader must not
     get the previous marker with the new epoch."""
