@@ -121,7 +121,7 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     from ckptd.client.integrations.safetensors import export_safetensors, parse_size
 
     try:
-        limit = parse_size(max_shard_size)
+        limit = parse_size(max_shard_size, "--max-shard-size")
     except CkptdError as exc:
         _fail(exc)
         return

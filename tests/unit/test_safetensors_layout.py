@@ -47,7 +47,11 @@ def test_a_whole_number_of_bytes_is_a_size_whatever_its_type(number: object, siz
 def test_bad_sizes_are_a_usage_mistake(text: object) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_size(text)  # type: ignore[arg-type]
-    assert "\n" not in str(info.value) and "max-shard-size" in str(info.value)
+    # Named as the Python API's caller wrote it; the CLI names its option.
+    assert "\n" not in str(info.value) and "max_shard_size" in str(info.value)
+    assert "--" not in str(info.value)
+    with pytest.raises(InvalidRequest, match="--max-shard-size"):
+        parse_size(text, "--max-shard-size")  # type: ignore[arg-type]
 
 
 def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32

@@ -61,10 +61,11 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | int | float, name: str = "max_shard_size") -> int:
     """``5GB`` (Hugging Face's decimal units: 5 x 10^9), ``500MB``, ``2GiB`` (binary),
-    or a number of bytes (``1.5e9`` too): a whole number of them, more than 0."""
-    said = f"--max-shard-size {text!r}"
+    or a number of bytes (``1.5e9`` too): a whole number of them, more than 0.
+    ``name``: what the caller called it (the argument; the CLI's option)."""
+    said = f"{name} {text!r}"
     if isinstance(text, str):
         m = _SIZE.fullmatch(text)
         if m is None:
@@ -82,7 +83,7 @@ def parse_size(text: str | int | float) -> int:
         raise InvalidRequest(f"{said} is not a whole number of bytes ({float(exact)}); "
                              "round it")
     if exact <= 0:
-        raise InvalidRequest(f"--max-shard-size must be more than 0 bytes, not {text!r}")
+        raise InvalidRequest(f"{name} must be more than 0 bytes, not {text!r}")
     return int(exact)
 
 
