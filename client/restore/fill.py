@@ -8,6 +8,7 @@ tensor is filled in place.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,11 +134,15 @@ def _build(
     """The value of ``node``, reusing (and filling) ``existing`` where it fits."""
     ((kind, body),) = node.items()
     if kind == "value":
-        return body
+        return _as_member(existing, body)
     if kind == "float":
-        return float(body)
+        return _as_member(existing, float(body))
     if kind == "bytes":
-        return tensors[body].contiguous().numpy().tobytes()
+        data = tensors[body].contiguous().numpy().tobytes()
+        if isinstance(existing, bytearray):  # kept, filled in place (as a tensor is)
+            existing[:] = data
+            return existing
+        return data
     if kind == "tensor":
         restored = tensors[body]
         if restored is existing:  # filled where it lies (its own memory, or on its device)
@@ -182,3 +187,16 @@ def _build(
             for i, child in enumerate(body)
         )
     raise RestoreError(f"unknown tree node {kind!r} at {path_str(path)}")
+
+
+def _as_member(existing: Any, value: Any) -> Any:
+    """``value`` as the member of the target's enum that has it (an ``IntEnum`` the
+    target holds stays one: the checkpoint holds its value, a plain int), or as it is.
+    Only the target's own class is looked up, by value: nothing from the store names
+    a class."""
+    if isinstance(existing, enum.Enum) and type(value) is not bool:
+        try:
+            return type(existing)(value)
+        except ValueError:  # (not a value of that enum: the checkpoint's value wins)
+            return value
+    return value

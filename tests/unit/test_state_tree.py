@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import OrderedDict, namedtuple
 from collections.abc import Iterator
@@ -314,6 +315,38 @@ def test_fill_resizes_lists_and_replaces_other_types() -> None:
     assert target["t"][0] is keep and torch.equal(keep, torch.ones(1)) and target["t"][1] == 2
     assert target["x"] == {"a": 1}
     assert torch.equal(target["v"], torch.ones(2))
+
+
+class Phase(enum.IntEnum):
+    WARMUP = 1
+    DECAY = 2
+
+
+class Mode(enum.StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+def test_fill_keeps_the_targets_enums_and_bytearrays() -> None:
+    """The manifest holds an enum's value and a bytearray's bytes, plainly: a target
+    that holds an enum member or a bytearray there gets them back as such."""
+    src = {"phase": Phase.DECAY, "mode": Mode.EVAL, "blob": bytearray(b"new bytes"),
+           "odd": 7, "flag": True}
+    flat = flatten(src)
+    assert flat.tree["dict"][0] == ["phase", {"value": 2}]  # (what the format holds)
+    blob = bytearray(b"old")
+    target: dict[str, Any] = {"phase": Phase.WARMUP, "mode": Mode.TRAIN, "blob": blob,
+                              "odd": Phase.WARMUP, "flag": Phase.WARMUP}
+    fill(target, flat.tree, {n: t.clone() for n, t in flat.tensors})
+    assert target["phase"] is Phase.DECAY and target["mode"] is Mode.EVAL
+    assert target["blob"] is blob and blob == bytearray(b"new bytes")
+    # Not a value of the target's enum, or a bool: the checkpoint's value as it is.
+    assert type(target["odd"]) is int and target["odd"] == 7
+    assert target["flag"] is True
+    # Without a target, plain values, as the format holds them.
+    out = round_trip(src)
+    assert type(out["phase"]) is int and type(out["mode"]) is str
+    assert out["blob"] == b"new bytes" and type(out["blob"]) is bytes
 
 
 def test_plan_refuses_mismatched_tensors_and_changes_nothing() -> None:
