@@ -9,8 +9,15 @@ import weakref
 import zlib
 
 from ckptd.documents import parse_stored
-from ckptd.errors import Conflict, NotFound, StoreError, Superseded
-from ckptd.format import Ref, Timeline, check_job, job_prefix, timeline_key
+from ckptd.errors import (
+    Conflict,
+    InvalidDocument,
+    NotFound,
+    StoreCorrupt,
+    StoreError,
+    Superseded,
+)
+from ckptd.format import Ref, Timeline, check_job, job_prefix, manifest_epoch, timeline_key
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RollbackSet
 
@@ -70,7 +77,15 @@ class Timelines(StoredReads):
             data = await self.store.get(timeline_key(check_job(job)))
         except NotFound:
             return None
-        return parse_stored(Timeline.parse, data, timeline_key(job))
+        return self._parse_timeline(job, data)
+
+    @staticmethod
+    def _parse_timeline(job: str, data: bytes) -> Timeline:
+        try:
+            return parse_stored(Timeline.parse, data, timeline_key(job))
+        except StoreCorrupt as exc:  # the job can neither save nor commit: say the way out
+            raise StoreCorrupt(f"{exc.message}; `ckptd rollback {job} STEP` (a committed "
+                               "step) replaces it with a new timeline", **exc.detail) from None
 
     async def set_rollback(self, job: str, step: int, *, from_epoch: int | None = None
                            ) -> RollbackSet:
@@ -104,8 +119,14 @@ class Timelines(StoredReads):
                 current: bytes | None = await self.store.get(key)
             except NotFound:
                 current = None
-            done = parse_stored(Timeline.parse, current, key) if current is not None else None
-            epoch = done.epoch if done is not None else 0
+            try:
+                done = self._parse_timeline(job, current) if current is not None else None
+            except StoreCorrupt:
+                if from_epoch is not None:  # a rank's: it cannot know what the job's was
+                    raise
+                done, epoch = None, await self._epoch_above_damage(job)
+            else:
+                epoch = done.epoch if done is not None else 0
             # Asked from an ended timeline while its rollback is still marked: that
             # rollback answers it. (Once the marker is cleared, it is a new one.)
             if (done is not None and from_epoch is not None and from_epoch < epoch
@@ -129,6 +150,23 @@ class Timelines(StoredReads):
                 log.info("rollback of %s set to step %d (timeline %d)", job, step, epoch)
                 return RollbackSet(new, epoch, started=True)
         raise Conflict(f"could not set the rollback marker of {job}: too much contention")
+
+    async def _epoch_above_damage(self, job: str) -> int:
+        """Where an operator's rollback over a damaged timeline counts from: one more
+        than the highest epoch of any manifest of the job, so that its new timeline
+        lies above the lost one too (the damage may have hidden a rollback that no
+        manifest was saved in yet). Ranks of the lost one are refused and told."""
+        highest = 0
+        for step in await self.step_numbers(job):
+            for rank in await self._ranks_present(job, step):
+                try:
+                    manifest = await self._read_manifest_raw(job, step, rank)
+                    highest = max(highest, manifest_epoch(manifest))
+                except (StoreError, InvalidDocument):  # damaged too: the others count
+                    continue
+        log.warning("%s: replacing its damaged timeline; manifests were saved in timelines "
+                    "up to %d, the new one is %d", job, highest, highest + 2)
+        return highest + 1
 
     async def clear_rollback(self, job: str) -> bool:
         """Removes the job's rollback marker; True when there was one."""

@@ -622,6 +622,36 @@ async def test_ranks_asking_at_once_from_one_timeline_start_one_rollback(repo: R
     assert (marker, epoch) == (done[0].marker, 1)
 
 
+async def test_an_operators_rollback_replaces_a_damaged_timeline(repo: Repository,
+                                                                 store: Store) -> None:
+    """A damaged timeline stops every save and commit of the job (each says how to get
+    out); an operator's rollback starts a new one above every timeline the job's
+    manifests show, and above the one the damage may have hidden."""
+    await commit_all(repo, 1)
+    await repo.set_rollback(JOB, 1)
+    for m, c in demo_step(JOB, 2, 2, seed="one"):
+        await put_rank(repo, in_timeline(m, 1), c)
+    assert (await repo.commit(JOB, 2)).state == "committed"
+    await repo.set_rollback(JOB, 2)  # timeline 2: nothing saved in it before the damage
+    await store.compare_and_swap(timeline_key(JOB), await store.get(timeline_key(JOB)),
+                                 b'{"format": "ckptd.timeline", "epo')
+    lost = [(in_timeline(m, 2), c) for m, c in demo_step(JOB, 3, 2, seed="lost")]
+    with pytest.raises(StoreCorrupt) as info:
+        await put_rank(repo, *lost[0])
+    assert f"ckptd rollback {JOB} STEP" in info.value.message
+    assert info.value.detail["key"] == timeline_key(JOB)
+    with pytest.raises(StoreCorrupt):  # a rank's request: it cannot know the lost epoch
+        await repo.set_rollback(JOB, 1, from_epoch=2)
+    done = await repo.set_rollback(JOB, 2)  # the operator's
+    assert (done.marker.step, done.epoch, done.started) == (2, 3, True)
+    assert await repo.rollback_state(JOB) == (done.marker, 3)
+    with pytest.raises(Superseded):  # a rank still in the lost timeline is told
+        await put_rank(repo, *lost[0])
+    for m, c in demo_step(JOB, 3, 2, seed="new"):
+        await put_rank(repo, in_timeline(m, 3), c)
+    assert (await repo.commit(JOB, 3)).state == "committed"
+
+
 async def test_the_marker_and_epoch_are_read_as_one_pair(repo: Repository, store: Store) -> None:
     """Between set_rollback's two writes (timeline, then marker) a reader must not
     get the previous marker with the new epoch."""
