@@ -501,10 +501,11 @@ def open_transport(
     url: str, token: str | None = None, job: str | None = None, *, ca_bundle: str | None = None,
     create: bool = True,
 ) -> Transport:
-    """A transport for ``http(s)://host:port`` (a ckptd server) or ``file:///path``
-    (a local directory store, used in process). ``job``: the job its chunk calls act
-    for (a scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that
-    signed an https:// server's certificate (default ``CKPTD_CA_BUNDLE``).
+    """A transport for ``http(s)://host:port`` (a ckptd server), or a store used in
+    this process: ``file:///path`` (a local directory) or ``s3://bucket/prefix``
+    (``ckptd.store.open_store``'s URL). ``job``: the job its chunk calls act for (a
+    scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that signed
+    an https:// server's certificate (default ``CKPTD_CA_BUNDLE``).
     ``create=False`` (readers): a ``file://`` path with no store is ``NotFound``
     naming it, not a new store; writers leave it True."""
     parsed = parse_url(url)
@@ -517,7 +518,12 @@ def open_transport(
         if not parsed.path:
             raise InvalidRequest(f"file URL {url!r} names no path")
         return LocalTransport.open(parsed.path, create=create)
-    raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port or file:///path")
+    if parsed.scheme == "s3":
+        from ckptd.store import open_store
+
+        return LocalTransport(Repository(open_store(url)))
+    raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port, file:///path or "
+                         "s3://bucket/prefix")
 
 
 async def read_step(

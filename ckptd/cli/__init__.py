@@ -31,7 +31,6 @@ from ckptd import __version__
 from ckptd.cli.help import HelpGroup
 from ckptd.cli.options import (  # (shared with the commands' modules)
     DEFAULT_URL,
-    ServerOrFileUrlOpt,
     ServerUrlOpt,
     TokenOpt,
     UrlOpt,
@@ -60,8 +59,8 @@ app = typer.Typer(
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
-__all__ = ["DEFAULT_URL", "ServerOrFileUrlOpt", "ServerUrlOpt", "TokenOpt", "UrlOpt", "app",
-           "step_number", "step_or_latest"]
+__all__ = ["DEFAULT_URL", "ServerUrlOpt", "TokenOpt", "UrlOpt", "app", "step_number",
+           "step_or_latest"]
 
 
 def _human(n: int | None) -> str:
@@ -83,6 +82,10 @@ def _fail(exc: CkptdError) -> None:
                           soft_wrap=True, highlight=False, markup=False)
     elif exc.code == "unauthorized":
         err_console.print("pass a token the server accepts with --token or CKPTD_TOKEN",
+                          soft_wrap=True, highlight=False, markup=False)
+    elif exc.detail.get("s3_code") == "NoSuchBucket":  # (ckptd never creates a bucket)
+        err_console.print("check the bucket in the store URL (s3://bucket/prefix, and its "
+                          "?endpoint=), or create the bucket first",
                           soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(code=2)
 
@@ -292,13 +295,8 @@ def _transport(url: str, token: str | None) -> Any:
     """A server (http://), or a store read in this process: file:// and s3:// (read
     directly, as ``gc`` and ``space`` read one). Called inside the command's loop."""
     from ckptd.cli.mistakes import existing_store
-    from ckptd.client.transport import LocalTransport, open_transport
+    from ckptd.client.transport import open_transport
 
-    if url.startswith("s3://"):
-        from ckptd.repository import Repository
-        from ckptd.store import open_store
-
-        return LocalTransport(Repository(open_store(url)))
     return open_transport(existing_store(url), token=token)
 
 
@@ -473,7 +471,7 @@ def restore(
                                  help="Committed step, or latest (default: latest).")
     ] = None,
     peers: Annotated[bool, typer.Option(help="Fetch from live peers first.")] = True,
-    url: ServerOrFileUrlOpt = DEFAULT_URL,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container

@@ -11,15 +11,15 @@ import typer
 from ckptd.keys import STEP_PATTERN
 
 # What --url takes differs by command: a server or a store read in this process
-# (``_transport``, the lifecycle commands), a server only (``_server``), or a server
-# or a store directory (``open_transport``). Each help names what its command takes.
+# (``open_transport``, the lifecycle commands), or a server only (``_server``). Each
+# help names what its command takes.
 UrlOpt = Annotated[
     str,
     typer.Option(
         "--url",
         envvar="CKPTD_URL",
         help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
-        "a store read directly: file:///path or s3://bucket/prefix.",
+        "a store used directly, with no server: file:///path or s3://bucket/prefix.",
     ),
 ]
 ServerUrlOpt = Annotated[
@@ -29,15 +29,6 @@ ServerUrlOpt = Annotated[
         envvar="CKPTD_URL",
         help="http://host:port of a ckptd server (replicas: several, comma-separated); "
         "this command needs a server, not a store.",
-    ),
-]
-ServerOrFileUrlOpt = Annotated[
-    str,
-    typer.Option(
-        "--url",
-        envvar="CKPTD_URL",
-        help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
-        "file:///path of a store directory (an S3 store: through a server serving it).",
     ),
 ]
 TokenOpt = Annotated[

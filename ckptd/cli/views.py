@@ -14,8 +14,8 @@ from rich.table import Table
 
 from ckptd.cli import (
     DEFAULT_URL,
-    ServerOrFileUrlOpt,
     TokenOpt,
+    UrlOpt,
     _fail,
     _human,
     app,
@@ -76,7 +76,7 @@ def export(
     strip: Annotated[
         str, typer.Option("--strip", help="Remove this prefix from the exported names.")
     ] = "",
-    url: ServerOrFileUrlOpt = DEFAULT_URL,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Write a committed step as a plain zarr v3 hierarchy any zarr reader opens, or as
@@ -159,7 +159,7 @@ def import_(
     job: Annotated[str, typer.Option("--job", help="Job to import into.")],
     step: Annotated[int, typer.Option("--step", parser=step_number, metavar="STEP",
                                       help="Step number to commit it as.")],
-    url: ServerOrFileUrlOpt = DEFAULT_URL,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Bring an existing checkpoint into the store as a committed, verified step."""
@@ -196,7 +196,7 @@ def diff(
         bool, typer.Option("--values", help="Read changed chunks for max-abs/relative diffs.")
     ] = False,
     show_all: Annotated[bool, typer.Option("--all", help="List unchanged tensors too.")] = False,
-    url: ServerOrFileUrlOpt = DEFAULT_URL,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """List the tensors that changed between two steps and the chunks each shares."""

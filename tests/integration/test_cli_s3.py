@@ -1,6 +1,7 @@
-"""``ckptd ls`` and ``ckptd verify`` on an s3:// store, read directly as ``gc`` and
-``space`` read one (they said "unsupported URL"). Against moto's S3 server in a
-process of its own; the store's objects are a file:// store's, uploaded."""
+"""``ckptd ls``, ``verify``, ``restore``, ``export``, ``import`` and ``diff`` on an
+s3:// store, read (and, for import, written) in this process as ``gc`` and ``space``
+read one, with no server (they said "unsupported URL"). Against moto's S3 server in
+a process of its own; the store's objects are a file:// store's, uploaded."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def s3_store(endpoint: str, tmp_path: Path, shm: Path) -> str:
     """An s3:// store holding step 1 of job llm-7b."""
     local = tmp_path / "files"
     _save_one(f"file://{local}", "llm-7b", shm)
+    return _uploaded(local, endpoint)
+
+
+def _uploaded(local: Path, endpoint: str) -> str:
+    """The s3:// URL of a new prefix holding the file:// store ``local``'s objects."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
                       aws_secret_access_key="testing", region_name="us-east-1")
@@ -52,9 +58,11 @@ def s3_store(endpoint: str, tmp_path: Path, shm: Path) -> str:
     return f"s3://{BUCKET}/{prefix}?endpoint={endpoint}"
 
 
-def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+def ckptd(*args: str, shm: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``ckptd ARGS``; ``shm``: its staging root (import's pool, a restore's local tier)."""
+    env = aws_env() | ({"CKPTD_SHM_DIR": str(shm)} if shm is not None else {})
     return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, env=aws_env(), cwd=ROOT, timeout=120)
+                          text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def test_ls_lists_an_s3_store(s3_store: str) -> None:
@@ -70,3 +78,99 @@ def test_verify_checks_an_s3_store(s3_store: str) -> None:
     done = ckptd("verify", "llm-7b", "--url", s3_store)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok" in done.stdout and "llm-7b steps [1]" in done.stdout, done.stdout
+
+
+def _short_error(done: subprocess.CompletedProcess[str], *said: str) -> None:
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "Traceback" not in out, out
+    assert len(done.stderr.strip().splitlines()) <= 2, done.stderr
+    for words in said:
+        assert words in out, out
+
+
+def test_restore_fills_a_directory_from_an_s3_store(s3_store: str, tmp_path: Path) -> None:
+    """The chunks come from the s3:// store (an empty staging root: no local tier)
+    and are the file:// store's, byte for byte."""
+    into = tmp_path / "restored"
+    done = ckptd("restore", "--job", "llm-7b", "--rank", "0", "--to", str(into),
+                 "--url", s3_store, shm=tmp_path / "no-pools")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok" in done.stdout and "step 1 of llm-7b rank 0" in done.stdout, done.stdout
+    source = {p.name: p.read_bytes() for p in (tmp_path / "files" / "chunks").rglob("*")
+              if p.is_file()}
+    restored = {p.name: p.read_bytes() for p in (into / "chunks").rglob("*") if p.is_file()}
+    assert source and restored == source
+
+
+def test_export_safetensors_from_an_s3_store(s3_store: str, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "st"
+    done = ckptd("export", "llm-7b", "--safetensors", str(out), "--url", s3_store)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tensors: dict[str, torch.Tensor] = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    assert list(tensors) == ["w"] and torch.equal(tensors["w"], torch.ones(8))
+
+
+def test_import_into_an_s3_store(s3_store: str, tmp_path: Path, shm: Path) -> None:
+    """Committed into the s3:// store, then exported from it bitwise."""
+    import torch
+    from safetensors.torch import load_file
+
+    source = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(6, dtype=torch.float32)}, source)
+    done = ckptd("import", str(source), "--job", "imported", "--step", "3",
+                 "--url", s3_store, shm=shm)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 3 of imported" in done.stdout, done.stdout
+    listed = ckptd("ls", "imported", "--url", s3_store)
+    assert listed.returncode == 0 and "committed" in listed.stdout.lower(), listed.stdout
+    out = tmp_path / "st"
+    back = ckptd("export", "imported", "3", "--safetensors", str(out), "--url", s3_store)
+    assert back.returncode == 0, back.stdout + back.stderr
+    got = load_file(next(out.glob("*.safetensors")))
+    assert torch.equal(got["w"], torch.arange(6, dtype=torch.float32))
+
+
+def test_diff_between_two_steps_of_an_s3_store(endpoint: str, tmp_path: Path,
+                                               shm: Path) -> None:
+    """Step 2 changes w and keeps b: the chunk ids say which, --values reads w's
+    chunks from the s3:// store for the difference."""
+    import torch
+
+    from ckptd.client import Checkpointer
+
+    local = tmp_path / "files"
+    with Checkpointer(f"file://{local}", job="llm-7b", shm_dir=str(shm)) as c:
+        for step, w in ((1, torch.ones(8)), (2, torch.full((8,), 3.5))):
+            assert c.save(step, {"w": w, "b": torch.zeros(4)}).wait(60).state == "committed"
+    url = _uploaded(local, endpoint)
+    done = ckptd("diff", "llm-7b", "1", "2", "--values", "--url", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split()[1]: line for line in done.stdout.splitlines()
+            if len(line.split()) > 2 and line.split()[1] in ("w", "b")}
+    assert list(rows) == ["w"] and "changed" in rows["w"] and "2.5" in rows["w"], done.stdout
+    assert "1 of 2 tensors differ between step 1 and 2" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("command", [
+    ["restore", "--job", "llm-7b", "--rank", "0", "--to", "{tmp}/r"],
+    ["export", "llm-7b", "--safetensors", "{tmp}/st"],
+    ["import", "{tmp}/src.pt", "--job", "llm-7b", "--step", "1"],
+    ["diff", "llm-7b", "1", "2"],
+])
+def test_a_bucket_that_is_not_there_is_two_lines(command: list[str], endpoint: str,
+                                                  tmp_path: Path) -> None:
+    """Named, with what to do; no store or directory is left behind."""
+    import torch
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "src.pt")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    done = ckptd(*args, "--url", f"s3://no-such-bucket/p?endpoint={endpoint}",
+                 shm=tmp_path / "shm")
+    _short_error(done, "bucket 'no-such-bucket' does not exist", "create the bucket")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
