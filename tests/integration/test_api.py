@@ -27,10 +27,32 @@ JSON = {"content-type": "application/json"}
 # -- helpers ------------------------------------------------------------------------
 
 
+# Most tests here share one server (``shared_server``, tests/integration/conftest.py)
+# and so its store: each names its own jobs (``job``). A test that restarts its
+# server or looks at the whole store (the job list, every chunk file) has one of its
+# own (``server``, with ``fresh_client``).
+
+
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
+def client(shared_server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the module's shared server."""
+    with httpx.Client(base_url=shared_server.url, headers=shared_server.headers(),
+                      timeout=30.0) as c:
+        yield c
+
+
+@pytest.fixture
+def fresh_client(server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the test's own server, on an empty store."""
     with httpx.Client(base_url=server.url, headers=server.headers(), timeout=30.0) as c:
         yield c
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> str:
+    """A job name of this test's own (from its name): the shared store's other tests
+    name theirs from their own."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name.removeprefix("test_"))[:128]
 
 
 def put_chunk(client: httpx.Client, data: bytes) -> str:
@@ -154,13 +176,13 @@ def files_under(root: Path) -> set[Path]:
 # -- the service ----------------------------------------------------------------------
 
 
-def test_healthz(client: httpx.Client, server: ServerProcess) -> None:
+def test_healthz(client: httpx.Client, shared_server: ServerProcess) -> None:
     r = client.get("/healthz")
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "ok"
     assert body["version"]
-    assert str(server.store.name) in body["store"]
+    assert str(shared_server.store.name) in body["store"]
 
 
 def test_openapi_document_is_complete(client: httpx.Client) -> None:
@@ -262,7 +284,7 @@ def test_absent_chunk_is_404(client: httpx.Client) -> None:
 
 
 def test_a_chunk_is_served_as_stored_without_a_second_hash(
-    client: httpx.Client, server: ServerProcess
+    client: httpx.Client, shared_server: ServerProcess
 ) -> None:
     # One hash per hop: the reader verifies on arrival, so the server streams the
     # stored bytes, even bytes damaged at rest (``ckptd verify`` finds those).
@@ -270,42 +292,43 @@ def test_a_chunk_is_served_as_stored_without_a_second_hash(
     cid = put_chunk(client, data)
     damaged = bytearray(data)
     damaged[100] ^= 0xFF
-    chunk_file(server, cid).write_bytes(bytes(damaged))
+    chunk_file(shared_server, cid).write_bytes(bytes(damaged))
     r = client.get(f"/v1/chunks/{cid}")
     assert r.status_code == 200
     assert r.content == bytes(damaged)
 
 
 def test_chunk_whose_bytes_do_not_match_its_id_is_refused(
-    client: httpx.Client, server: ServerProcess
+    fresh_client: httpx.Client, server: ServerProcess
 ) -> None:
     data = os.urandom(64 * 1024)
     claimed = chunk_id(os.urandom(64 * 1024))
     body = assert_error(
-        client.put(f"/v1/chunks/{claimed}", content=data), 422, "chunk_hash_mismatch"
+        fresh_client.put(f"/v1/chunks/{claimed}", content=data), 422, "chunk_hash_mismatch"
     )
     assert body["detail"]["actual"] == chunk_id(data)
     assert not chunk_file(server, claimed).exists()
     assert not chunk_file(server, chunk_id(data)).exists()
-    assert files_under(server.store / "chunks") == set()  # no temporary left either
-    assert client.head(f"/v1/chunks/{claimed}").status_code == 404
+    # No temporary left either (every chunk file: its own server).
+    assert files_under(server.store / "chunks") == set()
+    assert fresh_client.head(f"/v1/chunks/{claimed}").status_code == 404
 
 
 def test_chunk_declared_over_the_limit_is_refused_before_its_body(
-    server: ServerProcess,
+    shared_server: ServerProcess,
 ) -> None:
-    cid = chunk_id(b"x")
+    cid = chunk_id(os.urandom(16))  # (no other test's: the store is shared)
     status, body = raw(
-        server, "PUT", f"/v1/chunks/{cid}", {"Content-Length": str(knobs.MAX_CHUNK_SIZE + 1)}
+        shared_server, "PUT", f"/v1/chunks/{cid}", {"Content-Length": str(knobs.MAX_CHUNK_SIZE + 1)}
     )
     assert status == 413
     assert b'"too_large"' in body
-    assert not chunk_file(server, cid).exists()
+    assert not chunk_file(shared_server, cid).exists()
 
 
 @pytest.mark.slow
 def test_chunk_streamed_past_the_limit_is_refused(
-    client: httpx.Client, server: ServerProcess
+    fresh_client: httpx.Client, server: ServerProcess
 ) -> None:
     piece = bytes(knobs.MiB)
     count = knobs.MAX_CHUNK_SIZE // len(piece)
@@ -317,11 +340,11 @@ def test_chunk_streamed_past_the_limit_is_refused(
         yield b"!"
 
     try:
-        r = client.put(f"/v1/chunks/{cid}", content=body())
+        r = fresh_client.put(f"/v1/chunks/{cid}", content=body())
     except httpx.TransportError:
         pytest.fail("the server cut the connection instead of answering 413")
     assert_error(r, 413, "too_large")
-    assert files_under(server.store / "chunks") == set()
+    assert files_under(server.store / "chunks") == set()  # (every chunk file: its own server)
 
 
 # -- missing chunks -------------------------------------------------------------------
@@ -339,7 +362,8 @@ def test_missing_chunks_without_claimer(client: httpx.Client) -> None:
 
 
 def test_missing_chunks_with_claimers(client: httpx.Client) -> None:
-    a, b = chunk_id(b"a" * 100), chunk_id(b"b" * 100)
+    data = os.urandom(100)  # (no other test's: the store and the claims are shared)
+    a, b = chunk_id(data), chunk_id(os.urandom(100))
     r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-0"})
     assert r.json() == {"missing": [a, b], "in_flight": []}
     r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-1"})
@@ -348,7 +372,7 @@ def test_missing_chunks_with_claimers(client: httpx.Client) -> None:
     r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-0"})
     assert r.json() == {"missing": [a, b], "in_flight": []}
     # Once a is stored nobody is told to send it, and it is no longer in flight.
-    put_chunk(client, b"a" * 100)
+    put_chunk(client, data)
     r = client.post("/v1/chunks/missing", json={"ids": [a, b], "claimer": "rank-1"})
     assert r.json() == {"missing": [], "in_flight": [b]}
 
@@ -369,31 +393,32 @@ def test_missing_chunks_bad_input(client: httpx.Client) -> None:
 # -- manifests and commits ------------------------------------------------------------
 
 
-def test_manifest_naming_a_missing_chunk_is_refused(client: httpx.Client) -> None:
+def test_manifest_naming_a_missing_chunk_is_refused(client: httpx.Client, job: str) -> None:
     e = tensor(None, "w", rows=(0, 2), global_rows=2)  # chunks never uploaded
-    body = assert_error(put_manifest(client, manifest("j", 1, 0, 1, [e])), 409, "missing_chunks")
+    body = assert_error(put_manifest(client, manifest(job, 1, 0, 1, [e])), 409, "missing_chunks")
     assert set(body["detail"]["ids"]) == set(e.chunks)
-    assert_error(commit(client, "j", 1), 404, "manifest_not_found")
+    assert_error(commit(client, job, 1), 404, "manifest_not_found")
 
 
-def test_commit_and_read_back(client: httpx.Client) -> None:
+def test_commit_and_read_back(fresh_client: httpx.Client) -> None:
     job, step, world = "train.run-1", 10, 2
     shared = os.urandom(2 * COLS * 4)
     manifests = []
     for rank in range(world):
         entries = [
-            tensor(client, "w", rows=(rank * 3, rank * 3 + 3), global_rows=3 * world),
-            tensor(client, "bias", rows=(0, 2), global_rows=2, placement="replicated", data=shared),
-            tensor(client, "rng", rows=(0, 1), global_rows=1, placement="local"),
+            tensor(fresh_client, "w", rows=(rank * 3, rank * 3 + 3), global_rows=3 * world),
+            tensor(fresh_client, "bias", rows=(0, 2), global_rows=2, placement="replicated",
+                   data=shared),
+            tensor(fresh_client, "rng", rows=(0, 1), global_rows=1, placement="local"),
         ]
         m = manifest(job, step, rank, world, entries)
-        r = put_manifest(client, m)
+        r = put_manifest(fresh_client, m)
         assert r.status_code == 201, r.text
         assert r.json() == {"hash": m.digest()}
-        assert put_manifest(client, m).status_code == 201  # a retry is a no-op
+        assert put_manifest(fresh_client, m).status_code == 201  # a retry is a no-op
         manifests.append(m)
 
-    r = commit(client, job, step, meta={"loss": 1.5})
+    r = commit(fresh_client, job, step, meta={"loss": 1.5})
     assert r.status_code == 200, r.text
     status = r.json()
     assert status["state"] == "committed"
@@ -402,65 +427,66 @@ def test_commit_and_read_back(client: httpx.Client) -> None:
     record = status["record"]
     assert [m["hash"] for m in record["manifests"]] == [m.digest() for m in manifests]
     assert record["meta"] == {"loss": 1.5}
-    assert commit(client, job, step).json()["record"] == record  # idempotent
+    assert commit(fresh_client, job, step).json()["record"] == record  # idempotent
 
-    assert client.get(f"/v1/jobs/{job}/steps/{step}").json() == record
+    assert fresh_client.get(f"/v1/jobs/{job}/steps/{step}").json() == record
     for m in manifests:
-        r = client.get(manifest_path(job, step, m.rank))
+        r = fresh_client.get(manifest_path(job, step, m.rank))
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/json"
         assert r.content == m.canonical()
         assert r.headers["x-ckptd-manifest-hash"] == m.digest()
-    assert client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": step}
-    assert client.get("/v1/jobs").json() == {"jobs": [{"job": job, "latest": step}]}
-    steps = client.get(f"/v1/jobs/{job}/steps").json()
+    assert fresh_client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": step}
+    # (the whole job list: its own server)
+    assert fresh_client.get("/v1/jobs").json() == {"jobs": [{"job": job, "latest": step}]}
+    steps = fresh_client.get(f"/v1/jobs/{job}/steps").json()
     assert steps["job"] == job and steps["latest"] == step
     (info,) = steps["steps"]
     assert info["step"] == step and info["committed"] and info["is_latest"]
     assert info["world_size"] == world and info["ranks_present"] == world
     assert info["logical_bytes"] == record["report"]["logical_bytes"]
 
-    report = client.post(f"/v1/jobs/{job}/verify", params={"step": step}).json()
+    report = fresh_client.post(f"/v1/jobs/{job}/verify", params={"step": step}).json()
     assert report["ok"] is True and report["steps"] == [step]
     assert report["chunks_checked"] == len({c for m in manifests for c in m.chunk_ids()})
-    assert client.post(f"/v1/jobs/{job}/verify").json()["ok"] is True
+    assert fresh_client.post(f"/v1/jobs/{job}/verify").json()["ok"] is True
 
     # A committed step is closed to changes.
-    other = manifest(job, step, 0, world, [tensor(client, "w", rows=(0, 3), global_rows=6)])
-    assert_error(put_manifest(client, other), 409, "already_committed")
+    other = manifest(job, step, 0, world, [tensor(fresh_client, "w", rows=(0, 3), global_rows=6)])
+    assert_error(put_manifest(fresh_client, other), 409, "already_committed")
 
 
-def test_a_rank_outside_the_steps_world_is_not_found(client: httpx.Client) -> None:
+def test_a_rank_outside_the_steps_world_is_not_found(client: httpx.Client, job: str) -> None:
     """(found by a probe: rank 5 of a 1-rank step was 400 invalid_request; there is
     no such manifest, as there is no such step: 404, naming the world size)"""
-    sharded_step(client, "j", 1, 1)
-    assert commit(client, "j", 1).json()["state"] == "committed"
-    body = assert_error(client.get(manifest_path("j", 1, 5)), 404, "manifest_not_found")
+    sharded_step(client, job, 1, 1)
+    assert commit(client, job, 1).json()["state"] == "committed"
+    body = assert_error(client.get(manifest_path(job, 1, 5)), 404, "manifest_not_found")
     assert "world size 1" in body["message"] and "\n" not in body["message"]
     assert body["detail"]["world_size"] == 1
-    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5, "step": 1})
+    r = client.get(f"/v1/jobs/{job}/restore-plan", params={"rank": 5, "step": 1})
     assert "world size 1" in assert_error(r, 404, "manifest_not_found")["message"]
-    r = client.get("/v1/jobs/j/restore-plan", params={"rank": 5})  # (latest: no fallback)
+    r = client.get(f"/v1/jobs/{job}/restore-plan", params={"rank": 5})  # (latest: no fallback)
     assert_error(r, 404, "manifest_not_found")
-    assert client.get(manifest_path("j", 1, 0)).status_code == 200
+    assert client.get(manifest_path(job, 1, 0)).status_code == 200
 
-def test_manifest_is_immutable_before_commit(client: httpx.Client) -> None:
-    first = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+def test_manifest_is_immutable_before_commit(client: httpx.Client, job: str) -> None:
+    first = manifest(job, 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
     assert put_manifest(client, first).status_code == 201
-    second = manifest("j", 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+    second = manifest(job, 3, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
     assert_error(put_manifest(client, second), 409, "conflict")
 
 
 def test_unfinished_step_stays_pending_across_restart(
-    client: httpx.Client, server: ServerProcess
+    fresh_client: httpx.Client, server: ServerProcess
 ) -> None:
     job = "pending-job"
-    sharded_step(client, job, 1, 4)
-    assert commit(client, job, 1).json()["state"] == "committed"
+    sharded_step(fresh_client, job, 1, 4)
+    assert commit(fresh_client, job, 1).json()["state"] == "committed"
     for rank in range(3):  # rank 3 of step 2 never sends its manifest
-        e = tensor(client, "w", rows=(rank, rank + 1), global_rows=4)
-        assert put_manifest(client, manifest(job, 2, rank, 4, [e])).status_code == 201
-    r = commit(client, job, 2)
+        e = tensor(fresh_client, "w", rows=(rank, rank + 1), global_rows=4)
+        assert put_manifest(fresh_client, manifest(job, 2, rank, 4, [e])).status_code == 201
+    r = commit(fresh_client, job, 2)
     assert r.status_code == 200
     assert r.json() == {
         "state": "pending",
@@ -472,19 +498,19 @@ def test_unfinished_step_stays_pending_across_restart(
     }
 
     def check() -> None:
-        assert client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": 1}
-        steps = {s["step"]: s for s in client.get(f"/v1/jobs/{job}/steps").json()["steps"]}
+        assert fresh_client.get(f"/v1/jobs/{job}/latest").json() == {"job": job, "step": 1}
+        steps = {s["step"]: s for s in fresh_client.get(f"/v1/jobs/{job}/steps").json()["steps"]}
         assert steps[1]["committed"] and steps[1]["is_latest"]
         assert not steps[2]["committed"] and not steps[2]["is_latest"]
         assert steps[2]["ranks_present"] == 3 and steps[2]["world_size"] == 4
-        assert_error(client.get(f"/v1/jobs/{job}/steps/2"), 409, "not_committed")
-        assert_error(client.get(manifest_path(job, 2, 0)), 409, "not_committed")
+        assert_error(fresh_client.get(f"/v1/jobs/{job}/steps/2"), 409, "not_committed")
+        assert_error(fresh_client.get(manifest_path(job, 2, 0)), 409, "not_committed")
 
     check()
     server.restart()
     check()
     assert "Finished server process" in server.log()  # the SIGTERM shut it down cleanly
-    assert commit(client, job, 2).json()["missing_ranks"] == [3]
+    assert commit(fresh_client, job, 2).json()["missing_ranks"] == [3]
 
 
 def _two_ranks(client: httpx.Client, case: str) -> tuple[list[TensorEntry], list[TensorEntry]]:
@@ -520,8 +546,7 @@ def _two_ranks(client: httpx.Client, case: str) -> tuple[list[TensorEntry], list
     "case",
     ["tiling_gap", "tiling_overlap", "dtype_mismatch", "shape_mismatch", "replica_mismatch"],
 )
-def test_ranks_that_disagree_do_not_commit(client: httpx.Client, case: str) -> None:
-    job = "disagree"
+def test_ranks_that_disagree_do_not_commit(client: httpx.Client, job: str, case: str) -> None:
     sharded_step(client, job, 1, 2)
     assert commit(client, job, 1).json()["state"] == "committed"
     rank0, rank1 = _two_ranks(client, case)
@@ -573,21 +598,25 @@ BAD_NAMES = [
 ]
 
 
-def test_bad_names_get_a_coded_4xx_and_never_escape(server: ServerProcess, tmp_path: Path) -> None:
-    before = files_under(tmp_path) - {server.log_path}
+def test_bad_names_get_a_coded_4xx_and_never_escape(shared_server: ServerProcess) -> None:
+    # The shared server's folder holds its store and its log, as a test's own would:
+    # compared before and after, as its log only from here.
+    folder = Path(shared_server.store).parent
+    before = files_under(folder) - {shared_server.log_path}
+    logged = len(shared_server.log())
     for method, path in BAD_NAMES:
         body = b'{"x": 1}' if method in ("PUT", "POST") else None
-        status, content = raw(server, method, path, JSON if body else None, body)
+        status, content = raw(shared_server, method, path, JSON if body else None, body)
         where = (method, path[:80], status, content[:200])
         assert status in (400, 404), where
         if method != "HEAD":
             code = httpx.Response(status, content=content).json()["code"]
             assert code == ("invalid_name" if status == 400 else "not_found"), where
-    assert files_under(tmp_path) - {server.log_path} == before
-    assert "Traceback" not in server.log()
+    assert files_under(folder) - {shared_server.log_path} == before
+    assert "Traceback" not in shared_server.log()[logged:]
 
 
-def test_malformed_manifest_is_400(client: httpx.Client) -> None:
+def test_malformed_manifest_is_400(client: httpx.Client, job: str) -> None:
     cases = [
         (b"", "invalid_document"),
         (b"{", "invalid_document"),
@@ -598,38 +627,39 @@ def test_malformed_manifest_is_400(client: httpx.Client) -> None:
         (b'{"format": "ckptd.rank_manifest", "version": 1, "job": 5}', "invalid_document"),
     ]
     for body, code in cases:
-        r = client.put(manifest_path("j", 1, 0), content=body, headers=JSON)
+        r = client.put(manifest_path(job, 1, 0), content=body, headers=JSON)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["code"] == code, (body, r.text)
 
 
-def test_manifest_must_match_its_path(client: httpx.Client) -> None:
-    m = manifest("j", 1, 0, 2, [tensor(client, "w", rows=(0, 1), global_rows=2)])
+def test_manifest_must_match_its_path(fresh_client: httpx.Client) -> None:
+    m = manifest("j", 1, 0, 2, [tensor(fresh_client, "w", rows=(0, 1), global_rows=2)])
     for path in (manifest_path("k", 1, 0), manifest_path("j", 2, 0), manifest_path("j", 1, 1)):
-        r = client.put(path, content=m.canonical(), headers=JSON)
+        r = fresh_client.put(path, content=m.canonical(), headers=JSON)
         assert_error(r, 400, "invalid_request")
-    assert client.get("/v1/jobs").json() == {"jobs": []}  # nothing was stored
+    # Nothing was stored (the whole job list: its own server).
+    assert fresh_client.get("/v1/jobs").json() == {"jobs": []}
     evil = m.model_copy(update={"job": "../x"})
-    r = client.put(manifest_path("j", 1, 0), content=evil.canonical(), headers=JSON)
+    r = fresh_client.put(manifest_path("j", 1, 0), content=evil.canonical(), headers=JSON)
     assert_error(r, 400, "invalid_name")
 
 
-def test_manifest_over_the_limit_is_413(server: ServerProcess) -> None:
+def test_manifest_over_the_limit_is_413(shared_server: ServerProcess, job: str) -> None:
     limit = knobs.max_manifest_bytes()
     status, body = raw(
-        server, "PUT", manifest_path("j", 1, 0), {"Content-Length": str(limit + 1), **JSON}
+        shared_server, "PUT", manifest_path(job, 1, 0), {"Content-Length": str(limit + 1), **JSON}
     )
     assert status == 413 and b'"too_large"' in body
 
 
-def test_commit_body_is_optional_and_checked(client: httpx.Client) -> None:
-    sharded_step(client, "j", 1, 1)
-    r = client.post("/v1/jobs/j/steps/1/commit", content=b"{oops", headers=JSON)
+def test_commit_body_is_optional_and_checked(client: httpx.Client, job: str) -> None:
+    sharded_step(client, job, 1, 1)
+    r = client.post(f"/v1/jobs/{job}/steps/1/commit", content=b"{oops", headers=JSON)
     assert_error(r, 400, "invalid_request")
-    assert_error(commit(client, "j", 1, meta=[1, 2]), 400, "invalid_request")
-    r = client.post("/v1/jobs/j/steps/1/commit", content=b'{"meta": {"x": NaN}}', headers=JSON)
+    assert_error(commit(client, job, 1, meta=[1, 2]), 400, "invalid_request")
+    r = client.post(f"/v1/jobs/{job}/steps/1/commit", content=b'{"meta": {"x": NaN}}', headers=JSON)
     assert r.status_code == 400, r.text
-    assert client.post("/v1/jobs/j/steps/1/commit", json={}).json()["state"] == "committed"
+    assert client.post(f"/v1/jobs/{job}/steps/1/commit", json={}).json()["state"] == "committed"
 
 
 def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:

@@ -23,14 +23,22 @@ if TYPE_CHECKING:
     from tests.conftest import ServerProcess
 
 
+# The tests that need only a running server share one (``shared_server``,
+# tests/integration/conftest.py), and so its store: each uploads bytes of its own
+# (random); a test that needs other settings, or a chunk any test could store (the
+# empty one), has a server of its own.
+
+
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=30.0) as c:
+def client(shared_server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the module's shared server."""
+    with httpx.Client(base_url=shared_server.url, headers=shared_server.headers(),
+                      timeout=30.0) as c:
         yield c
 
 
 async def test_concurrent_uploads_of_one_size_each_store_their_own_bytes(
-    server: ServerProcess,
+    shared_server: ServerProcess,
 ) -> None:
     # Same-size bodies share reused buffers: a buffer handed to the next upload
     # while a store still wrote it would store (or serve) another chunk's bytes.
@@ -39,7 +47,7 @@ async def test_concurrent_uploads_of_one_size_each_store_their_own_bytes(
     ids = [chunk_id(b) for b in bodies]
     limits = httpx.Limits(max_connections=8)
     async with httpx.AsyncClient(
-        base_url=server.url, headers=server.headers(), timeout=60.0, limits=limits
+        base_url=shared_server.url, headers=shared_server.headers(), timeout=60.0, limits=limits
     ) as c:
         for _ in range(2):  # the second round finds the first round's buffers idle
             answers = await asyncio.gather(
@@ -178,10 +186,10 @@ def _put(cid: str, data: bytes, extra: str = "") -> bytes:
             f"{extra}\r\n").encode() + data
 
 
-def test_pipelined_uploads_and_reads_are_answered_in_order(server: ServerProcess) -> None:
+def test_pipelined_uploads_and_reads_are_answered_in_order(shared_server: ServerProcess) -> None:
     good, other = os.urandom(3 * knobs.MiB), os.urandom(70_000)
     bad = os.urandom(knobs.MiB)
-    with Wire(server.port) as w:
+    with Wire(shared_server.port) as w:
         w.send(_put(chunk_id(good), good) + _put(chunk_id(other), bad)
                + _put(chunk_id(other), other)
                + f"GET /v1/chunks/{chunk_id(good)} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
@@ -195,10 +203,10 @@ def test_pipelined_uploads_and_reads_are_answered_in_order(server: ServerProcess
         assert status == 200 and body == good
 
 
-def test_an_upload_in_small_pieces_with_pauses_is_stored(server: ServerProcess) -> None:
+def test_an_upload_in_small_pieces_with_pauses_is_stored(shared_server: ServerProcess) -> None:
     data = os.urandom(knobs.MiB + 5)
     message = _put(chunk_id(data), data)
-    with Wire(server.port) as w:
+    with Wire(shared_server.port) as w:
         # The head split mid-line, the body in pieces that do not follow the head's.
         for start in (0, 7, 40, 90, 5000, 400_000):
             end = {0: 7, 7: 40, 40: 90, 90: 5000, 5000: 400_000}.get(start, len(message))
@@ -208,13 +216,13 @@ def test_an_upload_in_small_pieces_with_pauses_is_stored(server: ServerProcess) 
         w.send(_put(chunk_id(data), data))  # the same connection, the next request
         status, _, body = w.answer()
         assert status == 200 and json.loads(body)["created"] is False
-    r = httpx.get(f"{server.url}/v1/chunks/{chunk_id(data)}", timeout=30)
+    r = httpx.get(f"{shared_server.url}/v1/chunks/{chunk_id(data)}", timeout=30)
     assert r.content == data
 
 
-def test_expect_100_continue_then_the_body(server: ServerProcess) -> None:
+def test_expect_100_continue_then_the_body(shared_server: ServerProcess) -> None:
     data = os.urandom(2 * knobs.MiB)
-    with Wire(server.port) as w:
+    with Wire(shared_server.port) as w:
         w.send(_put(chunk_id(data), b"", "Expect: 100-continue\r\n").replace(
             b"Content-Length: 0", f"Content-Length: {len(data)}".encode()))
         status, _, _ = w.answer()
@@ -224,18 +232,20 @@ def test_expect_100_continue_then_the_body(server: ServerProcess) -> None:
 
 
 def test_an_empty_chunk_is_stored(server: ServerProcess) -> None:
+    # (its own server: any test could store the empty chunk, found then, not created)
     with Wire(server.port) as w:
         w.send(_put(chunk_id(b""), b""))
         assert w.answer()[0] == 201
     assert httpx.get(f"{server.url}/v1/chunks/{chunk_id(b'')}", timeout=10).content == b""
 
 
-def test_an_upload_with_neither_a_length_nor_chunks_is_411(server: ServerProcess) -> None:
+def test_an_upload_with_neither_a_length_nor_chunks_is_411(shared_server: ServerProcess) -> None:
     """(found by a probe: such a PUT has no body, and was answered 422, the empty
     body's hash not the id's; the sender forgot its Content-Length)"""
+    logged = len(shared_server.log())  # (its log from here: the server is shared)
     data = os.urandom(1000)
     cid = chunk_id(data)
-    with Wire(server.port) as w:
+    with Wire(shared_server.port) as w:
         w.send(f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
         status, _, body = w.answer()
         assert status == 411, body
@@ -246,21 +256,23 @@ def test_an_upload_with_neither_a_length_nor_chunks_is_411(server: ServerProcess
         assert w.answer()[0] == 201
     # Chunked transfer encoding needs no length.
     other = os.urandom(1000)
-    r = httpx.put(f"{server.url}/v1/chunks/{chunk_id(other)}", content=iter([other]),
+    r = httpx.put(f"{shared_server.url}/v1/chunks/{chunk_id(other)}", content=iter([other]),
                   timeout=30)
     assert r.status_code == 201, r.text
-    assert "Traceback" not in server.log()
+    assert "Traceback" not in shared_server.log()[logged:]
 
-def test_a_short_body_stores_nothing(server: ServerProcess) -> None:
+def test_a_short_body_stores_nothing(shared_server: ServerProcess) -> None:
+    logged = len(shared_server.log())  # (its log from here: the server is shared)
     data = os.urandom(2 * knobs.MiB)
     cid = chunk_id(data)
-    with Wire(server.port) as w:
+    with Wire(shared_server.port) as w:
         w.send(_put(cid, data)[: -knobs.MiB])  # then the client goes away
     time.sleep(0.5)
-    assert httpx.head(f"{server.url}/v1/chunks/{cid}", timeout=10).status_code == 404
+    assert httpx.head(f"{shared_server.url}/v1/chunks/{cid}", timeout=10).status_code == 404
     # The server goes on: the whole body is stored.
-    assert httpx.put(f"{server.url}/v1/chunks/{cid}", content=data, timeout=30).status_code == 201
-    assert "Traceback" not in server.log()
+    r = httpx.put(f"{shared_server.url}/v1/chunks/{cid}", content=data, timeout=30)
+    assert r.status_code == 201
+    assert "Traceback" not in shared_server.log()[logged:]
 
 
 def test_a_stalled_body_times_out_and_frees_its_connection(quick_server: ServerProcess) -> None:
