@@ -25,3 +25,14 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     finally:
         srv.stop()
 
+
+@pytest.fixture(scope="module")
+def shared_token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server that requires a bearer token, for the module's tests."""
+    srv = ServerProcess(store=tmp_path_factory.mktemp("shared-token-server") / "store",
+                        token="s3cret-token")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -140,9 +140,16 @@ def test_a_server_that_is_gone_gives_unavailable_in_bounded_time(
         assert ckpt.latest() == 3
 
 
-def test_token_round_trip(token_server: Any) -> None:
+# The two tests with a token share a server (``shared_token_server``,
+# tests/integration/conftest.py), each with a job of its own; the others each have
+# one of their own (``server``): they count the bytes a save sends (none of its
+# chunks stored before), list the store's jobs, damage its largest chunk file, or
+# stop and start it.
+
+
+def test_token_round_trip(shared_token_server: Any) -> None:
     state = {"w": torch.arange(100, dtype=torch.int64), "lr": 0.5}
-    with Checkpointer(token_server.url, "secret", token=token_server.token) as ckpt:
+    with Checkpointer(shared_token_server.url, "secret", token=shared_token_server.token) as ckpt:
         assert ckpt.save(1, state).wait(timeout=30).state == "committed"
         target: dict[str, Any] = {}
         ckpt.restore(target)
@@ -150,7 +157,7 @@ def test_token_round_trip(token_server: Any) -> None:
     for token in (None, "wrong-token"):
         # Said at construction (tests/integration/test_fail_fast.py), before any save.
         with pytest.raises(Unauthorized):
-            Checkpointer(token_server.url, "secret", token=token)
+            Checkpointer(shared_token_server.url, "secret", token=token)
 
 
 def test_corrupt_chunk_in_the_servers_store_is_caught(server: Any) -> None:
@@ -204,19 +211,19 @@ def test_http_and_local_transports_answer_alike(server: Any) -> None:
 
 
 def test_chunks_are_read_straight_into_a_buffer_from_their_home_replica(
-    token_server: Any,
+    shared_token_server: Any,
 ) -> None:
     """The store tier's direct read (the transport's ``chunk_reader``) gets the same
     bytes as ``get_chunk``, with the token, into the caller's buffer; a chunk the
     store lacks is an error the caller then takes the transport's way."""
     state = {"w": torch.arange(50_000, dtype=torch.float32)}
-    with Checkpointer(token_server.url, "direct", token=token_server.token) as ckpt:
+    with Checkpointer(shared_token_server.url, "direct", token=shared_token_server.token) as ckpt:
         ckpt.save(1, state).wait(timeout=60)
     view = byte_view(state["w"])
     cid = chunk_id(view)  # one chunk: 200,000 bytes < the default chunk size
 
     async def run() -> None:
-        transport = open_transport(token_server.url, token_server.token, job="direct")
+        transport = open_transport(shared_token_server.url, shared_token_server.token, job="direct")
         try:
             read = transport.chunk_reader()
             assert read is not None

@@ -290,15 +290,19 @@ def test_a_stalled_body_times_out_and_frees_its_connection(quick_server: ServerP
     assert httpx.head(f"{quick_server.url}/v1/chunks/{cid}", timeout=10).status_code == 404
 
 
-@pytest.fixture
-def glob_token_server(tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
-    """A server with its own token and a write token for the jobs ``alp*``."""
+@pytest.fixture(scope="module")
+def glob_token_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, str]]:
+    """A server with its own token and a write token for the jobs ``alp*``, shared by
+    the module's tests that take it (each uploads bytes of its own, random)."""
     from ckptd.tokens import create_token
     from tests.conftest import ServerProcess
 
-    tokens_file = tmp_path / "tokens.json"
+    folder = tmp_path_factory.mktemp("glob-token-server")
+    tokens_file = folder / "tokens.json"
     token = create_token(tokens_file, "alp*", "write")[0]
-    srv = ServerProcess(store=tmp_path / "store", token="root-token",
+    srv = ServerProcess(store=folder / "store", token="root-token",
                         extra_args=["--tokens-file", str(tokens_file)])
     srv.start()
     try:
