@@ -15,6 +15,14 @@ replica refuses that connection. A connection TCP gave up on (its host vanished
 mid-request: the transport's keepalive and TCP_USER_TIMEOUT, ``transport_http``)
 is one. Down marks last three refreshes, then the replica is tried again.
 
+A replica that hangs (its process stopped or wedged: the kernel still takes the
+connection and the bytes) neither refuses nor times out a connection. A request
+that waits on one for ``SUSPECT_AFTER`` seconds has the replica asked for the
+membership, which a live one answers at once however busy; one that does not
+answer within the learn timeout is marked down, and every request still waiting on
+it is given up and retried at the next replica: a hang costs about ten seconds, not
+a request timeout (60 s) per request.
+
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
 the CLI) route alike without knowing about replicas.
@@ -23,12 +31,13 @@ the CLI) route alike without knowing about replicas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -59,6 +68,16 @@ _GONE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH
                           errno.EHOSTDOWN})
 
 
+class ReplicaDown(httpx.ReadError):
+    """A request given up because another call marked its replica down meanwhile
+    (maybe sent: retried as any request lost mid-way is)."""
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def host_gone(exc: BaseException) -> bool:
     """True when ``exc`` (or what caused it) says the server's host is not there."""
     seen: set[int] = set()
@@ -70,6 +89,9 @@ def host_gone(exc: BaseException) -> bool:
         cause = cause.__cause__ or cause.__context__
     return False
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+# Seconds a request waits on its replica before the replica is asked whether it is
+# there at all (``AsyncRouting._probe``; only where there is another to go to).
+SUSPECT_AFTER = 5.0
 
 
 class Members:
@@ -87,6 +109,8 @@ class Members:
         self.down_for = 3 * self.refresh_s
         self.refreshes = 0
         self.failovers = 0
+        # url -> what to call when it is marked down (requests under way to it)
+        self._watchers: dict[str, set[Callable[[], None]]] = {}
 
     def order(self, key: str | None) -> list[str]:
         """Where a call with routing ``key`` goes, best first: the key's rendezvous
@@ -122,9 +146,27 @@ class Members:
             self._down[url] = now
             self.failovers += 1
             self._next_refresh = min(self._next_refresh, time.monotonic())
+            watchers = self._watchers.pop(url, set())
         if len(self.urls) > 1:  # with one replica there is no next one to go to
             log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
                         url, type(exc).__name__)
+        for tell in watchers:
+            tell()
+
+    def watch(self, url: str, tell: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``tell`` once, from the thread that marks it, when ``url`` is next
+        marked down; returns what stops the watch."""
+        with self._lock:
+            self._watchers.setdefault(url, set()).add(tell)
+
+        def stop() -> None:
+            with self._lock:
+                watching = self._watchers.get(url)
+                if watching is not None:
+                    watching.discard(tell)
+                    if not watching:
+                        del self._watchers[url]
+        return stop
 
     def mark_gone(self, host: str, port: int) -> None:
         """A connection to ``host``:``port`` stopped getting any answer (the stall
@@ -231,6 +273,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         self.members = members
         self.inner = inner
         self._learning: asyncio.Lock | None = None
+        self._probing: dict[str, asyncio.Future[None]] = {}  # (kept alive while they run)
 
     async def learn(self, request: httpx.Request) -> None:
         """Re-reads the membership when it is due (the first call waits for it)."""
@@ -269,7 +312,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
-                return await self.inner.handle_async_request(_to(request, base))
+                return await self._send(request, base)
             except _UNSENT as exc:
                 self.members.mark_down(base, exc)
                 if i == len(order) - 1:
@@ -280,7 +323,66 @@ class AsyncRouting(httpx.AsyncBaseTransport):
                 raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
+    async def _send(self, request: httpx.Request, base: str) -> httpx.Response:
+        """``request`` sent to ``base``, given up (``ReplicaDown``, which the caller's
+        retry takes to the next replica) when another call marks ``base`` down while
+        it waits: a replica that hangs (stopped, or its host wedged) holds a request
+        only until a membership read or the stall watcher notices, not for a whole
+        request timeout (60 s by default) each."""
+        if len(self.members.urls) < 2:
+            return await self.inner.handle_async_request(_to(request, base))
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def tell() -> None:
+            with contextlib.suppress(RuntimeError):  # (its loop closed: nothing waits)
+                loop.call_soon_threadsafe(_settle, gone)
+
+        stop = self.members.watch(base, tell)
+        send = asyncio.ensure_future(self.inner.handle_async_request(_to(request, base)))
+        try:
+            await asyncio.wait((send, gone), timeout=SUSPECT_AFTER,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not (send.done() or gone.done()):  # slow: is the replica there at all?
+                self._probe(base, request)
+                await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            send.cancel()
+            raise
+        finally:
+            stop()
+            gone.cancel()
+        if send.done():
+            return send.result()
+        send.cancel()
+        with contextlib.suppress(BaseException):
+            await send
+        raise ReplicaDown(f"ckptd replica {base} was marked down while it had this request",
+                          request=request)
+
+    def _probe(self, base: str, request: httpx.Request) -> None:
+        """Asks ``base`` for the membership, in the background, once at a time: a live
+        replica answers that at once, however busy its uploads keep it; one that does
+        not answer within the learn timeout is marked down (and every request waiting
+        on it given up)."""
+        if base in self._probing:
+            return
+
+        async def probe() -> None:
+            try:
+                resp = await self.inner.handle_async_request(_learn_request(base, request))
+                await resp.aread()
+                await resp.aclose()
+            except httpx.TransportError as exc:
+                self.members.mark_down(base, exc)
+            finally:
+                self._probing.pop(base, None)
+
+        self._probing[base] = asyncio.ensure_future(probe())
+
     async def aclose(self) -> None:
+        for probe in list(self._probing.values()):
+            probe.cancel()
         await self.inner.aclose()
 
 

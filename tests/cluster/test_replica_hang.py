@@ -1,0 +1,45 @@
+"""A replica that hangs (stopped: the kernel still takes its connections and bytes)
+holds a save for seconds, not a request timeout: the request waiting on it has the
+replica probed, the probe marks it down, and the request goes to the next one."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.cluster import home, job_key
+from tests.cluster.conftest import Replica
+
+
+def test_a_save_leaves_a_hung_replica_for_the_next_within_seconds(tmp_path: Path) -> None:
+    a = Replica(str(tmp_path / "store"), tmp_path)
+    b = Replica(str(tmp_path / "store"), tmp_path)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}"]
+    try:
+        a.start(), b.start()
+        urls = [a.url, b.url]
+        job = next(j for j in (f"hang-{i}" for i in range(1000)) if home(job_key(j), urls) == a.url)
+        with Checkpointer(",".join(urls), job, chunk_size=1 << 20, shm_dir=tmp_path / "shm",
+                          serve_peers=False, timeout=60.0) as ckpt:
+            state = {"w": torch.randn(2 << 20)}
+            assert ckpt.save(1, state).wait(60).state == "committed"
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)
+            state["w"].add_(1.0)
+            t0 = time.monotonic()
+            assert ckpt.save(2, state).wait(120).state == "committed"
+            took = time.monotonic() - t0
+            # (a request timeout is 60 s: before, the save waited it out at least once)
+            assert took < 30.0, f"the save waited {took:.1f}s on the hung replica"
+            got = {"w": torch.zeros(2 << 20)}
+            ckpt.restore(got, step=2, tiers=("store",))
+            assert torch.equal(got["w"], state["w"])
+    finally:
+        if a.proc is not None:
+            a.proc.send_signal(signal.SIGCONT)
+        a.stop(), b.stop()
