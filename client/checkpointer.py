@@ -57,8 +57,9 @@ __all__ = ["Checkpointer", "CheckpointerConfig", "RestoreResult", "SaveHandle", 
 class Checkpointer:
     """Asynchronous, deduplicated, verified checkpoints of one rank's state.
 
-    ``url`` is ``http://host:port`` (a ckptd server) or ``file:///path`` (a local
-    directory store, no server). One snapshot per rank is in flight at a time: a
+    ``url`` is ``http://host:port`` (a ckptd server), or a store used with no server:
+    ``file:///path`` (a local directory) or ``s3://bucket/prefix`` (no peers, no
+    heartbeats; docs/client.md). One snapshot per rank is in flight at a time: a
     ``save`` while one is in flight waits for it (``on_busy="wait"``) or is skipped
     (``on_busy="skip"``). Tensors are ``"replicated"`` across ranks by default (the
     server checks that replicas agree and dedups them), ``"local"`` when named in

@@ -14,11 +14,12 @@ def endpoint(url: str | None, token: str | None) -> tuple[str, str | None]:
         url = os.environ.get("CKPTD_URL") or None
     if url is None:
         raise InvalidRequest(
-            "no ckptd URL: pass url= (http://host:port or file:///path) or set CKPTD_URL"
+            "no ckptd URL: pass url= (http://host:port, file:///path or s3://bucket/prefix) "
+            "or set CKPTD_URL"
         )
     if not isinstance(url, str):  # Checkpointer(1234): a port, not a URL
-        raise InvalidRequest(f"url must be a string (http://host:port or file:///path), "
-                             f"not {type(url).__name__} {url!r}")
+        raise InvalidRequest("url must be a string (http://host:port, file:///path or "
+                             f"s3://bucket/prefix), not {type(url).__name__} {url!r}")
     if token is None:
         token = os.environ.get("CKPTD_TOKEN") or None
     return url, token
