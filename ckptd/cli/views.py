@@ -7,6 +7,7 @@ The flows live in the client (``ckptd.client.zarr_export``, ``step_import``,
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import typer
@@ -168,6 +169,9 @@ def import_(
     except ImportError:
         _zarr_missing()
         return
+    # A failed save is this command's error, said once below: not also the log line
+    # (and the advice to training) the checkpointer gives a save nobody waits on.
+    logging.getLogger("ckptd.client.checkpointer").setLevel(logging.CRITICAL)
     try:
         with console.status(f"importing {source}"):
             result = import_checkpoint(source, url, job, step, token=token)

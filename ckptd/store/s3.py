@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -40,6 +42,9 @@ _PRECONDITION_FAILED = frozenset({"PreconditionFailed", "412"})
 # the caller to retry.
 _CONFLICT = frozenset({"ConditionalRequestConflict", "OperationAborted", "409"})
 _CONFLICT_ATTEMPTS = 5
+# Set while a store's own probe runs (its writes, and the tasks it gathers them in).
+_IN_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptd_s3_probe",
+                                                                default=False)
 
 
 class _Conflict(Exception):
@@ -119,6 +124,13 @@ class S3Store(Store):
         # a background thread's loop, and an aiohttp session must not cross loops.
         self._lock = threading.Lock()
         self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task[_LoopClient]] = {}
+        #: probe the store (``ckptd.store.probe``) before the first conditional write:
+        #: a store used directly by its writers (ranks, the CLI), which no ``ckptd
+        #: serve`` checked at its start
+        self.check_conditions = False
+        self._gaps: list[str] | None = None  # what the probe found, once it ran
+        self._probing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary())
 
     # -- the client ---------------------------------------------------------------------
 
@@ -345,7 +357,32 @@ class S3Store(Store):
 
     # -- writes -------------------------------------------------------------------------
 
+    async def _checked(self) -> None:
+        """With ``check_conditions``: the probe, once (its own writes pass), and
+        ``StoreError`` naming what the store lacks at every conditional write after."""
+        if not self.check_conditions or _IN_PROBE.get():
+            return
+        if self._gaps is None:
+            from ckptd.store.probe import conditional_write_gaps
+
+            lock = self._probing.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+            async with lock:
+                if self._gaps is None:
+                    token = _IN_PROBE.set(True)
+                    try:
+                        self._gaps = await conditional_write_gaps(self)
+                    finally:
+                        _IN_PROBE.reset(token)
+        if self._gaps:
+            raise StoreError(
+                f"store {self.describe()} cannot write conditionally: "
+                f"{'; '.join(self._gaps)}. Its writers (ranks committing at once) could "
+                "both win: use a store that honours If-None-Match and If-Match, or write "
+                "through one `ckptd serve --single-writer` in front of it",
+                store=self.describe(), lacks=list(self._gaps))
+
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        await self._checked()
         return await self._put_absent(key, data, read_back=True)
 
     async def put_content(self, key: str, data: bytes | memoryview,
@@ -388,6 +425,7 @@ class S3Store(Store):
     async def compare_and_swap(self, key: str, expected: bytes | None, new: bytes) -> bool:
         if expected is None:
             return await self.put_if_absent(key, new)
+        await self._checked()
         try:
             current, etag = await self._get_with_etag(key)
         except NotFound:
@@ -402,6 +440,7 @@ class S3Store(Store):
             return False  # a concurrent write of the ref: the caller re-reads and retries
 
     async def compare_and_delete(self, key: str, expected: bytes) -> bool:
+        await self._checked()
         try:
             current, etag = await self._get_with_etag(key)
         except NotFound:

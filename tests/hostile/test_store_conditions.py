@@ -24,6 +24,7 @@ pytest.importorskip("moto.server")
 import torch  # noqa: E402
 
 from ckptd.client import Checkpointer  # noqa: E402
+from ckptd.errors import StoreError  # noqa: E402
 from ckptd.store import S3Store  # noqa: E402
 from ckptd.store.probe import conditional_write_gaps  # noqa: E402
 from ckptd.store.single_writer import SingleWriterStore  # noqa: E402
@@ -162,3 +163,47 @@ def test_single_writer_serves_and_commits(front: DroppingFront, tmp_path: Path) 
             assert ckpt.restore(state).step == 2 and float(state["w"][0]) == 2.0
     finally:
         srv.stop()
+
+
+def test_writers_using_the_store_directly_are_refused(front: DroppingFront, moto: str,
+                                                      tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `ckptd serve` probed a store a rank or the CLI writes directly: its first
+    conditional write does, and a store that drops the conditions is refused there,
+    in a line or two, before any ref or commit record is written."""
+    for name, value in s3_env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    source = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(4.0)}, source)
+    url = store_url(front.url)
+    done = ckptd("import", str(source), "--job", "direct", "--step", "1", "--url", url)
+    assert done.returncode != 0, done.stdout
+    said = " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 2
+    assert f"store {url} cannot write conditionally" in said and "--single-writer" in said
+    with (
+        Checkpointer(url, "direct", chunk_size=4096, shm_dir=tmp_path / "shm",
+                     serve_peers=False, heartbeat_interval=0) as ckpt,
+        pytest.raises(StoreError, match="cannot write conditionally"),
+    ):
+        ckpt.save(1, {"w": torch.ones(64)}).wait(timeout=60)
+    # Nothing committed: not a record, not a ref (the probe's own objects went too).
+    behind = moto_keys(moto, url.split("/")[3].split("?")[0])
+    assert not [k for k in behind if "/refs/" in k or k.endswith("/commit.json")], behind
+    assert not [k for k in behind if "cluster/probes/" in k], behind
+    # The store itself writes conditionally: the same, straight to moto, commits.
+    with Checkpointer(store_url(moto), "direct", chunk_size=4096, shm_dir=tmp_path / "shm2",
+                      serve_peers=False, heartbeat_interval=0) as ckpt:
+        assert ckpt.save(1, {"w": torch.ones(64)}).wait(timeout=60).state == "committed"
+
+
+def moto_keys(endpoint: str, prefix: str) -> list[str]:
+    async def go() -> list[str]:
+        store = S3Store(BUCKET, prefix, endpoint_url=endpoint)
+        try:
+            return [k async for k in store.list_prefix("")]
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
