@@ -521,11 +521,7 @@ def open_transport(
     if parsed.scheme == "s3":
         from ckptd.store import open_store
 
-        store = open_store(url)  # (an S3Store: aiobotocore is there, or it said so)
-        # No `ckptd serve` checked that it writes conditionally: its first
-        # conditional write here does (ckptd.store.probe).
-        store.check_conditions = True  # type: ignore[attr-defined]
-        return LocalTransport(Repository(store))
+        return LocalTransport(Repository(open_store(url, direct=True)))
     raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port, file:///path or "
                          "s3://bucket/prefix")
 

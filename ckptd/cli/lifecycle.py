@@ -45,7 +45,7 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     from ckptd.store import open_store
 
     async def go() -> Any:
-        repo = Repository(open_store(url))  # open_store reads file:// URLs itself
+        repo = Repository(open_store(url, direct=True))  # (file:// URLs too)
         try:
             return await work(repo)
         finally:

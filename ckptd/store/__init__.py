@@ -25,9 +25,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, direct: bool = False) -> Store:
     """A store from a URL: a path or ``file:///path``, ``memory://``, or
-    ``s3://bucket/prefix`` (optionally ``?endpoint=http://host:port&region=r``)."""
+    ``s3://bucket/prefix`` (optionally ``?endpoint=http://host:port&region=r``).
+    ``direct``: its writers use it with no ``ckptd serve`` in front (ranks, the CLI),
+    so no server's start checked that it writes conditionally: an S3 store checks
+    before its first conditional write (``S3Store.check_conditions``)."""
     if url.startswith("memory://"):
         return MemoryStore()
     if url.startswith("file://"):
@@ -51,12 +54,14 @@ def open_store(url: str) -> Store:
             raise InvalidRequest(
                 f"s3:// stores need aiobotocore (pip install 'ckptd[s3]'): {exc}"
             ) from exc
-        return S3Store(
+        store = S3Store(
             parsed.netloc,
             parsed.path.strip("/"),
             endpoint_url=(query.get("endpoint") or [""])[-1] or None,
             region=(query.get("region") or [""])[-1] or None,
         )
+        store.check_conditions = direct
+        return store
     if "://" in url:
         raise InvalidRequest(
             f"unsupported store URL {url!r} (use a path, file:///path or s3://bucket/prefix)"

@@ -182,6 +182,9 @@ def test_writers_using_the_store_directly_are_refused(front: DroppingFront, moto
     said = " ".join(done.stderr.split())
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 2
     assert f"store {url} cannot write conditionally" in said and "--single-writer" in said
+    collected = ckptd("gc", "--url", url)  # (the lifecycle commands open it alike)
+    assert collected.returncode != 0 and "cannot write conditionally" in collected.stderr, (
+        collected.stdout + collected.stderr)
     with (
         Checkpointer(url, "direct", chunk_size=4096, shm_dir=tmp_path / "shm",
                      serve_peers=False, heartbeat_interval=0) as ckpt,
