@@ -17,11 +17,13 @@ is one. Down marks last three refreshes, then the replica is tried again.
 
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
-that waits on one for ``SUSPECT_AFTER`` seconds has the replica asked for the
-membership, which a live one answers at once however busy; one that does not
-answer within the learn timeout is marked down, and every request still waiting on
+that waits on one for ``CKPTD_SUSPECT_AFTER`` seconds (5) before its answer starts
+has the replica's ``/healthz`` asked, on a connection of its own: a live replica
+answers that within 2 s, however busy and whatever its store does; one that does
+not answer within as long again is marked down, and every request still waiting on
 it is given up and retried at the next replica: a hang costs about ten seconds, not
-a request timeout (60 s) per request.
+a request timeout (60 s) per request. A membership read that times out only turns
+new calls away, as do down marks by other evidence of a busy replica.
 
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
@@ -59,6 +61,7 @@ __all__ = [
 #: a request's routing key when its path has none (a batch of chunk ids)
 ROUTE_HEADER = "X-Ckptd-Route"
 CLUSTER_PATH = "/v1/cluster"
+HEALTH_PATH = "/healthz"
 # Connection failures: the request never reached the replica, so any call may go on.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # What TCP says of a connection whose host vanished mid-request (TCP_USER_TIMEOUT or
@@ -89,9 +92,6 @@ def host_gone(exc: BaseException) -> bool:
         cause = cause.__cause__ or cause.__context__
     return False
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
-# Seconds a request waits on its replica before the replica is asked whether it is
-# there at all (``AsyncRouting._probe``; only where there is another to go to).
-SUSPECT_AFTER = 5.0
 
 
 class Members:
@@ -138,24 +138,28 @@ class Members:
             groups.setdefault(rank_members(key, live)[0], []).append(key)
         return groups
 
-    def mark_down(self, url: str, exc: BaseException) -> None:
+    def mark_down(self, url: str, exc: BaseException, *, abandon: bool = False) -> None:
+        """New calls to ``url`` go to the next replica for a while. ``abandon``: the
+        evidence says the replica is gone or hung (a refused connection, the stall
+        watcher, an unanswered probe), so the requests waiting on it are given up too;
+        a membership read that timed out only turns new calls away."""
         with self._lock:
             now = time.monotonic()
-            if now - self._down.get(url, -self.down_for) < self.down_for:
-                return
-            self._down[url] = now
-            self.failovers += 1
-            self._next_refresh = min(self._next_refresh, time.monotonic())
-            watchers = self._watchers.pop(url, set())
-        if len(self.urls) > 1:  # with one replica there is no next one to go to
-            log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
-                        url, type(exc).__name__)
+            fresh = now - self._down.get(url, -self.down_for) >= self.down_for
+            if fresh:
+                self._down[url] = now
+                self.failovers += 1
+                self._next_refresh = min(self._next_refresh, now)
+            watchers = self._watchers.pop(url, set()) if abandon else set()
         for tell in watchers:
             tell()
+        if fresh and len(self.urls) > 1:  # (with one replica there is no next one)
+            log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
+                        url, type(exc).__name__)
 
     def watch(self, url: str, tell: Callable[[], None]) -> Callable[[], None]:
         """Calls ``tell`` once, from the thread that marks it, when ``url`` is next
-        marked down; returns what stops the watch."""
+        marked down with ``abandon``; returns what stops the watch."""
         with self._lock:
             self._watchers.setdefault(url, set()).add(tell)
 
@@ -175,7 +179,8 @@ class Members:
             u = urlparse(url)
             default = 443 if u.scheme == "https" else 80
             if (u.hostname or "").lower() == host.lower() and (u.port or default) == port:
-                self.mark_down(url, TimeoutError(f"{host}:{port} stopped answering"))
+                self.mark_down(url, TimeoutError(f"{host}:{port} stopped answering"),
+                               abandon=True)
 
     def refresh_due(self) -> bool:
         # refresh_s <= 0: route over the URLs given only, never asking for more.
@@ -269,9 +274,13 @@ def _cluster_doc(status: int, body: bytes) -> Any:
 class AsyncRouting(httpx.AsyncBaseTransport):
     """Routes each request of an ``httpx.AsyncClient`` to its home replica."""
 
-    def __init__(self, members: Members, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, members: Members, inner: httpx.AsyncBaseTransport,
+                 probes: httpx.AsyncBaseTransport | None = None) -> None:
         self.members = members
         self.inner = inner
+        #: connections of their own for probes of a replica that keeps a request
+        #: waiting (``_send``; None: never probed)
+        self.probes = probes
         self._learning: asyncio.Lock | None = None
         self._probing: dict[str, asyncio.Future[None]] = {}  # (kept alive while they run)
 
@@ -314,22 +323,23 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             try:
                 return await self._send(request, base)
             except _UNSENT as exc:
-                self.members.mark_down(base, exc)
+                # (refused: gone; not taken in time: maybe a full backlog)
+                self.members.mark_down(base, exc, abandon=isinstance(exc, httpx.ConnectError))
                 if i == len(order) - 1:
                     raise
             except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
                 if host_gone(exc):
-                    self.members.mark_down(base, exc)
+                    self.members.mark_down(base, exc, abandon=True)
                 raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
     async def _send(self, request: httpx.Request, base: str) -> httpx.Response:
         """``request`` sent to ``base``, given up (``ReplicaDown``, which the caller's
-        retry takes to the next replica) when another call marks ``base`` down while
-        it waits: a replica that hangs (stopped, or its host wedged) holds a request
-        only until a membership read or the stall watcher notices, not for a whole
-        request timeout (60 s by default) each."""
-        if len(self.members.urls) < 2:
+        retry takes to the next replica) when ``base`` is marked down as gone or hung
+        before its answer starts: a replica that hangs holds a request until a probe
+        (``_probe``) or the stall watcher notices, not for a whole request timeout."""
+        suspect_after = knobs.suspect_after()
+        if len(self.members.urls) < 2 or self.probes is None or suspect_after <= 0:
             return await self.inner.handle_async_request(_to(request, base))
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
@@ -341,49 +351,68 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         stop = self.members.watch(base, tell)
         send = asyncio.ensure_future(self.inner.handle_async_request(_to(request, base)))
         try:
-            await asyncio.wait((send, gone), timeout=SUSPECT_AFTER,
+            await asyncio.wait((send, gone), timeout=suspect_after,
                                return_when=asyncio.FIRST_COMPLETED)
             if not (send.done() or gone.done()):  # slow: is the replica there at all?
-                self._probe(base, request)
+                self._probe(base, suspect_after)
                 await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            send.cancel()
+        except BaseException:  # (the caller cancelled: so is the request, and waited for)
+            await _given_up(send)
             raise
         finally:
             stop()
             gone.cancel()
-        if send.done():
-            return send.result()
-        send.cancel()
-        with contextlib.suppress(BaseException):
-            await send
-        raise ReplicaDown(f"ckptd replica {base} was marked down while it had this request",
-                          request=request)
+        if not send.done():
+            await _given_up(send)
+            raise ReplicaDown(f"ckptd replica {base} was marked down while it had this "
+                              "request", request=request)
+        return send.result()
 
-    def _probe(self, base: str, request: httpx.Request) -> None:
-        """Asks ``base`` for the membership, in the background, once at a time: a live
-        replica answers that at once, however busy its uploads keep it; one that does
-        not answer within the learn timeout is marked down (and every request waiting
-        on it given up)."""
-        if base in self._probing:
+    def _probe(self, base: str, timeout: float) -> None:
+        """Asks ``base``'s ``/healthz``, in the background, once at a time per replica,
+        on the probes' own connections (a pool full of slow requests does not hold
+        it up): any answer says it is there (``/healthz`` waits at most 2 s on a store
+        that hangs); none within ``timeout`` marks it down, and every request
+        waiting on it is given up."""
+        if base in self._probing or self.probes is None:
             return
+        probes = self.probes
+        limits = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
 
         async def probe() -> None:
             try:
-                resp = await self.inner.handle_async_request(_learn_request(base, request))
+                resp = await probes.handle_async_request(httpx.Request(
+                    "GET", base + HEALTH_PATH, extensions={"timeout": limits}))
                 await resp.aread()
                 await resp.aclose()
+            except httpx.PoolTimeout:
+                pass  # (this side's probes are all busy: says nothing of the replica)
             except httpx.TransportError as exc:
-                self.members.mark_down(base, exc)
+                self.members.mark_down(base, exc, abandon=True)
             finally:
                 self._probing.pop(base, None)
 
         self._probing[base] = asyncio.ensure_future(probe())
 
     async def aclose(self) -> None:
-        for probe in list(self._probing.values()):
+        probing = list(self._probing.values())
+        for probe in probing:
             probe.cancel()
+        if probing:
+            await asyncio.wait(probing)
+        if self.probes is not None:
+            await self.probes.aclose()
         await self.inner.aclose()
+
+
+async def _given_up(send: asyncio.Future[httpx.Response]) -> None:
+    """Cancels a request under way and waits until it ended (it may be reading the
+    caller's buffers); an answer that came meanwhile is closed (its connection goes
+    back to the pool). A cancellation of the caller's own meanwhile propagates."""
+    send.cancel()
+    await asyncio.wait((send,))
+    if not send.cancelled() and send.exception() is None:
+        await send.result().aclose()
 
 
 class SyncRouting(httpx.BaseTransport):

@@ -266,6 +266,10 @@ class HttpTransport(Transport):
             self.members, guard(httpx.AsyncHTTPTransport(
                 limits=limits, verify=self.session.verify,
                 socket_options=self.session.socket_options()), self.members.mark_gone),
+            # (probes of a replica that keeps a request waiting: a pool of their own)
+            probes=httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=8, max_keepalive_connections=0),
+                verify=self.session.verify),
         )
         self._client = httpx.AsyncClient(
             base_url=self.members.seeds[0],

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptd.client import Checkpointer
@@ -42,4 +43,30 @@ def test_a_save_leaves_a_hung_replica_for_the_next_within_seconds(tmp_path: Path
     finally:
         if a.proc is not None:
             a.proc.send_signal(signal.SIGCONT)
+        a.stop(), b.stop()
+
+
+def test_probes_of_live_busy_replicas_mark_none_down(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probed after 50 ms, nearly every request of a save over two live replicas has
+    its replica asked: each answers, so none is marked down and nothing is retried."""
+    monkeypatch.setenv("CKPTD_SUSPECT_AFTER", "0.05")
+    a = Replica(str(tmp_path / "store"), tmp_path)
+    b = Replica(str(tmp_path / "store"), tmp_path)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}"]
+    try:
+        a.start(), b.start()
+        with Checkpointer(f"{a.url},{b.url}", "busy", chunk_size=1 << 20,
+                          shm_dir=tmp_path / "shm", serve_peers=False, timeout=60.0) as ckpt:
+            state = {"w": torch.randn(8 << 20)}
+            for step in (1, 2):
+                state["w"].add_(1.0)
+                assert ckpt.save(step, state).wait(120).state == "committed"
+            got = {"w": torch.zeros(8 << 20)}
+            ckpt.restore(got, step=2, tiers=("store",))
+            assert torch.equal(got["w"], state["w"])
+            members = ckpt.transport.members  # type: ignore[attr-defined]
+            assert members.failovers == 0 and members.live() == [a.url, b.url]
+    finally:
         a.stop(), b.stop()
