@@ -36,6 +36,8 @@ HealthFn = Callable[[], dict[str, Any]]
 
 _MIN_INTERVAL = 0.05
 _MAX_INTERVAL = 3600.0
+# Pauses before each resend of a beat lost on the way (``Heartbeat._send``).
+_RESEND_PAUSES = (0.0, 0.2)
 
 
 def default_health() -> dict[str, Any]:
@@ -217,15 +219,7 @@ class Heartbeat:
             body = self.body()
             t0 = time.perf_counter()
             try:
-                try:
-                    answer = self.transport.heartbeat(self.job, self.rank, body)
-                except Unavailable:
-                    # Lost mid-way (its replica died under it, or dropped the pooled
-                    # connection): sent again at once. The resend connects afresh, a dead
-                    # replica refuses it and routing takes it to the next one, where it
-                    # would otherwise wait a whole interval (the job's liveness with it).
-                    t0 = time.perf_counter()
-                    answer = self.transport.heartbeat(self.job, self.rank, body)
+                answer, t0 = self._send(body)
             except CkptdError as exc:
                 self.failures += 1
                 # An answer that came (a refusal) still measured the round trip.
@@ -258,6 +252,24 @@ class Heartbeat:
             self._peer_url_refused = reply.peer_url_refused
             self._notify(reply, rtt)
             return reply
+
+    def _send(self, body: dict[str, Any]) -> tuple[Any, float]:
+        """One beat; one lost mid-way (its replica died under it, or dropped the
+        pooled connection) is sent again at once, and once more a moment later (a
+        replica that is dying still takes connections while it closes them). Each
+        resend connects afresh: a dead replica refuses it and routing takes it to the
+        next one, where it would otherwise wait a whole interval (the job's liveness
+        with it). A beat that timed out is not resent: it took its timeout already.
+        The answer, and when the try that got it began (its round trip's start)."""
+        for pause in _RESEND_PAUSES:
+            t0 = time.perf_counter()
+            try:
+                return self.transport.heartbeat(self.job, self.rank, body), t0
+            except Unavailable:
+                if self._stop.wait(pause):
+                    raise
+        t0 = time.perf_counter()
+        return self.transport.heartbeat(self.job, self.rank, body), t0
 
     def _notify(self, reply: HeartbeatReply | None, rtt: float | None) -> None:
         if self.on_beat is None:

@@ -18,6 +18,17 @@ def _job_at_home(url: str, urls: list[str]) -> str:
     return next(j for j in (f"beat-{i}" for i in range(1000)) if home(job_key(j), urls) == url)
 
 
+def _unread(port: int) -> bool:
+    """Whether a connection accepted on ``port`` holds bytes its server has not read."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, queues = fields[1], fields[3], fields[4]
+        if int(local.rsplit(":", 1)[1], 16) == port and state == "01" and \
+                int(queues.split(":")[1], 16) > 0:
+            return True
+    return False
+
+
 def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(tmp_path: Path) -> None:
     a = Replica(str(tmp_path / "store"), tmp_path)
     b = Replica(str(tmp_path / "store"), tmp_path)
@@ -37,7 +48,12 @@ def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(tmp_path: Path) 
         sender = threading.Thread(target=lambda: replies.append(hb.beat_now()))
         t0 = time.monotonic()
         sender.start()
-        time.sleep(0.5)
+        # Killed only once the beat lies unread in its socket: lost mid-way, not
+        # refused (a refused beat goes to b on any code).
+        deadline = time.monotonic() + 20.0
+        while not _unread(a.port) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _unread(a.port), "the beat never reached the stopped replica's socket"
         a.stop(signal.SIGKILL)
         sender.join(30.0)
         took = time.monotonic() - t0
