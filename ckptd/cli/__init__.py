@@ -437,28 +437,36 @@ def rollback(
     reason: Annotated[
         str, typer.Option(help="Why (shown in status and the dashboard).")
     ] = "manual",
-    url: ServerUrlOpt = DEFAULT_URL,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Tell every rank of a job to go back to a committed step (or --clear that)."""
+    """Tell every rank of a job to go back to a committed step (or --clear that). On a
+    store used directly, it also replaces a damaged timeline (docs/FORMAT.md)."""
     if clear == (step is not None):
         err_console.print("[bold red]error[/] give a STEP, or --clear (not both)")
         raise typer.Exit(code=2)
     try:
         check_job(job)
-        with _server(url, token) as server:
-            if clear:
-                server.clear_rollback(job)
-                console.print(f"rollback of [bold]{job}[/] cleared")
-            else:
-                assert step is not None
-                answer = server.set_rollback(job, step, reason)
-                console.print(
-                    f"[bold]{job}[/]: ranks are told to roll back to step "
-                    f"{answer.rollback_to} (clear with `ckptd rollback {job} --clear`)"
-                )
+        if url.startswith(("http://", "https://")):
+            with _server(url, token) as server:
+                if clear:
+                    to = server.clear_rollback(job).rollback_to
+                else:
+                    assert step is not None
+                    to = server.set_rollback(job, step, reason).rollback_to
+        else:
+            from ckptd.cli.lifecycle import rollback_on_store
+            from ckptd.cli.mistakes import existing_store
+
+            to = rollback_on_store(existing_store(url), job, step)
     except CkptdError as exc:
         _fail(exc)
+        return
+    if clear:
+        console.print(f"rollback of [bold]{job}[/] cleared")
+    else:
+        console.print(f"[bold]{job}[/]: ranks are told to roll back to step {to} (clear with "
+                      f"`ckptd rollback {job} --clear`)")
 
 
 @app.command()

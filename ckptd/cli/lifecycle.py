@@ -54,6 +54,21 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     return asyncio.run(go())
 
 
+def rollback_on_store(url: str, job: str, step: int | None) -> int | None:
+    """An operator's rollback of ``job`` to ``step`` (None: clears the marker) on the
+    store at ``url``, used directly: the step the ranks are told to go back to."""
+
+    async def work(repo: Any) -> int | None:
+        if step is None:
+            await repo.clear_rollback(job)
+            return None
+        done = await repo.set_rollback(job, step)
+        return int(done.marker.step)
+
+    result: int | None = _direct(url, work)
+    return result
+
+
 def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
          direct: Callable[[Any], Awaitable[Any]]) -> Any:
     """``remote(server)`` through a server (its answer as JSON), or ``direct(repository)``

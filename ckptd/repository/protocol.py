@@ -16,7 +16,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -104,7 +103,6 @@ class Repository(Verification, Listings, AfterCommit):
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
         self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES)
-        self._rollback_locks = weakref.WeakKeyDictionary()
 
     async def close(self) -> None:
         await self.store.close()

@@ -4,18 +4,23 @@ timeline first, then the marker; docs/design/005-rollback-timelines.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
-import weakref
-import zlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from ckptd.documents import parse_stored
 from ckptd.errors import (
     Conflict,
     InvalidDocument,
+    ManifestNotFound,
     NotFound,
     StoreCorrupt,
     StoreError,
     Superseded,
+    UnsupportedFormat,
 )
 from ckptd.format import Ref, Timeline, check_job, job_prefix, manifest_epoch, timeline_key
 from ckptd.repository.reads import StoredReads
@@ -23,27 +28,38 @@ from ckptd.repository.results import RollbackSet
 
 log = logging.getLogger(__name__)
 
-_STRIPES = 64
+_T = TypeVar("_T")
 
 
 class Timelines(StoredReads):
     """Rollbacks and timelines: the marker that sends a job back to a committed
     step, and the epoch that refuses work saved before it."""
 
-    # Rollbacks of one job, one at a time in this process, per event loop (an asyncio
-    # lock belongs to one; a server runs one): see ``set_rollback``.
-    _rollback_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[asyncio.Lock]]
+    # Rollbacks of one job, one at a time in this process (``set_rollback``): a lock
+    # and its holders and waiters per job, kept only while it has some.
+    _rollback_locks: dict[str, tuple[asyncio.Lock, int]]
 
     @staticmethod
     def _rollback_key(job: str) -> str:
         return f"{job_prefix(job)}refs/rollback"
 
-    def _rollback_lock(self, job: str) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        stripes = self._rollback_locks.get(loop)
-        if stripes is None:
-            stripes = self._rollback_locks[loop] = [asyncio.Lock() for _ in range(_STRIPES)]
-        return stripes[zlib.crc32(job.encode("utf-8")) % _STRIPES]
+    @contextlib.asynccontextmanager
+    async def _one_rollback_at_a_time(self, job: str) -> AsyncIterator[None]:
+        if "_rollback_locks" not in self.__dict__:
+            self._rollback_locks = {}
+        locks = self._rollback_locks
+        lock, users = locks.get(job, (None, 0))
+        lock = lock or asyncio.Lock()
+        locks[job] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = locks[job]
+            if users == 1:
+                del locks[job]
+            else:
+                locks[job] = (lock, users - 1)
 
     async def read_rollback(self, job: str) -> Ref | None:
         """The job's rollback marker (a Ref to a committed step), or None."""
@@ -103,7 +119,7 @@ class Timelines(StoredReads):
         lock a second asker could find the new timeline written but not yet its
         marker, and start a timeline of its own (refusing the saves of the ranks that
         had rolled back to the first)."""
-        async with self._rollback_lock(check_job(job)):
+        async with self._one_rollback_at_a_time(check_job(job)):
             return await self._start_rollback(job, step, from_epoch)
 
     async def _start_rollback(self, job: str, step: int, from_epoch: int | None
@@ -114,6 +130,7 @@ class Timelines(StoredReads):
         # marker tells the ranks to roll back; the other order could let a rank
         # restore, see the old epoch and keep it.
         key = timeline_key(job)
+        floor: int | None = None  # (a damaged timeline's: counted once)
         for _ in range(100):
             try:
                 current: bytes | None = await self.store.get(key)
@@ -124,7 +141,9 @@ class Timelines(StoredReads):
             except StoreCorrupt:
                 if from_epoch is not None:  # a rank's: it cannot know what the job's was
                     raise
-                done, epoch = None, await self._epoch_above_damage(job)
+                if floor is None:
+                    floor = await self._epoch_above_damage(job)
+                done, epoch = None, floor
             else:
                 epoch = done.epoch if done is not None else 0
             # Asked from an ended timeline while its rollback is still marked: that
@@ -152,21 +171,29 @@ class Timelines(StoredReads):
         raise Conflict(f"could not set the rollback marker of {job}: too much contention")
 
     async def _epoch_above_damage(self, job: str) -> int:
-        """Where an operator's rollback over a damaged timeline counts from: one more
-        than the highest epoch of any manifest of the job, so that its new timeline
-        lies above the lost one too (the damage may have hidden a rollback that no
-        manifest was saved in yet). Ranks of the lost one are refused and told."""
-        highest = 0
-        for step in await self.step_numbers(job):
-            for rank in await self._ranks_present(job, step):
-                try:
-                    manifest = await self._read_manifest_raw(job, step, rank)
-                    highest = max(highest, manifest_epoch(manifest))
-                except (StoreError, InvalidDocument):  # damaged too: the others count
-                    continue
-        log.warning("%s: replacing its damaged timeline; manifests were saved in timelines "
-                    "up to %d, the new one is %d", job, highest, highest + 2)
-        return highest + 1
+        """Where an operator's rollback over a damaged timeline counts from (its new
+        epoch is one more): the time now in seconds, or the highest epoch of the job's
+        manifests if more (a clock set back). Epochs are only ever compared, so the
+        count may jump: the new timeline must lie above the lost one and above every
+        rollback the damage hid that no manifest shows (a rollback takes more than a
+        second). Ranks of the lost timeline are then refused and told."""
+        steps = await self.step_numbers(job)
+        ranks = await _batched([functools.partial(self._ranks_present, job, s) for s in steps])
+        pairs = [(s, r) for s, present in zip(steps, ranks, strict=True) for r in present]
+
+        async def epoch_of(step: int, rank: int) -> int:
+            try:
+                return manifest_epoch(await self._read_manifest_raw(job, step, rank))
+            except (StoreCorrupt, InvalidDocument, UnsupportedFormat, ManifestNotFound):
+                return 0  # damaged too, a newer ckptd's, or gone since: the others count
+
+        epochs = await _batched([functools.partial(epoch_of, s, r) for s, r in pairs])
+        highest = max(epochs, default=0)
+        floor = max(int(time.time()), highest + 1)
+        log.warning("%s: replacing its damaged timeline with timeline %d (its manifests were "
+                    "saved in timelines up to %d)", job, floor + 1, highest)
+        return floor
+
 
     async def clear_rollback(self, job: str) -> bool:
         """Removes the job's rollback marker; True when there was one."""
@@ -241,3 +268,11 @@ class Timelines(StoredReads):
                 f"{current}", job=job, epoch=epoch, current=current,
             )
         return current
+
+
+async def _batched(calls: list[Callable[[], Awaitable[_T]]], width: int = 32) -> list[_T]:
+    """Each call's result, in order, ``width`` at a time."""
+    out: list[_T] = []
+    for i in range(0, len(calls), width):
+        out.extend(await asyncio.gather(*(call() for call in calls[i:i + width])))
+    return out

@@ -132,36 +132,38 @@ def test_a_rank_that_restores_a_step_off_the_timeline_stays_fenced(
         assert ckpt.save(3, state(3.0, 3)).wait(30).state == "committed"
 
 
-def test_a_damaged_timeline_is_replaced_by_an_operators_rollback(tmp_path: Path) -> None:
+def test_a_damaged_timeline_is_replaced_by_an_operators_rollback(
+    where: tuple[str, Path], tmp_path: Path
+) -> None:
     """A damaged timeline document stops the job's saves, each error saying how to get
-    out; `ckptd rollback JOB STEP` starts a new timeline and the job carries on."""
+    out; `ckptd rollback JOB STEP` (through a server, or on the store itself) starts
+    a new timeline and the job carries on."""
     import subprocess
     import sys
+    import time
 
     from ckptd.errors import StoreCorrupt
     from ckptd.format import timeline_key
 
-    srv = ServerProcess(store=tmp_path / "store")
-    srv.start()
+    url, store = where
     job = "damaged"
-    try:
-        with Checkpointer(srv.url, job, chunk_size=4096, shm_dir=tmp_path / "shm",
-                          serve_peers=False, timeout=30.0) as ckpt:
-            for step in (1, 2):
-                assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
-            assert rollback(srv.url, srv.store, job, 2) == 1
-            got: dict[str, Any] = state(0.0, 0)
-            ckpt.restore(got, step=2)
-            (srv.store / timeline_key(job)).write_bytes(b"\0" * 40)  # a torn write
-            with pytest.raises(StoreCorrupt) as info:
-                ckpt.save(3, state(3.0, 3)).wait(30)
-            assert f"ckptd rollback {job} STEP" in info.value.message
-            out = subprocess.run([sys.executable, "-m", "ckptd", "rollback", job, "2", "--url",
-                                  srv.url], capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0, out.stdout + out.stderr
-            ckpt.restore(got, step=2)
-            assert ckpt.save(3, state(3.0, 3)).wait(30).state == "committed"
-        kept = RankManifest.parse((srv.store / manifest_key(job, 3, 0)).read_bytes())
-        assert kept.meta["epoch"] == 2  # above the damaged one (1), that no manifest showed
-    finally:
-        srv.stop()
+    with Checkpointer(url, job, chunk_size=4096, shm_dir=tmp_path / "shm",
+                      serve_peers=False, timeout=30.0) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
+        assert rollback(url, store, job, 2) == 1
+        got: dict[str, Any] = state(0.0, 0)
+        ckpt.restore(got, step=2)
+        (store / timeline_key(job)).write_bytes(b"\0" * 40)  # a torn write
+        before = int(time.time())
+        with pytest.raises(StoreCorrupt) as info:
+            ckpt.save(3, state(3.0, 3)).wait(30)
+        assert f"ckptd rollback {job} STEP" in info.value.message
+        out = subprocess.run([sys.executable, "-m", "ckptd", "rollback", job, "2", "--url",
+                              url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "roll back to step 2" in " ".join(out.stdout.split())
+        ckpt.restore(got, step=2)
+        assert ckpt.save(3, state(3.0, 3)).wait(30).state == "committed"
+    kept = RankManifest.parse((store / manifest_key(job, 3, 0)).read_bytes())
+    assert kept.meta["epoch"] > before  # above the damaged one (1), that no manifest showed
