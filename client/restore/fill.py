@@ -139,9 +139,11 @@ def _build(
         return _as_member(existing, float(body))
     if kind == "bytes":
         data = tensors[body].contiguous().numpy().tobytes()
-        if isinstance(existing, bytearray):  # kept, filled in place (as a tensor is)
-            existing[:] = data
-            return existing
+        if isinstance(existing, bytearray):  # kept and filled in place, as a tensor is,
+            if len(existing) == len(data):  # when it fits; else a new one (a resize
+                existing[:] = data  # would move memory that views of it still name)
+                return existing
+            return bytearray(data)
         return data
     if kind == "tensor":
         restored = tensors[body]
@@ -194,9 +196,9 @@ def _as_member(existing: Any, value: Any) -> Any:
     target holds stays one: the checkpoint holds its value, a plain int), or as it is.
     Only the target's own class is looked up, by value: nothing from the store names
     a class."""
-    if isinstance(existing, enum.Enum) and type(value) is not bool:
+    if isinstance(existing, enum.Enum) and type(value) in (int, str):
         try:
             return type(existing)(value)
-        except ValueError:  # (not a value of that enum: the checkpoint's value wins)
+        except (ValueError, TypeError):  # (not a value of it: the checkpoint's value wins)
             return value
     return value

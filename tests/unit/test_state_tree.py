@@ -331,13 +331,20 @@ def test_fill_keeps_the_targets_enums_and_bytearrays() -> None:
     """The manifest holds an enum's value and a bytearray's bytes, plainly: a target
     that holds an enum member or a bytearray there gets them back as such."""
     src = {"phase": Phase.DECAY, "mode": Mode.EVAL, "blob": bytearray(b"new bytes"),
-           "odd": 7, "flag": True}
+           "odd": 7, "flag": True, "ratio": 2.0, "grown": b"longer than before"}
     flat = flatten(src)
     assert flat.tree["dict"][0] == ["phase", {"value": 2}]  # (what the format holds)
-    blob = bytearray(b"old")
+    blob = bytearray(b"old bytes")  # (as long as the new ones: filled in place)
+    grown = bytearray(b"short")
+    view = memoryview(grown)  # (a resize in place would fail: it is exported)
     target: dict[str, Any] = {"phase": Phase.WARMUP, "mode": Mode.TRAIN, "blob": blob,
-                              "odd": Phase.WARMUP, "flag": Phase.WARMUP}
+                              "odd": Phase.WARMUP, "flag": Phase.WARMUP,
+                              "ratio": Phase.WARMUP, "grown": grown}
     fill(target, flat.tree, {n: t.clone() for n, t in flat.tensors})
+    # Another length: a new bytearray; the old one, and views of it, as they were.
+    assert type(target["grown"]) is bytearray and target["grown"] == b"longer than before"
+    assert target["grown"] is not grown and bytes(view) == b"short"
+    assert type(target["ratio"]) is float  # (a float is no value of an IntEnum)
     assert target["phase"] is Phase.DECAY and target["mode"] is Mode.EVAL
     assert target["blob"] is blob and blob == bytearray(b"new bytes")
     # Not a value of the target's enum, or a bool: the checkpoint's value as it is.
