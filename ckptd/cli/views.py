@@ -171,13 +171,18 @@ def import_(
         return
     # A failed save is this command's error, said once below: not also the log line
     # (and the advice to training) the checkpointer gives a save nobody waits on.
-    logging.getLogger("ckptd.client.checkpointer").setLevel(logging.CRITICAL)
+    # (Put back after: the command may run in a process that goes on, a CliRunner.)
+    quiet = logging.getLogger("ckptd.client.checkpointer")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         with console.status(f"importing {source}"):
             result = import_checkpoint(source, url, job, step, token=token)
     except CkptdError as exc:
         _fail(exc)
         return
+    finally:
+        quiet.setLevel(level)
     console.print(
         f"[green]ok[/]: {result.kind} checkpoint {source} is step {result.step} of {job}: "
         f"{result.tensors} tensors, {_human(result.nbytes)}, committed and read back "
