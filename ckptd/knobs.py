@@ -103,8 +103,8 @@ def connect_timeout() -> float:
 
 def suspect_after() -> float:
     """Seconds a request waits on a ckptd replica, where there is another to go to,
-    before that replica's ``/healthz`` is asked (on a connection of its own, at most
-    ``suspect_after`` seconds) whether it is there at all: a live one answers within
+    before that replica's ``/healthz`` is asked (on a connection of its own, 5 s at
+    most) whether it is there at all: a live one answers within
     2 s whatever its store does; one that does not (stopped, wedged) is marked down,
     and the requests waiting on it go to the next replica. 0: never asked."""
     return _env_float("CKPTD_SUSPECT_AFTER", 5.0, low=0)

@@ -20,7 +20,7 @@ connection and the bytes) neither refuses nor times out a connection. A request
 that waits on one for ``CKPTD_SUSPECT_AFTER`` seconds (5) before its answer starts
 has the replica's ``/healthz`` asked, on a connection of its own: a live replica
 answers that within 2 s, however busy and whatever its store does; one that does
-not answer within as long again is marked down, and every request still waiting on
+not answer within ``PROBE_TIMEOUT`` (5 s) is marked down, and every request still waiting on
 it is given up and retried at the next replica: a hang costs about ten seconds, not
 a request timeout (60 s) per request. A membership read that times out only turns
 new calls away, as do down marks by other evidence of a busy replica.
@@ -92,6 +92,10 @@ def host_gone(exc: BaseException) -> bool:
         cause = cause.__cause__ or cause.__context__
     return False
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+# Seconds a probed replica has to answer ``/healthz`` (which waits at most 2 s on its
+# store) before it counts as hung: whatever CKPTD_SUSPECT_AFTER says, a live replica
+# on a loaded host is not judged in less.
+PROBE_TIMEOUT = 5.0
 
 
 class Members:
@@ -354,7 +358,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             await asyncio.wait((send, gone), timeout=suspect_after,
                                return_when=asyncio.FIRST_COMPLETED)
             if not (send.done() or gone.done()):  # slow: is the replica there at all?
-                self._probe(base, suspect_after)
+                self._probe(base)
                 await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # (the caller cancelled: so is the request, and waited for)
             await _given_up(send)
@@ -368,16 +372,16 @@ class AsyncRouting(httpx.AsyncBaseTransport):
                               "request", request=request)
         return send.result()
 
-    def _probe(self, base: str, timeout: float) -> None:
+    def _probe(self, base: str) -> None:
         """Asks ``base``'s ``/healthz``, in the background, once at a time per replica,
         on the probes' own connections (a pool full of slow requests does not hold
         it up): any answer says it is there (``/healthz`` waits at most 2 s on a store
-        that hangs); none within ``timeout`` marks it down, and every request
+        that hangs); none within ``PROBE_TIMEOUT`` marks it down, and every request
         waiting on it is given up."""
         if base in self._probing or self.probes is None:
             return
         probes = self.probes
-        limits = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
+        limits = dict.fromkeys(("connect", "read", "write", "pool"), PROBE_TIMEOUT)
 
         async def probe() -> None:
             try:
