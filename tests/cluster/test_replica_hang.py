@@ -59,11 +59,11 @@ def test_probes_of_live_busy_replicas_mark_none_down(tmp_path: Path,
         a.start(), b.start()
         with Checkpointer(f"{a.url},{b.url}", "busy", chunk_size=1 << 20,
                           shm_dir=tmp_path / "shm", serve_peers=False, timeout=60.0) as ckpt:
-            state = {"w": torch.randn(8 << 20)}
+            state = {"w": torch.randn(2 << 20)}
             for step in (1, 2):
                 state["w"].add_(1.0)
                 assert ckpt.save(step, state).wait(120).state == "committed"
-            got = {"w": torch.zeros(8 << 20)}
+            got = {"w": torch.zeros(2 << 20)}
             ckpt.restore(got, step=2, tiers=("store",))
             assert torch.equal(got["w"], state["w"])
             members = ckpt.transport.members  # type: ignore[attr-defined]
