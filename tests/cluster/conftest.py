@@ -4,6 +4,7 @@ and replica processes on 127.0.0.1 that a test starts, kills and restarts."""
 from __future__ import annotations
 
 import re
+import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -122,3 +123,21 @@ def lease_cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def static_pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+    """Two replicas over one directory store that list each other (``--peers``),
+    started; one a test stopped (SIGSTOP) is let go on before both are stopped."""
+    a = Replica(str(tmp_path / "store"), tmp_path)
+    b = Replica(str(tmp_path / "store"), tmp_path)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}"]
+    try:
+        a.start(), b.start()
+        yield a, b
+    finally:
+        for r in (a, b):
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGCONT)
+            r.stop()

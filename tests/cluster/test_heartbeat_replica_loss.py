@@ -29,14 +29,11 @@ def _unread(port: int) -> bool:
     return False
 
 
-def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(tmp_path: Path) -> None:
-    a = Replica(str(tmp_path / "store"), tmp_path)
-    b = Replica(str(tmp_path / "store"), tmp_path)
-    for r in (a, b):
-        r.args = ["--peers", f"{a.url},{b.url}"]
+def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(
+        static_pair: tuple[Replica, Replica]) -> None:
+    a, b = static_pair
     hb: Heartbeat | None = None
     try:
-        a.start(), b.start()
         job = _job_at_home(a.url, [a.url, b.url])
         # A long interval: only the beats this test sends go.
         hb = Heartbeat(f"{a.url},{b.url}", job, 0, 1, interval=600.0, timeout=20.0)
@@ -66,4 +63,3 @@ def test_a_beat_lost_with_its_replica_is_sent_again_to_the_next(tmp_path: Path) 
     finally:
         if hb is not None:
             hb.stop()
-        a.stop(), b.stop()

@@ -16,57 +16,43 @@ from ckptd.cluster import home, job_key
 from tests.cluster.conftest import Replica
 
 
-def test_a_save_leaves_a_hung_replica_for_the_next_within_seconds(tmp_path: Path) -> None:
-    a = Replica(str(tmp_path / "store"), tmp_path)
-    b = Replica(str(tmp_path / "store"), tmp_path)
-    for r in (a, b):
-        r.args = ["--peers", f"{a.url},{b.url}"]
-    try:
-        a.start(), b.start()
-        urls = [a.url, b.url]
-        job = next(j for j in (f"hang-{i}" for i in range(1000)) if home(job_key(j), urls) == a.url)
-        with Checkpointer(",".join(urls), job, chunk_size=1 << 20, shm_dir=tmp_path / "shm",
-                          serve_peers=False, timeout=60.0) as ckpt:
-            state = {"w": torch.randn(2 << 20)}
-            assert ckpt.save(1, state).wait(60).state == "committed"
-            assert a.proc is not None
-            a.proc.send_signal(signal.SIGSTOP)
-            state["w"].add_(1.0)
-            t0 = time.monotonic()
-            assert ckpt.save(2, state).wait(120).state == "committed"
-            took = time.monotonic() - t0
-            # (a request timeout is 60 s: before, the save waited it out at least once)
-            assert took < 30.0, f"the save waited {took:.1f}s on the hung replica"
-            got = {"w": torch.zeros(2 << 20)}
-            ckpt.restore(got, step=2, tiers=("store",))
-            assert torch.equal(got["w"], state["w"])
-    finally:
-        if a.proc is not None:
-            a.proc.send_signal(signal.SIGCONT)
-        a.stop(), b.stop()
+def test_a_save_leaves_a_hung_replica_for_the_next_within_seconds(
+        static_pair: tuple[Replica, Replica], tmp_path: Path) -> None:
+    a, b = static_pair
+    urls = [a.url, b.url]
+    job = next(j for j in (f"hang-{i}" for i in range(1000)) if home(job_key(j), urls) == a.url)
+    with Checkpointer(",".join(urls), job, chunk_size=1 << 20, shm_dir=tmp_path / "shm",
+                      serve_peers=False, timeout=60.0) as ckpt:
+        state = {"w": torch.randn(2 << 20)}
+        assert ckpt.save(1, state).wait(60).state == "committed"
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGSTOP)
+        state["w"].add_(1.0)
+        t0 = time.monotonic()
+        assert ckpt.save(2, state).wait(120).state == "committed"
+        took = time.monotonic() - t0
+        # (a request timeout is 60 s: before, the save waited it out at least once)
+        assert took < 30.0, f"the save waited {took:.1f}s on the hung replica"
+        got = {"w": torch.zeros(2 << 20)}
+        ckpt.restore(got, step=2, tiers=("store",))
+        assert torch.equal(got["w"], state["w"])
 
 
-def test_probes_of_live_busy_replicas_mark_none_down(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probes_of_live_busy_replicas_mark_none_down(
+        static_pair: tuple[Replica, Replica], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Probed after 50 ms, nearly every request of a save over two live replicas has
     its replica asked: each answers, so none is marked down and nothing is retried."""
     monkeypatch.setenv("CKPTD_SUSPECT_AFTER", "0.05")
-    a = Replica(str(tmp_path / "store"), tmp_path)
-    b = Replica(str(tmp_path / "store"), tmp_path)
-    for r in (a, b):
-        r.args = ["--peers", f"{a.url},{b.url}"]
-    try:
-        a.start(), b.start()
-        with Checkpointer(f"{a.url},{b.url}", "busy", chunk_size=1 << 20,
-                          shm_dir=tmp_path / "shm", serve_peers=False, timeout=60.0) as ckpt:
-            state = {"w": torch.randn(2 << 20)}
-            for step in (1, 2):
-                state["w"].add_(1.0)
-                assert ckpt.save(step, state).wait(120).state == "committed"
-            got = {"w": torch.zeros(2 << 20)}
-            ckpt.restore(got, step=2, tiers=("store",))
-            assert torch.equal(got["w"], state["w"])
-            members = ckpt.transport.members  # type: ignore[attr-defined]
-            assert members.failovers == 0 and members.live() == [a.url, b.url]
-    finally:
-        a.stop(), b.stop()
+    a, b = static_pair
+    with Checkpointer(f"{a.url},{b.url}", "busy", chunk_size=1 << 20,
+                      shm_dir=tmp_path / "shm", serve_peers=False, timeout=60.0) as ckpt:
+        state = {"w": torch.randn(2 << 20)}
+        for step in (1, 2):
+            state["w"].add_(1.0)
+            assert ckpt.save(step, state).wait(120).state == "committed"
+        got = {"w": torch.zeros(2 << 20)}
+        ckpt.restore(got, step=2, tiers=("store",))
+        assert torch.equal(got["w"], state["w"])
+        members = ckpt.transport.members  # type: ignore[attr-defined]
+        assert members.failovers == 0 and members.live() == [a.url, b.url]
