@@ -15,24 +15,23 @@ import pytest
 from tests.conftest import ServerProcess
 
 
-@pytest.fixture(scope="module")
-def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server on a local store for the module's tests, no token."""
-    srv = ServerProcess(store=tmp_path_factory.mktemp("shared-server") / "store")
+def _module_server(factory: pytest.TempPathFactory, name: str,
+                   token: str | None = None) -> Iterator[ServerProcess]:
+    srv = ServerProcess(store=factory.mktemp(name) / "store", token=token)
     srv.start()
     try:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server on a local store for the module's tests, no token."""
+    yield from _module_server(tmp_path_factory, "shared-server")
 
 
 @pytest.fixture(scope="module")
 def shared_token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server that requires a bearer token, for the module's tests."""
-    srv = ServerProcess(store=tmp_path_factory.mktemp("shared-token-server") / "store",
-                        token="s3cret-token")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _module_server(tmp_path_factory, "shared-token-server", "s3cret-token")

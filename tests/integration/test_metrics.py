@@ -19,13 +19,8 @@ from tests.integration.test_liveness import beat
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(store=tmp_path_factory.mktemp("metrics") / "store")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def srv(shared_server: ServerProcess) -> ServerProcess:
+    return shared_server
 
 
 @pytest.fixture(scope="module")
