@@ -57,19 +57,18 @@ __all__ = ["Checkpointer", "CheckpointerConfig", "RestoreResult", "SaveHandle", 
 class Checkpointer:
     """Asynchronous, deduplicated, verified checkpoints of one rank's state.
 
-    ``url`` is ``http://host:port`` (a ckptd server), or a store used with no server:
-    ``file:///path`` (a local directory) or ``s3://bucket/prefix`` (no peers, no
-    heartbeats; docs/client.md). One snapshot per rank is in flight at a time: a
-    ``save`` while one is in flight waits for it (``on_busy="wait"``) or is skipped
-    (``on_busy="skip"``). Tensors are ``"replicated"`` across ranks by default (the
-    server checks that replicas agree and dedups them), ``"local"`` when named in
-    ``local`` (rank-private), or ``"sharded"`` when given a ``Shard`` (or when they
-    are DTensors, whose placements say where their shard sits). ``timeout`` bounds
-    every blocking call that takes no timeout of its own (None: no bound).
-    ``url`` and ``token`` default to ``CKPTD_URL`` and ``CKPTD_TOKEN``; ``rank``,
-    ``world_size`` and ``local_rank`` (this rank's GPU, whose health the probe
-    watches) to the ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` that torchrun (or any
-    launcher of torch's env:// convention) sets, else 0, 1 and none.
+    ``url`` is ``http://host:port`` (a ckptd server), or a store used directly
+    (``file:///path``, ``s3://bucket/prefix``: docs/client.md). One snapshot per rank is
+    in flight at a time: a ``save`` while one is in flight waits for it
+    (``on_busy="wait"``) or is skipped (``on_busy="skip"``). Tensors are
+    ``"replicated"`` across ranks by default (the server checks that replicas agree and
+    dedups them), ``"local"`` when named in ``local`` (rank-private), or ``"sharded"``
+    when given a ``Shard`` (or when they are DTensors, whose placements say where their
+    shard sits). ``timeout`` bounds every blocking call that takes no timeout of its own
+    (None: no bound). ``url`` and ``token`` default to ``CKPTD_URL`` and
+    ``CKPTD_TOKEN``; ``rank``, ``world_size`` and ``local_rank`` (this rank's GPU, whose
+    health the probe watches) to the ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` that
+    torchrun (or any launcher of torch's env:// convention) sets, else 0, 1 and none.
 
     With an ``http(s)://`` server the constructor asks the server once (the job's
     rollback state): a server nothing answers for at ``url`` (refused connections
