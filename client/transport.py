@@ -510,8 +510,8 @@ def open_transport(
     (``ckptd.store.open_store``'s URL). ``job``: the job its chunk calls act for (a
     scoped token's server needs it). ``ca_bundle``: a PEM file of the CA that signed
     an https:// server's certificate (default ``CKPTD_CA_BUNDLE``).
-    ``create=False`` (readers): a ``file://`` path with no store is ``NotFound``
-    naming it, not a new store; writers leave it True."""
+    ``create=False`` (readers): a ``file://`` path or an ``s3://`` prefix with no
+    store is ``NotFound`` naming it, not a new, empty store; writers leave it True."""
     parsed = parse_url(url)
     if parsed.scheme in ("http", "https"):
         parse_urls(url)  # (several replicas: each checked)
@@ -525,7 +525,7 @@ def open_transport(
     if parsed.scheme == "s3":
         from ckptd.store import open_store
 
-        return LocalTransport(Repository(open_store(url, direct=True)))
+        return LocalTransport(Repository(open_store(url, direct=True, create=create)))
     raise InvalidRequest(f"unsupported URL {url!r}: use http://host:port, file:///path or "
                          "s3://bucket/prefix")
 

@@ -297,7 +297,7 @@ def _transport(url: str, token: str | None) -> Any:
     from ckptd.cli.mistakes import existing_store
     from ckptd.client.transport import open_transport
 
-    return open_transport(existing_store(url), token=token)
+    return open_transport(existing_store(url), token=token, create=False)
 
 
 def _field(obj: Any, name: str) -> Any:

@@ -45,7 +45,9 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     from ckptd.store import open_store
 
     async def go() -> Any:
-        repo = Repository(open_store(url, direct=True))  # (file:// URLs too)
+        # (file:// URLs too; an s3:// prefix with nothing under it is refused as a
+        # missing directory is: these commands never create a store)
+        repo = Repository(open_store(url, direct=True, create=False))
         try:
             return await work(repo)
         finally:

@@ -25,19 +25,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_store(url: str, *, direct: bool = False) -> Store:
+def open_store(url: str, *, direct: bool = False, create: bool = True) -> Store:
     """A store from a URL: a path or ``file:///path``, ``memory://``, or
     ``s3://bucket/prefix`` (optionally ``?endpoint=http://host:port&region=r``).
     ``direct``: its writers use it with no ``ckptd serve`` in front (ranks, the CLI),
     so no server's start checked that it writes conditionally: an S3 store checks
-    before its first conditional write (``S3Store.check_conditions``)."""
+    before its first conditional write (``S3Store.check_conditions``).
+    ``create=False`` (who reads or tends an existing store): ``NotFound`` naming the
+    URL where there is none, a directory at once, an S3 prefix at its first call."""
     if url.startswith("memory://"):
         return MemoryStore()
     if url.startswith("file://"):
         if urlparse(url).netloc not in ("", "localhost"):  # file://x/y: host x, path /y
             raise InvalidRequest(f"file URL {url!r} names a host; a store directory is "
                                  "file:///absolute/path (three slashes), or the path itself")
-        return LocalStore(urlparse(url).path)
+        return LocalStore(urlparse(url).path, create=create)
     if url.startswith("s3://"):
         parsed = urlparse(url)
         if not parsed.netloc:
@@ -61,9 +63,10 @@ def open_store(url: str, *, direct: bool = False) -> Store:
             region=(query.get("region") or [""])[-1] or None,
         )
         store.check_conditions = direct
+        store.must_exist = not create
         return store
     if "://" in url:
         raise InvalidRequest(
             f"unsupported store URL {url!r} (use a path, file:///path or s3://bucket/prefix)"
         )
-    return LocalStore(url)
+    return LocalStore(url, create=create)

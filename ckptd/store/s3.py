@@ -128,6 +128,9 @@ class S3Store(Store):
         #: a store used directly by its writers (ranks, the CLI), which no ``ckptd
         #: serve`` checked at its start
         self.check_conditions = False
+        #: a reader's store (``open_store(..., create=False)``): the first call finds
+        #: nothing stored under the prefix, so ``NotFound`` naming it, not an empty store
+        self.must_exist = False
         self._gaps: list[str] | None = None  # what the probe found, once it ran
         self._probing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary())
@@ -159,6 +162,8 @@ class S3Store(Store):
             client = await stack.enter_async_context(
                 session.create_client("s3", config=self._config(), **kwargs)
             )
+            if self.must_exist:
+                await self._holds_something(client)
         except BaseException as exc:
             await stack.aclose()
             with self._lock:  # so that the next call tries again
@@ -168,6 +173,19 @@ class S3Store(Store):
                 raise StoreError(f"cannot open an S3 client for {self.describe()}: {exc}") from exc
             raise
         return _LoopClient(client, stack)
+
+    async def _holds_something(self, client: Any) -> None:
+        """``NotFound`` when no object lies under the prefix: S3 has no directories,
+        so a mistyped prefix reads as an empty store (its jobs: none)."""
+        try:
+            page = await client.list_objects_v2(Bucket=self.bucket, Prefix=self._root,
+                                                MaxKeys=2)
+        except (BotoCoreError, ClientError) as exc:
+            raise self._failed("ListObjectsV2", "", exc) from exc
+        if not [o for o in page.get("Contents", ()) if o["Key"] != self._root]:
+            raise NotFound(f"no store at {self._url()} (nothing is stored under it); check "
+                           "the URL (only a save, an import or `ckptd serve` starts a store)",
+                           store=self._url())
 
     async def _client(self) -> Any:
         loop = asyncio.get_running_loop()

@@ -174,3 +174,30 @@ def test_a_bucket_that_is_not_there_is_two_lines(command: list[str], endpoint: s
                  shm=tmp_path / "shm")
     _short_error(done, "bucket 'no-such-bucket' does not exist", "create the bucket")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+
+
+@pytest.mark.parametrize("command", [
+    ["ls"],
+    ["verify", "llm-7b"],
+    ["restore", "--job", "llm-7b", "--rank", "0", "--to", "{tmp}/r"],
+    ["export", "llm-7b", "--safetensors", "{tmp}/st"],
+    ["diff", "llm-7b", "1", "2"],
+    ["gc"],
+    ["tag", "llm-7b", "1", "best"],
+])
+def test_a_prefix_with_nothing_under_it_is_no_store(command: list[str], s3_store: str,
+                                                     tmp_path: Path) -> None:
+    """A mistyped prefix of a bucket that exists is named, as a mistyped directory
+    is: it read as an empty store ("no committed checkpoint", "no jobs"), and ``tag``
+    and ``gc`` went on to act on it."""
+    typo = s3_store.replace(f"s3://{BUCKET}/", f"s3://{BUCKET}/x")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    done = ckptd(*args, "--url", typo, shm=tmp_path / "shm")
+    where = typo.split("?")[0]
+    _short_error(done, f"no store at {where}/", "starts a store")
+    assert not {"r", "st"} & {p.name for p in tmp_path.iterdir()}
+    s3 = boto3.client("s3", endpoint_url=typo.split("endpoint=")[1],
+                      aws_access_key_id="testing", aws_secret_access_key="testing",
+                      region_name="us-east-1")
+    assert s3.list_objects_v2(Bucket=BUCKET, Prefix=where.split("/", 3)[3]).get(
+        "KeyCount", 0) == 0
