@@ -188,8 +188,6 @@ class Census:
         """The census task: its work one piece at a time, then waits for more."""
         self._running = True  # (``start`` says so before the task first runs)
         try:
-            with contextlib.suppress(OSError):  # (else the first call says why)
-                await self._worker.start()
             while True:
                 try:
                     await self._work_once()

@@ -7,7 +7,9 @@ The two talk over the child's stdin and stdout, one call at a time: a header of
 JSON (the method and its arguments; ``{"$bytes": i}`` stands for the i-th binary
 frame that follows), then the frames, each with its length. No pickle: the child
 is ours, but nothing that crosses a pipe is ever unpickled. The child ends when
-its stdin closes: a server killed with SIGKILL leaves no worker behind.
+its stdin closes: a server killed with SIGKILL leaves no worker behind. It starts
+at the first call that an empty book cannot answer here: a server over an empty
+store starts none until the first step to count.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ def _encode(message: Any) -> bytes:
     for frame in frames:
         parts += [_FRAME.pack(len(frame)), frame]
     return b"".join(parts)
+
+
+def _answer_of_empty_book(method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """(True, the answer) of a call that an empty book answers the same whatever it
+    was told before, else (False, None): its view; dropping, aborting or clearing
+    what it does not hold; a listing of ``chunks/`` that found no chunk (the same as
+    none: every chunk a step counted later names is new to both)."""
+    if method == "view":
+        return True, BookView((), 0, 0, 0)
+    if method in ("drop", "abort", "clear") or (method == "listed" and not args[0]):
+        return True, None
+    return False, None
 
 
 def _to_plain(method: str, result: Any) -> Any:
@@ -154,6 +168,10 @@ class Worker:
             assert self._book is not None  # (not a process: an inline book)
             return await asyncio.to_thread(getattr(self._book, method), *args), 0.0
         async with self._lock:
+            if self._child is None:  # (no child: the book is empty, a new child's too)
+                answered, result = _answer_of_empty_book(method, args)
+                if answered:
+                    return result, 0.0
             child = await self._started()
             assert child.stdin is not None and child.stdout is not None
             try:
@@ -191,12 +209,6 @@ class Worker:
                 limit=1 << 20)
             self.starts += 1
         return self._child
-
-    async def start(self) -> None:
-        """Starts the child now (its imports take a moment), not at the first call."""
-        if self.process:
-            async with self._lock:
-                await self._started()
 
     @property
     def pid(self) -> int | None:

@@ -9,8 +9,10 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -268,3 +270,44 @@ def test_a_damaged_latest_step_that_stops_gc_is_forgotten_as_gc_says(tmp_path: P
         assert r.status_code == 200 and r.json()["chunks_deleted"] > 0, r.text
     finally:
         srv.stop()
+
+
+def _census_workers(srv: ServerProcess) -> list[psutil.Process]:
+    assert srv.proc is not None
+    return [p for p in psutil.Process(srv.proc.pid).children()
+            if "ckptd.lifecycle.census_worker" in p.cmdline()]
+
+
+def _space_when_complete(srv: ServerProcess) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        body: dict[str, Any] = httpx.get(f"{srv.url}/v1/space", timeout=10).json()
+        if body["complete"] or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def test_a_server_over_an_empty_store_starts_its_census_worker_at_the_first_commit(
+        server: ServerProcess) -> None:
+    """(Every server start spawned the census's worker process, about 0.2 CPU-s, the
+    test suite's ~300 starts included.) Over an empty store the census answers
+    without one; the first commit starts it, and GET /v1/space counts the step."""
+    empty = _space_when_complete(server)
+    assert empty["complete"] and empty["jobs"] == [] and empty["chunks"] == 0, empty
+    assert _census_workers(server) == []
+
+    async def upload() -> None:
+        repo = Repository(LocalStore(Path(server.store), fsync=False))
+        for manifest, chunks in demo_step(JOB, 1, 2):
+            await put_rank(repo, manifest, chunks)
+
+    asyncio.run(upload())
+    r = httpx.post(f"{server.url}/v1/jobs/{JOB}/steps/1/commit", json={}, timeout=10)
+    assert r.json()["state"] == "committed", r.text
+    space = _space_when_complete(server)
+    assert space["complete"] and [j["job"] for j in space["jobs"]] == [JOB], space
+    assert [s["step"] for s in space["jobs"][0]["steps"]] == [1]
+    assert space["jobs"][0]["stored_bytes"] > 0 and space["chunks"] > 0, space
+    assert len(_census_workers(server)) == 1
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'ckptd_job_stored_bytes{{job="{JOB}"}}' in metrics
