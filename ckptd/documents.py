@@ -79,8 +79,26 @@ MANIFEST_CACHE_ENTRIES = 1_000_000
 # forgotten ones included (+45 MiB an hour in bench/soak.py, 4 ranks every 4 s).
 # A commit and the restore plans of its step read the step's manifests again: this
 # many covers both for 500 ranks (a larger job parses its small manifests again,
-# cheaply; large ones are capped by their entries).
+# cheaply; large ones are capped by their memory, below).
 MANIFEST_CACHE_MANIFESTS = 1024
+# And by their memory, estimated (``manifest_cost``): within the caps above alone,
+# 1024 manifests of 64 MiB (entries of a thousand chunk ids, 190 KiB each) held
+# 180 - 250 GiB, and a million one-chunk entries 2.2 - 3.1 GiB. This keeps the
+# commit and the restore plans of a step for 500 ranks (1024 manifests) of up to
+# 1 MiB each: about 400 entries of one chunk with short names. A larger job parses
+# its manifests again (bench/commit_scale.py's 64 ranks of 2,000 entries cost
+# 300 MiB, one of 200,000 entries 480 MiB). ``CKPTD_MANIFEST_CACHE_BYTES`` sets it.
+MANIFEST_CACHE_BYTES = 1 << 30
+# What a cached manifest costs, measured with tracemalloc (RSS is within ~10 % of
+# it): per byte of its JSON, the bytes kept for the hit check and the parsed
+# strings (a chunk id of 67 bytes of JSON is a 121-byte str in its list); per
+# entry, its objects (the model, its dict and field set, its lists, its tree
+# node: 1.6 KiB); per manifest, its head. A short-named one-chunk entry (258
+# bytes of JSON) measured 2.3 KiB, estimated 2.3; a long-named one of 64 chunks
+# (4.7 KiB) 14.4, estimated 15.4; one of 1024 chunks (67 KiB) 190, estimated 203.
+MANIFEST_COST_PER_BYTE = 3
+MANIFEST_COST_PER_ENTRY = 1600
+MANIFEST_COST_PER_MANIFEST = 4096
 # Manifests of this many bytes and more are parsed with the collector paused and
 # frozen once kept (about 10,000 tensor entries); smaller ones as any object, and
 # frozen in batches, once this many of their entries were parsed since the last
@@ -99,19 +117,40 @@ def _parse_and_hash(data: bytes) -> RankManifest:
     return manifest
 
 
+def manifest_cost(data: bytes, manifest: RankManifest) -> int:
+    """The memory a cached manifest holds, estimated from its bytes and entries."""
+    return (MANIFEST_COST_PER_BYTE * len(data) + MANIFEST_COST_PER_ENTRY * len(manifest.entries)
+            + MANIFEST_COST_PER_MANIFEST)
+
+
+def _parse_kept(parse: Callable[[bytes], RankManifest], data: bytes, key: str
+                ) -> tuple[RankManifest, bytes]:
+    """``parse_stored``, and the bytes to keep with the manifest: its own encoding
+    when it is ``data`` over again (a manifest parsed without the digest a commit
+    names encodes itself and holds that copy: kept with ``data``, the cache held
+    both)."""
+    manifest = parse_stored(parse, data, key)
+    encoded = manifest.canonical()  # (encoded by the parse's check)
+    return manifest, encoded if encoded == data else data
+
+
 class ParsedManifests:
     """Parsed rank manifests by store key, each with the bytes it was parsed from:
-    a hit needs the same bytes (a memcmp), so a changed object is parsed afresh."""
+    a hit needs the same bytes (a memcmp), so a changed object is parsed afresh.
+    Bounded by entries, manifests and their estimated memory (``manifest_cost``);
+    the newest manifest stays, whatever it costs."""
 
-    def __init__(self, max_entries: int, max_manifests: int = MANIFEST_CACHE_MANIFESTS
-                 ) -> None:
+    def __init__(self, max_entries: int, max_manifests: int = MANIFEST_CACHE_MANIFESTS,
+                 max_bytes: int = MANIFEST_CACHE_BYTES) -> None:
         self.max_entries = max_entries
         self.max_manifests = max_manifests
+        self.max_bytes = max_bytes
         #: parse with the collector paused and freeze the result (a server's choice:
         #: see large_json; a training process keeps its collector as it is)
         self.kept_from_collector = False
         self._held: OrderedDict[str, tuple[bytes, RankManifest]] = OrderedDict()
         self._entries = 0
+        self._bytes = 0  # their estimated cost
         self._unfrozen = 0  # entries held that were built with the collector running
         self._lock = threading.Lock()
 
@@ -128,12 +167,16 @@ class ParsedManifests:
             old = self._held.pop(key, None)
             if old is not None:
                 self._entries -= len(old[1].entries)
+                self._bytes -= manifest_cost(*old)
             self._held[key] = (data, manifest)
             self._entries += len(manifest.entries)
+            self._bytes += manifest_cost(data, manifest)
             while len(self._held) > 1 and (self._entries > self.max_entries
-                                           or len(self._held) > self.max_manifests):
-                _, (_, dropped) = self._held.popitem(last=False)
-                self._entries -= len(dropped.entries)
+                                           or len(self._held) > self.max_manifests
+                                           or self._bytes > self.max_bytes):
+                _, dropped = self._held.popitem(last=False)
+                self._entries -= len(dropped[1].entries)
+                self._bytes -= manifest_cost(*dropped)
 
     def _parsed(self, data: bytes, manifest: RankManifest) -> None:
         """Counts a manifest parsed with the collector running, and freezes a batch
@@ -160,8 +203,9 @@ class ParsedManifests:
             return held
         work = self._work(data)
         parse = functools.partial(RankManifest.parse, committed=committed)
-        manifest: RankManifest = await work(parse_stored, parse, data, key)
-        self.put(key, data, manifest)
+        parsed: tuple[RankManifest, bytes] = await work(_parse_kept, parse, data, key)
+        manifest, kept = parsed
+        self.put(key, kept, manifest)
         self._parsed(data, manifest)
         return manifest
 

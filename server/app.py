@@ -47,7 +47,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Opens the store and the repository over it; closes them at shutdown."""
     settings: Settings = app.state.settings
     store = app.state.store_override or open_store(settings.store)
-    repository = Repository(store, replica_mismatch=settings.replica_mismatch)
+    repository = Repository(store, replica_mismatch=settings.replica_mismatch,
+                            manifest_cache_bytes=settings.manifest_cache_bytes)
     app.state.repository = repository
     repository.keep_manifests_from_collector()  # GC pauses stalled every request
     # Refs are re-read at most once per heartbeat interval per job.

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ckptd.documents import MANIFEST_CACHE_BYTES
 from ckptd.lifecycle.gc import MAX_GRACE
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -157,6 +158,11 @@ class Settings(BaseSettings):
         default=256 << 20, ge=1 << 20,
         description="Bytes of chunk answers held in memory at once by all reads together "
         "(a store whose chunks are not files here, such as S3; files are served mapped).",
+    )
+    manifest_cache_bytes: int = Field(
+        default=MANIFEST_CACHE_BYTES, ge=0,
+        description="Memory the parsed rank manifests a commit and restore plans read again "
+        "may hold, estimated (the newest one stays whatever its size).",
     )
     egress_wait: float = Field(
         default=10.0, ge=0, le=600,

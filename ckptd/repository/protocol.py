@@ -24,6 +24,7 @@ import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
 from ckptd import knobs
 from ckptd.chunk_claims import ChunkClaims
 from ckptd.documents import (
+    MANIFEST_CACHE_BYTES,
     MANIFEST_CACHE_ENTRIES,
     ParsedManifests,
     document_work,
@@ -91,6 +92,7 @@ class Repository(Verification, Listings, AfterCommit):
         *,
         replica_mismatch: ReplicaPolicy = "reject",
         clock: Callable[[], float] = time.time,
+        manifest_cache_bytes: int = MANIFEST_CACHE_BYTES,
     ) -> None:
         self.store = store
         self.replica_mismatch = replica_mismatch
@@ -102,7 +104,8 @@ class Repository(Verification, Listings, AfterCommit):
         #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
-        self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES)
+        self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES,
+                                          max_bytes=manifest_cache_bytes)
 
     async def close(self) -> None:
         await self.store.close()
