@@ -21,16 +21,24 @@ class Settings(BaseSettings):
 
     store: str = Field(
         default="./ckptd-store",
-        description="A directory, file:///path, or memory:// (see open_store).",
+        description="A directory, file:///path, s3://bucket/prefix or memory:// (see "
+        "open_store).",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(default=8470, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8470, ge=0, le=65535, description="Port to listen on.")
     # Kept out of repr so that logging the settings never logs the secret.
     token: str | None = Field(
         default=None, repr=False, description="Bearer token every route needs."
     )
-    replica_mismatch: Literal["reject", "warn"] = "reject"
-    log_level: str = "info"
+    replica_mismatch: Literal["reject", "warn"] = Field(
+        default="reject",
+        description="Replicas of a tensor that differ at a commit: reject the step, or warn "
+        "and commit it.",
+    )
+    log_level: str = Field(
+        default="info",
+        description="The server's log level: critical, error, warning, info, debug or trace.",
+    )
     access_log: bool = Field(
         default=True,
         description="Log every request (uvicorn's access log). Off saves ~10% of the "
