@@ -114,7 +114,7 @@ def stall_timeout() -> float:
     """Seconds a server's connection may leave data unacknowledged, or leave
     keepalive probes unanswered, before it counts as gone (TCP_USER_TIMEOUT; at
     least twice ``connect_timeout``): a host that vanished mid-request. Longer than
-    a server's ``--ingest-wait`` (10 s), for which a busy server stops reading an
+    a server's ``CKPTD_INGEST_WAIT`` (10 s), for which a busy server stops reading an
     upload's body: its kernel answers, but its window stays shut, and Linux ends a
     connection whose window stayed shut past TCP_USER_TIMEOUT too. A host that
     vanished is told apart sooner, by what TCP_INFO says (``client/stall.py``: nothing

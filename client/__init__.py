@@ -2,7 +2,7 @@
 training process.
 
     from ckptd.client import Checkpointer
-    ckpt = Checkpointer("http://127.0.0.1:7070", job="llm", rank=r, world_size=n)
+    ckpt = Checkpointer("http://127.0.0.1:8470", job="llm", rank=r, world_size=n)
     handle = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     ...
     ckpt.restore(state)  # fills state in place, bitwise, from the latest commit

@@ -4,7 +4,7 @@ client opens to a ckptd server.
 TCP_USER_TIMEOUT alone cannot: Linux ends a connection when sent data stays
 unacknowledged that long (a host that vanished: its cable pulled, nothing resets),
 and also when the peer keeps its receive window shut that long, which a busy live
-server does for up to its ``--ingest-wait`` (10 s) while it holds an upload back.
+server does for up to its ``CKPTD_INGEST_WAIT`` (10 s) while it holds an upload back.
 So connections keep the long timeout (``CKPTD_STALL_TIMEOUT``, 20 s), and a
 watcher thread reads each open connection's ``TCP_INFO`` twice a second: nothing
 acknowledged for ``GONE_AFTER`` seconds while data timed out again and again, or

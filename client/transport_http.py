@@ -113,7 +113,7 @@ class Session:
         long while a request waits (keepalive probes from ``connect_timeout`` idle
         on), ends the connection; the call is retried and routing moves on. Not
         shorter: Linux also ends a connection whose peer kept its window shut that
-        long, and a busy live server does, for up to its ``--ingest-wait`` (10 s),
+        long, and a busy live server does, for up to its ``CKPTD_INGEST_WAIT`` (10 s),
         before it admits an upload; the stall watcher (``stall.py``) cuts a connection
         whose host stopped answering within seconds. Linux options, where the
         platform has them."""

@@ -6,8 +6,8 @@ ckptd server (``http://host:port``) or a local store (``file:///path``)::
     import torch.distributed.checkpoint as dcp
     from ckptd.client.dcp import Reader, Writer
 
-    dcp.save(state, storage_writer=Writer("http://ckptd:7070", job="llm", step=step))
-    dcp.load(state, storage_reader=Reader("http://ckptd:7070", job="llm"))  # latest
+    dcp.save(state, storage_writer=Writer("http://ckptd:8470", job="llm", step=step))
+    dcp.load(state, storage_reader=Reader("http://ckptd:8470", job="llm"))  # latest
 
 A DCP save of one step is one ckptd checkpoint: every rank hashes and uploads the
 tensors of its write items as ``sharded`` entries (the fully qualified name, the

@@ -3,7 +3,7 @@
 saves and resumes through a ``Checkpointer``.
 
     from ckptd.client.integrations.lightning import CkptdCheckpointIO
-    trainer = L.Trainer(plugins=[CkptdCheckpointIO("http://ckptd:7070", job="mnist")], ...)
+    trainer = L.Trainer(plugins=[CkptdCheckpointIO("http://ckptd:8470", job="mnist")], ...)
     trainer.fit(model, ckpt_path="last")
 
 Paths. Lightning names checkpoints by path; ckptd by job and step. The job is the
