@@ -12,8 +12,20 @@ import threading
 from ckptd.format import EPOCH_META
 
 from .session import Session
+from .transport import Transport
 
 log = logging.getLogger("ckptd.client.checkpointer")
+
+
+async def starting_epoch(transport: Transport, job: str) -> int:
+    """The epoch a rank starts in: the job's, unless the job is marked for a
+    rollback. Then the rank is on the current timeline only once it restored the
+    rollback's step (``Timeline.join``; a restore of "latest" does); until then it
+    is in the timeline the rollback ended, and its saves are refused: one that
+    took the new epoch at start committed steps of the abandoned path, and its
+    commit past the rollback's step ended the rollback."""
+    marker, epoch = await transport.rollback_state(job)
+    return epoch - 1 if marker is not None and epoch > 0 else epoch
 
 
 class Timeline:
@@ -24,7 +36,11 @@ class Timeline:
         self.session = session
         self._epoch: int | None = None
         self._lock = threading.Lock()
-        self._call = session.loop.submit(session.transport.epoch(session.config.job))
+        self._call = self._ask()
+
+    def _ask(self) -> concurrent.futures.Future[int]:
+        s = self.session
+        return s.loop.submit(starting_epoch(s.transport, s.config.job))
 
     @property
     def epoch(self) -> int | None:
@@ -46,7 +62,7 @@ class Timeline:
             except Exception as exc:
                 log.warning("%s/%d: cannot learn the job's timeline: %s", s.config.job,
                             s.config.rank, exc)
-                self._call = s.loop.submit(s.transport.epoch(s.config.job))
+                self._call = self._ask()
                 return None, self._call
             return self._epoch, None
 

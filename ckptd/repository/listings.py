@@ -11,9 +11,11 @@ from typing import TypedDict
 
 from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt, UnsupportedFormat
 from ckptd.format import (
+    EPOCH_META,
     JOB_RE,
     MAX_STEP,
     CommitRecord,
+    Timeline,
     check_step,
     commit_key,
     job_prefix,
@@ -22,8 +24,8 @@ from ckptd.format import (
 )
 from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import damage_key, damage_prefix
-from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RestorableStep, StepInfo
+from ckptd.repository.timelines import Timelines
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +54,54 @@ def unreadable(exc: StoreCorrupt | UnsupportedFormat) -> Unreadable:
     return {"damaged": exc.message}
 
 
-class Listings(StoredReads):
+class Listings(Timelines):
     """Jobs and steps as the server and the CLI show them, and which step a
     restore of ``latest`` gets."""
 
     async def latest(self, job: str) -> int | None:
-        """The newest committed step of ``job`` that scrub has not marked damaged
-        (what a restore of ``latest`` gets), or None."""
+        """The newest committed step of ``job`` on its current timeline that scrub
+        has not marked damaged (what a restore of ``latest`` gets), or None."""
         step = await self.latest_ref_step(job)
-        if step is not None and await self.store.exists(damage_key(job, step)):
+        if step is None:
+            return None
+        if (await self.store.exists(damage_key(job, step))
+                or await self._abandoned(job, step, await self._path(job))):
             return await self.newest_undamaged_step(job)
         return step
 
     async def newest_undamaged_step(self, job: str) -> int | None:
-        """The newest committed step without a scrub damage marker, or None."""
+        """The newest committed step on the current timeline without a scrub damage
+        marker, or None."""
         damaged = {n.removesuffix(".json") for n in await self.store.list_dir(damage_prefix(job))}
+        path = await self._path(job)
         for step in reversed(await self.step_numbers(job)):
-            if str(step) not in damaged and await self.store.exists(commit_key(job, step)):
+            if (str(step) not in damaged and await self.store.exists(commit_key(job, step))
+                    and not await self._abandoned(job, step, path)):
                 return step
         return None
+
+    async def _path(self, job: str) -> Timeline | None:
+        """The job's timeline, as ``latest`` reads it: None when it has none, or
+        when it is damaged (saves say so, and how to repair it; a listing goes on)."""
+        try:
+            return await self.timeline(job)
+        except StoreCorrupt:
+            return None
+
+    async def _abandoned(self, job: str, step: int, path: Timeline | None) -> bool:
+        """Whether committed ``step`` lies on a path a rollback abandoned: above the
+        step the newest rollback went back to, and committed before it, in an
+        ended timeline. It stays committed (commit records never change), but
+        ``latest`` is no longer there: an operator's rollback to an older step
+        left the newer steps behind, and the job's new path (its commits past the
+        rollback's step end the rollback) is what a restart must get."""
+        if path is None or step <= path.step:
+            return False
+        try:
+            record = await self._try_read_commit(job, step)
+        except StoreCorrupt:
+            return False  # (damaged: the restore's own checks say so)
+        return record is not None and int(record.meta.get(EPOCH_META, 0)) < path.epoch
 
     async def latest_or_damage(self, job: str) -> tuple[int | None, Unreadable]:
         """``latest(job)`` for a listing: (the step, {}), or (None, ``unreadable``'s
@@ -191,9 +222,12 @@ class Listings(StoredReads):
         below = [s for s in reversed(steps)
                  if (newest is None or s < newest) and str(s) not in marked]
         chosen: int | None = None
+        path = await self._path(job)
         for step in below:
             try:
                 record = await self._try_read_commit(job, step)
+                if record is not None and await self._abandoned(job, step, path):
+                    continue  # (not damage: a rollback left it behind)
                 if record is not None:
                     damage = await self._manifests_damage(record)
                     if damage is None:

@@ -167,3 +167,42 @@ def test_a_damaged_timeline_is_replaced_by_an_operators_rollback(
         assert ckpt.save(3, state(3.0, 3)).wait(30).state == "committed"
     kept = RankManifest.parse((store / manifest_key(job, 3, 0)).read_bytes())
     assert kept.meta["epoch"] > before  # above the damaged one (1), that no manifest showed
+
+
+def test_a_process_started_after_a_rollback_goes_back_to_its_step(
+    where: tuple[str, Path], tmp_path: Path
+) -> None:
+    """(Found by a probe.) Steps 1 and 3 committed; an operator rolls the job back
+    to step 1; its processes start again. One that saves before restoring
+    anything is refused, and the rollback stands. One that restores "latest" gets
+    step 1, the rollback's, and trains on; once step 2 of the new path commits,
+    "latest" is step 2, though step 3 of the abandoned path stays committed.
+    Before, the first committed (its checkpointer took the new timeline at start)
+    and erased the rollback; the second restored step 3 and every restart raised
+    RollbackRequested; and after the rollback ended, restarts restored step 3."""
+    url, store = where
+    job = "operator"
+    with Checkpointer(url, job, chunk_size=4096, shm_dir=tmp_path / "shm",
+                      serve_peers=False, timeout=30.0) as ckpt:
+        for step in (1, 3):
+            assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
+    assert rollback(url, store, job, 1) == 1
+
+    def restart(shm: str) -> Checkpointer:
+        return Checkpointer(url, job, chunk_size=4096, shm_dir=tmp_path / shm,
+                            serve_peers=False, timeout=30.0)
+
+    with restart("eager") as eager, pytest.raises(Superseded):
+        eager.save(4, state(4.0, 4)).wait(30)
+    with restart("loop") as loop:
+        assert loop.latest() == 1  # the steps after the rollback's were abandoned
+        got: dict[str, Any] = state(0.0, 0)
+        assert loop.restore(got).step == 1 and got["step"] == 1
+        assert torch.equal(got["w"], state(1.0, 1)["w"]) and loop.epoch == 1
+        loop.step(2, loss=0.5)  # no RollbackRequested: this rank went back
+        assert loop.save(2, state(-2.0, 2)).wait(30).state == "committed"
+        assert loop.latest() == 2
+    with restart("again") as again:
+        assert again.restore(got).step == 2 and torch.equal(got["w"], state(-2.0, 2)["w"])
+        assert again.save(4, state(4.0, 4)).wait(30).state == "committed"
+        assert again.latest() == 4
