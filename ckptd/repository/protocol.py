@@ -46,6 +46,7 @@ from ckptd.errors import (
     WorldSizeMismatch,
 )
 from ckptd.format import (
+    EPOCH_META,
     INCARNATION_META,
     CommitRecord,
     ManifestRef,
@@ -241,9 +242,13 @@ class Repository(Verification, Listings, AfterCommit):
                 record.manifests[manifest.rank].hash == digest
             ):
                 return digest
+            left = int(record.meta.get(EPOCH_META, 0))
             raise AlreadyCommitted(
                 f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
-                "manifest cannot change",
+                "manifest cannot change" + (
+                    f" (it was committed in timeline {left}, on the path a rollback left: a "
+                    "step number commits once, so save the new path at other step numbers)"
+                    if left < manifest_epoch(manifest) else ""),
                 job=manifest.job,
                 step=manifest.step,
                 rank=manifest.rank,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.errors import Superseded
+from ckptd.errors import AlreadyCommitted, Superseded
 from ckptd.format import RankManifest, manifest_key
 from tests.conftest import ServerProcess
 
@@ -204,5 +204,7 @@ def test_a_process_started_after_a_rollback_goes_back_to_its_step(
         assert loop.latest() == 2
     with restart("again") as again:
         assert again.restore(got).step == 2 and torch.equal(got["w"], state(-2.0, 2)["w"])
+        with pytest.raises(AlreadyCommitted, match="on the path a rollback left"):
+            again.save(3, state(-3.0, 3)).wait(30)  # (a step number commits once)
         assert again.save(4, state(4.0, 4)).wait(30).state == "committed"
         assert again.latest() == 4
