@@ -248,6 +248,12 @@ class Listings(Timelines):
                         "; ".join(problems))
         return RestorableStep(chosen, problems)
 
+    async def step_damage(self, record: CommitRecord) -> tuple[str, str] | None:
+        marker = damage_key(record.job, record.step)
+        if await self.store.exists(marker):
+            return marker, f"step {record.step} of {record.job} is marked damaged by scrub"
+        return await self._manifests_damage(record)
+
     async def _manifests_damage(self, record: CommitRecord) -> tuple[str, str] | None:
         """None when every rank manifest of a committed step is the one its record
         names, else the first damaged document's key and what is wrong: all ranks of

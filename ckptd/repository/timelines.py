@@ -22,7 +22,15 @@ from ckptd.errors import (
     Superseded,
     UnsupportedFormat,
 )
-from ckptd.format import Ref, Timeline, check_job, job_prefix, manifest_epoch, timeline_key
+from ckptd.format import (
+    CommitRecord,
+    Ref,
+    Timeline,
+    check_job,
+    job_prefix,
+    manifest_epoch,
+    timeline_key,
+)
 from ckptd.repository.reads import StoredReads
 from ckptd.repository.results import RollbackSet
 
@@ -60,6 +68,11 @@ class Timelines(StoredReads):
                 del locks[job]
             else:
                 locks[job] = (lock, users - 1)
+
+    async def step_damage(self, record: CommitRecord) -> tuple[str, str] | None:
+        """The damaged document of a committed step (its key, what is wrong), or
+        None: the repository's listings know (scrub's markers, its manifests)."""
+        return None
 
     async def read_rollback(self, job: str) -> Ref | None:
         """The job's rollback marker (a Ref to a committed step), or None."""
@@ -125,6 +138,12 @@ class Timelines(StoredReads):
     async def _start_rollback(self, job: str, step: int, from_epoch: int | None
                               ) -> RollbackSet:
         record = await self.read_commit(job, step)
+        damage = await self.step_damage(record)
+        if damage is not None:  # every rank would be sent to a step it cannot restore
+            key, what = damage
+            raise StoreCorrupt(f"{what}: step {step} of {job} cannot be restored, so no rank "
+                               "is sent back to it; roll back to an intact step (ckptd ls "
+                               f"{job} marks the damaged ones)", key=key, job=job, step=step)
         new = Ref(step=step, commit=record.digest())
         # The timeline first: between the two writes, saves are refused until the
         # marker tells the ranks to roll back; the other order could let a rank

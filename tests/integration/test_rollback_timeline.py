@@ -208,3 +208,40 @@ def test_a_process_started_after_a_rollback_goes_back_to_its_step(
             again.save(3, state(-3.0, 3)).wait(30)  # (a step number commits once)
         assert again.save(4, state(4.0, 4)).wait(30).state == "committed"
         assert again.latest() == 4
+
+
+def test_a_rollback_to_a_damaged_step_is_refused(where: tuple[str, Path],
+                                                  tmp_path: Path) -> None:
+    """(Found by a probe.) Every rank would be sent back to a step it cannot
+    restore: the rollback is refused naming the damaged document, and nothing
+    changes (no marker, no new timeline)."""
+    import asyncio
+
+    from ckptd.client.transport import open_transport
+    from ckptd.errors import StoreCorrupt
+
+    url, store = where
+    job = "tohurt"
+    with Checkpointer(url, job, chunk_size=4096, shm_dir=tmp_path / "shm",
+                      serve_peers=False, timeout=30.0) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
+    damaged = store / manifest_key(job, 2, 0)
+    damaged.write_bytes(damaged.read_bytes()[:40])
+    if url.startswith("http"):
+        reply = httpx.post(f"{url}/v1/jobs/{job}/rollback", json={"step": 2}, timeout=30)
+        assert reply.status_code == 500 and reply.json()["code"] == "store_corrupt"
+        assert manifest_key(job, 2, 0) in reply.text, reply.text
+    else:
+        with pytest.raises(StoreCorrupt) as info:
+            rollback(url, store, job, 2)
+        assert info.value.detail["key"] == manifest_key(job, 2, 0)
+    async def now() -> tuple[int | None, int]:
+        transport = open_transport(url, job=job)
+        try:
+            return await transport.rollback_state(job)
+        finally:
+            await transport.close()
+
+    assert asyncio.run(now()) == (None, 0)
+    assert rollback(url, store, job, 1) == 1  # an intact step is fine
