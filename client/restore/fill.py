@@ -64,8 +64,8 @@ def plan_fill(
     _plan(tree, target, specs, (), bad)
     if bad:
         raise RestoreError(
-            f"{len(bad)} tensors in the target differ from the checkpoint in dtype, shape or "
-            "shard: "
+            f"{len(bad)} tensors in the target differ from the checkpoint in kind, dtype, "
+            "shape or shard: "
             + "; ".join(bad[:10]),
             entries=bad[:50],
         )
@@ -81,6 +81,12 @@ def _plan(
     ((kind, body),) = node.items()
     if kind == "bytes":
         return  # a blob replaces whatever the target holds
+    if kind != "tensor" and isinstance(existing, torch.Tensor):  # (a DTensor too)
+        # Filled in place, a target's tensor is the caller's; replaced by the
+        # checkpoint's dict or list, it would silently stay as it was.
+        held = {"dict": "a dict", "list": "a list", "tuple": "a tuple"}.get(kind, "a value")
+        bad.append(f"{path_str(path)}: the target holds a tensor there, the checkpoint {held}")
+        return
     if kind == "tensor":
         spec = specs[body]
         if is_dtensor(existing):

@@ -77,3 +77,20 @@ def test_strict_false_leaves_and_skips(
         assert torch.equal(extra.extra, torch.full((5,), 7.0))
         ckpt.restore({"model": no_bias}, strict=False)
         assert torch.equal(no_bias.weight, model.weight)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tensor_where_the_checkpoint_holds_a_dict_is_refused(
+    saved: tuple[str, torch.nn.Linear], shm: Path, strict: bool
+) -> None:
+    """(Found by a probe.) A target's tensor is filled in place; where the checkpoint
+    holds a state dict instead, the restore put the dict in its place and left the
+    caller's tensor as it was, reporting success."""
+    url, _ = saved
+    mine = torch.full((3,), 7.0)
+    target = {"model": mine, "epoch": 0}
+    with Checkpointer(url, "strict", shm_dir=shm) as ckpt, pytest.raises(RestoreError) as err:
+        ckpt.restore(target, strict=strict)
+    assert "state['model']: the target holds a tensor there, the checkpoint a dict" in str(
+        err.value), err.value
+    assert target["model"] is mine and target["epoch"] == 0
