@@ -35,7 +35,10 @@ def check_chunk_id(cid: str) -> str:
 
 def check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
-        raise InvalidName(f"step {step!r} must be an integer in [0, {MAX_STEP})")
+        hint = ""
+        if not isinstance(step, bool | int) and hasattr(type(step), "__index__"):
+            hint = f" (a {type(step).__module__}.{type(step).__name__}: pass int(step))"
+        raise InvalidName(f"step {step!r} must be an integer in [0, {MAX_STEP}){hint}")
     return step
 
 

@@ -128,7 +128,11 @@ class LoopSource(ReadingSource):
     def record_step(self, step: int, loss: float | None = None) -> bool:
         """Record that the loop finished ``step``; False when ``loss`` is non-finite."""
         now = self._clock()
-        value = None if loss is None else float(loss)
+        try:
+            value = None if loss is None else float(loss)
+        except (TypeError, ValueError, RuntimeError):  # ("x", a tensor of many elements)
+            raise InvalidRequest(f"loss {loss!r:.80} must be a number (a float, or a tensor "
+                                 "of one element)") from None
         with self._lock:
             if self._step is None or step < self._step:
                 self._restart_timing()

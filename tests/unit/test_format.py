@@ -122,6 +122,10 @@ def test_steps_ranks_and_world_sizes() -> None:
             check_rank(rank, world)
     with pytest.raises(InvalidName):
         check_world_size((1 << 20) + 1)
+    # A numpy integer is named, with what to pass instead (found by a probe).
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(InvalidName, match=r"a numpy.int64: pass int\(step\)"):
+        check_step(numpy.int64(7))  # type: ignore[arg-type]
 
 
 # -- canonical JSON ------------------------------------------------------------------------

@@ -836,3 +836,16 @@ def test_time_the_loop_waited_in_ckptd_is_not_step_time(clock: FakeClock) -> Non
     loop.exclude(3.0)  # more than the step took (clocks apart): never below 0
     loop.record_step(5)
     assert loop.read()["step_time_s"] == 0.0
+
+
+def test_a_loss_that_is_no_number_is_one_line() -> None:
+    """(Found by a probe.) ``step(1, loss="x")`` raised float()'s bare ValueError."""
+    import torch
+
+    from ckptd.errors import InvalidRequest
+
+    loop = LoopSource()
+    for bad in ("x", torch.ones(3), object()):
+        with pytest.raises(InvalidRequest, match="must be a number"):
+            loop.record_step(1, bad)  # type: ignore[arg-type]
+    assert loop.record_step(1, torch.tensor(0.5)) is True
