@@ -5,9 +5,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ckptd.cluster import parse_urls
 from ckptd.documents import MANIFEST_CACHE_BYTES
 from ckptd.lifecycle.gc import MAX_GRACE
 
@@ -233,6 +234,18 @@ class Settings(BaseSettings):
     def any_peer_url(self) -> bool:
         """``peer_networks`` says 'any': peer URLs are not checked."""
         return "any" in {item.strip() for item in (self.peer_networks or "").split(",")}
+
+    @field_validator("peers", "advertise_url")
+    @classmethod
+    def _replica_urls(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # What clients and the other replicas are told to reach: an ftp:// or a
+        # path here made every routed call fail later, far from its cause.
+        if not value:
+            return None
+        urls = parse_urls(value)  # InvalidRequest (a ValueError) names a bad one
+        if info.field_name == "advertise_url" and len(urls) > 1:
+            raise ValueError(f"{value!r} is several URLs; advertise one: http(s)://host:port")
+        return value
 
     @field_validator("log_level")
     @classmethod

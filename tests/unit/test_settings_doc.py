@@ -87,3 +87,19 @@ def test_every_variable_named_in_the_docs_exists() -> None:
 
 if __name__ == "__main__":
     print("\n".join(server_rows()))
+
+
+def test_replica_urls_are_server_urls() -> None:
+    """(Found by a probe.) ``--advertise-url ftp://x`` and ``--peers http://a,ftp://b``
+    passed ``ckptd serve --check``; every routed call then failed far from its cause."""
+    import pytest
+    from pydantic import ValidationError
+
+    from server.settings import Settings
+
+    for bad in ({"advertise_url": "ftp://x"}, {"peers": "http://a:1,ftp://b"},
+                {"advertise_url": "http://a:1,http://b:2"}, {"peers": "http://a:notaport"}):
+        with pytest.raises(ValidationError, match="host:port"):
+            Settings(**bad)  # type: ignore[arg-type]
+    good = Settings(peers="http://a:1,,http://b:2", advertise_url="https://a:1")
+    assert good.peers == "http://a:1,,http://b:2" and good.advertise_url == "https://a:1"
