@@ -244,7 +244,7 @@ class Listings(Timelines):
                 key=damaged[0], keys=damaged, job=job, problems=problems,
             )
         if problems:
-            log.warning("%s: restoring step %s instead of latest: %s", job, chosen,
+            log.warning("%s: the newest usable step is %s, not latest: %s", job, chosen,
                         "; ".join(problems))
         return RestorableStep(chosen, problems)
 
