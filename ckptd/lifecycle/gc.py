@@ -6,7 +6,9 @@ docs/FORMAT.md ("Garbage collection") and docs/design/006-gc.md. In short:
 1. take the store's GC lease (``gc/state``: idle -> marking, generation + 1);
 2. list the chunks: only these can be deleted (a chunk written later cannot);
 3. wait out the grace period (a save told "present" before the mark began puts
-   its manifest within it), and read every rank manifest, committed or pending;
+   its manifest within it), and read every rank manifest, committed or pending,
+   and every commit record: a damaged step (a record or manifest unreadable, a
+   committed manifest missing or not the bytes its record names) stops it;
 4. move to ``sweeping``: from here on writes wait before they check presence;
 5. read the touched ids of this generation and re-read the manifests that
    appeared or are pending; what none of them names is deleted, in batches,
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ckptd import large_json
-from ckptd.documents import document_work, parse_stored
+from ckptd.documents import document_work, parse_stored, unsupported_stored
 from ckptd.errors import (
     CkptdError,
     GcInProgress,
@@ -37,7 +39,8 @@ from ckptd.errors import (
     StoreCorrupt,
     UnsupportedFormat,
 )
-from ckptd.format import RankManifest
+from ckptd.format import CommitRecord, RankManifest, commit_key, manifest_key, removal_key
+from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, GcTouched, touched_prefix
 from ckptd.lifecycle.fence import read_state, sweep_live_until, sweeping
 from ckptd.store.base import Store
@@ -266,34 +269,128 @@ def _chunk_ids_of(data: bytes) -> set[str]:
         return set(RankManifest.parse(data).chunk_ids())
 
 
-async def _read_ids(store: Store, keys: set[str], into: set[str]) -> int:
-    """Adds the chunk ids every manifest in ``keys`` names to ``into``."""
-    sem = asyncio.Semaphore(_READ_CONCURRENCY)
+def _committed_ids(data: bytes, expected: str) -> set[str] | None:
+    """``_chunk_ids_of`` a committed step's manifest, or None when its bytes are not
+    those its commit record names (hashed first: such bytes are not parsed)."""
+    return _chunk_ids_of(data) if document_hash(data) == expected else None
 
-    async def one(key: str) -> None:
+
+def _stopped(key: str, what: str) -> StoreCorrupt:
+    """A damaged step stops the collection (docs/operations.md): its chunks are
+    unknown, so none may be deleted on a guess. Store damage (a 5xx naming the
+    document), not the caller's request."""
+    m = _MANIFEST_KEY.match(key) or _COMMIT_KEY.match(key)
+    forget = (f"ckptd forget {m.group(1)} --step {m.group(2)}" if m is not None
+              else "ckptd forget JOB --step STEP")
+    return StoreCorrupt(f"garbage collection stopped: {what}; forget that step ({forget}), "
+                        "then collect again", key=key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    """What the commit record of a manifest's step says of it."""
+
+    record: str  # the commit record's key
+    digest: str  # the hash of the record's bytes as read
+    manifest: str  # the hash the record names for this rank's manifest
+
+
+async def _commit_records(store: Store, committed: set[tuple[str, str]]
+                          ) -> dict[str, _Committed]:
+    """Manifest key -> what its commit record says, for every rank of every
+    committed step: a committed step's manifest that is missing, or not the bytes
+    its record names, stops the collection like one that does not parse (its
+    chunks may be the only copy of the step, and a manifest put back from a backup
+    would name chunks gone). So does a commit record that does not read back."""
+    sem = asyncio.Semaphore(_READ_CONCURRENCY)
+    out: dict[str, _Committed] = {}
+
+    async def one(job: str, step: int) -> None:
+        key = commit_key(job, step)
         async with sem:
             try:
                 data = await store.get(key)
             except NotFound:
+                return  # forgotten since it was listed
+        try:
+            record = await document_work(CommitRecord.parse, data)
+        except UnsupportedFormat as exc:  # a newer ckptd's: upgrade, never forget it
+            raise unsupported_stored(exc, key) from None
+        except InvalidDocument as exc:
+            raise _stopped(key, f"commit record {key} does not parse ({exc.message})"
+                           ) from None
+        if record.job != job or record.step != step:  # a record copied to another key
+            raise _stopped(key, f"commit record {key} names step {record.step} of "
+                           f"{record.job}")
+        digest = document_hash(data)
+        for ref in record.manifests:
+            out[manifest_key(job, step, ref.rank)] = _Committed(key, digest, ref.hash)
+
+    await asyncio.gather(*(one(job, int(step)) for job, step in committed))
+    return out
+
+
+async def _still_committed(store: Store, named: _Committed) -> bool:
+    """Whether the record that named a manifest is still there, the same, and no
+    retention pass is removing its step: only then is the manifest's absence (or
+    other bytes) damage, not a step forgotten, or forgotten and committed anew,
+    since the record was read."""
+    try:
+        data = await store.get(named.record)
+    except NotFound:
+        return False
+    m = _COMMIT_KEY.match(named.record)
+    assert m is not None
+    return (document_hash(data) == named.digest
+            and not await store.exists(removal_key(m.group(1), int(m.group(2)))))
+
+
+async def _read_ids(store: Store, keys: set[str], into: set[str],
+                    named: dict[str, _Committed] | None = None) -> int:
+    """Adds the chunk ids every manifest in ``keys`` names to ``into``; ``named``
+    (``_commit_records``) says which are committed, and what their bytes must be."""
+    sem = asyncio.Semaphore(_READ_CONCURRENCY)
+    named = named or {}
+
+    async def one(key: str) -> None:
+        committed = named.get(key)
+        async with sem:
+            try:
+                data = await store.get(key)
+            except NotFound:
+                if committed is not None and await _still_committed(store, committed):
+                    raise _stopped(key, f"rank manifest {key}, named by its commit record "
+                                   f"{committed.record}, is missing") from None
                 return  # forgotten since it was listed: it protects nothing now
         try:
             # Off the event loop (a server's /healthz keeps answering while a
             # 100,000-tensor manifest parses), with no collection scanning it.
-            into.update(await document_work(_chunk_ids_of, data))
+            if committed is None:
+                ids = await document_work(_chunk_ids_of, data)
+            else:
+                found = await document_work(_committed_ids, data, committed.manifest)
+                if found is None and await _still_committed(store, committed):
+                    raise _stopped(key, f"rank manifest {key} is not the document its "
+                                   f"commit record {committed.record} names")
+                ids = found if found is not None else await document_work(_chunk_ids_of, data)
         except InvalidDocument as exc:
-            # Its chunks are unknown, so none may be deleted on a guess. Store damage
-            # (a 5xx naming the manifest), not the caller's request.
-            m = _MANIFEST_KEY.match(key)
-            forget = (f"ckptd forget {m.group(1)} --step {m.group(2)}" if m is not None
-                      else "ckptd forget JOB --step STEP")
-            raise StoreCorrupt(
-                f"garbage collection stopped: rank manifest {key} does not parse "
-                f"({exc.message}); forget that step ({forget}), then collect again",
-                key=key,
-            ) from None
+            raise _stopped(key, f"rank manifest {key} does not parse ({exc.message})"
+                           ) from None
+        into.update(ids)
 
     await asyncio.gather(*(one(k) for k in keys))
     return len(keys)
+
+
+async def _mark(store: Store, keys: set[str], committed: set[tuple[str, str]],
+                into: set[str]) -> set[str]:
+    """Reads every listed manifest and every one a commit record names (a manifest
+    missing from the listing is read too: it may be damage) into ``into``; returns
+    the keys read."""
+    named = await _commit_records(store, committed)
+    every = keys | set(named)
+    await _read_ids(store, every, into, named)
+    return every
 
 
 def _is_pending(key: str, committed: set[tuple[str, str]]) -> bool:
@@ -341,9 +438,9 @@ async def collect_garbage(
     report = GcReport(dry_run=dry_run)
     if dry_run:
         sizes = await _chunks(store)
-        keys, _ = await _manifest_keys(store)
+        keys, committed = await _manifest_keys(store)
         referenced: set[str] = set()
-        report.manifests_read = await _read_ids(store, keys, referenced)
+        report.manifests_read = len(await _mark(store, keys, committed, referenced))
         doomed = sorted(set(sizes) - referenced)
         _fill(report, sizes, doomed, t0)
         report.generation = (await read_state(store))[0].generation
@@ -365,7 +462,8 @@ async def collect_garbage(
         touched: set[str] = set()
         seen: set[str] = set()
         async with held.renewing():
-            report.manifests_read = await _read_ids(store, keys, referenced)
+            keys = await _mark(store, keys, committed, referenced)
+            report.manifests_read = len(keys)
             # The touched documents so far, read while writers run: the sweep then
             # reads only those written since.
             await _touched(store, state.generation, touched, seen)

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ckptd.errors import GcInProgress, StoreCorrupt, UnsupportedFormat
-from ckptd.format import chunk_key
+from ckptd.format import chunk_key, manifest_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState, touched_prefix
 from ckptd.lifecycle.fence import read_state
 from ckptd.lifecycle.gc import collect_garbage
+from ckptd.lifecycle.retention import RetentionPolicy, forget
 from ckptd.repository import Repository
 from ckptd.store import MemoryStore
 from ckptd.testing.manifests import demo_step, put_rank
@@ -168,3 +170,52 @@ async def test_a_collection_does_not_take_over_a_state_another_just_repaired() -
     with pytest.raises(GcInProgress):
         await collect_garbage(store, grace=0.0, lease=0.3)
     assert await store.get(GC_STATE_KEY) == theirs
+
+
+
+class ForgottenWhileMarking(MemoryStore):
+    """Runs ``during`` (another server's retention) just before the first read of
+    ``key``, a rank manifest the collection's commit records name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = ""
+        self.during: Callable[[], Awaitable[None]] | None = None
+
+    async def get(self, key: str) -> bytes:
+        if key == self.key and self.during is not None:
+            during, self.during = self.during, None
+            await during()
+        return await super().get(key)
+
+
+@pytest.mark.parametrize("anew", [False, True], ids=["forgotten", "committed-anew"])
+async def test_a_step_forgotten_while_the_collection_marks_is_not_damage(anew: bool) -> None:
+    """A committed step's manifest missing (or other bytes) stops a collection only
+    while the record that named it is still there: retention removing the step
+    meanwhile (record first, then manifests), and a commit of it anew, is no damage."""
+    store = ForgottenWhileMarking()
+    repo = Repository(store)
+    for step in (1, 2):
+        for manifest, chunks in demo_step(JOB, step, 1):
+            await put_rank(repo, manifest, chunks)
+        assert (await repo.commit(JOB, step)).state == "committed"
+    (_, first), = demo_step(JOB, 1, 1)
+    (_, second), = demo_step(JOB, 2, 1)
+    only_first = set(first) - set(second)
+    store.key = manifest_key(JOB, 1, 0)
+
+    async def retention() -> None:
+        assert (await forget(repo, JOB, RetentionPolicy(keep_last=1))).forgotten == [1]
+        if anew:
+            for manifest, chunks in demo_step(JOB, 1, 1, seed="anew"):
+                await put_rank(repo, manifest, chunks)
+            assert (await repo.commit(JOB, 1)).state == "committed"
+
+    store.during = retention
+    report = await collect_garbage(store, grace=0.0)
+    assert store.during is None  # the step went while the collection marked
+    assert set(report.deleted) == only_first and only_first
+    assert (await repo.verify(JOB, 2)).ok
+    if anew:
+        assert (await repo.verify(JOB, 1)).ok
