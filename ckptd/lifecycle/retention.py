@@ -3,9 +3,11 @@
 A committed step is kept if any rule keeps it: one of the last ``keep_last``,
 a multiple of ``keep_every``, committed within ``keep_within`` seconds, tagged,
 ``latest``, or the rollback target. Pending steps whose newest manifest is older
-than ``abandon_pending_after`` are abandoned. Forgetting removes the step's
-documents (commit record first: the step stops being a checkpoint at once);
-its chunks go at the next garbage collection."""
+than ``abandon_pending_after`` are abandoned; a step whose commit record is
+damaged, or lost (a ref names the step), is not pending but damaged, and stays
+until ``forget_damaged_step`` (``ckptd forget JOB --step N``). Forgetting
+removes the step's documents (commit record first: the step stops being a
+checkpoint at once); its chunks go at the next garbage collection."""
 
 from __future__ import annotations
 
@@ -191,9 +193,17 @@ async def plan_forget(
     tagged: dict[int, list[str]] = {}
     for name, step in tags.items():
         tagged.setdefault(step, []).append(name)
-    ages = await _pending_ages(repo, job, [i.step for i in infos if not i.committed])
+    ages = await _pending_ages(repo, job, [i.step for i in infos
+                                          if not i.committed and not i.damaged])
     for info in infos:
         step = info.step
+        if not info.committed and info.damaged:
+            # Its commit record is damaged or lost (a ref names it): a damaged step,
+            # whose chunks may be the only copy, is the operator's to forget.
+            plan.steps.append(StepDecision(step, False, "keep", (
+                f"damaged, not abandoned (`ckptd forget {job} --step {step}` forgets it): "
+                f"{info.damaged}",)))
+            continue
         if not info.committed:
             age = ages.get(step)
             if policy.abandon_pending_after is not None and age is not None and (
@@ -319,6 +329,9 @@ async def _damage_of(repo: Repository, job: str, step: int) -> str:
         if damage is not None:
             return damage[1]
     else:
+        lost = (await repo.lost_commits(job)).get(step)
+        if lost is not None:
+            return lost
         ranks = await repo.ranks_present(job, step)
         if not ranks:
             raise CheckpointNotFound(f"no step {step} of {job} to forget; list its steps "

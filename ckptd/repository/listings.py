@@ -24,6 +24,7 @@ from ckptd.format import (
 )
 from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import damage_key, damage_prefix
+from ckptd.lifecycle.tags import read_tags
 from ckptd.repository.results import RestorableStep, StepInfo
 from ckptd.repository.timelines import Timelines
 
@@ -112,6 +113,32 @@ class Listings(Timelines):
             log.info("%s: %s", job, exc)
             return None, unreadable(exc)
 
+    async def lost_commits(self, job: str) -> dict[int, str]:
+        """Step -> what is wrong, for every step a ref names whose commit record is
+        lost (``record_lost``): damaged, not pending. A damaged ref names nothing
+        here (its own listing and ``verify`` say so)."""
+        named: dict[int, list[str]] = {}
+        for what, read in (("latest", self._latest_ref), ("rollback", self.read_rollback)):
+            try:
+                ref = await read(job)
+            except UNREADABLE:
+                continue
+            if ref is not None:
+                named.setdefault(ref.step, []).append(what)
+        try:
+            tags = await read_tags(self.store, job)
+        except UNREADABLE:
+            tags = {}
+        for name, step in sorted(tags.items()):
+            named.setdefault(step, []).append(f"tag {name}")
+        lost: dict[int, str] = {}
+        for step, refs in sorted(named.items()):
+            if await self.record_lost(job, step):
+                lost[step] = (f"damaged step: {' and '.join(refs)} of {job} "
+                              f"name{'s' if len(refs) == 1 else ''} step {step}, whose "
+                              f"commit record {commit_key(job, step)} is missing")
+        return lost
+
     async def resolve_step(self, job: str, step: int | None) -> int:
         if step is not None:
             return check_step(step)
@@ -167,6 +194,12 @@ class Listings(Timelines):
                 return StepInfo(step, False, world, len(ranks), None, None, False)
 
         infos = list(await asyncio.gather(*(info(s) for s in steps)))
+        if any(not i.committed and i.ranks_present and not i.damaged for i in infos):
+            # A step a ref names is committed: without its record it is damaged, not
+            # pending (read only when a step looks pending: a listing stays cheap).
+            lost = await self.lost_commits(job)
+            infos = [dataclasses.replace(i, damaged=lost[i.step])
+                     if i.step in lost and not i.committed else i for i in infos]
         if any(i.step == latest and i.damaged for i in infos):
             # Latest's commit record or manifests are damaged: then latest is the
             # step a restore of latest gets (the listing agrees with /latest).

@@ -132,6 +132,17 @@ class StoredReads:
             )
         return record
 
+    async def record_lost(self, job: str, step: int) -> bool:
+        """Whether ``step``, which the caller found a ref names (``latest``, the
+        rollback marker, a tag: each set on committed steps only; a step no ref
+        names is pending, not this), has lost its commit record: its
+        rank manifests are there, and no retention pass is removing it (one that
+        stopped midway leaves the manifests and its claim). Such a step is damaged,
+        never pending: retention must not abandon it."""
+        return (not await self.store.exists(commit_key(job, step))
+                and bool(await self._ranks_present(job, step))
+                and not await self.store.exists(removal_key(job, step)))
+
     async def read_commit(self, job: str, step: int) -> CommitRecord:
         record = await self._try_read_commit(job, step)
         if record is not None:

@@ -16,7 +16,7 @@ from ckptd.errors import (
     StoreCorrupt,
     UnsupportedStoredFormat,
 )
-from ckptd.format import CommitRecord, check_job
+from ckptd.format import CommitRecord, check_job, commit_key
 from ckptd.hashing import chunk_spans
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository.results import VerifyReport
@@ -51,12 +51,14 @@ class Verification(Timelines):
             except UnsupportedStoredFormat as exc:  # the other steps are still checked
                 report.unreadable.append(exc.message)
                 continue
-            if record is None:
-                if step is not None:
-                    await self.read_commit(job, s)  # NotCommitted / CheckpointNotFound
-                continue
-            records[s] = record
-        await self._verify_refs(job, report, set(candidates))
+            if record is not None:
+                records[s] = record
+        named = await self._verify_refs(job, report, set(candidates))
+        if step is not None and step not in records and not report.bad_commits \
+                and not report.unreadable and not (
+                    step in named and await self.record_lost(job, step)):
+            # (a step a ref names that lost its record: the refs' check said so)
+            await self.read_commit(job, step)  # NotCommitted / CheckpointNotFound
         if not records and not report.bad_commits and not report.bad_refs \
                 and not report.unreadable:
             raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
@@ -110,16 +112,25 @@ class Verification(Timelines):
         report.damage.sort(key=lambda d: str(d["chunk"]))
         return report
 
-    async def _verify_refs(self, job: str, report: VerifyReport, steps: set[int]) -> None:
+    async def _verify_refs(self, job: str, report: VerifyReport, steps: set[int]) -> set[int]:
         """Every ref of the job parses (``latest``, ``rollback``, ``timeline``,
         ``tags``), and the first three each name a step whose commit record is there
-        and is the one it names. (A tag may name a step retention removed.)"""
+        and is the one it names. (A tag may name a step retention removed, but not
+        one whose manifests are there without its record: that record is lost.)
+        Returns the steps the refs name."""
         try:
-            await read_tags(self.store, job)
+            tags = await read_tags(self.store, job)
         except StoreCorrupt as exc:
             report.bad_refs.append(exc.message)
+            tags = {}
         except UnsupportedStoredFormat as exc:
             report.unreadable.append(exc.message)
+            tags = {}
+        for name, step in sorted(tags.items()):
+            if await self.record_lost(job, step):
+                report.bad_refs.append(f"tag {name} of {job} names step {step}, whose commit "
+                                       f"record {commit_key(job, step)} is missing (its "
+                                       "manifests are there)")
         named: list[tuple[str, int, str]] = []
         for what, read in (("latest", self._latest_ref), ("rollback", self.read_rollback),
                            ("timeline", self.timeline)):
@@ -151,3 +162,4 @@ class Verification(Timelines):
             elif record.digest() != digest:
                 report.bad_refs.append(f"{what} of {job} names a commit of step {step} "
                                        "that is not the stored one")
+        return {step for _, step, _ in named} | set(tags.values())
