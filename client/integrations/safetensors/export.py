@@ -21,6 +21,7 @@ the index comes last. A failed export leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -189,10 +190,14 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
         tmp_index.write_bytes(index_bytes(plans))
         os.replace(tmp_index, target / INDEX_NAME)
     except BaseException:
+        # What refused the write may refuse the cleanup too (a read-only directory, a
+        # name taken by a directory): the first error is the one said.
         for path in written:
-            path.unlink(missing_ok=True)
-        if created and target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if created and target.is_dir() and not any(target.iterdir()):
+                target.rmdir()
         raise
     finally:
         writer.close()
