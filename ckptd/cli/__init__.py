@@ -19,6 +19,7 @@ import datetime as _dt
 import enum
 import logging
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -37,7 +38,7 @@ from ckptd.cli.options import (  # (shared with the commands' modules)
     step_number,
     step_or_latest,
 )
-from ckptd.errors import CkptdError, InvalidRequest
+from ckptd.errors import CkptdError
 from ckptd.format import check_job
 from ckptd.knobs import human_bytes
 
@@ -74,8 +75,10 @@ def _when(ts: float | None) -> str:
 
 
 def _fail(exc: CkptdError) -> None:
-    # Escaped: "[code]" and the message are text, not rich markup.
-    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {exc.message}')}", soft_wrap=True)
+    # Escaped: "[code]" and the message are text, not rich markup; its lines kept, and
+    # control characters in them (a tenant's words, echoed) written out.
+    message = "\n".join(visible(line) for line in exc.message.split("\n"))
+    err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}] {message}')}", soft_wrap=True)
     if exc.detail.get("unreached"):
         err_console.print("is a ckptd server running there? Start one with `ckptd serve "
                           "--store DIR`, or name yours with --url or CKPTD_URL",
@@ -88,6 +91,18 @@ def _fail(exc: CkptdError) -> None:
                           "?endpoint=), or create the bucket first",
                           soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(code=2)
+
+
+# Control characters (C0, DEL, C1) and the bidirectional overrides: printed as they
+# came, an escape sequence in a tenant's text would act on the terminal (colours, a
+# cleared screen, a line forged after a newline).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str) -> str:
+    """``text`` (a reason, a message a server or a tenant wrote) with its control
+    characters written out as Python writes them (``\\n``, ``\\x1b``)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def _version_callback(value: bool) -> None:
@@ -417,11 +432,10 @@ def verify(
 def _server(url: str, token: str | None) -> SyncTransport:
     """The server of a command that needs one, not a store (a ``SyncTransport``:
     each job's calls go to its home replica). One try per call, 10 s each."""
-    if not url.startswith(("http://", "https://")):
-        raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+    from ckptd.cli.mistakes import server_url
     from ckptd.client.transport_http import SyncTransport
 
-    return SyncTransport(url, token, timeout=10.0, retries=0)
+    return SyncTransport(server_url(url), token, timeout=10.0, retries=0)
 
 
 @app.command()
@@ -445,23 +459,15 @@ def rollback(
     if clear == (step is not None):
         err_console.print("[bold red]error[/] give a STEP, or --clear (not both)")
         raise typer.Exit(code=2)
+    from ckptd.cli.lifecycle import rollback_job
+    from ckptd.cli.mistakes import check_reason
+
     try:
         check_job(job)
-        if url.startswith(("http://", "https://")):
-            with _server(url, token) as server:
-                if clear:
-                    to = server.clear_rollback(job).rollback_to
-                else:
-                    assert step is not None
-                    to = server.set_rollback(job, step, reason).rollback_to
-        else:
-            from ckptd.cli.lifecycle import rollback_on_store
-            from ckptd.cli.mistakes import existing_store
-
-            to = rollback_on_store(existing_store(url), job, step)
+        check_reason(reason)
     except CkptdError as exc:
         _fail(exc)
-        return
+    to = rollback_job(url, token, job, step, reason)
     if clear:
         console.print(f"rollback of [bold]{job}[/] cleared")
     else:
@@ -484,15 +490,16 @@ def restore(
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
-    from ckptd.cli.mistakes import existing_store
+    from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target
     from ckptd.client.restore import restore_command
 
     try:
+        restore_target(to)
         result = restore_command(
             existing_store(url), job, rank, to, step=step, token=token, peers=peers, console=console
         )
     except CkptdError as exc:
-        _fail(exc)
+        _fail(rank_of_restore(exc))
         return
     except KeyboardInterrupt:
         err_console.print(f"interrupted: the restore into {escape(to)} did not finish; run the "

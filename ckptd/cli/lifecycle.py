@@ -56,31 +56,79 @@ def _direct(url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     return asyncio.run(go())
 
 
-def rollback_on_store(url: str, job: str, step: int | None) -> int | None:
-    """An operator's rollback of ``job`` to ``step`` (None: clears the marker) on the
-    store at ``url``, used directly: the step the ranks are told to go back to."""
+def rollback_job(url: str, token: str | None, job: str, step: int | None,
+                 reason: str) -> int | None:
+    """An operator's rollback of ``job`` to ``step`` (None: clears the marker),
+    through a server or on a store used directly: the step the ranks are told to go
+    back to. A job the store does not hold is ``JobNotFound`` naming those it does
+    (clearing its marker said "cleared", a rollback "no checkpoint at step N")."""
 
-    async def work(repo: Any) -> int | None:
+    async def direct(repo: Any) -> int | None:
         if step is None:
+            await _job_there(repo, job)
             await repo.clear_rollback(job)
             return None
         done = await repo.set_rollback(job, step)
         return int(done.marker.step)
 
-    result: int | None = _direct(url, work)
+    def remote(server: SyncTransport) -> int | None:
+        if step is None:
+            _server_job_there(server, job, url)
+            server.clear_rollback(job)
+            return None
+        to: int | None = server.set_rollback(job, step, reason).rollback_to
+        return to
+
+    result: int | None = _run(url, token, remote, direct, job=job)
     return result
 
 
+async def _job_there(repo: Any, job: str) -> None:
+    """``JobNotFound`` naming the jobs there when the store holds no ``job``."""
+    from ckptd.cli.mistakes import job_not_found
+
+    jobs = await repo.list_jobs()
+    if job not in jobs:
+        raise job_not_found(job, jobs, repo.store.describe())
+
+
+def _server_job_there(server: SyncTransport, job: str, url: str) -> None:
+    """``JobNotFound`` naming the jobs there when the server holds no ``job`` (the jobs
+    its token may read: a token that may act on ``job`` reads it)."""
+    from ckptd.cli.mistakes import job_not_found
+
+    jobs = [j.job for j in server.jobs().jobs]
+    if job not in jobs:
+        raise job_not_found(job, jobs, url)
+
+
 def _run(url: str, token: str | None, remote: Callable[[SyncTransport], Any],
-         direct: Callable[[Any], Awaitable[Any]]) -> Any:
+         direct: Callable[[Any], Awaitable[Any]], job: str | None = None) -> Any:
     """``remote(server)`` through a server (its answer as JSON), or ``direct(repository)``
-    on a store."""
+    on a store. ``job``: the job acted on; something of it not found, where the job
+    itself is not there, is said as that (naming the jobs there)."""
+    from ckptd.errors import JobNotFound, NotFound
+
     try:
         if _remote(url):
             with _server(url, token) as server:
-                answer = remote(server)
+                try:
+                    answer = remote(server)
+                except NotFound as exc:
+                    if job is not None and not isinstance(exc, JobNotFound):
+                        _server_job_there(server, job, url)
+                    raise
                 return answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
-        return _direct(_existing(url), direct)
+
+        async def checked(repo: Any) -> Any:
+            try:
+                return await direct(repo)
+            except NotFound as exc:
+                if job is not None and not isinstance(exc, JobNotFound):
+                    await _job_there(repo, job)
+                raise
+
+        return _direct(_existing(url), checked)
     except CkptdError as exc:
         _fail(exc)
 
@@ -332,7 +380,7 @@ def tag(
         server.tag(job, name, step)
         return was
 
-    was = _run(url, token, remote, direct)
+    was = _run(url, token, remote, direct, job=job)
     if was is not None and was != step:
         console.print(f"moved tag {escape(name)!r} of {escape(job)}: step {was} -> step {step}")
     else:
@@ -356,7 +404,7 @@ def untag(
             raise NotFound(f"{job} has no tag {name!r}")
         return await read_tags(repo.store, job)
 
-    _run(url, token, lambda server: server.untag(job, name), direct)
+    _run(url, token, lambda server: server.untag(job, name), direct, job=job)
     console.print(f"removed tag {escape(name)!r} of {escape(job)}")
 
 

@@ -4,6 +4,7 @@ wrong and what is allowed, exit code 2, never a traceback."""
 from __future__ import annotations
 
 import errno
+import re
 import socket
 import ssl
 from pathlib import Path
@@ -12,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
-from ckptd.errors import CkptdError, InvalidRequest, JobNotFound, NotFound, StoreError
+from ckptd.errors import (
+    CkptdError,
+    InvalidName,
+    InvalidRequest,
+    JobNotFound,
+    NotFound,
+    StoreError,
+)
 
 try:  # typer carries its own copy of click since 0.2x; the errors are that copy's
     from typer._click import exceptions as click_errors
@@ -55,6 +63,14 @@ def run_app(app: typer.Typer) -> int:
     return result if isinstance(result, int) else 0
 
 
+# What to give, said after a refused value of these settings (the refusal names what
+# is wrong with it).
+SETTING_USE = {
+    "peers": "give every replica's URL, comma-separated (http://a:8470,http://b:8470)",
+    "advertise_url": "give the URL clients reach this replica at (http://host:port)",
+}
+
+
 def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
     """``ckptd serve``'s settings (options over ``CKPTD_*``) and its store, opened
     before the server starts: a bad value or store is one line, not a traceback
@@ -75,7 +91,9 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
             if not error["loc"]:  # a rule over several settings
                 problems.append(error["msg"].removeprefix("Value error, ").replace("_", "-"))
                 continue
-            problems.append(f"{source}: {error['msg']} (got {error.get('input')!r})")
+            use = f"; {SETTING_USE[name]}" if name in SETTING_USE else ""
+            problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')} "
+                            f"(got {error.get('input')!r}){use}")
         raise InvalidRequest("; ".join(problems)) from None
     if settings.tls_cert is not None and settings.tls_key is not None:
         try:
@@ -164,16 +182,61 @@ def writable_store(settings: Settings, store: Store) -> Store:
     return SingleWriterStore(store)
 
 
-def existing_store(url: str) -> str:
-    """``url`` unchanged when it is not a local path, or names a store directory that
-    exists: a reading command never creates a store where none was."""
+# A server's host:port written without its scheme (localhost:8470, 10.0.0.5:8470,
+# [::1]:8470): taken for a store's relative path, it named a store that is not there.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):[0-9]{1,5}")
+
+
+def server_url(url: str) -> str:
+    """``url`` when it names servers as ``http(s)://host:port`` (several, comma-
+    separated): ``InvalidRequest`` in a line for a path or a query after the port
+    (the API's paths were added to it: "no route for POST /v1/v1/..."), and for a
+    host:port without its scheme, naming the URL meant."""
     from ckptd.cluster import parse_url
 
+    if not url.startswith(("http://", "https://")):
+        if _HOST_PORT.fullmatch(url):
+            raise InvalidRequest(f"--url {url!r} has no scheme: did you mean http://{url}?")
+        raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
+    for part in url.split(","):
+        parsed = parse_url(part.strip(), "http://host:port")
+        if parsed.path.strip("/") or parsed.params or parsed.query or parsed.fragment:
+            raise InvalidRequest(f"server URL {part.strip()!r} has a path or query: a "
+                                 "server URL is http://host:port, nothing after the port "
+                                 f"(--url {parsed.scheme}://{parsed.netloc})")
+    return url
+
+
+def store_url(url: str) -> str:
+    """``url`` as every command takes it: a server's (checked by ``server_url``), a
+    store's URL unchanged, or a bare path: the ``file://`` URL of that directory
+    (``ckptd gc --url DIR`` took one, ``ckptd ls --url DIR`` refused it)."""
+    if url.startswith(("http://", "https://")):
+        return server_url(url)
+    if "://" in url:
+        return url
+    if not url:
+        raise InvalidRequest("--url is empty: give http://host:port of a server, or a store "
+                             "(a directory, file:///path or s3://bucket/prefix)")
+    path = Path(url)
+    if _HOST_PORT.fullmatch(url) and not path.exists():
+        raise InvalidRequest(f"no store at {path.absolute()}: did you mean http://{url}? "
+                             "(--url takes a server as http://host:port)")
+    return f"file://{path.absolute()}"
+
+
+def existing_store(url: str) -> str:
+    """``url`` (a bare path as its ``file://`` URL, see ``store_url``) when it is not a
+    local path, or names a store directory that exists: a reading command never
+    creates a store where none was."""
+    from ckptd.cluster import parse_url
+
+    url = store_url(url)
     parsed = parse_url(url)
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise InvalidRequest(f"file URL {url!r} names a host ({parsed.netloc}); a store "
                              "directory is file:///absolute/path (three slashes)")
-    if parsed.scheme in ("file", "") and parsed.path:  # (a bare path is a local store)
+    if parsed.scheme == "file" and parsed.path:
         path = Path(parsed.path)
         if not path.is_dir():
             raise NotFound(
@@ -189,6 +252,49 @@ def existing_store(url: str) -> str:
 
 # What a store directory holds once anything was written (an empty one is a new store).
 STORE_MARKS = ("jobs", "chunks", "gc", "cluster", ".locks")
+
+
+def check_reason(reason: str) -> str:
+    """``reason`` if a server takes it as a rollback's reason (``ckptd.api``): a
+    store used directly took any length, a server refused it naming ``body.reason``."""
+    from annotated_types import MaxLen
+
+    from ckptd.api import RollbackRequest
+
+    limit = next(m.max_length for m in RollbackRequest.model_fields["reason"].metadata
+                 if isinstance(m, MaxLen))
+    if len(reason) > limit:
+        raise InvalidRequest(f"--reason is {len(reason)} characters long: give at most {limit}")
+    return reason
+
+
+def restore_target(to: str) -> None:
+    """``InvalidRequest`` when ``ckptd restore --to`` (a path or ``file:///path``) is,
+    or lies under, a file: the store's own answer was "[store_error] cannot create
+    store directory ...: [Errno 17] File exists"."""
+    from urllib.parse import urlparse
+
+    path = Path(urlparse(to).path if to.startswith("file://") else to)
+    for here in (path, *path.parents):
+        if here.exists():
+            if not here.is_dir():
+                what = "is a file" if here == path else f"lies under {here}, a file"
+                raise InvalidRequest(f"--to {to} {what}: give a directory to fill (a new "
+                                     "one, or one a restore filled before)")
+            return
+
+
+def rank_of_restore(exc: CkptdError) -> CkptdError:
+    """``exc``, or, where it refuses the rank for the step's world size, the same said
+    of ``--rank`` (it said "check rank= and world_size=", the API's arguments)."""
+    rank, world_size = exc.detail.get("rank"), exc.detail.get("world_size")
+    if not isinstance(exc, InvalidName) or not isinstance(rank, int) \
+            or not isinstance(world_size, int):
+        return exc
+    job = exc.detail.get("job")
+    return InvalidName(f"--rank {rank}: " + (f"job {job!r} has" if job else "the step has")
+                       + f" a world size of {world_size}, so --rank is 0 to {world_size - 1}",
+                       **exc.detail)
 
 
 def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:

@@ -19,7 +19,8 @@ UrlOpt = Annotated[
         "--url",
         envvar="CKPTD_URL",
         help="http://host:port of a ckptd server (replicas: several, comma-separated), or "
-        "a store used directly, with no server: file:///path or s3://bucket/prefix.",
+        "a store used directly, with no server: its directory, file:///path or "
+        "s3://bucket/prefix.",
     ),
 ]
 ServerUrlOpt = Annotated[

@@ -18,6 +18,7 @@ from ckptd.cli import (
     _when,
     app,
     console,
+    visible,
 )
 from ckptd.errors import CkptdError
 from ckptd.format import check_job
@@ -110,10 +111,10 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
     elif job.get("damaged"):
         latest = "[bold red]damaged[/]"
     if unreadable:
-        parts.append(Text(f"  latest: {unreadable}", style="red"))  # as sent: no markup
+        parts.append(Text(f"  latest: {visible(str(unreadable))}", style="red"))  # (no markup)
     title = f"[bold]{job['job']}[/]  world {job['world_size'] or '?'}  last committed {latest}"
     if job["snapshot_at"] is not None:
-        reason = escape(str(job["snapshot_reason"]))  # a client's words, not markup
+        reason = escape(visible(str(job["snapshot_reason"])))  # a client's words, not markup
         title += f"  [blue]snapshot at {job['snapshot_at']} ({reason})[/]"
     if job["rollback_to"] is not None:
         title += f"  [bold red]rollback to {job['rollback_to']}[/]"
@@ -129,7 +130,7 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
         health = r.get("health") or {}
         temp = _signal(health, _TEMP)
         ecc = _signal(health, _ECC)
-        reasons = "; ".join(health.get("reasons") or [])
+        reasons = visible("; ".join(health.get("reasons") or []))  # a rank's words
         if r["state"] == "dead" and not reasons:
             reasons = "no heartbeat"
         style = _STATE_STYLE.get(r["state"], "")
@@ -171,7 +172,7 @@ def _job_table(job: dict[str, Any], *, compact: bool) -> tuple[Any, list[Any]]:
         if e["rank"] is not None:
             line.append(f" rank {e['rank']}", style="dim")
         if e["reason"]:
-            line.append(f": {e['reason']}", style="dim")
+            line.append(f": {visible(e['reason'])}", style="dim")  # a tenant's words
         parts.append(line)
     return table, parts
 

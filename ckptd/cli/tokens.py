@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import _fail, _when, app, console
+from ckptd.cli import _fail, _when, app, console, err_console, visible
 from ckptd.errors import CkptdError
 
 token_app = typer.Typer(
@@ -89,15 +89,18 @@ def token_revoke(
     from ckptd.tokens import revoke_token
 
     if not Path(file).is_file():  # (it said "no token X in FILE", as if FILE were read)
-        console.print(f"[bold red]error[/] no tokens file {escape(file)}: pass the file the "
-                      "server reads with --file (ckptd serve --tokens-file)", soft_wrap=True)
+        err_console.print(f"[bold red]error[/] no tokens file {escape(file)}: pass the file "
+                          "the server reads with --file (ckptd serve --tokens-file)",
+                          soft_wrap=True)
         raise typer.Exit(code=2)
     try:
         found = revoke_token(file, token_id)
     except CkptdError as exc:
         _fail(exc)
         return
-    if not found:
-        console.print(f"[bold red]error[/] no token {escape(token_id)} in {escape(file)}")
-        raise typer.Exit(code=1)
+    if not found:  # (a mistyped id: a user's mistake, as every other is, exit 2)
+        err_console.print(f"[bold red]error[/] no token {escape(visible(token_id))} in "
+                          f"{escape(file)}: `ckptd token list --file {escape(file)}` lists "
+                          "their ids", soft_wrap=True)
+        raise typer.Exit(code=2)
     console.print(f"token {escape(token_id)} revoked")

@@ -172,12 +172,15 @@ def import_(
     # A failed save is this command's error, said once below: not also the log line
     # (and the advice to training) the checkpointer gives a save nobody waits on.
     # (Put back after: the command may run in a process that goes on, a CliRunner.)
+    from ckptd.cli.mistakes import store_url
+
     quiet = logging.getLogger("ckptd.client.checkpointer")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
         with console.status(f"importing {source}"):
-            result = import_checkpoint(source, url, job, step, token=token)
+            # (a bare path is a store: writing, this command may create one there)
+            result = import_checkpoint(source, store_url(url), job, step, token=token)
     except CkptdError as exc:
         _fail(exc)
         return

@@ -4,7 +4,9 @@ file:// store) answer a bad lifecycle option alike."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -349,3 +351,157 @@ def test_interrupted_restore_says_so(tmp_path: Path) -> None:
         mute.close()
     assert proc.returncode == 130, out + err
     assert "interrupted" in err and str(tmp_path / "to") in err and "Traceback" not in err, err
+
+
+# -- 10. a probe of the CLI (r2): run in this process, each a CliRunner -------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ckptd ARGS`` run in this process (no interpreter and imports to pay for), its
+    answer as ``ckptd()`` gives it; an exception it let out counts as a traceback."""
+    from typer.testing import CliRunner
+
+    from ckptd.cli import app
+
+    done = CliRunner().invoke(app, list(args), env={"COLUMNS": "80", "CKPTD_RETRIES": "0"})
+    said = done.stderr
+    if done.exception is not None and not isinstance(done.exception, SystemExit):
+        said += f"Traceback (a {type(done.exception).__name__} let out): {done.exception}"
+    return subprocess.CompletedProcess(list(args), done.exit_code, done.stdout, said)
+
+
+@contextlib.contextmanager
+def read_only_directory(where: Path) -> Iterator[Path]:
+    """An empty directory on a read-only file system (a tmpfs mounted ro: root only)."""
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only file system needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_export_into_a_read_only_directory_is_one_line(saved_store: str,
+                                                       tmp_path: Path) -> None:
+    """(Found by a probe: the line, then a traceback of 40 lines from the cleanup's
+    unlink, which the read-only file system refused too.)"""
+    with read_only_directory(tmp_path / "ro") as target:
+        done = cli("export", "llm-7b", "--safetensors", str(target), "--url", saved_store)
+    assert_short_usage_error(done, f"cannot write {target}/model.safetensors",
+                             "Read-only file system", "export elsewhere")
+
+
+def test_a_tenants_reasons_are_printed_with_control_characters_written_out(
+        server: ServerProcess, shm: Path) -> None:
+    """(Found by a probe: a rollback's --reason with an escape sequence in it reached
+    the terminal of whoever ran ``ckptd status``, and a newline forged a line.)"""
+    from ckptd.cli.status import status_view
+
+    _save_one(server.url, "llm-7b", shm)
+    forged = "line1\nline2\x1b[31mred"
+    done = cli("rollback", "llm-7b", "1", "--reason", forged, "--url", server.url)
+    assert done.returncode == 0, done.stderr
+    shown = cli("status", "llm-7b", "--url", server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "line1\\nline2\\x1b[31mred" in shown.stdout, \
+        shown.stdout
+    # A rank's health reasons and a snapshot's reason, as a server sends them.
+    rank = {"rank": 0, "state": "degraded", "step": 1, "held_step": None, "age_s": 1.0,
+            "rtt_ms": None, "health": {"reasons": [f"hot {forged}"], "signals": {}}}
+    job = {"job": "llm-7b", "latest": 1, "world_size": 1, "snapshot_at": 2,
+           "snapshot_reason": f"asked {forged}", "rollback_to": None, "ranks": [rank],
+           "events": []}
+    from rich.console import Console
+
+    for width in (200, 40):  # the reasons in their column, and under a compact table
+        out = Console(width=width, record=True, force_terminal=False)
+        out.print(status_view({"jobs": [job]}, width))
+        text = out.export_text()
+        assert "\x1b" not in text and text.count("line2\\x1b[31mred") == 2, text
+
+
+def test_rollback_tag_and_untag_of_a_job_not_there_name_the_jobs_there(
+        server: ServerProcess, saved_store: str, shm: Path) -> None:
+    """(Found by a probe: ``rollback nojob --clear`` said "cleared", exit 0; a rollback
+    or a tag "no checkpoint at step 1 of nojob"; an untag "nojob has no tag".) And a
+    --reason a server refuses ("body.reason") is refused alike on a store, which took
+    any length."""
+    _save_one(server.url, "llm-7b", shm)
+    for url in (server.url, saved_store):
+        for args in (["rollback", "nojob", "--clear"], ["rollback", "nojob", "1"],
+                     ["tag", "nojob", "1", "best"], ["untag", "nojob", "best"]):
+            assert_short_usage_error(cli(*args, "--url", url), "no job 'nojob'",
+                                     "jobs there: llm-7b")
+        assert_short_usage_error(cli("untag", "llm-7b", "best", "--url", url),
+                                 "llm-7b has no tag 'best'")
+        done = cli("rollback", "llm-7b", "1", "--reason", "x" * 1025, "--url", url)
+        assert_short_usage_error(done, "--reason is 1025 characters long", "at most 1024")
+        assert cli("rollback", "llm-7b", "1", "--reason", "x" * 1024, "--url",
+                   url).returncode == 0
+        assert cli("rollback", "llm-7b", "--clear", "--url", url).returncode == 0
+
+
+def test_a_bare_path_is_a_store_to_every_command(saved_store: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by a probe: gc, space, tag ... took ``--url DIR``; ls, verify, diff,
+    restore, export and import said "unsupported URL 'DIR'".)"""
+    store = saved_store.removeprefix("file://")
+    monkeypatch.chdir(Path(store).parent)
+    relative = Path(store).name
+    for n, url in enumerate((store, relative)):
+        for args in (["ls"], ["ls", "llm-7b"], ["verify", "llm-7b"],
+                     ["diff", "llm-7b", "1", "1"],
+                     ["export", "llm-7b", "--safetensors", str(tmp_path / f"st{n}")],
+                     ["restore", "--job", "llm-7b", "--rank", "0", "--to", str(tmp_path / "r")],
+                     ["import", str(tmp_path / f"st{n}"), "--job", "imported", "--step",
+                      str(n + 3)],
+                     ["space"]):
+            done = cli(*args, "--url", url)
+            assert done.returncode == 0, (args, url, done.stderr)
+    assert "imported" in cli("ls", "--url", relative).stdout
+
+
+@pytest.mark.parametrize("args", [["ls"], ["verify", "j"], ["status"], ["space"],
+                                  ["rollback", "j", "--clear"],
+                                  ["export", "j", "--zarr", "/tmp/x"]])
+def test_a_server_url_is_host_and_port_and_nothing_else(
+        args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by a probe: ``localhost:8470`` was "no store at CWD/localhost:8470";
+    ``http://host:port/v1`` gave "no route for POST /v1/v1/...".)"""
+    monkeypatch.chdir(tmp_path)
+    assert_short_usage_error(cli(*args, "--url", "localhost:8470"),
+                             "did you mean http://localhost:8470?")
+    for url in ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/?x=1"):
+        assert_short_usage_error(cli(*args, "--url", url), repr(url),
+                                 "a server URL is http://host:port, nothing after the port")
+
+
+def test_restore_says_rank_and_to_as_the_options_are_named(saved_store: str,
+                                                          tmp_path: Path) -> None:
+    """(Found by a probe: "(check rank= and world_size=)", the API's words; and
+    "[store_error] cannot create store directory ...: [Errno 17] File exists".)"""
+    done = cli("restore", "--job", "llm-7b", "--rank", "1", "--to", str(tmp_path / "r"),
+               "--url", saved_store)
+    assert_short_usage_error(done, "--rank 1: job 'llm-7b' has a world size of 1",
+                             "--rank is 0 to 0")
+    assert "rank=" not in done.stderr, done.stderr
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for to in (str(file), f"file://{file}/under"):
+        done = cli("restore", "--job", "llm-7b", "--rank", "0", "--to", to, "--url",
+                   saved_store)
+        assert_short_usage_error(done, f"--to {to}", "a file", "give a directory")
+
+
+def test_revoking_a_token_that_is_not_there_is_a_users_mistake(tmp_path: Path) -> None:
+    """(Found by a probe: exit 1, which the CLI keeps for damage found.)"""
+    tokens = tmp_path / "tokens.json"
+    assert cli("token", "create", "--job", "j", "--role", "read", "--file",
+               str(tokens)).returncode == 0
+    assert_short_usage_error(cli("token", "revoke", "nosuchid", "--file", str(tokens)),
+                             "no token nosuchid", "ckptd token list")
