@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.errors import CkptdError, Forbidden, InvalidRequest, Timeout, Unauthorized, Unavailable
+from ckptd.errors import CkptdError
 
 
 def _get(doc: Any, name: str) -> Any:
@@ -56,14 +56,6 @@ def _latest_cell(named: int | None, latest: Any, steps: list[Any]) -> str:
     return f"{named} ({why})" if named is not None else "-"
 
 
-def not_the_job(exc: CkptdError) -> bool:
-    """Whether ``exc`` says something of where the listing was asked (a server not
-    reached or not answering, a refused token, another program on that port), not
-    of the job's documents: said as the command's error, not as the job's damage."""
-    return (isinstance(exc, Unavailable | Timeout | Unauthorized | Forbidden)
-            or type(exc) is InvalidRequest)
-
-
 async def jobs_table(transport: Any, notes: Notes) -> Table:
     from ckptd.cli import _human
 
@@ -73,8 +65,6 @@ async def jobs_table(transport: Any, notes: Notes) -> Table:
         try:
             steps = await transport.list_steps(name)
         except CkptdError as exc:
-            if not_the_job(exc):
-                raise
             steps, j = [], {"damaged": exc.message, **j}
         bad = notes.unreadable(name, j)
         newer = [s for s in steps if _get(s, "unsupported")]
