@@ -55,7 +55,7 @@ from ckptd.format import (
 )
 from ckptd.lifecycle.tags import check_tag
 
-from .routing import ONLY, ROUTE_HEADER
+from .routing import ROUTE_HEADER
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -77,8 +77,6 @@ class Call(Generic[T]):
     headers: dict[str, str] = field(default_factory=dict)
     # seconds; None waits as long as it takes (gc); ...: the transport's own
     timeout: float | None | EllipsisType = ...
-    # the replica URL it must go to, with no failover (routing's ONLY); None: routed
-    only: str | None = None
 
     def arguments(self, connect: float | None = None) -> dict[str, Any]:
         """Keyword arguments of ``httpx.Client.request`` (and the async one's);
@@ -94,8 +92,6 @@ class Call(Generic[T]):
             args["headers"] = self.headers
         if not isinstance(self.timeout, EllipsisType):
             args["timeout"] = request_timeout(self.timeout, connect)
-        if self.only is not None:
-            args["extensions"] = {ONLY: self.only}
         return args
 
 
@@ -366,18 +362,6 @@ def healthz() -> Call[Health]:
 
 def cluster() -> Call[ClusterView]:
     return Call("GET", "/v1/cluster", answer(ClusterView))
-
-
-def roll_call(replica: str, timeout: float) -> Call[httpx.Response]:
-    """``GET /v1/cluster`` of one replica alone, its answer whatever it is: is
-    ``replica`` a ckptd server of this store that takes the token
-    (``transport_http.roll_call_error`` reads it)?"""
-    return Call("GET", "/v1/cluster", _whole, ok=tuple(range(100, 600)), timeout=timeout,
-                only=replica)
-
-
-def _whole(resp: httpx.Response) -> httpx.Response:
-    return resp
 
 
 # -- the store's lifecycle ------------------------------------------------------------

@@ -14,9 +14,8 @@ import httpx
 from ckptd.errors import CkptdError, Forbidden, Unauthorized, Unavailable
 
 from . import calls
-from .routing import ReplicaDown
 from .transport import HttpTransport
-from .transport_http import http_error, tls_trouble, unanswered
+from .transport_http import http_error, tls_trouble
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +31,8 @@ async def reach(transport: HttpTransport, job: str, within: float) -> None:
     (refused: tried again meanwhile, for a server starting or restarting, and said
     in a warning after ``SAY_AFTER`` seconds) or one connect timeout (nothing
     answered: a host that is not there). A server that took the connection but
-    answers nothing, not even its ``/healthz`` (its process stopped or wedged:
-    routing's probe, ``routing.py``), is ``Unavailable`` saying so. One that answers
-    slowly, or answers 5xx, is there: the checkpointer goes on, and its calls say
-    what is wrong. Of several URLs, one that is no replica to route to (not a ckptd
-    server, a refused token, TLS to plain HTTP) is said first."""
-    await transport.roll_call()
+    answers slowly, or answers 5xx, is there: the checkpointer goes on, and its
+    calls say what is wrong."""
     started = time.monotonic()
     deadline = started + within
     connect = transport.session.connect_timeout
@@ -59,11 +54,6 @@ async def reach(transport: HttpTransport, job: str, within: float) -> None:
         except httpx.TimeoutException as exc:  # connected; the answer is slow: it is there
             _debug(transport, exc)
             return
-        except ReplicaDown as exc:  # found hung (or its host gone) by routing's probe
-            _debug(transport, exc)
-            if not transport.members.live():
-                raise unanswered(transport.members, exc.replica) from None
-            continue  # (another replica is there: asked next)
         except httpx.RequestError as exc:
             _debug(transport, exc)
             trouble = await asyncio.to_thread(tls_trouble, transport.url, exc)

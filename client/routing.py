@@ -22,14 +22,8 @@ has the replica's ``/healthz`` asked, on a connection of its own: a live replica
 answers that within 2 s, however busy and whatever its store does; one that does
 not answer within ``PROBE_TIMEOUT`` (5 s) is marked down, and every request still waiting on
 it is given up and retried at the next replica: a hang costs about ten seconds, not
-a request timeout (60 s) per request. With one replica, or none left, the caller
-says that the server does not answer (``transport_http.Attempts``): a request
-that may rightly last long (a collection's grace period, a verify) waits on as
-long as the server answers its probe. A membership read that times out only turns
+a request timeout (60 s) per request. A membership read that times out only turns
 new calls away, as do down marks by other evidence of a busy replica.
-
-A request with the ``ONLY`` extension goes to the replica it names and nowhere
-else (the roll call of the URLs a client was given: ``transport_http``).
 
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
@@ -57,7 +51,6 @@ from ckptd.cluster import chunk_key, job_key, parse_urls, rank_members, route_ke
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ONLY",
     "ROUTE_HEADER",
     "AsyncRouting",
     "Members",
@@ -69,8 +62,6 @@ __all__ = [
 ROUTE_HEADER = "X-Ckptd-Route"
 CLUSTER_PATH = "/v1/cluster"
 HEALTH_PATH = "/healthz"
-#: a request extension: the replica URL it must go to, with no failover
-ONLY = "ckptd.only"
 # Connection failures: the request never reached the replica, so any call may go on.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # What TCP says of a connection whose host vanished mid-request (TCP_USER_TIMEOUT or
@@ -83,14 +74,6 @@ _GONE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH
 class ReplicaDown(httpx.ReadError):
     """A request given up because another call marked its replica down meanwhile
     (maybe sent: retried as any request lost mid-way is)."""
-
-    def __init__(self, message: str, *, request: httpx.Request, replica: str) -> None:
-        super().__init__(message, request=request)
-        self.replica = replica
-
-
-class ReplicaHung(Exception):
-    """Why a replica was marked down: it took a connection and answered nothing."""
 
 
 def _settle(future: asyncio.Future[None]) -> None:
@@ -132,11 +115,6 @@ class Members:
         self.failovers = 0
         # url -> what to call when it is marked down (requests under way to it)
         self._watchers: dict[str, set[Callable[[], None]]] = {}
-        self._why: dict[str, BaseException] = {}  # url -> the last down mark's evidence
-        # The roll call of the URLs given (``transport_http.roll_call_error``): once
-        # per process, its verdict kept (a mistyped URL stays mistyped).
-        self.roll_called = False
-        self.roll_error: Exception | None = None
 
     def order(self, key: str | None) -> list[str]:
         """Where a call with routing ``key`` goes, best first: the key's rendezvous
@@ -171,7 +149,6 @@ class Members:
         a membership read that timed out only turns new calls away."""
         with self._lock:
             now = time.monotonic()
-            self._why[url] = exc
             fresh = now - self._down.get(url, -self.down_for) >= self.down_for
             if fresh:
                 self._down[url] = now
@@ -183,11 +160,6 @@ class Members:
         if fresh and len(self.urls) > 1:  # (with one replica there is no next one)
             log.warning("ckptd replica %s is unreachable (%s); its calls go to the next one",
                         url, type(exc).__name__)
-
-    def why(self, url: str) -> BaseException | None:
-        """The evidence of ``url``'s last down mark, or None."""
-        with self._lock:
-            return self._why.get(url)
 
     def watch(self, url: str, tell: Callable[[], None]) -> Callable[[], None]:
         """Calls ``tell`` once, from the thread that marks it, when ``url`` is next
@@ -266,11 +238,7 @@ def _key(request: httpx.Request) -> str | None:
 
 def _order(members: Members, request: httpx.Request) -> list[str]:
     """Where ``request`` goes: its key's order; a call without a key to the member
-    it names (a merge asking each replica in turn), else to the first live one; a
-    call with ``ONLY`` to that replica alone."""
-    only = request.extensions.get(ONLY)
-    if isinstance(only, str):
-        return [only]
+    it names (a merge asking each replica in turn), else to the first live one."""
     key = _key(request)
     order = members.order(key)
     if key is None:
@@ -297,9 +265,8 @@ def _learn_request(base: str, request: httpx.Request) -> httpx.Request:
 
 
 def _cluster_doc(status: int, body: bytes) -> Any:
-    """The ``/v1/cluster`` answer, or {} (a server without it, a refusal, another
-    program on a mistyped port): the next candidate is asked, and when none
-    answered with one, routing stays on the URLs given."""
+    """The ``/v1/cluster`` answer, or {} (a server without it, a refusal): routing
+    then stays on the URLs given."""
     if status != 200:
         return {}
     try:
@@ -342,8 +309,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
                     self.members.mark_down(base, exc)
                     continue
                 doc = _cluster_doc(resp.status_code, body)
-                if doc:
-                    break
+                break
             self.members.update(doc)
 
     async def by_home(self, ids: list[str], headers: httpx.Headers) -> list[list[str]]:
@@ -355,18 +321,14 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         return [[key.removeprefix("chunk:") for key in keys] for keys in groups.values()]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        only = ONLY in request.extensions  # (its caller judges the one replica it asks)
-        if not only:
-            await self.learn(request)
+        await self.learn(request)
         order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
                 return await self._send(request, base)
             except _UNSENT as exc:
                 # (refused: gone; not taken in time: maybe a full backlog)
-                if not only:
-                    self.members.mark_down(base, exc,
-                                           abandon=isinstance(exc, httpx.ConnectError))
+                self.members.mark_down(base, exc, abandon=isinstance(exc, httpx.ConnectError))
                 if i == len(order) - 1:
                     raise
             except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
@@ -381,7 +343,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         before its answer starts: a replica that hangs holds a request until a probe
         (``_probe``) or the stall watcher notices, not for a whole request timeout."""
         suspect_after = knobs.suspect_after()
-        if self.probes is None or suspect_after <= 0:
+        if len(self.members.urls) < 2 or self.probes is None or suspect_after <= 0:
             return await self.inner.handle_async_request(_to(request, base))
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
@@ -407,7 +369,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         if not send.done():
             await _given_up(send)
             raise ReplicaDown(f"ckptd replica {base} was marked down while it had this "
-                              "request", request=request, replica=base)
+                              "request", request=request)
         return send.result()
 
     def _probe(self, base: str) -> None:
@@ -430,7 +392,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             except httpx.PoolTimeout:
                 pass  # (this side's probes are all busy: says nothing of the replica)
             except httpx.TransportError as exc:
-                self.members.mark_down(base, _hung(base, exc), abandon=True)
+                self.members.mark_down(base, exc, abandon=True)
             finally:
                 self._probing.pop(base, None)
 
@@ -447,15 +409,6 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-def _hung(base: str, exc: httpx.TransportError) -> BaseException:
-    """The evidence a probe of ``base`` that got no answer leaves (``exc``, when it
-    says the replica is not there at all)."""
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return ReplicaHung(f"{base} took a connection but answered nothing, not even "
-                           f"GET {HEALTH_PATH} within {PROBE_TIMEOUT:g} s")
-    return exc
-
-
 async def _given_up(send: asyncio.Future[httpx.Response]) -> None:
     """Cancels a request under way and waits until it ended (it may be reading the
     caller's buffers); an answer that came meanwhile is closed (its connection goes
@@ -467,17 +420,11 @@ async def _given_up(send: asyncio.Future[httpx.Response]) -> None:
 
 
 class SyncRouting(httpx.BaseTransport):
-    """Routes each request of an ``httpx.Client`` (heartbeats, the health agent,
-    the CLI). A replica that keeps a request waiting is probed as the async
-    routing's is; one found hung has its connections cut (``stall.cut``: a blocked
-    read has no other way out), and the request waiting on it is given up."""
+    """Routes each request of an ``httpx.Client`` (heartbeats, the health agent)."""
 
-    def __init__(self, members: Members, inner: httpx.BaseTransport | None = None,
-                 probes: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, members: Members, inner: httpx.BaseTransport | None = None) -> None:
         self.members = members
         self.inner = inner if inner is not None else httpx.HTTPTransport()
-        #: connections of their own for probes (None: never probed)
-        self.probes = probes
         self._learning = threading.Lock()
 
     def learn(self, request: httpx.Request) -> None:
@@ -498,23 +445,19 @@ class SyncRouting(httpx.BaseTransport):
                     self.members.mark_down(base, exc)
                     continue
                 doc = _cluster_doc(resp.status_code, body)
-                if doc:
-                    break
+                break
             self.members.update(doc)
         finally:
             self._learning.release()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        only = ONLY in request.extensions  # (its caller judges the one replica it asks)
-        if not only:
-            self.learn(request)
+        self.learn(request)
         order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
-                return self._send(request, base)
+                return self.inner.handle_request(_to(request, base))
             except _UNSENT as exc:
-                if not only:
-                    self.members.mark_down(base, exc)
+                self.members.mark_down(base, exc)
                 if i == len(order) - 1:
                     raise
             except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
@@ -523,57 +466,8 @@ class SyncRouting(httpx.BaseTransport):
                 raise
         raise httpx.ConnectError("no ckptd replica to send to", request=request)
 
-    def _send(self, request: httpx.Request, base: str) -> httpx.Response:
-        """``request`` sent to ``base``; when its answer has not started after
-        ``CKPTD_SUSPECT_AFTER`` seconds, ``base`` is probed (in a timer thread), and
-        given up (``ReplicaDown``) when it is marked down as gone or hung meanwhile."""
-        suspect_after = knobs.suspect_after()
-        if self.probes is None or suspect_after <= 0:
-            return self.inner.handle_request(_to(request, base))
-        abandoned = threading.Event()
-        target = httpx.URL(base)
-        port = target.port or (443 if target.scheme == "https" else 80)
-
-        def tell() -> None:
-            abandoned.set()
-            from .stall import cut
-
-            cut(target.host, port)
-
-        stop = self.members.watch(base, tell)
-        timer = threading.Timer(suspect_after, self._probe, (base,))
-        timer.daemon = True
-        timer.start()
-        try:
-            return self.inner.handle_request(_to(request, base))
-        except httpx.TransportError:
-            if abandoned.is_set():
-                raise ReplicaDown(f"ckptd replica {base} was marked down while it had this "
-                                  "request", request=request, replica=base) from None
-            raise
-        finally:
-            timer.cancel()
-            stop()
-
-    def _probe(self, base: str) -> None:
-        """Asks ``base``'s ``/healthz`` (the timer thread's); no answer within
-        ``PROBE_TIMEOUT`` marks it down, and the requests waiting on it are given up."""
-        assert self.probes is not None
-        limits = dict.fromkeys(("connect", "read", "write", "pool"), PROBE_TIMEOUT)
-        try:
-            resp = self.probes.handle_request(httpx.Request(
-                "GET", base + HEALTH_PATH, extensions={"timeout": limits}))
-            resp.read()
-            resp.close()
-        except httpx.PoolTimeout:
-            pass
-        except httpx.TransportError as exc:
-            self.members.mark_down(base, _hung(base, exc), abandon=True)
-
     def close(self) -> None:
         self.inner.close()
-        if self.probes is not None:
-            self.probes.close()
 
 
 def merge_overviews(views: list[dict[str, Any]], urls: list[str]) -> dict[str, Any]:

@@ -78,14 +78,11 @@ class _Watched:
     """One connection: its httpcore stream (read again at each look: TLS replaces it)
     and what to call when its host is gone."""
 
-    __slots__ = ("closed", "gone", "host", "port", "stream")
+    __slots__ = ("closed", "gone", "stream")
 
-    def __init__(self, stream: Any, gone: Callable[[], None], host: str = "",
-                 port: int = 0) -> None:
+    def __init__(self, stream: Any, gone: Callable[[], None]) -> None:
         self.stream = stream
         self.gone = gone
-        self.host = host
-        self.port = port
         self.closed = False
 
     def socket(self) -> Any | None:
@@ -142,19 +139,6 @@ class _Watcher:
         w.gone()
         _cut(sock)
 
-    def cut(self, host: str, port: int) -> int:
-        """Ends every open connection to ``host``:``port`` now; how many."""
-        with self._lock:
-            there = [w for w in self._watched if not w.closed and w.port == port
-                     and w.host.lower() == host.lower()]
-        cut = 0
-        for w in there:
-            sock = w.socket()
-            if sock is not None:
-                _cut(sock)
-                cut += 1
-        return cut
-
     @staticmethod
     def _gone_socket(w: _Watched) -> bool:
         sock = w.stream.get_extra_info("socket")
@@ -177,14 +161,6 @@ def _cut(sock: Any) -> None:
 
 
 _WATCHER = _Watcher()
-
-
-def cut(host: str, port: int) -> int:
-    """Ends every watched connection to ``host``:``port`` (a server found hung: its
-    kernel keeps them open, and a request waiting on one would wait out its whole
-    timeout); the requests on them fail at once. How many were cut (none where
-    connections are not watched: there the request's own timeout applies)."""
-    return _WATCHER.cut(host, port)
 
 
 class _AsyncStream(httpcore.AsyncNetworkStream):
@@ -239,7 +215,7 @@ class _SyncStream(httpcore.NetworkStream):
 
 def _watched(stream: Any, host: str, port: int, on_gone: OnGone | None) -> _Watched:
     w = _Watched(stream, (lambda: on_gone(host, port)) if on_gone is not None
-                 else (lambda: None), host, port)
+                 else (lambda: None))
     _WATCHER.add(w)
     return w
 

@@ -26,11 +26,9 @@ from ckptd.cluster import chunk_key as chunk_route_key
 from ckptd.cluster import parse_url, parse_urls
 from ckptd.errors import (
     CheckpointNotFound,
-    CkptdError,
     InvalidDocument,
     InvalidRequest,
     ManifestHashMismatch,
-    Timeout,
     Unavailable,
     from_json,
 )
@@ -42,21 +40,9 @@ from ckptd.store.local import LocalStore
 
 from . import calls
 from .calls import Call
-from .routing import PROBE_TIMEOUT, AsyncRouting, ReplicaDown
+from .routing import AsyncRouting
 from .stall import guard
-from .transport_http import (
-    Attempts,
-    Outcome,
-    Session,
-    SyncTransport,
-    down_at_roll_call,
-    http_error,
-    replica_of,
-    roll_call_error,
-    tls_trouble,
-    tls_verify,
-    unanswered,
-)
+from .transport_http import Attempts, Session, SyncTransport, http_error, tls_trouble, tls_verify
 
 if TYPE_CHECKING:
     from .peer.client import PeerClient
@@ -294,32 +280,8 @@ class HttpTransport(Transport):
         )
         self._raw: PeerClient | None = None  # chunk_reader's, made on first use
 
-    async def roll_call(self) -> None:
-        """Of several URLs given, each is asked once (together) whether it is a ckptd
-        replica that takes the token: raises ``roll_call_error``'s error."""
-        members = self.members
-        if not members.roll_called and len(members.seeds) > 1:
-
-            async def one(url: str) -> tuple[str, Outcome]:
-                call = calls.roll_call(url, PROBE_TIMEOUT)
-                try:
-                    return url, await self._client.request(call.method, call.path,
-                                                           **self.session.arguments(call))
-                except httpx.TransportError as exc:
-                    trouble = await asyncio.to_thread(tls_trouble, url, exc)
-                    if trouble is None:
-                        down_at_roll_call(members, url, exc)
-                    return url, trouble
-
-            outcomes = await asyncio.gather(*(one(u) for u in members.seeds))
-            members.roll_error = roll_call_error(members, list(outcomes))
-            members.roll_called = True
-        if members.roll_error is not None:
-            raise members.roll_error
-
     async def run(self, call: Call[T]) -> T:
         """One call, with retries; its answer read with the core's model."""
-        await self.roll_call()
         tries = Attempts(self.session, call)
         for wait in tries.waits():
             if wait:
@@ -331,8 +293,7 @@ class HttpTransport(Transport):
                 tries.timed_out(exc)
                 continue
             except httpx.RequestError as exc:
-                tries.failed(exc, await asyncio.to_thread(
-                    tls_trouble, replica_of(exc) or self.url, exc))
+                tries.failed(exc, await asyncio.to_thread(tls_trouble, self.url, exc))
                 continue
             if tries.answered(resp):
                 return call.read(resp)
@@ -438,42 +399,23 @@ class HttpTransport(Transport):
         if on_bytes is None:
             return (await self.run(calls.verify(job, step, timeout))).model_dump(mode="json")
         # Streamed: progress lines, then the report (no retries: it is long and idempotent,
-        # the caller runs it again). Its answer starts at once: a server that does not
-        # start it is probed and given up as any call's is (routing.py); the lines
-        # may then come as slowly as the store reads.
-        await self.roll_call()
+        # the caller runs it again).
         call = calls.verify_stream(job, step, timeout)
-        try:
-            async with self._client.stream(call.method, call.path,
-                                           **self.session.arguments(call)) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise http_error(resp)
-                async for line in resp.aiter_lines():
-                    if not line.strip():
-                        continue
-                    item = json.loads(line)
-                    if "report" in item:
-                        return calls.verify_report(item["report"]).model_dump(mode="json")
-                    if "error" in item:
-                        raise from_json(item["error"], 500)
-                    on_bytes(int(item["bytes_checked"]), int(item["bytes_total"]))
-        except httpx.RequestError as exc:
-            raise await self._lost(f"the verify of {job}", exc) from None
+        async with self._client.stream(call.method, call.path,
+                                       **self.session.arguments(call)) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise http_error(resp)
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "report" in item:
+                    return calls.verify_report(item["report"]).model_dump(mode="json")
+                if "error" in item:
+                    raise from_json(item["error"], 500)
+                on_bytes(int(item["bytes_checked"]), int(item["bytes_total"]))
         raise Unavailable(f"the server ended the verify of {job} without a report", url=self.url)
-
-    async def _lost(self, what: str, exc: httpx.RequestError) -> CkptdError:
-        """The typed error of a request with no retries that did not get through."""
-        replica = replica_of(exc) or self.url
-        trouble = await asyncio.to_thread(tls_trouble, replica, exc)
-        if trouble is not None:
-            return trouble
-        if isinstance(exc, ReplicaDown) and not self.members.live():
-            return unanswered(self.members, exc.replica)
-        if isinstance(exc, httpx.TimeoutException):
-            return Timeout(f"{what} at {replica} timed out ({type(exc).__name__})", url=replica)
-        return Unavailable(f"{what} at {replica} failed: {exc or type(exc).__name__}",
-                           url=replica, unreached=isinstance(exc, httpx.ConnectError))
 
     async def healthz(self) -> dict[str, Any]:
         """The server's ``/healthz`` answer."""

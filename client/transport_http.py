@@ -17,13 +17,11 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from types import EllipsisType, TracebackType
+from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlparse
 
 import httpx
-from pydantic import ValidationError
 
 from ckptd import knobs
 from ckptd.api import (
@@ -45,12 +43,10 @@ from ckptd.api import (
 from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
-    Forbidden,
     InvalidRequest,
     StoreCorrupt,
     StoreFull,
     Timeout,
-    Unauthorized,
     Unavailable,
     UnsupportedStoredFormat,
     from_json,
@@ -59,15 +55,7 @@ from ckptd.format import CommitRecord, check_job
 
 from . import calls
 from .calls import Call, answer_excerpt, not_a_server
-from .routing import (
-    PROBE_TIMEOUT,
-    Members,
-    ReplicaDown,
-    ReplicaHung,
-    SyncRouting,
-    members_for,
-    merge_overviews,
-)
+from .routing import Members, SyncRouting, members_for, merge_overviews
 from .stall import guard
 
 log = logging.getLogger(__name__)
@@ -146,14 +134,11 @@ class Attempts:
 
     def __init__(self, session: Session, call: Call[Any]) -> None:
         self.url = session.url
-        self.members = session.members
         self.call = call
-        self.timeout = session.timeout if isinstance(call.timeout, EllipsisType) else call.timeout
         self.attempts = session.retries + 1
         self.backoff = session.backoff
         self.attempt = 0
         self.last: BaseException | None = None
-        self.replica: str | None = None  # where the last try went (of several replicas)
 
     def waits(self) -> Iterator[float]:
         """Seconds to wait before each try (0 before the first)."""
@@ -172,31 +157,19 @@ class Attempts:
 
     def timed_out(self, exc: httpx.TimeoutException) -> None:
         self.last = exc
-        self.replica = replica_of(exc)
         self._note("timed out")
-        if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
-            # Sent, and kept past the call's timeout by a server that answers its
-            # probes (routing.py): a retry would wait as long again, and five of
-            # them kept a CLI command silent for five minutes.
-            self.give_up()
 
     def failed(self, exc: httpx.RequestError, trouble: CkptdError | None) -> None:
         """The request did not get through; ``trouble``: what ``tls_trouble`` says."""
         if trouble is not None:  # retrying cannot help a TLS mismatch
             raise trouble from None
-        if isinstance(exc, ReplicaDown) and not self.members.live():
-            # Found hung (or gone) with no replica left to go to: retrying would
-            # wait on it again.
-            raise unanswered(self.members, exc.replica) from None
         self.last = exc
-        self.replica = replica_of(exc)
         self._note(f"failed: {exc}")
 
     def answered(self, resp: httpx.Response) -> bool:
         """True for an answer in ``ok``; False to try again; else raises its error."""
         if resp.status_code in self.call.ok:
             return True
-        self.replica = replica_of_answer(resp)
         error = http_error(resp)
         if resp.status_code >= 500 and not isinstance(
                 error, StoreFull | StoreCorrupt | UnsupportedStoredFormat):
@@ -209,19 +182,12 @@ class Attempts:
     def give_up(self) -> NoReturn:
         """Raises the typed error of the last try; httpx's and httpcore's exceptions
         under it add nothing the message does not say (logged at debug level)."""
-        url = self.replica or self.url  # (the replica, not the list: a URL to try)
-        method, where, last = self.call.method, f"{url}{self.call.path}", self.last
+        method, where, last = self.call.method, f"{self.url}{self.call.path}", self.last
         if last is not None and not isinstance(last, CkptdError):
             log.debug("%s %s: the last try's error", method, where, exc_info=last)
-        if isinstance(last, httpx.ReadTimeout | httpx.WriteTimeout):
-            within = f" within {self.timeout:g} s" if self.timeout is not None else ""
-            raise Timeout(f"{url} does not answer: {method} {self.call.path} got nothing"
-                          f"{within} ({type(last).__name__})", url=url) from None
         if isinstance(last, httpx.TimeoutException):
-            tries = self.attempt + 1
-            times = "once" if tries == 1 else f"{tries} times"
-            raise Timeout(f"{method} {where} timed out {times} ({type(last).__name__})",
-                          url=url) from None
+            raise Timeout(f"{method} {where} timed out {self.attempts} times "
+                          f"({type(last).__name__})", url=self.url) from None
         if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
             raise last
         if self.attempts == 1 and isinstance(last, httpx.RequestError):
@@ -231,115 +197,7 @@ class Attempts:
             raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {last}",
                               url=self.url, unreached=True) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
-                          url=url) from None
-
-
-def replica_of_answer(resp: httpx.Response) -> str:
-    url = resp.request.url
-    return f"{url.scheme}://{url.netloc.decode('ascii')}"
-
-
-def replica_of(exc: BaseException) -> str | None:
-    """The replica (``scheme://host:port``) the failed request of ``exc`` went to."""
-    try:
-        url = exc.request.url  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError):  # (httpx: no request set)
-        return None
-    return f"{url.scheme}://{url.netloc.decode('ascii')}"
-
-
-def unanswered(members: Members, replica: str) -> Unavailable:
-    """The error of a request given up on ``replica`` (found hung, or its host gone)
-    when no other replica is left."""
-    why = members.why(replica)
-    several = len(members.urls) > 1
-    if isinstance(why, ReplicaHung):
-        what = (f"the ckptd server at {replica} does not answer: it took the connection "
-                f"but answered nothing, not even GET /healthz within {PROBE_TIMEOUT:g} s. Is "
-                "its process stopped (kill -STOP, a debugger) or wedged? Check its log, or "
-                "restart it")
-    else:
-        what = f"the ckptd server at {replica} stopped answering ({why or 'marked down'})"
-    if several:
-        what = f"no ckptd replica answers; {what}"
-    return Unavailable(what, url=replica)
-
-
-# What the roll call of one URL found: its answer, or the error of a TLS mismatch,
-# or None (nothing took the connection, or no answer: down for now, not a mistake).
-Outcome = httpx.Response | CkptdError | None
-
-
-def roll_call_error(members: Members, outcomes: list[tuple[str, Outcome]]) -> CkptdError | None:
-    """The error to raise when a URL of a list given is no replica to route to (not
-    a ckptd server, one that refuses the token, an https:// URL of a plain-HTTP
-    server, a server that serves alone: no replica of the others' store), naming
-    each such URL; None when every one is a replica or down for now (routing
-    passes a down one over). Routing over a wrong URL took a job homed there for
-    damaged (``ckptd ls``), or sent its calls to another program or store."""
-    bad: list[tuple[str, CkptdError]] = []
-    alone: list[str] = []
-    servers = 0
-    for url, outcome in outcomes:
-        wrong = _wrong_replica(url, outcome)
-        if isinstance(wrong, ClusterView):
-            servers += 1
-            if wrong.mode == "single":
-                alone.append(url)
-        elif wrong is not None:
-            bad.append((url, wrong))
-    if alone and servers > 1:
-        # (replicas are told of each other, or find each other by leases: one that
-        # serves alone serves its own store, or a store it does not know it shares)
-        which = " and ".join(alone)
-        bad.append((alone[0], InvalidRequest(
-            f"{which} serve{'s' if len(alone) == 1 else ''} alone (started without --peers "
-            "or --member-leases), not as a replica of the others' store: give one "
-            "server's URL, or start them as replicas of one store (docs/replicas.md)")))
-    if not bad:
-        return None
-    first = bad[0][1]
-    said = "; ".join(e.message for _, e in bad)
-    return type(first)(f"of the {len(members.seeds)} replica URLs given, {said}",
-                       url=bad[0][0])
-
-
-def _wrong_replica(url: str, outcome: Outcome) -> CkptdError | ClusterView | None:
-    """What is wrong with ``url`` (its error), or its membership (a ckptd server);
-    None where it is down or in trouble."""
-    if outcome is None or isinstance(outcome, CkptdError):
-        return outcome
-    if outcome.status_code == 200:
-        try:
-            return ClusterView.model_validate_json(outcome.content)
-        except ValidationError:
-            return not_a_server(outcome)
-    error = http_error(outcome)
-    if isinstance(error, Unauthorized | Forbidden):
-        return type(error)(f"{url} refused the token ({error.message}): the replicas of one "
-                           "store take the same tokens; check the URL and the token",
-                           url=url)
-    if outcome.status_code < 500 and not _typed(outcome):
-        return error  # another program on that port
-    return None  # a ckptd server in trouble: its calls say what
-
-
-def _typed(resp: httpx.Response) -> bool:
-    try:
-        body = resp.json()
-    except ValueError:
-        return False
-    return isinstance(body, dict) and isinstance(body.get("code"), str)
-
-
-def down_at_roll_call(members: Members, url: str, exc: httpx.TransportError) -> None:
-    """A URL that took no connection, or answered nothing, in the roll call (and
-    not for a TLS mismatch): down, for now."""
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        members.mark_down(url, ReplicaHung(
-            f"{url} took a connection but answered nothing within {PROBE_TIMEOUT:g} s"))
-    else:
-        members.mark_down(url, exc)
+                          url=self.url) from None
 
 
 class _UntypedServerError(CkptdError):
@@ -390,43 +248,14 @@ class SyncTransport:
             timeout=self.session.timeouts(),
             transport=SyncRouting(self.members, guard(httpx.HTTPTransport(
                 verify=self.session.verify, socket_options=self.session.socket_options()),
-                self.members.mark_gone),
-                # (probes of a replica that keeps a request waiting: a pool of their own)
-                probes=httpx.HTTPTransport(
-                    limits=httpx.Limits(max_connections=8, max_keepalive_connections=0),
-                    verify=self.session.verify)),
+                self.members.mark_gone)),
         )
 
     def __repr__(self) -> str:
         return f"<SyncTransport {self.url}>"
 
-    def roll_call(self) -> None:
-        """Of several URLs given, each is asked once (in parallel) whether it is a
-        ckptd replica that takes the token: raises ``roll_call_error``'s error."""
-        members = self.members
-        if not members.roll_called and len(members.seeds) > 1:
-
-            def one(url: str) -> tuple[str, Outcome]:
-                call = calls.roll_call(url, PROBE_TIMEOUT)
-                try:
-                    return url, self._client.request(call.method, call.path,
-                                                     **self.session.arguments(call))
-                except httpx.TransportError as exc:
-                    trouble = tls_trouble(url, exc)
-                    if trouble is None:
-                        down_at_roll_call(members, url, exc)
-                    return url, trouble
-
-            with ThreadPoolExecutor(len(members.seeds)) as pool:
-                outcomes = list(pool.map(one, members.seeds))
-            members.roll_error = roll_call_error(members, outcomes)
-            members.roll_called = True
-        if members.roll_error is not None:
-            raise members.roll_error
-
     def run(self, call: Call[T]) -> T:
         """One call, with retries; its answer read with the core's model."""
-        self.roll_call()
         tries = Attempts(self.session, call)
         for wait in tries.waits():
             if wait:
@@ -438,7 +267,7 @@ class SyncTransport:
                 tries.timed_out(exc)
                 continue
             except httpx.RequestError as exc:
-                tries.failed(exc, tls_trouble(replica_of(exc) or self.url, exc))
+                tries.failed(exc, tls_trouble(self.url, exc))
                 continue
             if tries.answered(resp):
                 return call.read(resp)
