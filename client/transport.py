@@ -536,9 +536,12 @@ async def read_step(
     """A committed step (``None``: the latest) and every rank's manifest, in rank
     order, each checked against the commit record."""
     if step is None:
-        step = await transport.latest(job)
+        step, problems = await transport.restorable(job)
         if step is None:
             raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
+        if problems:  # (an export read the older step and said only "ok: step N")
+            log.warning("%s: reading step %d, the newest usable one: %s", job, step,
+                        "; ".join(problems))
     record = await transport.read_commit(job, step)
     manifests = await asyncio.gather(
         *(transport.read_manifest(job, step, r) for r in range(record.world_size))

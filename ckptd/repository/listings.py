@@ -277,7 +277,9 @@ class Listings(Timelines):
                 key=damaged[0], keys=damaged, job=job, problems=problems,
             )
         if problems:
-            log.warning("%s: the newest usable step is %s, not latest: %s", job, chosen,
+            # (info: each reader says it where it is seen: a restore's "latest skipped",
+            # an export's warning, the server's restore_fallback event)
+            log.info("%s: the newest usable step is %s, not latest: %s", job, chosen,
                         "; ".join(problems))
         return RestorableStep(chosen, problems)
 

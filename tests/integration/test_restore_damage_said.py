@@ -103,3 +103,20 @@ def test_the_progress_bar_of_a_failed_restore_does_not_end_full(tmp_path: Path) 
     assert "360.0/360.0 kB" not in text, text
     assert re.search(r"294\.5/360\.0 kB", text), text  # the verified bytes only
     assert "failed: 1 chunks" in text, text
+
+
+def test_an_export_of_latest_that_falls_back_says_so(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """(Found by a probe.) With latest damaged, ``ckptd export`` read the step before
+    it and said only "ok: step 2": it read ``latest`` (the ref), not the newest
+    usable step with its problems."""
+    from ckptd.client.integrations.safetensors import export_safetensors
+
+    url, _ = saved(tmp_path, "d2", 3)
+    manifest = tmp_path / "store" / "jobs" / "d2" / "steps" / "3" / "ranks" / "0.json"
+    manifest.write_bytes(manifest.read_bytes()[:50])
+    with caplog.at_level("WARNING", logger="ckptd.client.transport"):
+        export_safetensors(url, "d2", tmp_path / "out")
+    said = [r.getMessage() for r in caplog.records if r.name == "ckptd.client.transport"]
+    assert any("reading step 2, the newest usable one" in m and "steps/3/ranks/0.json" in m
+               for m in said), said
