@@ -421,15 +421,11 @@ class Checkpointer:
         ``state_dict()`` and get it back by ``load_state_dict()``. The result's
         ``step`` is the step restored: ``start = ckpt.restore(state).step + 1``.
 
-        The pool's chunks are then served to peers (with a server) when they verified
-        as the whole of this rank's manifest of the step."""
+        A pool that verified as this rank's whole manifest is then served to peers."""
         self._session.check_open()
         use = self._restorer.check(state, tiers)
         before = self._timeline.rollback_state()
-        if step is None and before is not None and before[0] is not None:
-            step = before[0]  # the job's "latest" now: the steps after it were abandoned
-            log.info("%s/%d: the job is marked for rollback to step %d: restoring it",
-                     self.job, self.rank, step)
+        step = self._timeline.step_to_restore(step, before)
         # A rank with no pool (a replacement node's) waits for the others to serve
         # theirs before it plans; a rank with one says so once it serves it.
         meet = PoolMeet.here(self.job, self.rank, self.world_size) if "peer" in use else None

@@ -75,6 +75,17 @@ class Timeline:
                         s.config.rank, exc)
             return None
 
+    def step_to_restore(self, step: int | None, state: tuple[int | None, int] | None
+                        ) -> int | None:
+        """``step``; for latest (None) while the job is marked for a rollback, the
+        rollback's step: the steps after it were abandoned."""
+        if step is not None or state is None or state[0] is None:
+            return step
+        s = self.session
+        log.info("%s/%d: the job is marked for rollback to step %d: restoring it",
+                 s.config.job, s.config.rank, state[0])
+        return state[0]
+
     def join(self, step: int, before: tuple[int | None, int] | None) -> int | None:
         """After restoring committed ``step``, this rank's saves belong to the job's
         current timeline, if that step is on it: the job is not marked for a

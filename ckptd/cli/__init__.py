@@ -19,7 +19,6 @@ import datetime as _dt
 import enum
 import logging
 import os
-import re
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -38,6 +37,7 @@ from ckptd.cli.options import (  # (shared with the commands' modules)
     step_number,
     step_or_latest,
 )
+from ckptd.cli.text import visible
 from ckptd.errors import CkptdError
 from ckptd.format import check_job
 from ckptd.knobs import human_bytes
@@ -91,18 +91,6 @@ def _fail(exc: CkptdError) -> None:
                           "?endpoint=), or create the bucket first",
                           soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(code=2)
-
-
-# Control characters (C0, DEL, C1) and the bidirectional overrides: printed as they
-# came, an escape sequence in a tenant's text would act on the terminal (colours, a
-# cleared screen, a line forged after a newline).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def visible(text: str) -> str:
-    """``text`` (a reason, a message a server or a tenant wrote) with its control
-    characters written out as Python writes them (``\\n``, ``\\x1b``)."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def _version_callback(value: bool) -> None:

@@ -18,8 +18,8 @@ from ckptd.cli import (
     _when,
     app,
     console,
-    visible,
 )
+from ckptd.cli.text import visible
 from ckptd.errors import CkptdError
 from ckptd.format import check_job
 

@@ -8,7 +8,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ckptd.cli import _fail, _when, app, console, err_console, visible
+from ckptd.cli import _fail, _when, app, console, err_console
+from ckptd.cli.text import visible
 from ckptd.errors import CkptdError
 
 token_app = typer.Typer(
