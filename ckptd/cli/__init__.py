@@ -298,9 +298,10 @@ def _transport(url: str, token: str | None) -> Any:
     """A server (http://), or a store read in this process: file:// and s3:// (read
     directly, as ``gc`` and ``space`` read one). Called inside the command's loop."""
     from ckptd.cli.mistakes import existing_store
+    from ckptd.cli.servers import check_servers
     from ckptd.client.transport import open_transport
 
-    return open_transport(existing_store(url), token=token, create=False)
+    return open_transport(check_servers(existing_store(url), token), token=token, create=False)
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -421,9 +422,10 @@ def _server(url: str, token: str | None) -> SyncTransport:
     """The server of a command that needs one, not a store (a ``SyncTransport``:
     each job's calls go to its home replica). One try per call, 10 s each."""
     from ckptd.cli.mistakes import server_url
+    from ckptd.cli.servers import check_servers
     from ckptd.client.transport_http import SyncTransport
 
-    return SyncTransport(server_url(url), token, timeout=10.0, retries=0)
+    return SyncTransport(check_servers(server_url(url), token), token, timeout=10.0, retries=0)
 
 
 @app.command()
@@ -479,13 +481,13 @@ def restore(
     """Pre-fetch a rank's committed chunks into a local directory (an init container
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
     from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target
+    from ckptd.cli.servers import check_servers
     from ckptd.client.restore import restore_command
 
     try:
         restore_target(to)
-        result = restore_command(
-            existing_store(url), job, rank, to, step=step, token=token, peers=peers, console=console
-        )
+        result = restore_command(check_servers(existing_store(url), token), job, rank, to,
+                                 step=step, token=token, peers=peers, console=console)
     except CkptdError as exc:
         _fail(rank_of_restore(exc))
         return

@@ -28,13 +28,15 @@ from ckptd.cli import (
 from ckptd.errors import CkptdError, InvalidRequest
 
 
-def _existing(url: str) -> str:
-    """``url``, unless it is a ``file://`` path that holds no store: then the two
-    lines ``ckptd ls`` says, exit 2 (reading never creates a store)."""
+def _existing(url: str, token: str | None) -> str:
+    """``url``, unless it is a ``file://`` path that holds no store, or servers that
+    do not answer as they should: then the lines ``ckptd ls`` says, exit 2 (reading
+    never creates a store)."""
     from ckptd.cli.mistakes import existing_store
+    from ckptd.cli.servers import check_servers
 
     try:
-        return existing_store(url)
+        return check_servers(existing_store(url), token)
     except CkptdError as exc:
         _fail(exc)
         raise  # (_fail exits)
@@ -84,7 +86,7 @@ def export(
     Hugging Face safetensors files with their index (--safetensors)."""
     if zarr_dir and safetensors_dir:
         _fail(InvalidRequest("export to one place at a time: --zarr DIR or --safetensors DIR"))
-    url = _existing(url)
+    url = _existing(url, token)
     if safetensors_dir:
         if codec is not None:
             _fail(InvalidRequest("--codec is for --zarr; safetensors files are not compressed"))
@@ -173,6 +175,7 @@ def import_(
     # (and the advice to training) the checkpointer gives a save nobody waits on.
     # (Put back after: the command may run in a process that goes on, a CliRunner.)
     from ckptd.cli.mistakes import store_url
+    from ckptd.cli.servers import check_servers
 
     quiet = logging.getLogger("ckptd.client.checkpointer")
     level = quiet.level
@@ -180,7 +183,8 @@ def import_(
     try:
         with console.status(f"importing {source}"):
             # (a bare path is a store: writing, this command may create one there)
-            result = import_checkpoint(source, store_url(url), job, step, token=token)
+            result = import_checkpoint(source, check_servers(store_url(url), token), job,
+                                       step, token=token)
     except CkptdError as exc:
         _fail(exc)
         return
@@ -217,7 +221,7 @@ def diff(
     except ImportError:
         _zarr_missing()
         return
-    url = _existing(url)
+    url = _existing(url, token)
     try:
         diffs = diff_steps(url, job, step_a, step_b, token=token, values=values)
     except CkptdError as exc:

@@ -4,7 +4,10 @@ replica probed, the probe marks it down, and the request goes to the next one.""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,3 +59,25 @@ def test_probes_of_live_busy_replicas_mark_none_down(
         assert torch.equal(got["w"], state["w"])
         members = ckpt.transport.members  # type: ignore[attr-defined]
         assert members.failovers == 0 and members.live() == [a.url, b.url]
+
+
+def test_a_cli_command_over_a_list_passes_a_hung_replica_over(
+        static_pair: tuple[Replica, Replica], tmp_path: Path) -> None:
+    """The CLI asks each URL once before its first call: a replica that does not
+    answer is passed over with a warning (its calls go to the other), where the
+    command used to wait a request timeout on it, five times."""
+    a, b = static_pair
+    urls = f"{a.url},{b.url}"
+    with Checkpointer(urls, "j1", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
+        assert ckpt.save(1, {"w": torch.ones(8)}).wait(60).state == "committed"
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    for command in (["ls", "j1"], ["verify", "j1"]):
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "ckptd", *command, "--url", urls],
+                              capture_output=True, text=True, env=env, timeout=120)
+        took = time.monotonic() - t0
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert a.url in done.stderr and "next one" in done.stderr, done.stderr
+        assert took < 40.0, f"ckptd {' '.join(command)} took {took:.1f} s"

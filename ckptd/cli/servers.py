@@ -1,0 +1,136 @@
+"""The servers a command is pointed at, asked once before its first call.
+
+A command's calls are retried (a busy or restarting server gets a second chance),
+so a server that takes connections and never answers (a process stopped with
+``kill -STOP``, wedged, or swapped out) kept ``ckptd ls`` silent for minutes: a
+timed-out read retried five times. And in a list of URLs one wrong entry (another
+program on that port, a server that refuses the token, one that serves a store of
+its own) was taken for the job's damage or named as the whole list.
+
+So each URL a command is given is asked ``GET /v1/cluster`` once, all at once, with
+a short wait (``ANSWER_WITHIN``): what a ckptd server answers at once, however busy.
+A mistake is the command's error, naming the entry; a silent server is one too when
+no other answers; a silent or unreachable replica in a list is passed over (a
+warning), as routing would. Only the CLI asks: a training process keeps its retries
+(a slow answer there must not fail a save).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ckptd import knobs
+from ckptd.errors import CkptdError, InvalidRequest, Unauthorized, Unavailable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ANSWER_WITHIN", "check_servers"]
+
+#: Seconds a server has to answer ``GET /v1/cluster`` (a live one answers in
+#: milliseconds, under a full ingest too; ``status`` waits as long for its calls).
+ANSWER_WITHIN = 10.0
+
+_checked: set[tuple[str, str | None]] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class _Heard:
+    url: str
+    mode: str | None = None  # the cluster mode it answered with ("?": a ckptd without it)
+    mistake: CkptdError | None = None
+    silent: bool = False  # took the connection, sent nothing
+    unreached: bool = False  # refused it, or no route there
+
+
+def check_servers(url: str, token: str | None, within: float = ANSWER_WITHIN) -> str:
+    """``url`` when each server it names answers as a ckptd server that takes
+    ``token``, and (several) as a replica of the others; not a server's URL: as it
+    is. Raises the error that names the entry at fault. Once per URL and token in
+    a process."""
+    if not url.startswith(("http://", "https://")) or (url, token) in _checked:
+        return url
+    from ckptd.cluster import parse_urls
+
+    urls = parse_urls(url)
+    with ThreadPoolExecutor(len(urls)) as pool:
+        heard = list(pool.map(lambda u: _ask(u, token, within), urls))
+    for h in heard:
+        if h.mistake is not None:
+            raise h.mistake
+    answering = [h for h in heard if h.mode is not None]
+    silent = [h.url for h in heard if h.silent]
+    if not answering:
+        if silent:
+            raise Unavailable(_silence(silent, within), url=url)
+        return url  # (refused: the command's own tries say so, as they always have)
+    if len(urls) > 1:
+        alone = [h.url for h in answering if h.mode == "single"]
+        if alone:
+            raise InvalidRequest(
+                f"{alone[0]} serves alone (started without --peers or --member-leases): it "
+                f"is no replica of the other servers in --url; give one server's URL, or "
+                "start the replicas with --peers URL,URL,... (docs/replicas.md)")
+        _pass_over(url, [h.url for h in heard if h.silent or h.unreached], within)
+    _checked.add((url, token))
+    return url
+
+
+def _silence(urls: list[str], within: float) -> str:
+    which = " and ".join(urls)
+    verb = "does" if len(urls) == 1 else "do"
+    return (f"{which} {verb} not answer: the connection was taken and nothing came back "
+            f"in {within:g} s (a server stopped with kill -STOP, wedged, or swapping); "
+            "check its process and log, or name another server with --url")
+
+
+def _pass_over(url: str, gone: list[str], within: float) -> None:
+    """The replicas of ``url`` that did not answer: their calls go to the others."""
+    if not gone:
+        return
+    from ckptd.client.routing import members_for
+
+    members = members_for(url)
+    for u in gone:
+        members.mark_down(u, TimeoutError(f"no answer in {within:g} s"))
+
+
+def _ask(url: str, token: str | None, within: float) -> _Heard:
+    from ckptd.client.calls import not_a_server
+    from ckptd.client.transport_http import tls_trouble, tls_verify
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = httpx.Timeout(within, connect=min(within, knobs.connect_timeout()))
+    try:
+        with httpx.Client(verify=tls_verify(), timeout=timeout, headers=headers) as client:
+            resp = client.get(url + "/v1/cluster")
+    except httpx.ConnectTimeout:
+        return _Heard(url, unreached=True)
+    except httpx.TimeoutException:
+        return _Heard(url, silent=True)
+    except httpx.RequestError as exc:
+        trouble = tls_trouble(url, exc)
+        return _Heard(url, mistake=trouble) if trouble else _Heard(url, unreached=True)
+    body = _json(resp)
+    if resp.status_code == 200 and isinstance(body, dict) and isinstance(body.get("mode"), str):
+        return _Heard(url, mode=body["mode"])
+    if not (isinstance(body, dict) and isinstance(body.get("code"), str)):
+        return _Heard(url, mistake=not_a_server(resp))  # another program's answer
+    if resp.status_code == 401:
+        message = body.get("message") or "unauthorized"
+        return _Heard(url, mistake=Unauthorized(f"{url} refused the token: {message}"))
+    # A ckptd that answers with its own error (one without this route, a token that may
+    # not list replicas but may do what the command asks): the command's calls decide.
+    return _Heard(url, mode="?")
+
+
+def _json(resp: httpx.Response) -> Any:
+    try:
+        return json.loads(resp.content)
+    except ValueError:
+        return None

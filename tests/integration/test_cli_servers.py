@@ -1,0 +1,164 @@
+"""A server that takes connections and never answers, and lists of URLs with a wrong
+entry: the CLI says so in one or two lines within seconds (exit 2), naming the URL,
+where it was silent for minutes (a timed-out read retried five times), took a wrong
+URL for the job's damage, or named the whole list as one URL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from tests.conftest import ServerProcess
+from tests.integration.test_cli_mistakes import assert_short_usage_error
+
+pytestmark = pytest.mark.timeout(150)
+
+REPO = Path(__file__).resolve().parents[2]
+# What a CLI user waits at most for a server that does not answer.
+SAY_WITHIN = 25.0
+
+
+def ckptd(*args: str, env: dict[str, str] | None = None) -> tuple[
+        subprocess.CompletedProcess[str], float]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    base.update({"COLUMNS": "80", **(env or {})})
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
+                          text=True, env=base, cwd=REPO, timeout=120)
+    return done, time.monotonic() - t0
+
+
+@pytest.fixture
+def mute() -> Iterator[str]:
+    """A port that takes connections (and their bytes) and never answers: a server
+    stopped with kill -STOP, as its kernel serves it."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+class _NotCkptd(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802  (http.server's names)
+        self.send_error(404)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.send_error(501)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_program() -> Iterator[str]:
+    """Another HTTP program on a port (a mistyped --url): 404 to GET, 501 to POST."""
+    httpd = HTTPServer(("127.0.0.1", 0), _NotCkptd)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def saved(server: ServerProcess, tmp_path: Path) -> ServerProcess:
+    """The server, with job j1 at steps 10, 20 and 32."""
+    with Checkpointer(server.url, "j1", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
+        for step in (10, 20, 32):
+            assert ckpt.save(step, {"w": torch.full((8,), float(step))}).wait(60).state == (
+                "committed")
+    return server
+
+
+def test_commands_against_a_server_that_never_answers_say_so_within_seconds(
+        mute: str, tmp_path: Path) -> None:
+    """ls was silent 330 s (then: timed out 5 times), verify past 400 s, gc --dry-run
+    past 90 s."""
+    commands = [["ls"], ["verify", "j1"], ["gc", "--dry-run"], ["status"],
+                ["restore", "--job", "j1", "--rank", "0", "--to", str(tmp_path / "to")],
+                ["export", "j1", "--safetensors", str(tmp_path / "st")]]
+    with ThreadPoolExecutor(len(commands)) as pool:
+        runs = list(pool.map(lambda c: ckptd(*c, "--url", mute), commands))
+    for command, (done, took) in zip(commands, runs, strict=True):
+        assert_short_usage_error(done, mute, "does not answer")
+        assert took < SAY_WITHIN, f"ckptd {' '.join(command)} took {took:.1f} s"
+
+
+def test_a_stopped_server_is_said_and_a_running_one_serves(saved: ServerProcess) -> None:
+    """Stopped (kill -STOP), verify was silent past 400 s; running, the same commands
+    answer as before."""
+    assert saved.proc is not None
+    saved.proc.send_signal(signal.SIGSTOP)
+    try:
+        done, took = ckptd("verify", "j1", "--url", saved.url)
+    finally:
+        saved.proc.send_signal(signal.SIGCONT)
+    assert_short_usage_error(done, saved.url, "does not answer")
+    assert took < SAY_WITHIN, f"it took {took:.1f} s"
+    for command in (["verify", "j1"], ["gc", "--dry-run"], ["ls", "j1"], ["status"]):
+        done, _ = ckptd(*command, "--url", saved.url)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_list_with_another_program_names_it_and_tries_nothing_else(
+        saved: ServerProcess, other_program: str) -> None:
+    """rollback said 'POST http://BAD,http://GOOD/v1/jobs/j1/rollback failed after 1
+    attempts: HTTP 501'; ls said j1 was damaged (exit 1)."""
+    for urls in (f"{other_program},{saved.url}", f"{saved.url},{other_program}"):
+        for command in (["rollback", "j1", "20"], ["ls"], ["ls", "j1"]):
+            done, _ = ckptd(*command, "--url", urls)
+            assert_short_usage_error(done, other_program, "does not answer as a ckptd server")
+            assert urls not in done.stderr and "damaged" not in done.stderr
+    done, _ = ckptd("ls", "--url", other_program)
+    assert_short_usage_error(done, other_program, "does not answer as a ckptd server")
+
+
+def test_a_list_with_a_server_refusing_the_token_names_it(
+        saved: ServerProcess, token_server: ServerProcess) -> None:
+    done, _ = ckptd("ls", "--url", f"{saved.url},{token_server.url}")
+    assert_short_usage_error(done, token_server.url, "refused the token")
+    assert "damaged" not in done.stderr
+    done, _ = ckptd("ls", "--url", token_server.url, env={"CKPTD_TOKEN": "wrong"})
+    assert_short_usage_error(done, token_server.url, "refused the token", "--token")
+
+
+def test_a_list_of_servers_that_are_no_replicas_of_one_store_says_so(
+        saved: ServerProcess, tmp_path: Path) -> None:
+    """A second ckptd over another store: ls showed '32 (damaged)' (exit 0), and
+    ls j1 'no job j1 at ...; jobs there: j1'."""
+    other = ServerProcess(store=tmp_path / "other-store")
+    other.start()
+    try:
+        urls = f"{saved.url},{other.url}"
+        for command in (["ls"], ["ls", "j1"], ["rollback", "j1", "20"]):
+            done, _ = ckptd(*command, "--url", urls)
+            assert_short_usage_error(done, saved.url, "serves alone", "--peers")
+            assert "damaged" not in done.stderr and "no job" not in done.stderr
+    finally:
+        other.stop()
+
+
+def test_an_https_entry_of_a_plain_http_server_in_a_list_says_so(
+        saved: ServerProcess) -> None:
+    """A single such URL said 'speaks plain HTTP, not TLS'; in a list it was
+    'unreachable (ConnectError)'."""
+    wrong = saved.url.replace("http://", "https://")
+    for command in (["ls"], ["rollback", "j1", "20"]):
+        done, _ = ckptd(*command, "--url", f"{wrong},{saved.url}")
+        assert_short_usage_error(done, "speaks plain HTTP, not TLS", saved.url)
+        assert "ConnectError" not in done.stderr
