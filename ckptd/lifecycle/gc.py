@@ -373,6 +373,8 @@ async def _read_ids(store: Store, keys: set[str], into: set[str],
                     raise _stopped(key, f"rank manifest {key} is not the document its "
                                    f"commit record {committed.record} names")
                 ids = found if found is not None else await document_work(_chunk_ids_of, data)
+        except UnsupportedFormat as exc:  # a newer ckptd's save: upgrade, never forget it
+            raise unsupported_stored(exc, key) from None
         except InvalidDocument as exc:
             raise _stopped(key, f"rank manifest {key} does not parse ({exc.message})"
                            ) from None

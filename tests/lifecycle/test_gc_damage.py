@@ -219,3 +219,25 @@ async def test_a_step_forgotten_while_the_collection_marks_is_not_damage(anew: b
     assert (await repo.verify(JOB, 2)).ok
     if anew:
         assert (await repo.verify(JOB, 1)).ok
+
+
+async def test_a_manifest_of_a_newer_format_version_stops_the_collection_for_an_upgrade(
+        ) -> None:
+    """A newer ckptd's manifest of a step in flight is no damage to forget: gc said
+    'does not parse ... forget that step', which would drop another version's save."""
+    store = MemoryStore()
+    repo = Repository(store)
+    await _one_step(repo)
+    await repo.put_chunk(chunk_id(GARBAGE), GARBAGE)
+    manifest, _ = next(iter(demo_step(JOB, 3, 1)))
+    key = manifest_key(JOB, 3, 0)
+    newer = manifest.canonical().replace(b'"version":1', b'"version":9')
+    assert newer != manifest.canonical()
+    await store.put_if_absent(key, newer)
+    chunks_before = [k async for k in store.list_prefix("chunks/")]
+    with pytest.raises(UnsupportedFormat) as exc:
+        await collect_garbage(store, grace=0.0)
+    assert not isinstance(exc.value, StoreCorrupt)
+    assert exc.value.detail["key"] == key
+    assert "upgrade" in exc.value.message and "forget" not in exc.value.message
+    assert [k async for k in store.list_prefix("chunks/")] == chunks_before
