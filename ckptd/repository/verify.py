@@ -115,8 +115,9 @@ class Verification(Timelines):
     async def _verify_refs(self, job: str, report: VerifyReport, steps: set[int]) -> set[int]:
         """Every ref of the job parses (``latest``, ``rollback``, ``timeline``,
         ``tags``), and the first three each name a step whose commit record is there
-        and is the one it names. (A tag may name a step retention removed, but not
-        one whose manifests are there without its record: that record is lost.)
+        and is the one it names. (A tag, and the timeline of a rollback that ended,
+        may name a step retention removed, but not one whose manifests are there
+        without its record: that record is lost.)
         Returns the steps the refs name."""
         try:
             tags = await read_tags(self.store, job)
@@ -157,6 +158,8 @@ class Verification(Timelines):
                                              f"{exc.message}")
                 continue
             if record is None:
+                if what == "timeline" and not await self.record_lost(job, step):
+                    continue  # (its rollback ended and retention removed the step)
                 report.bad_refs.append(f"{what} of {job} names step {step}, which has no "
                                        "commit record (deleted, or never complete)")
             elif record.digest() != digest:

@@ -69,3 +69,29 @@ async def test_a_marker_whose_clearing_cannot_look_again_is_put_back() -> None:
         await repo.end_rollback_passed(JOB, 2, 1)
     marker, epoch = await repo.rollback_state(JOB)
     assert marker is not None and (marker.step, epoch) == (1, 1)
+
+
+async def test_a_timeline_whose_step_retention_removed_verifies(repo: Repository) -> None:
+    """The timeline document keeps naming the step its rollback went back to after
+    the rollback ended; retention may then remove that step. verify said 'timeline
+    of job names step 3, which has no commit record' of a sound job."""
+    from ckptd.lifecycle.retention import RetentionPolicy, forget
+
+    async def saved(step: int, epoch: int) -> None:  # (the meta a rank commits with)
+        for manifest, chunks in demo_step(JOB, step, 2):
+            await put_rank(repo, replace(manifest, meta={**manifest.meta, "epoch": epoch}),
+                           chunks)
+        assert (await repo.commit(JOB, step, meta={"epoch": epoch})).state == "committed"
+
+    for step in (1, 3, 5):
+        await saved(step, 0)
+    await repo.set_rollback(JOB, 3)
+    for step in (4, 6, 7):  # past the marker: the rollback ended
+        await saved(step, 1)
+    assert await repo.rollback_state(JOB) == (None, 1)
+    plan = await forget(repo, JOB, RetentionPolicy(keep_last=2))
+    assert plan.forgotten == [1, 3, 4, 5]
+    timeline = await repo.timeline(JOB)
+    assert timeline is not None and timeline.step == 3
+    report = await repo.verify(JOB)
+    assert report.bad_refs == [] and report.ok, report
