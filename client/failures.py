@@ -63,6 +63,11 @@ def advice(exc: CkptdError) -> str:
         return "the job was rolled back: restore the rollback's step, then save again"
     if isinstance(exc, Unauthorized):
         return "pass the server's token (token= or CKPTD_TOKEN)"
+    if isinstance(exc, AlreadyCommitted) and exc.detail.get("abandoned"):
+        return ("the path the job was rolled back from committed this step number, and a "
+                "number commits once: this save is skipped, the new path's next new step "
+                "number commits (to keep its steps apart, save at numbers the old path "
+                "did not reach)")
     if isinstance(exc, AlreadyCommitted):
         return ("that step number is committed already (by an earlier run?): its manifests "
                 "cannot change; save later steps under new numbers (resume after `latest`)")
@@ -112,8 +117,11 @@ class FailureLog:
         named error, or None when this snapshot's failure was recorded already."""
         err = name_save_error(exc, self.job, step, self.rank)
         # A save refused because a rollback ended its timeline is what a rollback
-        # means, not a mistake: step() raises RollbackRequested for it already.
-        superseded = isinstance(err, Superseded)
+        # means, not a mistake: step() raises RollbackRequested for it already. So
+        # is one of the new path at a step number the abandoned path committed: the
+        # job replays those numbers, and must go on.
+        superseded = isinstance(err, Superseded) or (
+            isinstance(err, AlreadyCommitted) and bool(err.detail.get("abandoned")))
         with self._lock:
             if snapshot in self._snapshots:
                 return None

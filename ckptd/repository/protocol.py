@@ -243,6 +243,10 @@ class Repository(Verification, Listings, AfterCommit):
             ):
                 return digest
             left = int(record.meta.get(EPOCH_META, 0))
+            # A rollback's new path saving again at a number the abandoned path took:
+            # the job goes on (its saver skips this one, with a warning), not a failure.
+            abandoned = left < manifest_epoch(manifest) and await self._abandoned(
+                manifest.job, manifest.step, await self._path(manifest.job))
             raise AlreadyCommitted(
                 f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
                 "manifest cannot change" + (
@@ -252,6 +256,7 @@ class Repository(Verification, Listings, AfterCommit):
                 job=manifest.job,
                 step=manifest.step,
                 rank=manifest.rank,
+                **({"abandoned": True} if abandoned else {}),
             )
         epoch = manifest_epoch(manifest)
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "

@@ -4,6 +4,7 @@ and through ``file://``."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,46 @@ def test_a_rollback_to_a_damaged_step_is_refused(where: tuple[str, Path],
 
     assert asyncio.run(now()) == (None, 0)
     assert rollback(url, store, job, 1) == 1  # an intact step is fine
+
+
+def test_the_new_path_replays_the_step_numbers_of_the_one_it_left_and_goes_on(
+    where: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps 10, 20 and 30 committed; an operator rolls back to 10; the job trains
+    from 10 again and saves every 10 steps. Its save of 20 (a number the abandoned
+    path committed) failed with already_committed, and the next save() raised it:
+    the README loop died at its first save after the rollback. Now that save is
+    skipped with a warning that says why, and the job goes on to commit 40. A save
+    at a number the current path holds (10, below the rollback's) still raises."""
+    url, store = where
+    job = "replay"
+
+    def checkpointer(shm: str) -> Checkpointer:
+        return Checkpointer(url, job, chunk_size=4096, shm_dir=tmp_path / shm,
+                            serve_peers=False, timeout=30.0)
+
+    with checkpointer("first") as ckpt:
+        for step in (10, 20, 30):
+            assert ckpt.save(step, state(float(step), step)).wait(30).state == "committed"
+    assert rollback(url, store, job, 10) == 1
+    with checkpointer("loop") as loop:
+        got: dict[str, Any] = state(0.0, 0)
+        assert loop.restore(got).step == 10
+        first = loop.save(20, state(-20.0, 20))  # as the loop saves: not waited on
+        deadline = time.monotonic() + 30
+        while not first.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # (its failure is recorded by the snapshot's done-callback)
+        loop.step(21, loss=0.5)  # no raise: the job goes on
+        second = loop.save(30, state(-30.0, 30))
+        with pytest.raises(AlreadyCommitted, match="on the path a rollback left"):
+            second.wait(30)  # (one who waits is told)
+        assert loop.save(40, state(-40.0, 40)).wait(30).state == "committed"
+        assert loop.latest() == 40
+        assert "this save is skipped" in caplog.text
+        assert loop.close().failed == 2
+    with checkpointer("mistake") as again:
+        again.restore(got)
+        again.save(10, state(-10.0, 10))  # the current path's own step: a mistake
+        with pytest.raises(AlreadyCommitted):
+            again.save(50, state(-50.0, 50)).wait(30)
