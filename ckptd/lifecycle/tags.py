@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 from ckptd.documents import parse_stored
 from ckptd.errors import Conflict, InvalidName, NotFound, StoreCorrupt
-from ckptd.format import check_job, check_step
+from ckptd.format import MAX_STEP, check_job, check_step
 from ckptd.lifecycle.documents import Tags, tags_key
 from ckptd.store.base import Store
-
-log = logging.getLogger(__name__)
 
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: the commit meta key that tags the step being committed (``ckpt.save(..., tag=)``)
@@ -43,18 +40,41 @@ def check_new_tag(name: object) -> str:
 
 async def read_tags(store: Store, job: str) -> dict[str, int]:
     """Tag name -> step of ``job`` (empty when it has none); ``StoreCorrupt`` naming
-    the document when it is damaged (setting or removing a tag replaces it)."""
+    the document, and the way out, when it is damaged."""
     key = tags_key(check_job(job))
     try:
         data = await store.get(key)
     except NotFound:
         return {}
+    return _parse(store, job, key, data)
+
+
+def _parse(store: Store, job: str, key: str, data: bytes) -> dict[str, int]:
+    """The tags in ``data``; ``StoreCorrupt`` when they do not parse, or name a tag
+    or a step no tag can have (read, such a tag was a 400 to whoever asked for it)."""
     try:
-        return dict(parse_stored(Tags.parse, data, key).tags)
-    except StoreCorrupt as exc:  # tags are names only: replacing them loses no data
-        raise StoreCorrupt(f"{exc.message}; `ckptd tag {job} STEP NAME` replaces it "
-                           "(the tags it held are lost, no checkpoint is)",
-                           **exc.detail) from None
+        tags = dict(parse_stored(Tags.parse, data, key).tags)
+    except StoreCorrupt as exc:
+        raise _damaged(store, job, exc.message, **exc.detail) from None
+    for name, step in tags.items():
+        if not TAG_RE.fullmatch(name):
+            raise _damaged(store, job, f"damaged document {key}: {name[:80]!r} is no tag name",
+                           key=key)
+        if not 0 <= step < MAX_STEP:
+            raise _damaged(store, job, f"damaged document {key}: tag {name!r} names step "
+                           f"{step}, which no step can be", key=key)
+    return tags
+
+
+def _damaged(store: Store, job: str, said: str, **detail: object) -> StoreCorrupt:
+    """``StoreCorrupt`` for a damaged tags document, saying the way out. ckptd does
+    not replace it: a tag written over it would drop the tags it held without a word."""
+    key = tags_key(job)
+    path = store.local_path(key)
+    where = str(path) if path is not None else f"{key} from {store.describe()}"
+    return StoreCorrupt(f"{said}; fix it, or remove {where} (the tags it held are lost, no "
+                        f"checkpoint is) and tag again with `ckptd tag {job} STEP NAME`",
+                        **{**detail, "key": key})
 
 
 async def _change(store: Store, job: str, name: str, step: int | None,
@@ -65,13 +85,9 @@ async def _change(store: Store, job: str, name: str, step: int | None,
             current: bytes | None = await store.get(key)
         except NotFound:
             current = None
-        try:
-            tags = dict(parse_stored(Tags.parse, current, key).tags) if current is not None else {}
-        except StoreCorrupt as exc:
-            # Its tags are lost already; a tag written now is the repair (swapped
-            # against the damaged bytes, so a concurrent repair is not undone).
-            log.warning("%s; replacing it, its tags are lost", exc.message)
-            tags = {}
+        # A damaged document raises: the tags it held are not known, and a tag
+        # written over it would drop them without a word.
+        tags = _parse(store, job, key, current) if current is not None else {}
         if step is None:
             if name not in tags or (naming is not None and tags[name] != naming):
                 return False

@@ -19,6 +19,7 @@ from ckptd.errors import (
     InvalidRequest,
     NotCommitted,
     NotFound,
+    StoreCorrupt,
     StoreError,
     UnsupportedFormat,
 )
@@ -79,6 +80,10 @@ class AfterCommit(StoredReads):
         back) when retention removed the step meanwhile."""
         try:
             await set_tag(self.store, job, tag, step)
+        except StoreCorrupt as exc:  # (a damaged tags document: its message says what to do)
+            log.warning("%s step %d is committed, but its tag %r could not be set: %s",
+                        job, step, tag, exc)
+            return
         except CkptdError as exc:
             log.warning("%s step %d is committed, but its tag %r could not be set: %s; a "
                         "retry of the commit sets it", job, step, tag, exc)

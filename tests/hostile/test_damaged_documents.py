@@ -66,11 +66,16 @@ def _corrupt(r: httpx.Response, key: str) -> None:
     assert r.json()["code"] == "store_corrupt" and r.json()["detail"]["key"] == key, r.text
 
 
-def test_damaged_tags_are_store_damage_and_a_tag_write_repairs_them(api: httpx.Client) -> None:
+def test_damaged_tags_are_store_damage_until_removed(damaged: ServerProcess,
+                                                     api: httpx.Client) -> None:
     _corrupt(api.get("/v1/jobs/tags/tags"), "jobs/tags/refs/tags")
     # Retention cannot know what the tags keep: it stops, saying why.
     _corrupt(api.post("/v1/jobs/tags/forget", params={"dry_run": "true", "keep_last": 1}),
              "jobs/tags/refs/tags")
+    # A tag write does not replace it (tests/integration/test_damaged_tags.py)...
+    _corrupt(api.put("/v1/jobs/tags/tags/best", json={"step": 1}), "jobs/tags/refs/tags")
+    # ...removing it, as the message says, does.
+    (Path(damaged.store) / "jobs" / "tags" / "refs" / "tags").unlink()
     r = api.put("/v1/jobs/tags/tags/best", json={"step": 1})
     assert r.status_code == 200, r.text
     assert api.get("/v1/jobs/tags/tags").json() == {"best": 1}

@@ -97,7 +97,9 @@ def test_a_damaged_tags_ref_says_how_to_replace_it(store_server: ServerProcess) 
     with httpx.Client(base_url=store_server.url, timeout=60) as c:
         r = c.get("/v1/jobs/retag/tags")
         assert r.status_code == 500 and r.json()["code"] == "store_corrupt", r.text
+        assert str(tags) in r.json()["message"], r.text
         assert "ckptd tag retag STEP NAME" in r.json()["message"], r.text
+        tags.unlink()  # as it says (a tag set over it is refused: test_damaged_tags.py)
         done = subprocess.run([sys.executable, "-m", "ckptd", "tag", "retag", "1", "best",
                                "--url", store_server.url],
                               capture_output=True, text=True, timeout=60)
