@@ -150,6 +150,16 @@ class SnapshotDecision:
 
 
 @dataclass(slots=True)
+class _Fallback:
+    """The older step ``GET latest`` last answered for a job, past damage: the step
+    the ranks that asked go on to restore."""
+
+    step: int
+    reason: str
+    said: set[int] = field(default_factory=set)  # ranks whose restore of it is an event
+
+
+@dataclass(slots=True)
 class _Job:
     world_size: int | None = None
     epoch: int = 0  # the newest timeline a heartbeat came with
@@ -160,6 +170,7 @@ class _Job:
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_JOB))
     touched: float = 0.0
     since: float = 0.0  # first heartbeat this server got (a new home after a failover)
+    fallback: _Fallback | None = None
 
 
 class Registry:
@@ -522,6 +533,29 @@ class Registry:
         with self._lock:
             j = self._jobs.setdefault(job, _Job(touched=self._clock()))
             j.events.append(Event(self._wall(), kind, rank=rank, step=step, reason=reason))
+
+    def note_latest(self, job: str, step: int, problems: list[str]) -> None:
+        """What a restore of "latest" gets now: ``step``, older than the ref when
+        ``problems`` say why. Asking restores nothing: ``restoring`` says the event."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if problems:
+                j = j or self._jobs.setdefault(job, _Job(touched=self._clock()))
+                j.fallback = _Fallback(step, "; ".join(problems)[:1024])
+            elif j is not None:
+                j.fallback = None
+
+    def restoring(self, job: str, step: int, rank: int) -> None:
+        """``rank`` reads ``step`` of ``job`` to restore it: a ``restore_fallback``
+        event when that is the step latest fell back to (once per rank and answer)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            fallback = j.fallback if j is not None else None
+            if j is None or fallback is None or fallback.step != step or rank in fallback.said:
+                return
+            fallback.said.add(rank)
+            j.events.append(Event(self._wall(), "restore_fallback", rank=rank, step=step,
+                                  reason=fallback.reason))
 
     def events(self, job: str) -> list[Event]:
         """The job's events, oldest first."""

@@ -134,9 +134,8 @@ async def latest(job: JobDep, repo: RepoDep, registry: RegistryDep) -> Latest:
             + (f" ({'; '.join(found.problems)})" if found.problems else ""),
             job=job, problems=found.problems,
         )
-    if found.problems:
-        registry.add_event(job, "restore_fallback", step=found.step,
-                           reason="; ".join(found.problems)[:1024])
+    # Asking is no restore: the event is added when a rank reads the step (ranks.py).
+    registry.note_latest(job, found.step, found.problems)
     return Latest(job=job, step=found.step, problems=found.problems)
 
 

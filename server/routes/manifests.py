@@ -21,7 +21,15 @@ from ckptd.server.bodies import (
     read_body,
 )
 from ckptd.server.cluster import Membership
-from ckptd.server.deps import JobDep, MetricsDep, RankDep, RepoDep, StepDep, TenantsDep
+from ckptd.server.deps import (
+    JobDep,
+    MetricsDep,
+    RankDep,
+    RegistryDep,
+    RepoDep,
+    StepDep,
+    TenantsDep,
+)
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 from ckptd.server.tenancy import TenantChunks
@@ -104,8 +112,10 @@ async def put_manifest(
         **error_responses(404, 409, 422),
     },
 )
-async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep) -> Response:
+async def get_manifest(job: JobDep, step: StepDep, rank: RankDep, repo: RepoDep,
+                       registry: RegistryDep) -> Response:
     manifest = await repo.read_manifest(job, step, rank)
+    registry.restoring(job, step, rank)  # (a restore without a plan reads it here)
     data = manifest.canonical()  # (kept since it was parsed)
     return Response(
         data, media_type="application/json", headers={MANIFEST_HASH_HEADER: document_hash(data)}

@@ -37,7 +37,7 @@ from ckptd.server.deps import (
 )
 from ckptd.server.peering import refuse_peer_url
 from ckptd.server.presign import chunk_reads
-from ckptd.server.registry import RankView, StoreViews
+from ckptd.server.registry import RankView, Registry, StoreViews
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 
@@ -177,6 +177,16 @@ async def _committed(
     return step, record, fallback
 
 
+def _restoring(registry: Registry, job: str, asked: int | None, step: int,
+               fallback: list[str], rank: int) -> None:
+    """A plan for ``rank`` to restore ``step``: a ``restore_fallback`` event when
+    that is an older step than latest, past damage (chosen here, or by ``GET
+    latest`` before the plan was asked for it)."""
+    if asked is None:
+        registry.note_latest(job, step, fallback)
+    registry.restoring(job, step, rank)
+
+
 @router.get(
     "/{job}/restore-plan",
     response_class=Response,
@@ -197,7 +207,7 @@ async def restore_plan(
     asked: QueryStepDep,
     settings: SettingsDep,
 ) -> Response:
-    step, record, _ = await _committed(job, asked, repo, views)
+    step, record, fallback = await _committed(job, asked, repo, views)
     committed_rank(record, rank)  # (a caller's rank past the world: 404, never damage)
     try:
         manifest = await repo.read_manifest(job, step, rank)
@@ -205,8 +215,9 @@ async def restore_plan(
         if asked is not None or not repo.recheck_manifests(job, step):
             raise
         # Damaged since "latest" was last checked: chosen again, it falls back.
-        step, record, _ = await _committed(job, asked, repo, views)
+        step, record, fallback = await _committed(job, asked, repo, views)
         manifest = await repo.read_manifest(job, step, rank)
+    _restoring(registry, job, asked, step, fallback, rank)
     holders = [
         (peer, url)
         for peer, url in registry.peers_holding(job, step, exclude=rank)
@@ -297,6 +308,7 @@ async def step_plan(
         # Damaged since "latest" was last checked: chosen again, it falls back.
         step, record, fallback = await _committed(job, asked, repo, views)
         manifests = await asyncio.gather(*(manifest(r) for r in range(record.world_size)))
+    _restoring(registry, job, asked, step, fallback, rank)
     holders = [{"rank": peer, "url": url}
                for peer, url in registry.peers_holding(job, step, exclude=rank)
                if peer < record.world_size]
