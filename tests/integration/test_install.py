@@ -3,8 +3,9 @@ Docker build the wheel, install it into a fresh virtual environment, and from a
 directory outside the checkout ``ckptd serve`` serves a save, a restore and a
 ``ckptd verify``; the image's health check passes against its entrypoint.
 
-Slow (a fresh environment gets torch): one module-scoped environment serves every
-test here. It needs the package index, as the README's set-up commands do."""
+Slow (a fresh environment, a wheel built and installed): one module-scoped
+environment serves every test here. It needs the package index, as the README's
+set-up commands do."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"ckptd": "ckptd", "ckptd/client": "client", "ckptd/server": "server"}
 # Package data: what the server reads from its own package at run time.
 DATA = {"server": ("static", "templates")}
-# The README's first set-up step, in place of the image's torch line: the CPU index
-# URL of the image need not be reachable from CI, the index the README uses is.
+# The image's torch line: the pinned version, which the README's first set-up step
+# installs into the checkout's environment too (the image's CPU index URL need not be
+# reachable from CI).
 TORCH = "torch==2.13.0"
 
 
@@ -84,6 +86,30 @@ def _map_paths(text: str, image: Image, roots: set[str]) -> str:
     return text
 
 
+def _link_torch(venv: Path) -> None:
+    """The image's torch step: this environment's torch (the pinned build), visible
+    read-only to the fresh one through a .pth file, as an installed distribution to
+    pip there too. Installing it again wrote ~750 MB: tens of seconds of a loaded CI
+    machine's disk and CPU that test nothing of ckptd. Its dependencies are not
+    linked: the wheel's install step installs them from the index, as in the image."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    torch = distribution("torch")
+    assert Requirement(TORCH).specifier.contains(torch.version, prereleases=True), (
+        f"this environment's torch is {torch.version}, the image pins {TORCH}")
+    site = venv.parent / "torch-site"
+    site.mkdir()
+    origin = Path(str(torch.locate_file("")))
+    tops = {Path(str(f)).parts[0] for f in torch.files or []} - {".."}  # (.. : bin/)
+    assert "torch" in tops, tops
+    for top in tops:
+        (site / top).symlink_to(origin / top)
+    (purelib,) = venv.glob("lib/python*/site-packages")
+    (purelib / "ckptd-test-torch.pth").write_text(f"{site}\n")
+
+
 def replay(dockerfile: Path, image: Image, log: list[str]) -> None:
     """Runs the Dockerfile's steps in ``image.root`` with one virtual environment
     standing for the base image's Python."""
@@ -94,8 +120,9 @@ def replay(dockerfile: Path, image: Image, log: list[str]) -> None:
             roots.update(m for m in re.findall(r"(?<![\w.:/])(/[a-z]+)(?=[/\s\"']|$)", args)
                          if m not in ("/dev",))
     env = {**os.environ, "PATH": f"{image.venv / 'bin'}:{os.environ['PATH']}"}
-    # No .pyc compiled at install: torch's thousands of modules cost ~20 s of the
-    # CI machine's CPU that nothing here needs (what is installed is the same).
+    # No .pyc compiled at install: the dependencies' thousands of modules (botocore,
+    # sympy, numpy) cost seconds of the CI machine's CPU that nothing here needs
+    # (what is installed is the same).
     env["PIP_COMPILE"] = "false"  # (PIP_NO_COMPILE=1 does not turn it off)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
@@ -135,10 +162,11 @@ def replay(dockerfile: Path, image: Image, log: list[str]) -> None:
                 uid = re.search(r"--uid\s+(\d+)", args)
                 image.users[name] = int(uid.group(1)) if uid else -1
                 continue
-            command = args
             if re.search(r"pip install .*torch==", args):
-                command = f"pip install {TORCH}"
-            command = _map_paths(command, image, roots)
+                _link_torch(image.venv)
+                log.append(f"RUN {args}: {TORCH} of this environment, linked")
+                continue
+            command = _map_paths(args, image, roots)
             log.append(f"RUN {command}")
             done = subprocess.run(["sh", "-c", command], cwd=cwd, env=env, text=True,
                                   capture_output=True, timeout=800)
