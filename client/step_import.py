@@ -17,8 +17,10 @@ import importlib
 import io
 import logging
 import pickle
+import pickletools
 import re
 import time
+import warnings
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,8 +75,8 @@ def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
     if path.is_dir() and (path / ".metadata").is_file():
         return "dcp", read_dcp(path)
     if path.is_file() and looks_like_torch_save(path):
-        state = load_torch_save(path, "cpu", "torch.save plain tensors and containers (e.g. "
-                                "model.state_dict()) and import that")
+        state = load_torch_save(path, "cpu", "save plain tensors instead (torch.save("
+                                "model.state_dict(), PATH), or safetensors) and import that")
         if not isinstance(state, dict):
             state = {"state": state}
         return "torch", state
@@ -89,11 +91,16 @@ def load_torch_save(path: Path, map_location: Any, advice: str) -> Any:
     unpickled otherwise): ``UnsupportedValue`` naming what it holds beyond tensors and
     containers (then ``advice``), ``InvalidRequest`` in one line for a damaged file."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # (torch's warning about a pickle.dump's protocol: the refusal below says it)
+            warnings.filterwarnings("ignore", message="Detected pickle protocol",
+                                    category=UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsupportedValue(
-            f"{path} holds pickled objects, which ckptd does not unpickle "
-            f"(weights_only: {_refused(exc)}); {advice}", path=str(path)) from None
+            f"{path} holds pickled objects, which ckptd does not unpickle (it loads with "
+            f"torch.load(weights_only=True), which refused {_refused(exc)}); {advice}",
+            path=str(path)) from None
     except Exception as exc:  # noqa: BLE001 - see below
         # A damaged file trips torch's unpickler anywhere, with whatever its parsing
         # raised (an IndexError on its stack, a struct.error on a cut file).
@@ -103,18 +110,32 @@ def load_torch_save(path: Path, map_location: Any, advice: str) -> Any:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_OPERAND = re.compile(r"Unsupported operand (\d+)")
+_OPCODES = {ord(op.code): op for op in pickletools.opcodes}
 
 
 def _refused(exc: pickle.UnpicklingError) -> str:
-    """What torch's weights_only unpickler refused, in a line: its text is a dozen
-    lines with terminal bold codes, the object named in the "WeightsUnpickler error"
-    line's first sentence (the last line that has one, in another torch)."""
+    """What torch's weights_only unpickler refused, in a few words: its text is a
+    dozen lines with terminal bold codes, what it refused after "WeightsUnpickler
+    error:" on that line or the next (the last line that has one, in another torch)."""
     lines = [" ".join(line.split()) for line in _ANSI.sub("", str(exc)).splitlines()]
     lines = [line for line in lines if line]
-    named = [line for line in lines if "WeightsUnpickler error:" in line]
-    if named:
-        said = named[0].split("WeightsUnpickler error:", 1)[1].strip()
-        return said.split(". ", 1)[0].rstrip(".")
+    said = ""
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            said = line.split("WeightsUnpickler error:", 1)[1].strip()
+            if not said and i + 1 < len(lines):
+                said = lines[i + 1]
+            said = said.split(". ", 1)[0].rstrip(".")
+            break
+    if (found := _GLOBAL.search(said)) is not None:
+        return f"the object {found[1]}"
+    if (found := _OPERAND.search(said)) is not None and int(found[1]) in _OPCODES:
+        op = _OPCODES[int(found[1])]
+        return f"pickle protocol {op.proto}, a pickle.dump's ({op.name}; torch.save writes 2)"
+    if said:
+        return said[:200]
     return lines[0][:200] if lines else type(exc).__name__
 
 
