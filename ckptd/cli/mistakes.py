@@ -118,6 +118,10 @@ def _check_server_files(settings: Settings) -> None:
     if settings.retention is not None:
         load_retention(settings.retention)
     tokens = None if settings.tokens_file is None else Path(settings.tokens_file)
+    if tokens is not None and tokens.is_dir():
+        raise InvalidRequest(f"--tokens-file {tokens} is a directory: give the path of a "
+                             f"tokens file (e.g. {tokens / 'tokens.json'}), written by `ckptd "
+                             "token create --job JOB --role ROLE --file FILE`")
     if tokens is not None and tokens.is_file():
         from ckptd.tokens import TokenFile
 
