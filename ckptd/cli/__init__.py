@@ -28,6 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ckptd import __version__
+from ckptd.cli.exits import exit_code
 from ckptd.cli.help import HelpGroup
 from ckptd.cli.options import (  # (shared with the commands' modules)
     DEFAULT_URL,
@@ -90,7 +91,7 @@ def _fail(exc: CkptdError) -> None:
         err_console.print("check the bucket in the store URL (s3://bucket/prefix, and its "
                           "?endpoint=), or create the bucket first",
                           soft_wrap=True, highlight=False, markup=False)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=exit_code(exc))  # 1: damage found; 2: could not run
 
 
 def _version_callback(value: bool) -> None:
