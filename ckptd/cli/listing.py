@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ckptd.cli.text import visible
 from ckptd.errors import CkptdError
 
 
@@ -29,11 +30,12 @@ class Notes:
     def unreadable(self, what: str, doc: Any) -> str | None:
         """The table cell for a job or step that cannot be read (noted), or None."""
         if isinstance(why := _get(doc, "damaged"), str):
-            self.lines.append(f"[red]damaged[/] {escape(f'{what}: {why}')}")
+            self.lines.append(f"[red]damaged[/] {escape(visible(f'{what}: {why}'))}")
             self.damaged = True
             return "[red]damaged[/]"
         if isinstance(why := _get(doc, "unsupported"), str):
-            self.lines.append(f"[bold red]error[/] {escape(f'[unsupported_format] {what}: {why}')}")
+            self.lines.append(
+                f"[bold red]error[/] {escape(visible(f'[unsupported_format] {what}: {why}'))}")
             self.newer = True
             return "[yellow]unsupported[/]"
         return None

@@ -11,6 +11,7 @@ import logging
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ckptd.cli import (
@@ -25,6 +26,7 @@ from ckptd.cli import (
     step_or_latest,
     transfer_bar,
 )
+from ckptd.cli.text import visible
 from ckptd.errors import CkptdError, InvalidRequest
 
 
@@ -234,7 +236,9 @@ def diff(
     for d in diffs:
         if d.status == "same" and not show_all:
             continue
-        row = [d.path, d.status, f"{d.shared_chunks}/{d.chunks}"]
+        # (a tenant named the tensor: its control characters written out, its
+        # brackets text, not rich markup)
+        row = [escape(visible(d.path)), d.status, f"{d.shared_chunks}/{d.chunks}"]
         if values:
             row += [_number(d.max_abs), _number(d.max_rel)]
         table.add_row(*row)
