@@ -65,6 +65,9 @@ class ScrubResult(BaseModel):
     damaged: dict[str, list[int]]
     passes_completed: int
     seconds: float
+    damaged_documents: list[str] = Field(
+        default_factory=list, description="Other damaged documents scrub met, each named "
+        "and what became of it (its cursor or a damage marker: replaced).")
 
 
 class TagBody(BaseModel):

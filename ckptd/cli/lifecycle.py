@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -27,7 +28,9 @@ from ckptd.cli import (
     err_console,
     step_number,
 )
-from ckptd.errors import CkptdError, InvalidRequest
+from ckptd.cli.exits import DAMAGE
+from ckptd.cli.text import visible
+from ckptd.errors import CkptdError, InvalidRequest, NotFound
 
 if TYPE_CHECKING:
     from ckptd.client.transport_http import SyncTransport
@@ -193,12 +196,23 @@ def forget(
     style = {"keep": "green", "forget": "red", "abandon": "red", "pending": "yellow"}
     for d in plan["steps"]:
         decision = d["decision"]
-        table.add_row(str(d["step"]), "committed" if d["committed"] else "pending",
-                      f"[{style[decision]}]{decision}[/]", escape("; ".join(d["reasons"])))
+        table.add_row(str(d["step"]), _state(d, one_damaged=step is not None),
+                      f"[{style[decision]}]{decision}[/]",
+                      escape(visible("; ".join(d["reasons"]))))
     console.print(table)
     verb = "would forget" if dry_run else "forgot"
     console.print(f"{verb} {len(plan['forgotten'])} steps of {escape(job)}: "
                   f"{plan['forgotten']}" + ("" if dry_run else " (run ckptd gc to free chunks)"))
+
+
+def _state(decision: dict[str, Any], one_damaged: bool) -> str:
+    """A forget table's state of a step, in ``ckptd ls``'s words: a step ``forget
+    --step`` forgets is damaged, and so is one not committed that retention keeps
+    (a pending step is pending or abandoned; one kept is damaged, its commit record
+    lost or unreadable: the plan's reasons say)."""
+    if one_damaged or (not decision["committed"] and decision["decision"] in ("keep", "forget")):
+        return "[red]damaged[/]"
+    return "committed" if decision["committed"] else "pending"
 
 
 @app.command()
@@ -322,23 +336,30 @@ def scrub(
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps."""
+    """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps.
+    It checks the chunks in the store (`ckptd verify JOB` finds those missing), and
+    exits 1 when it reports damage."""
     if replica is not None and _remote(url):
         _fail(InvalidRequest("--replica applies to a store (--url file:///path or s3://); a "
                              "server repairs from its live peers and CKPTD_SCRUB_REPLICA"))
+    try:
+        replica_url = None if replica is None else _replica(replica)
+    except CkptdError as exc:
+        _fail(exc)
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.scrub import scrub as run
         from ckptd.lifecycle.scrub import store_source
         from ckptd.store import open_store
 
-        sources = [store_source(open_store(replica))] if replica else []
+        sources = [store_source(open_store(replica_url, create=False))] if replica_url else []
         return dataclasses.asdict(await run(repo, budget_bytes=budget, sources=sources))
 
     with console.status("scrubbing"):
         r = _run(url, token, lambda server: server.scrub(budget), direct)
     console.print(f"checked {r['chunks_checked']} chunks ({_human(r['bytes_checked'])}) in "
-                  f"{r['seconds']:.2f} s")
+                  f"{r['seconds']:.2f} s: those in the store (`ckptd verify JOB` finds the "
+                  "missing ones)")
     for cid in r["corrupt"]:
         fixed = cid in r["repaired"]
         console.print(("[green]repaired[/]" if fixed else "[bold red]corrupt[/]") + f" {cid}",
@@ -346,8 +367,30 @@ def scrub(
     for job, steps in r["damaged"].items():
         console.print(f"[bold red]damaged[/] {escape(job)} steps {steps} (restore of latest "
                       "skips them)")
-    if len(r["corrupt"]) > len(r["repaired"]):
-        raise typer.Exit(code=1)
+    documents = r.get("damaged_documents", [])  # (an older server does not say)
+    for doc in documents:  # ("damaged document KEY: what is wrong; what became of it")
+        console.print(escape(visible(doc)), soft_wrap=True, highlight=False)
+    if len(r["corrupt"]) > len(r["repaired"]) or r["damaged"] or documents:
+        raise typer.Exit(code=DAMAGE)
+
+
+def _replica(replica: str) -> str:
+    """The store URL ``--replica`` names; a path where no directory is, refused:
+    scrub repairs from a copy of the store and never creates one."""
+    from urllib.parse import urlparse
+
+    from ckptd.cli.mistakes import store_url
+
+    if replica.startswith(("http://", "https://")):
+        raise InvalidRequest(f"--replica {replica} is a server: --replica names a copy of "
+                             "the store (a directory, file:///path or s3://bucket/prefix)")
+    url = store_url(replica)
+    path = Path(urlparse(url).path)
+    if url.startswith("file://") and not path.is_dir():
+        raise NotFound(f"--replica {replica}: no store at {path} "
+                       f"({'a file' if path.exists() else 'no such directory'}); name a copy "
+                       "of this store to repair from (scrub never creates one)")
+    return url
 
 
 @app.command()
@@ -414,7 +457,8 @@ SPACE_PATIENCE = 5.0
 
 @app.command()
 def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
-    """Bytes stored per job, bytes unique to each step, dedup ratio and space left."""
+    """Bytes stored per job, bytes unique to each step, dedup ratio and space left.
+    Exit 1 when a damaged document kept a step from being counted."""
 
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.census import census
@@ -450,8 +494,10 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
                   + (f"{_human(free)} of {_human(s['total_bytes'])}" if free is not None
                      else "not reported by this store"))
     for damage in s.get("damaged", []):  # (an older server does not say)
-        console.print(f"not counted, damaged: {escape(damage)}")
+        console.print(f"not counted, damaged: {escape(visible(damage))}")
     if not s.get("complete", True):  # (an older server does not say)
         console.print(f"still counting: {s.get('uncounted_steps', 0)} committed steps not "
                       "counted yet" + ("" if s.get("chunks_listed_at") else
                                        ", chunks/ not listed yet") + "; ask again shortly")
+    if s.get("damaged"):  # damage found: not a clean answer (as ls and verify)
+        raise typer.Exit(code=DAMAGE)

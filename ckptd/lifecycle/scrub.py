@@ -39,6 +39,10 @@ class ScrubReport:
     corrupt: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     damaged: dict[str, list[int]] = field(default_factory=dict)  # job -> steps marked
+    # Other damaged documents met, each named and what became of it: scrub's own
+    # cursor or a damage marker (replaced), a commit record that does not read
+    # (its step could not be checked for the corrupt chunks).
+    damaged_documents: list[str] = field(default_factory=list)
     passes_completed: int = 0
     seconds: float = 0.0
 
@@ -55,15 +59,17 @@ def store_source(store: Store) -> ChunkSource:
     return get
 
 
-async def _cursor(store: Store) -> tuple[ScrubCursor, bytes | None]:
+async def _cursor(store: Store, report: ScrubReport) -> tuple[ScrubCursor, bytes | None]:
     try:
         data = await store.get(SCRUB_KEY)
     except NotFound:
         return ScrubCursor(after="", pass_started_at=time.time(), passes=0), None
     try:
         return ScrubCursor.parse(data), data
-    except InvalidDocument:
+    except InvalidDocument as exc:
         log.warning("scrub cursor %s does not parse; starting a new pass", SCRUB_KEY)
+        report.damaged_documents.append(f"damaged document {SCRUB_KEY}: {exc.message}; "
+                                        "replaced (a new pass started)")
         return ScrubCursor(after="", pass_started_at=time.time(), passes=0), data
 
 
@@ -82,7 +88,7 @@ async def scrub(
     store = repo.store
     t0 = time.perf_counter()
     report = ScrubReport()
-    cursor, cursor_bytes = await _cursor(store)
+    cursor, cursor_bytes = await _cursor(store, report)
     ids = [m.group(2) async for k in store.list_prefix("chunks/")
            if (m := _CHUNK_KEY.match(k))]
     ids.sort()
@@ -119,7 +125,8 @@ async def scrub(
     # Lost to another scrubber's update: its cursor is as good as ours.
     await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new.canonical())
     if unrepaired:
-        report.damaged = await mark_damage(repo, set(unrepaired), clock())
+        report.damaged = await mark_damage(repo, set(unrepaired), clock(),
+                                           report.damaged_documents)
     report.seconds = time.perf_counter() - t0
     log.info("scrub: %d chunks (%d bytes), %d corrupt, %d repaired, damaged %s",
              report.chunks_checked, report.bytes_checked, len(report.corrupt),
@@ -147,17 +154,24 @@ async def _repair(store: Store, cid: str, bad: bytes, sources: Sequence[ChunkSou
     return False
 
 
-async def mark_damage(repo: Repository, bad: set[str], now: float) -> dict[str, list[int]]:
-    """Marks every committed step naming a chunk in ``bad`` damaged."""
+async def mark_damage(repo: Repository, bad: set[str], now: float,
+                      documents: list[str] | None = None) -> dict[str, list[int]]:
+    """Marks every committed step naming a chunk in ``bad`` damaged; the damaged
+    documents met on the way are named in ``documents``, when given."""
     marked: dict[str, list[int]] = {}
-    async for job, step, _, ids in committed_steps(repo):
+    unread: list[str] = []
+    async for job, step, _, ids in committed_steps(repo, unread):
         if hit := ids & bad:
-            await _write_damage(repo.store, job, step, hit, now)
+            await _write_damage(repo.store, job, step, hit, now, documents)
             marked.setdefault(job, []).append(step)
+    if documents is not None:
+        documents.extend(f"{why} (its step not checked for the corrupt chunks)"
+                         for why in unread)
     return marked
 
 
-async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now: float) -> None:
+async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now: float,
+                        documents: list[str] | None = None) -> None:
     key = damage_key(job, step)
     for _ in range(100):
         try:
@@ -170,6 +184,8 @@ async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now
                 known = set(parse_stored(Damage.parse, current, key).chunks)
         except StoreCorrupt as exc:  # what it said is lost; the marker written now repairs it
             log.warning("%s; replacing it", exc.message)
+            if documents is not None and f"{exc.message}; replaced" not in documents:
+                documents.append(f"{exc.message}; replaced")  # (once, however often tried)
         if chunks <= known:
             return
         doc = Damage(job=job, step=step, chunks=sorted(known | chunks), found_at=now)

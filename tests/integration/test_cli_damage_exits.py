@@ -1,0 +1,214 @@
+"""The command line on a damaged store (found by a probe): damage found is exit 1 in
+every command that reports it, a usage mistake or a command that could not run is
+exit 2 (docs/operations.md), each said in one or two lines, never a traceback;
+``forget`` calls a damaged step damaged, as ``ls`` does; a tenant's words (tensor
+names, a tag's) are printed with their control characters written out.
+
+One file:// store, copied per test: job j1, steps 10, 20, 30 (a Linear(64, 32)),
+20 tagged ``best``, 30 ``latest``; read directly or through a ``ckptd serve`` over
+the copy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from tests.conftest import ServerProcess
+from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
+
+pytestmark = pytest.mark.timeout(240)
+
+JOB = "j1"
+WIDE = {"COLUMNS": "400"}  # a table row on one line
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pristine") / "store"
+    shm = tmp_path_factory.mktemp("shm")
+    model = torch.nn.Linear(64, 32)
+    with Checkpointer(url=f"file://{root}", job=JOB, rank=0, world_size=1, shm_dir=shm,
+                      serve_peers=False, heartbeat_interval=0) as ckpt:
+        for step in (10, 20, 30):
+            with torch.no_grad():
+                model.weight.add_(step)
+            assert ckpt.save(step, {"model": model.state_dict()}).wait(60).state == "committed"
+    done = ckptd("tag", JOB, "20", "best", "--url", f"file://{root}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root
+
+
+@pytest.fixture
+def store(pristine: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    shutil.copytree(pristine, root)
+    return root
+
+
+@contextlib.contextmanager
+def reached(store: Path, via: str) -> Iterator[str]:
+    """The URL of ``store`` as it is now: itself, or a server started over it."""
+    if via == "file":
+        yield f"file://{store}"
+        return
+    srv = ServerProcess(store=store)
+    srv.start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+
+
+def _step(root: Path, step: int) -> Path:
+    return root / "jobs" / JOB / "steps" / str(step)
+
+
+def _weight_chunk(root: Path, step: int) -> Path:
+    manifest = json.loads((_step(root, step) / "ranks" / "0.json").read_text())
+    cid = next(e for e in manifest["entries"] if e["name"] == "model.weight")["chunks"][0]
+    return root / "chunks" / cid[:2] / cid
+
+
+def _damage(done: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 1 (damage found), said in one or two lines on stderr, no traceback."""
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said
+    assert "Traceback" not in said, said
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 2, said
+    for needle in needles:
+        assert needle in said, said
+
+
+def _row(out: str, step: int) -> list[str]:
+    """The cells of ``step``'s row in a table ``out`` printed."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if cells and cells[0] == str(step):
+            return cells
+    raise AssertionError(f"no row for step {step}:\n{out}")
+
+
+# -- 1. scrub ---------------------------------------------------------------------------
+
+
+def test_scrub_refuses_a_replica_that_is_not_there_creating_nothing(store: Path,
+                                                                    tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "replica"
+    for replica in (str(missing), f"file://{missing}"):
+        done = ckptd("scrub", "--replica", replica, "--url", f"file://{store}")
+        assert_short_usage_error(done, "--replica", str(missing))
+        assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_scrub_says_whose_missing_chunks_are_and_exits_1_on_damage_it_reports(
+    store: Path, via: str
+) -> None:
+    _weight_chunk(store, 30).unlink()  # missing: verify's to find, not scrub's
+    cursor = store / "gc" / "scrub"
+    cursor.parent.mkdir(exist_ok=True)
+    cursor.write_bytes(b"\x00not a cursor")
+    with reached(store, via) as url:
+        done = ckptd("scrub", "--url", url)
+        said = done.stdout + done.stderr
+        assert done.returncode == 1, said
+        assert "gc/scrub" in done.stdout and "Traceback" not in said, said
+        assert "ckptd verify" in done.stdout, said
+        # The cursor replaced, a missing chunk is no damage scrub finds: exit 0, and
+        # it says which command finds those.
+        done = ckptd("scrub", "--url", url)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0, said
+        assert "ckptd verify" in done.stdout, said
+
+
+# -- 2. exit codes on a damaged store ---------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_damage_found_is_exit_1_in_every_reading_command(store: Path, tmp_path: Path,
+                                                         via: str) -> None:
+    record = _step(store, 20) / "commit.json"
+    record.write_bytes(record.read_bytes()[:40])
+    chunk = _weight_chunk(store, 10)  # step 10's own: its bytes no longer its id's
+    chunk.chmod(0o644)
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    bad = "jobs/j1/steps/20/commit.json"
+    with reached(store, via) as url:
+        _damage(ckptd("diff", JOB, "10", "20", "--url", url), "store_corrupt", bad)
+        _damage(ckptd("export", JOB, "20", "--zarr", str(tmp_path / "z"), "--url", url),
+                "store_corrupt", bad)
+        _damage(ckptd("export", JOB, "20", "--safetensors", str(tmp_path / "s"), "--url", url),
+                "store_corrupt", bad)
+        _damage(ckptd("restore", "--job", JOB, "--rank", "0", "--step", "20", "--to",
+                      str(tmp_path / "r"), "--no-peers", "--url", url), "store_corrupt", bad)
+        _damage(ckptd("export", JOB, "10", "--safetensors", str(tmp_path / "s"), "--url", url),
+                "chunk_hash_mismatch", chunk.name)
+        space = ckptd("space", "--url", url)
+        assert space.returncode == 1, space.stdout + space.stderr
+        assert "damaged" in space.stdout and bad in space.stdout, space.stdout
+        for command in (["ls", JOB], ["verify", JOB]):  # (as before)
+            done = ckptd(*command, "--url", url)
+            assert done.returncode == 1, done.stdout + done.stderr
+        # Not damage: a mistake, still exit 2.
+        assert_short_usage_error(ckptd("diff", "nojob", "1", "2", "--url", url), "nojob")
+        ok = ckptd("diff", JOB, "10", "30", "--url", url)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+# -- 3. forget calls a damaged step damaged ---------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_forget_calls_a_step_whose_commit_record_is_lost_damaged(store: Path,
+                                                                 via: str) -> None:
+    (_step(store, 20) / "commit.json").unlink()  # tagged best: damaged, not pending
+    with reached(store, via) as url:
+        for args in (["--keep-last", "5"], ["--step", "20"]):
+            done = ckptd("forget", JOB, *args, "--dry-run", "--url", url, env=WIDE)
+            assert done.returncode == 0, done.stdout + done.stderr
+            cells = _row(done.stdout, 20)
+            assert cells[1] == "damaged", done.stdout
+        listed = ckptd("ls", JOB, "--url", url, env=WIDE)
+        assert _row(listed.stdout, 20)[1] == "damaged", listed.stdout
+
+
+# -- 4. a tenant's control characters ---------------------------------------------------
+
+
+def test_ls_and_forget_write_out_control_characters_of_a_damage_line(store: Path) -> None:
+    # A field the commit record should not have: its name is in the damage said.
+    record = _step(store, 20) / "commit.json"
+    doc = json.loads(record.read_text())
+    doc["be\x1b[2Jst"] = 1
+    record.write_text(json.dumps(doc))
+    url = f"file://{store}"
+    for command in (["ls", JOB], ["forget", JOB, "--step", "20", "--dry-run"]):
+        done = ckptd(*command, "--url", url, env=WIDE)
+        said = done.stdout + done.stderr
+        assert "\x1b" not in said, said
+        assert "be\\x1b[2Jst" in said, said
+
+
+def test_diff_writes_out_control_characters_and_brackets_of_tensor_names(
+    tmp_path: Path, shm: Path
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    name = "w\x1b[2J[bold]x"
+    with Checkpointer(url, job="e", shm_dir=shm) as ckpt:
+        for step in (1, 2):
+            state = {name: torch.ones(8) * step, "same": torch.ones(4)}
+            assert ckpt.save(step, state).wait(60).state == "committed"
+    done = ckptd("diff", "e", "1", "2", "--url", url, env=WIDE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "\x1b" not in done.stdout, done.stdout
+    assert "w\\x1b[2J[bold]x" in done.stdout, done.stdout
