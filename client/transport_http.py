@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["CA_BUNDLE_ENV", "SyncTransport", "tls_trouble", "tls_verify"]
+__all__ = ["CA_BUNDLE_ENV", "SyncTransport", "ask_once", "tls_trouble", "tls_verify"]
 
 
 class Session:
@@ -363,6 +363,18 @@ class SyncTransport:
 
     def space(self) -> SpaceResult:
         return self.run(calls.space())
+
+
+def ask_once(url: str, call: Call[Any], token: str | None, within: float) -> httpx.Response:
+    """``call`` at ``url`` itself, once: not routed to another replica, not retried,
+    answered within ``within`` seconds (connected within ``CKPTD_CONNECT_TIMEOUT``).
+    The CLI's check of each server it is given (``ckptd/cli/servers.py``); httpx's
+    errors are the caller's to read."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = calls.request_timeout(within, knobs.connect_timeout())
+    with httpx.Client(base_url=url, verify=tls_verify(), headers=headers,
+                      timeout=timeout) as client:
+        return client.request(call.method, call.path, **call.arguments())
 
 
 # -- TLS ------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 
-from ckptd import knobs
 from ckptd.errors import CkptdError, InvalidRequest, Unauthorized, Unavailable
 
 log = logging.getLogger(__name__)
@@ -101,14 +100,12 @@ def _pass_over(url: str, gone: list[str], within: float) -> None:
 
 
 def _ask(url: str, token: str | None, within: float) -> _Heard:
+    from ckptd.client import calls
     from ckptd.client.calls import not_a_server
-    from ckptd.client.transport_http import tls_trouble, tls_verify
+    from ckptd.client.transport_http import ask_once, tls_trouble
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    timeout = httpx.Timeout(within, connect=min(within, knobs.connect_timeout()))
     try:
-        with httpx.Client(verify=tls_verify(), timeout=timeout, headers=headers) as client:
-            resp = client.get(url + "/v1/cluster")
+        resp = ask_once(url, calls.cluster(), token, within)
     except httpx.ConnectTimeout:
         return _Heard(url, unreached=True)
     except httpx.TimeoutException:
