@@ -405,7 +405,8 @@ def verify(
     for d in report.get("damage", []):
         problems += 1
         breaks = ", ".join(
-            f"step {u['step']} rank {u['rank']} {escape(u['tensor'])}" for u in d["breaks"][:10]
+            f"step {u['step']} rank {u['rank']} {escape(visible(u['tensor']))}"
+            for u in d["breaks"][:10]
         )
         more = f" and {len(d['breaks']) - 10} more" if len(d["breaks"]) > 10 else ""
         console.print(f"[bold red]{d['problem']}[/] chunk {d['chunk']}: breaks {breaks}{more}")

@@ -403,8 +403,8 @@ def tag(
 ) -> None:
     """Tag a committed step so that retention keeps it (a tag on another step moves)."""
 
-    # The step the tag was on, read first, to say that it moves; a tags document that
-    # does not read is no reason not to tag (setting a tag replaces a damaged one).
+    # The step the tag was on, read first, to say that it moves (a damaged tags
+    # document is the tag's own store_corrupt error, said by the write).
     async def direct(repo: Any) -> int | None:
         from ckptd.lifecycle.tags import read_tags
 

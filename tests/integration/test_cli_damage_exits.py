@@ -212,3 +212,20 @@ def test_diff_writes_out_control_characters_and_brackets_of_tensor_names(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "\x1b" not in done.stdout, done.stdout
     assert "w\\x1b[2J[bold]x" in done.stdout, done.stdout
+
+
+def test_verify_writes_out_control_characters_of_the_tensors_a_bad_chunk_breaks(
+    tmp_path: Path, shm: Path
+) -> None:
+    root = tmp_path / "store"
+    name = "w\x1b[2J[bold]x"
+    with Checkpointer(f"file://{root}", job="e", shm_dir=shm) as ckpt:
+        assert ckpt.save(1, {name: torch.ones(64)}).wait(60).state == "committed"
+    manifest = json.loads((root / "jobs" / "e" / "steps" / "1" / "ranks" / "0.json").read_text())
+    cid = manifest["entries"][0]["chunks"][0]
+    chunk = root / "chunks" / cid[:2] / cid
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    done = ckptd("verify", "e", "--url", f"file://{root}", env=WIDE)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "\x1b" not in done.stdout, done.stdout
+    assert "w\\x1b[2J[bold]x" in done.stdout, done.stdout
