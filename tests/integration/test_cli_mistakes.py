@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,15 @@ def ckptd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None
                                                                *args]
     return subprocess.run(argv, capture_output=True, text=True, env=base, cwd=cwd or REPO,
                           timeout=60)
+
+
+def ckptd_each(*commands: Sequence[str], env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> list[subprocess.CompletedProcess[str]]:
+    """``ckptd()`` of each of ``commands``, independent ones, run side by side (each a
+    process that mostly imports: one after another, they left a core of the CI
+    machine idle); the answers in the order of ``commands``."""
+    with ThreadPoolExecutor(min(len(commands), 4)) as pool:
+        return list(pool.map(lambda args: ckptd(*args, env=env, cwd=cwd), commands))
 
 
 def assert_short_usage_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -205,10 +215,10 @@ def test_store_commands_never_create_a_store(command: list[str], tmp_path: Path)
     """A mistyped store path is refused at once (``gc`` created it and sat out its
     600 s grace period; the others created it and said the job was not there)."""
     where = tmp_path / "no" / "store"
-    for url in (f"file://{where}", str(where)):  # (a bare path too: found by review)
-        done = ckptd(*command, "--url", url)
+    urls = (f"file://{where}", str(where))  # (a bare path too: found by review)
+    for done in ckptd_each(*([*command, "--url", url] for url in urls)):
         assert_short_usage_error(done, str(where), "never creates a store")
-        assert not (tmp_path / "no").exists()
+    assert not (tmp_path / "no").exists()
 
 
 def _save_one(url: str, job: str, shm: Path, torch_ones: int = 8) -> None:
@@ -226,15 +236,17 @@ def test_unknown_job_is_exit_2_naming_the_jobs_there(
     server: ServerProcess, tmp_path: Path, shm: Path
 ) -> None:
     _save_one(server.url, "llm-7b", shm)
-    for command in (["ls", "nojob"], ["status", "nojob"]):
-        done = ckptd(*command, "--url", server.url)
-        assert_short_usage_error(done, "nojob", "llm-7b")
-    ok = ckptd("ls", "llm-7b", "--url", server.url)
-    assert ok.returncode == 0, ok.stderr
     # a file:// store says the same
     store = tmp_path / "files"
     _save_one(f"file://{store}", "other", shm)
-    assert_short_usage_error(ckptd("ls", "nojob", "--url", f"file://{store}"), "other")
+    *unknown, ok, on_file = ckptd_each(["ls", "nojob", "--url", server.url],
+                                       ["status", "nojob", "--url", server.url],
+                                       ["ls", "llm-7b", "--url", server.url],
+                                       ["ls", "nojob", "--url", f"file://{store}"])
+    for done in unknown:
+        assert_short_usage_error(done, "nojob", "llm-7b")
+    assert ok.returncode == 0, ok.stderr
+    assert_short_usage_error(on_file, "other")
 
 
 def test_restore_into_a_directory_that_refuses_writes_names_it(tmp_path: Path,
@@ -270,13 +282,15 @@ def test_latest_is_a_step_where_the_help_says_default_latest(tmp_path: Path,
     should be a valid integer".)"""
     url = f"file://{tmp_path / 'store'}"
     _save_one(url, "j", shm)
-    help_text = " ".join(ckptd("export", "--help").stdout.split())
+    helped, exported, restored = ckptd_each(
+        ["export", "--help"],
+        ["export", "j", "latest", "--safetensors", str(tmp_path / "st"), "--url", url],
+        ["restore", "--job", "j", "--rank", "0", "--to", str(tmp_path / "r"), "--step",
+         "latest", "--url", url])
+    help_text = " ".join(helped.stdout.split())
     assert "a new or empty directory" in help_text.lower(), help_text
-    done = ckptd("export", "j", "latest", "--safetensors", str(tmp_path / "st"), "--url", url)
-    assert done.returncode == 0 and "step 1 of j" in done.stdout, done.stderr
-    done = ckptd("restore", "--job", "j", "--rank", "0", "--to", str(tmp_path / "r"),
-                 "--step", "latest", "--url", url)
-    assert done.returncode == 0 and "step 1 of j" in done.stdout, done.stderr
+    for done in (exported, restored):
+        assert done.returncode == 0 and "step 1 of j" in done.stdout, done.stderr
 
 
 def test_restore_to_takes_a_directory_or_a_file_url_and_leaves_none_on_failure(
@@ -319,10 +333,11 @@ def test_serve_on_a_port_in_use_says_so_in_a_line(tmp_path: Path) -> None:
 
 def test_a_missing_or_wrong_token_says_how_to_pass_one(token_server: ServerProcess) -> None:
     """(Found by a probe: "missing or wrong bearer token", nothing of what to do.)"""
-    for extra in ([], ["--token", "not-it"]):
-        done = ckptd("ls", "--url", token_server.url, *extra)
+    *refused, ok = ckptd_each(*(["ls", "--url", token_server.url, *extra]
+                                for extra in ([], ["--token", "not-it"],
+                                              ["--token", "s3cret-token"])))
+    for done in refused:
         assert_short_usage_error(done, "[unauthorized]", "--token or CKPTD_TOKEN")
-    ok = ckptd("ls", "--url", token_server.url, "--token", "s3cret-token")
     assert ok.returncode == 0, ok.stderr
 
 
@@ -332,10 +347,16 @@ def test_forget_of_a_job_that_is_not_there_names_the_jobs_that_are(
     store = tmp_path / "files"
     _save_one(f"file://{store}", "real", shm)
     _save_one(server.url, "served", shm)
-    for url, there in ((f"file://{store}", "real"), (server.url, "served")):
-        done = ckptd("forget", "nojob", "--keep-last", "1", "--url", url)
+
+    def forget_both(url: str, there: str) -> tuple[subprocess.CompletedProcess[str], ...]:
+        return (ckptd("forget", "nojob", "--keep-last", "1", "--url", url),
+                ckptd("forget", there, "--keep-last", "1", "--url", url))
+
+    stores = ((f"file://{store}", "real"), (server.url, "served"))
+    with ThreadPoolExecutor(2) as pool:  # one store after the other, side by side
+        answers = list(pool.map(lambda store: forget_both(*store), stores))
+    for (_, there), (done, kept) in zip(stores, answers, strict=True):
         assert_short_usage_error(done, "no job 'nojob'", there)
-        kept = ckptd("forget", there, "--keep-last", "1", "--url", url)
         assert kept.returncode == 0 and "forgot 0 steps" in kept.stdout, kept.stderr
 
 
@@ -344,9 +365,10 @@ def test_reading_a_directory_that_is_no_store_says_so(tmp_path: Path, shm: Path)
     store = tmp_path / "store"
     _save_one(f"file://{store}", "j", shm)
     (tmp_path / "notes.txt").write_text("not a store")
-    done = ckptd("ls", "--url", f"file://{tmp_path}")
+    done, stored = ckptd_each(["ls", "--url", f"file://{tmp_path}"],
+                              ["ls", "--url", f"file://{store}"])
     assert_short_usage_error(done, f"{tmp_path} is no ckptd store", "--url")
-    assert ckptd("ls", "--url", f"file://{store}").returncode == 0
+    assert stored.returncode == 0
     empty = tmp_path / "new"
     empty.mkdir()
     assert ckptd("ls", "--url", f"file://{empty}").returncode == 0  # (a new store)
