@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.test_cli_mistakes import _save_one, assert_short_usage_error, ckptd
+from tests.integration.test_cli_mistakes import (
+    _save_one,
+    assert_short_usage_error,
+    ckptd,
+    ckptd_each,
+)
 
 if TYPE_CHECKING:
     from tests.conftest import ServerProcess
@@ -42,13 +47,14 @@ def test_import_of_files_that_are_no_checkpoint(tmp_path: Path) -> None:
     script = tmp_path / "mk.py"
     script.write_text("import torch\nprint(torch.ones(2))\n")
     url = f"file://{tmp_path / 'store'}"
-    for source in ("/proc/self/status", str(script)):
-        done = ckptd("import", source, "--job", "imp", "--step", "9", "--url", url)
-        assert_short_usage_error(done, source, "neither a zarr v3 hierarchy")
     # a torch.save file cut short (the legacy format's magic number, then nothing)
     cut = tmp_path / "cut.pt"
     cut.write_bytes(b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9")
-    done = ckptd("import", str(cut), "--job", "imp", "--step", "9", "--url", url)
+    sources = ("/proc/self/status", str(script), str(cut))
+    *neither, done = ckptd_each(*(["import", source, "--job", "imp", "--step", "9", "--url",
+                                   url] for source in sources))
+    for source, answer in zip(sources[:2], neither, strict=True):
+        assert_short_usage_error(answer, source, "neither a zarr v3 hierarchy")
     assert_short_usage_error(done, str(cut), "not a readable torch.save file")
 
 
@@ -91,12 +97,14 @@ LIFECYCLE_BAD = [
 
 
 def test_bad_lifecycle_options_are_refused_alike_by_both_transports(
-    server: ServerProcess, saved_store: str
+    shared_server: ServerProcess, saved_store: str
 ) -> None:
-    for url in (server.url, saved_store):
-        for args, option in LIFECYCLE_BAD:
-            assert_short_usage_error(ckptd(*args, "--url", url), option)
-    listed = ckptd("ls", "llm-7b", "--url", saved_store)
+    bad = [(url, args, option) for url in (shared_server.url, saved_store)
+           for args, option in LIFECYCLE_BAD]
+    *refused, listed = ckptd_each(*([*args, "--url", url] for url, args, _ in bad),
+                                  ["ls", "llm-7b", "--url", saved_store])
+    for (_, _, option), done in zip(bad, refused, strict=True):
+        assert_short_usage_error(done, option)
     assert listed.returncode == 0 and "committed" in listed.stdout, listed.stdout
 
 
@@ -105,9 +113,9 @@ def test_bad_lifecycle_options_are_refused_alike_by_both_transports(
     (["scrub", "--replica", "file:///tmp/r"], ["--replica", "file:///"]),
 ])
 def test_store_only_options_through_a_server_are_refused(
-    args: list[str], needles: list[str], server: ServerProcess
+    args: list[str], needles: list[str], shared_server: ServerProcess
 ) -> None:
-    assert_short_usage_error(ckptd(*args, "--url", server.url), *needles)
+    assert_short_usage_error(ckptd(*args, "--url", shared_server.url), *needles)
 
 
 async def test_lifecycle_functions_refuse_negative_limits(tmp_path: Path) -> None:
@@ -151,10 +159,10 @@ def test_retention_file_without_a_rule_is_refused(text: str, saved_store: str,
         parse_retention(text, "r.toml")
     rules = tmp_path / "r.toml"
     rules.write_text(text)
-    for args in (["forget", "llm-7b", "--retention", str(rules), "--url", saved_store],
-                 ["serve", "--store", str(tmp_path / "s"), "--port", "0",
-                  "--retention", str(rules)]):
-        assert_short_usage_error(ckptd(*args), str(rules), "[retention]", "docs/retention.md")
+    for done in ckptd_each(["forget", "llm-7b", "--retention", str(rules), "--url", saved_store],
+                           ["serve", "--store", str(tmp_path / "s"), "--port", "0",
+                            "--retention", str(rules)]):
+        assert_short_usage_error(done, str(rules), "[retention]", "docs/retention.md")
 
 
 def test_retention_file_with_rules_for_other_jobs_says_so(saved_store: str,
@@ -235,8 +243,8 @@ def web_server(tmp_path: Path) -> Iterator[str]:
 
 
 def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> None:
-    for args in (["ls"], ["ls", "llm-7b"]):  # a 200 HTML page, and a 404 one
-        done = ckptd(*args, "--url", web_server)
+    # a 200 HTML page, and a 404 one
+    for done in ckptd_each(["ls", "--url", web_server], ["ls", "llm-7b", "--url", web_server]):
         assert_short_usage_error(done, f"{web_server} does not answer as a ckptd server")
         assert "<html> <body>" in done.stderr or "HTTP 404" in done.stderr, done.stderr
 
@@ -253,12 +261,12 @@ def test_checkpointer_latest_against_another_program_says_so(web_server: str) ->
 # -- 7. a bad tag name is named before any request ----------------------------------------
 
 
-def test_bad_tag_name_is_refused_as_the_store_refuses_it(server: ServerProcess,
+def test_bad_tag_name_is_refused_as_the_store_refuses_it(shared_server: ServerProcess,
                                                          saved_store: str) -> None:
-    for url in (server.url, saved_store):
-        for args in (["tag", "llm-7b", "1", "bad name/x"], ["untag", "llm-7b", "bad name/x"]):
-            done = ckptd(*args, "--url", url)
-            assert_short_usage_error(done, "[invalid_name]", "bad name/x")
+    for done in ckptd_each(*([*args, "--url", url] for url in (shared_server.url, saved_store)
+                             for args in (["tag", "llm-7b", "1", "bad name/x"],
+                                          ["untag", "llm-7b", "bad name/x"]))):
+        assert_short_usage_error(done, "[invalid_name]", "bad name/x")
 
 
 # -- 9. smaller ones -----------------------------------------------------------------------
