@@ -56,7 +56,10 @@ def test_nothing_listening_is_said_at_construction(
     assert not list(shm.iterdir())  # nothing left behind: no pool, no threads serving
 
 
-def test_a_host_that_answers_nothing_is_said_within_a_connect_timeout(shm: Path) -> None:
+def test_a_host_that_answers_nothing_is_said_within_a_connect_timeout(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 s, not the 3 s default: the bound is one connect timeout, whatever it is set to.
+    monkeypatch.setenv("CKPTD_CONNECT_TIMEOUT", "1")
     port = free_port()
     with silent_port(port):
         err = _raised(lambda: Checkpointer(f"http://127.0.0.1:{port}", "ff", shm_dir=shm),

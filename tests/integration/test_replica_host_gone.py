@@ -28,6 +28,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 JOB = "gone"
 
 
+@pytest.fixture(autouse=True)
+def _short_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 s, not the 3 s default (for the clients here and the servers they start):
+    each test waits out one connect timeout, and its bound is that timeout, whatever
+    it is set to, plus the same slack."""
+    monkeypatch.setenv("CKPTD_CONNECT_TIMEOUT", "1")
+
+
 @contextmanager
 def silent_port(port: int) -> Iterator[None]:
     """``127.0.0.1:port`` takes no new connection and refuses none: their SYNs are
