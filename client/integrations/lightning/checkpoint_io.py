@@ -36,6 +36,7 @@ from ...restore import RestoreOptions, restore_into
 from ...save.handle import SaveHandle
 from ...step_import import load_torch_save, looks_like_torch_save
 from ...transport import HttpTransport, open_transport
+from .arguments import check_checkpointer_kwargs, check_timeout, check_url, step_value
 from .tags import JobTags
 
 try:  # the unified package; the standalone one where it is all there is
@@ -173,12 +174,14 @@ class CkptdCheckpointIO(CheckpointIO):
                  pointers: bool = True, timeout: float | None = 600.0,
                  **checkpointer_kwargs: Any) -> None:
         self.url, self.token = endpoint(url, token)
+        check_url(self.url)
         if not job:
             raise InvalidName("CkptdCheckpointIO needs the run's name: pass job= (e.g. "
                               "CkptdCheckpointIO(url, job='mnist'))")
         self.job = check_job(job)
         self.pointers = pointers
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
+        check_checkpointer_kwargs(checkpointer_kwargs)
         self._kwargs = checkpointer_kwargs
         self._ckpt: Checkpointer | None = None
         self._tags: JobTags | None = None
@@ -386,8 +389,8 @@ class CkptdCheckpointIO(CheckpointIO):
     def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
         for key in ("global_step", "step"):
             value = checkpoint.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                return value
+            if value is not None:
+                return step_value(key, value)
         # Fabric with no step in its state: the step after the last one of this job.
         last = self._last.step if self._last is not None else self._checkpointer().latest()
         return 0 if last is None else last + 1

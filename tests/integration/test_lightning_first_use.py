@@ -1,0 +1,101 @@
+"""``CkptdCheckpointIO`` as a new user meets it (a probe's findings): mistakes in
+the plugin's arguments are said where they are given, and Fabric steps that are
+not plain ints."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.errors import InvalidRequest
+
+# CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
+if not os.environ.get("CI"):
+    pytest.importorskip("lightning", reason="pip install 'ckptd[lightning]'")
+
+import lightning as L  # noqa: E402
+
+from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer  # noqa: E402
+from tests.integration.test_lightning_io import _checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'store'}"
+
+
+@pytest.fixture
+def io(store: str, shm: Path) -> Iterator[CkptdCheckpointIO]:
+    plugin = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    try:
+        yield plugin
+    finally:
+        plugin.teardown()
+
+
+def _fabric(io: CkptdCheckpointIO) -> Any:
+    return L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("127.0.0.1:18471", "did you mean http://127.0.0.1:18471?"),
+    ("localhost:8470", "did you mean http://localhost:8470?"),
+    ("ckptd:8470", "did you mean http://ckptd:8470?"),
+    ("relative/store", "is a path, not a URL: a directory store is file:///"),
+    ("file://store/x", "must name a local directory as file:///absolute/path"),
+    ("http://127.0.0.1:18471/v1", "has a path or query"),
+    ("ftp://host/x", "unsupported URL"),
+])
+def test_a_malformed_url_is_said_at_construction(url: str, says: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's host:port without its scheme was accepted and failed at the
+    first save, after an epoch of training."""
+    monkeypatch.setenv("CKPTD_SERVER_WAIT", "0")
+    with pytest.raises(InvalidRequest, match=says.replace("?", r"\?").replace(".", r"\.")) as err:
+        CkptdCheckpointIO(url, job="lit")
+    assert "\n" not in err.value.message
+
+
+def test_an_unknown_checkpointer_keyword_is_named_at_construction(store: str) -> None:
+    """shmdir= failed at the first save, with a TypeError about CheckpointerConfig."""
+    with pytest.raises(InvalidRequest, match=r"unknown keyword shmdir=: did you mean "
+                                             r"shm_dir=\?.*staging_budget") as err:
+        CkptdCheckpointIO(store, job="lit", shmdir="/dev/shm")
+    assert "\n" not in err.value.message
+    with pytest.raises(InvalidRequest, match="rank= is the plugin's"):
+        CkptdCheckpointIO(store, job="lit", rank=1)
+
+
+@pytest.mark.parametrize("timeout", ["60", 0, -1.0, float("nan"), True, [60]])
+def test_a_timeout_that_is_not_seconds_is_refused_at_construction(store: str,
+                                                                  timeout: Any) -> None:
+    """timeout="60" surfaced later as an internal TypeError (and a coroutine never
+    awaited, and a staging pool left in /dev/shm)."""
+    with pytest.raises(InvalidRequest, match="timeout must be seconds above 0"):
+        CkptdCheckpointIO(store, job="lit", timeout=timeout)
+
+
+def test_a_fabric_step_that_is_a_whole_number_is_the_step(io: CkptdCheckpointIO,
+                                                          tmp_path: Path) -> None:
+    """500.0 and torch.tensor(600) were replaced by a counter (steps 0 and 1)."""
+    fabric = _fabric(io)
+    fabric.save(tmp_path / "a.ckpt", {"w": torch.ones(2), "step": 500.0})
+    fabric.save(tmp_path / "b.ckpt", {"w": torch.ones(2), "step": torch.tensor(600)})
+    io.teardown()
+    assert read_pointer(tmp_path / "a.ckpt")["step"] == 500
+    assert read_pointer(tmp_path / "b.ckpt")["step"] == 600
+    for bad, says in ((700.5, "700.5"), ("700", "'700'"), (-1, "-1"),
+                      (torch.tensor(700.0), r"a tensor of shape \(\) and dtype torch.float32"),
+                      (torch.tensor([7, 8]), r"a tensor of shape \(2,\)")):
+        with pytest.raises(InvalidRequest, match=rf"checkpoint\['step'\] is {says}.*: the "
+                                                 "ckptd step of a checkpoint is a whole number"):
+            fabric.save(tmp_path / "c.ckpt", {"w": torch.ones(2), "step": bad})
+    with pytest.raises(InvalidRequest, match=r"checkpoint\['global_step'\] is 1\.5"):
+        io.save_checkpoint({**_checkpoint(4), "global_step": 1.5}, tmp_path / "d.ckpt")
