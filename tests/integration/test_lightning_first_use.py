@@ -1,10 +1,13 @@
-"""``CkptdCheckpointIO`` as a new user meets it (a probe's findings): mistakes in
-the plugin's arguments are said where they are given, and Fabric steps that are
-not plain ints."""
+"""``CkptdCheckpointIO`` as a new user meets it (a probe's findings): a load right
+after a save reads that save, mistakes in the plugin's arguments are said where
+they are given, Fabric steps that are not plain ints, and a background failure is
+raised once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.errors import InvalidRequest
+from ckptd.errors import AlreadyCommitted, CkptdError, InvalidRequest
+from tests.conftest import ServerProcess
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
 if not os.environ.get("CI"):
@@ -42,6 +46,32 @@ def io(store: str, shm: Path) -> Iterator[CkptdCheckpointIO]:
 
 def _fabric(io: CkptdCheckpointIO) -> Any:
     return L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+
+
+def test_a_load_right_after_a_save_reads_that_save(server: ServerProcess, shm: Path,
+                                                   tmp_path: Path) -> None:
+    """It read the pointer's older step (the pointer is rewritten once the new step
+    commits), and a new path was CheckpointNotFound: a load now waits for the saves
+    in flight, as torch.load after torch.save reads what was saved."""
+    io = CkptdCheckpointIO(server.url, job="fr", shm_dir=str(shm))
+    try:
+        fabric = _fabric(io)
+        path = tmp_path / "fr" / "last.ckpt"
+        fabric.save(path, {"w": torch.full((3,), 1.0), "step": 1})
+        fabric.save(path, {"w": torch.full((3,), 2.0), "step": 2})
+        state = {"w": torch.zeros(3)}
+        assert fabric.load(path, state) == {"step": 2}
+        assert torch.equal(state["w"], torch.full((3,), 2.0))
+        fabric.save(tmp_path / "fr" / "new.ckpt", {"w": torch.full((3,), 3.0), "step": 3})
+        state = {"w": torch.zeros(3)}
+        assert fabric.load(tmp_path / "fr" / "new.ckpt", state) == {"step": 3}
+        assert torch.equal(state["w"], torch.full((3,), 3.0))
+        # A save that fails is said by the load that waited for it.
+        fabric.save(tmp_path / "fr" / "again.ckpt", {"w": torch.full((3,), 9.0), "step": 2})
+        with pytest.raises(AlreadyCommitted, match="save of fr step 2 rank 0 failed"):
+            fabric.load(tmp_path / "fr" / "again.ckpt", {"w": torch.zeros(3)})
+    finally:
+        io.teardown()
 
 
 @pytest.mark.parametrize(("url", "says"), [
@@ -99,3 +129,42 @@ def test_a_fabric_step_that_is_a_whole_number_is_the_step(io: CkptdCheckpointIO,
             fabric.save(tmp_path / "c.ckpt", {"w": torch.ones(2), "step": bad})
     with pytest.raises(InvalidRequest, match=r"checkpoint\['global_step'\] is 1\.5"):
         io.save_checkpoint({**_checkpoint(4), "global_step": 1.5}, tmp_path / "d.ckpt")
+
+
+def test_a_background_failure_is_raised_once(server: ServerProcess, shm: Path,
+                                             tmp_path: Path) -> None:
+    """The server goes away while a save is in flight: the next save, which waits
+    for it, raises its Unavailable; teardown raised it a second time (the plugin's
+    background thread met it too, after the save had raised it). The thread is held
+    back by a removal of a FIFO (its read blocks until the test writes), so that the
+    save, not the thread, sees the failure first."""
+    io = CkptdCheckpointIO(server.url, job="lit", shm_dir=str(shm), timeout=60)
+    fifo = tmp_path / "held.ckpt"
+    os.mkfifo(fifo)
+    try:
+        io.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "a.ckpt")
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "a.ckpt").exists():  # (its pointer: step 4 committed)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        io.remove_checkpoint(fifo)  # the background thread waits in its read
+        server.stop()
+        io.save_checkpoint(_checkpoint(6, seed=2), tmp_path / "b.ckpt")
+        raised: list[BaseException] = []
+        try:
+            io.save_checkpoint(_checkpoint(8, seed=3), tmp_path / "c.ckpt")
+        except CkptdError as exc:
+            raised.append(exc)
+        writer = os.open(fifo, os.O_WRONLY)  # lets the thread go on, to step 6's wait
+        os.write(writer, b"not a pointer")
+        os.close(writer)
+        try:
+            io.teardown()
+        except CkptdError as exc:
+            raised.append(exc)
+        assert [type(e).__name__ for e in raised] == ["Unavailable"], raised
+        assert "save of lit step 6" in str(raised[0])
+    finally:
+        with contextlib.suppress(OSError):  # (a failure above left the thread waiting)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        io.teardown()

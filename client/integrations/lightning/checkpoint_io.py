@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ckptd.errors import (
     Conflict,
     InvalidName,
     InvalidRequest,
+    Timeout,
 )
 from ckptd.format import check_job
 from ckptd.hashing import document_hash
@@ -188,6 +190,9 @@ class CkptdCheckpointIO(CheckpointIO):
         self._after: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._error: BaseException | None = None
+        # The failures raised to the caller already (a save's Checkpointer.save can
+        # raise the one our background thread then finds too): teardown only logs them.
+        self._told: weakref.WeakSet[BaseException] = weakref.WeakSet()
         self._last: _Saved | None = None
         self._lock = threading.Lock()
         self._reach_server()
@@ -231,7 +236,11 @@ class CkptdCheckpointIO(CheckpointIO):
         ckpt = self._checkpointer()
         if last is None:
             self._check_resumed(ckpt, step, path)
-        handle = ckpt.save(step, checkpoint, tag=tag)
+        try:
+            handle = ckpt.save(step, checkpoint, tag=tag)
+        except CkptdError as exc:  # (an earlier save's failure, surfaced here)
+            self._tell(exc)
+            raise
         self._last = _Saved(step, path, handle, _fingerprint(checkpoint))
         self._queue(handle, step, path, None)
 
@@ -244,6 +253,7 @@ class CkptdCheckpointIO(CheckpointIO):
         refused with ``InvalidRequest``."""
         self._raise_failure()
         path = os.fspath(path)
+        self._wait_saves(path)
         step = self._resolve(path)
         if step is None:  # an ordinary checkpoint file: a run that moves to ckptd
             return _torch_load(path, map_location)
@@ -266,7 +276,9 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Waits for the saves in flight and their pointers, then closes the
-        checkpointer; raises what failed in the background."""
+        checkpointer; raises what failed in the background, unless a save or load
+        raised it already (then it is logged)."""
+        closing: CkptdError | None = None
         try:
             for fut in list(self._pending):
                 fut.result()
@@ -280,8 +292,13 @@ class CkptdCheckpointIO(CheckpointIO):
             if tags is not None:
                 tags.close()
             if ckpt is not None:
-                ckpt.close(self.timeout)
+                try:
+                    ckpt.close(self.timeout)
+                except CkptdError as exc:  # (raised below, after the background's)
+                    closing = exc
         self._raise_failure()
+        if closing is not None and self._tell(closing):
+            raise closing
 
     # -- the background ---------------------------------------------------------------
 
@@ -332,8 +349,32 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
-        if error is not None:
+        if error is not None and self._tell(error):
             raise error
+
+    def _tell(self, error: BaseException) -> bool:
+        """Notes that ``error`` reaches the caller: False (and a log line) when it
+        did already."""
+        try:
+            if error in self._told:
+                log.info("%s: %s (raised already)", self.job, error)
+                return False
+            self._told.add(error)
+        except TypeError:  # (an exception type without weak references: never told)
+            pass
+        return True
+
+    def _wait_saves(self, path: str) -> None:
+        """Waits for the saves in flight, their commits and pointers: a load after
+        a save reads what it saved (as ``torch.load`` after ``torch.save``), not the
+        pointer's older step, nor nothing at a new path. Their failure is raised."""
+        pending = [f for f in self._pending if not f.done()]
+        if pending and concurrent.futures.wait(pending, self.timeout).not_done:
+            raise Timeout(f"{path}: the saves before this load did not commit within "
+                          f"{self.timeout} s; loading now would read an older checkpoint "
+                          "(pass a larger timeout= to CkptdCheckpointIO)",
+                          job=self.job, path=path)
+        self._raise_failure()
 
     # -- parts ------------------------------------------------------------------------
 
