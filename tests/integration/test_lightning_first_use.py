@@ -1,13 +1,16 @@
 """``CkptdCheckpointIO`` as a new user meets it (a probe's findings): a load right
 after a save reads that save, mistakes in the plugin's arguments are said where
-they are given, Fabric steps that are not plain ints, and a background failure is
-raised once."""
+they are given, Fabric steps that are not plain ints, a background failure raised
+once, what the pointer says about ``load_from_checkpoint``, and the messages of a
+load that finds nothing."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.errors import AlreadyCommitted, CkptdError, InvalidRequest
+from ckptd.errors import AlreadyCommitted, CheckpointNotFound, CkptdError, InvalidRequest
 from tests.conftest import ServerProcess
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
@@ -23,9 +26,10 @@ if not os.environ.get("CI"):
     pytest.importorskip("lightning", reason="pip install 'ckptd[lightning]'")
 
 import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer  # noqa: E402
-from tests.integration.test_lightning_io import _checkpoint  # noqa: E402
+from tests.integration.test_lightning_io import _checkpoint, _same  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -168,3 +172,61 @@ def test_a_background_failure_is_raised_once(server: ServerProcess, shm: Path,
         with contextlib.suppress(OSError):  # (a failure above left the thread waiting)
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         io.teardown()
+
+
+class _Sized(L.LightningModule):
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_is_built_from_a_pointer_as_the_docs_say(store: str, shm: Path,
+                                                          tmp_path: Path) -> None:
+    """LightningModule.load_from_checkpoint reads the file itself (no CheckpointIO):
+    on a pointer, torch's unpickling error. The pointer's "about" says what to do,
+    and that way (docs/integrations/lightning.md) gives the trained module."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    x = torch.randn(16, 3)
+    io = CkptdCheckpointIO(store, job="mod", shm_dir=str(shm))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, plugins=[io], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path)])
+    model = _Sized(hidden=7)
+    trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=4))
+    path = trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    about = json.loads(Path(path).read_text())["about"]
+    assert "load_checkpoint" in about and "load_from_checkpoint" in about
+    assert "hyper_parameters" in about and "load_state_dict" in about
+    with pytest.raises(Exception):  # noqa: B017 (torch's error, whatever it says)
+        _Sized.load_from_checkpoint(path)
+    reader = CkptdCheckpointIO(store, job="mod", shm_dir=str(shm))
+    try:
+        ckpt = reader.load_checkpoint(path)
+        again = _Sized(**ckpt["hyper_parameters"])
+        again.load_state_dict(ckpt["state_dict"])
+    finally:
+        reader.teardown()
+    assert again.hparams["hidden"] == 7
+    _same(dict(model.state_dict()), dict(again.state_dict()))
+
+
+def test_a_load_that_finds_nothing_says_why(io: CkptdCheckpointIO, tmp_path: Path) -> None:
+    """A directory was "no such file"; 'latest' on a fresh job named a tag
+    'latest.ckpt' it never asked for."""
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint yet") as err:
+        io.load_checkpoint("latest")
+    assert "latest.ckpt" not in err.value.message
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint yet"):
+        io.load_checkpoint(tmp_path / "latest.ckpt")
+    (tmp_path / "ckpts").mkdir()
+    with pytest.raises(CheckpointNotFound, match="ckpts is a directory, not a checkpoint file"):
+        io.load_checkpoint(tmp_path / "ckpts")

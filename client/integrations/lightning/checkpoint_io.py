@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 POINTER_FORMAT = "ckptd.lightning_pointer"
 _POINTER_MAX = 64 * 1024  # a pointer is a few hundred bytes; a real .ckpt is larger
 LATEST = "latest"
+ABOUT = ("a checkpoint stored by ckptd, not a torch.save file: load it with "
+         "ckpt = CkptdCheckpointIO(url, job=job).load_checkpoint(this_path) (or "
+         "fit(ckpt_path=this_path) with the plugin); LightningModule.load_from_checkpoint "
+         "reads the file itself and cannot: build the module from ckpt['hyper_parameters'], "
+         "then model.load_state_dict(ckpt['state_dict']) (docs/integrations/lightning.md)")
 
 
 def _name(path: str | os.PathLike[str]) -> str:
@@ -109,7 +114,7 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 def _write_pointer(path: str, job: str, step: int, url: str) -> None:
     """Writes the pointer at ``path`` atomically (a temporary file, then rename)."""
     doc = {"format": POINTER_FORMAT, "version": 1, "job": job, "step": step, "url": url,
-           "about": "a checkpoint stored by ckptd; load it with CkptdCheckpointIO"}
+           "about": ABOUT}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -458,10 +463,14 @@ class CkptdCheckpointIO(CheckpointIO):
             latest = self._job_tags().latest()
             if latest is not None:
                 return latest
+            raise CheckpointNotFound(
+                f"{path}: job {self.job} has no committed checkpoint yet (a first run "
+                "passes no ckpt_path)", job=self.job, path=path)
+        there = (f"{path} is a directory, not a checkpoint file" if os.path.isdir(path)
+                 else f"{path}: no such file")
         raise CheckpointNotFound(
-            f"{path}: no such file, and job {self.job} has no tag {tag!r}"
-            + (" and no committed step" if _stem(path) == LATEST else
-               " (pass ckpt_path='latest' for its newest step)"), job=self.job, path=path)
+            f"{there}, and job {self.job} has no tag {tag!r} (pass ckpt_path='latest' for "
+            "its newest step)", job=self.job, path=path)
 
     def _saves_here(self) -> bool:
         """True on the rank Lightning hands saves to (global rank 0)."""
