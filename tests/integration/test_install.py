@@ -239,10 +239,13 @@ def _ckptd_env(image: Image, port: int, store: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def served(image: Image, tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Path]]:
+@pytest.fixture(scope="module")
+def served(image: Image, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, dict[str, str], Path]]:
     """The image's entrypoint and command, run from its working directory (outside
-    the checkout)."""
+    the checkout): one server for the module's tests (each start ~2 s of CPU), which
+    ask it for nothing another test here changes."""
+    tmp_path = tmp_path_factory.mktemp("served")
     port = free_port()
     env = _ckptd_env(image, port, tmp_path / "store")
     cwd = image.workdir or tmp_path
