@@ -296,13 +296,11 @@ def serve(
 
 
 def _transport(url: str, token: str | None) -> Any:
-    """A server (http://), or a store read in this process: file:// and s3:// (read
-    directly, as ``gc`` and ``space`` read one). Called inside the command's loop."""
-    from ckptd.cli.mistakes import existing_store
-    from ckptd.cli.servers import check_servers
+    """A server (http://), or a store read in this process (file://, s3://), at
+    ``reached``'s URL: called inside the command's loop."""
     from ckptd.client.transport import open_transport
 
-    return open_transport(check_servers(existing_store(url), token), token=token, create=False)
+    return open_transport(url, token=token, create=False)
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -320,6 +318,7 @@ def ls(
     (damaged: `ckptd verify JOB` names every damaged document; or a newer ckptd
     wrote them)."""
     from ckptd.cli.listing import Notes, jobs_table, steps_table
+    from ckptd.cli.servers import reached
 
     notes = Notes()  # one job's unreadable documents: told, not fatal
 
@@ -334,6 +333,7 @@ def ls(
             await transport.close()
 
     try:
+        url = reached(url, token)  # (before the loop: Ctrl-C ends its wait)
         asyncio.run(go())
     except CkptdError as exc:
         _fail(exc)
@@ -355,6 +355,8 @@ def verify(
 ) -> None:
     """Check a job's refs, commit records, manifests and chunks; exit 1 naming what
     is damaged and which steps, ranks and tensors it breaks."""
+    from ckptd.cli.servers import reached
+
     bar = transfer_bar()
     task = bar.add_task(f"verifying {job}" + (f" step {step}" if step is not None else ""),
                         total=None)
@@ -379,6 +381,7 @@ def verify(
             await transport.close()
 
     try:
+        url = reached(url, token)  # (before the loop: Ctrl-C ends its wait)
         with bar:
             report = asyncio.run(go())
     except CkptdError as exc:

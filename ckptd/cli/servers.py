@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from ckptd.errors import CkptdError, InvalidRequest, Unauthorized, Unavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANSWER_WITHIN", "check_servers"]
+__all__ = ["ANSWER_WITHIN", "check_servers", "reached"]
 
 #: Seconds a server has to answer ``GET /v1/cluster`` (a live one answers in
 #: milliseconds, under a full ingest too; ``status`` waits as long for its calls).
@@ -56,9 +56,7 @@ def check_servers(url: str, token: str | None, within: float = ANSWER_WITHIN) ->
         return url
     from ckptd.cluster import parse_urls
 
-    urls = parse_urls(url)
-    with ThreadPoolExecutor(len(urls)) as pool:
-        heard = list(pool.map(lambda u: _ask(u, token, within), urls))
+    heard = _ask_all(parse_urls(url), token, within)
     for h in heard:
         if h.mistake is not None:
             raise h.mistake
@@ -68,7 +66,7 @@ def check_servers(url: str, token: str | None, within: float = ANSWER_WITHIN) ->
         if silent:
             raise Unavailable(_silence(silent, within), url=url)
         return url  # (refused: the command's own tries say so, as they always have)
-    if len(urls) > 1:
+    if len(heard) > 1:
         alone = [h.url for h in answering if h.mode == "single"]
         if alone:
             raise InvalidRequest(
@@ -78,6 +76,33 @@ def check_servers(url: str, token: str | None, within: float = ANSWER_WITHIN) ->
         _pass_over(url, [h.url for h in heard if h.silent or h.unreached], within)
     _checked.add((url, token))
     return url
+
+
+def _ask_all(urls: list[str], token: str | None, within: float) -> list[_Heard]:
+    """Each URL asked at once, on daemon threads: Ctrl-C ends the command at once, not
+    after a silent server's wait (a pool's threads are joined at exit)."""
+    heard: list[_Heard | None] = [None] * len(urls)
+
+    def ask(i: int) -> None:
+        heard[i] = _ask(urls[i], token, within)
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True, name="ckptd-ask")
+               for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
+    return [h if h is not None else _Heard(u, unreached=True) for u, h in zip(urls, heard,
+                                                                                strict=True)]
+
+
+def reached(url: str, token: str | None) -> str:
+    """A reading command's ``--url`` as a store's URL (``existing_store``), its servers
+    asked: called before the command's event loop, so that Ctrl-C ends the wait."""
+    from ckptd.cli.mistakes import existing_store
+
+    return check_servers(existing_store(url), token)
 
 
 def _silence(urls: list[str], within: float) -> str:

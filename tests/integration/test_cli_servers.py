@@ -162,3 +162,27 @@ def test_an_https_entry_of_a_plain_http_server_in_a_list_says_so(
         done, _ = ckptd(*command, "--url", f"{wrong},{saved.url}")
         assert_short_usage_error(done, "speaks plain HTTP, not TLS", saved.url)
         assert "ConnectError" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify", "j1"], ["status"]])
+def test_ctrl_c_while_a_server_is_silent_ends_the_command_at_once(
+        mute: str, command: list[str]) -> None:
+    """The check waited out its 10 s before Ctrl-C took effect (a pool's threads
+    are joined at exit; an event loop's SIGINT handler waits for the loop)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", *command, "--url", mute],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    try:
+        time.sleep(2.5)  # (started, and waiting on the silent server)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    if command != ["status"]:  # (status ends a --watch with Ctrl-C, exit 0)
+        assert proc.returncode != 0, err
+    assert took < 3.0, f"ckptd {' '.join(command)} ended {took:.1f} s after Ctrl-C"
