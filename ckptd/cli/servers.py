@@ -84,7 +84,10 @@ def _ask_all(urls: list[str], token: str | None, within: float) -> list[_Heard]:
     heard: list[_Heard | None] = [None] * len(urls)
 
     def ask(i: int) -> None:
-        heard[i] = _ask(urls[i], token, within)
+        try:
+            heard[i] = _ask(urls[i], token, within)
+        except CkptdError as exc:  # (a bad CKPTD_* setting, a CA bundle not read)
+            heard[i] = _Heard(urls[i], mistake=exc)
 
     threads = [threading.Thread(target=ask, args=(i,), daemon=True, name="ckptd-ask")
                for i in range(len(urls))]
