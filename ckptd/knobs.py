@@ -101,6 +101,13 @@ def connect_timeout() -> float:
     return _env_float("CKPTD_CONNECT_TIMEOUT", 3.0, above=0)
 
 
+def answer_within() -> float:
+    """Seconds each server a CLI command is given has to answer its first question
+    (``GET /v1/cluster``, asked before the command's own calls) before the command
+    says it does not answer (``ckptd/cli/servers.py``)."""
+    return _env_float("CKPTD_ANSWER_WITHIN", 10.0, above=0)
+
+
 def suspect_after() -> float:
     """Seconds a request waits on a ckptd replica, where there is another to go to,
     before that replica's ``/healthz`` is asked (on a connection of its own, 5 s at

@@ -8,7 +8,8 @@ program on that port, a server that refuses the token, one that serves a store o
 its own) was taken for the job's damage or named as the whole list.
 
 So each URL a command is given is asked ``GET /v1/cluster`` once, all at once, with
-a short wait (``ANSWER_WITHIN``): what a ckptd server answers at once, however busy.
+a short wait (``CKPTD_ANSWER_WITHIN``, 10 s): a ckptd server answers at once, however
+busy (``status`` waits as long for its calls).
 A mistake is the command's error, naming the entry; a silent server is one too when
 no other answers; a silent or unreachable replica in a list is passed over (a
 warning), as routing would. Only the CLI asks: a training process keeps its retries
@@ -29,11 +30,8 @@ from ckptd.errors import CkptdError, InvalidRequest, Unauthorized, Unavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANSWER_WITHIN", "check_servers", "reached"]
+__all__ = ["check_servers", "reached"]
 
-#: Seconds a server has to answer ``GET /v1/cluster`` (a live one answers in
-#: milliseconds, under a full ingest too; ``status`` waits as long for its calls).
-ANSWER_WITHIN = 10.0
 
 _checked: set[tuple[str, str | None]] = set()
 
@@ -47,13 +45,17 @@ class _Heard:
     unreached: bool = False  # refused it, or no route there
 
 
-def check_servers(url: str, token: str | None, within: float = ANSWER_WITHIN) -> str:
+def check_servers(url: str, token: str | None, within: float | None = None) -> str:
     """``url`` when each server it names answers as a ckptd server that takes
     ``token``, and (several) as a replica of the others; not a server's URL: as it
     is. Raises the error that names the entry at fault. Once per URL and token in
     a process."""
     if not url.startswith(("http://", "https://")) or (url, token) in _checked:
         return url
+    if within is None:
+        from ckptd import knobs
+
+        within = knobs.answer_within()
     from ckptd.cluster import parse_urls
 
     heard = _ask_all(parse_urls(url), token, within)

@@ -137,7 +137,7 @@ def test_bad_setting_from_the_environment_names_the_variable(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("setting", ["CKPTD_REQUEST_TIMEOUT=abc", "CKPTD_REQUEST_TIMEOUT=0",
                                      "CKPTD_RETRIES=-1", "CKPTD_CONNECT_TIMEOUT=nan",
-                                     "CKPTD_CLUSTER_REFRESH=-3"])
+                                     "CKPTD_CLUSTER_REFRESH=-3", "CKPTD_ANSWER_WITHIN=0"])
 def test_a_bad_client_setting_from_the_environment_is_two_lines_naming_it(
         setting: str) -> None:
     """(Found by a probe: a traceback of 76 lines, or "failed after 0 attempts: None"
