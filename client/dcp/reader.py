@@ -120,8 +120,11 @@ class Reader(StorageReader):
 
     ``timeout`` bounds each storage call; ``read_budget`` bounds the fresh memory
     one batch of ``read_data`` holds (chunks that are not landed straight in their
-    target tensors). A step named (here or by ``reset``) that is not committed is
-    ``CheckpointNotFound`` at once, as is a ``file://`` path with no store."""
+    target tensors). A step named (here or by ``reset``) that is not committed, or
+    a job with no committed step when none is named, is ``CheckpointNotFound`` at
+    once (a first run catches it and starts from scratch; make the reader when
+    loading, not before the job's first save), as is a ``file://`` path with no
+    store."""
 
     def __init__(
         self,
@@ -152,18 +155,26 @@ class Reader(StorageReader):
         self._check_step()
 
     def _check_step(self) -> None:
-        """A step named (here, or by ``dcp.load(checkpoint_id=...)``'s ``reset``) must
-        be committed: ``CheckpointNotFound`` now, before ``dcp.load`` begins. From
-        ``read_metadata`` torch first logs it as a warning with its traceback ("Global
-        metadata is not found. Falling back to rank local metadata."), then raises
-        its own error. One small read (the commit record); the latest is resolved
-        when the load reads it."""
-        if self.step is None or not self.url or not self.job:
+        """The step named (here, or by ``dcp.load(checkpoint_id=...)``'s ``reset``)
+        must be committed, and without one the job must have a committed step:
+        ``CheckpointNotFound`` now, before ``dcp.load`` begins. From ``read_metadata``
+        torch first logs it as a warning with its traceback ("Global metadata is not
+        found. Falling back to rank local metadata."), then raises its own error. One
+        small read (the commit record, or the latest step); which step is the latest
+        is resolved when the load reads it."""
+        if not self.url or not self.job:
             return
-        job, step = self.job, self.step
+        job, step, url = self.job, self.step, self.url
 
         async def read(transport: Transport) -> None:
-            await transport.read_commit(job, step)
+            if step is not None:
+                await transport.read_commit(job, step)
+            elif (await transport.restorable(job))[0] is None:
+                # A first run's resume, the usual case: say what to do about it.
+                raise CheckpointNotFound(
+                    f"job {job} has no committed checkpoint at {url}: nothing is saved "
+                    "yet (a first run starts from scratch: catch CheckpointNotFound), "
+                    "or the job name or url is wrong", job=job)
 
         try:
             _run(self.url, self.token, read, self.timeout, self.job, create=False)
@@ -174,7 +185,8 @@ class Reader(StorageReader):
             # each rank before DCP's first collective, so one rank raising here would
             # leave the others waiting in it. ``read_metadata`` says it, inside DCP's
             # error exchange, as before.
-            log.debug("checking step %d of %s before the load: %s", step, job, exc)
+            log.debug("checking %s of %s before the load: %s",
+                      "the latest step" if step is None else f"step {step}", job, exc)
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"
