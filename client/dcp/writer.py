@@ -4,12 +4,14 @@ one rank manifest, hashed and uploaded by the engine; the coordinator commits.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,7 +232,8 @@ class Writer(StorageWriter):
             meta_paths[fqn] = _json_path(paths.get(fqn), fqn)
             if item.type == WriteItemType.BYTE_IO:
                 resolved = planner.resolve_data(item)
-                node = _decode_value(resolved, fqn)
+                node = _decode_value(resolved, fqn,
+                                     refused=functools.partial(_refusal, fqn, planner, item))
                 if node is None:  # not a plain value: an opaque, verified blob
                     blob = _blob(resolved, fqn)
                     blobs.append((fqn, blob))
@@ -363,23 +366,20 @@ def _json_path(path: Any, fqn: str) -> list[str | int]:
     return out
 
 
-def _decode_value(data: Any, fqn: str) -> dict[str, Any] | None:
+def _decode_value(data: Any, fqn: str,
+                  refused: Callable[[], UnsupportedValue] | None = None) -> dict[str, Any] | None:
     """The tree node of a non-tensor item, which DCP hands over ``torch.save``-d,
     or None when it is not a plain value (then it is stored as an opaque blob).
 
     Loaded with ``weights_only=True`` (no code runs) and stored as JSON, never as
     the pickle. One that loading refuses (an arbitrary object) is refused here, at
-    save: a load would have to unpickle it from the store."""
+    save, with ``refused()``'s error: a load would have to unpickle it from the store."""
     if isinstance(data, io.BytesIO):
         data.seek(0)
         try:
             value = load_value(data)
-        except Exception as exc:
-            raise UnsupportedValue(
-                f"{fqn!r} is an object that weights_only loading refuses "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); ckptd "
-                "never unpickles objects from the store: save plain values, tensors or "
-                "bytes", name=fqn) from None
+        except Exception:
+            raise (_refusal(fqn) if refused is None else refused()) from None
     elif isinstance(data, bytes | bytearray | memoryview):
         return None
     else:  # a custom planner may resolve to the object itself
@@ -390,6 +390,26 @@ def _decode_value(data: Any, fqn: str) -> dict[str, Any] | None:
         if isinstance(data, io.BytesIO):
             return None
         raise
+
+
+def _refusal(fqn: str, planner: SavePlanner | None = None,
+             item: WriteItem | None = None) -> UnsupportedValue:
+    """Why a value that weights_only loading refuses is not saved, as a Checkpointer
+    says it (naming its type), from the object itself where the planner can look it
+    up (``DefaultSavePlanner.lookup_object``). Not torch's load-time message: that
+    one speaks of a file, and of loading it anyway."""
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup) and item is not None:
+        try:
+            value_tree(lookup(item.index), fqn)
+        except UnsupportedValue as exc:
+            return exc
+        except Exception as exc:  # (a custom planner's lookup): said without the type
+            log.debug("looking up %r in the save planner: %s", fqn, exc)
+    return UnsupportedValue(
+        f"{fqn!r} is an object which ckptd cannot store without pickling (weights_only "
+        "loading refuses it, and nothing in a store is ever unpickled): save plain "
+        "values, tensors or bytes", name=fqn)
 
 
 def load_value(data: io.BytesIO) -> Any:

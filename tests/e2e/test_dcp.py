@@ -333,7 +333,7 @@ def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(
 
     url = f"file://{tmp_path / 'store'}"
     marker = tmp_path / "ran"
-    monkeypatch.setattr(dcp_writer, "_decode_value", lambda data, fqn: None)
+    monkeypatch.setattr(dcp_writer, "_decode_value", lambda data, fqn, **_: None)
     dcp.save({"w": torch.ones(2), "obj": _Planted(str(marker))},
              storage_writer=Writer(url, "j", 1), no_dist=True)
     monkeypatch.undo()
