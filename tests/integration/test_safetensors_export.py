@@ -214,6 +214,27 @@ def test_a_string_only_is_one_prefix(tmp_path: Path, shm: Path) -> None:
     assert result.tensors == len(want)
 
 
+def test_an_only_or_exclude_that_is_no_prefix_is_refused_in_one_line(
+        tmp_path: Path, shm: Path, server: Any) -> None:
+    """(Found by a probe.) ``only=5`` raised ``TypeError: 'int' object is not
+    iterable`` from inside the export (bytes were iterated as numbers, a mapping
+    as its keys); a str is one prefix, as the CLI's repeatable ``--only`` is."""
+    save_two_ranks(server.url, shm)
+    for how in ("only", "exclude"):
+        for given in (5, b"model.", {"model.": 1}):
+            with pytest.raises(InvalidRequest) as info:
+                export_safetensors(server.url, JOB, tmp_path / "out", **{how: given})
+            said = str(info.value)
+            assert said.startswith(f"{how}= takes a name prefix (a str"), said
+            assert type(given).__name__ in said and "\n" not in said
+            assert not (tmp_path / "out").exists()
+    # A str, a list and a set of str are prefixes.
+    for i, ok in enumerate(["model.f8", ["model.f8"], {"model.f8"}]):
+        result = export_safetensors(server.url, JOB, tmp_path / f"ok{i}", only=ok)
+        assert sorted(load_file(tmp_path / f"ok{i}" / "model.safetensors")) == ["model.f8"]
+        assert result.tensors == 1
+
+
 def test_import_of_an_export_round_trips_bitwise(tmp_path: Path, shm: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     full = save_two_ranks(url, shm)

@@ -16,7 +16,7 @@ import math
 import numbers
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -155,9 +155,14 @@ def prefixes(given: str | Sequence[str], what: str = "only") -> tuple[str, ...]:
     (not its characters, each a prefix)."""
     if isinstance(given, str):
         return (given,)
+    # (A number is not iterable, bytes iterate as numbers, a mapping as its keys.)
+    if not isinstance(given, Iterable) or isinstance(given, bytes | bytearray | Mapping):
+        raise InvalidRequest(
+            f"{what}= takes a name prefix (a str, e.g. {what}=\"model.\") or a list of "
+            f"them, not {type(given).__name__} {given!r:.80}")
     out = tuple(given)
     if not all(isinstance(p, str) for p in out):
-        raise InvalidRequest(f"{what} takes name prefixes (strings), not {out!r:.80}")
+        raise InvalidRequest(f"{what}= takes name prefixes (strings), not {out!r:.80}")
     return out
 
 
