@@ -38,6 +38,11 @@ def check_step(step: int) -> int:
         hint = ""
         if not isinstance(step, bool | int) and hasattr(type(step), "__index__"):
             hint = f" (a {type(step).__module__}.{type(step).__name__}: pass int(step))"
+        elif isinstance(step, str) and step.strip().lower() == "latest":
+            # (The CLI's word for it; in Python the latest is no step at all.)
+            hint = ": to restore or load the latest committed step, pass step=None"
+        elif isinstance(step, str) and step.strip().isdigit():
+            hint = " (a str: pass int(step))"
         raise InvalidName(f"step {step!r} must be an integer in [0, {MAX_STEP}){hint}")
     return step
 
