@@ -151,6 +151,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         self._label = f"torchft-{secrets.token_hex(4)}"
         self._pool = StagingPool(self._label, 0, root=shm_dir)
         self._lock = threading.Lock()  # one send stages at a time
+        self._shut_down = False
         try:
             # Replica groups run on other hosts: every interface (the token guards
             # it), advertised at this host's address on the route to the lighthouse
@@ -186,6 +187,10 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             raise UnsupportedValue(f"torchft sent a {type(state_dict).__name__}, not a state dict")
         flat = flatten(state_dict)
         with self._lock:
+            if self._shut_down:
+                raise InvalidRequest(
+                    "this CkptdTransport was shut down (shutdown() stopped its server and "
+                    "removed its staging pool); make a new one to send from")
             # What was served is about to be overwritten: stop serving it first (a
             # receiver still reading it gets 409 from the seqlock, never torn bytes).
             self._server.clear()
@@ -304,9 +309,11 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         return state  # type: ignore[no-any-return]
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stops serving and removes the staging pool. Idempotent."""
+        """Stops serving and removes the staging pool (a later ``send_checkpoint`` is
+        ``InvalidRequest``). Idempotent."""
         self._server.close()
         with self._lock:
+            self._shut_down = True
             self._pool.close()
 
     # -- receiving ----------------------------------------------------------------------

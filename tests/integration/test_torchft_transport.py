@@ -245,6 +245,29 @@ def test_shutdown_removes_the_pool_and_stops_serving(shm: Path) -> None:
         other.shutdown()
 
 
+def test_a_send_after_shutdown_says_the_transport_was_shut_down(
+        pair: tuple[CkptdTransport[Any], ...], shm: Path) -> None:
+    """(Found by a probe.) It said only "this staging pool is closed": a pool the
+    caller never made, of a transport they had shut down."""
+    sender, receiver = pair
+    sender.send_checkpoint([1], 1, _state(), T10)
+    sender.shutdown()
+    with pytest.raises(InvalidRequest) as info:
+        sender.send_checkpoint([1], 2, _state(), T10)
+    said = str(info.value)
+    assert "CkptdTransport was shut down" in said and "make a new one" in said, said
+    assert "\n" not in said
+    # A new transport sends, and is received from, as before (by the one shut
+    # down too: a receive needs no server or pool of its own).
+    again: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm))
+    try:
+        again.send_checkpoint([1], 2, _state(), T10)
+        _bitwise(_state(), receiver.recv_checkpoint(0, again.metadata(), 2, T10))
+        _bitwise(_state(), sender.recv_checkpoint(0, again.metadata(), 2, T10))
+    finally:
+        again.shutdown()
+
+
 def test_a_transport_is_reachable_from_other_hosts_by_default(
         shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replica groups heal across hosts: the sender listens on every interface (its
