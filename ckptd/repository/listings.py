@@ -9,17 +9,25 @@ import logging
 import time
 from typing import TypedDict
 
-from ckptd.errors import CheckpointNotFound, NotFound, StoreCorrupt, UnsupportedFormat
+from ckptd.errors import (
+    AlreadyCommitted,
+    CheckpointNotFound,
+    NotFound,
+    StoreCorrupt,
+    UnsupportedFormat,
+)
 from ckptd.format import (
     EPOCH_META,
     JOB_RE,
     MAX_STEP,
     CommitRecord,
+    RankManifest,
     Timeline,
     check_step,
     commit_key,
     job_prefix,
     latest_key,
+    manifest_epoch,
     manifest_key,
 )
 from ckptd.hashing import document_hash
@@ -103,6 +111,26 @@ class Listings(Timelines):
         except StoreCorrupt:
             return False  # (damaged: the restore's own checks say so)
         return record is not None and int(record.meta.get(EPOCH_META, 0)) < path.epoch
+
+    async def refusal_of_committed(self, manifest: RankManifest,
+                                   record: CommitRecord) -> AlreadyCommitted:
+        """The error for ``manifest`` put into its committed step (``record``) that is
+        not one of its own. A rollback's new path saving again at a number the
+        abandoned path took is ``detail.abandoned``: the job goes on (its saver skips
+        that save, with a warning), it is no failure of the loop."""
+        left = int(record.meta.get(EPOCH_META, 0))
+        later = left < manifest_epoch(manifest)
+        abandoned = later and await self._abandoned(manifest.job, manifest.step,
+                                                    await self._path(manifest.job))
+        return AlreadyCommitted(
+            f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
+            "manifest cannot change" + (
+                f" (it was committed in timeline {left}, on the path a rollback left: a "
+                "step number commits once, so save the new path at other step numbers)"
+                if later else ""),
+            job=manifest.job, step=manifest.step, rank=manifest.rank,
+            **({"abandoned": True} if abandoned else {}),
+        )
 
     async def latest_or_damage(self, job: str) -> tuple[int | None, Unreadable]:
         """``latest(job)`` for a listing: (the step, {}), or (None, ``unreadable``'s

@@ -46,7 +46,6 @@ from ckptd.errors import (
     WorldSizeMismatch,
 )
 from ckptd.format import (
-    EPOCH_META,
     INCARNATION_META,
     CommitRecord,
     ManifestRef,
@@ -242,22 +241,7 @@ class Repository(Verification, Listings, AfterCommit):
                 record.manifests[manifest.rank].hash == digest
             ):
                 return digest
-            left = int(record.meta.get(EPOCH_META, 0))
-            # A rollback's new path saving again at a number the abandoned path took:
-            # the job goes on (its saver skips this one, with a warning), not a failure.
-            abandoned = left < manifest_epoch(manifest) and await self._abandoned(
-                manifest.job, manifest.step, await self._path(manifest.job))
-            raise AlreadyCommitted(
-                f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
-                "manifest cannot change" + (
-                    f" (it was committed in timeline {left}, on the path a rollback left: a "
-                    "step number commits once, so save the new path at other step numbers)"
-                    if left < manifest_epoch(manifest) else ""),
-                job=manifest.job,
-                step=manifest.step,
-                rank=manifest.rank,
-                **({"abandoned": True} if abandoned else {}),
-            )
+            raise await self.refusal_of_committed(manifest, record)
         epoch = manifest_epoch(manifest)
         await self._check_epoch(manifest.job, epoch, f"rank {manifest.rank}'s manifest of step "
                                 f"{manifest.step}")
