@@ -156,6 +156,26 @@ def test_a_second_name_of_one_step_tags_it(io: CkptdCheckpointIO, store: str,
         io.save_checkpoint(checkpoint, tmp_path / "other.ckpt")
 
 
+def test_a_save_at_the_step_loaded_names_it_only_with_its_own_tensors(
+        store: str, shm: Path, tmp_path: Path) -> None:
+    """After a load of step 5, a save at step 5 is a second name of it only when its
+    tensors hold step 5's bytes (in the model's own tensors, as load_state_dict
+    leaves them); other tensors at that number are refused, never dropped."""
+    first = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    first.save_checkpoint(_checkpoint(5), tmp_path / "a.ckpt")
+    first.teardown()
+    resumed = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    try:
+        resumed.load_checkpoint(tmp_path / "a.ckpt")
+        resumed.save_checkpoint(_checkpoint(5), tmp_path / "last.ckpt")  # equal, not same
+        with pytest.raises(Conflict, match="loaded already .*weight"):
+            resumed.save_checkpoint(_checkpoint(5, seed=1), tmp_path / "b.ckpt")
+    finally:
+        resumed.teardown()
+    assert _tags(store) == {"a": 5, "last": 5}
+    assert not (tmp_path / "b.ckpt").exists()
+
+
 def test_what_cannot_be_stored_is_named(io: CkptdCheckpointIO, tmp_path: Path) -> None:
     checkpoint = _checkpoint(4)
     checkpoint["hyper_parameters"]["args"] = argparse.Namespace(lr=0.1)

@@ -125,14 +125,13 @@ def _write_pointer(path: str, job: str, step: int, url: str) -> None:
     os.replace(tmp, path)
 
 
-def _fingerprint(state: Any) -> dict[str, tuple[Any, ...]]:
-    """Each tensor's identity and version (``_version`` counts in-place changes):
-    equal fingerprints mean no tensor was replaced or changed in between."""
-    out: dict[str, tuple[Any, ...]] = {}
+def _tensors(state: Any) -> dict[str, torch.Tensor]:
+    """Each tensor of ``state`` by its path in it."""
+    out: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
-            out[path] = (x.data_ptr(), x._version, tuple(x.shape), x.dtype, x.device)
+            out[path] = x
         elif isinstance(x, Mapping):
             for k, v in x.items():
                 walk(v, f"{path}/{k}")
@@ -144,6 +143,27 @@ def _fingerprint(state: Any) -> dict[str, tuple[Any, ...]]:
     return out
 
 
+def _fingerprint(state: Any) -> dict[str, tuple[Any, ...]]:
+    """Each tensor's identity and version (``_version`` counts in-place changes):
+    equal fingerprints mean no tensor was replaced or changed in between."""
+    return {path: (x.data_ptr(), x._version, tuple(x.shape), x.dtype, x.device)
+            for path, x in _tensors(state).items()}
+
+
+def _differing(state: Any, stored: Any) -> list[str]:
+    """The paths of ``state``'s tensors that are not bitwise ``stored``'s (or are
+    in one of them only)."""
+    now, then = _tensors(state), _tensors(stored)
+    out = [k for k in then if k not in now]
+    for k, x in now.items():
+        y = then.get(k)
+        if y is None or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
+                x.detach().cpu().reshape(-1).view(torch.uint8),
+                y.detach().cpu().reshape(-1).view(torch.uint8)):
+            out.append(k)
+    return out
+
+
 @dataclass(slots=True)
 class _Saved:
     """The last step this plugin stored or restored, and how (for a second save at it)."""
@@ -151,7 +171,7 @@ class _Saved:
     step: int
     path: str
     handle: SaveHandle | None  # None: restored, committed long since
-    tensors: dict[str, tuple[Any, ...]] | None  # None: not known (restored)
+    tensors: dict[str, tuple[Any, ...]] | None  # None: restored (compared by its bytes)
 
 
 class CkptdCheckpointIO(CheckpointIO):
@@ -225,16 +245,14 @@ class CkptdCheckpointIO(CheckpointIO):
             # Lightning saves one step under several names (a top-k file and last.ckpt):
             # a step is stored once, so the next names tag it. Its tensors must be the
             # ones stored (a training step between would have changed them).
-            fingerprint = _fingerprint(checkpoint)
-            if last.tensors is not None:
-                changed = [k for k, v in fingerprint.items() if last.tensors.get(k) != v]
-                changed += [k for k in last.tensors if k not in fingerprint]
-                if changed:
-                    raise Conflict(
-                        f"{path}: step {step} of {self.job} was saved already (as "
-                        f"{last.path}) and its tensor {changed[0]!r} changed since; a ckptd "
-                        "step is stored once: save the new state under a new step",
-                        job=self.job, step=step, path=path)
+            changed = self._changed(last, checkpoint)
+            if changed:
+                how = "saved" if last.handle is not None else "loaded"
+                raise Conflict(
+                    f"{path}: step {step} of {self.job} was {how} already (as {last.path}) "
+                    f"and this checkpoint's tensor {changed[0]!r} is not the one it holds; "
+                    "a ckptd step is stored once: save the new state under a new step",
+                    job=self.job, step=step, path=path)
             self._queue(last.handle, step, path, tag)
             last.path = path
             return
@@ -425,6 +443,20 @@ class CkptdCheckpointIO(CheckpointIO):
             "replacement node), Lightning starts over: resume with ckpt_path='latest' (or "
             "the checkpoint's path: its name is looked up among the job's tags), or give "
             "this run a new job=", job=self.job, step=step, latest=latest)
+
+    def _changed(self, last: _Saved, checkpoint: Mapping[str, Any]) -> list[str]:
+        """The tensors of ``checkpoint`` that differ from step ``last.step``'s. One
+        this plugin saved: by identity and version (no copy, no read). One it
+        loaded: by its bytes, read back (Lightning and Fabric copy a loaded
+        checkpoint into the model's own tensors, so identity says nothing there); a
+        save at the step just loaded is rare, a read on every load is not."""
+        if last.tensors is not None:
+            fingerprint = _fingerprint(checkpoint)
+            changed = [k for k, v in fingerprint.items() if last.tensors.get(k) != v]
+            return changed + [k for k in last.tensors if k not in fingerprint]
+        stored: dict[str, Any] = {}
+        self._checkpointer().restore(stored, last.step, timeout=self.timeout)
+        return _differing(checkpoint, stored)
 
     def _job_tags(self) -> JobTags:
         with self._lock:
