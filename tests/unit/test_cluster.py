@@ -3,7 +3,7 @@ a new member takes only keys that become its own, and keys spread evenly."""
 
 from __future__ import annotations
 
-import os
+import random
 from pathlib import Path
 
 import pytest
@@ -69,8 +69,11 @@ def test_chunk_ids_spread_evenly(n: int) -> None:
     members = [f"http://10.0.0.{i}:8470" for i in range(n)]
     counts = dict.fromkeys(members, 0)
     total = 20_000
+    # Seeded ids: with random ones, 6% is ~3.5 standard deviations, and 1 run in ~300
+    # failed by chance alone; this is the same test of the spread, repeatable.
+    rng = random.Random(n)
     for _ in range(total):
-        counts[home(chunk_key(os.urandom(32).hex()), members)] += 1
+        counts[home(chunk_key(rng.randbytes(32).hex()), members)] += 1
     even = total / n
     assert all(abs(c - even) < 0.06 * even for c in counts.values()), counts
 
