@@ -72,7 +72,7 @@ __all__ = [
 
 class _Body(BaseModel):
     # Strict: ``true``, ``"1"`` and ``484.0`` are not integers (item 10 of issue 10).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
 
 class ErrorBody(_Body):

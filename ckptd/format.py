@@ -151,7 +151,7 @@ def _forget(key: int) -> None:
 
 
 class _Document(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, defer_build=True)
 
     def canonical(self) -> bytes:
         held = _ENCODED.get(id(self))
@@ -425,7 +425,7 @@ def _product_over(dims: list[int], bound: int) -> bool:
 
 # Entries validated (and encoded) per call when parsing a large manifest.
 PARSE_SLICE = large_json.SLICE
-_ENTRIES = TypeAdapter(list[TensorEntry])
+_ENTRIES = TypeAdapter(list[TensorEntry], config=ConfigDict(defer_build=True))
 _SPLICE = "\u0000ckptd-splice\u0000"
 _SPLICE_JSON = canonical_json(_SPLICE)
 
