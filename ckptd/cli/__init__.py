@@ -487,12 +487,14 @@ def restore(
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
     from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target
     from ckptd.cli.servers import check_servers
-    from ckptd.client.restore import restore_command
 
     try:
         restore_target(to)
-        result = restore_command(check_servers(existing_store(url), token), job, rank, to,
-                                 step=step, token=token, peers=peers, console=console)
+        url = check_servers(existing_store(url), token)
+        from ckptd.client.restore import restore_command  # (torch: after the mistakes)
+
+        result = restore_command(url, job, rank, to, step=step, token=token, peers=peers,
+                                 console=console)
     except CkptdError as exc:
         _fail(rank_of_restore(exc))
         return

@@ -8,6 +8,7 @@ The flows live in the client (``ckptd.client.zarr_export``, ``step_import``,
 from __future__ import annotations
 
 import logging
+import os
 from typing import Annotated
 
 import typer
@@ -27,7 +28,8 @@ from ckptd.cli import (
     transfer_bar,
 )
 from ckptd.cli.text import visible
-from ckptd.errors import CkptdError, InvalidRequest
+from ckptd.errors import CkptdError, InvalidRequest, NotFound
+from ckptd.format import check_job
 
 
 def _existing(url: str, token: str | None) -> str:
@@ -168,6 +170,19 @@ def import_(
     token: TokenOpt = None,
 ) -> None:
     """Bring an existing checkpoint into the store as a committed, verified step."""
+    from ckptd.cli.mistakes import store_url
+    from ckptd.cli.servers import check_servers
+
+    # The mistakes first, said before torch is imported (~1.5 s of the command).
+    try:
+        check_job(job)
+        if not os.path.exists(source):
+            raise NotFound(f"{source} does not exist")
+        # (a bare path is a store: writing, this command may create one there)
+        url = check_servers(store_url(url), token)
+    except CkptdError as exc:
+        _fail(exc)
+        return
     try:
         from ckptd.client.step_import import import_checkpoint
     except ImportError:
@@ -176,17 +191,12 @@ def import_(
     # A failed save is this command's error, said once below: not also the log line
     # (and the advice to training) the checkpointer gives a save nobody waits on.
     # (Put back after: the command may run in a process that goes on, a CliRunner.)
-    from ckptd.cli.mistakes import store_url
-    from ckptd.cli.servers import check_servers
-
     quiet = logging.getLogger("ckptd.client.checkpointer")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
         with console.status(f"importing {source}"):
-            # (a bare path is a store: writing, this command may create one there)
-            result = import_checkpoint(source, check_servers(store_url(url), token), job,
-                                       step, token=token)
+            result = import_checkpoint(source, url, job, step, token=token)
     except CkptdError as exc:
         _fail(exc)
         return
