@@ -457,7 +457,7 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
         await deliver(found, batch.wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
     for req, buf, written_by_dcp in batch.blobs:
         planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp,
-                                                       req.storage_index.fqn)))
+                                                       req.storage_index.fqn, step)))
     for req, target in batch.reads:
         planner.commit_tensor(req, target)
     for source in fetcher.sources:
@@ -465,7 +465,7 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
             source.close()  # its maps (it maps again on the next batch's first view)
 
 
-def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str) -> bytes:
+def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str, step: int) -> bytes:
     """An opaque blob's bytes for the planner, which ``torch.load``s them with
     ``weights_only=False``: always bytes ckptd made itself. A blob DCP wrote (a
     ``torch.save`` of a value that is no plain JSON) is the store's content, so it
@@ -476,11 +476,16 @@ def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str) -> bytes:
     if written_by_dcp:
         try:
             value = load_value(io.BytesIO(raw))
-        except Exception as exc:  # (UnpicklingError, or any failure of a bad pickle)
+        except Exception:  # (UnpicklingError, or any failure of a bad pickle)
+            # Not torch's message: it speaks of a file and of loading it anyway, with
+            # terminal escape codes in it.
             raise UnsupportedValue(
-                f"{fqn!r} is stored as an object that weights_only loading refuses "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); ckptd "
-                "never unpickles objects from the store", name=fqn) from None
+                f"{fqn!r} of step {step} is stored as a pickle that ckptd does not load "
+                "(weights_only loading refuses it; nothing in a store is ever "
+                "unpickled): save that value as a tensor or a plain value instead; if "
+                "you trust this checkpoint, Checkpointer.restore gives the stored "
+                "bytes, for torch.load(io.BytesIO(data), weights_only=False)",
+                name=fqn, step=step) from None
     out = io.BytesIO()
     torch.save(value, out)  # our own bytes, for the planner's torch.load
     return out.getvalue()

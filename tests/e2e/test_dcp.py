@@ -5,6 +5,7 @@ process tests use DCP's ``no_dist`` mode."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import warnings
@@ -14,7 +15,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import WriteItem
 
 from ckptd.client import Checkpointer
 from ckptd.client.dcp import Reader, Writer, checkpoint_id, parse_checkpoint_id
@@ -323,23 +326,39 @@ def test_a_meta_tensor_is_refused_before_any_upload_saying_what_to_do(tmp_path: 
     assert not list(store.glob("chunks/*/*")) and not list(store.glob("jobs/*/steps/*/ranks/*"))
 
 
-def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A hostile (or older) writer stored an object's pickle as a blob: the Reader
-    reads it with weights_only=True and refuses it; DCP's planner, which would
-    unpickle it with weights_only=False, never sees the store's bytes."""
-    from ckptd.client.dcp import writer as dcp_writer
+class _RawBytesPlanner(DefaultSavePlanner):
+    """A user's planner that hands the writer DCP's pickled items as raw bytes: the
+    writer stores bytes as they are, so an object's pickle lands in the store (as
+    from a writer older than the save-time refusal)."""
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        return data.getvalue() if isinstance(data, io.BytesIO) else data
+
+
+def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(tmp_path: Path) -> None:
+    """A stored object's pickle: the Reader reads it with weights_only=True and
+    refuses it; DCP's planner, which would unpickle it with weights_only=False,
+    never sees the store's bytes. (Found by a probe: the refusal quoted torch's
+    load-time message, about a "file", with terminal escape codes in it.)"""
     url = f"file://{tmp_path / 'store'}"
     marker = tmp_path / "ran"
-    monkeypatch.setattr(dcp_writer, "_decode_value", lambda data, fqn, **_: None)
     dcp.save({"w": torch.ones(2), "obj": _Planted(str(marker))},
-             storage_writer=Writer(url, "j", 1), no_dist=True)
-    monkeypatch.undo()
+             storage_writer=Writer(url, "j", 1), planner=_RawBytesPlanner(), no_dist=True)
     assert not marker.exists()
     target: dict[str, Any] = {"w": torch.zeros(2), "obj": None}
     with pytest.raises(CheckpointException) as info:
         dcp.load(target, storage_reader=Reader(url, "j"), no_dist=True)
-    assert isinstance(failure(info), UnsupportedValue) and "'obj'" in str(failure(info))
+    err = failure(info)
+    message = str(err)
+    assert "\n" not in message and "\x1b" not in message and "file" not in message, message
+    assert message.startswith("'obj' of step 1 is stored as a pickle"), message
+    assert isinstance(err, UnsupportedValue) and err.detail == {"name": "obj", "step": 1}
+    assert "as a tensor or a plain value" in message and "Checkpointer.restore" in message
+    assert not marker.exists()
+    # What the message offers: the stored bytes, never loaded by ckptd.
+    restored: dict[str, Any] = {}
+    with Checkpointer(url, "j") as ckpt:
+        ckpt.restore(restored, 1)
+    assert isinstance(restored["obj"], bytes) and restored["obj"].startswith(b"PK")
     assert not marker.exists()
