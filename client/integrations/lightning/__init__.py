@@ -23,10 +23,10 @@ committed step. Removing a path removes its pointer and its tag, never data.
 
 Saves are asynchronous as ckptd's are: ``save_checkpoint`` returns once the state
 is staged (copied into the staging pool); the upload, the commit, the tag and
-the pointer follow in the background. A load waits for them (it reads what was
-just saved). A failure there is raised, once, by the next save, load or
-``teardown`` (Lightning calls it when fitting ends), which also waits for the last
-save. Do not wrap this plugin in Lightning's
+the pointer follow in the background. A load waits for them, on every rank (it
+reads what was just saved; ``rank_zero.py``). A failure there is raised, once, by
+the next save, load or ``teardown`` (Lightning calls it when fitting ends), which
+also waits for the last save. Do not wrap this plugin in Lightning's
 ``AsyncCheckpointIO``: that only adds a thread and a clone of every tensor.
 
 What is stored is what ckptd stores: tensors as raw bytes, every other leaf as

@@ -32,6 +32,7 @@ from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_RE
 
 from ...checkpointer import Checkpointer
 from ...endpoint import endpoint
+from ...launch import group_initialized
 from ...loop import EventLoopThread, run_private
 from ...reach import reach
 from ...restore import RestoreOptions, restore_into
@@ -39,6 +40,7 @@ from ...save.handle import SaveHandle
 from ...step_import import load_torch_save, looks_like_torch_save
 from ...transport import HttpTransport, open_transport
 from .arguments import check_checkpointer_kwargs, check_timeout, check_url, step_value
+from .rank_zero import RankZeroSaves
 from .tags import JobTags
 
 try:  # the unified package; the standalone one where it is all there is
@@ -220,6 +222,8 @@ class CkptdCheckpointIO(CheckpointIO):
         self._told: weakref.WeakSet[BaseException] = weakref.WeakSet()
         self._last: _Saved | None = None
         self._lock = threading.Lock()
+        self._counts: RankZeroSaves | None = None  # (once the group exists)
+        self._counts_known = False
         self._reach_server()
 
     # -- Lightning's interface ----------------------------------------------------------
@@ -329,6 +333,9 @@ class CkptdCheckpointIO(CheckpointIO):
         self._submit(self._after_commit, handle, step, path, tag)
 
     def _submit(self, fn: Any, *args: Any) -> None:
+        counts = self._rank_zero_saves()
+        if counts is not None:  # (before Lightning's barrier after the save)
+            counts.queued()
         with self._lock:
             if self._after is None:
                 self._after = concurrent.futures.ThreadPoolExecutor(
@@ -343,6 +350,10 @@ class CkptdCheckpointIO(CheckpointIO):
             log.error("%s: %s", self.job, exc)
             if self._error is None:
                 self._error = exc
+        finally:
+            counts = self._rank_zero_saves()
+            if counts is not None:
+                counts.done()
 
     def _after_commit(self, handle: SaveHandle | None, step: int, path: str,
                       tag: str | None) -> None:
@@ -390,7 +401,12 @@ class CkptdCheckpointIO(CheckpointIO):
     def _wait_saves(self, path: str) -> None:
         """Waits for the saves in flight, their commits and pointers: a load after
         a save reads what it saved (as ``torch.load`` after ``torch.save``), not the
-        pointer's older step, nor nothing at a new path. Their failure is raised."""
+        pointer's older step, nor nothing at a new path. Their failure is raised.
+        On another rank, for those rank 0 had queued (``rank_zero.py``)."""
+        if not self._saves_here():
+            counts = self._rank_zero_saves()
+            if counts is not None:
+                counts.wait(path, self.timeout)
         pending = [f for f in self._pending if not f.done()]
         if pending and concurrent.futures.wait(pending, self.timeout).not_done:
             raise Timeout(f"{path}: the saves before this load did not commit within "
@@ -419,6 +435,12 @@ class CkptdCheckpointIO(CheckpointIO):
 
         run_private(ask(), within + 2 * knobs.connect_timeout() + 5.0,
                     what=f"reaching the ckptd server at {self.url}")
+
+    def _rank_zero_saves(self) -> RankZeroSaves | None:
+        """Rank 0's counts of this job's saves (None: nothing to count through)."""
+        if not self._counts_known and group_initialized():
+            self._counts, self._counts_known = RankZeroSaves.here(self.job), True
+        return self._counts
 
     def _checkpointer(self) -> Checkpointer:
         with self._lock:

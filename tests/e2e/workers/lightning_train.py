@@ -5,9 +5,12 @@
 first launch, once ``last`` names the step before it (committed), for torchrun to
 restart both ranks.
 
-argv: out_dir url job workdir [--kill-rank R --kill-epoch E]. Writes
-``<out>/rank<r>.json``: the launch, the step training started from, and digests of
-the model and the optimizer state."""
+With ``--load-after-save``, after ``fit`` a ``Fabric`` on the same plugin saves
+two steps in turn at one path and loads each back on every rank at once.
+
+argv: out_dir url job workdir [--kill-rank R --kill-epoch E] [--load-after-save].
+Writes ``<out>/rank<r>.json``: the launch, the step training started from, digests
+of the model and the optimizer state, and what each load after a save read."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.strategies import DDPStrategy as FabricDDP
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
@@ -102,6 +106,29 @@ class Watch(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def load_after_save(io: CkptdCheckpointIO, path: Path) -> list[Any]:
+    """``fabric.save`` (global rank 0 saves, then every rank meets at a barrier) and
+    ``fabric.load`` at once (every rank loads): the step each load read, or its
+    error's name. The state is large enough for rank 0's upload to outlast another
+    rank's look at the pointer: the first save finds no pointer there, the second
+    the first one's."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, plugins=[io],
+                      strategy=FabricDDP(process_group_backend="gloo"))
+    fabric.launch()
+    big = torch.arange(8 * 2**20, dtype=torch.float32)  # 32 MiB
+    read: list[Any] = []
+    for step in (100, 101):
+        fabric.save(path, {"step": step, "w": big + step})
+        try:
+            got = fabric.load(path)
+            read.append(got["step"] if torch.equal(got["w"], big + got["step"]) else "bits")
+        except Exception as exc:
+            read.append(type(exc).__name__)
+            fabric.barrier()  # (the one fabric.load meets after its load)
+        fabric.barrier()
+    return read
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -110,6 +137,7 @@ def main() -> None:
     p.add_argument("workdir")
     p.add_argument("--kill-rank", type=int)
     p.add_argument("--kill-epoch", type=int)
+    p.add_argument("--load-after-save", action="store_true")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
@@ -145,6 +173,8 @@ def main() -> None:
         "model": digest(model.state_dict()),
         "optim": digest(trainer.optimizers[0].state_dict()),
     }
+    if args.load_after_save:
+        result["load_after_save"] = load_after_save(io, ckpts / "fabric.ckpt")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
