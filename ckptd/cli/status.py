@@ -200,6 +200,7 @@ def status(
     from rich.live import Live
 
     params: dict[str, Any] = {"steps": 0}
+    shown = False
     try:
         if job is not None:
             params["job"] = check_job(job)
@@ -218,6 +219,7 @@ def status(
                 console.print(view)
                 return
             deadline = time.monotonic() + watch if watch > 0 else None
+            shown = True  # (the ranks in hand, on the screen from the Live's start)
             with Live(view, console=console, refresh_per_second=4) as live:
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
@@ -229,4 +231,9 @@ def status(
     except CkptdError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        pass
+        # Ctrl-C is how a --watch ends once it has shown the ranks: done (0). Before
+        # any answer (a one-shot, or a watch whose server has not answered yet) the
+        # command did not do what was asked: 130, as the shell's convention has it,
+        # so that `ckptd status && ...` does not go on as if it had answered.
+        if not shown:
+            raise typer.Exit(code=130) from None

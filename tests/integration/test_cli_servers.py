@@ -6,6 +6,7 @@ URL for the job's damage, or named the whole list as one URL."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -113,6 +114,30 @@ def test_a_stopped_server_is_said_and_a_running_one_serves(saved: ServerProcess)
     for command in (["verify", "j1"], ["gc", "--dry-run"], ["ls", "j1"], ["status"]):
         done, _ = ckptd(*command, "--url", saved.url)
         assert done.returncode == 0, done.stdout + done.stderr
+    # Ctrl-C ends a --watch that has shown the ranks: its way out, exit 0 (before
+    # any answer it is 130: above).
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0",
+                             "--url", saved.url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO,
+                            env={**{k: v for k, v in os.environ.items()
+                                    if not k.startswith("CKPTD_")},
+                                 "TTY_COMPATIBLE": "1", "COLUMNS": "120"})
+    try:
+        assert proc.stdout is not None
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"j1" not in seen and time.monotonic() < deadline:  # (a terminal's Live)
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                more = os.read(proc.stdout.fileno(), 65536)
+                if not more:
+                    break  # (it ended: said below)
+                seen += more
+        assert b"j1" in seen, (seen, proc.poll())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and b"Traceback" not in err, err
 
 
 def test_a_list_with_another_program_names_it_and_tries_nothing_else(
@@ -164,11 +189,14 @@ def test_an_https_entry_of_a_plain_http_server_in_a_list_says_so(
         assert "ConnectError" not in done.stderr
 
 
-@pytest.mark.parametrize("command", [["ls"], ["verify", "j1"], ["status"]])
+@pytest.mark.parametrize("command", [["ls"], ["verify", "j1"], ["status"],
+                                     ["status", "--watch", "0"]])
 def test_ctrl_c_while_a_server_is_silent_ends_the_command_at_once(
         mute: str, command: list[str]) -> None:
     """The check waited out its 10 s before Ctrl-C took effect (a pool's threads
-    are joined at exit; an event loop's SIGINT handler waits for the loop)."""
+    are joined at exit; an event loop's SIGINT handler waits for the loop). Exit
+    130, the shell's for SIGINT: ``status`` said 0, as if it had answered (a watch
+    that has shown the ranks ends with Ctrl-C: exit 0, below)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
     proc = subprocess.Popen([sys.executable, "-m", "ckptd", *command, "--url", mute],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -183,6 +211,5 @@ def test_ctrl_c_while_a_server_is_silent_ends_the_command_at_once(
     finally:
         proc.kill()
     assert "Traceback" not in err, err
-    if command != ["status"]:  # (status ends a --watch with Ctrl-C, exit 0)
-        assert proc.returncode != 0, err
+    assert proc.returncode == 130, err
     assert took < 3.0, f"ckptd {' '.join(command)} ended {took:.1f} s after Ctrl-C"
