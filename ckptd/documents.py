@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ckptd import large_json
-from ckptd.errors import InvalidDocument, StoreCorrupt, UnsupportedFormat, UnsupportedStoredFormat
+from ckptd.errors import InvalidRequest, StoreCorrupt, UnsupportedFormat, UnsupportedStoredFormat
 from ckptd.format import FORMAT_VERSION, RankManifest
 
 _Doc = TypeVar("_Doc")
@@ -29,7 +29,9 @@ def parse_stored(parse: Callable[[bytes], _Doc], data: bytes, key: str) -> _Doc:
         return parse(data)
     except UnsupportedFormat as exc:
         raise unsupported_stored(exc, key) from None
-    except InvalidDocument as exc:
+    except InvalidRequest as exc:
+        # Not only InvalidDocument: a field checked as a name (a commit record's job,
+        # a tag) says ``invalid_name``, which blamed the caller for the store's damage.
         raise StoreCorrupt(f"damaged document {key}: {exc.message}", key=key) from None
 
 

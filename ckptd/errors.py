@@ -289,7 +289,9 @@ class SnapshotSkipped(CkptdError):
 
 
 class RestoreError(CkptdError):
-    """A restore could not produce the committed state (named entries or chunks)."""
+    """A restore could not produce the committed state (named entries or chunks).
+    ``detail["damaged"]`` True: the store itself lacks a chunk of the step or holds
+    it wrong (damage: the command line's exit 1), not a source that failed."""
 
     code = "restore_failed"
 

@@ -4,7 +4,7 @@ store not reached, a newer ckptd's document)."""
 
 from __future__ import annotations
 
-from ckptd.errors import ChunkNotFound, CkptdError, IntegrityError, StoreCorrupt
+from ckptd.errors import ChunkNotFound, CkptdError, IntegrityError, RestoreError, StoreCorrupt
 
 OK = 0
 DAMAGE = 1
@@ -18,4 +18,11 @@ _DAMAGE = (StoreCorrupt, IntegrityError, ChunkNotFound)
 
 def exit_code(exc: CkptdError) -> int:
     """The exit code of a command that stopped at ``exc``: 1 for damage, else 2."""
-    return DAMAGE if isinstance(exc, _DAMAGE) else COULD_NOT_RUN
+    if isinstance(exc, _DAMAGE):
+        return DAMAGE
+    # restore_failed is damage only when the store itself lacks or spoils a chunk of
+    # the step (``detail["damaged"]``); a server gone mid-restore, a target that does
+    # not fit: the command could not run.
+    if isinstance(exc, RestoreError) and exc.detail.get("damaged") is True:
+        return DAMAGE
+    return COULD_NOT_RUN

@@ -316,7 +316,7 @@ async def _commit_records(store: Store, committed: set[tuple[str, str]]
             record = await document_work(CommitRecord.parse, data)
         except UnsupportedFormat as exc:  # a newer ckptd's: upgrade, never forget it
             raise unsupported_stored(exc, key) from None
-        except InvalidDocument as exc:
+        except InvalidRequest as exc:  # (a field checked as a name too: invalid_name)
             raise _stopped(key, f"commit record {key} does not parse ({exc.message})"
                            ) from None
         if record.job != job or record.step != step:  # a record copied to another key
@@ -375,7 +375,7 @@ async def _read_ids(store: Store, keys: set[str], into: set[str],
                 ids = found if found is not None else await document_work(_chunk_ids_of, data)
         except UnsupportedFormat as exc:  # a newer ckptd's save: upgrade, never forget it
             raise unsupported_stored(exc, key) from None
-        except InvalidDocument as exc:
+        except InvalidRequest as exc:  # (a field checked as a name too: invalid_name)
             raise _stopped(key, f"rank manifest {key} does not parse ({exc.message})"
                            ) from None
         into.update(ids)

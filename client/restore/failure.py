@@ -64,11 +64,15 @@ def failure(fetcher: ChunkFetcher, wanted: WantedChunks, step: int) -> CkptdErro
     cause = "; ".join(_cause(p) for p in decisive) or "no source holds it"
     kinds = {p.kind for cid in ids for p in fetcher.failed[cid] if p.tier not in _BESIDE_THE_STORE}
     damaged = bool(kinds & {"mismatch", "size"})
-    way_out = f"; {_way_out(step, damaged)}" if damaged or "missing" in kinds else ""
+    # The store itself lacks a chunk the committed step names, or holds it wrong:
+    # damage of the checkpoint (``detail["damaged"]``, the command line's exit 1),
+    # where a chunk the store could not be asked for (a server gone) says nothing of it.
+    lacking = damaged or "missing" in kinds
+    way_out = f"; {_way_out(step, damaged)}" if lacking else ""
     return RestoreError(
         f"{len(ids)} chunks of {where}{of_step} could not be restored from any source "
         f"(first: {ids[0]}: {cause}){way_out}",
-        ids=ids[:100], entries=names[:50], problems=problems, step=step,
+        ids=ids[:100], entries=names[:50], problems=problems, step=step, damaged=lacking,
     )
 
 

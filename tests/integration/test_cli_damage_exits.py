@@ -22,7 +22,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from tests.conftest import ServerProcess
-from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
+from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd, ckptd_each
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,27 +109,6 @@ def test_scrub_refuses_a_replica_that_is_not_there_creating_nothing(store: Path,
         assert not (tmp_path / "no").exists()
 
 
-@pytest.mark.parametrize("via", ["file", "server"])
-def test_scrub_says_whose_missing_chunks_are_and_exits_1_on_damage_it_reports(
-    store: Path, via: str
-) -> None:
-    _weight_chunk(store, 30).unlink()  # missing: verify's to find, not scrub's
-    cursor = store / "gc" / "scrub"
-    cursor.parent.mkdir(exist_ok=True)
-    cursor.write_bytes(b"\x00not a cursor")
-    with reached(store, via) as url:
-        done = ckptd("scrub", "--url", url)
-        said = done.stdout + done.stderr
-        assert done.returncode == 1, said
-        assert "gc/scrub" in done.stdout and "Traceback" not in said, said
-        assert "ckptd verify" in done.stdout, said
-        # The cursor replaced, a missing chunk is no damage scrub finds: exit 0, and
-        # it says which command finds those.
-        done = ckptd("scrub", "--url", url)
-        said = done.stdout + done.stderr
-        assert done.returncode == 0, said
-        assert "ckptd verify" in done.stdout, said
-
 
 # -- 2. exit codes on a damaged store ---------------------------------------------------
 
@@ -163,6 +142,47 @@ def test_damage_found_is_exit_1_in_every_reading_command(store: Path, tmp_path: 
         assert_short_usage_error(ckptd("diff", "nojob", "1", "2", "--url", url), "nojob")
         ok = ckptd("diff", JOB, "10", "30", "--url", url)
         assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_a_chunk_the_store_lacks_and_a_commit_record_naming_a_bad_job_are_damage(
+    store: Path, tmp_path: Path, via: str
+) -> None:
+    """Found by a probe: a restore of a step whose chunk file is gone said
+    restore_failed and exit 2, as for a store it could not read; a commit record
+    whose job is no job name said invalid_name (exit 2), blaming the caller, in
+    restore, diff, ls and gc."""
+    gone = _weight_chunk(store, 30)
+    gone.unlink()
+    # A chunk the store cannot read (ELOOP, as EIO or EACCES would be): it could not
+    # run, the checkpoint not known to be damaged.
+    unread = _weight_chunk(store, 20)
+    unread.unlink()
+    unread.symlink_to(unread.name)
+    record = _step(store, 10) / "commit.json"
+    doc = json.loads(record.read_text())
+    record.write_text(json.dumps({**doc, "job": "bad name!"}))
+    bad = "jobs/j1/steps/10/commit.json"
+
+    def restore(step: int) -> list[str]:
+        return ["restore", "--job", JOB, "--rank", "0", "--step", str(step), "--to",
+                str(tmp_path / f"r{step}"), "--no-peers", "--url", url]
+
+    with reached(store, via) as url:
+        lacked, unreadable, named, listed = ckptd_each(
+            restore(30), restore(20), restore(10), ["ls", JOB, "--url", url], env=WIDE)
+        unread.unlink()  # (gc lists the chunks' sizes: it stops at the loop first)
+        collected = ckptd("gc", "--dry-run", "--url", url)
+    _damage(lacked, "restore_failed", gone.name, "missing")
+    said = unreadable.stdout + unreadable.stderr
+    assert unreadable.returncode == 2, said
+    assert "restore_failed" in said and "Traceback" not in said, said
+    _damage(named, "store_corrupt", bad, "bad name!")
+    assert "invalid_name" not in named.stderr, named.stderr
+    said = listed.stdout + listed.stderr
+    assert listed.returncode == 1, said
+    assert _row(listed.stdout, 10)[1] == "damaged" and bad in said, said
+    _damage(collected, "store_corrupt", bad, "bad name!")  # (gc reads the records itself)
 
 
 # -- 3. forget calls a damaged step damaged ---------------------------------------------
