@@ -110,6 +110,28 @@ def test_scrub_refuses_a_replica_that_is_not_there_creating_nothing(store: Path,
 
 
 
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_scrub_says_whose_missing_chunks_are_and_exits_1_on_damage_it_reports(
+    store: Path, via: str
+) -> None:
+    _weight_chunk(store, 30).unlink()  # missing: verify's to find, not scrub's
+    cursor = store / "gc" / "scrub"
+    cursor.parent.mkdir(exist_ok=True)
+    cursor.write_bytes(b"\x00not a cursor")
+    with reached(store, via) as url:
+        done = ckptd("scrub", "--url", url)
+        said = done.stdout + done.stderr
+        assert done.returncode == 1, said
+        assert "gc/scrub" in done.stdout and "Traceback" not in said, said
+        assert "ckptd verify" in done.stdout, said
+        # The cursor replaced, a missing chunk is no damage scrub finds: exit 0, and
+        # it says which command finds those.
+        done = ckptd("scrub", "--url", url)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0, said
+        assert "ckptd verify" in done.stdout, said
+
+
 # -- 2. exit codes on a damaged store ---------------------------------------------------
 
 
