@@ -350,10 +350,15 @@ def scrub(
     async def direct(repo: Any) -> Any:
         from ckptd.lifecycle.scrub import scrub as run
         from ckptd.lifecycle.scrub import store_source
-        from ckptd.store import open_store
 
-        sources = [store_source(open_store(replica_url, create=False))] if replica_url else []
-        return dataclasses.asdict(await run(repo, budget_bytes=budget, sources=sources))
+        if replica is None or replica_url is None:
+            return dataclasses.asdict(await run(repo, budget_bytes=budget))
+        copy = await _holding_chunks(replica, replica_url)
+        try:
+            return dataclasses.asdict(await run(repo, budget_bytes=budget,
+                                                sources=[store_source(copy)]))
+        finally:
+            await copy.close()
 
     with console.status("scrubbing"):
         r = _run(url, token, lambda server: server.scrub(budget), direct)
@@ -391,6 +396,28 @@ def _replica(replica: str) -> str:
                        f"({'a file' if path.exists() else 'no such directory'}); name a copy "
                        "of this store to repair from (scrub never creates one)")
     return url
+
+
+async def _holding_chunks(replica: str, url: str) -> Any:
+    """The store ``--replica`` names, open; ``NotFound`` (exit 2) when no chunk lies
+    under it: a wrong bucket, prefix or directory repaired nothing, and the scrub
+    then marked damaged the steps it could have repaired, or said nothing at all."""
+    from ckptd.store import open_store
+
+    store = open_store(url, create=False)
+    try:
+        held = await store.list_dir("chunks/")  # (one listing, not every chunk)
+    except NotFound:  # an s3:// prefix with nothing under it
+        held = []
+    except BaseException:
+        await store.close()
+        raise
+    if not held:
+        await store.close()
+        raise NotFound(f"--replica {replica}: no chunks are stored there (a wrong bucket, "
+                       "prefix or directory?); name a copy of this store to repair from",
+                       replica=replica)
+    return store
 
 
 @app.command()

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.lifecycle.documents import damage_key
 from tests.conftest import ServerProcess
 from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd, ckptd_each
 
@@ -108,6 +109,27 @@ def test_scrub_refuses_a_replica_that_is_not_there_creating_nothing(store: Path,
         assert_short_usage_error(done, "--replica", str(missing))
         assert not (tmp_path / "no").exists()
 
+
+def test_scrub_refuses_a_replica_that_holds_no_chunks_before_marking_anything(
+    store: Path, pristine: Path, tmp_path: Path
+) -> None:
+    """An empty directory (a wrong path: the s3:// prefix's case is in test_cli_s3) was
+    taken as a replica: step 10's corrupt chunk was 'not repaired' and the step marked
+    damaged (exit 1), and with no corrupt chunk the scrub said nothing of it (exit 0)."""
+    chunk = _weight_chunk(store, 10)
+    chunk.chmod(0o644)
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    empty = tmp_path / "empty"
+    (empty / "jobs").mkdir(parents=True)  # (no chunks/: a store's start, or another tree)
+    refused = ckptd_each(*(["scrub", "--replica", replica, "--url", f"file://{store}"]
+                           for replica in (str(empty), f"file://{empty}")))
+    for done in refused:
+        assert_short_usage_error(done, "--replica", str(empty), "no chunks are stored there")
+    assert not (store / damage_key(JOB, 10)).exists()
+    # The same scrub with a copy that holds the chunk repairs it.
+    done = ckptd("scrub", "--replica", str(pristine), "--url", f"file://{store}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"repaired {chunk.name}" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("via", ["file", "server"])

@@ -201,3 +201,21 @@ def test_a_prefix_with_nothing_under_it_is_no_store(command: list[str], s3_store
                       region_name="us-east-1")
     assert s3.list_objects_v2(Bucket=BUCKET, Prefix=where.split("/", 3)[3]).get(
         "KeyCount", 0) == 0
+
+
+def test_scrub_refuses_a_replica_prefix_with_nothing_under_it(s3_store: str,
+                                                              tmp_path: Path) -> None:
+    """A mistyped replica prefix read as a replica that lacks every chunk: the corrupt
+    one 'not repaired' and its step marked damaged (exit 1), with none corrupt not a
+    word of it (exit 0). Now refused first (exit 2); the right prefix repairs it."""
+    local = tmp_path / "files"  # (the store s3_store's objects were uploaded from)
+    chunk = next(p for p in (local / "chunks").rglob("*") if p.is_file())
+    chunk.chmod(0o644)
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    typo = s3_store.replace(f"s3://{BUCKET}/", f"s3://{BUCKET}/x")
+    done = ckptd("scrub", "--replica", typo, "--url", f"file://{local}")
+    _short_error(done, "--replica", typo.split("?")[0], "no chunks are stored there")
+    assert done.returncode == 2 and not (local / "jobs" / "llm-7b" / "damage").exists()
+    done = ckptd("scrub", "--replica", s3_store, "--url", f"file://{local}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"repaired {chunk.name}" in done.stdout, done.stdout
