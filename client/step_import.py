@@ -99,7 +99,7 @@ def load_torch_save(path: Path, map_location: Any, advice: str) -> Any:
     except pickle.UnpicklingError as exc:
         raise UnsupportedValue(
             f"{path} holds pickled objects, which ckptd does not unpickle (it loads with "
-            f"torch.load(weights_only=True), which refused {_refused(exc)}); {advice}",
+            f"torch.load(weights_only=True), which refused {refused_by(exc)}); {advice}",
             path=str(path)) from None
     except Exception as exc:  # noqa: BLE001 - see below
         # A damaged file trips torch's unpickler anywhere, with whatever its parsing
@@ -115,7 +115,7 @@ _OPERAND = re.compile(r"Unsupported operand (\d+)")
 _OPCODES = {ord(op.code): op for op in pickletools.opcodes}
 
 
-def _refused(exc: pickle.UnpicklingError) -> str:
+def refused_by(exc: BaseException) -> str:
     """What torch's weights_only unpickler refused, in a few words: its text is a
     dozen lines with terminal bold codes, what it refused after "WeightsUnpickler
     error:" on that line or the next (the last line that has one, in another torch)."""
@@ -285,7 +285,7 @@ def read_dcp(path: Path) -> dict[str, Any]:
             except pickle.UnpicklingError as exc:
                 raise UnsupportedValue(
                     f"{read_item.dest_index.fqn!r} in {path} is an object that weights_only "
-                    f"loading refuses ({_refused(exc)})",
+                    f"loading refuses ({refused_by(exc)})",
                     name=read_item.dest_index.fqn,
                 ) from None
             fqn = read_item.dest_index.fqn

@@ -67,6 +67,7 @@ from ..restore.sources import (
     Source,
     StoreSource,
 )
+from ..step_import import refused_by
 from ..transport import Transport
 from .index import StepIndex, StoredBox, index_manifest
 from .target import (
@@ -466,25 +467,26 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
 
 
 def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str, step: int) -> bytes:
-    """An opaque blob's bytes for the planner, which ``torch.load``s them with
-    ``weights_only=False``: always bytes ckptd made itself. A blob DCP wrote (a
-    ``torch.save`` of a value that is no plain JSON) is the store's content, so it
-    is read here with ``weights_only=True`` and saved again; a Checkpointer's bytes
-    leaf is a value, saved for the planner like one."""
+    """An opaque blob's bytes for the planner. DCP's planner ``torch.load``s them
+    with ``weights_only=False``, so it only ever gets bytes ckptd made itself: a
+    blob DCP wrote (a ``torch.save`` of a value that is no plain JSON) is the
+    store's content, read here with ``weights_only=True`` (types the user
+    registered with ``torch.serialization.add_safe_globals`` included) and saved
+    again; a Checkpointer's bytes leaf is a value, saved for the planner like one."""
     raw = buf.numpy().tobytes()
     value: Any = raw
     if written_by_dcp:
         try:
             value = load_value(io.BytesIO(raw))
-        except Exception:  # (UnpicklingError, or any failure of a bad pickle)
+        except Exception as exc:  # (UnpicklingError, or any failure of a bad pickle)
             # Not torch's message: it speaks of a file and of loading it anyway, with
-            # terminal escape codes in it.
+            # terminal escape codes in it; what it refused, in a few words.
             raise UnsupportedValue(
-                f"{fqn!r} of step {step} is stored as a pickle that ckptd does not load "
-                "(weights_only loading refuses it; nothing in a store is ever "
-                "unpickled): save that value as a tensor or a plain value instead; if "
-                "you trust this checkpoint, Checkpointer.restore gives the stored "
-                "bytes, for torch.load(io.BytesIO(data), weights_only=False)",
+                f"{fqn!r} of step {step} is stored as a pickle that weights_only loading "
+                f"refuses ({refused_by(exc)}), and ckptd unpickles nothing else from a "
+                "store: save that value as a tensor or a plain value instead, or, if you "
+                "trust its type, register it with torch.serialization.add_safe_globals "
+                "(Checkpointer.restore gives the stored bytes as they are)",
                 name=fqn, step=step) from None
     out = io.BytesIO()
     torch.save(value, out)  # our own bytes, for the planner's torch.load

@@ -355,6 +355,9 @@ def test_a_planted_pickle_in_the_store_is_never_unpickled_on_load(tmp_path: Path
     assert message.startswith("'obj' of step 1 is stored as a pickle"), message
     assert isinstance(err, UnsupportedValue) and err.detail == {"name": "obj", "step": 1}
     assert "as a tensor or a plain value" in message and "Checkpointer.restore" in message
+    # What weights_only refused, and the way to load a trusted type that stays weights-only.
+    assert "refuses (the object " in message and "add_safe_globals" in message, message
+    assert "weights_only=False" not in message, message
     assert not marker.exists()
     # What the message offers: the stored bytes, never loaded by ckptd.
     restored: dict[str, Any] = {}
