@@ -162,7 +162,8 @@ class Census:
             self._want_full = True
         self._poke()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), wait)
+            async with asyncio.timeout(wait):
+                await self._idle.wait()
         return self.space or self._make_space()
 
     async def count_all(self) -> StoreSpace:
@@ -215,8 +216,12 @@ class Census:
         due = [self._list_due]
         if self.interval > 0 and self._full_at is not None:
             due.append(self._full_at + self.interval)
+        # asyncio.timeout, not wait_for: on 3.11, wait_for returns when the event
+        # is set in the loop's turn that cancels it, and the cancel is lost (the
+        # server's stop then waits for the next listing).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), max(0.01, min(due) - now))
+            async with asyncio.timeout(max(0.01, min(due) - now)):
+                await self._wake.wait()
         self._wake.clear()
 
     async def _work_piece(self) -> bool:

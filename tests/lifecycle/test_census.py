@@ -137,6 +137,27 @@ async def test_hooks_keep_the_census_equal_to_a_recount(any_store: Store) -> Non
         await counter.close()
 
 
+async def test_a_cancel_is_not_lost_when_work_arrives_with_it(tmp_path: Path) -> None:
+    """A server stopping cancels the census task. When that cancel arrives in the
+    same turn of the loop as a poke (a commit just before shutdown), the task still
+    ends: it once took the poke and waited on, up to the next listing (600 s)."""
+    counter = Census(Repository(LocalStore(tmp_path / "s", fsync=False)),
+                     interval=0, process=False)
+    task = counter.start()
+    try:
+        await counter.current(wait=10)  # the first pass and listing: then it waits
+        await asyncio.sleep(0.05)
+        counter.note_commit("j", 1)  # its wait is over ...
+        await asyncio.sleep(0)
+        task.cancel()  # ... but it has not run yet
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert task in done and task.cancelled()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await counter.close()
+
+
 async def test_a_full_pass_finds_what_others_committed_and_forgot(tmp_path: Path) -> None:
     """Another replica's commits and forgets reach this census at its next full pass;
     a chunk stored since the last listing is counted without one."""
