@@ -202,7 +202,7 @@ class ChunkUse(_Body):
 
 class ChunkDamage(_Body):
     chunk: str
-    problem: Literal["corrupt", "missing"]
+    problem: Literal["corrupt", "missing", "unreadable"]  # (unreadable: there, does not read)
     breaks: list[ChunkUse] = Field(description="The steps, ranks and tensors it is part of.")
 
 

@@ -101,12 +101,18 @@ async def scrub(
         if budget_bytes is not None and report.bytes_checked >= budget_bytes:
             break
         try:
-            data = await store.get(chunk_key(cid))
+            data: bytes | None = await store.get(chunk_key(cid))
         except NotFound:
             continue  # collected since it was listed
+        except StoreCorrupt as exc:  # there, but does not read (a link loop, a read error)
+            log.warning("scrub: %s", exc)
+            data = None
         report.chunks_checked += 1
-        report.bytes_checked += len(data)
-        if await asyncio.to_thread(chunk_id, data) != cid:
+        report.bytes_checked += len(data) if data is not None else 0
+        if data is None:
+            report.corrupt.append(cid)
+            unrepaired.append(cid)  # (no bytes to swap a copy for: marked, not repaired)
+        elif await asyncio.to_thread(chunk_id, data) != cid:
             report.corrupt.append(cid)
             if await _repair(store, cid, data, sources):
                 report.repaired.append(cid)

@@ -98,6 +98,10 @@ class Verification(Timelines):
                     report.bad_chunks.append(cid)
                     report.damage.append({"chunk": cid, "problem": "corrupt",
                                           "breaks": users[cid]})
+                except StoreCorrupt:  # its object is there but does not read (a link loop)
+                    report.bad_chunks.append(cid)
+                    report.damage.append({"chunk": cid, "problem": "unreadable",
+                                          "breaks": users[cid]})
                 else:
                     report.bytes_checked += len(data)
                 report.chunks_checked += 1

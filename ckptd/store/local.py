@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from ckptd.errors import NotFound, StoreError, StoreFull
+from ckptd.errors import NotFound, StoreCorrupt, StoreError, StoreFull
 from ckptd.store import direct_io
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
@@ -37,6 +37,28 @@ def _reason(exc: OSError) -> str:
 
 # A full disk or an exhausted quota: retrying will not help until space is freed.
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+# The object itself cannot be read (a symbolic link loop, the disk's read error, a
+# file system that found its own damage): damage to that object, not a store that
+# cannot be reached.
+_DAMAGED = {errno.ELOOP, errno.EIO, errno.EUCLEAN, errno.EBADMSG}
+
+
+def _read_failed(key: str, exc: OSError) -> StoreError:
+    """The typed error for a failed read of ``key``: ``StoreCorrupt`` naming it when
+    the object is damaged, else ``StoreError`` (permissions, no file handles left)."""
+    cls = StoreCorrupt if exc.errno in _DAMAGED else StoreError
+    return cls(f"cannot read {key}: {_reason(exc)}", key=key)
+
+
+def _is_object(entry: os.DirEntry[str]) -> bool:
+    """A file, or an entry that does not resolve to anything (a link that loops), as
+    ``os.walk`` lists it: an object whose reader gets ``StoreCorrupt``."""
+    try:
+        return entry.is_file()
+    except OSError as exc:
+        return exc.errno in _DAMAGED
 
 
 def _write_failed(key: str, exc: OSError, verb: str = "write") -> StoreError:
@@ -104,6 +126,8 @@ class LocalStore(Store):
                 return f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"no object at {key}", key=key) from None
+        except OSError as exc:
+            raise _read_failed(key, exc) from exc
 
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._get, key)
@@ -146,6 +170,15 @@ class LocalStore(Store):
                 st = os.stat(self.root / key)
             except FileNotFoundError:
                 continue  # deleted since it was listed
+            except OSError as exc:
+                if exc.errno not in _DAMAGED:
+                    raise _read_failed(key, exc) from exc
+                # Listed as the entry it is (a link that loops): a reader of it
+                # gets StoreCorrupt, and a collection may still delete it.
+                try:
+                    st = os.lstat(self.root / key)
+                except OSError:
+                    raise _read_failed(key, exc) from exc
             out.append(ObjectInfo(key, st.st_size, st.st_mtime))
         return out
 
@@ -164,7 +197,7 @@ class LocalStore(Store):
                     for e in it:
                         if e.name.startswith(_TMP):
                             continue
-                        if e.is_file():
+                        if _is_object(e):
                             return True
                         if e.is_dir():
                             subdirs.append(e.path)
@@ -183,7 +216,7 @@ class LocalStore(Store):
                 e.name
                 for e in entries
                 if not (base == self.root and e.name == _LOCKS)
-                and (e.is_file() or (e.is_dir() and holds_objects(e.path)))
+                and (_is_object(e) or (e.is_dir() and holds_objects(e.path)))
             )
 
         if prefix:

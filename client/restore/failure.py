@@ -63,7 +63,7 @@ def failure(fetcher: ChunkFetcher, wanted: WantedChunks, step: int) -> CkptdErro
     decisive = [p for p in first_problems if p.tier not in _BESIDE_THE_STORE] or first_problems
     cause = "; ".join(_cause(p) for p in decisive) or "no source holds it"
     kinds = {p.kind for cid in ids for p in fetcher.failed[cid] if p.tier not in _BESIDE_THE_STORE}
-    damaged = bool(kinds & {"mismatch", "size"})
+    damaged = bool(kinds & {"mismatch", "size", "damaged"})  # (damaged: does not read)
     # The store itself lacks a chunk the committed step names, or holds it wrong:
     # damage of the checkpoint (``detail["damaged"]``, the command line's exit 1),
     # where a chunk the store could not be asked for (a server gone) says nothing of it.

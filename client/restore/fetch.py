@@ -18,6 +18,7 @@ from ckptd.errors import (
     ChunkNotFound,
     ChunkSizeMismatch,
     CkptdError,
+    StoreCorrupt,
 )
 from ckptd.knobs import MiB
 
@@ -99,6 +100,8 @@ class ChunkFetcher:
                     actual = exc.detail.get("actual")
                     problem = ChunkProblem(cid, source.tier, holder, "mismatch",
                                            f"bytes hash to {actual}" if actual else str(exc))
+                except StoreCorrupt as exc:  # its copy is there but does not read
+                    problem = ChunkProblem(cid, source.tier, holder, "damaged", str(exc))
                 except (CkptdError, OSError) as exc:
                     reason = exc.detail.get("reason") if isinstance(exc, CkptdError) else None
                     text = f"{type(exc).__name__}: {exc}" + (f" ({reason})" if reason else "")

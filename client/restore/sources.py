@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import blake3
 import numpy as np
 
-from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, Timeout, Unavailable
+from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, StoreCorrupt, Timeout, Unavailable
 from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
 from ckptd.pages import populate_read
@@ -285,6 +286,17 @@ class DirectoryCacheSource(Source):
 
     def _map(self, path: Path, cid: str) -> memoryview:
         try:
+            return self._map_file(path, cid)
+        except OSError as exc:
+            if exc.errno not in _DAMAGED:
+                raise
+            # There, but its file does not read (a link that loops, the disk's read
+            # error): that copy is damaged, and the next tier is asked.
+            raise StoreCorrupt(f"cannot read {chunk_key(cid)} in {self.root}: "
+                               f"{exc.strerror}", key=chunk_key(cid), id=cid) from None
+
+    def _map_file(self, path: Path, cid: str) -> memoryview:
+        try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {cid} is not in {path.parent}", id=cid) from None
@@ -316,6 +328,9 @@ class DirectoryCacheSource(Source):
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps = []
+
+
+_DAMAGED = frozenset({errno.ELOOP, errno.EIO, errno.EUCLEAN, errno.EBADMSG})
 
 
 def map_budget() -> int:

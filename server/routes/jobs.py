@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -38,6 +39,8 @@ from ckptd.server.deps import (
 )
 from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -177,6 +180,9 @@ async def verify(
             final: dict[str, Any] = {"report": _result(report).model_dump(mode="json")}
         except CkptdError as exc:
             final = {"error": exc.to_json()}
+        except Exception:  # a bug: said, and the stream still ends (the caller waits on it)
+            log.exception("verify of %s failed", job)
+            final = {"error": CkptdError("internal server error; see the server log").to_json()}
         lines.put_nowait(json.dumps(final).encode() + b"\n")
         lines.put_nowait(None)
 

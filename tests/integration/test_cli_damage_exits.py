@@ -198,8 +198,8 @@ def test_a_chunk_the_store_lacks_and_a_commit_record_naming_a_bad_job_are_damage
     restore, diff, ls and gc."""
     gone = _weight_chunk(store, 30)
     gone.unlink()
-    # A chunk the store cannot read (ELOOP, as EIO or EACCES would be): it could not
-    # run, the checkpoint not known to be damaged.
+    # A chunk whose file does not read (a link that loops, as a disk's EIO would):
+    # damage of that chunk (EACCES would be a store this user cannot read: exit 2).
     unread = _weight_chunk(store, 20)
     unread.unlink()
     unread.symlink_to(unread.name)
@@ -215,18 +215,48 @@ def test_a_chunk_the_store_lacks_and_a_commit_record_naming_a_bad_job_are_damage
     with reached(store, via) as url:
         lacked, unreadable, named, listed = ckptd_each(
             restore(30), restore(20), restore(10), ["ls", JOB, "--url", url], env=WIDE)
-        unread.unlink()  # (gc lists the chunks' sizes: it stops at the loop first)
-        collected = ckptd("gc", "--dry-run", "--url", url)
+        collected = ckptd("gc", "--dry-run", "--url", url)  # (it lists the loop's size)
     _damage(lacked, "restore_failed", gone.name, "missing")
-    said = unreadable.stdout + unreadable.stderr
-    assert unreadable.returncode == 2, said
-    assert "restore_failed" in said and "Traceback" not in said, said
+    _damage(unreadable, "restore_failed", unread.name, "cannot read", "ckptd scrub")
     _damage(named, "store_corrupt", bad, "bad name!")
     assert "invalid_name" not in named.stderr, named.stderr
     said = listed.stdout + listed.stderr
     assert listed.returncode == 1, said
     assert _row(listed.stdout, 10)[1] == "damaged" and bad in said, said
     _damage(collected, "store_corrupt", bad, "bad name!")  # (gc reads the records itself)
+
+
+@pytest.mark.parametrize("via", ["file", "server"])
+def test_verify_and_scrub_name_a_chunk_that_does_not_read_and_go_on(store: Path,
+                                                                   via: str) -> None:
+    """Found by a probe: a chunk file that is a link looping on itself stopped
+    verify, scrub and gc with a traceback (OSError ELOOP), the other chunks unchecked.
+    Now verify names it and what it breaks, scrub marks its steps damaged (no bytes
+    to repair: a good copy is put back by hand), gc counts it, and each goes on."""
+    unread = _weight_chunk(store, 20)
+    unread.unlink()
+    unread.symlink_to(unread.name)
+    corrupt = _weight_chunk(store, 10)
+    corrupt.chmod(0o644)
+    corrupt.write_bytes(b"\xff" + corrupt.read_bytes()[1:])
+    with reached(store, via) as url:
+        verified, collected = ckptd_each(["verify", JOB, "--url", url],
+                                         ["gc", "--dry-run", "--url", url], env=WIDE)
+        scrubbed = ckptd("scrub", "--url", url, env=WIDE)
+        listed = ckptd("ls", JOB, "--url", url, env=WIDE)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 1 and "Traceback" not in said, said
+    assert f"unreadable chunk {unread.name}: breaks step 20 rank 0 model.weight" in said, said
+    assert f"corrupt chunk {corrupt.name}" in said, said  # (the rest was checked)
+    said = collected.stdout + collected.stderr
+    assert collected.returncode == 0 and "would free 0 B" in said, said
+    said = scrubbed.stdout + scrubbed.stderr
+    assert scrubbed.returncode == 1 and "Traceback" not in said, said
+    assert unread.name in said and corrupt.name in said, said
+    for step in (10, 20):
+        assert (store / damage_key(JOB, step)).exists(), said
+        assert _row(listed.stdout, step)[1] == "damaged", listed.stdout
+    assert _row(listed.stdout, 30)[1] == "committed", listed.stdout
 
 
 # -- 3. forget calls a damaged step damaged ---------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.errors import InvalidRequest, StoreError
+from ckptd.errors import InvalidRequest, StoreCorrupt, StoreError
 from ckptd.hashing import chunk_id
 from ckptd.store import LocalStore, open_store
 from ckptd.store.base import Store
@@ -43,6 +43,33 @@ async def test_a_key_is_a_file_at_that_path(tmp_path: Path) -> None:
     cid = chunk_id(data)
     await store.put_if_absent(f"chunks/{cid[:2]}/{cid}", data)
     assert (tmp_path / "chunks" / cid[:2] / cid).read_bytes() == data
+
+
+async def test_an_object_that_does_not_read_is_damage_named_and_still_listed(
+    tmp_path: Path,
+) -> None:
+    """A file replaced by a link to itself (ELOOP, as a disk's EIO would be): its
+    read is StoreCorrupt naming the key, not an OSError with the store's path; it is
+    still an object in every listing (a collection may delete it), the rest read."""
+    store = LocalStore(tmp_path, fsync=False)
+    good, bad = b"good", b"bad"
+    gkey, bkey = f"chunks/aa/{chunk_id(good)}", f"chunks/aa/{chunk_id(bad)}"
+    await store.put_if_absent(gkey, good)
+    await store.put_if_absent(bkey, bad)
+    path = tmp_path / bkey
+    path.unlink()
+    path.symlink_to(path.name)
+    with pytest.raises(StoreCorrupt) as caught:
+        await store.get(bkey)
+    assert caught.value.detail["key"] == bkey and str(tmp_path) not in caught.value.message
+    assert await store.get(gkey) == good
+    assert await listed(store, "chunks/") == sorted([gkey, bkey])
+    assert sorted([i.key async for i in store.list_info("chunks/")]) == sorted([gkey, bkey])
+    assert await store.list_dir("chunks/") == ["aa"]
+    await store.delete(gkey)
+    assert await store.list_dir("chunks/") == ["aa"]  # (the loop is all it holds)
+    await store.delete(bkey)
+    assert await store.list_dir("chunks/") == [] and not path.is_symlink()
 
 
 async def test_leftover_temporaries_are_invisible(tmp_path: Path) -> None:
