@@ -409,8 +409,13 @@ async def _holding_chunks(replica: str, url: str) -> Any:
         held = await store.list_dir("chunks/")  # (one listing, not every chunk)
     except NotFound:  # an s3:// prefix with nothing under it
         held = []
-    except BaseException:
+    except BaseException as exc:
         await store.close()
+        if isinstance(exc, CkptdError) and exc.detail.get("s3_code") == "NoSuchBucket":
+            # (not the store URL's bucket, and not one to create: an empty one
+            # repairs nothing either)
+            raise NotFound(f"--replica {replica}: {exc.message}; name a copy of this store "
+                           "to repair from", replica=replica) from None
         raise
     if not held:
         await store.close()

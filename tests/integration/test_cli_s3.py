@@ -213,9 +213,17 @@ def test_scrub_refuses_a_replica_prefix_with_nothing_under_it(s3_store: str,
     chunk.chmod(0o644)
     chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
     typo = s3_store.replace(f"s3://{BUCKET}/", f"s3://{BUCKET}/x")
-    done = ckptd("scrub", "--replica", typo, "--url", f"file://{local}")
-    _short_error(done, "--replica", typo.split("?")[0], "no chunks are stored there")
-    assert done.returncode == 2 and not (local / "jobs" / "llm-7b" / "damage").exists()
+    no_bucket = s3_store.replace(f"s3://{BUCKET}/", "s3://no-such-bucket/")
+    refused = [ckptd("scrub", "--replica", replica, "--url", f"file://{local}")
+               for replica in (typo, no_bucket)]
+    _short_error(refused[0], "--replica", typo.split("?")[0], "no chunks are stored there")
+    # A replica's bucket that is not there: named as --replica's, and never "create
+    # the bucket" (an empty one would repair nothing either).
+    _short_error(refused[1], "--replica", "bucket 'no-such-bucket' does not exist",
+                 "name a copy of this store")
+    assert "create the bucket" not in refused[1].stderr, refused[1].stderr
+    assert all(d.returncode == 2 for d in refused)
+    assert not (local / "jobs" / "llm-7b" / "damage").exists()
     done = ckptd("scrub", "--replica", s3_store, "--url", f"file://{local}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"repaired {chunk.name}" in done.stdout, done.stdout
