@@ -344,6 +344,25 @@ def test_an_export_whose_renames_fail_midway_leaves_no_file(tmp_path: Path, shm:
     assert len(left) == 1 and (target / left[0]).is_dir(), left  # only what was not ours
 
 
+def test_a_size_or_job_name_mistake_is_said_before_torch_is_imported(tmp_path: Path) -> None:
+    """``--max-shard-size lots`` (or a job name that is none) imported torch first
+    (the package's ``__init__``): ~1.5 s of CPU before a one-line answer."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['ckptd', 'export', *sys.argv[1:]]\n"
+            "try:\n"
+            "    runpy.run_module('ckptd', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    print(exc.code, 'torch' in sys.modules)\n")
+    store = tmp_path / "store"
+    (store / "jobs").mkdir(parents=True)
+    for job, more in ((JOB, ["--max-shard-size", "lots"]), ("no job", [])):
+        done = subprocess.run([sys.executable, "-c", code, job, "--safetensors",
+                               str(tmp_path / "x"), *more, "--url", f"file://{store}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+        assert "is not a size" in done.stderr or "job name 'no job'" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["--safetensors", "{tmp}/x", "--zarr", "{tmp}/y"], "one place at a time"),
     (["--safetensors", "{tmp}/x", "--max-shard-size", "lots"], "is not a size"),

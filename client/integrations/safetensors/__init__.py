@@ -9,9 +9,23 @@ the export writes the format itself (see ``layout``)."""
 
 from __future__ import annotations
 
-from .export import SafetensorsExport, export_safetensors
-from .layout import parse_size
-from .reader import is_safetensors, read_safetensors
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .export import SafetensorsExport, export_safetensors
+    from .layout import parse_size
+    from .reader import is_safetensors, read_safetensors
+
+# Imported when first named: ``layout`` (the format, ``parse_size``) needs no torch,
+# so the command line checks ``--max-shard-size`` before it pays for torch.
+_EXPORTS = {
+    "SafetensorsExport": "export",
+    "export_safetensors": "export",
+    "parse_size": "layout",
+    "is_safetensors": "reader",
+    "read_safetensors": "reader",
+}
 
 __all__ = [
     "SafetensorsExport",
@@ -20,3 +34,12 @@ __all__ = [
     "parse_size",
     "read_safetensors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
