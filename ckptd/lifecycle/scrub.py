@@ -109,10 +109,7 @@ async def scrub(
             data = None
         report.chunks_checked += 1
         report.bytes_checked += len(data) if data is not None else 0
-        if data is None:
-            report.corrupt.append(cid)
-            unrepaired.append(cid)  # (no bytes to swap a copy for: marked, not repaired)
-        elif await asyncio.to_thread(chunk_id, data) != cid:
+        if data is None or await asyncio.to_thread(chunk_id, data) != cid:
             report.corrupt.append(cid)
             if await _repair(store, cid, data, sources):
                 report.repaired.append(cid)
@@ -140,7 +137,10 @@ async def scrub(
     return report
 
 
-async def _repair(store: Store, cid: str, bad: bytes, sources: Sequence[ChunkSource]) -> bool:
+async def _repair(store: Store, cid: str, bad: bytes | None,
+                  sources: Sequence[ChunkSource]) -> bool:
+    """Replaces a corrupt chunk (``bad``: its bytes, None when its object does not
+    read) with a copy from ``sources`` that hashes to its id."""
     for source in sources:
         try:
             good = await source(cid)
@@ -149,12 +149,17 @@ async def _repair(store: Store, cid: str, bad: bytes, sources: Sequence[ChunkSou
             continue
         if good is None or await asyncio.to_thread(chunk_id, good) != cid:
             continue  # the hash proves a copy; anything else is not one
-        if await store.compare_and_swap(chunk_key(cid), bad, good):
+        if bad is None:  # nothing to compare: the entry goes, the copy takes its name
+            await store.delete(chunk_key(cid))
+            if await store.put_if_absent(chunk_key(cid), good):
+                log.warning("scrub: repaired unreadable chunk %s", cid)
+                return True
+        elif await store.compare_and_swap(chunk_key(cid), bad, good):
             log.warning("scrub: repaired corrupt chunk %s", cid)
             return True
         try:  # changed under us: good if it is good now
             return await asyncio.to_thread(chunk_id, await store.get(chunk_key(cid))) == cid
-        except NotFound:
+        except (NotFound, StoreCorrupt):
             return False
     log.error("scrub: chunk %s is corrupt and no source holds a good copy", cid)
     return False

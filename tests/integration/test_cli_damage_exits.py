@@ -227,12 +227,13 @@ def test_a_chunk_the_store_lacks_and_a_commit_record_naming_a_bad_job_are_damage
 
 
 @pytest.mark.parametrize("via", ["file", "server"])
-def test_verify_and_scrub_name_a_chunk_that_does_not_read_and_go_on(store: Path,
-                                                                   via: str) -> None:
+def test_verify_and_scrub_name_a_chunk_that_does_not_read_and_go_on(
+    store: Path, pristine: Path, via: str
+) -> None:
     """Found by a probe: a chunk file that is a link looping on itself stopped
     verify, scrub and gc with a traceback (OSError ELOOP), the other chunks unchecked.
-    Now verify names it and what it breaks, scrub marks its steps damaged (no bytes
-    to repair: a good copy is put back by hand), gc counts it, and each goes on."""
+    Now verify names it and what it breaks, scrub marks its steps damaged, or with a
+    replica puts a good copy in its place, gc counts it, and each goes on."""
     unread = _weight_chunk(store, 20)
     unread.unlink()
     unread.symlink_to(unread.name)
@@ -257,6 +258,13 @@ def test_verify_and_scrub_name_a_chunk_that_does_not_read_and_go_on(store: Path,
         assert (store / damage_key(JOB, step)).exists(), said
         assert _row(listed.stdout, step)[1] == "damaged", listed.stdout
     assert _row(listed.stdout, 30)[1] == "committed", listed.stdout
+    if via == "file":  # (a server repairs from CKPTD_SCRUB_REPLICA and its peers)
+        done = ckptd("scrub", "--replica", str(pristine), "--url", f"file://{store}")
+        said = done.stdout + done.stderr
+        assert done.returncode == 0, said
+        assert f"repaired {unread.name}" in said and f"repaired {corrupt.name}" in said, said
+        assert not unread.is_symlink() and unread.read_bytes() == (
+            pristine / unread.relative_to(store)).read_bytes()
 
 
 # -- 3. forget calls a damaged step damaged ---------------------------------------------
