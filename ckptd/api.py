@@ -72,7 +72,16 @@ __all__ = [
 
 class _Body(BaseModel):
     # Strict: ``true``, ``"1"`` and ``484.0`` are not integers (item 10 of issue 10).
+    # Built at first use: a command line process uses a few of these models.
     model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
+
+
+class _Request(_Body):
+    """A request body the server's routes take. Built at import: FastAPI wraps a
+    deferred model in its own field and builds it at the first request, where
+    pydantic warned in the server's log about the alias FastAPI had set."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=False)
 
 
 class ErrorBody(_Body):
@@ -96,7 +105,7 @@ class Health(_Body):
     event_loop: str | None = Field(default=None, description="The event loop: uvloop or asyncio.")
 
 
-class MissingRequest(_Body):
+class MissingRequest(_Request):
     ids: list[str] = Field(description="Chunk ids (64 lowercase hex digits).")
     claimer: str | None = Field(
         default=None,
@@ -122,7 +131,7 @@ class ManifestStored(_Body):
     hash: str = Field(description="The blake3 of the manifest's canonical bytes.")
 
 
-class CommitRequest(_Body):
+class CommitRequest(_Request):
     meta: dict[str, Any] = Field(
         default_factory=dict, description="Caller's notes, kept in the commit record."
     )
@@ -258,7 +267,7 @@ class HealthReport(_Body):
         }
 
 
-class HeartbeatRequest(_Body):
+class HeartbeatRequest(_Request):
     world_size: int = Field(ge=1, le=MAX_WORLD_SIZE)
     peer_url: str | None = Field(
         default=None,
@@ -375,7 +384,7 @@ class StepPlan(_Body):
     )
 
 
-class SnapshotRequest(_Body):
+class SnapshotRequest(_Request):
     rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
     reason: Annotated[str, Field(min_length=1, max_length=1024)]
     step_time_s: float | None = Field(
@@ -390,7 +399,7 @@ class SnapshotReply(_Body):
     accepted: bool = Field(description="False when a target was pending or set too recently.")
 
 
-class RollbackRequest(_Body):
+class RollbackRequest(_Request):
     step: StepField
     reason: Reason = "manual"
     from_epoch: int | None = Field(

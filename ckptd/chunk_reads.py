@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ckptd.api import _Body
+from ckptd.api import _Request
 
 __all__ = [
     "CHUNK_SIZES_HEADER",
@@ -27,7 +27,7 @@ CHUNK_SIZES_HEADER = "X-Ckptd-Chunk-Sizes"
 MISSING_SIZE = "-"
 
 
-class ChunkReadRequest(_Body):
+class ChunkReadRequest(_Request):
     ids: list[str] = Field(
         max_length=MAX_CHUNK_READ,
         description="Chunk ids (64 lowercase hex digits); the answer's body holds their "
