@@ -2,7 +2,8 @@
 and a real ``ckptd serve``: a rank SIGKILLed in the middle of an epoch, torchrun's
 restart and ``fit(ckpt_path="last")`` end bitwise (model and optimizer state, on
 both ranks, and in the steps ckptd stored) equal to an undisturbed run. After the
-undisturbed run's fit, every rank loads what rank 0 just saved through Fabric."""
+undisturbed run's fit, every rank loads what rank 0 just saved through Fabric, and
+``test(ckpt_path="last")`` after a fit that wrote the first ``last.ckpt``."""
 
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ def test_a_killed_rank_resumes_from_ckptd_bitwise(tmp_path: Path, shm: Path) -> 
         # after fabric.save found no pointer yet (CheckpointNotFound), then the older
         # step's; it waits for the saves rank 0 queued before it.
         assert [c["load_after_save"] for c in clean] == [[100, 101]] * 2, clean
+        # After fit, test(ckpt_path="last") looks for last.ckpt on each rank before
+        # any barrier: rank 1 found none when fit's end wrote the first one (it loaded
+        # nothing). Its teardown at fit's end waits for rank 0's saves.
+        assert [c["test_last"] for c in clean] == [[4]] * 2, clean
         pointers = sorted(p.name for p in (tmp_path / "killed-work" / "checkpoints").iterdir())
         assert pointers == [f"epoch={e}-step={4 * (e + 1)}.ckpt" for e in range(4)] + ["last.ckpt"]
     finally:

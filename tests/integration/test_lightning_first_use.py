@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -18,7 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.errors import AlreadyCommitted, CheckpointNotFound, CkptdError, InvalidRequest
+from ckptd.errors import (
+    AlreadyCommitted,
+    CheckpointNotFound,
+    CkptdError,
+    InvalidRequest,
+    Timeout,
+)
 from tests.conftest import ServerProcess
 
 # CI installs the extras (pyproject's test extra): a missing one fails there, not skips.
@@ -29,6 +36,8 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer  # noqa: E402
+from ckptd.client.integrations.lightning.rank_zero import RankZeroSaves  # noqa: E402
+from tests.integration.lightning_fixtures import rank_one_fixture  # noqa: E402,F401
 from tests.integration.test_lightning_io import _checkpoint, _same  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -230,3 +239,73 @@ def test_a_load_that_finds_nothing_says_why(io: CkptdCheckpointIO, tmp_path: Pat
     (tmp_path / "ckpts").mkdir()
     with pytest.raises(CheckpointNotFound, match="ckpts is a directory, not a checkpoint file"):
         io.load_checkpoint(tmp_path / "ckpts")
+
+
+@pytest.mark.timeout(60)
+def test_a_load_on_another_rank_says_when_rank_0s_saves_do_not_finish(
+        rank_one: RankZeroSaves, store: str, shm: Path, tmp_path: Path) -> None:
+    """Rank 0 queued a save that does not finish within the plugin's timeout (its
+    upload is slow, its server stalls): a load on rank 1 waits that long, not
+    forever, and raises Timeout in a line that says what to do."""
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), timeout=0.5)
+    rank_one.queued()  # (as rank 0's plugin counts a save it queued)
+    try:
+        began = time.monotonic()
+        with pytest.raises(Timeout) as err:
+            io.load_checkpoint(tmp_path / "last.ckpt")
+        assert 0.5 <= time.monotonic() - began < 10
+        assert err.value.message == (
+            f"{tmp_path / 'last.ckpt'}: global rank 0's saves before this load did not "
+            "finish within 0.5 s; loading now would read an older checkpoint, or none "
+            "(pass a larger timeout= to CkptdCheckpointIO)")
+        rank_one.done()  # finished late: the next load waits no more (nothing there)
+        with pytest.raises(CheckpointNotFound):
+            io.load_checkpoint(tmp_path / "last.ckpt")
+    finally:
+        io.teardown()
+
+
+@pytest.mark.timeout(60)
+def test_teardown_on_another_rank_waits_for_rank_0s_saves(
+        rank_one: RankZeroSaves, store: str, shm: Path, tmp_path: Path) -> None:
+    """Lightning calls teardown on every rank when fit ends; test(ckpt_path="last")
+    then picks its file on each rank from what it sees. Rank 1's teardown returned
+    at once, so when fit's last save wrote the first last.ckpt, rank 1 found none
+    (it loaded nothing). It now returns once rank 0 finished the saves it queued."""
+    last = tmp_path / "last.ckpt"
+
+    def rank_0_background() -> None:  # (its upload, then its pointer, then the count)
+        time.sleep(0.3)
+        last.write_text("{}")
+        rank_one.done()
+
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), timeout=30)
+    rank_one.queued()
+    thread = threading.Thread(target=rank_0_background)
+    thread.start()
+    try:
+        io.teardown()
+        assert last.exists()
+    finally:
+        thread.join()
+
+
+@pytest.mark.timeout(60)
+def test_teardown_on_another_rank_says_when_rank_0s_saves_do_not_finish(
+        rank_one: RankZeroSaves, store: str, shm: Path) -> None:
+    """Bounded by the plugin's timeout, a Timeout that says what to do; Lightning's
+    error path then calls teardown again, which does not wait a second time."""
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), timeout=0.5)
+    rank_one.queued()
+    began = time.monotonic()
+    with pytest.raises(Timeout) as err:
+        io.teardown()
+    assert 0.5 <= time.monotonic() - began < 10
+    assert err.value.message == (
+        "job lit: rank 1's teardown waited 0.5 s for global rank 0's saves, which did not "
+        "finish; a load or a validate/test with ckpt_path= that follows may read an older "
+        "checkpoint, or none: pass a larger timeout= to CkptdCheckpointIO (rank 0's log "
+        "says why its saves are slow)")
+    began = time.monotonic()
+    io.teardown()
+    assert time.monotonic() - began < 0.25

@@ -26,8 +26,9 @@ is staged (copied into the staging pool); the upload, the commit, the tag and
 the pointer follow in the background. A load waits for them, on every rank (it
 reads what was just saved; ``rank_zero.py``). A failure there is raised, once, by
 the next save, load or ``teardown`` (Lightning calls it when fitting ends), which
-also waits for the last save. Do not wrap this plugin in Lightning's
-``AsyncCheckpointIO``: that only adds a thread and a clone of every tensor.
+also waits for the last save, on every rank (what follows ``fit`` sees it). Do not
+wrap this plugin in Lightning's ``AsyncCheckpointIO``: that only adds a thread and
+a clone of every tensor.
 
 What is stored is what ckptd stores: tensors as raw bytes, every other leaf as
 JSON (no pickle). A leaf ckptd cannot store (an ``argparse.Namespace`` in the

@@ -302,11 +302,15 @@ class CkptdCheckpointIO(CheckpointIO):
         self._submit(self._remove, path)
 
     def teardown(self) -> None:
-        """Waits for the saves in flight and their pointers, then closes the
-        checkpointer; raises what failed in the background, unless a save or load
-        raised it already (then it is logged)."""
+        """Waits for the saves in flight and their pointers (on another rank, for
+        those rank 0 queued: ``rank_zero.py``), then closes the checkpointer; raises
+        what failed in the background, unless a save or load raised it already (then
+        it is logged)."""
         closing: CkptdError | None = None
         try:
+            counts = None if self._saves_here() else self._rank_zero_saves()
+            if counts is not None:  # (what follows fit there sees rank 0's pointers)
+                counts.wait_at_teardown(self.timeout)
             for fut in list(self._pending):
                 fut.result()
         finally:

@@ -12,6 +12,12 @@ the default process group's store; a load on another rank waits until the second
 count reaches what the first was when the load began. No collective: a rank that
 never loads holds nobody up, and a load waits only for saves already queued.
 
+The plugin's ``teardown`` on another rank waits the same way. Lightning calls it on
+every rank when ``fit`` ends, after the barrier that follows ``fit``'s last save;
+what comes next (``validate``/``test`` with ``ckpt_path="last"``) picks its path on
+each rank from the pointer files it sees, before any barrier: without that wait,
+rank 0's first ``last.ckpt`` may not be there yet on another rank.
+
 Keys carry the launch id the group agreed on (``launch.group_launch``), or, in
 torchrun's agent store (which outlives a launch) under a group ckptd did not make,
 the single agent's launch id: a restarted launch never waits for a dead one's
@@ -36,10 +42,12 @@ _QUEUED, _DONE = "queued", "done"
 class RankZeroSaves:
     """The counts of one job's saves on rank 0, in the process group's store."""
 
-    def __init__(self, store: Any, prefix: str, job: str) -> None:
+    def __init__(self, store: Any, prefix: str, job: str, rank: int) -> None:
         self.store = store
         self.prefix = prefix
         self.job = job
+        self.rank = rank  # (this process's global rank)
+        self._given_up = -1  # (the queued count a teardown's wait timed out at)
 
     @classmethod
     def here(cls, job: str) -> RankZeroSaves | None:
@@ -63,7 +71,7 @@ class RankZeroSaves:
         except Exception as exc:  # a torch without it: no waiting, as before
             log.debug("rank 0's saves are not counted: %s", exc)
             return None
-        return cls(store, f"ckptd/lightning/{launch}/{job}/", job)
+        return cls(store, f"ckptd/lightning/{launch}/{job}/", job, dist.get_rank())
 
     def queued(self) -> None:
         """Rank 0 queued a save (or a removal): before the call that queued it returns."""
@@ -76,19 +84,42 @@ class RankZeroSaves:
     def wait(self, path: str, timeout: float | None) -> None:
         """Waits until rank 0 finished the saves it had queued when this began,
         ``Timeout`` after ``timeout`` seconds (None: no bound)."""
+        if not self._wait(timeout)[0]:
+            raise Timeout(
+                f"{path}: global rank 0's saves before this load did not finish within "
+                f"{timeout} s; loading now would read an older checkpoint, or none "
+                "(pass a larger timeout= to CkptdCheckpointIO)", job=self.job, path=path)
+
+    def wait_at_teardown(self, timeout: float | None) -> None:
+        """``wait`` for a rank's teardown. Once per count: after a ``Timeout`` here
+        Lightning calls teardown again (its error path), which does not wait again."""
+        finished, want = self._wait(timeout, after=self._given_up)
+        if not finished:
+            self._given_up = want
+            raise Timeout(
+                f"job {self.job}: rank {self.rank}'s teardown waited {timeout} s for global "
+                "rank 0's saves, which did not finish; a load or a validate/test with "
+                "ckpt_path= that follows may read an older checkpoint, or none: pass a "
+                "larger timeout= to CkptdCheckpointIO (rank 0's log says why its saves are "
+                "slow)", job=self.job)
+
+    def _wait(self, timeout: float | None, after: int = -1) -> tuple[bool, int]:
+        """Waits until the count of finished saves reaches the count of queued ones
+        as it is now (unless that is at most ``after``): (whether it did within
+        ``timeout``, the queued count); True when the store cannot be reached."""
         want = self._add(_QUEUED, 0)
+        if want is None or want <= after:
+            return True, -1 if want is None else want
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005
-        while want is not None:
+        while True:
             done = self._add(_DONE, 0)
             if done is None or done >= want:
-                return
+                return True, want
             if deadline is not None and time.monotonic() >= deadline:
-                raise Timeout(
-                    f"{path}: global rank 0's saves before this load did not finish within "
-                    f"{timeout} s; loading now would read an older checkpoint, or none "
-                    "(pass a larger timeout= to CkptdCheckpointIO)", job=self.job, path=path)
-            time.sleep(pause)
+                return False, want
+            left = pause if deadline is None else deadline - time.monotonic()
+            time.sleep(max(0.0, min(pause, left)))
             pause = min(2 * pause, 0.2)
 
     def _add(self, key: str, n: int) -> int | None:

@@ -6,7 +6,9 @@ first launch, once ``last`` names the step before it (committed), for torchrun t
 restart both ranks.
 
 With ``--load-after-save``, after ``fit`` a ``Fabric`` on the same plugin saves
-two steps in turn at one path and loads each back on every rank at once.
+two steps in turn at one path and loads each back on every rank at once; then a
+one-epoch ``fit`` whose only save writes its directory's first ``last.ckpt`` is
+followed by ``test(ckpt_path="last")`` on every rank.
 
 argv: out_dir url job workdir [--kill-rank R --kill-epoch E] [--load-after-save].
 Writes ``<out>/rank<r>.json``: the launch, the step training started from, digests
@@ -129,6 +131,46 @@ def load_after_save(io: CkptdCheckpointIO, path: Path) -> list[Any]:
     return read
 
 
+class Tested(Regressor):
+    """Saves a tensor large enough for rank 0's upload to outlast another rank's
+    look for ``last.ckpt``; notes the step each load gave it."""
+
+    big = torch.arange(8 * 2**20, dtype=torch.float32)  # 32 MiB
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: list[Any] = []
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["big"] = self.big + checkpoint["global_step"]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        step = checkpoint["global_step"]
+        self.loaded.append(step if torch.equal(checkpoint["big"], self.big + step) else "bits")
+
+
+def test_last_after_fit(url: str, job: str, workdir: Path, loader: DataLoader[Any]) -> list[Any]:
+    """``fit`` for one epoch (its end writes the first ``last.ckpt``), then
+    ``test(ckpt_path="last")``: the steps each rank's test loaded (none when it found
+    no ``last.ckpt``, which Lightning looks for on each rank before any barrier)."""
+    io = CkptdCheckpointIO(url, job=job, shm_dir=str(workdir / "shm"), timeout=60.0)
+    model = Tested()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, num_nodes=1, max_epochs=1,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        plugins=[io], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True, callbacks=[ModelCheckpoint(dirpath=workdir / "test-checkpoints",
+                                                       save_top_k=0, save_last=True)],
+    )
+    trainer.fit(model, loader)
+    trainer.test(model, loader, ckpt_path="last", verbose=False)
+    return model.loaded
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -175,6 +217,7 @@ def main() -> None:
     }
     if args.load_after_save:
         result["load_after_save"] = load_after_save(io, ckpts / "fabric.ckpt")
+        result["test_last"] = test_last_after_fit(args.url, f"{args.job}-test", workdir, loader)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
