@@ -12,7 +12,6 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +36,15 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptd.client.integrations.lightning import CkptdCheckpointIO, read_pointer  # noqa: E402
 from ckptd.client.integrations.lightning.rank_zero import RankZeroSaves  # noqa: E402
-from tests.integration.lightning_fixtures import rank_one_fixture  # noqa: E402,F401
-from tests.integration.test_lightning_io import _checkpoint, _same  # noqa: E402
+from tests.integration.lightning_fixtures import (  # noqa: E402,F401 - *_fixture: found by pytest
+    assert_same,
+    io_fixture,
+    rank_one_fixture,
+    small_checkpoint,
+    store_fixture,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
-@pytest.fixture
-def io(store: str, shm: Path) -> Iterator[CkptdCheckpointIO]:
-    plugin = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
-    try:
-        yield plugin
-    finally:
-        plugin.teardown()
 
 
 def _fabric(io: CkptdCheckpointIO) -> Any:
@@ -141,7 +131,7 @@ def test_a_fabric_step_that_is_a_whole_number_is_the_step(io: CkptdCheckpointIO,
                                                  "ckptd step of a checkpoint is a whole number"):
             fabric.save(tmp_path / "c.ckpt", {"w": torch.ones(2), "step": bad})
     with pytest.raises(InvalidRequest, match=r"checkpoint\['global_step'\] is 1\.5"):
-        io.save_checkpoint({**_checkpoint(4), "global_step": 1.5}, tmp_path / "d.ckpt")
+        io.save_checkpoint({**small_checkpoint(4), "global_step": 1.5}, tmp_path / "d.ckpt")
 
 
 def test_a_background_failure_is_raised_once(server: ServerProcess, shm: Path,
@@ -155,17 +145,17 @@ def test_a_background_failure_is_raised_once(server: ServerProcess, shm: Path,
     fifo = tmp_path / "held.ckpt"
     os.mkfifo(fifo)
     try:
-        io.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "a.ckpt")
+        io.save_checkpoint(small_checkpoint(4, seed=1), tmp_path / "a.ckpt")
         deadline = time.monotonic() + 60
         while not (tmp_path / "a.ckpt").exists():  # (its pointer: step 4 committed)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         io.remove_checkpoint(fifo)  # the background thread waits in its read
         server.stop()
-        io.save_checkpoint(_checkpoint(6, seed=2), tmp_path / "b.ckpt")
+        io.save_checkpoint(small_checkpoint(6, seed=2), tmp_path / "b.ckpt")
         raised: list[BaseException] = []
         try:
-            io.save_checkpoint(_checkpoint(8, seed=3), tmp_path / "c.ckpt")
+            io.save_checkpoint(small_checkpoint(8, seed=3), tmp_path / "c.ckpt")
         except CkptdError as exc:
             raised.append(exc)
         writer = os.open(fifo, os.O_WRONLY)  # lets the thread go on, to step 6's wait
@@ -225,7 +215,7 @@ def test_a_module_is_built_from_a_pointer_as_the_docs_say(store: str, shm: Path,
     finally:
         reader.teardown()
     assert again.hparams["hidden"] == 7
-    _same(dict(model.state_dict()), dict(again.state_dict()))
+    assert_same(dict(model.state_dict()), dict(again.state_dict()))
 
 
 def test_a_load_that_finds_nothing_says_why(io: CkptdCheckpointIO, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,64 +40,14 @@ from ckptd.client.integrations.lightning import (  # noqa: E402
     read_pointer,
     tag_for_path,
 )
+from tests.integration.lightning_fixtures import (  # noqa: E402,F401 - *_fixture: found by pytest
+    assert_same,
+    io_fixture,
+    small_checkpoint,
+    store_fixture,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
-@pytest.fixture
-def io(store: str, shm: Path) -> Iterator[CkptdCheckpointIO]:
-    plugin = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
-    try:
-        yield plugin
-    finally:
-        plugin.teardown()
-
-
-def _checkpoint(step: int, seed: int = 0) -> dict[str, Any]:
-    """What Lightning's dump_checkpoint builds, in small."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(6, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 6)).sum().backward()
-    opt.step()
-    key = "ModelCheckpoint{'monitor': 'loss', 'mode': 'min', 'every_n_train_steps': 0}"
-    return {
-        "epoch": 1, "global_step": step, "pytorch-lightning_version": "2.6.6",
-        "state_dict": model.state_dict(),
-        "loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": step},
-                               "epoch_progress": {"total": {"ready": 2, "completed": 1}}}},
-        "callbacks": {key: {"best_model_score": torch.tensor(0.25),
-                            "best_k_models": {"/ckpts/epoch=0-step=4.ckpt": torch.tensor(0.5)},
-                            "kth_value": torch.tensor(float("inf")), "last_model_path": "",
-                            "dirpath": "/ckpts"}},
-        "optimizer_states": [opt.state_dict()],
-        "lr_schedulers": [{"step_size": 1, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 1}],
-        "MixedPrecision": {"scale": 65536.0, "growth_tracker": 0},
-        "hparams_name": "kwargs", "hyper_parameters": {"lr": 0.1, "betas": (0.9, 0.99),
-                                                       "name": None, "bf16": torch.ones(2,
-                                                       dtype=torch.bfloat16)},
-    }
-
-
-def _same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert sorted(map(str, a)) == sorted(map(str, b)), where
-        for k in a:
-            _same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b and type(a) is type(b), (where, a, b)
 
 
 def _tags(store: str) -> dict[str, int]:
@@ -127,7 +76,7 @@ def test_paths_become_tags() -> None:
 def test_a_checkpoint_round_trips_bitwise_with_a_pointer(io: CkptdCheckpointIO, store: str,
                                                          tmp_path: Path) -> None:
     path = tmp_path / "ckpts" / "epoch=1-step=8.ckpt"
-    checkpoint = _checkpoint(8)
+    checkpoint = small_checkpoint(8)
     io.save_checkpoint(checkpoint, path)
     io.teardown()  # waits for the commit and the pointer
     doc = read_pointer(path)
@@ -135,13 +84,13 @@ def test_a_checkpoint_round_trips_bitwise_with_a_pointer(io: CkptdCheckpointIO, 
     assert (doc["job"], doc["step"]) == ("lit", 8)
     assert json.loads(path.read_text())["url"] == store
     got = io.load_checkpoint(path)
-    _same(checkpoint, got)
+    assert_same(checkpoint, got)
     assert _tags(store) == {"epoch_1-step_8": 8}
 
 
 def test_a_second_name_of_one_step_tags_it(io: CkptdCheckpointIO, store: str,
                                            tmp_path: Path) -> None:
-    checkpoint = _checkpoint(4)
+    checkpoint = small_checkpoint(4)
     io.save_checkpoint(checkpoint, tmp_path / "epoch=0-step=4.ckpt")
     # Lightning's next save at the same step (last.ckpt): its bookkeeping differs.
     key = next(iter(checkpoint["callbacks"]))
@@ -162,14 +111,14 @@ def test_a_save_at_the_step_loaded_names_it_only_with_its_own_tensors(
     tensors hold step 5's bytes (in the model's own tensors, as load_state_dict
     leaves them); other tensors at that number are refused, never dropped."""
     first = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
-    first.save_checkpoint(_checkpoint(5), tmp_path / "a.ckpt")
+    first.save_checkpoint(small_checkpoint(5), tmp_path / "a.ckpt")
     first.teardown()
     resumed = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
     try:
         resumed.load_checkpoint(tmp_path / "a.ckpt")
-        resumed.save_checkpoint(_checkpoint(5), tmp_path / "last.ckpt")  # equal, not same
+        resumed.save_checkpoint(small_checkpoint(5), tmp_path / "last.ckpt")  # equal, not same
         with pytest.raises(Conflict, match="loaded already .*weight"):
-            resumed.save_checkpoint(_checkpoint(5, seed=1), tmp_path / "b.ckpt")
+            resumed.save_checkpoint(small_checkpoint(5, seed=1), tmp_path / "b.ckpt")
     finally:
         resumed.teardown()
     assert _tags(store) == {"a": 5, "last": 5}
@@ -177,29 +126,29 @@ def test_a_save_at_the_step_loaded_names_it_only_with_its_own_tensors(
 
 
 def test_what_cannot_be_stored_is_named(io: CkptdCheckpointIO, tmp_path: Path) -> None:
-    checkpoint = _checkpoint(4)
+    checkpoint = small_checkpoint(4)
     checkpoint["hyper_parameters"]["args"] = argparse.Namespace(lr=0.1)
     with pytest.raises(UnsupportedValue, match=r"hyper_parameters.*args.*Namespace"):
         io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
     with pytest.raises(TypeError, match="storage_options"):
-        io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt", storage_options={"a": 1})
+        io.save_checkpoint(small_checkpoint(4), tmp_path / "x.ckpt", storage_options={"a": 1})
 
 
 def test_names_without_pointers_and_latest(store: str, shm: Path, tmp_path: Path) -> None:
     io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), pointers=False)
     try:
-        io.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "epoch=0-step=4.ckpt")
-        io.save_checkpoint(_checkpoint(8, seed=2), tmp_path / "epoch=1-step=8.ckpt")
+        io.save_checkpoint(small_checkpoint(4, seed=1), tmp_path / "epoch=0-step=4.ckpt")
+        io.save_checkpoint(small_checkpoint(8, seed=2), tmp_path / "epoch=1-step=8.ckpt")
         io.teardown()
         assert not (tmp_path / "epoch=0-step=4.ckpt").exists()
         # Another node: no file, the name is a tag of the job.
         got = io.load_checkpoint("/elsewhere/epoch=0-step=4.ckpt")
-        _same(_checkpoint(4, seed=1)["state_dict"], got["state_dict"])
+        assert_same(small_checkpoint(4, seed=1)["state_dict"], got["state_dict"])
         assert io.load_checkpoint("latest")["global_step"] == 8
         # A latest.ckpt saved before a newer step: 'latest' is still the newest step
         # (found by review: it read latest.ckpt's tag first), latest.ckpt its own.
-        io.save_checkpoint(_checkpoint(9, seed=3), tmp_path / "latest.ckpt")
-        io.save_checkpoint(_checkpoint(12, seed=4), tmp_path / "best.ckpt")
+        io.save_checkpoint(small_checkpoint(9, seed=3), tmp_path / "latest.ckpt")
+        io.save_checkpoint(small_checkpoint(12, seed=4), tmp_path / "best.ckpt")
         io.teardown()
         assert io.load_checkpoint("latest")["global_step"] == 12
         assert io.load_checkpoint("/elsewhere/latest.ckpt")["global_step"] == 9
@@ -212,7 +161,7 @@ def test_names_without_pointers_and_latest(store: str, shm: Path, tmp_path: Path
 def test_remove_takes_the_pointer_and_the_tag_not_the_data(io: CkptdCheckpointIO, store: str,
                                                            tmp_path: Path) -> None:
     path = tmp_path / "epoch=0-step=4.ckpt"
-    io.save_checkpoint(_checkpoint(4), path)
+    io.save_checkpoint(small_checkpoint(4), path)
     io.remove_checkpoint(path)  # queued after the save's pointer
     io.teardown()
     assert not path.exists() and _tags(store) == {}
@@ -227,16 +176,16 @@ def test_remove_takes_the_pointer_and_the_tag_not_the_data(io: CkptdCheckpointIO
 def test_a_background_failure_is_raised_by_the_next_call(store: str, shm: Path,
                                                          tmp_path: Path) -> None:
     first = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
-    first.save_checkpoint(_checkpoint(4, seed=1), tmp_path / "a.ckpt")
+    first.save_checkpoint(small_checkpoint(4, seed=1), tmp_path / "a.ckpt")
     first.teardown()
     again = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
     # A run that loaded nothing and saves a committed step is refused at once
     # (test_a_run_on_a_node_without_the_pointers_says_so_at_its_first_save).
     with pytest.raises(InvalidRequest, match="loaded none of them"):
-        again.save_checkpoint(_checkpoint(4, seed=2), tmp_path / "b.ckpt")
-    again.save_checkpoint(_checkpoint(6, seed=2), tmp_path / "c.ckpt")
+        again.save_checkpoint(small_checkpoint(4, seed=2), tmp_path / "b.ckpt")
+    again.save_checkpoint(small_checkpoint(6, seed=2), tmp_path / "c.ckpt")
     # Step 4 holds other bits already: the commit fails after save_checkpoint returned.
-    again.save_checkpoint(_checkpoint(4, seed=2), tmp_path / "b.ckpt")
+    again.save_checkpoint(small_checkpoint(4, seed=2), tmp_path / "b.ckpt")
     with pytest.raises(AlreadyCommitted):
         again.teardown()
     assert not (tmp_path / "b.ckpt").exists()  # no pointer to what never committed
@@ -306,7 +255,7 @@ def test_fabric_saves_and_loads_in_place(store: str, shm: Path, tmp_path: Path) 
     rest = fabric.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": opt})
     io.teardown()
     assert rest == {"step": 3}
-    _same(expected, dict(model.state_dict()))
+    assert_same(expected, dict(model.state_dict()))
     assert read_pointer(tmp_path / "fabric.ckpt")["step"] == 3  # type: ignore[index]
 
 
@@ -345,8 +294,8 @@ def test_a_trainer_resumes_from_last_over_a_server(server: ServerProcess, shm: P
     _fit(server.url, tmp_path / "parts", shm, 2, None)
     resumed = _fit(server.url, tmp_path / "parts", shm, 3, "last")
     assert whole["step"] == resumed["step"] == 12
-    _same(whole["model"], resumed["model"])
-    _same(whole["optim"]["state"], resumed["optim"]["state"])
+    assert_same(whole["model"], resumed["model"])
+    assert_same(whole["optim"]["state"], resumed["optim"]["state"])
     assert read_pointer(tmp_path / "parts" / "last.ckpt")["step"] == 12  # type: ignore[index]
 
 
@@ -354,7 +303,7 @@ def test_a_save_on_another_rank_than_0_is_refused(io: CkptdCheckpointIO, tmp_pat
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "1")  # (no process group here: the environment says)
     with pytest.raises(InvalidRequest, match="rank other than 0"):
-        io.save_checkpoint(_checkpoint(4), tmp_path / "x.ckpt")
+        io.save_checkpoint(small_checkpoint(4), tmp_path / "x.ckpt")
 
 
 def test_a_run_on_a_node_without_the_pointers_says_so_at_its_first_save(
@@ -373,5 +322,5 @@ def test_a_run_on_a_node_without_the_pointers_says_so_at_its_first_save(
     assert "ckpt_path='latest'" in message
     resumed = _fit(server.url, tmp_path / "b" / "job2", shm, 3, "latest")
     assert resumed["step"] == whole["step"] == 12
-    _same(whole["model"], resumed["model"])
-    _same(whole["optim"]["state"], resumed["optim"]["state"])
+    assert_same(whole["model"], resumed["model"])
+    assert_same(whole["optim"]["state"], resumed["optim"]["state"])
