@@ -22,12 +22,18 @@ has the replica's ``/healthz`` asked, on a connection of its own: a live replica
 answers that within 2 s, however busy and whatever its store does; one that does
 not answer within ``PROBE_TIMEOUT`` (5 s) is marked down, and every request still waiting on
 it is given up and retried at the next replica: a hang costs about ten seconds, not
-a request timeout (60 s) per request. A membership read that times out only turns
-new calls away, as do down marks by other evidence of a busy replica.
+a request timeout (60 s) per request. The same holds while an answer's body streams
+(``routing_body.py``): a read of it that waits ``CKPTD_SUSPECT_AFTER`` has the
+replica probed, and a mark ends the read with ``ReplicaDown``, which the caller
+retries at the next replica as any body lost mid-way. A membership read that times
+out only turns new calls away, as do down marks by other evidence of a busy replica.
 
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
-the CLI) route alike without knowing about replicas.
+the CLI) route alike without knowing about replicas. Only the async face probes:
+the sync one's calls are small answers read whole (a CLI command asks each replica
+once first, ``ckptd/cli/servers.py``). Chunk reads over the transport's raw sockets
+(``PeerClient``, ``HttpTransport.chunk_reads``) do not pass through here.
 """
 
 from __future__ import annotations
@@ -48,12 +54,15 @@ import httpx
 from ckptd import knobs
 from ckptd.cluster import chunk_key, job_key, parse_urls, rank_members, route_key
 
+from .routing_body import ReplicaDown, WatchedBody, settle
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ROUTE_HEADER",
     "AsyncRouting",
     "Members",
+    "ReplicaDown",
     "SyncRouting",
     "members_for",
 ]
@@ -69,16 +78,6 @@ _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # reset, an early end), which a busy live replica gives too, it marks the replica down.
 _GONE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
                           errno.EHOSTDOWN})
-
-
-class ReplicaDown(httpx.ReadError):
-    """A request given up because another call marked its replica down meanwhile
-    (maybe sent: retried as any request lost mid-way is)."""
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def host_gone(exc: BaseException) -> bool:
@@ -340,7 +339,8 @@ class AsyncRouting(httpx.AsyncBaseTransport):
     async def _send(self, request: httpx.Request, base: str) -> httpx.Response:
         """``request`` sent to ``base``, given up (``ReplicaDown``, which the caller's
         retry takes to the next replica) when ``base`` is marked down as gone or hung
-        before its answer starts: a replica that hangs holds a request until a probe
+        before its answer starts, and each read of its body likewise while it streams
+        (``WatchedBody``): a replica that hangs holds a request until a probe
         (``_probe``) or the stall watcher notices, not for a whole request timeout."""
         suspect_after = knobs.suspect_after()
         if len(self.members.urls) < 2 or self.probes is None or suspect_after <= 0:
@@ -350,7 +350,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
 
         def tell() -> None:
             with contextlib.suppress(RuntimeError):  # (its loop closed: nothing waits)
-                loop.call_soon_threadsafe(_settle, gone)
+                loop.call_soon_threadsafe(settle, gone)
 
         stop = self.members.watch(base, tell)
         send = asyncio.ensure_future(self.inner.handle_async_request(_to(request, base)))
@@ -370,7 +370,11 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             await _given_up(send)
             raise ReplicaDown(f"ckptd replica {base} was marked down while it had this "
                               "request", request=request)
-        return send.result()
+        resp = send.result()
+        if isinstance(resp.stream, httpx.AsyncByteStream):  # its body: watched alike
+            resp.stream = WatchedBody(resp.stream, request, base, watch=self.members.watch,
+                                      probe=self._probe, suspect_after=suspect_after)
+        return resp
 
     def _probe(self, base: str) -> None:
         """Asks ``base``'s ``/healthz``, in the background, once at a time per replica,

@@ -1,0 +1,67 @@
+"""A replica that hangs in the middle of an answer's body (stopped once its headers
+came) holds a restore for seconds, not a request timeout: the read that waits has
+the replica probed, the probe marks it down, the read is given up and the chunk is
+fetched from the next replica, verified as every chunk is."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.client.transport import HttpTransport
+from tests.cluster.conftest import Replica
+
+CHUNK = 32 << 20  # (far more than loopback's socket buffers hold of a body unread)
+
+
+def test_a_restore_leaves_a_replica_hung_mid_body_for_the_next_within_seconds(
+        static_pair: tuple[Replica, Replica], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CKPTD_SUSPECT_AFTER", "2")  # (the probe's 5 s stay as they are)
+    a, b = static_pair
+    replicas = {a.url: a, b.url: b}
+    # Chunks through the transport's httpx client, as over https:// (plain-HTTP
+    # replicas are otherwise read over raw sockets, which this routing does not see).
+    monkeypatch.setattr(HttpTransport, "chunk_reads", lambda self, finish: None)
+    monkeypatch.setattr(HttpTransport, "chunk_reader", lambda self: None)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(2 * CHUNK // 4)}
+    with Checkpointer(f"{a.url},{b.url}", "hang-body", chunk_size=CHUNK,
+                      shm_dir=tmp_path / "shm", serve_peers=False, timeout=60.0) as ckpt:
+        assert ckpt.save(1, state).wait(60).state == "committed"
+        stopped: list[str] = []
+
+        async def stop_mid_body(resp: httpx.Response) -> None:
+            # (a response hook runs once the headers came, before the body is read)
+            req = resp.request
+            if (not stopped and req.method == "GET" and resp.status_code == 200
+                    and req.url.path.startswith("/v1/chunks/")):
+                url = f"{req.url.scheme}://{req.url.netloc.decode('ascii')}"
+                proc = replicas[url].proc
+                assert proc is not None
+                proc.send_signal(signal.SIGSTOP)
+                stopped.append(url)
+
+        client: httpx.AsyncClient = ckpt.transport._client  # type: ignore[attr-defined]
+        client.event_hooks["response"].append(stop_mid_body)
+        got = {"w": torch.zeros_like(state["w"])}
+        t0 = time.monotonic()
+        with caplog.at_level(logging.DEBUG, logger="ckptd.client.routing_body"):
+            result = ckpt.restore(got, step=1, tiers=("store",))
+        took = time.monotonic() - t0
+        assert stopped, "no chunk body came from a replica"
+        # (a request timeout is 60 s: before, the body's read waited it out)
+        assert took < 20.0, f"the restore waited {took:.1f} s on the replica hung mid-body"
+        assert torch.equal(got["w"], state["w"])
+        assert result.bytes_from.get("store") == 2 * CHUNK
+        assert any("given up mid-way" in r.getMessage() for r in caplog.records), \
+            "the replica was not stopped mid-body"
+        members = ckpt.transport.members  # type: ignore[attr-defined]
+        assert stopped[0] not in members.live()
