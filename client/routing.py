@@ -45,7 +45,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -375,6 +375,30 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             resp.stream = WatchedBody(resp.stream, request, base, watch=self.members.watch,
                                       probe=self._probe, suspect_after=suspect_after)
         return resp
+
+    @contextlib.asynccontextmanager
+    async def watching(self, base: str, on_down: Callable[[], None]) -> AsyncIterator[None]:
+        """While the block runs (a request to ``base`` that this transport does not
+        carry: chunk reads over raw sockets), ``base`` is probed every
+        ``CKPTD_SUSPECT_AFTER`` seconds, and ``on_down`` is called (from the thread
+        that marks it) when it is marked down as gone or hung."""
+        suspect_after = knobs.suspect_after()
+        if len(self.members.urls) < 2 or self.probes is None or suspect_after <= 0:
+            yield
+            return
+
+        async def suspect() -> None:
+            while True:
+                await asyncio.sleep(suspect_after)
+                self._probe(base)
+
+        stop = self.members.watch(base, on_down)
+        timer = asyncio.ensure_future(suspect())
+        try:
+            yield
+        finally:
+            stop()
+            timer.cancel()
 
     def _probe(self, base: str) -> None:
         """Asks ``base``'s ``/healthz``, in the background, once at a time per replica,

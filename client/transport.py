@@ -11,6 +11,7 @@ implementations read side by side, method against method.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -464,8 +465,12 @@ class HttpTransport(Transport):
             return None
         from .transport_reads import BatchedChunkReads
 
+        def watch(home: str) -> contextlib.AbstractAsyncContextManager[None]:
+            # (a replica that hangs mid-answer: marked down, its reads end at once)
+            return self._routing.watching(home, lambda: raw.cut(home))
+
         return BatchedChunkReads(raw.fetch_many_into, self._home, finish,
-                                 alone=lambda: len(self.members.urls) <= 1)
+                                 alone=lambda: len(self.members.urls) <= 1, watch=watch)
 
     def _home(self, cid: str) -> str:
         return self.members.order(chunk_route_key(cid))[0]

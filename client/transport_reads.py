@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,10 @@ from ckptd.errors import CkptdError, Unavailable
 # (replica URL, [(chunk id, its buffer)], each(i, error or None)): PeerClient.fetch_many_into
 ReadMany = Callable[[str, Sequence[tuple[str, memoryview]],
                      Callable[[int, CkptdError | None], None]], None]
+
+# (replica URL) -> what watches it while a request to it is under way (routing's
+# probe of a replica that hangs, ``AsyncRouting.watching``)
+Watch = Callable[[str], contextlib.AbstractAsyncContextManager[None]]
 
 # Requests in flight to one replica at once: two, so that the server sends one
 # batch while this side verifies the other's chunks.
@@ -44,8 +49,10 @@ class BatchedChunkReads:
 
     def __init__(self, read_many: ReadMany, home: Callable[[str], str],
                  finish: Callable[[memoryview], str], lanes: int = LANES,
-                 most: int = MOST, alone: Callable[[], bool] = lambda: False) -> None:
+                 most: int = MOST, alone: Callable[[], bool] = lambda: False,
+                 watch: Watch | None = None) -> None:
         self._read_many = read_many
+        self._watch = watch
         self._home = home
         self._finish = finish
         #: whether the store is one server: a read it let time out has no replica
@@ -102,7 +109,9 @@ class BatchedChunkReads:
     async def _run(self, home: str, batch: list[_Read]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._pool, self._read_batch, loop, home, batch)
+            async with (self._watch(home) if self._watch is not None
+                        else contextlib.nullcontext()):
+                await loop.run_in_executor(self._pool, self._read_batch, loop, home, batch)
         except BaseException as exc:
             # The request failed as a whole: every read it had not handed back yet
             # fails with its error (the thread is done with their buffers). An error

@@ -8,7 +8,6 @@ import contextlib
 import http.client
 import json
 import logging
-import re
 import socket
 import ssl
 import struct
@@ -27,9 +26,18 @@ from ckptd.errors import (
     Conflict,
     InvalidRequest,
     Unavailable,
-    from_json,
 )
 
+from .answers import (
+    BodyStream,
+    Disconnected,
+    answer_error,
+    check_deadline,
+    chunk_size,
+    content_length,
+    keep_alive,
+    read_head,
+)
 from .http import VALID_TRAILER
 
 log = logging.getLogger(__name__)
@@ -63,12 +71,13 @@ class _Conn:
     whose send and receive timeouts are set in the kernel; over TLS, reads with
     Python's own timeout (a TLS socket takes no ``MSG_WAITALL``)."""
 
-    __slots__ = ("deadline", "flags", "sock", "url")
+    __slots__ = ("cut", "deadline", "flags", "sock", "url")
 
     def __init__(self, url: str, timeout: float, tls: ssl.SSLContext | None = None,
                  connect_timeout: float | None = None) -> None:
         scheme, host, port = _endpoint(url)
         self.url = url
+        self.cut = False  # ended by ``PeerClient.cut``: its peer was marked down
         self.deadline = float("inf")  # of the request under way (``PeerClient._exchange``)
         # A host that vanished answers no SYN: connecting is bounded on its own, so a
         # lost peer or replica costs seconds, not the whole read timeout.
@@ -142,7 +151,7 @@ class PeerClient:
         with self._lock:
             if self._closed:
                 conn.close()
-                raise _Disconnected("the peer client was aborted")
+                raise Disconnected("the peer client was aborted")
             self._busy.add(conn)
         return conn
 
@@ -222,10 +231,10 @@ class PeerClient:
             # trickles a byte at a time would keep every read alive forever.
             conn.deadline = time.monotonic() + self.timeout
             try:
-                return talk(conn)
+                return _talked(conn, talk)
             except CkptdError:
                 raise  # an answer (the connection was returned or closed already)
-            except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
+            except (Disconnected, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()
                 if reused and attempt == 0 and again():
                     continue  # the peer closed an idle connection: once more, fresh
@@ -269,7 +278,7 @@ class PeerClient:
                 raise Unavailable(f"{url} sent {got} of {n} bytes of chunk {cid}",
                                   peer=url, reason="short")
             got += k
-            _check(conn.deadline, got < n)
+            check_deadline(conn.deadline, got < n)
         if keep:
             self._give(conn)
         else:
@@ -281,10 +290,10 @@ class PeerClient:
         """A chunked answer's body into ``dest``, then its trailer: a peer that sent
         from memory that changed under the send says so there (``X-Ckptd-Valid:
         0``), and the bytes are refused as a 409 would have refused them."""
-        stream = _BodyStream(conn.sock, extra, conn.deadline, conn.flags)
+        stream = BodyStream(conn.sock, extra, conn.deadline, conn.flags)
         got = 0
         while True:
-            size = _chunk_size(stream.line())
+            size = chunk_size(stream.line())
             if size == 0:
                 break
             if got + size > len(dest):
@@ -324,7 +333,7 @@ class PeerClient:
         sizes = parse_chunk_sizes(headers.get(CHUNK_SIZES_HEADER.lower(), ""), len(chunks))
         if n != sum(k or 0 for k in sizes):
             raise ValueError(f"a body of {n} bytes for chunks of {sum(k or 0 for k in sizes)}")
-        stream = _BodyStream(sock, extra, conn.deadline, conn.flags)
+        stream = BodyStream(sock, extra, conn.deadline, conn.flags)
         for i, ((cid, dest), size) in enumerate(zip(chunks, sizes, strict=True)):
             if size is None:
                 each(i, ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url))
@@ -346,10 +355,10 @@ class PeerClient:
         given) and whether the connection is kept; another status raises its typed
         error. The request's deadline grows by the body (``expect`` bytes when the
         answer gives no length) at the slowest rate waited for."""
-        status, headers, extra = _read_head(conn.sock, conn.deadline)
-        n, keep = _length(headers), _keep_alive(headers)
+        status, headers, extra = read_head(conn.sock, conn.deadline)
+        n, keep = content_length(headers), keep_alive(headers)
         if status != 200:
-            raise _error(status, self._error_body(conn, extra, n, keep), url, cid)
+            raise answer_error(status, self._error_body(conn, extra, n, keep), url, cid)
         conn.deadline += (n if n >= 0 else expect) / MIN_RATE
         return headers, extra, n, keep
 
@@ -382,7 +391,7 @@ class PeerClient:
             raise Unavailable(f"peer {url} described itself in {n} bytes", peer=url,
                               reason="status")
         body = bytearray(n)
-        stream = _BodyStream(conn.sock, extra, conn.deadline)
+        stream = BodyStream(conn.sock, extra, conn.deadline)
         stream.read_into(memoryview(body))
         if keep and not stream.extra:
             self._give(conn)
@@ -395,6 +404,22 @@ class PeerClient:
         if not isinstance(doc, dict):
             raise Unavailable(f"peer {url} did not describe itself", peer=url, reason="status")
         return doc
+
+    def cut(self, url: str) -> None:
+        """Ends the requests under way to ``url`` at once (``Unavailable``, reason
+        ``down``: not tried again on a fresh connection) and drops its idle
+        connections: for a caller that learned ``url`` hangs (routing marked it
+        down). Later requests to it open fresh connections. Thread-safe."""
+        with self._lock:
+            busy = [c for c in self._busy if c.url == url]
+            idle = self._idle.pop(url, [])
+            for conn in busy:
+                conn.cut = True
+        for conn in busy:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        for conn in idle:
+            conn.close()
 
     def abort(self) -> None:
         """Ends every request under way at once (their reads fail, ``disconnected``)
@@ -423,141 +448,19 @@ class PeerClient:
         self.close()
 
 
-class _Disconnected(ConnectionError):
-    """The peer closed the connection."""
-
-
-def _check(deadline: float, more: bool = True) -> None:
-    """Past the request's deadline with more to read: the peer is too slow."""
-    if more and time.monotonic() > deadline:
-        raise TimeoutError("the answer did not arrive in time")
-
-
-def _read_head(sock: socket.socket, deadline: float = float("inf")
-               ) -> tuple[int, dict[str, str], memoryview]:
-    """An answer's status and headers, and what was received past them."""
-    head = bytearray()
-    scratch = bytearray(16384)
-    end = -1
-    while end < 0:
-        k = sock.recv_into(scratch)
-        if not k:
-            raise _Disconnected("connection closed before the answer")
-        head += memoryview(scratch)[:k]
-        end = head.find(b"\r\n\r\n", max(0, len(head) - k - 3))
-        if end < 0 and len(head) > 65536:
-            raise ValueError("answer headers longer than 64 KiB")
-        _check(deadline, end < 0)
-    status, headers = _parse_head(bytes(head[:end]))
-    return status, headers, memoryview(head)[end + 4 :]
-
-
-def _length(headers: Mapping[str, str]) -> int:
-    length = headers.get("content-length", "")
-    return int(length) if length.isdigit() else -1
-
-
-def _keep_alive(headers: Mapping[str, str]) -> bool:
-    return headers.get("connection", "").lower() != "close"
-
-
-class _BodyStream:
-    """An answer's body, read in order: first what came with the headers, then the
-    socket, straight into the caller's buffers."""
-
-    def __init__(self, sock: socket.socket, extra: memoryview,
-                 deadline: float = float("inf"), flags: int = socket.MSG_WAITALL) -> None:
-        self.sock = sock
-        self.extra = extra
-        self.deadline = deadline
-        self.flags = flags
-
-    def read_into(self, dest: memoryview) -> None:
-        got = min(len(self.extra), len(dest))
-        dest[:got] = self.extra[:got]
-        self.extra = self.extra[got:]
-        while got < len(dest):
-            k = self.sock.recv_into(dest[got:], len(dest) - got, self.flags)
-            if not k:
-                raise _Disconnected(f"the answer ended {len(dest) - got} bytes short")
-            got += k
-            _check(self.deadline, got < len(dest))
-
-    def line(self) -> bytes:
-        """The next line (without its CRLF), from what came already, else read a
-        little at a time (never far past it: a body follows)."""
-        while (end := bytes(self.extra[:MAX_LINE]).find(b"\r\n")) < 0:
-            if len(self.extra) >= MAX_LINE:
-                raise ValueError("a line of a chunked answer longer than 4 KiB")
-            more = bytearray(256)
-            k = self.sock.recv_into(more)
-            if not k:
-                raise _Disconnected("the answer ended inside a chunk header")
-            self.extra = memoryview(bytes(self.extra) + bytes(more[:k]))
-            _check(self.deadline)
-        out = bytes(self.extra[:end])
-        self.extra = self.extra[end + 2 :]
-        return out
-
-    def skip(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n > 0:
-            k = min(n, len(scratch))
-            self.read_into(scratch[:k])
-            n -= k
-
-
-MAX_LINE = 4096
-
-
-def _chunk_size(line: bytes) -> int:
-    """The size of a chunk of a chunked body, from its line (extensions ignored)."""
-    text = line.split(b";", 1)[0].strip()
-    if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
-        raise ValueError(f"bad chunk size line {line[:40]!r}")
-    return int(text, 16)
-
-
-def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-        raise ValueError(f"not an HTTP answer: {lines[0][:80]!r}")
-    headers = {}
-    for line in lines[1:]:
-        key, sep, value = line.partition(":")
-        if sep:
-            headers[key.strip().lower()] = value.strip()
-    return int(parts[1]), headers
-
-
-def _error(status: int, body: bytes, url: str, cid: str | None) -> CkptdError:
-    """The typed error of an answer that is not a 200 (``cid`` None: a read of several
-    chunks, whose answer without a ckptd error body says nothing of any one chunk)."""
+def _talked(conn: _Conn, talk: Callable[[_Conn], T]) -> T:
+    """``talk(conn)``; any failure of a connection ``PeerClient.cut`` ended is
+    ``Unavailable`` (reason ``down``)."""
     try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    if isinstance(doc, dict) and isinstance(doc.get("code"), str):
-        err = from_json(doc, status)
-        err.detail.setdefault("peer", url)
-        return err
-    if cid is None:
-        return Unavailable(f"{url} answered {status} to a read of several chunks", peer=url,
-                           reason="status", status=status)
-    if status == 404:
-        return ChunkNotFound(f"{url} does not hold chunk {cid}", id=cid, peer=url)
-    if status == 409:
-        return Conflict(f"peer {url}: chunk {cid} is being overwritten", id=cid, peer=url)
-    # An object store's error names itself in XML (<Code>AccessDenied</Code>, and a
-    # <Message> such as "Request has expired"): say what it said.
-    said = " ".join(m.group(1).decode("utf-8", "replace")[:200] for m in
-                    _XML_SAID.finditer(body[:4096]))
-    return Unavailable(f"{url} answered {status} for chunk {cid}" + (f": {said}" if said else ""),
-                       peer=url, reason="status", status=status)
-
-
-_XML_SAID = re.compile(rb"<(?:Code|Message)>([^<]*)</(?:Code|Message)>")
+        return talk(conn)
+    except CkptdError:
+        raise
+    except Exception as exc:
+        if not conn.cut:
+            raise
+        conn.close()
+        raise Unavailable(f"peer {conn.url} was marked down while it answered",
+                          peer=conn.url, reason="down") from exc
 
 
 def wait_listening(url: str, timeout: float = 10.0) -> None:
