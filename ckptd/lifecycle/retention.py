@@ -188,6 +188,9 @@ async def plan_forget(
     last = set(committed[-policy.keep_last:]) if policy.keep_last else set()
     latest = await repo.latest_ref_step(job)
     intact = await repo.latest(job)  # what a restore of latest gets (scrub damage skipped)
+    why_intact = ("newest undamaged (restore of latest)"
+                  if latest is not None and await repo.store.exists(damage_key(job, latest))
+                  else "restore of latest (a rollback went back to it)")
     marker, _ = await repo.rollback_state(job)
     tags = await read_tags(repo.store, job) if policy.keep_tagged else {}
     tagged: dict[int, list[str]] = {}
@@ -217,7 +220,7 @@ async def plan_forget(
         if step == latest:
             reasons.append("latest")
         elif step == intact:
-            reasons.append("newest undamaged (restore of latest)")
+            reasons.append(why_intact)
         if marker is not None and step == marker.step:
             reasons.append("rollback target")
         if step in tagged:

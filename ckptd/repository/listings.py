@@ -254,7 +254,9 @@ class Listings(Timelines):
         try:
             newest = await self.latest(job)  # skips steps scrub marked damaged
             named = await self.latest_ref_step(job)
-            if named is not None and named != newest:
+            # (else a rollback left the step behind: not damage, and nothing to say)
+            if named is not None and named != newest and await self.store.exists(
+                    damage_key(job, named)):
                 problems.append(f"step {named} of {job} is marked damaged by scrub "
                                 f"({damage_key(job, named)})")
                 damaged.append(damage_key(job, named))

@@ -74,7 +74,7 @@ async def test_rollback_target_latest_and_untagged(any_store: Store) -> None:
     assert plan.forgotten == [2, 3]
     # (Steps 2 - 4 were committed before the rollback: a restore of latest gets 1 too.)
     assert {d.step: d.reasons for d in plan.steps}[1] == (
-        "newest undamaged (restore of latest)", "rollback target")
+        "restore of latest (a rollback went back to it)", "rollback target")
     with pytest.raises(InvalidName):
         await set_tag(any_store, JOB, "../bad", 4)
 

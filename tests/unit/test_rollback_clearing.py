@@ -95,3 +95,29 @@ async def test_a_timeline_whose_step_retention_removed_verifies(repo: Repository
     assert timeline is not None and timeline.step == 3
     report = await repo.verify(JOB)
     assert report.bad_refs == [] and report.ok, report
+
+
+async def test_the_steps_a_rollback_left_behind_are_not_called_damaged(
+    repo: Repository,
+) -> None:
+    """Found by a probe: after an operator's rollback from step 3 to step 2, every
+    read of latest warned that step 3 was 'marked damaged by scrub' (naming a marker
+    that was not there), a restore_fallback event went out per restore, and forget
+    called step 2 the 'newest undamaged'. The steps above a rollback are left behind,
+    not damaged: latest is step 2, with no word."""
+    from ckptd.lifecycle.documents import damage_key
+    from ckptd.lifecycle.retention import RetentionPolicy, plan_forget
+
+    for step in (1, 2, 3):
+        await commit(repo, step)
+    await repo.set_rollback(JOB, 2)
+    found = await repo.restorable_step(JOB)
+    assert (found.step, found.problems) == (2, [])
+    plan = await plan_forget(repo, JOB, RetentionPolicy(keep_last=1))
+    why = {d.step: d.reasons for d in plan.steps}
+    assert "restore of latest (a rollback went back to it)" in why[2], why
+    # Scrub's marker on step 3 is damage, and said so.
+    await repo.store.put_if_absent(damage_key(JOB, 3), b"{}")
+    found = await repo.restorable_step(JOB)
+    assert found.step == 2 and found.problems == [
+        f"step 3 of {JOB} is marked damaged by scrub ({damage_key(JOB, 3)})"]
