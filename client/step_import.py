@@ -196,6 +196,8 @@ def _from_tree(root: zarr.Group, tree: Any, paths: dict[str, str]) -> dict[str, 
             return tuple(build(child) for child in body)
         if kind == "tensor":
             return _array(root, paths[body])
+        if kind == "bytes":  # (a blob, as it was saved: its 1-D uint8 array's bytes)
+            return _array(root, paths[body]).numpy().tobytes()
         if kind == "float":
             return float(body)
         return body

@@ -200,7 +200,7 @@ def build(manifests: Sequence[RankManifest]) -> Hierarchy:
                 group.attributes[name] = cbody
             elif ckind == "float":
                 group.attributes[name] = _FLOAT_ATTRS[cbody]
-            elif ckind == "tensor":
+            elif ckind in ("tensor", "bytes"):  # (a blob: its 1-D uint8 entry)
                 used.add(name)
                 group.children.append(name)
                 array(join(path, name), cbody)

@@ -328,3 +328,31 @@ def test_import_of_a_dcp_directory_never_unpickles_its_values(tmp_path: Path,
     with pytest.raises(UnsupportedValue):
         import_checkpoint(tmp_path / "dcp", f"file://{tmp_path / 's'}", "e", 1, shm_dir=shm)
     assert not marker.exists()
+
+
+def test_a_step_holding_raw_bytes_is_viewed_exported_diffed_and_imported_back(
+    tmp_path: Path, shm: Path
+) -> None:
+    """Found by a probe: a step with a ``bytes`` value (or a DCP ``BytesIO`` item)
+    failed the zarr view, ``export --zarr`` and ``diff`` with a traceback (the view
+    walked the blob's name as a container). A blob is its 1-D uint8 entry's array."""
+    import zarr
+
+    from ckptd.zarr import CheckpointStore
+
+    url = f"file://{tmp_path / 'store'}"
+    blob = bytes(range(256)) * 40
+    with Checkpointer(url, "blob", chunk_size=4096, shm_dir=shm, serve_peers=False) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4), "extra": {"raw": blob}}).wait()
+        ckpt.save(2, {"w": torch.ones(4), "extra": {"raw": blob[::-1]}}).wait()
+    root = zarr.open_group(store=CheckpointStore(url, "blob", step=1), mode="r")
+    assert root["extra/raw"][...].tobytes() == blob
+    export_step(url, "blob", tmp_path / "export", 1)
+    assert zarr.open_group(str(tmp_path / "export"), mode="r")["extra/raw"][...].tobytes() \
+        == blob
+    diffs = {d.path: d.status for d in diff_steps(url, "blob", 1, 2)}
+    assert diffs == {"w": "same", "extra/raw": "changed"}, diffs
+    result = import_checkpoint(tmp_path / "export", url, "blob", 3, shm_dir=shm)
+    assert result.kind == "zarr"
+    got = _restored(url, "blob", 3)
+    assert got["extra"]["raw"] == blob and torch.equal(got["w"], torch.ones(4))
