@@ -58,6 +58,28 @@ def _env_float(name: str, default: float, low: float | None = None,
     return value
 
 
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """``name``'s value, one of ``choices`` in any case (``default`` when unset);
+    ``InvalidRequest`` naming them for anything else: never a default taken
+    silently for a word mistyped."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip().lower() not in choices:
+        raise InvalidRequest(f"{name}={raw!r} is not one of {', '.join(choices)}; set one, "
+                             f"or unset it for the default ({default})", knob=name)
+    return raw.strip().lower()
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """``name``'s value as on (1, true, yes, on) or off (0, false, no, off)."""
+    value = _env_choice(name, "1" if default else "0", _ON + _OFF)
+    return value in _ON
+
+
 def _bad(name: str, raw: str, problem: str, default: int, low: int | None,
          high: int | None) -> InvalidRequest:
     span = (f"from {low} to {high}" if low is not None and high is not None
@@ -217,10 +239,7 @@ def h2d_scratch() -> str:
     default: every chunk hashed where it lies first, then sent (on one H200 with 16
     cores, 2 GiB: 210 ms against 234 ms through device memory, memory-bound either
     way; bench/RESULTS.md)."""
-    raw = os.environ.get("CKPTD_H2D_SCRATCH", "0").strip().lower() or "0"
-    if raw not in ("auto", "0", "1"):
-        raise ValueError(f"CKPTD_H2D_SCRATCH={raw!r}: say auto, 0 or 1")
-    return raw
+    return _env_choice("CKPTD_H2D_SCRATCH", "0", ("auto", "0", "1"))
 
 
 def restore_huge_pages() -> bool:
@@ -228,21 +247,27 @@ def restore_huge_pages() -> bool:
     transparent huge pages. Off by default: on a host whose memory is fragmented
     (page cache, long uptime) the kernel compacts memory at the first touch, and a
     1 GiB restore from peers measured 3.2-4.7 s with the advice and 2.0 s without."""
-    return os.environ.get("CKPTD_RESTORE_HUGE_PAGES", "").lower() in ("1", "true", "yes")
+    return _env_flag("CKPTD_RESTORE_HUGE_PAGES", False)
 
 
 def direct_reads() -> bool:
     """A restore whose plan carries presigned URLs (a server over an S3-compatible
     store) reads those chunks straight from the object store; 0 sends every read
     through the server."""
-    return os.environ.get("CKPTD_DIRECT_READS", "1").lower() not in ("0", "false", "no")
+    return _env_flag("CKPTD_DIRECT_READS", True)
 
 
 def direct_writes() -> bool:
     """A local store with fsync writes objects of 1 MiB and more from page-aligned
     buffers around the page cache (``O_DIRECT``, ``ckptd/store/direct_io.py``): a
     third less server CPU under ingest. 0 writes everything through the cache."""
-    return os.environ.get("CKPTD_DIRECT_WRITES", "1").lower() not in ("0", "false", "no")
+    return _env_flag("CKPTD_DIRECT_WRITES", True)
+
+
+def on_error() -> str:
+    """What a failed background save does when ``on_error`` is not given: raise
+    at the next call (``raise``) or log and go on (``warn``)."""
+    return _env_choice("CKPTD_ON_ERROR", "raise", ("raise", "warn"))
 
 
 def peer_host() -> str | None:

@@ -128,7 +128,7 @@ class CheckpointerConfig:
         if incarnation is None:
             incarnation = launch_incarnation()
         if on_error is None:
-            on_error = "warn" if os.environ.get("CKPTD_ON_ERROR") == "warn" else "raise"
+            on_error = "warn" if knobs.on_error() == "warn" else "raise"
         try:
             size = knobs.chunk_size() if chunk_size is None else operator.index(chunk_size)
         except TypeError:  # ("4MB", 4.0: int() took the float and refused the text)

@@ -95,3 +95,31 @@ def test_a_bad_peer_port_from_the_environment_is_refused_at_construction(
     # An argument wins over the environment, as for every knob.
     with Checkpointer(f"file://{tmp_path / 'store'}", "cfg", shm_dir=shm, peer_port=0):
         pass
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("CKPTD_ON_ERROR", "warning"), ("CKPTD_ON_ERROR", "maybe"),
+    ("CKPTD_DIRECT_READS", "of"), ("CKPTD_DIRECT_WRITES", "nope"),
+    ("CKPTD_RESTORE_HUGE_PAGES", "sure"), ("CKPTD_H2D_SCRATCH", "2"),
+])
+def test_a_mistyped_word_in_the_environment_is_refused_not_taken_for_the_default(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a probe: CKPTD_ON_ERROR=warning was taken for 'raise' (a failed save
+    then stopped training it was meant to warn about), and an on/off setting took any
+    word it did not know for its default (CKPTD_DIRECT_READS=off stayed on)."""
+    from ckptd import knobs
+
+    read = {"CKPTD_ON_ERROR": knobs.on_error, "CKPTD_DIRECT_READS": knobs.direct_reads,
+            "CKPTD_DIRECT_WRITES": knobs.direct_writes,
+            "CKPTD_RESTORE_HUGE_PAGES": knobs.restore_huge_pages,
+            "CKPTD_H2D_SCRATCH": knobs.h2d_scratch}[name]
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidRequest, match=f"{name}='{value}' is not one of"):
+        read()
+    if name == "CKPTD_ON_ERROR":
+        with pytest.raises(InvalidRequest, match="raise, warn"):
+            CheckpointerConfig.of("file:///nowhere", "j")
+    monkeypatch.setenv(name, {"CKPTD_ON_ERROR": "WARN", "CKPTD_H2D_SCRATCH": "Auto"}.get(
+        name, "off"))
+    assert read() in ("warn", "auto", False)
