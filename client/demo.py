@@ -21,7 +21,7 @@ from rich.console import Console
 
 from ckptd.client import Checkpointer
 from ckptd.client.transport_http import SyncTransport
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, InvalidRequest
 
 TRAIN_SCRIPT = Path(__file__).with_name("demo_train.py")
 
@@ -153,6 +153,11 @@ def run_demo(
     """Runs the demo; True when the recovered run ends bitwise equal to the reference."""
     console = console or Console()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptd-demo-"))
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        # A store of an earlier run there would be restored from: nothing killed, and
+        # the comparison proves nothing. (Nothing there is deleted: it may be anyone's.)
+        raise InvalidRequest(f"--workdir {root} is not a new or empty directory: name one "
+                             "for this run's store, logs and events")
     root.mkdir(parents=True, exist_ok=True)
     store, events, logs = root / "store", root / "events.jsonl", root / "logs"
     logs.mkdir(exist_ok=True)

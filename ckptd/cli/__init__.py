@@ -539,7 +539,8 @@ def policy_check(
 @app.command()
 def demo(
     workdir: Annotated[
-        str | None, typer.Option(help="Keep the store and logs here (default: a temp dir).")
+        str | None, typer.Option(help="A new or empty directory for the store and logs "
+                                 "(default: a temp dir).")
     ] = None,
     steps: Annotated[int, typer.Option(min=10, help="Training steps.")] = 40,
     nproc: Annotated[int, typer.Option(min=2, help="Ranks.")] = 2,

@@ -81,6 +81,10 @@ BAD = [
     (["restore", "--job", "j", "--rank", "-1", "--to", "/tmp/x"], ["--rank"]),
     (["policy", "check", "/does/not/exist.toml"], ["/does/not/exist.toml"]),
     (["demo", "--nproc", "0"], ["--nproc"]),
+    # (found by a probe: a file was a traceback; a directory of an earlier run's store
+    # was restored from, nothing killed, and the comparison said OK)
+    (["demo", "--workdir", "/etc/hostname"], ["/etc/hostname", "new or empty directory"]),
+    (["demo", "--workdir", "/etc"], ["/etc", "new or empty directory"]),
     (["nosuchcommand"], ["nosuchcommand"]),
     # (found by a probe: 05 was step 5 here, and refused by the API: one spelling)
     (["export", "j", "05", "--zarr", "/tmp/x"], ["'05'", "leading zero", "latest"]),
