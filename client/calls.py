@@ -399,8 +399,10 @@ def gc_status() -> Call[GcStatus]:
 
 
 def scrub(budget_bytes: int | None) -> Call[ScrubResult]:
+    """A scrub re-reads the store at its rate (``CKPTD_SCRUB_RATE``, 64 MiB/s): the
+    answer comes when the pass (or its budget) ends, past any ordinary read timeout."""
     params = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
-    return Call("POST", "/v1/scrub", answer(ScrubResult), params=params)
+    return Call("POST", "/v1/scrub", answer(ScrubResult), params=params, timeout=None)
 
 
 def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:

@@ -331,3 +331,21 @@ def test_verify_writes_out_control_characters_of_the_tensors_a_bad_chunk_breaks(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "\x1b" not in done.stdout, done.stdout
     assert "w\\x1b[2J[bold]x" in done.stdout, done.stdout
+
+
+def test_scrub_through_a_server_outlasts_the_commands_read_timeout(store: Path) -> None:
+    """Found by a probe: through a server, ``ckptd scrub`` of a store larger than
+    about 600 MiB always failed with [timeout] after 10 s (the command's read
+    timeout), while the server's pass at CKPTD_SCRUB_RATE (64 MiB/s) went on. Here a
+    slow rate stands for a large store."""
+    size = sum(p.stat().st_size for p in (store / "chunks").rglob("*") if p.is_file())
+    rate = max(1, size // 12)  # a pass of ~12 s
+    srv = ServerProcess(store=store, env={"CKPTD_SCRUB_RATE": str(rate)})
+    srv.start()
+    try:
+        done = ckptd("scrub", "--url", srv.url)
+    finally:
+        srv.stop()
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert "checked" in done.stdout and "timeout" not in said, said
