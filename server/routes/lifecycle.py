@@ -141,7 +141,7 @@ async def forget_steps(
     if not policy.forgets and policy.abandon_pending_after is None:
         raise InvalidRequest(
             f"no retention rule for {job}: start the server with --retention FILE, or pass "
-            "keep_last", job=job)
+            f"keep_last (`ckptd forget {job} --keep-last N`)", job=job)
     plan = await forget(repo, job, policy, dry_run=dry_run)
     return _forget_result(job, dry_run, plan.forgotten, plan.steps)
 
