@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -71,11 +72,15 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
     ``Timeout`` says that ``what`` gave up."""
 
     running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+    interrupted = threading.Event()
 
     async def main() -> T:
         task = asyncio.current_task()
         assert task is not None
         running.append((asyncio.get_running_loop(), task))
+        if interrupted.is_set():  # (Ctrl-C came before this task began)
+            coro.close()
+            raise asyncio.CancelledError
         return await _within(coro, timeout, f"{what} gave up")
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
@@ -84,9 +89,12 @@ def run_private(coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
             return future.result()
         except KeyboardInterrupt:
             # Ctrl-C: the call is cancelled and unwinds (leaving the pool waits for
-            # that), where it would otherwise run on to its end, however far.
+            # that), where it would otherwise run on to its end, however far. Set
+            # before the look at ``running``: a task that is not there yet sees it.
+            interrupted.set()
             for loop, task in running:
-                loop.call_soon_threadsafe(task.cancel)
+                with contextlib.suppress(RuntimeError):  # (its loop closed: it ended)
+                    loop.call_soon_threadsafe(task.cancel)
             raise
 
 

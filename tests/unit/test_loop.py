@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,47 @@ def test_a_deadline_on_the_loop_thread_waits_for_the_worker_threads() -> None:
         assert loop.run(asyncio.sleep(0, "still serves"), 5) == "still serves"
     finally:
         loop.stop()
+
+
+def test_ctrl_c_of_a_call_that_just_ended_is_a_keyboard_interrupt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a probe: Ctrl-C landing as the call's loop closed raised
+    RuntimeError('Event loop is closed') from the cancel, a traceback and exit 1
+    where ckptd restore says 'interrupted' and exits 130."""
+    import concurrent.futures
+
+    result = concurrent.futures.Future.result
+
+    def interrupted(self: concurrent.futures.Future[object], timeout: float | None = None
+                    ) -> object:
+        result(self, timeout)  # the call ends and its loop closes; then the signal
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_private(asyncio.sleep(0))
+
+
+def test_ctrl_c_before_the_call_began_still_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C before the call's task had started found nothing to cancel, and leaving
+    the pool waited for the whole call."""
+    import concurrent.futures
+    import time
+
+    def interrupted(self: concurrent.futures.Future[object], timeout: float | None = None
+                    ) -> object:
+        raise KeyboardInterrupt  # at once: the worker thread may not have started it
+
+    run = asyncio.run
+
+    def late(main: Any) -> Any:  # the worker thread starts the call after the signal
+        time.sleep(0.2)
+        return run(main)
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    monkeypatch.setattr(asyncio, "run", late)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_private(asyncio.sleep(60))
+    assert time.monotonic() - began < 5
