@@ -111,8 +111,9 @@ dead, for ``ckptd shm``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckptd.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .layout import StagedPiece, StagedSpan, StagePlan, TensorInfo
@@ -147,10 +148,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -24,6 +24,25 @@ from tests.cluster.conftest import Replica
 CHUNK = 32 << 20  # (far more than loopback's socket buffers hold of a body unread)
 
 
+def _stop(replicas: dict[str, Replica], url: str, stopped: list[str]) -> None:
+    """SIGSTOPs the replica at ``url``: hung, its kernel still taking bytes."""
+    proc = replicas[url].proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    stopped.append(url)
+
+
+def _left_within_seconds(ckpt: Checkpointer, got: dict[str, torch.Tensor],
+                         state: dict[str, torch.Tensor], result: Any, took: float,
+                         stopped: list[str]) -> None:
+    # (a request timeout is 60 s: before, a read of the body waited it out)
+    assert took < 20.0, f"the restore waited {took:.1f} s on the replica hung mid-body"
+    assert torch.equal(got["w"], state["w"])
+    assert result.bytes_from.get("store") == 2 * CHUNK
+    members = ckpt.transport.members  # type: ignore[attr-defined]
+    assert stopped[0] not in members.live()
+
+
 def test_a_restore_leaves_a_replica_hung_mid_body_for_the_next_within_seconds(
         static_pair: tuple[Replica, Replica], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -46,11 +65,8 @@ def test_a_restore_leaves_a_replica_hung_mid_body_for_the_next_within_seconds(
             req = resp.request
             if (not stopped and req.method == "GET" and resp.status_code == 200
                     and req.url.path.startswith("/v1/chunks/")):
-                url = f"{req.url.scheme}://{req.url.netloc.decode('ascii')}"
-                proc = replicas[url].proc
-                assert proc is not None
-                proc.send_signal(signal.SIGSTOP)
-                stopped.append(url)
+                _stop(replicas, f"{req.url.scheme}://{req.url.netloc.decode('ascii')}",
+                      stopped)
 
         client: httpx.AsyncClient = ckpt.transport._client  # type: ignore[attr-defined]
         client.event_hooks["response"].append(stop_mid_body)
@@ -60,14 +76,9 @@ def test_a_restore_leaves_a_replica_hung_mid_body_for_the_next_within_seconds(
             result = ckpt.restore(got, step=1, tiers=("store",))
         took = time.monotonic() - t0
         assert stopped, "no chunk body came from a replica"
-        # (a request timeout is 60 s: before, the body's read waited it out)
-        assert took < 20.0, f"the restore waited {took:.1f} s on the replica hung mid-body"
-        assert torch.equal(got["w"], state["w"])
-        assert result.bytes_from.get("store") == 2 * CHUNK
+        _left_within_seconds(ckpt, got, state, result, took, stopped)
         assert any("given up mid-way" in r.getMessage() for r in caplog.records), \
             "the replica was not stopped mid-body"
-        members = ckpt.transport.members  # type: ignore[attr-defined]
-        assert stopped[0] not in members.live()
 
 
 def test_a_restore_over_raw_chunk_reads_leaves_a_replica_hung_mid_body_within_seconds(
@@ -92,10 +103,7 @@ def test_a_restore_over_raw_chunk_reads_leaves_a_replica_hung_mid_body_within_se
                           expect: int) -> Any:
             got = answer(self, conn, url, cid, expect)  # (the headers came)
             if not stopped and url in replicas:
-                proc = replicas[url].proc
-                assert proc is not None
-                proc.send_signal(signal.SIGSTOP)
-                stopped.append(url)
+                _stop(replicas, url, stopped)
             return got
 
         monkeypatch.setattr(PeerClient, "_answer", stop_mid_body)
@@ -104,9 +112,4 @@ def test_a_restore_over_raw_chunk_reads_leaves_a_replica_hung_mid_body_within_se
         result = ckpt.restore(got, step=1, tiers=("store",))
         took = time.monotonic() - t0
         assert stopped, "no batch of chunks went to a replica"
-        # (before: a raw read waited the request timeout, 60 s, twice)
-        assert took < 20.0, f"the restore waited {took:.1f} s on the replica hung mid-body"
-        assert torch.equal(got["w"], state["w"])
-        assert result.bytes_from.get("store") == 2 * CHUNK
-        members = ckpt.transport.members  # type: ignore[attr-defined]
-        assert stopped[0] not in members.live()
+        _left_within_seconds(ckpt, got, state, result, took, stopped)  # (before: 60 s twice)
