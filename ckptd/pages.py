@@ -25,6 +25,11 @@ from pathlib import Path
 
 MADV_POPULATE_READ = 22  # Linux 5.14 (<linux/mman.h>); not in Python 3.11's mmap
 
+# A read of a chunk file that fails with one of these says the file itself is
+# damaged (a link that loops, the disk's read error, a file system that found its
+# own damage): damage to that chunk, not a store that cannot be read.
+DAMAGED_ERRNOS = frozenset({errno.ELOOP, errno.EIO, errno.EUCLEAN, errno.EBADMSG})
+
 
 def libc_madvise() -> Callable[..., int] | None:
     """libc's ``madvise`` through ctypes (which lets the GIL go while it runs;

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ckptd.errors import NotFound, StoreCorrupt, StoreError, StoreFull
+from ckptd.pages import DAMAGED_ERRNOS
 from ckptd.store import direct_io
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
 
@@ -39,16 +40,10 @@ def _reason(exc: OSError) -> str:
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
-# The object itself cannot be read (a symbolic link loop, the disk's read error, a
-# file system that found its own damage): damage to that object, not a store that
-# cannot be reached.
-_DAMAGED = {errno.ELOOP, errno.EIO, errno.EUCLEAN, errno.EBADMSG}
-
-
 def _read_failed(key: str, exc: OSError) -> StoreError:
     """The typed error for a failed read of ``key``: ``StoreCorrupt`` naming it when
     the object is damaged, else ``StoreError`` (permissions, no file handles left)."""
-    cls = StoreCorrupt if exc.errno in _DAMAGED else StoreError
+    cls = StoreCorrupt if exc.errno in DAMAGED_ERRNOS else StoreError
     return cls(f"cannot read {key}: {_reason(exc)}", key=key)
 
 
@@ -58,7 +53,7 @@ def _is_object(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_file()
     except OSError as exc:
-        return exc.errno in _DAMAGED
+        return exc.errno in DAMAGED_ERRNOS
 
 
 def _write_failed(key: str, exc: OSError, verb: str = "write") -> StoreError:
@@ -171,7 +166,7 @@ class LocalStore(Store):
             except FileNotFoundError:
                 continue  # deleted since it was listed
             except OSError as exc:
-                if exc.errno not in _DAMAGED:
+                if exc.errno not in DAMAGED_ERRNOS:
                     raise _read_failed(key, exc) from exc
                 # Listed as the entry it is (a link that loops): a reader of it
                 # gets StoreCorrupt, and a collection may still delete it.

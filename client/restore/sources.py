@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -24,7 +23,7 @@ import numpy as np
 from ckptd.errors import ChunkNotFound, ChunkSizeMismatch, StoreCorrupt, Timeout, Unavailable
 from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
-from ckptd.pages import populate_read
+from ckptd.pages import DAMAGED_ERRNOS, populate_read
 
 from ..loop import in_thread
 from ..peer import PeerClient
@@ -288,7 +287,7 @@ class DirectoryCacheSource(Source):
         try:
             return self._map_file(path, cid)
         except OSError as exc:
-            if exc.errno not in _DAMAGED:
+            if exc.errno not in DAMAGED_ERRNOS:
                 raise
             # There, but its file does not read (a link that loops, the disk's read
             # error): that copy is damaged, and the next tier is asked.
@@ -328,9 +327,6 @@ class DirectoryCacheSource(Source):
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps = []
-
-
-_DAMAGED = frozenset({errno.ELOOP, errno.EIO, errno.EUCLEAN, errno.EBADMSG})
 
 
 def map_budget() -> int:
