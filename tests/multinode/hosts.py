@@ -187,7 +187,16 @@ class Host:
         self.cluster.switch.ip("link", "set", self.port, "down")
 
     def mend_link(self) -> None:
+        """The cable is back. Returns once the link carries traffic: the carrier is
+        up and no address resolution begun while it was cut is still pending. Such
+        a lookup runs out its probes after the mend (about a second) and fails the
+        connections queued on it with "no route to host" (kernel 6.18 keeps the
+        entry across the carrier change); a real host meets that once, here it
+        would be a race in every test that mends a link."""
         self.cluster.switch.ip("link", "set", self.port, "up")
+        deadline_loop(15, f"{self.name}: the mended link did not come up",
+                      lambda: None if "LOWER_UP" not in self.sh("ip -o link show eth0")
+                      or " INCOMPLETE" in self.sh("ip neigh show dev eth0") else True)
 
     def slow_link(self, delay_s: float) -> None:
         """Every frame to and from this host waits ``delay_s`` on the wire (see
