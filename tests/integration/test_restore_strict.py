@@ -94,3 +94,16 @@ def test_a_tensor_where_the_checkpoint_holds_a_dict_is_refused(
     assert "state['model']: the target holds a tensor there, the checkpoint a dict" in str(
         err.value), err.value
     assert target["model"] is mine and target["epoch"] == 0
+
+
+def test_a_plain_dict_takes_the_entries_it_does_not_hold(
+    saved: tuple[str, torch.nn.Linear], shm: Path
+) -> None:
+    """(docs/client.md) Only a module has places to check against: a plain dict
+    gains the checkpoint's other entries, strict or not."""
+    url, model = saved
+    target: dict[str, object] = {"model": torch.nn.Linear(4, 3)}
+    with Checkpointer(url, "strict", shm_dir=shm) as ckpt:
+        ckpt.restore(target)
+    assert target["epoch"] == 3 and sorted(target) == ["epoch", "model"]
+    assert torch.equal(target["model"].weight, model.weight)  # type: ignore[attr-defined]
