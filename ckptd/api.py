@@ -67,6 +67,8 @@ __all__ = [
     "VerifyResult",
     "GcRunBody",
     "GcStatus",
+    "ScrubRunBody",
+    "ScrubStatus",
 ]
 
 
@@ -520,6 +522,31 @@ from ckptd.api_lifecycle import (  # noqa: E402
     StepSpaceBody,
     TagBody,
 )
+
+
+class ScrubRunBody(_Body):
+    """A scrub running in the background on the server that answers, and how far it is."""
+
+    id: str
+    started_at: float = Field(description="Unix time it started.")
+    budget_bytes: int | None = Field(description="Bytes it reads at most (null: a whole pass).")
+    chunks_total: int | None = Field(description="Chunks in the store when it listed them "
+                                     "(a whole pass checks each); null until listed.")
+    chunks_checked: int
+    bytes_checked: int
+    corrupt: int = Field(description="Corrupt chunks found so far.")
+    ended_at: float | None = None
+    report: ScrubResult | None = Field(None, description="Its report, once it ended well.")
+    error: dict[str, Any] | None = Field(None, description="Its typed error, once it failed.")
+
+
+class ScrubStatus(_Body):
+    running: ScrubRunBody | None = Field(description="A scrub started with POST "
+                                         "/v1/scrub/runs that has not ended.")
+    last_run: ScrubRunBody | None = Field(description="The last one that ended.")
+    last: ScrubResult | None = Field(description="This server's last scrub of any kind "
+                                     "(background, --scrub-interval, POST /v1/scrub).")
+
 
 # -- replicas ------------------------------------------------------------------------
 

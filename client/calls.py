@@ -37,6 +37,8 @@ from ckptd.api import (
     RestorePlan,
     RollbackReply,
     ScrubResult,
+    ScrubRunBody,
+    ScrubStatus,
     SnapshotReply,
     SpaceResult,
     StepList,
@@ -403,6 +405,17 @@ def scrub(budget_bytes: int | None) -> Call[ScrubResult]:
     answer comes when the pass (or its budget) ends, past any ordinary read timeout."""
     params = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
     return Call("POST", "/v1/scrub", answer(ScrubResult), params=params, timeout=None)
+
+
+def start_scrub(budget_bytes: int | None) -> Call[ScrubRunBody]:
+    """A scrub started in the background: the answer comes at once, and
+    ``scrub_status`` follows it (no request lasts the pass)."""
+    params = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
+    return Call("POST", "/v1/scrub/runs", answer(ScrubRunBody), params=params, ok=(202,))
+
+
+def scrub_status() -> Call[ScrubStatus]:
+    return Call("GET", "/v1/scrub", answer(ScrubStatus))
 
 
 def tag(job: str, name: str, step: int) -> Call[dict[str, int]]:

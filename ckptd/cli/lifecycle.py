@@ -338,7 +338,8 @@ def scrub(
 ) -> None:
     """Re-hash stored chunks, oldest-verified first; repair or mark damaged steps.
     It checks the chunks in the store (`ckptd verify JOB` finds those missing), and
-    exits 1 when it reports damage."""
+    exits 1 when it reports damage. Through a server it runs there, followed here
+    (Ctrl-C stops following, not the scrub)."""
     if replica is not None and _remote(url):
         _fail(InvalidRequest("--replica applies to a store (--url file:///path or s3://); a "
                              "server repairs from its live peers and CKPTD_SCRUB_REPLICA"))
@@ -360,8 +361,28 @@ def scrub(
         finally:
             await copy.close()
 
-    with console.status("scrubbing"):
-        r = _run(url, token, lambda server: server.scrub(budget), direct)
+    # Through a server the scrub runs in the background and this follows it: a whole
+    # pass at the server's CKPTD_SCRUB_RATE outlasts a reverse proxy's read timeout.
+    def remote(server: SyncTransport) -> Any:
+        from ckptd.client import calls
+
+        before = server.run(calls.scrub_status()).running
+        run = server.run(calls.start_scrub(budget))
+        try:
+            if before is not None and before.id == run.id:
+                err_console.print(
+                    f"a scrub is already under way on the server ({_budget(run.budget_bytes)}"
+                    + ("" if run.budget_bytes == budget else f", not {_budget(budget)} asked")
+                    + "); following it", highlight=False, soft_wrap=True)
+            with _spinner("scrubbing on the server") as status:
+                return _follow_scrub(server, run, status)
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted: scrub {run.id} goes on on the server; `ckptd scrub` "
+                              "again follows it", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=130) from None
+
+    with contextlib.nullcontext() if _remote(url) else console.status("scrubbing"):
+        r = _run(url, token, remote, direct)
     console.print(f"checked {r['chunks_checked']} chunks ({_human(r['bytes_checked'])}) in "
                   f"{r['seconds']:.2f} s: those in the store (`ckptd verify JOB` finds the "
                   "missing ones)")
@@ -377,6 +398,48 @@ def scrub(
         console.print(escape(visible(doc)), soft_wrap=True, highlight=False)
     if len(r["corrupt"]) > len(r["repaired"]) or r["damaged"] or documents:
         raise typer.Exit(code=DAMAGE)
+
+
+# Seconds between progress lines where stderr is no terminal (a log keeps each line).
+PROGRESS_EVERY = 10.0
+
+
+def _budget(budget: int | None) -> str:
+    return "a whole pass" if budget is None else f"a {_human(budget)} budget"
+
+
+def _follow_scrub(server: SyncTransport, run: Any, status: Any) -> Any:
+    """Polls the server until the background scrub ``run`` ended, saying how far it
+    is; its report (or its typed error, raised)."""
+    from ckptd.client import calls
+    from ckptd.errors import from_json
+
+    wait, line_at, listed = 0.05, 0.0, False
+    while True:
+        now = server.run(calls.scrub_status())
+        ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
+        if ended is not None:
+            if ended.error is not None or ended.report is None:
+                raise from_json(ended.error or {"code": "internal",
+                                                "message": "the scrub left no report"})
+            return ended.report
+        at = now.running
+        if at is None or at.id != run.id:
+            raise InvalidRequest(f"the server no longer knows scrub {run.id} (was it "
+                                 "restarted?); see `ckptd scrub` again, or GET /v1/scrub")
+        said = ("scrubbing on the server: listing the store's chunks" if at.chunks_total is None
+                else f"scrubbing on the server: {at.chunks_checked} of {at.chunks_total} chunks "
+                f"checked ({_human(at.bytes_checked)}"
+                + ("" if at.budget_bytes is None else f" of a {_human(at.budget_bytes)} budget")
+                + f"), {at.corrupt} corrupt")
+        status.update(said)
+        # (off a terminal: a line now and then, and one as soon as the chunks are listed)
+        if not err_console.is_terminal and (time.monotonic() >= line_at
+                                            or listed != (at.chunks_total is not None)):
+            err_console.print(said, highlight=False, soft_wrap=True)
+            line_at, listed = time.monotonic() + PROGRESS_EVERY, at.chunks_total is not None
+        time.sleep(wait)
+        wait = min(1.0, wait * 2)
 
 
 def _replica(replica: str) -> str:

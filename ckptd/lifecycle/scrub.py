@@ -47,6 +47,16 @@ class ScrubReport:
     seconds: float = 0.0
 
 
+@dataclass(slots=True)
+class ScrubProgress:
+    """How far a scrub is while it runs (a server's ``GET /v1/scrub`` shows it)."""
+
+    chunks_total: int | None = None  # the chunks listed (a whole pass checks each), once listed
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    corrupt: int = 0
+
+
 def store_source(store: Store) -> ChunkSource:
     """A replica store as a repair source."""
 
@@ -80,9 +90,11 @@ async def scrub(
     rate_bytes_per_s: float | None = None,
     sources: Sequence[ChunkSource] = (),
     clock: Callable[[], float] = time.time,
+    progress: ScrubProgress | None = None,
 ) -> ScrubReport:
     """Verifies stored chunks from the cursor on, until ``budget_bytes`` were read
-    (None: one whole pass), at most ``rate_bytes_per_s``; repairs or marks damage."""
+    (None: one whole pass), at most ``rate_bytes_per_s``; repairs or marks damage.
+    ``progress``, when given, is kept up to date as it goes."""
     if budget_bytes is not None and budget_bytes < 0:
         raise InvalidRequest(f"budget must be >= 0 bytes, not {budget_bytes}")
     store = repo.store
@@ -92,6 +104,8 @@ async def scrub(
     ids = [m.group(2) async for k in store.list_prefix("chunks/")
            if (m := _CHUNK_KEY.match(k))]
     ids.sort()
+    progress = progress if progress is not None else ScrubProgress()
+    progress.chunks_total = len(ids)
     # Resume after the cursor; the rest of the ring follows (a new pass).
     start = next((i for i, c in enumerate(ids) if c > cursor.after), len(ids))
     order = ids[start:] + ids[:start]
@@ -115,6 +129,9 @@ async def scrub(
                 report.repaired.append(cid)
             else:
                 unrepaired.append(cid)
+        progress.chunks_checked, progress.bytes_checked = (report.chunks_checked,
+                                                           report.bytes_checked)
+        progress.corrupt = len(report.corrupt)
         if cid <= after:  # wrapped past the end of the ring: a pass ended
             passes += 1
             report.passes_completed += 1

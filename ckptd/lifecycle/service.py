@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.errors import CkptdError, GcInProgress
+from ckptd.errors import CkptdError, GcInProgress, InvalidRequest
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.gc import GcReport, check_grace, collect_garbage
 from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget, forget_damaged_step
-from ckptd.lifecycle.scrub import ChunkSource, ScrubReport, scrub
+from ckptd.lifecycle.scrub import ChunkSource, ScrubProgress, ScrubReport, scrub
 from ckptd.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,20 @@ class GcRun:
     error: dict[str, Any] | None = None
 
 
+@dataclass(slots=True)
+class ScrubRun:
+    """One background scrub: when it started, its budget (None: a whole pass), how
+    far it is, and (once it ended) its report or its error."""
+
+    id: str
+    started_at: float
+    budget_bytes: int | None
+    progress: ScrubProgress
+    ended_at: float | None = None
+    report: ScrubReport | None = None
+    error: dict[str, Any] | None = None
+
+
 class LifecycleService:
     """Runs the tasks and keeps their last results for views and metrics."""
 
@@ -85,6 +99,10 @@ class LifecycleService:
         self.gc_run: GcRun | None = None
         self._gc_task: asyncio.Task[None] | None = None
         self.last_run: GcRun | None = None  # the last one that ended, with its outcome
+        # A scrub a client started and follows (POST /v1/scrub/runs), and the last ended.
+        self.scrub_run: ScrubRun | None = None
+        self._scrub_task: asyncio.Task[None] | None = None
+        self.last_scrub_run: ScrubRun | None = None
         #: told (job, steps) of the steps retention forgot through this server, after
         #: the census: a server's caches of them go with them (they must return at once)
         self.on_forgotten: list[Callable[[str, list[int]], None]] = []
@@ -135,11 +153,42 @@ class LifecycleService:
         self._gc_task = asyncio.create_task(body())
         return run
 
+    def start_scrub(self, budget_bytes: int | None = None) -> ScrubRun:
+        """Starts a scrub in the background and returns at once (a client polls
+        ``scrub_run`` / ``last_scrub_run``): a whole pass of a large store at the
+        scrub's rate outlasts any reverse proxy's read timeout. One at a time on a
+        server: while one runs, that one is returned (whatever its budget)."""
+        if budget_bytes is not None and budget_bytes < 0:
+            raise InvalidRequest(f"budget must be >= 0 bytes, not {budget_bytes}")
+        if self.scrub_run is not None:
+            return self.scrub_run
+        run = ScrubRun(id=uuid.uuid4().hex[:12], started_at=time.time(),
+                       budget_bytes=budget_bytes, progress=ScrubProgress())
+        self.scrub_run = run
+
+        async def body() -> None:
+            try:
+                run.report = await self.scrub(budget_bytes=budget_bytes, progress=run.progress)
+            except Exception as exc:  # (its client reads it; nothing else would)
+                run.error = (exc.to_json() if isinstance(exc, CkptdError)
+                             else {"code": "internal", "message": f"{type(exc).__name__}: {exc}"})
+                log.warning("scrub %s failed: %s", run.id, exc,
+                            exc_info=not isinstance(exc, CkptdError | OSError))
+            finally:
+                run.ended_at = time.time()
+                self.last_scrub_run, self.scrub_run = run, None
+
+        self._scrub_task = asyncio.create_task(body())
+        return run
+
     async def stop(self) -> None:
-        if self._gc_task is not None and not self._gc_task.done():
-            self._gc_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._gc_task
+        # A background collection or scrub ends with the server (a scrub's cursor
+        # stays where its last finished run left it: the next one checks again).
+        for task in (self._gc_task, self._scrub_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -221,12 +270,14 @@ class LifecycleService:
                     report.bytes_total - report.bytes_freed, listed_at=listed_at)
         return report
 
-    async def scrub(self, *, budget_bytes: int | None = -1) -> ScrubReport:
+    async def scrub(self, *, budget_bytes: int | None = -1,
+                    progress: ScrubProgress | None = None) -> ScrubReport:
         report = await scrub(
             self.repo,
             budget_bytes=self.settings.scrub_budget_bytes if budget_bytes == -1 else budget_bytes,
             rate_bytes_per_s=self.settings.scrub_rate_bytes_per_s,
             sources=list(self.sources()),
+            progress=progress,
         )
         self.last_scrub = report
         self.scrub_bytes += report.bytes_checked

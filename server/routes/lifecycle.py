@@ -19,6 +19,8 @@ from ckptd.api import (
     GcStatus,
     JobSpaceBody,
     ScrubResult,
+    ScrubRunBody,
+    ScrubStatus,
     SpaceResult,
     StepDecisionBody,
     StepSpaceBody,
@@ -30,7 +32,7 @@ from ckptd.lifecycle.gc import MAX_GRACE, GcReport, gc_state
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
 from ckptd.lifecycle.retention import RetentionPolicy, StepDecision, load_retention
 from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
-from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings
+from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings, ScrubRun
 from ckptd.lifecycle.tags import read_tags, remove_tag
 from ckptd.repository import Repository
 from ckptd.server.auth import ADMIN, READ, STORE_ADMIN, STORE_READ, WRITE, scope
@@ -164,6 +166,42 @@ async def run_scrub(
 ) -> ScrubResult:
     report = await service.scrub(budget_bytes=budget_bytes)
     return ScrubResult(**dataclasses.asdict(report))
+
+
+@router.post(
+    "/scrub/runs",
+    dependencies=scope(STORE_ADMIN),
+    status_code=202,
+    response_model=ScrubRunBody,
+    summary="Start a scrub in the background (GET /v1/scrub follows it)",
+)
+async def start_scrub(
+    service: ServiceDep,
+    budget_bytes: Annotated[int | None, Query(ge=0, description="Default: a whole pass.")
+                            ] = None,
+) -> ScrubRunBody:
+    return _scrub_run_body(service.start_scrub(budget_bytes))
+
+
+@router.get(
+    "/scrub",
+    dependencies=scope(STORE_READ),
+    response_model=ScrubStatus,
+    summary="This server's running scrub (how far it is), the last one ended, and its last")
+async def scrub_status(service: ServiceDep) -> ScrubStatus:
+    last = service.last_scrub
+    return ScrubStatus(
+        running=_scrub_run_body(service.scrub_run) if service.scrub_run else None,
+        last_run=_scrub_run_body(service.last_scrub_run) if service.last_scrub_run else None,
+        last=ScrubResult(**dataclasses.asdict(last)) if last is not None else None,
+    )
+
+
+def _scrub_run_body(run: ScrubRun) -> ScrubRunBody:
+    return ScrubRunBody(
+        id=run.id, started_at=run.started_at, budget_bytes=run.budget_bytes,
+        **dataclasses.asdict(run.progress), ended_at=run.ended_at, error=run.error,
+        report=ScrubResult(**dataclasses.asdict(run.report)) if run.report is not None else None)
 
 
 @router.get("/jobs/{job}/tags", dependencies=scope(READ), summary="A job's tags: name -> step")

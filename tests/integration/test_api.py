@@ -225,6 +225,8 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
         ("/v1/gc/runs", "post"),
         ("/v1/jobs/{job}/forget", "post"),
         ("/v1/scrub", "post"),
+        ("/v1/scrub", "get"),
+        ("/v1/scrub/runs", "post"),
         ("/v1/jobs/{job}/tags", "get"),
         ("/v1/jobs/{job}/tags/{name}", "put"),
         ("/v1/jobs/{job}/tags/{name}", "delete"),
@@ -722,8 +724,8 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
     anonymous = httpx.Client(base_url=token_server.url, timeout=30.0)
     doc = anonymous.get("/openapi.json").json()
     routes = list(_every_route(doc))
-    # 23 (the step plan too), the lifecycle's 10, GET /v1/cluster and POST /v1/chunks/read
-    assert len(routes) == 35
+    # 23 (the step plan too), the lifecycle's 12, GET /v1/cluster and POST /v1/chunks/read
+    assert len(routes) == 37
     for auth in (
         {},
         {"Authorization": "Bearer wrong"},
