@@ -44,8 +44,10 @@ _STARLETTE_CODES: dict[int, type[CkptdError]] = {
 # Refusals after which the rest of the request body is not worth reading.
 _CLOSE_AFTER = {401, 403, 408, 413, 503, 507}
 
-# Validation errors located only here are about a name in the URL.
-_NAME_LOCATIONS = {"path", "query"}
+# Validation errors located here are about a name in the URL: anything in the path,
+# and the query's names (a budget or a grace period out of range is not a name).
+_NAME_LOCATIONS = {"path"}
+_QUERY_NAMES = {"job", "step", "rank"}
 
 
 def error_response(
@@ -119,7 +121,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = [_describe(e) for e in exc.errors()]
     # A bad name in the URL is the answer even when the body is bad too: the
     # patterns are checked with the body, not before it as the old checks were.
-    in_url = [e for e in errors if e["loc"] and e["loc"][0] in _NAME_LOCATIONS]
+    in_url = [e for e in errors if e["loc"] and (
+        e["loc"][0] in _NAME_LOCATIONS
+        or (e["loc"][0] == "query" and e["loc"][1:2] and e["loc"][1] in _QUERY_NAMES))]
     errors = in_url + [e for e in errors if e not in in_url]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
     where = ".".join(first["loc"])

@@ -53,6 +53,22 @@ def test_rank_in_the_path_is_one_spelling(client: httpx.Client) -> None:
 def test_query_step_is_one_spelling(client: httpx.Client) -> None:
     r = client.get("/v1/jobs/j/restore-plan", params={"rank": "0", "step": "007"})
     assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_name"  # a step is named as in the path
+
+
+@pytest.mark.parametrize("path, params", [
+    ("/v1/gc", {"grace": "-1"}), ("/v1/scrub", {"budget_bytes": "-1"}),
+    ("/v1/jobs/j/forget", {"keep_last": "0"}), ("/v1/gc", {"dry_run": "maybe"}),
+])
+def test_a_query_value_out_of_range_is_an_invalid_request_not_a_name(
+    client: httpx.Client, path: str, params: dict[str, str]
+) -> None:
+    """(found by a helper: a negative budget_bytes was answered ``invalid_name``, the
+    code of a bad name in the URL, as was every bad query parameter)"""
+    r = client.post(path, params=params)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_request", r.text
+    assert next(iter(params)) in r.json()["message"], r.text
 
 
 def test_openapi_names_the_patterns(client: httpx.Client) -> None:
