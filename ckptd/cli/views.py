@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.markup import escape
@@ -23,6 +23,7 @@ from ckptd.cli import (
     _human,
     app,
     console,
+    err_console,
     step_number,
     step_or_latest,
     transfer_bar,
@@ -114,12 +115,22 @@ def export(
     except CkptdError as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        _interrupted(zarr_dir)
     rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
     console.print(
         f"[green]ok[/]: step {result.step} of {job}: {result.arrays} arrays, "
         f"{result.chunks} chunks, {_human(result.nbytes)} in {result.seconds:.1f}s "
         f"({rate:.2f} GB/s) into {result.directory}"
     )
+
+
+def _interrupted(where: str) -> NoReturn:
+    """Ctrl-C of an export: what it wrote is gone (it writes beside DIR and renames
+    only a complete export onto it), said in a line; exit 130, as the shell has it."""
+    err_console.print(f"interrupted: the export into {escape(where)} did not finish and "
+                      "left nothing there; run the same command again", soft_wrap=True)
+    raise typer.Exit(code=130) from None
 
 
 def _export_safetensors(job: str, step: int | None, directory: str, max_shard_size: str,
@@ -149,6 +160,8 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     except CkptdError as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        _interrupted(directory)
     rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
     skipped = (f"; left out {len(result.skipped_local)} rank-local tensors"
                if result.skipped_local else "")

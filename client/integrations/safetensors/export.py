@@ -14,14 +14,14 @@ its typed failures), verified and landed in a window, which is written while
 the next one fills. Memory stays at two windows (and a slab's landing) plus a
 piece per thread, whatever the step's size.
 
-Files are written under temporary names and renamed once all are complete;
-the index comes last. A failed export leaves nothing behind.
+Files are written into a staging directory (``DIR.partial-<hex>``, see
+``export_staging``), the index last, and it is renamed to ``DIR`` once all are
+complete. A failed or interrupted export leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -40,6 +40,7 @@ from ckptd.knobs import MiB, human_bytes
 
 from ...dtypes import byte_view, torch_dtype
 from ...endpoint import endpoint
+from ...export_staging import check_target, discard, publish, stage
 from ...loop import in_thread, run_private, spread
 from ...restore.failure import failure
 from ...restore.fetch import ChunkFetcher, WantedChunks, deliver
@@ -121,9 +122,7 @@ def export_safetensors(
     limit = parse_size(max_shard_size)
     wanted, unwanted = prefixes(only), prefixes(exclude, "exclude")
     target = Path(directory)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise InvalidRequest(f"{target} exists and is not an empty directory; "
-                             "export into a new one")
+    check_target(target)
     url, token = endpoint(url, token)
 
     async def body() -> SafetensorsExport:
@@ -160,44 +159,27 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
         if any(t.boxes for t in selection.tensors) else 0
     size = window or max(biggest_chunk, min(WINDOW, max(MiB, limit // 4)))
     total = sum(p.size for p in plans)
-    created = not target.exists()
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        staging = stage(target)
     except OSError as exc:
+        if target.is_dir():  # (an empty directory given: refused as its files would be)
+            raise _refused(target, plans[0], exc) from None
         raise InvalidRequest(f"cannot create {target}: {exc.strerror}; export into a "
                              "directory you can write") from None
     writer = _Writer(transport, step, size, on_bytes, total)
-    written: list[Path] = []
     try:
-        _check_room(target, total)
+        _check_room(staging.path, target, total)
         for plan in plans:
-            tmp = target / f".tmp-{plan.filename}"
-            written.append(tmp)
             try:
-                await writer.write_file(tmp, plan)
+                await writer.write_file(staging.path / plan.filename, plan)
             except CkptdError:  # (a store's errors are OSErrors too: theirs to tell)
                 raise
             except OSError as exc:  # the target's: a full disk, a read-only directory
-                raise InvalidRequest(
-                    f"cannot write {target / plan.filename} ({human_bytes(plan.size)}): "
-                    f"{exc.strerror or exc}; free space there or export elsewhere"
-                ) from None
-        for i, plan in enumerate(plans):
-            os.replace(written[i], target / plan.filename)
-            written[i] = target / plan.filename  # (renamed: removed under this name)
-        tmp_index = target / f".tmp-{INDEX_NAME}"
-        written.append(tmp_index)
-        tmp_index.write_bytes(index_bytes(plans))
-        os.replace(tmp_index, target / INDEX_NAME)
+                raise _refused(target, plan, exc) from None
+        (staging.path / INDEX_NAME).write_bytes(index_bytes(plans))
+        publish(staging, INDEX_NAME)
     except BaseException:
-        # What refused the write may refuse the cleanup too (a read-only directory, a
-        # name taken by a directory): the first error is the one said.
-        for path in written:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            if created and target.is_dir() and not any(target.iterdir()):
-                target.rmdir()
+        discard(staging)
         raise
     finally:
         writer.close()
@@ -483,12 +465,18 @@ def _copy_verified(path: Path, chunk: _Chunk, fd: int, offset: int, buf: memoryv
     return hasher.hexdigest() == chunk.cid
 
 
-def _check_room(target: Path, total: int) -> None:
-    """Refuses, before a byte is written, an export that ``target``'s filesystem has
-    not the room for (a full disk found after gigabytes helps nobody). Writes can
-    still fail later (another writer, a quota): they are told the same way."""
+def _refused(target: Path, plan: FilePlan, exc: OSError) -> InvalidRequest:
+    return InvalidRequest(f"cannot write {target / plan.filename} ({human_bytes(plan.size)}): "
+                          f"{exc.strerror or exc}; free space there or export elsewhere")
+
+
+def _check_room(staging: Path, target: Path, total: int) -> None:
+    """Refuses, before a byte is written, an export that ``target``'s filesystem
+    (its staging directory's) has not the room for (a full disk found after
+    gigabytes helps nobody). Writes can still fail later (another writer, a quota):
+    they are told the same way."""
     try:
-        st = os.statvfs(target)
+        st = os.statvfs(staging)
     except OSError:
         return
     if st.f_blocks == 0:  # a filesystem that does not say (some FUSE ones)
