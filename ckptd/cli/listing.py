@@ -101,9 +101,14 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
         jobs = [_get(j, "job") for j in await transport.list_jobs()]
         raise job_not_found(job, jobs, transport.describe())
     table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
+    stuck: list[str] = []
     for s in steps:
         world = _get(s, "world_size")
         bad = notes.unreadable(f"step {_get(s, 'step')}", s)
+        if bad is None and not _get(s, "committed") and world is not None and (
+                _get(s, "ranks_present") == world):
+            stuck.append(str(_get(s, "step")))
+            bad = "[yellow]not committed[/]"
         table.add_row(
             str(_get(s, "step")),
             bad or ("[green]committed[/]" if _get(s, "committed") else "[yellow]pending[/]"),
@@ -112,6 +117,12 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
             _when(_get(s, "committed_at")),
             "latest" if _get(s, "is_latest") else "",
         )
+    if stuck:  # (pending: ranks still to save)
+        notes.lines.append(
+            f"[yellow]not committed[/] step{'s' if len(stuck) > 1 else ''} {', '.join(stuck)}: "
+            "every rank saved and no commit followed: the commit was refused (the ranks' "
+            "save errors say why) or is under way. Such steps stay until the job's "
+            "retention abandons them (abandon_pending_after, docs/retention.md)")
     if any(_get(s, "committed") for s in steps) and not any(_get(s, "is_latest") for s in steps):
         # Committed steps and none is latest: the job's latest ref may be one this
         # ckptd cannot read (the job listing says), which is not "nothing to restore".

@@ -1,0 +1,52 @@
+"""``ckptd ls JOB`` tells a step still waiting for ranks (pending) from one every
+rank saved that did not commit: its commit was refused (a shape or tiling the
+ranks disagree on) or is under way, and it stays until the job's retention
+abandons it. A probe read the second as "pending" for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptd.repository import Repository
+from ckptd.store.local import LocalStore
+from ckptd.testing.manifests import demo_step, put_rank
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB = "j"
+
+
+async def _fill(root: Path) -> None:
+    repo = Repository(LocalStore(root, fsync=False))
+    try:
+        for manifest, chunks in demo_step(JOB, 1, 2):  # committed
+            await put_rank(repo, manifest, chunks)
+        await repo.commit(JOB, 1)
+        for manifest, chunks in demo_step(JOB, 2, 2):  # both ranks, no commit
+            await put_rank(repo, manifest, chunks)
+        manifest, chunks = demo_step(JOB, 3, 2)[0]  # rank 0 only
+        await put_rank(repo, manifest, chunks)
+    finally:
+        await repo.store.close()
+
+
+def test_a_step_every_rank_saved_without_a_commit_is_not_called_pending(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    asyncio.run(_fill(root))
+    done = subprocess.run([sys.executable, "-m", "ckptd", "ls", JOB, "--url", f"file://{root}"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[1]: line for line in done.stdout.splitlines()
+            if line[:1] == "│" and line.split()[1].isdigit()}
+    assert "committed" in rows["1"] and "not" not in rows["1"], done.stdout
+    assert "not committed" in rows["2"] and "2/2" in rows["2"], done.stdout
+    assert "pending" in rows["3"] and "1/2" in rows["3"], done.stdout
+    (note,) = [line for line in done.stderr.splitlines() if "not committed" in line]
+    assert "step 2:" in note and "refused" in note and "abandon_pending_after" in note, note
