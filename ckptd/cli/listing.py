@@ -58,11 +58,16 @@ def _latest_cell(named: int | None, latest: Any, steps: list[Any]) -> str:
     return f"{named} ({why})" if named is not None else "-"
 
 
-async def jobs_table(transport: Any, notes: Notes) -> Table:
+async def jobs_table(transport: Any, notes: Notes) -> Table | str:
+    """The jobs' table, or a line saying there is no job (rather than an empty table)."""
     from ckptd.cli import _human
 
+    jobs = await transport.list_jobs()
+    if not jobs:
+        return (f"no jobs in {escape(transport.describe())} yet: a save creates its job "
+                "(is this the store the training writes to?)")
     table = Table("job", "latest", "committed", "pending", "size of latest")
-    for j in await transport.list_jobs():
+    for j in jobs:
         name = _get(j, "job")
         try:
             steps = await transport.list_steps(name)

@@ -163,7 +163,7 @@ def test_s3_store_without_the_s3_extra_says_how_to_install_it(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("command", [["ls"], ["ls", "job"], ["verify", "job"],
-                                     ["restore", "--job", "j", "--rank", "0", "--to", "/tmp/x"],
+                                     ["restore", "--job", "j", "--rank", "0", "--to", "{tmp}/to"],
                                      # (found by a probe: these created it, then said the
                                      # job had no committed checkpoint)
                                      ["export", "j", "--safetensors", "{tmp}/out"],
@@ -174,6 +174,7 @@ def test_reading_commands_never_create_a_store(command: list[str], tmp_path: Pat
     done = ckptd(*[a.format(tmp=tmp_path) for a in command], "--url", f"file://{where}")
     assert_short_usage_error(done, str(where))
     assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "to").exists()
 
 
 def _read_with_the_api(what: str, url: str, tmp_path: Path) -> object:

@@ -50,3 +50,14 @@ def test_a_step_every_rank_saved_without_a_commit_is_not_called_pending(tmp_path
     assert "pending" in rows["3"] and "1/2" in rows["3"], done.stdout
     (note,) = [line for line in done.stderr.splitlines() if "not committed" in line]
     assert "step 2:" in note and "refused" in note and "abandon_pending_after" in note, note
+
+
+def test_a_store_without_jobs_says_so_rather_than_an_empty_table(tmp_path: Path) -> None:
+    asyncio.run(Repository(LocalStore(tmp_path / "store", fsync=False)).store.close())
+    (tmp_path / "store").mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--url",
+                           f"file://{tmp_path / 'store'}"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("no jobs in file://") and "a save creates" in done.stdout
+    assert "┏" not in done.stdout, done.stdout
