@@ -327,18 +327,21 @@ def test_a_failed_export_writes_nothing_after_its_file_is_closed(
 
 
 def test_an_export_whose_renames_fail_midway_leaves_no_file(tmp_path: Path, shm: Path) -> None:
-    """(Found by review.) The files are renamed from their ``.tmp-`` names one by
-    one; when one rename fails, the files renamed before it go too."""
+    """(Found by review.) Into an existing empty directory the files are renamed up
+    from the export's staging directory one by one; when one rename fails, the files
+    renamed before it go too."""
     url = f"file://{tmp_path / 'store'}"
     save_two_ranks(url, shm)
     target = tmp_path / "out"
+    target.mkdir()
 
     def on_bytes(done: int, total: int) -> None:
         if done == total:  # every file written: someone takes the last file's name
-            last = sorted(p.name for p in target.glob(".tmp-*.safetensors"))[-1]
-            (target / last.removeprefix(".tmp-")).mkdir()
+            (staging,) = target.glob("out.partial-*")
+            last = sorted(p.name for p in staging.glob("*.safetensors"))[-1]
+            (target / last).mkdir()
 
-    with pytest.raises(OSError):
+    with pytest.raises(InvalidRequest, match="written by another program"):
         export_safetensors(url, JOB, target, max_shard_size="20KB", on_bytes=on_bytes)
     left = sorted(p.name for p in target.iterdir())
     assert len(left) == 1 and (target / left[0]).is_dir(), left  # only what was not ours
