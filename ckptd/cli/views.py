@@ -117,11 +117,11 @@ def export(
         return
     except KeyboardInterrupt:
         _interrupted(zarr_dir)
-    rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
+    rate = result.nbytes / result.seconds / 2**30 if result.seconds else 0.0
     console.print(
         f"[green]ok[/]: step {result.step} of {job}: {result.arrays} arrays, "
         f"{result.chunks} chunks, {_human(result.nbytes)} in {result.seconds:.1f}s "
-        f"({rate:.2f} GB/s) into {result.directory}"
+        f"({rate:.2f} GiB/s) into {result.directory}"
     )
 
 
@@ -162,13 +162,13 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
         return
     except KeyboardInterrupt:
         _interrupted(directory)
-    rate = result.nbytes / result.seconds / 1e9 if result.seconds else 0.0
+    rate = result.nbytes / result.seconds / 2**30 if result.seconds else 0.0
     skipped = (f"; left out {len(result.skipped_local)} rank-local tensors"
                if result.skipped_local else "")
     console.print(
         f"[green]ok[/]: step {result.step} of {job}: {result.tensors} tensors, "
         f"{_human(result.nbytes)} in {len(result.files)} safetensors files, every chunk "
-        f"verified, in {result.seconds:.1f}s ({rate:.2f} GB/s) into {result.directory}"
+        f"verified, in {result.seconds:.1f}s ({rate:.2f} GiB/s) into {result.directory}"
         f"{skipped}"
     )
 
