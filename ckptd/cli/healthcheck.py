@@ -62,11 +62,13 @@ def healthcheck(
     try:
         settings = Settings()
     except ValidationError as exc:
+        from ckptd.cli.mistakes import name_settings
+
         first = exc.errors()[0]
         where = "_".join(str(p) for p in first["loc"]).upper()
         # (A rule over several settings names none: its message names them.)
         what = f"CKPTD_{where}: " if where else ""
-        message = str(first["msg"]).removeprefix("Value error, ")
+        message = name_settings(str(first["msg"]), ())
         _unhealthy("(no URL)", f"the server's settings are invalid: {what}{message}")
         return
     url = probe_url(settings.host, settings.port, settings.tls_cert is not None)

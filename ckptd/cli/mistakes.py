@@ -7,6 +7,7 @@ import errno
 import re
 import socket
 import ssl
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,19 @@ SETTING_USE = {
 }
 
 
+def name_settings(message: str, given: Collection[str]) -> str:
+    """A rule over several settings (its message names their fields, ``tls_cert``)
+    in the user's words: options when one of them was ``given`` as one, else the
+    variables that set them."""
+    from ckptd.server.settings import Settings
+
+    message = message.removeprefix("Value error, ")
+    named = {w for w in re.findall(r"\w+", message) if w in Settings.model_fields}
+    options = bool(named & set(given))
+    return re.sub(r"\w+", lambda m: m[0] if m[0] not in named else (
+        f"--{m[0].replace('_', '-')}" if options else f"CKPTD_{m[0].upper()}"), message)
+
+
 def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
     """``ckptd serve``'s settings (options over ``CKPTD_*``) and its store, opened
     before the server starts: a bad value or store is one line, not a traceback
@@ -88,8 +102,8 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
             name = str(error["loc"][0]) if error["loc"] else "?"
             option = f"--{name.replace('_', '-')}"
             source = option if name in overrides else f"CKPTD_{name.upper()}"
-            if not error["loc"]:  # a rule over several settings
-                problems.append(error["msg"].removeprefix("Value error, ").replace("_", "-"))
+            if not error["loc"]:  # a rule over several settings: its message names them
+                problems.append(name_settings(error["msg"], overrides))
                 continue
             use = f"; {SETTING_USE[name]}" if name in SETTING_USE else ""
             problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')} "

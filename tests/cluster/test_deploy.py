@@ -365,7 +365,7 @@ def test_the_health_check_names_a_bad_setting_in_a_line(tmp_path: Path) -> None:
     done = _healthcheck({**env, "CKPTD_TLS_CERT": str(tmp_path / "cert.pem")})
     assert done.returncode != 0
     said = (done.stdout + done.stderr).strip()
-    assert "CKPTD_:" not in said and "give both tls_cert and tls_key" in said, said
+    assert "CKPTD_:" not in said and "give both CKPTD_TLS_CERT and CKPTD_TLS_KEY" in said, said
     assert len(said.splitlines()) == 1, said
     done = _healthcheck({**env, "CKPTD_PORT": "abc"})
     assert done.returncode != 0 and "CKPTD_PORT" in done.stdout + done.stderr
