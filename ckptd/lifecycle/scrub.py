@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 #: a place that may hold a good copy of a chunk: its bytes, or None
 ChunkSource = Callable[[str], Awaitable[bytes | None]]
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})$")
+# How often a long run stores its cursor (and marks the damage it found), and how
+# long a stopped one may take to do so: a restart loses at most that much of a pass.
+KEEP_EVERY_S = 30.0
+KEEP_ON_STOP_S = 10.0
 
 
 @dataclass(slots=True)
@@ -111,42 +115,67 @@ async def scrub(
     order = ids[start:] + ids[:start]
     after, passes, pass_started = cursor.after, cursor.passes, cursor.pass_started_at
     unrepaired: list[str] = []
-    for cid in order:
-        if budget_bytes is not None and report.bytes_checked >= budget_bytes:
-            break
+    ours = True  # the stored cursor is this run's to move (not another scrubber's)
+
+    async def keep() -> None:
+        """Stores how far this run got and marks the damage it found so far: a run
+        stopped midway (a server restarting) loses neither, and the next resumes."""
+        nonlocal cursor_bytes, ours, unrepaired
+        if ours:
+            new = ScrubCursor(after=after, pass_started_at=pass_started,
+                              passes=passes).canonical()
+            # Lost to another scrubber's update: its cursor is as good as ours.
+            ours = await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new)
+            cursor_bytes = new
+        if unrepaired:
+            found, unrepaired = set(unrepaired), []
+            marked = await mark_damage(repo, found, clock(), report.damaged_documents)
+            for job, steps in marked.items():
+                report.damaged[job] = sorted({*report.damaged.get(job, ()), *steps})
+
+    kept_at = time.monotonic()
+    try:
+        for cid in order:
+            if budget_bytes is not None and report.bytes_checked >= budget_bytes:
+                break
+            if time.monotonic() - kept_at >= KEEP_EVERY_S:
+                await keep()
+                kept_at = time.monotonic()
+            try:
+                data: bytes | None = await store.get(chunk_key(cid))
+            except NotFound:
+                continue  # collected since it was listed
+            except StoreCorrupt as exc:  # there, but does not read (a link loop, a read error)
+                log.warning("scrub: %s", exc)
+                data = None
+            report.chunks_checked += 1
+            report.bytes_checked += len(data) if data is not None else 0
+            if data is None or await asyncio.to_thread(chunk_id, data) != cid:
+                report.corrupt.append(cid)
+                if await _repair(store, cid, data, sources):
+                    report.repaired.append(cid)
+                else:
+                    unrepaired.append(cid)
+            progress.chunks_checked, progress.bytes_checked = (report.chunks_checked,
+                                                               report.bytes_checked)
+            progress.corrupt = len(report.corrupt)
+            if cid <= after:  # wrapped past the end of the ring: a pass ended
+                passes += 1
+                report.passes_completed += 1
+                pass_started = clock()
+            after = cid
+            if rate_bytes_per_s:
+                ahead = report.bytes_checked / rate_bytes_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+    except BaseException:  # cancelled (a server stopping) or failed: keep what it did
         try:
-            data: bytes | None = await store.get(chunk_key(cid))
-        except NotFound:
-            continue  # collected since it was listed
-        except StoreCorrupt as exc:  # there, but does not read (a link loop, a read error)
-            log.warning("scrub: %s", exc)
-            data = None
-        report.chunks_checked += 1
-        report.bytes_checked += len(data) if data is not None else 0
-        if data is None or await asyncio.to_thread(chunk_id, data) != cid:
-            report.corrupt.append(cid)
-            if await _repair(store, cid, data, sources):
-                report.repaired.append(cid)
-            else:
-                unrepaired.append(cid)
-        progress.chunks_checked, progress.bytes_checked = (report.chunks_checked,
-                                                           report.bytes_checked)
-        progress.corrupt = len(report.corrupt)
-        if cid <= after:  # wrapped past the end of the ring: a pass ended
-            passes += 1
-            report.passes_completed += 1
-            pass_started = clock()
-        after = cid
-        if rate_bytes_per_s:
-            ahead = report.bytes_checked / rate_bytes_per_s - (time.perf_counter() - t0)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
-    new = ScrubCursor(after=after, pass_started_at=pass_started, passes=passes)
-    # Lost to another scrubber's update: its cursor is as good as ours.
-    await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new.canonical())
-    if unrepaired:
-        report.damaged = await mark_damage(repo, set(unrepaired), clock(),
-                                           report.damaged_documents)
+            async with asyncio.timeout(KEEP_ON_STOP_S):
+                await keep()
+        except Exception as exc:  # (the error that stopped the run is the one said)
+            log.warning("scrub: stopped, and keeping how far it got failed: %s", exc)
+        raise
+    await keep()
     report.seconds = time.perf_counter() - t0
     log.info("scrub: %d chunks (%d bytes), %d corrupt, %d repaired, damaged %s",
              report.chunks_checked, report.bytes_checked, len(report.corrupt),

@@ -3,9 +3,17 @@ that restore of latest skips, and a rolling cursor within an I/O budget."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+
+import ckptd.lifecycle.scrub as scrub_flow
 from ckptd.format import chunk_key
+from ckptd.lifecycle.documents import SCRUB_KEY, ScrubCursor
 from ckptd.lifecycle.retention import RetentionPolicy, forget
-from ckptd.lifecycle.scrub import damaged_steps, scrub, store_source
+from ckptd.lifecycle.scrub import ScrubProgress, damaged_steps, scrub, store_source
 from ckptd.repository import Repository
 from ckptd.store import MemoryStore
 from ckptd.store.base import Store
@@ -84,3 +92,55 @@ async def test_scrub_replaces_a_damaged_damage_marker() -> None:
     report = await scrub(repo)  # not a 400 invalid_document: the marker is rewritten
     assert report.damaged == {JOB: [1]}
     assert await damaged_steps(repo, JOB) == {1: [ids[1][0]]}
+
+
+async def _stopped_midway(repo: Repository, monkeypatch: pytest.MonkeyPatch,
+                          keep_every: float) -> tuple[list[str], ScrubProgress, asyncio.Task[Any]]:
+    """Steps 1 and 2 committed, the first chunk a scrub meets corrupt (no copy of it
+    anywhere), and a slow scrub that has checked three chunks."""
+    monkeypatch.setattr(scrub_flow, "KEEP_EVERY_S", keep_every)
+    await _steps(repo, 1, 2)
+    ids = sorted([k.rsplit("/", 1)[1] async for k in repo.store.list_prefix("chunks/")])
+    await _corrupt(repo.store, ids[0])
+    progress = ScrubProgress()
+    total = sum([len(await repo.store.get(chunk_key(cid))) for cid in ids])
+    assert len(ids) >= 8
+    # A whole pass in about 8 s: the test stops it after the third chunk.
+    task = asyncio.create_task(scrub(repo, rate_bytes_per_s=total / 8, progress=progress))
+    async with asyncio.timeout(30):
+        while progress.chunks_checked < 3:
+            await asyncio.sleep(0.01)
+    return ids, progress, task
+
+
+async def test_a_scrub_stopped_midway_keeps_its_place_and_the_damage_it_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(A server stopping cancels its scrub: before, the run's cursor and the damage
+    it had found went with it, so a store whose server restarts more often than a
+    pass lasts was never scrubbed past its first chunks.)"""
+    repo = Repository(MemoryStore())
+    ids, progress, task = await _stopped_midway(repo, monkeypatch, keep_every=3600)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    cursor = ScrubCursor.parse(await repo.store.get(SCRUB_KEY))
+    assert cursor.after == ids[progress.chunks_checked - 1]
+    assert set(await damaged_steps(repo, JOB)) != set()  # the corrupt chunk's steps
+    again = await scrub(repo, budget_bytes=1)  # resumes after where it stopped
+    assert again.chunks_checked == 1 and again.corrupt == []
+
+
+async def test_a_long_scrub_keeps_its_place_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A server killed outright keeps what the run stored last: at most
+    KEEP_EVERY_S of a pass is checked again.)"""
+    repo = Repository(MemoryStore())
+    ids, progress, task = await _stopped_midway(repo, monkeypatch, keep_every=0)
+    try:
+        cursor = ScrubCursor.parse(await repo.store.get(SCRUB_KEY))
+        assert cursor.after in ids[: progress.chunks_checked] and cursor.after != ""
+        assert set(await damaged_steps(repo, JOB)) != set()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
