@@ -284,8 +284,17 @@ def peer_interface() -> str | None:
 
 
 def peer_port() -> int:
-    """Port of the peer chunk server; 0 lets the OS choose."""
-    return _env_int("CKPTD_PEER_PORT", 0, 0, 65535)
+    """Port of this rank's peer chunk server: ``CKPTD_PEER_PORT`` plus the rank's
+    ``LOCAL_RANK`` (torchrun's), so that the ranks of one host take a range from it
+    rather than all the same port; 0 (the default) lets the OS choose."""
+    base = _env_int("CKPTD_PEER_PORT", 0, 0, 65535)
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if base == 0 or not local.isdigit():
+        return base
+    if base + int(local) > 65535:
+        raise InvalidRequest(f"CKPTD_PEER_PORT={base} leaves no port for local rank {local} "
+                             f"(each takes CKPTD_PEER_PORT + LOCAL_RANK): choose a lower one")
+    return base + int(local)
 
 
 def peer_advertise_host() -> str | None:

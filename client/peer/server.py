@@ -4,6 +4,7 @@ the design)."""
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import queue
@@ -151,10 +152,13 @@ class PeerServer:
                     on_evicted=lambda: self.stats.add("evicted"),
                 )
             except OSError as exc:
-                raise Unavailable(
-                    f"peer chunk server cannot bind {self.host}:{self.port}: {exc}",
-                    host=self.host, port=self.port,
-                ) from exc
+                why = exc.strerror or str(exc)
+                if exc.errno == errno.EADDRINUSE and self.port:
+                    why += (" (another process holds it: a port per rank of the host, "
+                            "CKPTD_PEER_PORT + LOCAL_RANK, free on every host, or "
+                            "CKPTD_PEER_PORT unset, so that the OS chooses)")
+                raise Unavailable(f"peer chunk server cannot bind {self.host}:{self.port}: "
+                                  f"{why}", host=self.host, port=self.port) from None
             self.port = int(httpd.server_address[1])
             self._httpd = httpd
             httpd.start()
