@@ -157,7 +157,9 @@ class Settings(BaseSettings):
         "that trickles bytes otherwise held every scrub of the store).",
     )
     min_free_bytes: int = Field(
-        default=256 << 20, ge=0, description="New snapshots are refused (store_full) below this."
+        default=256 << 20, ge=0, description="New snapshots are refused (store_full) below this; "
+        "`ckptd serve` warns at start when a local store's disk has less (lower it for a "
+        "small disk)."
     )
     warn_free_bytes: int = Field(default=2 << 30, ge=0, description="Warn below this free space.")
     max_upload_s: float = Field(

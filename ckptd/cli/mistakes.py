@@ -120,7 +120,34 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
     _check_server_files(settings)
-    return settings, open_store(settings.store)
+    store = open_store(settings.store)
+    _warn_small_disk(settings, store)
+    return settings, store
+
+
+def _warn_small_disk(settings: Settings, store: Store) -> None:
+    """Says at start when a local store's file system has less free space than the
+    server keeps free: every save would be refused (store_full), even on an empty
+    store, and forgetting steps would not help."""
+    import shutil
+
+    from ckptd.knobs import human_bytes
+    from ckptd.store.local import LocalStore
+
+    if not isinstance(store, LocalStore) or not settings.min_free_bytes:
+        return
+    where = store.root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < settings.min_free_bytes:
+        from ckptd.cli import err_console
+
+        err_console.print(
+            f"[yellow]warning[/] the store's file system has {human_bytes(free)} free, under "
+            f"the {human_bytes(settings.min_free_bytes)} this server keeps free "
+            "(CKPTD_MIN_FREE_BYTES): every save will be refused until it has more, or "
+            "that setting is lowered", soft_wrap=True, highlight=False)
 
 
 def _check_server_files(settings: Settings) -> None:

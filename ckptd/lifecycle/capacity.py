@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ckptd.errors import CkptdError, StoreCorrupt, StoreFull, UnsupportedFormat
 from ckptd.format import CommitRecord
+from ckptd.knobs import human_bytes
 from ckptd.repository import Repository
 from ckptd.store.base import Store
 from ckptd.store.local import LocalStore
@@ -107,8 +108,10 @@ class SpaceGuard:
         free = disk[0]
         if free < self.min_free_bytes:
             raise StoreFull(
-                f"the store has {free} bytes left, under the {self.min_free_bytes} kept free; "
-                "forget old steps (ckptd forget JOB) and collect garbage (ckptd gc)",
+                f"the store has {human_bytes(free)} left, under the "
+                f"{human_bytes(self.min_free_bytes)} it keeps free (CKPTD_MIN_FREE_BYTES): "
+                "forget old steps (ckptd forget JOB) and collect garbage (ckptd gc), give "
+                "the store more space, or lower CKPTD_MIN_FREE_BYTES on a small disk",
                 free_bytes=free, min_free_bytes=self.min_free_bytes,
             )
         if free < self.warn_free_bytes and time.monotonic() - self._warned > 60:
