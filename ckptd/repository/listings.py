@@ -141,6 +141,9 @@ class Listings(Timelines):
             log.info("%s: %s", job, exc)
             return None, unreadable(exc)
 
+    async def lost_commit(self, job: str, step: int) -> str | None:
+        return (await self.lost_commits(job)).get(step)
+
     async def lost_commits(self, job: str) -> dict[int, str]:
         """Step -> what is wrong, for every step a ref names whose commit record is
         lost (``record_lost``): damaged, not pending. A damaged ref names nothing

@@ -154,8 +154,16 @@ class StoredReads:
                 raise CheckpointNotFound(
                     f"step {step} of {job} is being removed by retention; list the "
                     f"steps that remain with: ckptd ls {job}", job=job, step=step)
+            if (lost := await self.lost_commit(job, step)) is not None:
+                raise StoreCorrupt(f"{lost}; `ckptd forget {job} --step {step}` forgets it",
+                                   key=commit_key(job, step), job=job, step=step)
             raise NotCommitted(f"step {step} of {job} never committed", job=job, step=step)
         raise CheckpointNotFound(f"no checkpoint at step {step} of {job}", job=job, step=step)
+
+    async def lost_commit(self, job: str, step: int) -> str | None:
+        """What is wrong with ``step`` when a ref names it and its commit record is
+        lost (``record_lost``), else None: the repository's listings know."""
+        return None
 
     async def latest_ref_step(self, job: str) -> int | None:
         """The step the ``latest`` ref names, damaged or not, or None."""
