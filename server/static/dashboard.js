@@ -134,7 +134,8 @@
     const dedup = s.dedup_ratio === null ? "–" : `${s.dedup_ratio.toFixed(2)}×`;
     $("storage").replaceChildren(
       stat("Jobs", count(data.jobs.length),
-        `${count(data.jobs.reduce((n, j) => n + j.ranks.length, 0))} ranks reporting`),
+        `${count(data.jobs.reduce((n, j) => n + j.ranks.filter(
+          (r) => r.state !== "dead" && r.state !== "left").length, 0))} ranks reporting`),
       stat("Stored", bytes(s.bytes_stored), `${count(s.chunks_stored)} new chunks`),
       stat("Dedup", dedup, `${count(s.chunks_offered)} ids offered, ${count(s.chunks_missing)} sent`),
       stat("Uploads", bytes(s.upload_bytes), `${count(s.uploads)} chunks, ${count(s.rejected_uploads)} refused`),

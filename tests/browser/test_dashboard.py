@@ -203,6 +203,8 @@ def test_dashboard_shows_dead_and_degraded_ranks_and_why(tmp_path: Path) -> None
                 assert page.locator("#login").is_hidden()
                 # Replicas offered the same chunks; one of each was sent.
                 ratio = re.search(r"([0-9.]+)×", page.inner_text("#storage"))
+                # (found by a probe: the dead rank, and ranks that left, were counted)
+                assert "5 ranks reporting" in page.inner_text("#storage")
                 assert ratio is not None and float(ratio.group(1)) > 2
                 ARTIFACTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
