@@ -62,6 +62,12 @@ class FailoverAgent:
         s, c = self.session, self.session.config
         if not isinstance(s.transport, HttpTransport):
             return PeerService(None, None)
+        if s.read_only is not None:
+            # Heartbeats need write on the job: a token that may only read sends none
+            # (not a refused one every interval), and serves no peers, whom nobody
+            # would learn of (and whose token comes with heartbeat replies).
+            return PeerService(None, Heartbeat(s.transport.url, c.job, c.rank, c.world_size,
+                                               c.token, health=c.health, send=False))
         server = None
         if c.serve_peers is None or c.serve_peers:
             # Reachable from other hosts (a replacement node restores from this one),

@@ -23,14 +23,15 @@ log = logging.getLogger(__name__)
 SAY_AFTER = 2.0
 
 
-async def reach(transport: HttpTransport, job: str, within: float) -> None:
+async def reach(transport: HttpTransport, job: str, within: float) -> str | None:
     """Asks the server for ``job``'s rollback state (a read the job's token may make)
-    and returns once it answered. Raises at once what retrying cannot mend (a
-    refused token, a program that is not a ckptd server, a TLS mismatch), and
-    ``Unavailable`` when no replica took a connection for ``within`` seconds
-    (refused: tried again meanwhile, for a server starting or restarting, and said
-    in a warning after ``SAY_AFTER`` seconds) or one connect timeout (nothing
-    answered: a host that is not there). A server that took the connection but
+    and, once it answered, whether the token may write the job (``may_write``): the
+    server's refusal of a write when it may only read, else None. Raises at once
+    what retrying cannot mend (a refused token, a program that is not a ckptd
+    server, a TLS mismatch), and ``Unavailable`` when no replica took a connection
+    for ``within`` seconds (refused: tried again meanwhile, for a server starting or
+    restarting, and said in a warning after ``SAY_AFTER`` seconds) or one connect
+    timeout (nothing answered: a host that is not there). A server that took the connection but
     answers slowly, or answers 5xx, is there: the checkpointer goes on, and its
     calls say what is wrong."""
     started = time.monotonic()
@@ -53,7 +54,7 @@ async def reach(transport: HttpTransport, job: str, within: float) -> None:
                 url=transport.url) from None
         except httpx.TimeoutException as exc:  # connected; the answer is slow: it is there
             _debug(transport, exc)
-            return
+            return None
         except httpx.RequestError as exc:
             _debug(transport, exc)
             trouble = await asyncio.to_thread(tls_trouble, transport.url, exc)
@@ -76,12 +77,31 @@ async def reach(transport: HttpTransport, job: str, within: float) -> None:
             delay = min(2 * delay, 0.5)
             continue
         if resp.status_code == 200:
-            return
+            return await may_write(transport)
         if resp.status_code >= 500:  # there, in trouble: its calls will say what
             log.info("%s answered %d to a new checkpointer: %s", transport.url,
                      resp.status_code, http_error(resp))
-            return
+            return None
         raise _refusal(transport, resp, job) from None
+
+
+async def may_write(transport: HttpTransport) -> str | None:
+    """The server's refusal (its message) when this token may read the transport's job
+    but not write it (a read token: an eval job's), else None. Asked with a
+    missing-chunks question of no ids, which needs write on the job the request acts
+    for (``X-Ckptd-Job``, this checkpointer's) and changes nothing: no chunk is
+    leased, and no GC note is written for no ids (docs/SECURITY.md). Any answer but
+    403, or none in time, is left to the saves to say (None)."""
+    connect = transport.session.connect_timeout
+    try:
+        resp = await transport.send_once(calls.missing_chunks([]),
+                                         httpx.Timeout(connect + 5.0, connect=connect))
+    except httpx.RequestError as exc:
+        _debug(transport, exc)
+        return None
+    if resp.status_code != 403:
+        return None
+    return http_error(resp).message
 
 
 def _refusal(transport: HttpTransport, resp: httpx.Response, job: str) -> CkptdError:

@@ -1,6 +1,6 @@
 """What one checkpointer's parts share: its config, the transport on its
-background event loop, the staging pool, and the lock that keeps a save's
-staging and a restore's reads of the pool apart."""
+background event loop, the staging pool, the lock that keeps a save's staging and
+a restore's reads of the pool apart, and whether its token may write the job."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptd import knobs
-from ckptd.errors import CkptdError, InvalidRequest
+from ckptd.errors import CkptdError, Forbidden, InvalidRequest
 
 from .config import CheckpointerConfig
 from .failures import wrap_error
@@ -41,11 +41,16 @@ class Session:
         # No save stages into the pool while a restore may read it.
         self.lock = threading.Lock()
         self.closed = False
+        # The server's refusal of a write by this token (it may only read the job:
+        # this checkpointer restores, sends no heartbeats and refuses saves), or None.
+        self.read_only: str | None = None
 
     def reach(self) -> None:
         """Raises, typed and naming the server's URL, when an HTTP server cannot be
         reached or refuses this checkpointer's token (``reach.py``), within
-        ``CKPTD_SERVER_WAIT`` seconds (one connect timeout when nothing answers)."""
+        ``CKPTD_SERVER_WAIT`` seconds (one connect timeout when nothing answers).
+        A token that may read the job but not write it is said in one warning, and
+        kept in ``read_only``."""
         from .transport import HttpTransport
 
         if not isinstance(self.transport, HttpTransport):
@@ -53,8 +58,25 @@ class Session:
         from .reach import reach
 
         within = knobs.server_wait()
-        bound = within + 2 * self.transport.session.connect_timeout + 5.0
-        self.loop.run(reach(self.transport, self.config.job, within), bound)
+        bound = within + 3 * self.transport.session.connect_timeout + 10.0
+        refused = self.loop.run(reach(self.transport, self.config.job, within), bound)
+        if refused is not None:
+            self.read_only = refused
+            c = self.config
+            log.warning("%s/%d: the token given may read job %r but not write it (%s): this "
+                        "Checkpointer can restore, but its saves will be refused; saving "
+                        "needs a token of role write (ckptd token create --job %s --role "
+                        "write)", c.job, c.rank, c.job, refused, c.job)
+
+    def check_may_write(self, step: int) -> None:
+        """Raises ``Forbidden`` in a line when this checkpointer's token may only read."""
+        if self.read_only is not None:
+            c = self.config
+            raise Forbidden(f"save of {c.job} step {step}: the token given may read job "
+                            f"{c.job!r} but not write it, so this Checkpointer only restores; "
+                            f"to save, pass a token of role write on the job (ckptd token "
+                            f"create --job {c.job} --role write) as token= or CKPTD_TOKEN",
+                            job=c.job, needs="write")
 
     def check_open(self) -> None:
         if self.closed:

@@ -96,6 +96,7 @@ class Heartbeat:
         health: HealthFn | None = None,
         timeout: float | None = None,
         on_beat: Callable[[HeartbeatReply | None, float | None], None] | None = None,
+        send: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.job = check_job(job)
@@ -132,6 +133,11 @@ class Heartbeat:
         # /metrics show them without a field of their own.
         self.snapshot_failures = 0
         self.snapshot_error: str | None = None
+        if not send:
+            # A rank whose token may only read the job (heartbeats need write): stopped
+            # from the start, so that nothing is ever sent (no beat, no goodbye) while
+            # the health agent and the peer service hold it as any other.
+            self._stop.set()
 
     def __repr__(self) -> str:
         return (f"<Heartbeat {self.url} {self.job}/{self.rank} every {self.interval:g} s, "
@@ -314,8 +320,9 @@ class Heartbeat:
     # -- the thread ----------------------------------------------------------------------
 
     def start(self) -> Heartbeat:
-        """Starts the heartbeat thread (the first beat goes at once). Idempotent."""
-        if self._thread is None:
+        """Starts the heartbeat thread (the first beat goes at once). Idempotent; none
+        once stopped."""
+        if self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-"
                                             f"{self.job}-{self.rank}", daemon=True)
             self._thread.start()

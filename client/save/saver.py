@@ -130,6 +130,7 @@ class Saver:
         as is a save whose ``meta`` says ``"reason": "health"``, a ``StepDecision``'s)."""
         started = time.perf_counter()
         self.session.check_open()
+        self.session.check_may_write(step)  # a read-only token: refused now, not uploaded
         self.surface_failure(stacklevel=4)
         self.ask_pending()
         check_step(step)

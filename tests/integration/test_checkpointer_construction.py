@@ -1,0 +1,106 @@
+"""What a new ``Checkpointer`` learns and says at construction, as a fresh user's
+probe met it: a token that may only read its job (an eval job's restores; its
+saves were refused in the background, a refused heartbeat every interval); the
+advice a failed save logs under each ``on_error`` (it said "training goes on"
+where the next ``step()`` raised); and a server URL with a path or without its
+scheme (said worse than the CLI and the Lightning plugin say it)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.errors import Forbidden
+from ckptd.tokens import create_token
+from tests.conftest import ServerProcess
+
+ADMIN = "ADMIN-token"
+JOB = "llm-b"
+READ_ONLY = "but not write it"  # the construction's warning about a read token
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        tuple[ServerProcess, dict[str, str]]]:
+    """``ckptd serve --token ADMIN --tokens-file F``, with a read and a write token
+    on ``llm-*`` (``ckptd token create --job 'llm-*' --role read --file F``)."""
+    tmp = tmp_path_factory.mktemp("tenants")
+    tokens_file = tmp / "tokens.json"
+    tokens = {role: create_token(tokens_file, "llm-*", role)[0] for role in ("read", "write")}
+    tokens["admin"] = ADMIN
+    srv = ServerProcess(store=tmp / "store", token=ADMIN,
+                        extra_args=["--tokens-file", str(tokens_file)])
+    srv.start()
+    try:
+        yield srv, tokens
+    finally:
+        srv.stop()
+
+
+def _said(caplog: pytest.LogCaptureFixture, *words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if all(w in r.getMessage() for w in words)]
+
+
+def test_a_read_token_restores_and_its_saves_are_refused_at_once(
+        tenants: tuple[ServerProcess, dict[str, str]], shm: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Before: construction passed in silence, every heartbeat logged ``[forbidden]``,
+    and each save failed in the background with advice that training goes on, then
+    ``step()`` and ``close()`` raised it with a traceback."""
+    srv, tokens = tenants
+    (shm / "w").mkdir()
+    (shm / "r").mkdir()
+    weights = torch.arange(64, dtype=torch.float32)
+    with Checkpointer(srv.url, JOB, token=tokens["write"], shm_dir=shm / "w",
+                      serve_peers=False) as writer:
+        assert writer.save(1, {"w": weights}).wait(30).state == "committed"
+
+    caplog.set_level(logging.INFO, logger="ckptd")
+    reader = Checkpointer(srv.url, JOB, token=tokens["read"], shm_dir=shm / "r",
+                          heartbeat_interval=0.1)
+    try:
+        said = _said(caplog, READ_ONLY)
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        assert "can restore" in said[0] and "saves will be refused" in said[0], said
+        assert "role write" in said[0] and "\n" not in said[0], said
+
+        state = {"w": torch.zeros(64)}
+        assert reader.restore(state).step == 1
+        assert torch.equal(state["w"], weights)  # restore works as with any token
+
+        t0 = time.monotonic()
+        with pytest.raises(Forbidden) as refused:
+            reader.save(2, state)
+        assert time.monotonic() - t0 < 2.0  # refused here, not after an upload
+        message = refused.value.message
+        assert "\n" not in message and "role write" in message and JOB in message, message
+        assert refused.value.__cause__ is None
+
+        time.sleep(0.6)  # six heartbeat intervals: each would have been a refused beat
+        hb = reader.heartbeat
+        assert hb is None or (hb.beats, hb.failures) == (0, 0), hb
+        assert not _said(caplog, "heartbeat", "forbidden")
+        assert reader.step(3) is None  # the loop's step() has nothing to raise
+    finally:
+        result = reader.close()  # nothing failed in the background: nothing raised
+    assert (result.saves, result.failed) == (0, 0), result
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("role", ["write", "admin"])
+def test_a_token_that_may_write_is_not_taken_for_a_read_one(
+        role: str, tenants: tuple[ServerProcess, dict[str, str]], shm: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    srv, tokens = tenants
+    caplog.set_level(logging.WARNING, logger="ckptd")
+    with Checkpointer(srv.url, f"llm-{role}", token=tokens[role], shm_dir=shm,
+                      serve_peers=False) as ckpt:
+        assert not _said(caplog, READ_ONLY)
+        assert ckpt.save(1, {"w": torch.ones(8)}).wait(30).state == "committed"
