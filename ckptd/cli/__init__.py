@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import enum
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
@@ -30,6 +29,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from ckptd import __version__
 from ckptd.cli.exits import exit_code
 from ckptd.cli.help import HelpGroup
+from ckptd.cli.logs import command_logging, server_logging
 from ckptd.cli.options import (  # (shared with the commands' modules)
     DEFAULT_URL,
     ServerUrlOpt,
@@ -109,10 +109,7 @@ def _root(
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    command_logging(verbose)
     plain_off_a_terminal(console, err_console)
 
 
@@ -291,7 +288,7 @@ def serve(
     if check:
         console.print(f"ok: would serve {escape(opened.describe())}", highlight=False)
         return
-    logging.getLogger("ckptd").setLevel(logging.INFO)
+    server_logging()
     run(settings, store=opened)
 
 
