@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from ckptd.errors import (
     AlreadyCommitted,
     CkptdError,
+    Forbidden,
     ReplicaMismatch,
+    StoreFull,
     Superseded,
     Timeout,
     Unauthorized,
@@ -50,8 +52,9 @@ class CloseResult:
     last_error: CkptdError | None = None
 
 
-def advice(exc: CkptdError) -> str:
-    """What to do about a failed snapshot, in one line."""
+def advice(exc: CkptdError, on_error: str = "raise") -> str:
+    """What to do about a failed snapshot, in one line, and what comes of it under
+    ``on_error``: raised by the loop's next call ("raise"), or training goes on."""
     if isinstance(exc, ReplicaMismatch):
         names = exc.detail.get("names") or [exc.detail.get("name")]
         names = [n for n in names if isinstance(n, str)]
@@ -75,9 +78,34 @@ def advice(exc: CkptdError) -> str:
         return ("the upload was interrupted before it committed: the step is not committed; "
                 "a restore gets the last committed step")
     if isinstance(exc, Unavailable | Timeout):
-        return ("check that the ckptd server is up and reachable; training goes on, and "
-                "saves fail until it answers")
-    return "this step is not committed; training goes on, later saves are tried as usual"
+        return ("check that the ckptd server is up and reachable; " + _goes_on(
+            on_error, "training goes on, and saves fail until it answers"))
+    if isinstance(exc, StoreFull):
+        return (f"free space in the store (ckptd forget {_job(exc)}, then ckptd gc); " + _goes_on(
+            on_error, "training goes on, and saves fail until there is room"))
+    if isinstance(exc, Forbidden):
+        return (f"this token may not write the job: pass one of role write on it (ckptd token "
+                f"create --job {_job(exc)} --role write) as token= or CKPTD_TOKEN; " + _goes_on(
+                    on_error, "training goes on, and saves fail"))
+    return "this step is not committed; " + _goes_on(
+        on_error, "training goes on, later saves are tried as usual")
+
+
+def _job(exc: CkptdError) -> str:
+    """The job a failed save was of (``name_save_error`` notes it), else ``JOB``."""
+    save = exc.detail.get("save")
+    job = save.get("job") if isinstance(save, dict) else exc.detail.get("job")
+    return job if isinstance(job, str) else "JOB"
+
+
+def _goes_on(on_error: str, warn: str) -> str:
+    """What comes of a failed snapshot: ``warn``'s words under ``on_error="warn"``;
+    under "raise" the loop's next call raises it, which ends a loop that does not
+    catch it."""
+    if on_error == "warn":
+        return warn
+    return ('the next save(), step() or close() raises this error (on_error="raise"; '
+            '"warn" trains on)')
 
 
 def name_save_error(exc: BaseException, job: str, step: int, rank: int) -> CkptdError:
@@ -94,9 +122,10 @@ def name_save_error(exc: BaseException, job: str, step: int, rank: int) -> Ckptd
 class FailureLog:
     """This rank's failed snapshots: counted, logged once, held until seen."""
 
-    def __init__(self, job: str, rank: int) -> None:
+    def __init__(self, job: str, rank: int, on_error: str = "raise") -> None:
         self.job = job
         self.rank = rank
+        self.on_error = on_error  # what the advice says comes of a failure
         self.saves = 0
         self.skipped = 0
         self.failed = 0
@@ -134,7 +163,7 @@ class FailureLog:
             # the snapshot's done-callback) returns only once it is in the log.
             log.log(logging.WARNING if superseded else logging.ERROR,
                     "%s: %s [%s]\n  what to do: %s", type(err).__name__, err, err.code,
-                    advice(err))
+                    advice(err, self.on_error))
         return err
 
     def seen(self, exc: BaseException) -> None:

@@ -66,7 +66,7 @@ class Saver:
         self.config = session.config
         self.timeline = timeline
         self.failover = failover
-        self.failures = FailureLog(self.config.job, self.config.rank)
+        self.failures = FailureLog(self.config.job, self.config.rank, self.config.on_error)
         # Steps this rank uploaded whose commit was pending (other ranks to come),
         # oldest first, with their meta, and the background question whether the
         # oldest committed: a step that can never commit (replicas disagree) fails

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.errors import Forbidden
+from ckptd.errors import Forbidden, Unavailable
 from ckptd.tokens import create_token
 from tests.conftest import ServerProcess
 
@@ -104,3 +104,38 @@ def test_a_token_that_may_write_is_not_taken_for_a_read_one(
                       serve_peers=False) as ckpt:
         assert not _said(caplog, READ_ONLY)
         assert ckpt.save(1, {"w": torch.ones(8)}).wait(30).state == "committed"
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_a_failed_saves_advice_says_what_the_mode_in_force_does(
+        on_error: str, server: ServerProcess, shm: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The probe's kill -9 of the server under the README's loop: with the default
+    ``on_error="raise"`` the log said "training goes on, and saves fail until it
+    answers", and the next ``step()`` raised, ending the job."""
+    monkeypatch.setenv("CKPTD_RETRIES", "0")
+    caplog.set_level(logging.ERROR, logger="ckptd")
+    ckpt = Checkpointer(server.url, "adv", shm_dir=shm, on_error=on_error,  # type: ignore[arg-type]
+                        serve_peers=False, timeout=60)
+    try:
+        assert ckpt.save(1, {"w": torch.ones(8)}).wait(30).state == "committed"
+        server.stop()
+        ckpt.save(2, {"w": torch.full((8,), 2.0)})
+        deadline = time.monotonic() + 60
+        while not _said(caplog, "what to do") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said = _said(caplog, "what to do")
+        assert len(said) == 1, said
+        advice = said[0].split("what to do:")[1]
+        assert "server is up and reachable" in advice, advice
+        if on_error == "raise":
+            assert "training goes on" not in advice, advice
+            assert "the next save(), step() or close() raises" in advice, advice
+            with pytest.raises(Unavailable):  # as the advice says
+                ckpt.step(3)
+        else:
+            assert "training goes on" in advice, advice
+            with pytest.warns(UserWarning):  # SnapshotFailureWarning: and goes on
+                assert ckpt.step(3) is None
+    finally:
+        ckpt._close(timeout=5)
