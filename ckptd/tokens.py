@@ -160,7 +160,10 @@ def create_token(path: str | os.PathLike[str], job: str, role: str,
     entries = parse_tokens(p.read_bytes(), str(p)) if p.exists() else []
     token_id = secrets.token_hex(4)
     token = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
-    entry = TokenEntry(id=token_id, job=check_pattern(job), role=check_role(role),
+    if "*" in check_pattern(job)[:-1]:  # (files from before this check still load)
+        raise InvalidRequest(f"job pattern {job!r}: a '*' goes only at the end, as in "
+                             "'llm-*' (every job whose name starts so), or alone ('*')")
+    entry = TokenEntry(id=token_id, job=job, role=check_role(role),
                        sha256=token_digest(token), created_at=time.time(), note=note)
     _write(p, [*entries, entry])
     return token, entry
