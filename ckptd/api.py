@@ -564,5 +564,10 @@ class ClusterView(_Body):
         description="single: this server alone; static: --peers; lease: leases in the store."
     )
     self_url: str = Field(description="This replica's own URL.")
+    store_id: str | None = Field(
+        default=None,
+        description="The id of the store it serves (cluster/store-id): one for every "
+        "replica of a cluster. None: not read (a store that did not answer at start).",
+    )
     members: list[ClusterMember] = Field(description="The live replicas, this one included.")
 

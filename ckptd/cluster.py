@@ -1,5 +1,5 @@
 """Replicas over one store: rendezvous (highest random weight) hashing of chunk ids
-and jobs onto the live members, and the member lease document.
+and jobs onto the live members, the member lease document, and the store's id.
 
 Pure: the server keeps the membership (``ckptd.server.cluster``), the client routes
 with it (``ckptd.client.routing``); both agree on a key's home through this module.
@@ -11,6 +11,8 @@ import hashlib
 import ipaddress
 import json
 import re
+import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import ParseResult, urlparse
@@ -19,7 +21,9 @@ from ckptd.errors import InvalidDocument, InvalidRequest, Unavailable
 
 __all__ = [
     "MEMBERS_PREFIX",
+    "STORE_ID_KEY",
     "Member",
+    "StoreIdentity",
     "chunk_key",
     "home",
     "job_key",
@@ -29,13 +33,17 @@ __all__ = [
     "parse_urls",
     "rank_members",
     "route_key",
+    "store_mismatch",
     "weight",
 ]
 
 #: where members keep their leases in the store
 MEMBERS_PREFIX = "cluster/members/"
+#: the store's id, written once by the first server over it
+STORE_ID_KEY = "cluster/store-id"
 
 _MEMBER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_STORE_ID = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK_PATH = re.compile(r"^/v1/chunks/([0-9a-f]{64})$")
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)/.+$")
 
@@ -163,3 +171,47 @@ class Member:
         except (ValueError, KeyError, TypeError, InvalidRequest) as exc:
             raise InvalidDocument(f"member lease {key} does not parse: {exc}") from None
         return member
+
+
+@dataclass(frozen=True, slots=True)
+class StoreIdentity:
+    """Which store this is: a random id that the first ``ckptd serve`` over the store
+    writes (put-if-absent) and every later one reads. Replicas whose stores have
+    different ids serve different stores, and are no replicas of one cluster."""
+
+    id: str
+    created_at: float
+
+    @classmethod
+    def new(cls) -> StoreIdentity:
+        return cls(uuid.uuid4().hex, round(time.time(), 3))
+
+    def to_json(self) -> bytes:
+        doc = {"id": self.id, "created_at": self.created_at}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> StoreIdentity:
+        try:
+            doc = json.loads(data)
+            identity = cls(str(doc["id"]), float(doc["created_at"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidDocument(f"store id {STORE_ID_KEY} does not parse: {exc}") from None
+        if not _STORE_ID.match(identity.id):
+            raise InvalidDocument(f"store id {STORE_ID_KEY} is not 32 hex digits")
+        return identity
+
+
+def store_mismatch(ids: Iterable[tuple[str, str | None]]) -> str | None:
+    """One line naming two of the replicas (URL, store id) that serve different
+    stores; None when they agree. A replica without an id (a server from before
+    store ids, one that could not read its store's) is compared with none."""
+    known = [(url, sid) for url, sid in ids if sid]
+    for url, sid in known[1:]:
+        first, first_id = known[0]
+        if sid != first_id:
+            return (f"{first} and {url} serve different stores (store ids {first_id[:8]} "
+                    f"and {sid[:8]}, {STORE_ID_KEY}): replicas of one cluster must serve "
+                    "one store; start every replica with the same --store, or give the URL "
+                    "of one server (docs/replicas.md)")
+    return None

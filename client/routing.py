@@ -15,6 +15,11 @@ replica refuses that connection. A connection TCP gave up on (its host vanished
 mid-request: the transport's keepalive and TCP_USER_TIMEOUT, ``transport_http``)
 is one. Down marks last three refreshes, then the replica is tried again.
 
+The first membership read asks every replica (given, then listed) and compares the
+ids of their stores: over different stores a save's chunks went to one and its
+manifest to the other (``MissingChunks``). Every call then raises ``InvalidRequest``
+naming two (a new ``Checkpointer`` at construction), until a read finds them agree.
+
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
 that waits on one for ``CKPTD_SUSPECT_AFTER`` seconds (5) before its answer starts
@@ -52,7 +57,15 @@ from urllib.parse import urlparse
 import httpx
 
 from ckptd import knobs
-from ckptd.cluster import chunk_key, job_key, parse_urls, rank_members, route_key
+from ckptd.cluster import (
+    chunk_key,
+    job_key,
+    parse_urls,
+    rank_members,
+    route_key,
+    store_mismatch,
+)
+from ckptd.errors import InvalidRequest
 
 from .routing_body import ReplicaDown, WatchedBody, settle
 
@@ -114,6 +127,8 @@ class Members:
         self.failovers = 0
         # url -> what to call when it is marked down (requests under way to it)
         self._watchers: dict[str, set[Callable[[], None]]] = {}
+        # Two replicas over different stores, in a line: every call raises it.
+        self.mismatch: str | None = None
 
     def order(self, key: str | None) -> list[str]:
         """Where a call with routing ``key`` goes, best first: the key's rendezvous
@@ -196,14 +211,30 @@ class Members:
         """Whom to ask for the membership: live members, then the seeds."""
         return list(dict.fromkeys(self.order(None) + self.seeds))
 
+    def identify_due(self) -> bool:
+        """Whether a membership read asks each replica: the first, and while they disagree."""
+        return not self.learned() or self.mismatch is not None
+
+    def to_identify(self, asked: Iterable[str], doc: Any | None) -> list[str]:
+        """Replicas given or listed in ``doc`` not yet ``asked``, less those down."""
+        live = set(self.live() or self.urls)
+        urls = dict.fromkeys([*self.candidates(), *(_listed(doc) or [])])
+        return [u for u in urls if u not in asked and (u in live or u not in self.urls)]
+
+    def identified(self, answers: dict[str, Any]) -> None:
+        """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none)."""
+        # (not logged: the call that found it raises it, a Checkpointer's at construction)
+        self.mismatch = store_mismatch((u, _store_id(doc)) for u, doc in answers.items())
+
+    def check(self) -> None:
+        """Raises ``InvalidRequest`` while the replicas serve different stores."""
+        mismatch = self.mismatch
+        if mismatch is not None:
+            raise InvalidRequest(mismatch, replicas=self.urls)
+
     def update(self, doc: Any | None) -> None:
         """Takes a ``/v1/cluster`` answer (None: nobody answered; keep what is known)."""
-        urls: list[str] | None = None
-        if isinstance(doc, dict) and doc.get("mode") in ("static", "lease"):
-            try:
-                urls = parse_urls(",".join(str(m["url"]) for m in doc.get("members", [])))
-            except (KeyError, TypeError, ValueError):
-                urls = None
+        urls = _listed(doc)
         with self._lock:
             self.refreshes += 1
             self._next_refresh = time.monotonic() + self.refresh_s
@@ -212,6 +243,22 @@ class Members:
             if urls is not None and urls != self.urls:
                 log.info("ckptd replicas: %s", ", ".join(urls))
                 self.urls = urls
+
+
+def _listed(doc: Any | None) -> list[str] | None:
+    """The members a ``/v1/cluster`` answer lists (None: it lists none, or is no such
+    answer: a ``single`` server's, a refusal's)."""
+    if isinstance(doc, dict) and doc.get("mode") in ("static", "lease"):
+        try:
+            return parse_urls(",".join(str(m["url"]) for m in doc.get("members", [])))
+        except (KeyError, TypeError, ValueError):
+            return None
+    return None
+
+
+def _store_id(doc: Any | None) -> str | None:
+    store_id = doc.get("store_id") if isinstance(doc, dict) else None
+    return store_id if isinstance(store_id, str) else None
 
 
 _SHARED: dict[tuple[tuple[str, ...], float], Members] = {}
@@ -299,17 +346,39 @@ class AsyncRouting(httpx.AsyncBaseTransport):
             if not self.members.refresh_due():
                 return
             doc: Any | None = None
-            for base in self.members.candidates():
-                try:
-                    resp = await self.inner.handle_async_request(_learn_request(base, request))
-                    body = await resp.aread()
-                    await resp.aclose()
-                except httpx.TransportError as exc:
-                    self.members.mark_down(base, exc)
-                    continue
-                doc = _cluster_doc(resp.status_code, body)
-                break
+            if self.members.identify_due():
+                doc = await self._ask_every(request)
+            else:
+                for base in self.members.candidates():
+                    if (doc := await self._ask(base, request)) is not None:
+                        break
             self.members.update(doc)
+
+    async def _ask(self, base: str, request: httpx.Request) -> Any | None:
+        """``base``'s ``/v1/cluster`` answer ({}: it answered none), None when it
+        could not be reached (it is marked down)."""
+        try:
+            resp = await self.inner.handle_async_request(_learn_request(base, request))
+            body = await resp.aread()
+            await resp.aclose()
+        except httpx.TransportError as exc:
+            self.members.mark_down(base, exc)
+            return None
+        return _cluster_doc(resp.status_code, body)
+
+    async def _ask_every(self, request: httpx.Request) -> Any | None:
+        """Every replica asked at once, then those the first answer lists: that
+        answer is the membership, and all are compared (``Members.identified``)."""
+        answers: dict[str, Any] = {}
+        doc: Any | None = None
+        for _ in range(2):
+            bases = self.members.to_identify(answers, doc)
+            docs = await asyncio.gather(*(self._ask(b, request) for b in bases))
+            answers.update(zip(bases, docs, strict=True))
+            if doc is None:
+                doc = next((d for d in docs if d is not None), None)
+        self.members.identified(answers)
+        return doc
 
     async def by_home(self, ids: list[str], headers: httpx.Headers) -> list[list[str]]:
         """Chunk ids grouped by their home replica (one group when there are none)."""
@@ -321,6 +390,7 @@ class AsyncRouting(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await self.learn(request)
+        self.members.check()
         order = _order(self.members, request)
         for i, base in enumerate(order):
             try:
@@ -464,22 +534,34 @@ class SyncRouting(httpx.BaseTransport):
             if not self.members.refresh_due():
                 return
             doc: Any | None = None
-            for base in self.members.candidates():
-                try:
-                    resp = self.inner.handle_request(_learn_request(base, request))
-                    body = resp.read()
-                    resp.close()
-                except httpx.TransportError as exc:
-                    self.members.mark_down(base, exc)
-                    continue
-                doc = _cluster_doc(resp.status_code, body)
-                break
+            if self.members.identify_due():  # (one by one: the CLI asked all at once)
+                answers: dict[str, Any] = {}
+                for _ in range(2):
+                    for base in self.members.to_identify(answers, doc):
+                        answers[base] = self._ask(base, request)
+                        doc = answers[base] if doc is None else doc
+                self.members.identified(answers)
+            else:
+                for base in self.members.candidates():
+                    if (doc := self._ask(base, request)) is not None:
+                        break
             self.members.update(doc)
         finally:
             self._learning.release()
 
+    def _ask(self, base: str, request: httpx.Request) -> Any | None:
+        try:
+            resp = self.inner.handle_request(_learn_request(base, request))
+            body = resp.read()
+            resp.close()
+        except httpx.TransportError as exc:
+            self.members.mark_down(base, exc)
+            return None
+        return _cluster_doc(resp.status_code, body)
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.learn(request)
+        self.members.check()
         order = _order(self.members, request)
         for i, base in enumerate(order):
             try:

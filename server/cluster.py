@@ -6,6 +6,11 @@ each replica keeps a lease ``cluster/members/<id>`` in the store, renewed every
 third of its time to live, and lists the leases that have not run out. Leases
 change only by compare-and-swap, like refs; expiry compares wall clocks, so the
 replicas' clocks must agree to well within the time to live (NTP does).
+
+In every mode the server reads the store's id (``cluster/store-id``, written by the
+first server over the store) at start, and ``GET /v1/cluster`` shows it: clients and
+the CLI compare the replicas' ids, so a list of servers over different stores is
+refused before a save fails (``ckptd.cluster.store_mismatch``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from ckptd.api import ClusterMember, ClusterView
-from ckptd.cluster import MEMBERS_PREFIX, Member, member_key, normalize_url, parse_urls
+from ckptd.cluster import (
+    MEMBERS_PREFIX,
+    STORE_ID_KEY,
+    Member,
+    StoreIdentity,
+    member_key,
+    normalize_url,
+    parse_urls,
+)
 from ckptd.errors import CkptdError, NotFound
 from ckptd.store.base import Store
 
@@ -27,11 +40,29 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["single", "static", "lease"]
 
+# Seconds a starting server waits for its store's id (a store that hangs: it serves
+# without one, and nothing compares it).
+IDENTIFY_WITHIN = 10.0
+
 
 def default_member_id(url: str) -> str:
     """``host_port`` of the URL, in the characters a member id may use."""
     netloc = urlparse(url).netloc
     return re.sub(r"[^A-Za-z0-9._-]", "_", netloc)[:128] or "ckptd"
+
+
+async def store_identity(store: Store) -> str:
+    """The store's id, ``cluster/store-id``, written first when the store has none:
+    by put-if-absent, so that of replicas starting together over a new store one
+    id wins and every one reads it."""
+    try:
+        return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
+    except NotFound:
+        pass
+    mine = StoreIdentity.new()
+    if await store.put_if_absent(STORE_ID_KEY, mine.to_json()):
+        return mine.id
+    return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
 
 
 class Membership:
@@ -57,16 +88,29 @@ class Membership:
         self._lease: bytes | None = None  # what this replica last wrote
         self._task: asyncio.Task[None] | None = None
         self._cached: tuple[float, list[Member]] | None = None
+        self.store_id: str | None = None  # (None: not read; nothing compares it)
 
     async def start(self) -> None:
-        """In lease mode: takes the lease now (the server is then listed at once)
-        and renews it in the background."""
+        """Reads the store's id; in lease mode, takes the lease now (the server is
+        then listed at once) and renews it in the background."""
+        self.store_id = await self._identify()
         if self.mode != "lease":
             return
         await self.renew()
         self._task = asyncio.create_task(self._renew_forever(), name="ckptd-member-lease")
         log.info("member %s at %s holds a lease of %gs in the store", self.member_id,
                  self.self_url, self.ttl)
+
+    async def _identify(self) -> str | None:
+        try:
+            store_id = await asyncio.wait_for(store_identity(self.store), IDENTIFY_WITHIN)
+        except (CkptdError, OSError, TimeoutError) as exc:
+            log.warning("cannot read the store's id %s (%s): clients cannot check that "
+                        "the replicas they are given serve this store", STORE_ID_KEY,
+                        str(exc) or type(exc).__name__)
+            return None
+        log.info("store id %s (%s)", store_id, STORE_ID_KEY)
+        return store_id
 
     async def stop(self) -> None:
         """Stops renewing and gives the lease back, so clients move on at once."""
@@ -143,6 +187,7 @@ class Membership:
         return ClusterView(
             mode=self.mode,
             self_url=self.self_url,
+            store_id=self.store_id,
             members=[
                 ClusterMember(id=m.id, url=m.url,
                               expires_at=m.expires_at if self.mode == "lease" else None)

@@ -5,12 +5,14 @@ so a server that takes connections and never answers (a process stopped with
 ``kill -STOP``, wedged, or swapped out) kept ``ckptd ls`` silent for minutes: a
 timed-out read retried five times. And in a list of URLs one wrong entry (another
 program on that port, a server that refuses the token, one that serves a store of
-its own) was taken for the job's damage or named as the whole list.
+its own) was taken for the job's damage or named as the whole list; servers given
+each other as ``--peers`` but over different stores listed an empty table.
 
 So each URL a command is given is asked ``GET /v1/cluster`` once, all at once, with
 a short wait (``CKPTD_ANSWER_WITHIN``, 10 s): a ckptd server answers at once, however
 busy (``status`` waits as long for its calls).
-A mistake is the command's error, naming the entry; a silent server is one too when
+A mistake is the command's error, naming the entry (two replicas whose store ids
+differ: both); a silent server is one too when
 no other answers; a silent or unreachable replica in a list is passed over (a
 warning), as routing would. Only the CLI asks: a training process keeps its retries
 (a slow answer there must not fail a save).
@@ -40,6 +42,7 @@ _checked: set[tuple[str, str | None]] = set()
 class _Heard:
     url: str
     mode: str | None = None  # the cluster mode it answered with ("?": a ckptd without it)
+    store_id: str | None = None  # the id of the store it serves (None: not said)
     mistake: CkptdError | None = None
     silent: bool = False  # took the connection, sent nothing
     unreached: bool = False  # refused it, or no route there
@@ -47,7 +50,8 @@ class _Heard:
 
 def check_servers(url: str, token: str | None, within: float | None = None) -> str:
     """``url`` when each server it names answers as a ckptd server that takes
-    ``token``, and (several) as a replica of the others; not a server's URL: as it
+    ``token``, and (several) as a replica of the others over the same store; not a
+    server's URL: as it
     is. Raises the error that names the entry at fault. Once per URL and token in
     a process."""
     if not url.startswith(("http://", "https://")) or (url, token) in _checked:
@@ -75,6 +79,11 @@ def check_servers(url: str, token: str | None, within: float | None = None) -> s
                 f"{alone[0]} serves alone (started without --peers or --member-leases): it "
                 f"is no replica of the other servers in --url; give one server's URL, or "
                 "start the replicas with --peers URL,URL,... (docs/replicas.md)")
+        from ckptd.cluster import store_mismatch
+
+        mismatch = store_mismatch((h.url, h.store_id) for h in answering)
+        if mismatch is not None:
+            raise InvalidRequest(mismatch)
         _pass_over(url, [h.url for h in heard if h.silent or h.unreached], within)
     _checked.add((url, token))
     return url
@@ -145,7 +154,9 @@ def _ask(url: str, token: str | None, within: float) -> _Heard:
         return _Heard(url, mistake=trouble) if trouble else _Heard(url, unreached=True)
     body = _json(resp)
     if resp.status_code == 200 and isinstance(body, dict) and isinstance(body.get("mode"), str):
-        return _Heard(url, mode=body["mode"])
+        store_id = body.get("store_id")
+        return _Heard(url, mode=body["mode"],
+                      store_id=store_id if isinstance(store_id, str) else None)
     if not (isinstance(body, dict) and isinstance(body.get("code"), str)):
         return _Heard(url, mistake=not_a_server(resp))  # another program's answer
     if resp.status_code == 401:

@@ -1,0 +1,83 @@
+"""Replicas given each other as peers (``--peers``) but serving different stores:
+every save failed with ``MissingChunks`` (its chunks went to one replica's store,
+its manifest to the other's) and ``ckptd ls`` showed an empty table, exit 0. Each
+store has an id (``cluster/store-id``) that every server reads at start and
+``GET /v1/cluster`` shows, so the list is refused in one line naming both
+replicas, by the CLI and by a new ``Checkpointer``, before anything is saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import Checkpointer
+from ckptd.errors import InvalidRequest
+from tests.cluster.conftest import Replica
+from tests.integration.test_cli_mistakes import assert_short_usage_error
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
+                          text=True, env={**env, "COLUMNS": "120"}, timeout=60)
+
+
+@pytest.fixture
+def split_pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+    """The probe's mistake: two replicas that list each other, each over a store of
+    its own."""
+    a = Replica(str(tmp_path / "s1"), tmp_path)
+    b = Replica(str(tmp_path / "s2"), tmp_path)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}", "--advertise-url", r.url]
+    try:
+        a.start(), b.start()
+        yield a, b
+    finally:
+        a.stop(), b.stop()
+
+
+def test_the_cli_refuses_replicas_of_different_stores_in_one_line(
+        split_pair: tuple[Replica, Replica]) -> None:
+    a, b = split_pair
+    for command in (["ls"], ["ls", "split"]):  # (ls: an empty table, exit 0)
+        done = _ckptd(*command, "--url", f"{a.url},{b.url}")
+        assert_short_usage_error(done, a.url, b.url, "different stores", "--store")
+    ids = {r.cluster().get("store_id") for r in (a, b)}
+    assert len(ids) == 2 and None not in ids, ids
+
+
+def test_a_checkpointer_over_replicas_of_different_stores_is_refused_at_construction(
+        split_pair: tuple[Replica, Replica], tmp_path: Path) -> None:
+    a, b = split_pair
+    for url in (f"{a.url},{b.url}", b.url):  # (given one, it learns the other: --peers)
+        with pytest.raises(InvalidRequest, match="different stores") as caught:
+            Checkpointer(url, "split", shm_dir=tmp_path / "shm", serve_peers=False)
+        assert a.url in str(caught.value) and b.url in str(caught.value)
+        assert len(str(caught.value).splitlines()) == 1
+    # (nothing was saved to either store)
+    assert not (tmp_path / "s1" / "jobs").exists() and not (tmp_path / "s2" / "jobs").exists()
+
+
+def test_replicas_over_one_store_share_its_id_and_save(
+        static_pair: tuple[Replica, Replica], tmp_path: Path) -> None:
+    a, b = static_pair
+    stored = json.loads((tmp_path / "store" / "cluster" / "store-id").read_bytes())
+    assert a.cluster()["store_id"] == b.cluster()["store_id"] == stored["id"]
+    urls = f"{a.url},{b.url}"
+    with Checkpointer(urls, "one", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
+        state = {f"w{i}": torch.randn(100_000) for i in range(8)}
+        assert ckpt.save(1, state).wait(60).state == "committed"
+    done = _ckptd("ls", "--url", urls)
+    assert done.returncode == 0 and "one" in done.stdout, (done.stdout, done.stderr)
+    b.restart()  # a replica restarted reads the id it finds, it makes no new one
+    assert b.cluster()["store_id"] == stored["id"]
