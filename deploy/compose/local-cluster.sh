@@ -8,7 +8,8 @@
 #     deploy/compose/local-cluster.sh          # an S3 you run (MinIO, Ceph RGW)
 #
 # Env: PORTS (three ports, default "8471 8472 8473"), S3_PORT (9000, for moto),
-# BUCKET (ckptd), PREFIX (checkpoints), CKPTD_TOKEN, PYTHON (python3), LOG_DIR.
+# BUCKET (ckptd), PREFIX (checkpoints), CKPTD_TOKEN, CKPTD_PEER_SECRET (random, one for
+# all three), PYTHON (python3), LOG_DIR (made if absent).
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -16,6 +17,9 @@ read -r -a ports <<< "${PORTS:-8471 8472 8473}"
 BUCKET=${BUCKET:-ckptd}
 PREFIX=${PREFIX:-checkpoints}
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t ckptd-cluster.XXXXXX)}
+mkdir -p "$LOG_DIR"
+# One secret for every replica: the jobs' peer tokens derive from it.
+export CKPTD_PEER_SECRET=${CKPTD_PEER_SECRET:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}
 pids=()
 replicas=()  # PORT:PID of each ckptd serve
 

@@ -236,8 +236,10 @@ def test_kubernetes_manifests() -> None:
     assert env["CKPTD_ADVERTISE_URL"]["value"] == "http://$(POD_NAME).ckptd:8470"
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     secret = docs["Secret", "ckptd"]["stringData"]
+    # (CKPTD_PEER_SECRET: one for every replica, found missing by a probe)
     for name, key in (("CKPTD_TOKEN", "token"), ("AWS_ACCESS_KEY_ID", "s3-access-key-id"),
-                      ("AWS_SECRET_ACCESS_KEY", "s3-secret-access-key")):
+                      ("AWS_SECRET_ACCESS_KEY", "s3-secret-access-key"),
+                      ("CKPTD_PEER_SECRET", "peer-secret")):
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "ckptd", "key": key}
         assert key in secret
     # The settings the manifests name exist (an unknown CKPTD_* would be ignored).
@@ -288,6 +290,7 @@ def test_compose_file_matches_the_manifests() -> None:
     assert len(replicas) == 3 and "minio" in services
     peers = {s["environment"]["CKPTD_PEERS"] for s in replicas}
     assert len(peers) == 1
+    assert len({s["environment"]["CKPTD_PEER_SECRET"] for s in replicas}) == 1
     assert sorted(s["environment"]["CKPTD_ADVERTISE_URL"] for s in replicas) == sorted(
         peers.pop().split(","))
     # The image is a parameter (CKPTD_IMAGE), by default the one the root Dockerfile builds.
@@ -316,7 +319,8 @@ def test_compose_health_checks_use_commands_their_images_have() -> None:
 def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm: Path) -> None:
     ports = [free_port() for _ in range(3)]
     env = {**s3_env(), "PYTHON": sys.executable, "PORTS": " ".join(map(str, ports)),
-           "S3_PORT": str(free_port()), "LOG_DIR": str(tmp_path),
+           # (a LOG_DIR not there yet is made: found by a probe)
+           "S3_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     errors = tmp_path / "script.err"
     with errors.open("wb") as sink:
@@ -332,6 +336,7 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
         for url in urls.split(","):
             doc = httpx.get(f"{url}/v1/cluster", timeout=10).json()
             assert doc["mode"] == "static" and len(doc["members"]) == 3
+        assert all((tmp_path / "logs" / f"ckptd-{p}.log").exists() for p in ports)
         state = {"w": torch.arange(50_000, dtype=torch.float32)}
         with Checkpointer(urls, "deploy", chunk_size=16384, serve_peers=False,
                           shm_dir=shm) as ckpt:
