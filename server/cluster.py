@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 import time
 from typing import Literal
 from urllib.parse import urlparse
@@ -49,6 +50,23 @@ def default_member_id(url: str) -> str:
     """``host_port`` of the URL, in the characters a member id may use."""
     netloc = urlparse(url).netloc
     return re.sub(r"[^A-Za-z0-9._-]", "_", netloc)[:128] or "ckptd"
+
+
+def every_interface(url: str) -> bool:
+    """Whether ``url``'s host is the address of every interface (``0.0.0.0``, ``::``):
+    what ``--host`` listens on, never where another host reaches this one."""
+    return (urlparse(url).hostname or "") in ("0.0.0.0", "::")
+
+
+def own_member_id(url: str) -> str:
+    """This replica's default lease name: ``host_port`` of its URL, or this host's
+    name and the port when that host is every interface's address (the same
+    ``0.0.0.0_8470`` in every container: their leases were one, listed once)."""
+    if not every_interface(url):
+        return default_member_id(url)
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return default_member_id(f"http://{socket.gethostname()}:{port}")
 
 
 async def store_identity(store: Store) -> str:
@@ -82,7 +100,7 @@ class Membership:
         self.self_url = normalize_url(self_url)
         self.peers = parse_urls(peers) if peers else []
         self.mode: Mode = "static" if self.peers else "lease" if leases else "single"
-        self.member_id = member_id or default_member_id(self.self_url)
+        self.member_id = member_id or own_member_id(self.self_url)
         self.key = member_key(self.member_id)
         self.ttl = float(ttl)
         self._lease: bytes | None = None  # what this replica last wrote
@@ -94,6 +112,12 @@ class Membership:
         """Reads the store's id; in lease mode, takes the lease now (the server is
         then listed at once) and renews it in the background."""
         self.store_id = await self._identify()
+        if self.mode != "single" and every_interface(self.self_url):
+            log.warning(
+                "this replica advertises %s, the address of every interface, which no "
+                "client or other replica can reach: give --advertise-url (CKPTD_ADVERTISE_URL) "
+                "http://<a name or address other hosts reach it by>:%s", self.self_url,
+                urlparse(self.self_url).port)
         if self.mode != "lease":
             return
         await self.renew()

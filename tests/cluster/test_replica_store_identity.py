@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,3 +83,21 @@ def test_replicas_over_one_store_share_its_id_and_save(
     assert done.returncode == 0 and "one" in done.stdout, (done.stdout, done.stderr)
     b.restart()  # a replica restarted reads the id it finds, it makes no new one
     assert b.cluster()["store_id"] == stored["id"]
+
+
+def test_a_replica_on_every_interface_leases_under_its_host_name_and_is_told_to_advertise(
+        tmp_path: Path) -> None:
+    """``--host 0.0.0.0 --member-leases`` leased as ``0.0.0.0_8470`` in every
+    container on the default port, so replicas took over one another's lease and
+    one was listed; and advertised ``http://0.0.0.0:8470``, which no client
+    reaches, without a word."""
+    r = Replica(str(tmp_path / "store"), tmp_path, ["--host", "0.0.0.0", "--member-leases"])
+    r.start()
+    try:
+        members = r.cluster()["members"]
+        own = re.sub(r"[^A-Za-z0-9._-]", "_", f"{socket.gethostname()}:{r.port}")
+        assert [m["id"] for m in members] == [own], members  # type: ignore[index,union-attr]
+        said = [line for line in r.log().splitlines() if "--advertise-url" in line]
+        assert len(said) == 1 and f"http://0.0.0.0:{r.port}" in said[0], r.log()
+    finally:
+        r.stop()
