@@ -24,7 +24,13 @@ from urllib.parse import quote, urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckptd import knobs
 from ckptd.errors import InvalidRequest, NotFound, StoreError
@@ -238,7 +244,20 @@ class S3Store(Store):
                 s3_code=code,
                 http_status=status,
             )
-        return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}", key=key)
+        return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}{self._hint(exc)}",
+                          key=key)
+
+    def _hint(self, exc: Exception) -> str:
+        """What to do about a failure botocore had before any S3 answered."""
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            return ("; give this process credentials (AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)")
+        if isinstance(exc, BotoConnectionError):
+            where = self.endpoint_url or "AWS's S3 (no ?endpoint= in the store URL)"
+            return (f"; nothing answered at {where}: check that this host reaches it, and "
+                    "for an S3 other than AWS's give its address as "
+                    "s3://bucket/prefix?endpoint=http://host:port")
+        return ""
 
     async def _put(self, key: str, data: bytes | memoryview, *, read_back: bool = True,
                    **condition: str) -> bool:
