@@ -16,7 +16,7 @@ from ckptd.errors import InvalidPolicy, InvalidRequest
 from ckptd.format import check_job, check_rank
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
-from .endpoint import endpoint
+from .endpoint import check_url, endpoint
 from .launch import check_incarnation, launch_incarnation
 from .staging.layout import PAGE
 
@@ -62,6 +62,7 @@ class CheckpointerConfig:
     local_rank: int | None = None
 
     def __post_init__(self) -> None:
+        check_url(self.url)  # (as ``of`` did, for a config made directly)
         check_job(self.job)
         if self.incarnation is not None:
             check_incarnation(self.incarnation)

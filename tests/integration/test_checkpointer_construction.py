@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
-from ckptd.errors import Forbidden, Unavailable
+from ckptd.errors import Forbidden, InvalidRequest, Unavailable
 from ckptd.tokens import create_token
 from tests.conftest import ServerProcess
 
@@ -139,3 +139,43 @@ def test_a_failed_saves_advice_says_what_the_mode_in_force_does(
                 assert ckpt.step(3) is None
     finally:
         ckpt._close(timeout=5)
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("localhost:8470", "url 'localhost:8470' has no scheme: did you mean http://localhost:8470?"),
+    ("127.0.0.1:18471", "did you mean http://127.0.0.1:18471?"),
+    ("relative/store", "is a path, not a URL: a directory store is file:///"),
+])
+def test_a_url_without_its_scheme_is_said_as_the_cli_says_it(
+        url: str, says: str, shm: Path) -> None:
+    """Before: "unsupported URL 'localhost:8470': use http://host:port, ..."."""
+    with pytest.raises(InvalidRequest) as refused:
+        Checkpointer(url, "u", shm_dir=shm)
+    assert says in refused.value.message and "\n" not in refused.value.message
+
+
+def test_a_server_url_with_the_api_path_is_said_at_construction(
+        tenants: tuple[ServerProcess, dict[str, str]], shm: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``NotFound no route for GET /v1/v1/jobs/u/rollback`` from the server."""
+    srv, tokens = tenants
+    for bad in (f"{srv.url}/v1", f"{srv.url}/v1/jobs?x=1", f"{srv.url},{srv.url}/v1"):
+        with pytest.raises(InvalidRequest) as refused:
+            Checkpointer(bad, "u", token=ADMIN, shm_dir=shm)
+        message = refused.value.message
+        assert "has a path or query" in message, message
+        assert f"url={srv.url})" in message and "\n" not in message, message
+    # From the environment, the variable is named.
+    monkeypatch.setenv("CKPTD_URL", "localhost:8470")
+    with pytest.raises(InvalidRequest, match="CKPTD_URL 'localhost:8470' has no scheme: "
+                                             r"did you mean http://localhost:8470\?"):
+        Checkpointer(job="u", shm_dir=shm)
+    # The Lightning plugin and the Checkpointer say it in the same words.
+    from ckptd.client.integrations.lightning.arguments import check_url
+
+    for bad in (f"{srv.url}/v1", "localhost:8470"):
+        with pytest.raises(InvalidRequest) as plugin:
+            check_url(bad)
+        with pytest.raises(InvalidRequest) as client:
+            Checkpointer(bad, "u", token=ADMIN, shm_dir=shm)
+        assert plugin.value.message.split(" (")[0] == client.value.message.split(" (")[0]
