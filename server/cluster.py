@@ -104,6 +104,8 @@ class Membership:
         self.key = member_key(self.member_id)
         self.ttl = float(ttl)
         self._lease: bytes | None = None  # what this replica last wrote
+        self._wrote: bytes | None = None  # (and only that: a lease it took over is not)
+        self._collided = False  # said that another live replica has this id
         self._task: asyncio.Task[None] | None = None
         self._cached: tuple[float, list[Member]] | None = None
         self.store_id: str | None = None  # (None: not read; nothing compares it)
@@ -156,7 +158,7 @@ class Membership:
         for _ in range(5):
             current = self._lease
             if await self.store.compare_and_swap(self.key, current, new):
-                self._lease = new
+                self._lease = self._wrote = new
                 self._cached = None
                 return
             # Someone else wrote it (a restarted replica of the same id): take it over.
@@ -164,7 +166,23 @@ class Membership:
                 self._lease = await self.store.get(self.key)
             except NotFound:
                 self._lease = None
+            if current is not None and current == self._wrote and self._lease is not None:
+                self._say_collision(self._lease)
         log.warning("could not renew lease %s: it keeps changing", self.key)
+
+    def _say_collision(self, theirs: bytes) -> None:
+        """Another live process rewrote the lease this one holds: two replicas share
+        its id, and the store lists one of them."""
+        if self._collided:
+            return
+        self._collided = True
+        try:
+            where = Member.parse(theirs, self.key).url
+        except CkptdError:
+            where = "?"
+        log.error("member id %s is another live replica's too (%s rewrote lease %s while this "
+                  "one held it): only one of them is listed; give each replica its own "
+                  "CKPTD_MEMBER_ID, or leave it unset", self.member_id, where, self.key)
 
     async def _renew_forever(self) -> None:
         while True:

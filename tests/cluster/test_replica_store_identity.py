@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +102,24 @@ def test_a_replica_on_every_interface_leases_under_its_host_name_and_is_told_to_
         assert len(said) == 1 and f"http://0.0.0.0:{r.port}" in said[0], r.log()
     finally:
         r.stop()
+
+
+def test_two_live_replicas_with_one_member_id_say_so(tmp_path: Path) -> None:
+    """Two replicas given one CKPTD_MEMBER_ID took over each other's lease in turn,
+    each saying it held a lease, one listed."""
+    env = {"CKPTD_MEMBER_ID": "same", "CKPTD_MEMBER_TTL": "1.5"}
+    pair = [Replica(str(tmp_path / "store"), tmp_path, ["--member-leases"], env)
+            for _ in range(2)]
+    try:
+        for r in pair:
+            r.start()
+        deadline = time.monotonic() + 15.0
+        said: list[str] = []
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.2)
+            said = [line for r in pair for line in r.log().splitlines()
+                    if "member id same is another live replica's too" in line]
+        assert said and "CKPTD_MEMBER_ID" in said[0], [r.log() for r in pair]
+    finally:
+        for r in pair:
+            r.stop()
