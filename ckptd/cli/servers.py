@@ -84,7 +84,7 @@ def check_servers(url: str, token: str | None, within: float | None = None) -> s
         mismatch = store_mismatch((h.url, h.store_id) for h in answering)
         if mismatch is not None:
             raise InvalidRequest(mismatch)
-        _pass_over(url, [h.url for h in heard if h.silent or h.unreached], within)
+        _pass_over(url, [(h.url, h.silent) for h in heard if h.silent or h.unreached], within)
     _checked.add((url, token))
     return url
 
@@ -127,15 +127,17 @@ def _silence(urls: list[str], within: float) -> str:
             "check its process and log, or name another server with --url")
 
 
-def _pass_over(url: str, gone: list[str], within: float) -> None:
-    """The replicas of ``url`` that did not answer: their calls go to the others."""
+def _pass_over(url: str, gone: list[tuple[str, bool]], within: float) -> None:
+    """The replicas of ``url`` that did not answer (silent: took the connection and
+    said nothing; else refused it): their calls go to the others."""
     if not gone:
         return
     from ckptd.client.routing import members_for
 
     members = members_for(url)
-    for u in gone:
-        members.mark_down(u, TimeoutError(f"no answer in {within:g} s"))
+    for u, silent in gone:
+        members.mark_down(u, TimeoutError(f"no answer in {within:g} s") if silent
+                          else ConnectionRefusedError(f"{u} refused the connection"))
 
 
 def _ask(url: str, token: str | None, within: float) -> _Heard:

@@ -213,3 +213,21 @@ def test_ctrl_c_while_a_server_is_silent_ends_the_command_at_once(
     assert "Traceback" not in err, err
     assert proc.returncode == 130, err
     assert took < 3.0, f"ckptd {' '.join(command)} ended {took:.1f} s after Ctrl-C"
+
+
+def test_a_replica_that_refuses_is_said_to_refuse_not_to_time_out(tmp_path: Path) -> None:
+    """(Found by a probe: the replica-list check passed over a replica that refused
+    the connection as 'unreachable (TimeoutError)'.)"""
+    from tests.conftest import free_port
+
+    port, gone = free_port(), free_port()
+    urls = f"http://127.0.0.1:{port},http://127.0.0.1:{gone}"
+    srv = ServerProcess(store=tmp_path / "store", port=port, extra_args=["--peers", urls])
+    srv.start()
+    try:
+        done, _ = ckptd("ls", "--url", urls)
+    finally:
+        srv.stop()
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "unreachable" in line]
+    assert f"127.0.0.1:{gone}" in line and "ConnectionRefusedError" in line, line
