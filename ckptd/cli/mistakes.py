@@ -237,19 +237,14 @@ def server_url(url: str) -> str:
     separated): ``InvalidRequest`` in a line for a path or a query after the port
     (the API's paths were added to it: "no route for POST /v1/v1/..."), and for a
     host:port without its scheme, naming the URL meant."""
-    from ckptd.cluster import parse_url
+    from ckptd.client.endpoint import check_url, is_host_port
 
     if not url.startswith(("http://", "https://")):
-        if _HOST_PORT.fullmatch(url):
+        if is_host_port(url):
             raise InvalidRequest(f"--url {url!r} has no scheme: did you mean http://{url}?")
         raise InvalidRequest(f"this command needs a server (http://host:port), not {url!r}")
-    for part in url.split(","):
-        parsed = parse_url(part.strip(), "http://host:port")
-        if parsed.path.strip("/") or parsed.params or parsed.query or parsed.fragment:
-            raise InvalidRequest(f"server URL {part.strip()!r} has a path or query: a "
-                                 "server URL is http://host:port, nothing after the port "
-                                 f"(--url {parsed.scheme}://{parsed.netloc})")
-    return url
+    checked: str = check_url(url, "--url")  # (the checkpointer's and Lightning's check)
+    return checked
 
 
 def store_url(url: str) -> str:

@@ -10,58 +10,24 @@ import difflib
 import inspect
 import math
 import operator
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ckptd.cluster import parse_url, parse_urls
 from ckptd.errors import InvalidRequest
 
 from ...checkpointer import Checkpointer
+from ...endpoint import check_url as endpoint_check_url
 
 # What the plugin passes to the Checkpointer itself (the rest are the user's).
 _OWN = frozenset({"self", "url", "job", "rank", "world_size", "token", "timeout"})
-_USE = "http://host:port, file:///path or s3://bucket/prefix"
 
 
 def check_url(url: str) -> str:
     """``url`` when it is one the ``Checkpointer`` opens; ``InvalidRequest`` in a line
-    otherwise, a server's ``host:port`` without its scheme naming the URL meant."""
-    parsed = parse_url(url, _USE)
-    if parsed.scheme in ("http", "https"):
-        parse_urls(url)  # (each replica's host and port)
-        for part in url.split(","):
-            each = parse_url(part.strip(), "http://host:port")
-            if each.path.strip("/") or each.query or each.params or each.fragment:
-                raise InvalidRequest(f"server URL {part.strip()!r} has a path or query: a "
-                                     "server URL is http://host:port, nothing after the port")
-        return url
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost") or not parsed.path:
-            raise InvalidRequest(f"file URL {url!r} must name a local directory as "
-                                 "file:///absolute/path (three slashes)")
-        return url
-    if parsed.scheme == "s3":
-        return url
-    # No scheme, or a host that urlparse took for one (localhost:8470).
-    if _is_host_port(url):
-        raise InvalidRequest(f"url {url!r} has no scheme: did you mean http://{url}?")
-    if not parsed.scheme and url.strip():
-        raise InvalidRequest(f"url {url!r} is a path, not a URL: a directory store is "
-                             f"file://{os.path.abspath(url)}, a server http://host:port")
-    raise InvalidRequest(f"unsupported URL {url!r}: use {_USE}")
-
-
-def _is_host_port(url: str) -> bool:
-    """True for ``host:port`` (``10.0.0.5:8470``, ``ckptd:8470``, ``[::1]:8470``)."""
-    try:
-        parse_urls(f"http://{url}")
-        guess = parse_url(f"http://{url}")
-        return guess.port is not None and not guess.path and not guess.query
-    except (InvalidRequest, ValueError):
-        return False
+    otherwise (the checkpointer's own check, ``client/endpoint.py``)."""
+    return endpoint_check_url(url, "url")
 
 
 def check_timeout(timeout: Any) -> float | None:
