@@ -118,20 +118,22 @@ async def scrub(
     ours = True  # the stored cursor is this run's to move (not another scrubber's)
 
     async def keep() -> None:
-        """Stores how far this run got and marks the damage it found so far: a run
-        stopped midway (a server restarting) loses neither, and the next resumes."""
+        """Marks the damage found so far, then stores how far this run got: a run
+        stopped midway (a server restarting) loses neither, and the next resumes. In
+        that order: a cursor never passes a corrupt chunk whose steps are unmarked."""
         nonlocal cursor_bytes, ours, unrepaired
+        if unrepaired:
+            found = set(unrepaired)
+            marked = await mark_damage(repo, found, clock(), report.damaged_documents)
+            for job, steps in marked.items():
+                report.damaged[job] = sorted({*report.damaged.get(job, ()), *steps})
+            unrepaired = [cid for cid in unrepaired if cid not in found]  # (all marked)
         if ours:
             new = ScrubCursor(after=after, pass_started_at=pass_started,
                               passes=passes).canonical()
             # Lost to another scrubber's update: its cursor is as good as ours.
             ours = await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new)
             cursor_bytes = new
-        if unrepaired:
-            found, unrepaired = set(unrepaired), []
-            marked = await mark_damage(repo, found, clock(), report.damaged_documents)
-            for job, steps in marked.items():
-                report.damaged[job] = sorted({*report.damaged.get(job, ()), *steps})
 
     kept_at = time.monotonic()
     try:
@@ -139,7 +141,11 @@ async def scrub(
             if budget_bytes is not None and report.bytes_checked >= budget_bytes:
                 break
             if time.monotonic() - kept_at >= KEEP_EVERY_S:
-                await keep()
+                try:
+                    await keep()
+                except (CkptdError, OSError) as exc:  # (a store's hiccup: the pass goes on)
+                    log.warning("scrub: keeping how far it got failed (tried again in %.0f "
+                                "s): %s", KEEP_EVERY_S, exc)
                 kept_at = time.monotonic()
             try:
                 data: bytes | None = await store.get(chunk_key(cid))
@@ -221,9 +227,9 @@ async def mark_damage(repo: Repository, bad: set[str], now: float,
         if hit := ids & bad:
             await _write_damage(repo.store, job, step, hit, now, documents)
             marked.setdefault(job, []).append(step)
-    if documents is not None:
-        documents.extend(f"{why} (its step not checked for the corrupt chunks)"
-                         for why in unread)
+    if documents is not None:  # (once each, however often a run marks)
+        said = [f"{why} (its step not checked for the corrupt chunks)" for why in unread]
+        documents.extend(line for line in dict.fromkeys(said) if line not in documents)
     return marked
 
 

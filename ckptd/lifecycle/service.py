@@ -5,7 +5,6 @@ Commits, retention and collections made here tell the census what they changed."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -122,7 +121,7 @@ class LifecycleService:
         if s.gc_interval > 0:
             loops.append(("gc", s.gc_interval, self.collect))
         if s.scrub_interval > 0:
-            loops.append(("scrub", s.scrub_interval, self.scrub))
+            loops.append(("scrub", s.scrub_interval, self._scheduled_scrub))
         for name, every, work in loops:
             if every > 0:
                 self._tasks.append(asyncio.create_task(self._loop(name, every, work)))
@@ -182,18 +181,14 @@ class LifecycleService:
         return run
 
     async def stop(self) -> None:
-        # A background collection or scrub ends with the server (a scrub's cursor
-        # stays where its last finished run left it: the next one checks again).
-        for task in (self._gc_task, self._scrub_task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        for task in self._tasks:
+        # A background collection or scrub ends with the server (a scrub keeps its
+        # place and the damage it found: the next one resumes). All are cancelled
+        # first, then waited for together: their bounded wind-downs overlap.
+        tasks = [t for t in (self._gc_task, self._scrub_task, *self._tasks)
+                 if t is not None and not t.done()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         if self.repo.on_committed == self.census.note_commit:
             self.repo.on_committed = None
@@ -214,6 +209,13 @@ class LifecycleService:
                 log.warning("lifecycle %s failed: [%s] %s", name,
                             getattr(exc, "code", type(exc).__name__), exc)
             await asyncio.sleep(max(0.0, every - (time.monotonic() - t0)))
+
+    async def _scheduled_scrub(self) -> None:
+        """The periodic scrub's turn, skipped while a client's runs (``start_scrub``):
+        two runs over one cursor read each chunk twice, and the one that stored its
+        place second would stop keeping it."""
+        if self.scrub_run is None:
+            await self.scrub()
 
     async def apply_retention(self) -> None:
         """Applies each job's retention once its ``latest`` moved (after a commit)."""
