@@ -101,7 +101,10 @@ async def may_write(transport: HttpTransport) -> str | None:
         return None
     if resp.status_code != 403:
         return None
-    return http_error(resp).message
+    refusal = http_error(resp)  # (ckptd's own refusal only: a proxy's 403 is no answer)
+    if not isinstance(refusal, Forbidden) or refusal.detail.get("needs") != "write":
+        return None
+    return refusal.message
 
 
 def _refusal(transport: HttpTransport, resp: httpx.Response, job: str) -> CkptdError:

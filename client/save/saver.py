@@ -67,6 +67,7 @@ class Saver:
         self.timeline = timeline
         self.failover = failover
         self.failures = FailureLog(self.config.job, self.config.rank, self.config.on_error)
+        self._said_read_only = False  # (a read-only token's skipped saves: said once)
         # Steps this rank uploaded whose commit was pending (other ranks to come),
         # oldest first, with their meta, and the background question whether the
         # oldest committed: a step that can never commit (replicas disagree) fails
@@ -130,6 +131,17 @@ class Saver:
         as is a save whose ``meta`` says ``"reason": "health"``, a ``StepDecision``'s)."""
         started = time.perf_counter()
         self.session.check_open()
+        if self.session.read_only is not None and (coordinated
+                                                   or self.config.on_error == "warn"):
+            # A read-only token (an eval job's): a snapshot the probe asked for in
+            # step(), or any save under on_error="warn", is skipped, said once; training
+            # goes on. A save() under "raise" is refused now (check_may_write).
+            if not self._said_read_only:
+                self._said_read_only = True
+                log.warning("%s/%d: save of step %d skipped: this Checkpointer's token may "
+                            "only read the job, so its saves are skipped (said once)",
+                            self.config.job, self.config.rank, step)
+            return SaveHandle(step, None, skipped=True)
         self.session.check_may_write(step)  # a read-only token: refused now, not uploaded
         self.surface_failure(stacklevel=4)
         self.ask_pending()

@@ -179,3 +179,65 @@ def test_a_server_url_with_the_api_path_is_said_at_construction(
         with pytest.raises(InvalidRequest) as client:
             Checkpointer(bad, "u", token=ADMIN, shm_dir=shm)
         assert plugin.value.message.split(" (")[0] == client.value.message.split(" (")[0]
+
+
+def test_a_proxys_403_to_a_write_is_not_taken_for_a_read_only_token() -> None:
+    """(Found by review.) Only ckptd's own refusal of a write (``forbidden``, needs
+    write) makes a read-only checkpointer: a WAF or an ingress that answers a POST
+    with its own HTML 403 is no answer about the token."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ckptd.client.reach import may_write
+    from ckptd.client.transport import HttpTransport
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = b"<html><body>403 Forbidden (request blocked)</body></html>"
+            self.send_response(403)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Proxy) as proxy:
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+
+        async def ask() -> str | None:
+            transport = HttpTransport(f"http://127.0.0.1:{proxy.server_address[1]}", job="j")
+            try:
+                return await may_write(transport)
+            finally:
+                await transport.close()
+
+        try:
+            assert asyncio.run(ask()) is None
+        finally:
+            proxy.shutdown()
+
+
+def test_a_read_token_under_on_error_warn_skips_saves_and_training_goes_on(
+        tenants: tuple[ServerProcess, dict[str, str]], shm: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(Found by review.) ``on_error="warn"`` promises training goes on: a read-only
+    checkpointer's saves, and the snapshots its health probe asks for in ``step()``,
+    are skipped and said once, never raised."""
+    from ckptd.errors import SnapshotSkipped
+
+    srv, tokens = tenants
+    caplog.set_level(logging.INFO, logger="ckptd")
+    with Checkpointer(srv.url, JOB, token=tokens["read"], shm_dir=shm, on_error="warn",
+                      serve_peers=False) as reader:
+        for step in (5, 6):
+            handle = reader.save(step, {"w": torch.zeros(8)})
+            assert handle.skipped
+            with pytest.raises(SnapshotSkipped):
+                handle.wait(5)
+        # (the probe's snapshot: coordinated, whatever on_error is)
+        assert reader._saver.save(7, {"w": torch.zeros(8)}, coordinated=True).skipped
+    said = _said(caplog, "skipped", "may only read")
+    assert len(said) == 1, said
