@@ -142,6 +142,14 @@ class Listings(Timelines):
             return None, unreadable(exc)
 
     async def lost_commit(self, job: str, step: int) -> str | None:
+        # One read first: refs name committed steps, none above ``latest``'s, so the
+        # step of a save in flight (the commit polls of every rank) costs no more.
+        try:
+            latest = await self.latest_ref_step(job)
+        except UNREADABLE:
+            latest = step  # (a damaged latest names nothing; the tags may)
+        if latest is None or step > latest:
+            return None
         return (await self.lost_commits(job)).get(step)
 
     async def lost_commits(self, job: str) -> dict[int, str]:
