@@ -283,12 +283,14 @@ def peer_interface() -> str | None:
     return os.environ.get("CKPTD_PEER_INTERFACE") or None
 
 
-def peer_port() -> int:
+def peer_port(local_rank: int | None = None) -> int:
     """Port of this rank's peer chunk server: ``CKPTD_PEER_PORT`` plus the rank's
-    ``LOCAL_RANK`` (torchrun's), so that the ranks of one host take a range from it
-    rather than all the same port; 0 (the default) lets the OS choose."""
+    local rank (``local_rank``, else ``LOCAL_RANK``, torchrun's), so that the ranks
+    of one host take a range from it rather than all the same port; 0 (the default)
+    lets the OS choose."""
     base = _env_int("CKPTD_PEER_PORT", 0, 0, 65535)
-    local = os.environ.get("LOCAL_RANK", "").strip()
+    local = str(local_rank) if local_rank is not None else os.environ.get("LOCAL_RANK", "")
+    local = local.strip()
     if base == 0 or not local.isdigit():
         return base
     if base + int(local) > 65535:

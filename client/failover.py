@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from ckptd import knobs
+
 from .health.heartbeat import Heartbeat, HeartbeatReply
 from .peer import PeerIndex, PeerServer, PeerService, peer_address
 from .session import Session
@@ -75,7 +77,8 @@ class FailoverAgent:
             # the job's peer token comes with the first heartbeat reply.
             where = peer_address(c.peer_host, toward=s.transport.url)
             server = PeerServer(host=where.bind, advertise_host=where.advertise,
-                                port=c.peer_port, job=c.job, rank=c.rank,
+                                port=c.peer_port if c.peer_port is not None
+                                else knobs.peer_port(c.local_rank), job=c.job, rank=c.rank,
                                 route_to=s.transport.url).start()
         heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
                               interval=c.heartbeat_interval, health=c.health)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,18 @@ def test_serve_says_at_start_that_the_disk_is_under_what_it_keeps_free(tmp_path:
                            str(tmp_path / "t"), "--port", "0", "--check"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+
+
+def test_a_checkpointers_local_rank_argument_picks_its_port_too(
+        monkeypatch: pytest.MonkeyPatch, server: Any, shm: Path) -> None:
+    """(Found by review: under mp.spawn or a launcher of one's own, local_rank= comes
+    without LOCAL_RANK in the environment, and every rank took the same port.)"""
+    from ckptd.client import Checkpointer
+
+    base = _free_port_pair()
+    monkeypatch.setenv("CKPTD_PEER_PORT", str(base))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert knobs.peer_port(1) == base + 1
+    with Checkpointer(server.url, "ports", rank=1, world_size=2, local_rank=1,
+                      shm_dir=shm) as ckpt:
+        assert ckpt.peer_server is not None and ckpt.peer_server.port == base + 1
