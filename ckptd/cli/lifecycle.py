@@ -30,7 +30,7 @@ from ckptd.cli import (
 )
 from ckptd.cli.exits import DAMAGE
 from ckptd.cli.text import visible
-from ckptd.errors import CkptdError, InvalidRequest, NotFound
+from ckptd.errors import CkptdError, InvalidRequest, MethodNotAllowed, NotFound
 
 if TYPE_CHECKING:
     from ckptd.client.transport_http import SyncTransport
@@ -96,8 +96,7 @@ async def _job_there(repo: Any, job: str) -> None:
 
 
 def _server_job_there(server: SyncTransport, job: str, url: str) -> None:
-    """``JobNotFound`` naming the jobs there when the server holds no ``job`` (the jobs
-    its token may read: a token that may act on ``job`` reads it)."""
+    """``JobNotFound`` naming the jobs there (those its token reads) when it has no ``job``."""
     from ckptd.cli.mistakes import job_not_found
 
     jobs = [j.job for j in server.jobs().jobs]
@@ -366,7 +365,10 @@ def scrub(
     def remote(server: SyncTransport) -> Any:
         from ckptd.client import calls
 
-        before = server.run(calls.scrub_status()).running
+        try:
+            before = server.run(calls.scrub_status()).running
+        except MethodNotAllowed:  # a server from before scrub runs: the one long call
+            return server.run(calls.scrub(budget))
         run = server.run(calls.start_scrub(budget))
         try:
             if before is not None and before.id == run.id:

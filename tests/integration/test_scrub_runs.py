@@ -203,3 +203,54 @@ def test_a_server_stopped_mid_scrub_stops_promptly(tmp_path: Path) -> None:
     log = srv.log()
     assert took < 5 and code in (0, -signal.SIGTERM), (took, code, log[-2000:])
     assert "Application shutdown complete" in log and "Traceback" not in log, log[-4000:]
+
+
+def test_a_server_from_before_scrub_runs_is_scrubbed_in_its_one_call(tmp_path: Path) -> None:
+    """(Found by review.) A server older than ``/v1/scrub/runs`` answers ``GET
+    /v1/scrub`` 405: the command falls back to its one ``POST /v1/scrub``, as before,
+    rather than failing. The older server here is this one behind a relay that
+    answers 405 to the new route, as the older one's router does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    root, _, size = _store(tmp_path)
+    srv = _serve(root, size, pass_s=0.5)
+    asked: list[str] = []
+
+    class Older(BaseHTTPRequestHandler):
+        def _relay(self) -> None:
+            asked.append(f"{self.command} {self.path}")
+            if self.path.split("?")[0] in ("/v1/scrub", "/v1/scrub/runs") and (
+                    self.command == "GET" or "/runs" in self.path):
+                body = b'{"code": "method_not_allowed", "message": "Method Not Allowed"}'
+                self.send_response(405)
+            else:
+                length = int(self.headers.get("Content-Length") or 0)
+                answer = httpx.request(self.command, srv.url + self.path, timeout=60,
+                                       content=self.rfile.read(length) if length else None,
+                                       headers={k: v for k, v in self.headers.items()
+                                                if k.lower() not in ("host", "content-length")})
+                body = answer.content
+                self.send_response(answer.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _relay
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    try:
+        with ThreadingHTTPServer(("127.0.0.1", 0), Older) as relay:
+            threading.Thread(target=relay.serve_forever, daemon=True).start()
+            try:
+                done = ckptd("scrub", "--url", f"http://127.0.0.1:{relay.server_address[1]}")
+            finally:
+                relay.shutdown()
+    finally:
+        srv.stop()
+    assert done.returncode == 0, done.stderr
+    assert "checked" in done.stdout and "Traceback" not in done.stderr, done.stderr
+    assert any(a.startswith("POST /v1/scrub") and "/runs" not in a for a in asked), asked
