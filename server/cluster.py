@@ -120,6 +120,12 @@ class Membership:
                 "client or other replica can reach: give --advertise-url (CKPTD_ADVERTISE_URL) "
                 "http://<a name or address other hosts reach it by>:%s", self.self_url,
                 urlparse(self.self_url).port)
+        elif self.mode == "static" and self.self_url not in self.peers:
+            # (routing by the list finds no key this replica is home of: the chunks a
+            # scoped token may name, its jobs' commits, all go to the others)
+            log.warning("this replica's URL %s is not in --peers (%s): clients and replicas "
+                        "route by that list; give --advertise-url the URL --peers names "
+                        "this replica by", self.self_url, ",".join(self.peers))
         if self.mode != "lease":
             return
         await self.renew()

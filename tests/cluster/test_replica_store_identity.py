@@ -123,3 +123,18 @@ def test_two_live_replicas_with_one_member_id_say_so(tmp_path: Path) -> None:
     finally:
         for r in pair:
             r.stop()
+
+
+def test_a_replica_missing_from_its_own_peers_list_is_told_to_advertise(
+        tmp_path: Path) -> None:
+    """(Found by a probe: ``--peers`` without this server's own URL was taken without a
+    word, and routing by that list made it home of nothing.)"""
+    other = Replica(str(tmp_path / "store"), tmp_path)
+    r = Replica(str(tmp_path / "store"), tmp_path)
+    r.args = ["--peers", f"{other.url}"]
+    r.start()
+    try:
+        said = [line for line in r.log().splitlines() if "not in --peers" in line]
+        assert len(said) == 1 and r.url in said[0] and "--advertise-url" in said[0], r.log()
+    finally:
+        r.stop()
