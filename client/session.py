@@ -51,8 +51,12 @@ class Session:
         ``CKPTD_SERVER_WAIT`` seconds (one connect timeout when nothing answers).
         A token that may read the job but not write it is said in one warning, and
         kept in ``read_only``."""
-        from .transport import HttpTransport
+        from .transport import HttpTransport, LocalTransport
 
+        if isinstance(self.transport, LocalTransport):  # a store read in this process
+            store = self.transport.repository.store
+            self.loop.run(store.check_open(), 2 * knobs.connect_timeout() + 30.0)
+            return
         if not isinstance(self.transport, HttpTransport):
             return
         from .reach import reach

@@ -124,6 +124,12 @@ class Store(ABC):
     async def close(self) -> None:
         return None
 
+    async def check_open(self) -> None:
+        """Raises ``StoreError`` naming what to do when this store cannot be used at
+        all (an S3 bucket that is not there), before anything is written; a no-op
+        where opening it already said so."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__
 

@@ -180,6 +180,13 @@ class S3Store(Store):
             raise
         return _LoopClient(client, stack)
 
+    async def check_open(self) -> None:
+        client = await self._client()
+        try:  # (a list names a missing bucket; a HEAD of a missing key would not)
+            await client.list_objects_v2(Bucket=self.bucket, Prefix=self._root, MaxKeys=1)
+        except (BotoCoreError, ClientError) as exc:
+            raise self._failed("ListObjectsV2", "", exc) from exc
+
     async def _holds_something(self, client: Any) -> None:
         """``NotFound`` when no object lies under the prefix: S3 has no directories,
         so a mistyped prefix reads as an empty store (its jobs: none)."""

@@ -227,3 +227,29 @@ def test_scrub_refuses_a_replica_prefix_with_nothing_under_it(s3_store: str,
     done = ckptd("scrub", "--replica", s3_store, "--url", f"file://{local}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"repaired {chunk.name}" in done.stdout, done.stdout
+
+
+def test_a_checkpointer_over_a_bucket_that_is_not_there_says_so_at_construction(
+        endpoint: str, tmp_path: Path) -> None:
+    """(Found by a probe: a direct s3:// Checkpointer over a missing bucket was made
+    without a word; its first save failed in the background, with a traceback of two
+    exceptions at close and aiohttp's 'Unclosed client session' at exit.) A new
+    prefix of a bucket that is there is a new store, and is taken."""
+    script = (
+        "import sys\n"
+        "from ckptd.client import Checkpointer\n"
+        "from ckptd.errors import StoreError\n"
+        "try:\n"
+        f"    Checkpointer('s3://no-such-bucket/p?endpoint={endpoint}', 'j',\n"
+        f"                 shm_dir={str(tmp_path)!r})\n"
+        "except StoreError as exc:\n"
+        "    print('refused:', exc.message)\n"
+        f"with Checkpointer('s3://{BUCKET}/new-{uuid.uuid4().hex[:8]}?endpoint={endpoint}',\n"
+        f"                  'j', shm_dir={str(tmp_path)!r}):\n"
+        "    print('taken')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=aws_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "no-such-bucket" in done.stdout, done.stdout
+    assert "does not exist" in done.stdout and "taken" in done.stdout, done.stdout
+    assert "Unclosed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
