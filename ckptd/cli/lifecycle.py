@@ -304,22 +304,29 @@ def _say_run(run: Any, joined: bool, asked: float | None) -> None:
                           highlight=False, soft_wrap=True)
 
 
-def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
-    """Polls the server until the background collection ``run`` ended; its report
-    (or its typed error, raised)."""
+def _outcome(now: Any, run: Any, what: str, again: str) -> Any | None:
+    """A background ``run``'s report once ``now`` (its status) says it ended (its error
+    raised), None while it runs; ``InvalidRequest`` once the server forgot it."""
     from ckptd.errors import from_json
 
+    ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
+    if ended is not None:
+        if ended.error is not None or ended.report is None:
+            raise from_json(ended.error or {"code": "internal",
+                                            "message": f"the {what} left no report"})
+        return ended.report
+    if now.running is None or now.running.id != run.id:
+        raise InvalidRequest(f"the server no longer knows {what} {run.id} (was it "
+                             f"restarted?); see {again}")
+    return None
+
+
+def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
+    """Polls until the background collection ``run`` ended: its report (or error)."""
     while True:
         now = server.gc_status()
-        ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
-        if ended is not None:
-            if ended.error is not None or ended.report is None:
-                raise from_json(ended.error or {"code": "internal",
-                                                "message": "the collection left no report"})
-            return ended.report
-        if now.running is None or now.running.id != run.id:
-            raise InvalidRequest(f"the server no longer knows collection {run.id} (was it "
-                                 "restarted?); see `ckptd gc` again, or GET /v1/gc")
+        if (done := _outcome(now, run, "collection", "`ckptd gc` again, or GET /v1/gc")):
+            return done
         left = now.running.started_at + now.running.grace - time.time()
         status.update(f"collecting garbage: waiting out the grace period, {left:.0f} s left"
                       if left > 0 else "collecting garbage: marking and sweeping")
@@ -414,21 +421,14 @@ def _follow_scrub(server: SyncTransport, run: Any, status: Any) -> Any:
     """Polls the server until the background scrub ``run`` ended, saying how far it
     is; its report (or its typed error, raised)."""
     from ckptd.client import calls
-    from ckptd.errors import from_json
 
     wait, line_at, listed = 0.05, 0.0, False
     while True:
         now = server.run(calls.scrub_status())
-        ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
-        if ended is not None:
-            if ended.error is not None or ended.report is None:
-                raise from_json(ended.error or {"code": "internal",
-                                                "message": "the scrub left no report"})
-            return ended.report
+        if (report := _outcome(now, run, "scrub", "`ckptd scrub` again, or GET /v1/scrub")
+                ) is not None:
+            return report
         at = now.running
-        if at is None or at.id != run.id:
-            raise InvalidRequest(f"the server no longer knows scrub {run.id} (was it "
-                                 "restarted?); see `ckptd scrub` again, or GET /v1/scrub")
         said = ("scrubbing on the server: listing the store's chunks" if at.chunks_total is None
                 else f"scrubbing on the server: {at.chunks_checked} of {at.chunks_total} chunks "
                 f"checked ({_human(at.bytes_checked)}"
