@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["CA_BUNDLE_ENV", "SyncTransport", "ask_once", "tls_trouble", "tls_verify"]
+__all__ = ["CA_BUNDLE_ENV", "SyncTransport", "ask_once", "tls_trouble", "tls_verify",
+           "unresolved"]
 
 
 class Session:
@@ -194,6 +195,10 @@ class Attempts:
             raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url,
                               unreached=True) from None
         if isinstance(last, httpx.ConnectError):
+            name = unresolved(self.url, last)
+            if name is not None:  # no server to start there: the URL's host is wrong
+                raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {name}",
+                                  url=self.url, unresolved=True) from None
             raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {last}",
                               url=self.url, unreached=True) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
@@ -400,6 +405,27 @@ def _tls_context(path: str | None) -> ssl.SSLContext:
     if path is None:
         return httpx.create_ssl_context()  # what verify=True builds (certifi, SSL_CERT_*)
     return ssl.create_default_context(cafile=path)
+
+
+def unresolved(url: str, exc: BaseException) -> str | None:
+    """What to say when a connection to ``url`` failed because its host name does
+    not resolve (no such name: not a lookup that may pass on a later try); None for
+    any other failure."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, socket.gaierror):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause.errno not in _NO_SUCH_NAME:
+        return None
+    host = urlparse(url.split(",")[0].strip()).hostname if "," not in url else None
+    which = f"the host name {host!r}" if host else "a host name in it"
+    return (f"{which} does not resolve ({cause.strerror}): check the host in the URL "
+            "(--url, url= or CKPTD_URL)")
+
+
+# No such name (EAI_NONAME, and EAI_NODATA where the platform has it: a name
+# without an address). EAI_AGAIN, a lookup that failed for now, is retried.
+_NO_SUCH_NAME = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "EAI_NODATA")
+                                       else set())
 
 
 def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:

@@ -46,6 +46,7 @@ class _Heard:
     mistake: CkptdError | None = None
     silent: bool = False  # took the connection, sent nothing
     unreached: bool = False  # refused it, or no route there
+    unresolved: str | None = None  # what to say of a host name that does not resolve
 
 
 def check_servers(url: str, token: str | None, within: float | None = None) -> str:
@@ -71,6 +72,10 @@ def check_servers(url: str, token: str | None, within: float | None = None) -> s
     if not answering:
         if silent:
             raise Unavailable(_silence(silent, within), url=url)
+        names = [h for h in heard if h.unresolved]
+        if names:  # said now: the command's own tries would retry for seconds
+            raise Unavailable(f"cannot reach {names[0].url}: {names[0].unresolved}", url=url,
+                              unresolved=True)
         return url  # (refused: the command's own tries say so, as they always have)
     if len(heard) > 1:
         alone = [h.url for h in answering if h.mode == "single"]
@@ -143,7 +148,7 @@ def _pass_over(url: str, gone: list[tuple[str, bool]], within: float) -> None:
 def _ask(url: str, token: str | None, within: float) -> _Heard:
     from ckptd.client import calls
     from ckptd.client.calls import not_a_server
-    from ckptd.client.transport_http import ask_once, tls_trouble
+    from ckptd.client.transport_http import ask_once, tls_trouble, unresolved
 
     try:
         resp = ask_once(url, calls.cluster(), token, within)
@@ -153,7 +158,9 @@ def _ask(url: str, token: str | None, within: float) -> _Heard:
         return _Heard(url, silent=True)
     except httpx.RequestError as exc:
         trouble = tls_trouble(url, exc)
-        return _Heard(url, mistake=trouble) if trouble else _Heard(url, unreached=True)
+        if trouble is not None:
+            return _Heard(url, mistake=trouble)
+        return _Heard(url, unreached=True, unresolved=unresolved(url, exc))
     body = _json(resp)
     if resp.status_code == 200 and isinstance(body, dict) and isinstance(body.get("mode"), str):
         store_id = body.get("store_id")

@@ -231,3 +231,21 @@ def test_a_replica_that_refuses_is_said_to_refuse_not_to_time_out(tmp_path: Path
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stderr.splitlines() if "unreachable" in line]
     assert f"127.0.0.1:{gone}" in line and "ConnectionRefusedError" in line, line
+
+
+def test_a_host_name_that_does_not_resolve_is_said_at_once() -> None:
+    """(Found by a probe: ``--url http://nohost.invalid:8470`` retried for seconds,
+    then said to start a server there.) ``.invalid`` never resolves (RFC 2606)."""
+    try:
+        socket.getaddrinfo("nohost.invalid", 8470)
+    except socket.gaierror as exc:
+        if exc.errno != socket.EAI_NONAME:  # no resolver to say "no such name" here
+            pytest.skip(f"this host's resolver answers {exc} for a .invalid name")
+    else:
+        pytest.skip("this host's resolver gives an address for nohost.invalid")
+    (alone, took), (listed, _) = (ckptd("ls", "--url", url) for url in (
+        "http://nohost.invalid:8470", "http://nohost.invalid:8470,http://127.0.0.1:9"))
+    for done in (alone, listed):
+        assert_short_usage_error(done, "'nohost.invalid' does not resolve", "--url")
+        assert "ckptd serve" not in done.stderr, done.stderr  # no server to start there
+    assert took < 5.0, took
