@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import EllipsisType
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -105,6 +105,15 @@ def request_timeout(seconds: float | None, connect: float | None) -> httpx.Timeo
     return httpx.Timeout(seconds, connect=connect if seconds is None else min(connect, seconds))
 
 
+# Answers are read ignoring fields this client does not know: a newer server may
+# add one (as ``store_id`` was added to ``GET /v1/cluster``), and a rolling upgrade
+# (servers first) must not fail every older client's parse of that answer. What a
+# field means never changes within the API's version, so an unknown one is safe to
+# skip; a missing or mistyped one is still an error. The format's documents are
+# not read this way: their own parsers refuse what they do not know.
+ANSWER_EXTRA: Final = "ignore"
+
+
 class Reads(Generic[M, T]):
     """Reads an answer with the core's ``model`` (the one the server's route answers
     with; ``parse``: the format's own reader of it), then ``pick``s what the caller
@@ -121,7 +130,7 @@ class Reads(Generic[M, T]):
             if self.parse is not None:
                 doc = self.parse(resp.content)
             else:
-                doc = self.model.model_validate_json(resp.content)
+                doc = self.model.model_validate_json(resp.content, extra=ANSWER_EXTRA)
         except ValidationError as exc:
             if "json" not in resp.headers.get("content-type", ""):  # another program's page
                 raise not_a_server(resp) from None
@@ -273,7 +282,7 @@ def verify_stream(job: str, step: int | None, timeout: float) -> Call[None]:
 def verify_report(item: Any) -> VerifyResult:
     """The report line of a streamed verify, read with the core's model."""
     try:
-        return VerifyResult.model_validate(item, strict=False)
+        return VerifyResult.model_validate(item, strict=False, extra=ANSWER_EXTRA)
     except ValidationError as exc:
         raise InvalidDocument(f"the verify report does not fit VerifyResult: {exc}") from None
 
@@ -320,7 +329,8 @@ def _step_plan(data: bytes) -> StepPlan:
         raise InvalidDocument("a step plan without its manifests")
     record = CommitRecord.parse(canonical_json(doc.get("commit")))
     manifests = [RankManifest.parse(canonical_json(m)) for m in doc["manifests"]]
-    return StepPlan.model_validate({**doc, "commit": record, "manifests": manifests})
+    return StepPlan.model_validate({**doc, "commit": record, "manifests": manifests},
+                                  extra=ANSWER_EXTRA)
 
 
 def snapshot_request(job: str, rank: int, reason: str,

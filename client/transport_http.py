@@ -342,7 +342,8 @@ class SyncTransport:
             return self.run(calls.overview(params))
         views = [self.run(calls.overview(params, replica=u)).model_dump(mode="json")
                  for u in urls]
-        return Overview.model_validate(merge_overviews(views, urls), strict=False)
+        return Overview.model_validate(merge_overviews(views, urls), strict=False,
+                                       extra=calls.ANSWER_EXTRA)
 
     def forget(self, job: str, dry_run: bool, keep_last: int | None,
                step: int | None = None) -> ForgetResult:
