@@ -247,7 +247,7 @@ def serve(
     ] = False,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
-    from ckptd.cli.mistakes import check_listen, server_settings, writable_store
+    from ckptd.cli.mistakes import check_listen, server_settings, server_store, writable_store
     from ckptd.server.app import run
 
     overrides: dict[str, Any] = {
@@ -279,9 +279,10 @@ def serve(
         if v is not None
     }
     try:
-        settings, opened = server_settings(overrides)
-        opened = writable_store(settings, opened)  # refuses one that ignores conditions
+        settings = server_settings(overrides)
         check_listen(settings.host, settings.port)
+        # (refuses a store that ignores conditions)
+        opened = writable_store(settings, server_store(settings))
     except CkptdError as exc:
         _fail(exc)
         return

@@ -85,14 +85,12 @@ def name_settings(message: str, given: Collection[str]) -> str:
         f"--{m[0].replace('_', '-')}" if options else f"CKPTD_{m[0].upper()}"), message)
 
 
-def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
-    """``ckptd serve``'s settings (options over ``CKPTD_*``) and its store, opened
-    before the server starts: a bad value or store is one line, not a traceback
-    from inside uvicorn."""
+def server_settings(overrides: dict[str, Any]) -> Settings:
+    """``ckptd serve``'s settings (options over ``CKPTD_*``), checked before the
+    server starts: a bad value is one line, not a traceback from inside uvicorn."""
     import pydantic
 
     from ckptd.server.settings import Settings
-    from ckptd.store import open_store
 
     try:
         settings = Settings(**overrides)
@@ -120,9 +118,18 @@ def server_settings(overrides: dict[str, Any]) -> tuple[Settings, Store]:
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
     _check_server_files(settings)
+    return settings
+
+
+def server_store(settings: Settings) -> Store:
+    """``ckptd serve``'s store, opened (a local one is made where it is not yet)
+    once the settings and the port were found good: a refused start leaves nothing
+    behind."""
+    from ckptd.store import open_store
+
     store = open_store(settings.store)
     _warn_small_disk(settings, store)
-    return settings, store
+    return store
 
 
 def _warn_small_disk(settings: Settings, store: Store) -> None:

@@ -85,6 +85,20 @@ def test_serve_checks_its_files_and_peers_before_it_starts(
 ) -> None:
     done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", "0", *args)
     assert_short_usage_error(done, *needles)
+    assert not (tmp_path / "s").exists()  # a refused start leaves no store behind
+
+
+def test_serve_on_a_port_in_use_leaves_no_store_behind(tmp_path: Path) -> None:
+    """(Found by a probe: the store's directory was made, then the port refused.)"""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = ckptd("serve", "--store", str(tmp_path / "new" / "store"), "--port", str(port))
+    assert_short_usage_error(done, f"port {port}", "already in use")
+    assert not (tmp_path / "new").exists()
 
 
 # -- 2. lifecycle options: checked alike on both transports ------------------------------
