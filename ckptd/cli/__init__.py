@@ -483,7 +483,7 @@ def restore(
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container
     or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
-    from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target
+    from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target, unknown_job
     from ckptd.cli.servers import check_servers
 
     try:
@@ -494,7 +494,7 @@ def restore(
         result = restore_command(url, job, rank, to, step=step, token=token, peers=peers,
                                  console=console)
     except CkptdError as exc:
-        _fail(rank_of_restore(exc))
+        _fail(rank_of_restore(unknown_job(exc, url, token, job)))
         return
     except KeyboardInterrupt:
         err_console.print(f"interrupted: the restore into {escape(to)} did not finish; run the "

@@ -344,6 +344,37 @@ def rank_of_restore(exc: CkptdError) -> CkptdError:
                        **exc.detail)
 
 
+def unknown_job(exc: CkptdError, url: str, token: str | None, job: str) -> CkptdError:
+    """``exc``, or, when it says ``job`` has no committed checkpoint and the store
+    holds no step of ``job`` at all, the error naming the jobs there (as ``ls`` and
+    ``verify`` do; through a server, those its token may see). ``exc`` as it is when
+    that cannot be asked."""
+    import asyncio
+
+    from ckptd.errors import CheckpointNotFound
+
+    if not isinstance(exc, CheckpointNotFound):
+        return exc
+
+    async def ask() -> CkptdError:
+        from ckptd.client.transport import open_transport
+
+        transport = open_transport(url, token=token, create=False)
+        try:
+            if await transport.list_steps(job):
+                return exc  # (the job is there; its step is not committed)
+            jobs = [j["job"] if isinstance(j, dict) else j.job
+                    for j in await transport.list_jobs()]
+            return job_not_found(job, jobs, transport.describe())
+        finally:
+            await transport.close()
+
+    try:
+        return asyncio.run(ask())
+    except (CkptdError, OSError):
+        return exc
+
+
 def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:
     """The error for a job the store does not hold, naming the jobs it does."""
     if not jobs:

@@ -28,6 +28,7 @@ from ckptd.cli import (
     step_or_latest,
     transfer_bar,
 )
+from ckptd.cli.mistakes import unknown_job
 from ckptd.cli.text import visible
 from ckptd.errors import CkptdError, InvalidRequest, NotFound
 from ckptd.format import check_job
@@ -113,7 +114,7 @@ def export(
         with console.status(f"exporting {job}"):
             result = export_step(url, job, zarr_dir, step, token=token, codec=codec)
     except CkptdError as exc:
-        _fail(exc)
+        _fail(unknown_job(exc, url, token, job))
         return
     except KeyboardInterrupt:
         _interrupted(zarr_dir)
@@ -158,7 +159,7 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
                                         max_shard_size=limit, only=only,
                                         exclude=exclude, strip=strip, on_bytes=on_bytes)
     except CkptdError as exc:
-        _fail(exc)
+        _fail(unknown_job(exc, url, token, job))
         return
     except KeyboardInterrupt:
         _interrupted(directory)

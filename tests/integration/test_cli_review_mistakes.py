@@ -529,3 +529,41 @@ def test_revoking_a_token_that_is_not_there_is_a_users_mistake(tmp_path: Path) -
                str(tokens)).returncode == 0
     assert_short_usage_error(cli("token", "revoke", "nosuchid", "--file", str(tokens)),
                              "no token nosuchid", "ckptd token list")
+
+
+def test_restore_and_export_of_a_job_not_there_name_the_jobs_a_token_sees(
+        tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe: they said "job nope has no committed checkpoint", where ls
+    and verify name the jobs there.) Through a server the list is the one the token
+    may see: a tenant never learns another tenant's job names from a typo."""
+    import torch
+
+    from ckptd.client import Checkpointer
+    from ckptd.tokens import create_token
+    from tests.conftest import ServerProcess
+
+    tokens_file = tmp_path / "tokens.json"
+    scoped, _ = create_token(tokens_file, "llm-*", "read")
+    srv = ServerProcess(store=tmp_path / "store", token="ADMIN",
+                        extra_args=["--tokens-file", str(tokens_file)])
+    srv.start()
+    try:
+        for job in ("llm-a", "other-b"):
+            with Checkpointer(srv.url, job, token="ADMIN", shm_dir=str(shm)) as ckpt:
+                assert ckpt.save(1, {"w": torch.ones(8)}).wait(60).state == "committed"
+        commands = [["restore", "--job", "llm-nope", "--rank", "0", "--to", str(tmp_path / "to")],
+                    ["export", "llm-nope", "--safetensors", str(tmp_path / "st")],
+                    ["export", "llm-nope", "--zarr", str(tmp_path / "z")]]
+        for args in commands:
+            done = cli(*args, "--url", srv.url, "--token", scoped)
+            assert_short_usage_error(done, "no job 'llm-nope'", "jobs there: llm-a")
+            assert "other-b" not in done.stderr, done.stderr
+            done = cli(*args, "--url", f"file://{tmp_path / 'store'}")
+            assert_short_usage_error(done, "no job 'llm-nope'", "jobs there: llm-a, other-b")
+        # a job that is there, at a step it does not have, is still that step's error
+        done = cli("export", "llm-a", "7", "--zarr", str(tmp_path / "z"), "--url", srv.url,
+                   "--token", scoped)
+        assert_short_usage_error(done, "no checkpoint at step 7 of llm-a")
+    finally:
+        srv.stop()
+    assert not any((tmp_path / d).exists() for d in ("to", "st", "z"))
