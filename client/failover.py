@@ -154,6 +154,7 @@ class FailoverAgent:
                 disk_paths=[str(s.staging.root), *([c.cache_dir] if c.cache_dir else [])],
                 gpus=rank_gpus(c.local_rank),
                 timeout=s.timeout or 10.0, restored=self._restored,
+                may_write=s.read_only is None,
             ).start()
         return self._health
 

@@ -21,7 +21,8 @@ Requests run on one worker thread, never on the probe's or the loop's; the
 rollback, which the loop waits for, on one of its own (``rollback.py``); their errors are
 logged, never raised into training. With ``file://`` there is no server: the probe
 runs and a rollback is still raised with the latest committed step, but there are
-no heartbeats, coordinated snapshots or rollback markers.
+no heartbeats, coordinated snapshots or rollback markers. With a token that may only
+read the job (an eval job), likewise: the server would refuse every request.
 
 The race (docs/policy.md, "In the training loop"): a rank learns of a target
 from its next heartbeat reply. A rank already past the target when it learns of it
@@ -108,6 +109,7 @@ class HealthAgent(AgentRollbacks):
         gpus: Sequence[int | str] | None = None,
         timeout: float = 10.0,
         restored: tuple[int, int | None] | None = None,
+        may_write: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.job = check_job(job)
@@ -134,6 +136,10 @@ class HealthAgent(AgentRollbacks):
         self._lock = threading.Lock()
         self._closed = False
         self._server: SyncTransport | None = None
+        # A token that may only read the job: the probe runs and a non-finite loss
+        # still goes back locally, but nothing is asked of the server (it would refuse).
+        self._may_write = may_write
+        self._said_read_only = False
         self._owns_heartbeat = False
         self._heartbeat: Heartbeat | None = None
         self._chained_on_beat: Callable[[HeartbeatReply | None, float | None], None] | None = None
@@ -339,7 +345,13 @@ class HealthAgent(AgentRollbacks):
                 with self._lock:
                     self._local_rollback = (action.step, request)
         elif action.kind == "snapshot":
-            if self.coordinated:
+            if self.coordinated and not self._may_write:
+                if not self._said_read_only:
+                    self._said_read_only = True
+                    log.warning("%s/%d: the policy asks for a snapshot (%s), but this token "
+                                "may only read job %r: none is asked for", self.job, self.rank,
+                                action.reason, self.job)
+            elif self.coordinated:
                 self._submit(self._request_snapshot, action)
             elif self.world_size == 1:
                 with self._lock:

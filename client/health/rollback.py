@@ -44,6 +44,7 @@ class AgentRollbacks:
     _lock: threading.Lock
     _heartbeat: Heartbeat | None
     _server: SyncTransport | None
+    _may_write: bool  # False: a token that may only read (no marker is set)
     _latest_fn: Callable[[], int | None] | None
     _epoch_fn: Callable[[], int | None] | None
 
@@ -191,10 +192,11 @@ class AgentRollbacks:
             log.error("%s/%d: the loss at step %s is not finite and the job has no committed "
                       "step to go back to", self.job, self.rank, action.step)
             return None, True
-        if self._server is None:
+        if self._server is None or not self._may_write:
             log.error("%s/%d: the loss at step %s is not finite: this rank goes back to step "
-                      "%d (no server: no rollback marker for the other ranks)", self.job,
-                      self.rank, action.step, target)
+                      "%d (%s: no rollback marker for the other ranks)", self.job,
+                      self.rank, action.step, target,
+                      "no server" if self._server is None else "a token that may only read")
             return target, True
         step = self._set_marker(target, reason, epoch)
         if step is None:
@@ -224,7 +226,7 @@ class AgentRollbacks:
                       attempt: int) -> None:
         """Sets the marker later: the other ranks must hear of the rollback once the
         server is back (``MARKER_ATTEMPTS`` tries, then it is logged and left)."""
-        if self._server is None:
+        if self._server is None or not self._may_write:
             return
         if attempt > MARKER_ATTEMPTS:
             log.error("%s/%d: the rollback marker could not be set after %d attempts: the "

@@ -94,6 +94,56 @@ def test_a_read_token_restores_and_its_saves_are_refused_at_once(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_a_read_tokens_health_probe_asks_nothing_of_the_server(
+        tenants: tuple[ServerProcess, dict[str, str]], shm: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(Found by review.) An eval job's loop with a token that may only read: a
+    degraded reading did ask the server for a coordinated snapshot, and a NaN loss
+    tried to mark the job for rollback, each refused (forbidden) and the marker
+    retried. Now the probe runs, a NaN loss still sends this loop back to the latest
+    commit, and the server is asked nothing: the writers' job stays as it is."""
+    import httpx
+
+    from ckptd.client.health.readings import ScriptedSource
+    from ckptd.errors import RollbackRequested
+
+    srv, tokens = tenants
+    job = "llm-eval"
+    (shm / "w").mkdir()
+    (shm / "r").mkdir()
+    with Checkpointer(srv.url, job, token=tokens["write"], shm_dir=shm / "w",
+                      serve_peers=False) as writer:
+        assert writer.save(1, {"w": torch.ones(8)}).wait(30).state == "committed"
+    ecc = "gpu_ecc_uncorrected_volatile[0]"
+    source = ScriptedSource([{ecc: 0}], name="gpu-eval")
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[probe]\ninterval_s = 0.05\n[actions]\nsnapshot_min_interval_s = 0\n"
+                      "[signals.step_time_ratio]\ndegraded = \"off\"\n")
+    caplog.set_level(logging.INFO, logger="ckptd")
+    reader = Checkpointer(srv.url, job, token=tokens["read"], shm_dir=shm / "r",
+                          health_sources=[source], health_policy=str(policy))
+    try:
+        assert reader.step(2, loss=1.0) is None
+        source.push({ecc: 2})  # degraded: the policy asks for a snapshot
+        deadline = time.monotonic() + 10
+        while not _said(caplog, "may only read", "snapshot") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_said(caplog, "may only read", "snapshot")) == 1
+        with pytest.raises(RollbackRequested) as back:
+            reader.step(3, loss=float("nan"))
+        assert back.value.rollback_to == 1
+        time.sleep(1.5)  # the marker's first retry came after 1 s
+    finally:
+        reader.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "forbidden" in m or "request failed" in m], said
+    headers = {"Authorization": f"Bearer {tokens['admin']}"}
+    base = f"{srv.url}/v1/jobs/{job}"
+    assert httpx.get(f"{base}/rollback", headers=headers).json()["rollback_to"] is None
+    kinds = [e["kind"] for e in httpx.get(f"{base}/events", headers=headers).json()["events"]]
+    assert not [k for k in kinds if k.startswith(("rollback", "snapshot"))], kinds
+
+
 @pytest.mark.parametrize("role", ["write", "admin"])
 def test_a_token_that_may_write_is_not_taken_for_a_read_one(
         role: str, tenants: tuple[ServerProcess, dict[str, str]], shm: Path,
