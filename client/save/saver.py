@@ -372,7 +372,7 @@ class Saver:
         pending here committed: the oldest and the newest in turn (a committed one
         settles the older ones); a step that cannot commit is recorded as this
         rank's failure too. With ``timeout`` (closing), asks about every pending
-        step, the newest first, and waits up to that long for each answer.
+        step at once and judges the answers newest first, within ``timeout`` in all.
 
         Not the oldest alone: a rank that is always first to commit sees every step
         pending, and asking the oldest one at a time fell behind a fast loop until
@@ -384,29 +384,44 @@ class Saver:
             pending = sorted(self._pending_commits.items(), reverse=True)
         if not pending:
             return
-        if timeout is None:
-            check = self._pending_check
-            if (check is not None and not check.done()) or (
-                time.monotonic() - self._pending_asked < 0.5
-            ):
-                return
-            self._ask_newest = not self._ask_newest
-            pending = pending[:1] if self._ask_newest else pending[-1:]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for step, (serial, meta) in pending:
+        if timeout is not None:
+            self._ask_every_pending(pending, timeout)
+            return
+        check = self._pending_check
+        if (check is not None and not check.done()) or (
+            time.monotonic() - self._pending_asked < 0.5
+        ):
+            return
+        self._ask_newest = not self._ask_newest
+        step, (serial, meta) = pending[0] if self._ask_newest else pending[-1]
+        self._pending_asked = time.monotonic()
+        check = self._ask(step, meta)
+        check.add_done_callback(functools.partial(self._pending_answer, step=step,
+                                                  serial=serial))
+        self._pending_check = check
+
+    def _ask_every_pending(self, pending: list[tuple[int, tuple[int, dict[str, Any]]]],
+                           timeout: float) -> None:
+        """Closing: every pending step asked at once (one slow answer no longer
+        holds back the questions after it: on a loaded host, a step that could
+        never commit went unasked), the answers judged newest first, so a committed
+        step settles the older ones before their answers count."""
+        deadline = time.monotonic() + timeout
+        asked = [(step, serial, self._ask(step, meta)) for step, (serial, meta) in pending]
+        for step, serial, check in asked:
+            left = deadline - time.monotonic()
+            if left <= 0 or not concurrent.futures.wait([check], left).done:
+                break
             with self._pending_lock:
-                if step not in self._pending_commits:  # a newer one committed meanwhile
+                if step not in self._pending_commits:  # a newer one committed
                     continue
-            self._pending_asked = time.monotonic()
-            check = self.session.loop.submit(
-                self.session.transport.commit(self.config.job, step, meta or None))
-            check.add_done_callback(functools.partial(self._pending_answer, step=step,
-                                                      serial=serial))
-            self._pending_check = check
-            if deadline is not None:  # all the questions together, within ``timeout``
-                left = deadline - time.monotonic()
-                if left <= 0 or not concurrent.futures.wait([check], left).done:
-                    break
+            self._pending_answer(check, step=step, serial=serial)
+
+    def _ask(self, step: int, meta: dict[str, Any] | None) -> concurrent.futures.Future[Any]:
+        """Whether pending ``step`` committed (a commit request: it commits the step
+        when every rank is in), on the session's loop."""
+        return self.session.loop.submit(
+            self.session.transport.commit(self.config.job, step, meta or None))
 
     def _pending_answer(
         self, future: concurrent.futures.Future[Any], *, step: int, serial: int

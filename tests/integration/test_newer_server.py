@@ -9,13 +9,8 @@ answer (and to each object of its lists, the shape of ``members``, ``jobs`` or
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +20,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from tests.conftest import ServerProcess
+from tests.relay import relay
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,44 +47,6 @@ def _without_latest(doc: Any) -> Any:
     return doc
 
 
-@contextmanager
-def _relay(upstream: str, change: Callable[[Any], Any]) -> Iterator[str]:
-    """An HTTP relay to ``upstream`` that passes ``change`` every JSON answer."""
-
-    class Relay(BaseHTTPRequestHandler):
-        def _relay(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            answer = httpx.request(
-                self.command, upstream + self.path, timeout=60,
-                content=self.rfile.read(length) if length else None,
-                headers={k: v for k, v in self.headers.items()
-                         if k.lower() not in ("host", "content-length", "connection")})
-            body = answer.content
-            kind = answer.headers.get("content-type", "")
-            if kind.startswith("application/json") and answer.is_success and body:
-                body = json.dumps(change(json.loads(body))).encode()
-            self.send_response(answer.status_code)
-            for key, value in answer.headers.items():
-                if key.lower() not in ("content-length", "transfer-encoding", "connection",
-                                       "content-encoding", "date", "server"):
-                    self.send_header(key, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _relay
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Relay) as relay:
-        threading.Thread(target=relay.serve_forever, daemon=True).start()
-        try:
-            yield f"http://127.0.0.1:{relay.server_address[1]}"
-        finally:
-            relay.shutdown()
-
-
 def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
                           text=True, timeout=120)
@@ -97,7 +55,7 @@ def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
 def test_answers_with_fields_this_client_does_not_know_are_read(
         shared_server: ServerProcess, shm: Path) -> None:
     state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(7)}
-    with _relay(shared_server.url, _grown) as url:
+    with relay(shared_server.url, change=_grown) as url:
         # the relay really grows the answers the client reads
         assert ADDED in httpx.get(f"{url}/v1/cluster", timeout=10).json()
         with Checkpointer(url, "newer-server", shm_dir=shm) as ckpt:
@@ -119,7 +77,7 @@ def test_an_answer_without_a_field_the_client_needs_is_one_line(
         shared_server: ServerProcess, shm: Path) -> None:
     with Checkpointer(shared_server.url, "older-answer", shm_dir=shm) as ckpt:
         ckpt.save(1, {"w": torch.ones(8)}).wait(60)
-    with _relay(shared_server.url, _without_latest) as url:
+    with relay(shared_server.url, change=_without_latest) as url:
         done = _ckptd("ls", "--url", url)
     assert done.returncode != 0
     assert "one ckptd version" in done.stderr and "latest" in done.stderr, done.stderr
