@@ -417,7 +417,7 @@ def unresolved(url: str, exc: BaseException) -> str | None:
         cause = cause.__cause__ or cause.__context__
     if cause is None or cause.errno not in _NO_SUCH_NAME:
         return None
-    host = urlparse(url.split(",")[0].strip()).hostname if "," not in url else None
+    host = urlparse(url).hostname if "," not in url else None  # (several: not known which)
     which = f"the host name {host!r}" if host else "a host name in it"
     return (f"{which} does not resolve ({cause.strerror}): check the host in the URL "
             "(--url, url= or CKPTD_URL)")
