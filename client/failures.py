@@ -104,8 +104,8 @@ def _goes_on(on_error: str, warn: str) -> str:
     catch it."""
     if on_error == "warn":
         return warn
-    return ('the next save(), step() or close() raises this error (on_error="raise"; '
-            '"warn" trains on)')
+    return ('the next save(), step() or close() raises this error, unless handle.wait() '
+            'raised it (on_error="raise"; "warn" trains on)')
 
 
 def name_save_error(exc: BaseException, job: str, step: int, rank: int) -> CkptdError:

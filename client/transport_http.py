@@ -430,11 +430,16 @@ _NO_SUCH_NAME = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "E
 
 
 def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:
-    """The error that says what to do when an https:// connection failed for a TLS
-    reason (a plain-HTTP server, an untrusted certificate); None for any other
-    failure. Blocking: it may try one plain-HTTP request to tell them apart."""
+    """The error that says what to do when a connection failed for a TLS reason (an
+    https:// URL of a plain-HTTP server, an untrusted certificate; an http:// URL of
+    a TLS server); None for any other failure. Blocking: it may try one request of
+    the other kind to tell them apart."""
     parsed = urlparse(url)
-    if parsed.scheme != "https" or parsed.hostname is None:
+    if parsed.hostname is None:
+        return None
+    if parsed.scheme == "http":  # (one server's URL: of a list, not known which)
+        return None if "," in url else _plain_to_tls(parsed.hostname, parsed.port or 80, exc)
+    if parsed.scheme != "https":
         return None
     cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, ssl.SSLError):
@@ -451,9 +456,29 @@ def tls_trouble(url: str, exc: BaseException) -> CkptdError | None:
         return InvalidRequest(
             f"{host}:{port} speaks plain HTTP, not TLS: use http://{host}:{port}, or put TLS "
             "in front of it (ckptd serve --tls-cert FILE --tls-key FILE, or a TLS-terminating "
-            "reverse proxy; README, 'TLS')"
+            "reverse proxy; docs/operations.md, 'TLS')"
         )
     return None
+
+
+def _plain_to_tls(host: str, port: int, exc: BaseException) -> CkptdError | None:
+    """An http:// request that a server ended without an answer: a TLS server does
+    so (it reads the request as a handshake that fails)."""
+    if not isinstance(exc, httpx.RemoteProtocolError) or not _speaks_tls(host, port):
+        return None
+    return InvalidRequest(f"{host}:{port} speaks TLS: use https://{host}:{port}")
+
+
+def _speaks_tls(host: str, port: int) -> bool:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # (only whether it answers a handshake)
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as sock, \
+                context.wrap_socket(sock, server_hostname=host):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _speaks_plain_http(host: str, port: int) -> bool:

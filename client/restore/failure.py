@@ -87,8 +87,8 @@ def _cause(problem: ChunkProblem) -> str:
 
 def _way_out(step: int, damaged: bool) -> str:
     """What to do about a checkpoint's chunks no source has right."""
-    earlier = ("restore an earlier step (--step S, or step=S in Python; `ckptd ls JOB` lists "
-               "the steps)")
+    earlier = ("use an earlier step (the command's STEP or --step S, step=S in Python; "
+               "`ckptd ls JOB` lists the steps)")
     if not damaged:
         return earlier
     marked = f"step {step}" if step >= 0 else "the step"

@@ -156,6 +156,7 @@ def test_https_against_plain_http_says_so_at_once(server: ServerProcess) -> None
         asyncio.run(latest())
     assert time.monotonic() - started < 5, "retried instead of saying what is wrong"
     assert "--tls-cert" in str(raised.value) and "http://127.0.0.1" in str(raised.value)
+    assert "docs/operations.md, 'TLS'" in str(raised.value)  # (a section that is there)
     for command in (["ls"], ["status"]):
         done = subprocess.run([sys.executable, "-m", "ckptd", *command, "--url", url],
                               capture_output=True, text=True, timeout=60)
@@ -171,3 +172,26 @@ def test_serve_refuses_a_certificate_it_cannot_load(tmp_path: Path) -> None:
              "--port", "0", *extra], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "tls" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+def test_http_against_a_tls_server_says_so_at_once(tls_server: tuple[str, Path]) -> None:
+    """(Found by a probe: five tries, then "Server disconnected without sending a
+    response", and nothing said to use https://.)"""
+    url = tls_server[0].replace("https://", "http://")
+
+    async def latest() -> int | None:
+        transport = open_transport(url)
+        try:
+            return await transport.latest("job")
+        finally:
+            await transport.close()
+
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="speaks TLS") as raised:
+        asyncio.run(latest())
+    assert time.monotonic() - started < 5, "retried instead of saying what is wrong"
+    assert "use https://127.0.0.1" in str(raised.value), raised.value
+    done = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--url", url],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "speaks TLS" in done.stderr and "Traceback" not in done.stderr, done.stderr
