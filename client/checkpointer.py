@@ -309,7 +309,7 @@ class Checkpointer:
         state: Mapping[Any, Any],
         *,
         shards: Mapping[str, Shard] | None = None,
-        local: Iterable[str] = (),
+        local: Iterable[str] | None = (),
         meta: dict[str, Any] | None = None,
         block_training: bool = True,
         tag: str | None = None,

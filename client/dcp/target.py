@@ -97,10 +97,15 @@ def _where(url: str | None, job: str | None, token: str | None) -> tuple[str, st
 
 
 def _require_where(url: str, job: str, who: str) -> None:
-    if not url or not job:
+    if not url:
         raise InvalidRequest(
-            f"{who} has no {'url' if not url else 'job'}: pass url= and job= (or set "
-            "CKPTD_URL), or a checkpoint_id such as ckptd+http://host:port/JOB/STEP"
+            f"{who} has no url: pass url= (or set CKPTD_URL) and job=, or a checkpoint_id "
+            "such as ckptd+http://host:port/JOB/STEP"
+        )
+    if not job:  # (a bare step id: no variable names the job)
+        raise InvalidRequest(
+            f"{who} has no job: pass job= with a bare step id, or a checkpoint_id that "
+            "names it, such as ckptd+http://host:port/JOB/STEP"
         )
 
 

@@ -120,7 +120,7 @@ class Saver:
         state: Mapping[Any, Any],
         *,
         shards: Mapping[str, Shard] | None = None,
-        local: Iterable[str] = (),
+        local: Iterable[str] | None = (),
         meta: dict[str, Any] | None = None,
         block_training: bool = True,
         tag: str | None = None,
@@ -479,7 +479,7 @@ class Saver:
 
 
 def _save_args(
-    shards: Mapping[str, Shard] | None, local: Iterable[str], meta: Mapping[str, Any] | None,
+    shards: Mapping[str, Shard] | None, local: Iterable[str] | None, meta: Mapping[str, Any] | None,
     tag: str | None,
 ) -> tuple[Mapping[str, Shard], list[str], dict[str, Any]]:
     """``save()``'s arguments checked before anything is staged (a mistake is the
@@ -494,7 +494,7 @@ def _save_args(
         raise InvalidRequest(f"local={local!r} is one string: pass a list of tensor names, "
                              f"local=[{local!r}]")
     try:
-        names = list(local)
+        names = [] if local is None else list(local)  # (None: none, as for shards=)
     except TypeError:
         raise InvalidRequest(f"local must be a list of tensor names, not "
                              f"{type(local).__name__}") from None

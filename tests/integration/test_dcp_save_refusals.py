@@ -46,3 +46,23 @@ def test_an_object_is_refused_as_a_checkpointer_refuses_it(
     assert "\x1b" not in str(err) and "file" not in str(err)
     with Checkpointer(server.url, job="dcp4", shm_dir=shm) as ckpt:
         assert ckpt.latest() is None  # nothing was committed
+
+
+def test_a_bare_step_id_without_a_job_says_to_pass_the_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by a probe: with CKPTD_URL set, "Writer has no job: pass url= and job=
+    (or set CKPTD_URL)", as if the variable were the fix.) No server is reached."""
+    from ckptd.client.dcp import Reader
+    from ckptd.errors import InvalidRequest
+
+    monkeypatch.setenv("CKPTD_URL", "http://127.0.0.1:9")
+    for storage in ({"storage_writer": Writer()}, {"storage_reader": Reader()}):
+        with pytest.raises(CheckpointException) as info, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if "storage_writer" in storage:
+                dcp.save({"a": torch.ones(2)}, checkpoint_id="3", **storage)
+            else:
+                dcp.load({"a": torch.ones(2)}, checkpoint_id="3", **storage)
+        err = ckptd_error(info.value)
+        assert isinstance(err, InvalidRequest), info.value
+        assert "has no job: pass job=" in str(err) and "CKPTD_URL" not in str(err), err

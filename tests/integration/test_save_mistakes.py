@@ -75,3 +75,11 @@ def test_a_shard_of_anything_but_ints_is_refused_typed(shape: Any, offsets: Any)
     with pytest.raises(InvalidRequest, match=r"list of ints, e\.g\. Shard\("):
         Shard(shape, offsets)
     assert Shard(torch.Size([8, 2]), (0, 0)).global_shape == (8, 2)  # a Size is ints
+
+
+def test_none_for_the_optional_arguments_means_none(tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe: ``local=None`` was refused as "not a list of tensor names",
+    where ``shards=None`` and ``meta=None`` were taken.)"""
+    with open_ckpt(tmp_path, shm) as ckpt:
+        handle = ckpt.save(1, {"w": torch.ones(4)}, shards=None, local=None, meta=None)
+        assert handle.wait(30).state == "committed"
