@@ -118,6 +118,9 @@ def server_settings(overrides: dict[str, Any]) -> Settings:
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
     _check_server_files(settings)
+    if settings.single_writer and (settings.peers or settings.member_leases):
+        raise InvalidRequest("--single-writer: this server must be the store's only writer, "
+                             "so it cannot run with --peers or --member-leases")
     return settings
 
 
@@ -223,9 +226,6 @@ def writable_store(settings: Settings, store: Store) -> Store:
             "(ranks committing at once, replicas) could both win: use a store that honours "
             "If-None-Match and If-Match, or --single-writer if this server is its only writer",
             store=store.describe(), lacks=gaps)
-    if settings.peers or settings.member_leases:
-        raise InvalidRequest("--single-writer: this server must be the store's only writer, "
-                             "so it cannot run with --peers or --member-leases")
     from ckptd.cli import err_console
 
     err_console.print(f"[yellow]warning[/] store {escape(store.describe())} cannot write "

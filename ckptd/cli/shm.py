@@ -129,7 +129,8 @@ def shm(
 
             Console(width=max(80, Console(width=10_000).measure(table).maximum)).print(table)
     elif not removed:
-        console.print(f"no staging pools under {escape(str(root))}")
+        which = (f" of job {job}" if job else "") + (" of this user" if mine else "")
+        console.print(f"no staging pools{escape(which)} under {escape(str(root))}")
     for line in unreadable:
         err_console.print(f"[yellow]not readable[/] {escape(line)} (run as that user or root)",
                           soft_wrap=True)

@@ -79,6 +79,8 @@ def test_import_of_a_pickle_of_objects_says_why_in_plain_text(tmp_path: Path) ->
     (["--peers", "garbage"], ["--peers", "garbage", "http://"]),
     # (found by a probe: "give both tls-cert and tls-key", the settings' field names)
     (["--tls-cert", "/nonexist.pem"], ["give both --tls-cert and --tls-key"]),
+    # (found by a probe: refused only over a store that cannot write conditionally)
+    (["--single-writer", "--member-leases", "--check"], ["--single-writer", "--member-leases"]),
 ])
 def test_serve_checks_its_files_and_peers_before_it_starts(
     args: list[str], needles: list[str], tmp_path: Path

@@ -104,6 +104,9 @@ def test_shm_lists_live_and_dead_pools_and_cleans_only_the_dead(
 
 
 def test_shm_says_what_it_did_in_plain_words(shm: Path, crashed: int) -> None:
+    # (found by a probe: "no staging pools" while another job's pool was there)
+    other = CliRunner().invoke(app, ["shm", "--shm-dir", str(shm), "--job", "other"]).stdout
+    assert f"no staging pools of job other under {shm}" in other, other
     done = ckptd(shm, "--clean")
     assert done.returncode == 0, done.stderr
     assert f"removed {pool_dir('crashed', 1, shm)} (job crashed rank 1" in done.stdout
