@@ -16,7 +16,7 @@ from ckptd.errors import InvalidPolicy, InvalidRequest
 from ckptd.format import check_job, check_rank
 from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
-from .endpoint import check_url, endpoint
+from .endpoint import cache_root, check_url, endpoint
 from .launch import check_incarnation, launch_incarnation
 from .staging.layout import PAGE
 
@@ -96,6 +96,8 @@ class CheckpointerConfig:
             raise InvalidRequest(f"on_error must be 'raise' or 'warn', not {self.on_error!r}")
         if self.health_policy is not None:
             _check_policy_file(self.health_policy)
+        if self.cache_dir is not None:
+            cache_root(self.cache_dir)
         if self.staging_budget is not None and self.staging_budget < self.chunk_size + PAGE:
             raise InvalidRequest(
                 f"staging_budget {self.staging_budget} cannot hold one chunk of "

@@ -86,3 +86,19 @@ def is_host_port(url: str) -> bool:
 def _setting(given: str, value: str) -> str:
     """``url=VALUE``, ``CKPTD_URL=VALUE`` or ``--url VALUE``: as the user gives it."""
     return f"{given} {value}" if given.startswith("--") else f"{given}={value}"
+
+
+def cache_root(value: str | os.PathLike[str], given: str = "cache_dir") -> str:
+    """The directory a ``cache_dir`` (or ``CKPTD_CACHE_DIR``) names: a path, or
+    ``file:///path`` as a store's URL is written (taken as a relative path, it named
+    nothing, and the cache tier gave nothing, unsaid). ``InvalidRequest`` for
+    another URL: the cache is a local directory (what ``ckptd restore --to DIR``
+    fills)."""
+    text = os.fspath(value)
+    if "://" not in text:
+        return text
+    parsed = parse_url(text, "file:///path")
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path:
+        raise InvalidRequest(f"{given} {text!r} is not a local directory: give its path (or "
+                             "file:///path), the directory `ckptd restore --to DIR` filled")
+    return parsed.path

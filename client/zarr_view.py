@@ -37,7 +37,7 @@ from ckptd.format import canonical_json, chunk_key
 from ckptd.zarr.grid import assemble, needed_chunks
 from ckptd.zarr.hierarchy import ArrayNode, Hierarchy, build, join
 
-from .endpoint import endpoint
+from .endpoint import cache_root, endpoint
 from .transport import Transport, open_transport, read_step
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class CheckpointStore(Store):
         self.bytes_from = {"cache": 0, "store": 0}
         # The restore's cache tier: a local directory store (``ckptd restore --to``).
         cache = cache_dir if cache_dir is not None else knobs.cache_dir()
-        self.cache_dir = Path(cache) if cache else None
+        self.cache_dir = Path(cache_root(cache)) if cache else None
         self._transport = transport
         self._own_transport = transport is None
         self._hierarchy: Hierarchy | None = None

@@ -482,7 +482,7 @@ def restore(
     token: TokenOpt = None,
 ) -> None:
     """Pre-fetch a rank's committed chunks into a local directory (an init container
-    or a new node); a restore then reads them with cache_dir=DIR or file://DIR."""
+    or a new node); a restore then reads them with cache_dir=DIR (or CKPTD_CACHE_DIR)."""
     from ckptd.cli.mistakes import existing_store, rank_of_restore, restore_target, unknown_job
     from ckptd.cli.servers import check_servers
 

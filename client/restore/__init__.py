@@ -51,7 +51,7 @@ slices are copied into place. Rank-local entries are never resharded.
 ``restore_command`` is ``ckptd restore --to DIR``: it pre-fetches one rank's
 chunks (same tiers, same verification) into a local directory store, with the
 rank's manifest and the commit record, so that a later restore can read them as
-its ``cache`` tier or from ``file://DIR``.
+its ``cache`` tier (``cache_dir=DIR``).
 
 The package, by flow: ``plan`` (the committed step and its manifests),
 ``layout`` (the boxes the target needs and where they are assembled),

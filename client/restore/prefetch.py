@@ -60,7 +60,9 @@ def restore_command(
     host's staging pool, peers or the store, verifies each, and writes it into
     the local directory store ``DIR`` with the manifest, the commit record and a
     ``latest`` ref, so that a restore can use ``DIR`` as its cache tier
-    (``cache_dir=DIR``) or read ``file://DIR`` directly. Chunks already in ``DIR``
+    (``cache_dir=DIR`` beside the server's URL; ``file://DIR`` alone only for a job
+    of one rank: the other ranks' manifests are not there, and the step reads as
+    damaged without them). Chunks already in ``DIR``
     are verified and kept. A rich progress bar shows bytes as they arrive."""
     check_job(job)
     rank = int(rank)

@@ -25,6 +25,7 @@ from ckptd.format import TensorEntry, chunk_key
 from ckptd.hashing import chunk_spans
 from ckptd.pages import DAMAGED_ERRNOS, populate_read
 
+from ..endpoint import cache_root
 from ..loop import in_thread
 from ..peer import PeerClient
 from ..staging.format import SpanRecord
@@ -269,7 +270,7 @@ class DirectoryCacheSource(Source):
     in_place = True
 
     def __init__(self, root: str | os.PathLike[str], max_maps: int | None = None) -> None:
-        self.root = Path(root)
+        self.root = Path(cache_root(root))
         self._maps: list[mmap.mmap] = []
         self.max_maps = map_budget() if max_maps is None else max_maps
 

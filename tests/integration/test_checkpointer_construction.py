@@ -291,3 +291,26 @@ def test_a_read_token_under_on_error_warn_skips_saves_and_training_goes_on(
         assert reader._saver.save(7, {"w": torch.zeros(8)}, coordinated=True).skipped
     said = _said(caplog, "skipped", "may only read")
     assert len(said) == 1, said
+
+
+def test_a_cache_dir_written_as_a_file_url_is_read(server: ServerProcess, tmp_path: Path,
+                                                   shm: Path) -> None:
+    """(Found by a probe: ``cache_dir="file:///dir"`` was taken as a relative path that
+    is not there, and the cache tier gave nothing, unsaid.) Another URL is refused at
+    construction: the cache is a local directory."""
+    from ckptd.client.restore import restore_command
+
+    weights = torch.arange(4096, dtype=torch.float32)
+    with Checkpointer(server.url, "cached", shm_dir=shm, serve_peers=False) as ckpt:
+        assert ckpt.save(1, {"w": weights}).wait(30).state == "committed"
+    cache = tmp_path / "cache"
+    restore_command(server.url, "cached", 0, cache, progress=False)
+    (tmp_path / "fresh").mkdir()  # (no pool of this rank: the cache is the first tier)
+    into = {"w": torch.zeros(4096)}
+    with Checkpointer(server.url, "cached", shm_dir=tmp_path / "fresh", serve_peers=False,
+                      cache_dir=f"file://{cache}") as ckpt:
+        result = ckpt.restore(into)
+    assert result.bytes_from["cache"] == weights.nbytes, result.bytes_from
+    assert torch.equal(into["w"], weights)
+    with pytest.raises(InvalidRequest, match="not a local directory"):
+        Checkpointer(server.url, "cached", shm_dir=shm, cache_dir=server.url)
