@@ -183,7 +183,10 @@ class Attempts:
     def give_up(self) -> NoReturn:
         """Raises the typed error of the last try; httpx's and httpcore's exceptions
         under it add nothing the message does not say (logged at debug level)."""
-        method, where, last = self.call.method, f"{self.url}{self.call.path}", self.last
+        method, last = self.call.method, self.last
+        # (a list of replicas: the path, then the list, not the path glued onto it)
+        where = (f"{self.url}{self.call.path}" if "," not in self.url
+                 else f"{self.call.path} at {self.url}")
         if last is not None and not isinstance(last, CkptdError):
             log.debug("%s %s: the last try's error", method, where, exc_info=last)
         if isinstance(last, httpx.TimeoutException):

@@ -249,3 +249,4 @@ def test_a_host_name_that_does_not_resolve_is_said_at_once() -> None:
         assert_short_usage_error(done, "'nohost.invalid' does not resolve", "--url")
         assert "ckptd serve" not in done.stderr, done.stderr  # no server to start there
     assert took < 5.0, took
+
