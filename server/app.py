@@ -111,6 +111,11 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.peer_secret = (
         settings.peer_secret.encode("utf-8") if settings.peer_secret else secrets.token_bytes(32)
     )
+    if not settings.peer_secret and (settings.peers or settings.member_leases):
+        log.warning("CKPTD_PEER_SECRET is not set: this replica makes the jobs' peer tokens "
+                    "from a secret of its own, so they change when a job's home moves to "
+                    "another replica, and peers refuse each other until the next heartbeat; "
+                    "set CKPTD_PEER_SECRET, the same on every replica")
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)

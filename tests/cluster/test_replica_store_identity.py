@@ -136,5 +136,8 @@ def test_a_replica_missing_from_its_own_peers_list_is_told_to_advertise(
     try:
         said = [line for line in r.log().splitlines() if "not in --peers" in line]
         assert len(said) == 1 and r.url in said[0] and "--advertise-url" in said[0], r.log()
+        # (found by a probe: docs/multinode.md's replica command set no peer secret)
+        secret = [line for line in r.log().splitlines() if "CKPTD_PEER_SECRET" in line]
+        assert len(secret) == 1 and "the same on every replica" in secret[0], r.log()
     finally:
         r.stop()
