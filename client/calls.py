@@ -110,7 +110,9 @@ def request_timeout(seconds: float | None, connect: float | None) -> httpx.Timeo
 # (servers first) must not fail every older client's parse of that answer. What a
 # field means never changes within the API's version, so an unknown one is safe to
 # skip; a missing or mistyped one is still an error. The format's documents are
-# not read this way: their own parsers refuse what they do not know.
+# not read this way (the override reaches nested models): their own parsers refuse
+# what they do not know, those inside an answer too (``_commit_response``,
+# ``_step_plan``; a restore plan's manifest in ``restore/plan.py``).
 ANSWER_EXTRA: Final = "ignore"
 
 
@@ -244,8 +246,24 @@ def get_manifest(job: str, step: int, rank: int) -> Call[bytes]:
 
 
 def commit(job: str, step: int, meta: dict[str, Any] | None = None) -> Call[CommitResponse]:
-    return Call("POST", f"{_job(job)}/steps/{check_step(step)}/commit", answer(CommitResponse),
+    return Call("POST", f"{_job(job)}/steps/{check_step(step)}/commit",
+                Reads(CommitResponse, _itself, parse=_commit_response),
                 json={"meta": dict(meta or {})})
+
+
+def _commit_response(data: bytes) -> CommitResponse:
+    # The record inside is a document: read by the format's parser, which refuses a
+    # field it does not know, where the answer around it may grow (ANSWER_EXTRA).
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise InvalidDocument(f"a commit answer that is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidDocument("a commit answer that is not a JSON object")
+    record = doc.get("record")
+    if record is not None:
+        doc["record"] = CommitRecord.parse(canonical_json(record))
+    return CommitResponse.model_validate(doc, extra=ANSWER_EXTRA)
 
 
 def read_commit(job: str, step: int) -> Call[CommitRecord]:

@@ -83,3 +83,21 @@ def test_an_answer_without_a_field_the_client_needs_is_one_line(
     assert "one ckptd version" in done.stderr and "latest" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) <= 2, done.stderr
+
+
+def test_a_document_inside_an_answer_is_still_read_strictly(
+        shared_server: ServerProcess, shm: Path) -> None:
+    """(Found by review.) The answers' override reaches the models nested in them: the
+    commit record in a commit's answer is read by its own parser, which refuses a
+    field the format does not have."""
+    from ckptd.errors import InvalidDocument
+
+    def grown_record(doc: Any) -> Any:
+        if isinstance(doc, dict) and isinstance(doc.get("record"), dict):
+            doc["record"][ADDED] = 1
+        return doc
+
+    with relay(shared_server.url, change=grown_record) as url, Checkpointer(
+            url, "grown-record", shm_dir=shm, serve_peers=False) as ckpt:
+        with pytest.raises(InvalidDocument, match=f"commit record: {ADDED}"):
+            ckpt.save(1, {"w": torch.ones(4)}).wait(60)
