@@ -194,14 +194,15 @@ class Attempts:
                           f"({type(last).__name__})", url=self.url) from None
         if isinstance(last, CkptdError) and not isinstance(last, _UntypedServerError):
             raise last
+        tries = f" ({self.attempts} attempts)" if self.attempts > 1 else ""
+        name = unresolved(self.url, last) if isinstance(last, httpx.ConnectError) else None
+        if name is not None:  # no server to start there: the URL's host is wrong
+            raise Unavailable(f"cannot reach {self.url}{tries}: {name}", url=self.url,
+                              unresolved=True) from None
         if self.attempts == 1 and isinstance(last, httpx.RequestError):
             raise Unavailable(f"cannot reach {self.url}: {last}", url=self.url,
                               unreached=True) from None
         if isinstance(last, httpx.ConnectError):
-            name = unresolved(self.url, last)
-            if name is not None:  # no server to start there: the URL's host is wrong
-                raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {name}",
-                                  url=self.url, unresolved=True) from None
             raise Unavailable(f"cannot reach {self.url} ({self.attempts} attempts): {last}",
                               url=self.url, unreached=True) from None
         raise Unavailable(f"{method} {where} failed after {self.attempts} attempts: {last}",
@@ -472,7 +473,22 @@ def _plain_to_tls(host: str, port: int, exc: BaseException) -> CkptdError | None
     return InvalidRequest(f"{host}:{port} speaks TLS: use https://{host}:{port}")
 
 
+# (host, port) -> (monotonic time, whether it answered a TLS handshake): a plain
+# server also ends a kept-alive connection just as a request goes out, and each
+# such ending must not cost a handshake's connection (asked again after a minute).
+_TLS_ASKED: dict[tuple[str, int], tuple[float, bool]] = {}
+
+
 def _speaks_tls(host: str, port: int) -> bool:
+    asked = _TLS_ASKED.get((host, port))
+    if asked is not None and time.monotonic() - asked[0] < 60.0:
+        return asked[1]
+    answered = _handshakes(host, port)
+    _TLS_ASKED[(host, port)] = (time.monotonic(), answered)
+    return answered
+
+
+def _handshakes(host: str, port: int) -> bool:
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE  # (only whether it answers a handshake)

@@ -363,15 +363,19 @@ def unknown_job(exc: CkptdError, url: str, token: str | None, job: str) -> Ckptd
         try:
             if await transport.list_steps(job):
                 return exc  # (the job is there; its step is not committed)
-            jobs = [j["job"] if isinstance(j, dict) else j.job
-                    for j in await transport.list_jobs()]
+            repository = getattr(transport, "repository", None)
+            if repository is not None:  # a store used directly: the names alone
+                jobs = list(await repository.list_jobs())
+            else:  # a server: those the token may see
+                jobs = [j["job"] if isinstance(j, dict) else j.job
+                        for j in await transport.list_jobs()]
             return job_not_found(job, jobs, transport.describe())
         finally:
             await transport.close()
 
     try:
         return asyncio.run(ask())
-    except (CkptdError, OSError):
+    except (CkptdError, OSError, KeyboardInterrupt):  # (Ctrl-C: the error as it was)
         return exc
 
 

@@ -405,7 +405,10 @@ class Saver:
         """Closing: every pending step asked at once (one slow answer no longer
         holds back the questions after it: on a loaded host, a step that could
         never commit went unasked), the answers judged newest first, so a committed
-        step settles the older ones before their answers count."""
+        step settles the older ones before their answers count. An answer still out
+        at the deadline ends the judging: the older ones may be settled by it (a step
+        retention removed after it committed reads as failed), and a false failure
+        at close is worse than one a peer's commit already reported."""
         deadline = time.monotonic() + timeout
         asked = [(step, serial, self._ask(step, meta)) for step, (serial, meta) in pending]
         for step, serial, check in asked:

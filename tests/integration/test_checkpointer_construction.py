@@ -19,6 +19,7 @@ from ckptd.client import Checkpointer
 from ckptd.errors import Forbidden, InvalidRequest, Unavailable
 from ckptd.tokens import create_token
 from tests.conftest import ServerProcess
+from tests.relay import relay
 
 ADMIN = "ADMIN-token"
 JOB = "llm-b"
@@ -120,21 +121,30 @@ def test_a_read_tokens_health_probe_asks_nothing_of_the_server(
     policy.write_text("[probe]\ninterval_s = 0.05\n[actions]\nsnapshot_min_interval_s = 0\n"
                       "[signals.step_time_ratio]\ndegraded = \"off\"\n")
     caplog.set_level(logging.INFO, logger="ckptd")
-    reader = Checkpointer(srv.url, job, token=tokens["read"], shm_dir=shm / "r",
-                          health_sources=[source], health_policy=str(policy))
-    try:
-        assert reader.step(2, loss=1.0) is None
-        source.push({ecc: 2})  # degraded: the policy asks for a snapshot
-        deadline = time.monotonic() + 10
-        while not _said(caplog, "may only read", "snapshot") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_said(caplog, "may only read", "snapshot")) == 1
-        with pytest.raises(RollbackRequested) as back:
-            reader.step(3, loss=float("nan"))
-        assert back.value.rollback_to == 1
-        time.sleep(1.5)  # the marker's first retry came after 1 s
-    finally:
-        reader.close()
+    asked: list[str] = []  # what the reader asked the server, through a relay
+
+    def note(method: str, path: str) -> float:
+        asked.append(f"{method} {path}")
+        return 0.0
+
+    with relay(srv.url, delay=note) as url:
+        reader = Checkpointer(url, job, token=tokens["read"], shm_dir=shm / "r",
+                              health_sources=[source], health_policy=str(policy))
+        try:
+            assert reader.step(2, loss=1.0) is None
+            source.push({ecc: 2})  # degraded: the policy asks for a snapshot
+            deadline = time.monotonic() + 10
+            while (not _said(caplog, "may only read", "snapshot")
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            assert len(_said(caplog, "may only read", "snapshot")) == 1
+            with pytest.raises(RollbackRequested) as back:
+                reader.step(3, loss=float("nan"))
+            assert back.value.rollback_to == 1
+        finally:
+            reader.close()  # (a marker's retry would be cancelled here: none is set)
+    posted = [a for a in asked if a.startswith("POST") and ("rollback" in a or "snapshot" in a)]
+    assert not posted, asked
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "forbidden" in m or "request failed" in m], said
     headers = {"Authorization": f"Bearer {tokens['admin']}"}
