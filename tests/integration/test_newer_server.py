@@ -98,6 +98,6 @@ def test_a_document_inside_an_answer_is_still_read_strictly(
         return doc
 
     with relay(shared_server.url, change=grown_record) as url, Checkpointer(
-            url, "grown-record", shm_dir=shm, serve_peers=False) as ckpt:
-        with pytest.raises(InvalidDocument, match=f"commit record: {ADDED}"):
-            ckpt.save(1, {"w": torch.ones(4)}).wait(60)
+            url, "grown-record", shm_dir=shm, serve_peers=False) as ckpt, pytest.raises(
+            InvalidDocument, match=f"commit record: {ADDED}"):
+        ckpt.save(1, {"w": torch.ones(4)}).wait(60)

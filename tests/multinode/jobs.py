@@ -78,6 +78,9 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float,
         time.sleep(interval)
 
 
+PEER_SECRET = "multinode-peer-secret"
+
+
 class Replica:
     """``ckptd serve`` on a host of its own, over the cluster's shared store."""
 
@@ -99,8 +102,14 @@ class Replica:
         return [tool("ckptd"), "serve", "--store", str(self.store), "--host", "0.0.0.0",
                 "--port", str(PORT), *peers, *self.args]
 
+    def env(self) -> dict[str, str]:
+        """Its environment: one peer secret for every replica of a cluster, as
+        docs/multinode.md sets it (each would make the peer tokens its own way)."""
+        return {**base_env(), **({"CKPTD_PEER_SECRET": PEER_SECRET}
+                                 if len(self.members) > 1 else {})}
+
     def start(self, timeout: float = 90.0) -> Replica:
-        self.proc = self.host.run(self.command(), env=base_env(), log="ckptd-serve.log")
+        self.proc = self.host.run(self.command(), env=self.env(), log="ckptd-serve.log")
         healthz = f"http://{self.host.address}:{PORT}/healthz"
 
         def answers() -> bool:

@@ -25,8 +25,12 @@ def commands() -> list[list[str]]:
 
 def test_the_replica_command_is_the_one_the_tests_run() -> None:
     host = cast(Host, SimpleNamespace(name="ckptd-a"))
-    ran = Replica(host, Path("/shared/ckptd-store"), URLS).command()
-    assert [Path(ran[0]).name, *ran[1:]] == commands()[0]
+    replica = Replica(host, Path("/shared/ckptd-store"), URLS)
+    ran, doc = replica.command(), commands()[0]
+    env = dict(word.split("=", 1) for word in doc[:doc.index("ckptd")])
+    assert env == {"CKPTD_PEER_SECRET": "$PEER_SECRET"}  # (the tests': one for all)
+    assert set(env) <= set(replica.env())
+    assert [Path(ran[0]).name, *ran[1:]] == doc[doc.index("ckptd"):]
 
 
 def test_every_node_runs_the_command_the_tests_run(tmp_path: Path) -> None:
