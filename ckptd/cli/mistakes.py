@@ -367,8 +367,7 @@ def unknown_job(exc: CkptdError, url: str, token: str | None, job: str) -> Ckptd
             if repository is not None:  # a store used directly: the names alone
                 jobs = list(await repository.list_jobs())
             else:  # a server: those the token may see
-                jobs = [j["job"] if isinstance(j, dict) else j.job
-                        for j in await transport.list_jobs()]
+                jobs = [j["job"] for j in await transport.list_jobs()]
             return job_not_found(job, jobs, transport.describe())
         finally:
             await transport.close()

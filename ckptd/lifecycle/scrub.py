@@ -127,7 +127,7 @@ async def scrub(
             marked = await mark_damage(repo, found, clock(), report.damaged_documents)
             for job, steps in marked.items():
                 report.damaged[job] = sorted({*report.damaged.get(job, ()), *steps})
-            unrepaired = [cid for cid in unrepaired if cid not in found]  # (all marked)
+            unrepaired = []  # (marked: a failure above keeps them for the next keep)
         if ours:
             new = ScrubCursor(after=after, pass_started_at=pass_started,
                               passes=passes).canonical()

@@ -97,6 +97,18 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         proc.wait(timeout=30)
 
 
+def _latest(url: str, job: str, **kwargs: str) -> int | None:
+    """``latest(job)`` through a fresh transport to ``url`` (``kwargs``: its options)."""
+    async def latest() -> int | None:
+        transport = open_transport(url, **kwargs)
+        try:
+            return await transport.latest(job)
+        finally:
+            await transport.close()
+
+    return asyncio.run(latest())
+
+
 def test_checkpointer_saves_and_restores_over_https(
     tls_server: tuple[str, Path], shm: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,34 +138,20 @@ def test_open_transport_takes_a_ca_bundle(
     url, ca = tls_server
     monkeypatch.delenv("CKPTD_CA_BUNDLE", raising=False)
 
-    async def latest(**kwargs: str) -> int | None:
-        transport = open_transport(url, **kwargs)
-        try:
-            return await transport.latest("nothing")
-        finally:
-            await transport.close()
-
-    assert asyncio.run(latest(ca_bundle=str(ca))) is None
+    assert _latest(url, "nothing", ca_bundle=str(ca)) is None
     # without it the certificate is untrusted: said once, with what to do
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match="CKPTD_CA_BUNDLE"):
-        asyncio.run(latest())
+        _latest(url, "nothing")
     assert time.monotonic() - started < 5
 
 
 def test_https_against_plain_http_says_so_at_once(server: ServerProcess) -> None:
     url = server.url.replace("http://", "https://")
 
-    async def latest() -> int | None:
-        transport = open_transport(url)
-        try:
-            return await transport.latest("job")
-        finally:
-            await transport.close()
-
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match="speaks plain HTTP") as raised:
-        asyncio.run(latest())
+        _latest(url, "job")
     assert time.monotonic() - started < 5, "retried instead of saying what is wrong"
     assert "--tls-cert" in str(raised.value) and "http://127.0.0.1" in str(raised.value)
     assert "docs/operations.md, 'TLS'" in str(raised.value)  # (a section that is there)
@@ -179,16 +177,9 @@ def test_http_against_a_tls_server_says_so_at_once(tls_server: tuple[str, Path])
     response", and nothing said to use https://.)"""
     url = tls_server[0].replace("https://", "http://")
 
-    async def latest() -> int | None:
-        transport = open_transport(url)
-        try:
-            return await transport.latest("job")
-        finally:
-            await transport.close()
-
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match="speaks TLS") as raised:
-        asyncio.run(latest())
+        _latest(url, "job")
     assert time.monotonic() - started < 5, "retried instead of saying what is wrong"
     assert "use https://127.0.0.1" in str(raised.value), raised.value
     done = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--url", url],
