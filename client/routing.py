@@ -35,10 +35,11 @@ out only turns new calls away, as do down marks by other evidence of a busy repl
 
 It is an httpx transport under both faces of ``transport.py``: the async
 ``HttpTransport`` and the sync ``SyncTransport`` (heartbeats, the health agent,
-the CLI) route alike without knowing about replicas. Only the async face probes:
-the sync one's calls are small answers read whole (a CLI command asks each replica
-once first, ``ckptd/cli/servers.py``). Chunk reads over the transport's raw sockets
-(``PeerClient``, ``HttpTransport.chunk_reads``) do not pass through here.
+the CLI; ``routing_sync.py``) route alike without knowing about replicas. Only the
+async face probes: the sync one's calls are small answers read whole (a CLI command
+asks each replica once first, ``ckptd/cli/servers.py``). Chunk reads over the
+transport's raw sockets (``PeerClient``, ``HttpTransport.chunk_reads``) do not pass
+through here.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ __all__ = [
     "AsyncRouting",
     "Members",
     "ReplicaDown",
-    "SyncRouting",
     "members_for",
 ]
 
@@ -515,69 +515,6 @@ async def _given_up(send: asyncio.Future[httpx.Response]) -> None:
     await asyncio.wait((send,))
     if not send.cancelled() and send.exception() is None:
         await send.result().aclose()
-
-
-class SyncRouting(httpx.BaseTransport):
-    """Routes each request of an ``httpx.Client`` (heartbeats, the health agent)."""
-
-    def __init__(self, members: Members, inner: httpx.BaseTransport | None = None) -> None:
-        self.members = members
-        self.inner = inner if inner is not None else httpx.HTTPTransport()
-        self._learning = threading.Lock()
-
-    def learn(self, request: httpx.Request) -> None:
-        if not self.members.refresh_due():
-            return
-        if not self._learning.acquire(blocking=not self.members.learned()):
-            return
-        try:
-            if not self.members.refresh_due():
-                return
-            doc: Any | None = None
-            if self.members.identify_due():  # (one by one: the CLI asked all at once)
-                answers: dict[str, Any] = {}
-                for _ in range(2):
-                    for base in self.members.to_identify(answers, doc):
-                        answers[base] = self._ask(base, request)
-                        doc = answers[base] if doc is None else doc
-                self.members.identified(answers)
-            else:
-                for base in self.members.candidates():
-                    if (doc := self._ask(base, request)) is not None:
-                        break
-            self.members.update(doc)
-        finally:
-            self._learning.release()
-
-    def _ask(self, base: str, request: httpx.Request) -> Any | None:
-        try:
-            resp = self.inner.handle_request(_learn_request(base, request))
-            body = resp.read()
-            resp.close()
-        except httpx.TransportError as exc:
-            self.members.mark_down(base, exc)
-            return None
-        return _cluster_doc(resp.status_code, body)
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        self.learn(request)
-        self.members.check()
-        order = _order(self.members, request)
-        for i, base in enumerate(order):
-            try:
-                return self.inner.handle_request(_to(request, base))
-            except _UNSENT as exc:
-                self.members.mark_down(base, exc)
-                if i == len(order) - 1:
-                    raise
-            except httpx.TransportError as exc:  # maybe sent: the caller's retry goes on
-                if host_gone(exc):
-                    self.members.mark_down(base, exc)
-                raise
-        raise httpx.ConnectError("no ckptd replica to send to", request=request)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def merge_overviews(views: list[dict[str, Any]], urls: list[str]) -> dict[str, Any]:

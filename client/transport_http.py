@@ -55,7 +55,8 @@ from ckptd.format import CommitRecord, check_job
 
 from . import calls
 from .calls import Call, answer_excerpt, not_a_server
-from .routing import Members, SyncRouting, members_for, merge_overviews
+from .routing import Members, members_for, merge_overviews
+from .routing_sync import SyncRouting
 from .stall import guard
 
 log = logging.getLogger(__name__)
