@@ -89,7 +89,11 @@ def shm(
     A pool outlives a crashed worker on purpose: the restarted worker restores from
     it. Clean when no restart is coming (node boot, a job's epilog), or with
     --older-than."""
-    from ckptd.client.staging.inventory import list_pools, remove_dead_pools
+    from ckptd.client.staging.inventory import (
+        list_pools,
+        refused_user_roots,
+        remove_dead_pools,
+    )
     from ckptd.knobs import shm_dir as default_shm_dir
 
     age = None if older_than is None else parse_age(older_than)
@@ -106,9 +110,10 @@ def shm(
     if clean:
         removed, kept = remove_dead_pools(root, job=job, older_than=age, all_users=not mine)
     pools, unreadable = list_pools(root, job=job, all_users=not mine)
+    refused = refused_user_roots(root, all_users=not mine)
     if as_json:
         doc = {"root": str(root), "pools": [p.to_json() for p in pools],
-               "unreadable": unreadable}
+               "unreadable": unreadable, "refused": refused}
         if clean:
             doc["removed"] = [p.to_json() for p in removed]
             doc["kept"] = [p.to_json() for p in kept]
@@ -134,6 +139,10 @@ def shm(
     for line in unreadable:
         err_console.print(f"[yellow]not readable[/] {escape(line)} (run as that user or root)",
                           soft_wrap=True)
+    for line in refused:
+        err_console.print(f"[yellow]warning[/] {escape(line)}: that user's ranks refuse to "
+                          "stage there; remove it (someone else may have made it), or set "
+                          "CKPTD_SHM_DIR", soft_wrap=True)
     if clean:
         dead = sum(1 for p in pools if not p.alive)
         live = len(pools) - dead

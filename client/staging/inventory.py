@@ -175,14 +175,47 @@ def _describe(directory: Path, uid: int, job: str, rank: int, suffix: str) -> Po
     )
 
 
-def _user_roots(root: Path) -> list[tuple[int, Path]]:
-    out = []
+def _user_roots(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, str]]]:
+    """The ``ckptd-<uid>`` directories under ``root`` that user owns, and a line for
+    each entry of that name a rank of the user refuses to stage in (a link, a file,
+    a directory another user made first: ``segments.own_user_root``)."""
+    roots: list[tuple[int, Path]] = []
+    refused: list[tuple[int, str]] = []
     with contextlib.suppress(OSError), os.scandir(root) as entries:
         for entry in entries:
             m = _USER_ROOT.fullmatch(entry.name)
-            if m and entry.is_dir(follow_symlinks=False):
-                out.append((int(m.group(1)), Path(entry.path)))
-    return sorted(out)
+            if m is None:
+                continue
+            uid = int(m.group(1))
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+                roots.append((uid, Path(entry.path)))
+            elif stat.S_ISLNK(st.st_mode):
+                refused.append((uid, f"{entry.path} is a symbolic link (to {_link(entry.path)})"))
+            elif not stat.S_ISDIR(st.st_mode):
+                refused.append((uid, f"{entry.path} is not a directory"))
+            else:
+                refused.append((uid, f"{entry.path} belongs to uid {st.st_uid}, not to uid {uid}"))
+    return sorted(roots), sorted(refused)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def refused_user_roots(root: str | os.PathLike[str] | None = None, *,
+                       all_users: bool = True) -> list[str]:
+    """What ``list_pools`` passes over under ``root``: each ``ckptd-<uid>`` entry a
+    rank of that uid refuses to stage in, said in a line (of this user's only, when
+    not ``all_users``). Its ranks stage nowhere until it is removed."""
+    _, refused = _user_roots(shm_dir() if root is None else Path(root))
+    return [line for uid, line in refused if all_users or uid == os.getuid()]
 
 
 def list_pools(root: str | os.PathLike[str] | None = None, *, job: str | None = None,
@@ -194,7 +227,7 @@ def list_pools(root: str | os.PathLike[str] | None = None, *, job: str | None = 
     pools: list[PoolInfo] = []
     unreadable: list[str] = []
     me = os.getuid()
-    for uid, user_root in _user_roots(base):
+    for uid, user_root in _user_roots(base)[0]:
         if not all_users and uid != me:
             continue
         try:
@@ -320,4 +353,4 @@ def _remove_locked(parent: int, pool: int, name: str) -> str | None:
         os.close(control)
 
 
-__all__ = ["PoolInfo", "list_pools", "remove_dead_pools"]
+__all__ = ["PoolInfo", "list_pools", "refused_user_roots", "remove_dead_pools"]

@@ -116,6 +116,30 @@ def test_shm_says_what_it_did_in_plain_words(shm: Path, crashed: int) -> None:
     assert bad.returncode == 2 and "not an age" in bad.stderr
 
 
+def test_shm_names_a_user_directory_ranks_refuse_to_stage_in(
+        shm: Path, tmp_path: Path) -> None:
+    """A ``ckptd-<uid>`` that is a link, a file, or another user's directory: every
+    rank of that uid refuses to stage there (and says so); ``ckptd shm`` said "no
+    staging pools" and nothing of it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (shm / f"ckptd-{os.getuid()}").symlink_to(elsewhere)
+    (shm / "ckptd-4242").write_text("")
+    (shm / "ckptd-4343").mkdir()  # (made by this user, named for another)
+    done = ckptd(shm)
+    assert done.returncode == 0, done.stderr
+    assert "no staging pools" in done.stdout
+    said = " ".join(done.stderr.split())
+    assert f"{shm}/ckptd-{os.getuid()} is a symbolic link (to {elsewhere})" in said, said
+    assert f"{shm}/ckptd-4242 is not a directory" in said
+    assert f"{shm}/ckptd-4343 belongs to uid {os.getuid()}, not to uid 4343" in said
+    assert "remove it" in said and "CKPTD_SHM_DIR" in said
+    assert "Traceback" not in done.stderr
+    assert len(listed(shm)["refused"]) == 3
+    mine = listed(shm, "--mine")["refused"]
+    assert mine == [f"{shm}/ckptd-{os.getuid()} is a symbolic link (to {elsewhere})"]
+
+
 def _dead_pool(shm: Path, job: str, rank: int) -> Path:
     """A dead owner's pool (the golden pool of format version 1, copied)."""
     d = pool_dir(job, rank, shm)
