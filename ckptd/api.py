@@ -20,9 +20,13 @@ from ckptd.format import MAX_STEP, MAX_WORLD_SIZE, CommitRecord, RankManifest
 # The liveness path: the server answers it, the transport and the container's
 # HEALTHCHECK (``ckptd healthcheck``, which must not import torch) ask it.
 HEALTHZ = "/healthz"
+# The process answers from its event loop, the store not asked: a liveness probe's
+# path (a store that is down makes /healthz 503; restarting the server mends nothing).
+LIVEZ = "/livez"
 
 __all__ = [
     "HEALTHZ",
+    "LIVEZ",
     "ChunkDamage",
     "ChunkStored",
     "ChunkUse",

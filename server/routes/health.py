@@ -1,5 +1,6 @@
 """``GET /healthz``: is the server up and its store readable, and which version.
-Needs no token; the details (which store) need one that sees every job."""
+Needs no token; the details (which store) need one that sees every job.
+``GET /livez``: the process answers, the store not asked (a liveness probe's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ckptd import __version__
-from ckptd.api import HEALTHZ, Health
+from ckptd.api import HEALTHZ, LIVEZ, Health
 from ckptd.server.auth import identify
 from ckptd.server.deps import RepoDep
 
@@ -93,6 +94,19 @@ async def healthz(request: Request, repo: RepoDep) -> JSONResponse:
         event_loop=event_loop_name() if details else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
+
+
+@router.get(
+    LIVEZ,
+    response_model=Health,
+    response_model_exclude_none=True,
+    summary="The process answers (the store is not asked): for liveness probes",
+)
+async def livez() -> Health:
+    # A store that is down is /healthz's 503 (readiness: send nothing here), not a
+    # reason to restart the server: a restarted one cannot open the store either,
+    # and an orchestrator's growing back-off keeps it down after the store is back.
+    return Health(status="ok", version=__version__)
 
 
 def event_loop_name() -> str:

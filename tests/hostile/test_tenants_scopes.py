@@ -25,6 +25,7 @@ from tests.conftest import ServerProcess
 # Routes that answer without a scope, each for a reason (docs/SECURITY.md).
 OPEN = {
     "/healthz",  # ok/not ok and the version; details need a token
+    "/livez",  # the process answers, and the version
     "/metrics",  # a global read token when CKPTD_METRICS_TOKEN_REQUIRED
     "/",  # the dashboard page holds no data
     "/static",
