@@ -5,6 +5,7 @@ restore engine verifies every chunk)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import json
 import logging
@@ -63,6 +64,21 @@ def _endpoint(url: str) -> tuple[str, str, int]:
         raise InvalidRequest(f"URL {url[:200]!r} is not http(s)://host[:port]/...")
     return parsed.scheme, parsed.hostname, parsed.port or (443 if parsed.scheme == "https"
                                                             else 80)
+
+
+
+# A connection that could not be made because the host is not there for this one:
+# refused, a name that does not resolve here, no route (the host or the network).
+_NO_WAY = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+
+
+def _connect_failure(exc: OSError) -> str:
+    """The ``reason`` of a connection ``exc`` kept from being made: ``unreachable``
+    (asking the host again will not help: its sources stop asking it), ``timeout``,
+    or ``failed`` (a TLS handshake, ...)."""
+    if isinstance(exc, ConnectionRefusedError | socket.gaierror) or exc.errno in _NO_WAY:
+        return "unreachable"
+    return "timeout" if isinstance(exc, TimeoutError) else "failed"
 
 
 class _Conn:
@@ -222,9 +238,7 @@ class PeerClient:
                 conn, reused = self._take(url) if attempt == 0 else (
                     self._open(url), False)
             except OSError as exc:
-                reason = "unreachable" if isinstance(exc, ConnectionRefusedError) else "failed"
-                if isinstance(exc, TimeoutError):
-                    reason = "timeout"
+                reason = _connect_failure(exc)
                 raise Unavailable(f"peer {url}: {type(exc).__name__}: {exc}", peer=url,
                                   reason=reason) from exc
             # The whole request has a deadline, not only each read: a peer that
