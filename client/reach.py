@@ -60,7 +60,15 @@ async def reach(transport: HttpTransport, job: str, within: float) -> str | None
             trouble = await asyncio.to_thread(tls_trouble, transport.url, exc)
             if trouble is not None:
                 raise trouble from None
+            listed = _listed_member(transport, exc)
             if time.monotonic() + delay >= deadline:
+                if listed is not None:
+                    raise Unavailable(
+                        f"cannot reach the ckptd replica {listed} ({_reason(exc)}, for "
+                        f"{within:g} s), which {transport.url} lists as a member: each "
+                        "replica's advertised URL (ckptd serve --advertise-url, "
+                        "CKPTD_ADVERTISE_URL) must resolve and be reachable from this host",
+                        url=listed, listed_by=transport.url) from None
                 raise Unavailable(
                     f"cannot reach the ckptd server at {transport.url} ({_reason(exc)}, for "
                     f"{within:g} s): start it (ckptd serve), or point url= or CKPTD_URL at "
@@ -69,10 +77,12 @@ async def reach(transport: HttpTransport, job: str, within: float) -> str | None
             if not said and time.monotonic() - started >= SAY_AFTER:
                 said = True  # a restart is waited for; a mistake is said now all the same
                 log.warning(
-                    "cannot reach the ckptd server at %s (%s): waiting up to %.0f s more "
+                    "cannot reach the ckptd %s (%s): waiting up to %.0f s more "
                     "(CKPTD_SERVER_WAIT), for a server that is restarting. If it is not "
                     "running, start it (ckptd serve), or point url= or CKPTD_URL at where it "
-                    "runs", transport.url, _reason(exc), max(0.0, deadline - time.monotonic()))
+                    "runs", f"replica {listed} (listed by {transport.url})" if listed
+                    else f"server at {transport.url}", _reason(exc),
+                    max(0.0, deadline - time.monotonic()))
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.5)
             continue
@@ -123,6 +133,18 @@ def _refusal(transport: HttpTransport, resp: httpx.Response, job: str) -> CkptdE
             f"({error.message}): use a token whose scope covers job {job!r} with write "
             "access (`ckptd token create`), as token= or CKPTD_TOKEN", url=transport.url)
     return error
+
+
+def _listed_member(transport: HttpTransport, exc: httpx.RequestError) -> str | None:
+    """The replica ``exc``'s request went to when it is not one of the URLs given but
+    one the membership (``GET /v1/cluster``) listed: its advertised URL, which this
+    host cannot reach (a short name another namespace cannot resolve)."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # (no request attached)
+        return None
+    tried = f"{url.scheme}://{url.netloc.decode('ascii')}"
+    return None if tried in transport.members.seeds else tried
 
 
 def _reason(exc: httpx.RequestError) -> str:

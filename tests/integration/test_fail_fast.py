@@ -68,6 +68,28 @@ def test_a_host_that_answers_nothing_is_said_within_a_connect_timeout(
     assert f"http://127.0.0.1:{port}" in err.message and "CKPTD_CONNECT_TIMEOUT" in err.message
 
 
+def test_a_listed_replica_that_does_not_resolve_is_named(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by a deploy review.) A replica that advertises a name this host cannot
+    resolve (a short Kubernetes name, seen from another namespace): the error named
+    the URL given, which answered, and said to start a server there."""
+    monkeypatch.setenv("CKPTD_SERVER_WAIT", "2")
+    port = free_port()
+    listed = f"http://ckptd-nowhere.invalid:{port}"
+    srv = ServerProcess(store=tmp_path / "store", port=port,
+                        extra_args=["--peers", listed, "--advertise-url", listed])
+    srv.start()
+    try:
+        err = _raised(lambda: Checkpointer(srv.url, "ff", shm_dir=shm),
+                      knobs.server_wait() + 10.0)
+    finally:
+        srv.stop()
+    assert isinstance(err, Unavailable)
+    assert f"cannot reach the ckptd replica {listed}" in err.message, err.message
+    assert f"which {srv.url} lists as a member" in err.message
+    assert "--advertise-url" in err.message and "ckptd serve)" not in err.message
+
+
 def test_a_refused_token_is_said_at_construction(token_server: ServerProcess, shm: Path) -> None:
     wrong = _raised(lambda: Checkpointer(token_server.url, "ff", token="not-it", shm_dir=shm),
                     3.0)
