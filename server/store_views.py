@@ -12,6 +12,7 @@ from typing import Any
 from ckptd.errors import CkptdError
 from ckptd.format import CommitRecord, Ref
 from ckptd.repository import Repository
+from ckptd.repository.listings import UNREADABLE
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ class _Lru(OrderedDict[Any, Any]):
             self.held -= self.weigh(old)
 
 
+# A commit record is immutable, but the document holding it may be damaged at rest
+# after it was read: one held this many ``ttl`` (a minute at the default heartbeat
+# interval) is read again, so the dashboard and ``GET /v1/overview`` show the damage
+# as ``ckptd ls`` does, not the copy read before it, until the server restarts.
+RECHECK_TTLS = 30
+
 # Chunk ids of rank manifests held (a restore plan asks for every peer's): about
 # 150 bytes each, so at most ~150 MiB whatever the manifests' sizes.
 CHUNK_IDS_HELD = 1 << 20
@@ -70,6 +77,10 @@ class StoreViews:
             return held[1]
         try:
             step = await self.repo.latest(job)
+        except UNREADABLE:
+            # Damaged: read as None (the dashboard then asks which document), not as
+            # the step the ref named before it was.
+            step = None
         except CkptdError as exc:  # keep answering heartbeats while the store hiccups
             log.warning("%s: cannot read latest: %s", job, exc)
             return held[1] if held is not None else None
@@ -107,12 +118,27 @@ class StoreViews:
         self._rollback[job] = (self._clock(), ref, epoch)
 
     async def commit(self, job: str, step: int) -> CommitRecord | None:
-        """The commit record of ``step`` or None; records are immutable, so kept."""
-        record: CommitRecord | None = self._commits.get((job, step))
-        if record is None:
+        """The commit record of ``step`` or None; records are immutable, so kept, and
+        read again every ``RECHECK_TTLS`` ttl (``store_corrupt`` once damaged at rest;
+        the copy held while the store does not answer)."""
+        key = (job, step)
+        held: tuple[float, CommitRecord] | None = self._commits.get(key)
+        now = self._clock()
+        if held is not None and now - held[0] < RECHECK_TTLS * self.ttl:
+            return held[1]
+        try:
             record = await self.repo.try_read_commit(job, step)
-            if record is not None:
-                self._commits.put((job, step), record)
+        except UNREADABLE:
+            self._commits.drop(key)
+            raise
+        except CkptdError:
+            if held is None:
+                raise
+            return held[1]
+        if record is None:
+            self._commits.drop(key)  # (forgotten meanwhile)
+        else:
+            self._commits.put(key, (now, record))
         return record
 
     def forget(self, job: str, steps: list[int]) -> None:

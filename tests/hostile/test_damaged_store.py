@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -142,3 +144,38 @@ def test_a_good_job_restores_without_problems(damaged: ServerProcess) -> None:
                       heartbeat_interval=0) as ckpt:
         result = ckpt.restore(state)
     assert result.step == 1 and not [p for p in result.problems if p.kind == "damaged"]
+
+
+def test_damage_after_a_server_read_shows_in_its_overview(tmp_path: Path) -> None:
+    """(Found by a probe.) Damaged after this server had read them, the ``latest`` ref
+    and a commit record showed as they were before on the dashboard and in ``ckptd
+    status``, while ``ckptd ls`` said damaged, until the server restarted: the ref's
+    last value was kept when it stopped reading, the record forever."""
+    srv = ServerProcess(store=tmp_path / "store", extra_args=["--heartbeat-interval", "0.2"])
+    srv.start()
+    try:
+        with Checkpointer(srv.url, "later", chunk_size=4096, serve_peers=False,
+                          heartbeat_interval=0) as ckpt:
+            for step in (1, 2):
+                assert ckpt.save(step, {"w": torch.full((64,), float(step))}).wait(
+                    timeout=60).state == "committed"
+        view = httpx.get(f"{srv.url}/v1/overview", params={"job": "later"}, timeout=30).json()
+        assert view["jobs"][0]["latest"] == 2
+        jobs = srv.store / "jobs" / "later"
+        (jobs / "refs" / "latest").write_bytes(b"garbage")
+        record = jobs / "steps" / "1" / "commit.json"
+        record.write_bytes(record.read_bytes()[:10])
+        deadline = time.monotonic() + 20  # (a record is read again after 30 intervals: 6 s)
+        while True:
+            job = httpx.get(f"{srv.url}/v1/overview", params={"job": "later"},
+                            timeout=30).json()["jobs"][0]
+            steps = {s["step"]: s for s in job["steps"]}
+            if (job["latest"] is None and job.get("damaged")
+                    and steps[1].get("damaged")) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert job["latest"] is None and "jobs/later/refs/latest" in job["damaged"], job
+        assert "jobs/later/steps/1/commit.json" in steps[1]["damaged"], steps[1]
+        assert steps[2]["committed"] and not steps[2].get("damaged")
+    finally:
+        srv.stop()
