@@ -1,9 +1,8 @@
 """The deployment: one image (the root Dockerfile, whose HEALTHCHECK is run here
 against a real ``ckptd serve`` configured as the image configures it, over http
-and https), Kubernetes manifests (a StatefulSet of replicas behind a headless
-Service, a Secret, MinIO; the image a kustomize parameter; laptop-sized requests,
-production sizes in an overlay), compose, and the local script that starts three
-replicas over an S3-compatible server (moto's here), used end to end.
+and https), compose, and the local script that starts three replicas over an
+S3-compatible server (moto's here), used end to end. The Kubernetes manifests:
+test_deploy_kubernetes.py.
 
 No Docker here: nothing is built; the image's own commands are run instead."""
 
@@ -34,11 +33,6 @@ from tests.integration.test_tls import make_certificate
 
 DEPLOY = ROOT / "deploy"
 IMAGE_NAME = "ckptd"  # the name manifests and compose give the image the Dockerfile builds
-
-
-def documents(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(d["kind"], d["metadata"]["name"]): d
-            for d in yaml.safe_load_all(path.read_text()) if d}
 
 
 def dockerfile() -> dict[str, list[str]]:
@@ -194,93 +188,6 @@ def test_the_image_health_check_follows_the_configured_port_and_tls(
         proc.wait(timeout=30)
     late = _healthcheck(env)
     assert late.returncode == 1 and "unhealthy" in late.stderr, late.stdout + late.stderr
-
-
-def test_kubernetes_manifests() -> None:
-    k8s = DEPLOY / "kubernetes"
-    docs = {**documents(k8s / "secret.yaml"), **documents(k8s / "minio.yaml"),
-            **documents(k8s / "ckptd.yaml")}
-    kustomize = yaml.safe_load((k8s / "kustomization.yaml").read_text())
-    assert sorted(kustomize["resources"]) == ["ckptd.yaml", "minio.yaml", "secret.yaml"]
-
-    service, sts = docs["Service", "ckptd"], docs["StatefulSet", "ckptd"]
-    assert service["spec"]["clusterIP"] == "None"  # headless: stable per-replica names
-    assert sts["spec"]["serviceName"] == "ckptd"
-    assert service["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
-    (container,) = sts["spec"]["template"]["spec"]["containers"]
-    # The image is a parameter: kustomize's images entry names it (one command,
-    # `kustomize edit set image ckptd=REGISTRY/ckptd:TAG`, points it at a registry),
-    # pinned to this version, never :latest; by default the image a local build makes.
-    assert container["image"] == f"{IMAGE_NAME}:{__version__}"
-    assert kustomize["images"] == [{"name": IMAGE_NAME, "newTag": __version__}]
-    assert container["imagePullPolicy"] == "IfNotPresent"  # `kind load docker-image` works
-    assert container["args"][0] == "serve"  # after the image's ENTRYPOINT, ckptd
-    assert dockerfile()["ENTRYPOINT"] == ["ckptd"]
-    assert container["ports"] == [{"name": "http", "containerPort": 8470}]
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
-    # Small enough for kind or minikube (3 replicas and MinIO on a laptop).
-    requests = container["resources"]["requests"]
-    assert cpu(requests["cpu"]) <= 0.5 and mebibytes(requests["memory"]) <= 1024
-    assert mebibytes(container["resources"]["limits"]["memory"]) <= 4096
-
-    env = {e["name"]: e for e in container["env"]}
-    assert env["CKPTD_HOST"]["value"] == "0.0.0.0"
-    assert env["CKPTD_STORE"]["value"].startswith("s3://ckptd/")
-    assert "endpoint=http://minio:9000" in env["CKPTD_STORE"]["value"]
-    # One peer per replica, by the StatefulSet's stable names, on the served port.
-    replicas = sts["spec"]["replicas"]
-    assert env["CKPTD_PEERS"]["value"].split(",") == [
-        f"http://ckptd-{i}.ckptd:{env['CKPTD_PORT']['value']}" for i in range(replicas)]
-    assert env["CKPTD_ADVERTISE_URL"]["value"] == "http://$(POD_NAME).ckptd:8470"
-    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    secret = docs["Secret", "ckptd"]["stringData"]
-    # (CKPTD_PEER_SECRET: one for every replica, found missing by a probe)
-    for name, key in (("CKPTD_TOKEN", "token"), ("AWS_ACCESS_KEY_ID", "s3-access-key-id"),
-                      ("AWS_SECRET_ACCESS_KEY", "s3-secret-access-key"),
-                      ("CKPTD_PEER_SECRET", "peer-secret")):
-        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "ckptd", "key": key}
-        assert key in secret
-    # The settings the manifests name exist (an unknown CKPTD_* would be ignored).
-    from ckptd.server.settings import Settings
-    for name in env:
-        if name.startswith("CKPTD_"):
-            assert name.removeprefix("CKPTD_").lower() in Settings.model_fields, name
-
-    minio = docs["Deployment", "minio"]["spec"]["template"]["spec"]["containers"][0]
-    assert minio["readinessProbe"]["httpGet"]["path"] == "/minio/health/ready"
-    assert docs["Service", "minio"]["spec"]["ports"][0]["port"] == 9000
-    assert "mc mb" in str(docs["Job", "minio-make-bucket"])
-
-
-def cpu(quantity: str) -> float:
-    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
-
-
-def mebibytes(quantity: str) -> float:
-    units = {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
-    return float(quantity[:-2]) * units[quantity[-2:]]
-
-
-def test_the_production_overlay_sizes_the_replicas() -> None:
-    overlay = DEPLOY / "kubernetes" / "production"
-    kustomize = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert kustomize["resources"] == [".."]
-    (patch,) = kustomize["patches"]
-    assert patch["target"] == {"kind": "StatefulSet", "name": "ckptd"}
-    doc = yaml.safe_load((overlay / patch["path"]).read_text())
-    (container,) = doc["spec"]["template"]["spec"]["containers"]
-    assert container["name"] == "ckptd"
-    resources = container["resources"]
-    assert cpu(resources["requests"]["cpu"]) >= 4
-    assert mebibytes(resources["requests"]["memory"]) >= 4096
-    # The sizes the operations page gives are the ones the overlay sets.
-    operations = (ROOT / "docs" / "operations.md").read_text()
-    assert "deploy/kubernetes/production" in operations
-    for value in (resources["requests"]["cpu"], resources["requests"]["memory"],
-                  resources["limits"]["memory"]):
-        assert str(value) in operations, value
 
 
 def test_compose_file_matches_the_manifests() -> None:
