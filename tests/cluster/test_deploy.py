@@ -26,10 +26,11 @@ import yaml
 
 from ckptd import __version__
 from ckptd.client import Checkpointer
-from tests.cluster.conftest import ROOT, s3_env
+from tests.cluster.conftest import BUCKET, ROOT, s3_env
 from tests.conftest import free_port
 from tests.integration.test_install import instructions
 from tests.integration.test_tls import make_certificate
+from tests.moto_server import moto_server
 
 DEPLOY = ROOT / "deploy"
 IMAGE_NAME = "ckptd"  # the name manifests and compose give the image the Dockerfile builds
@@ -222,13 +223,45 @@ def test_compose_health_checks_use_commands_their_images_have() -> None:
     assert "curl" not in checks and "wget" not in checks
 
 
-@pytest.mark.slow
-def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm: Path) -> None:
-    ports = [free_port() for _ in range(3)]
-    env = {**s3_env(), "PYTHON": sys.executable, "PORTS": " ".join(map(str, ports)),
-           # (a LOG_DIR not there yet is made: found by a probe)
-           "S3_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+def test_compose_is_a_local_demo() -> None:
+    """Its credentials are in the file: the replicas are published on loopback only.
+    Docker waits out the server's drain on stop; health checks (a process each) are
+    not run every few seconds; restores read through the replicas, since presigned
+    URLs would name minio:9000, which clients on the host cannot resolve."""
+    from ckptd.server.app import GRACEFUL_SHUTDOWN_S
+    from ckptd.server.settings import Settings
+
+    text = (DEPLOY / "compose" / "docker-compose.yml").read_text()
+    assert "local demo" in text
+    services = yaml.safe_load(text)["services"]
+    replicas = [s for name, s in services.items() if name.startswith("ckptd-")]
+    assert len(replicas) == 3
+    for service in replicas:
+        (published,) = service["ports"]
+        assert published.startswith("127.0.0.1:") and published.endswith(":8470"), published
+        assert seconds(service["stop_grace_period"]) > GRACEFUL_SHUTDOWN_S
+        assert seconds(service["healthcheck"]["interval"]) >= 15
+        env = service["environment"]
+        assert env["CKPTD_PRESIGNED_READS"] == "false"
+        assert "endpoint=http://minio:9000" in env["CKPTD_STORE"]
+        for var in env:  # (an unknown CKPTD_* would be ignored)
+            if var.startswith("CKPTD_"):
+                assert var.removeprefix("CKPTD_").lower() in Settings.model_fields, var
+    assert "ports" not in services["minio"]
+
+
+def seconds(duration: str) -> float:
+    """A compose duration of one unit ("40s", "1m")."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
+    assert match, duration
+    value, unit = match.groups()
+    return float(value) * {"ms": 0.001, "s": 1, "m": 60}[unit]
+
+
+def _run_the_local_cluster(env: dict[str, str], tmp_path: Path, shm: Path,
+                           ports: list[int]) -> None:
+    """Runs deploy/compose/local-cluster.sh until it says ready, saves and restores
+    through its replicas, stops it, and checks that every replica stopped with it."""
     errors = tmp_path / "script.err"
     with errors.open("wb") as sink:
         proc = subprocess.Popen(["bash", str(DEPLOY / "compose" / "local-cluster.sh")], env=env,
@@ -241,6 +274,8 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
         urls = line.removeprefix("ready ")
         assert urls.split(",") == [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls.split(","):
+            # ready: each replica's store answers (a 503 is not ready)
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
             doc = httpx.get(f"{url}/v1/cluster", timeout=10).json()
             assert doc["mode"] == "static" and len(doc["members"]) == 3
         assert all((tmp_path / "logs" / f"ckptd-{p}.log").exists() for p in ports)
@@ -259,6 +294,40 @@ def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm:
     for port in ports:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def _script_env(tmp_path: Path, ports: list[int], **more: str) -> dict[str, str]:
+    return {**s3_env(), "PYTHON": sys.executable, "PORTS": " ".join(map(str, ports)),
+            # (a LOG_DIR not there yet is made: found by a probe)
+            "LOG_DIR": str(tmp_path / "logs"),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **more}
+
+
+@pytest.mark.slow
+def test_local_cluster_script_runs_three_replicas_over_moto(tmp_path: Path, shm: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    _run_the_local_cluster(_script_env(tmp_path, ports, S3_PORT=str(free_port())),
+                           tmp_path, shm, ports)
+
+
+@pytest.mark.slow
+def test_local_cluster_script_over_an_s3_you_run_needs_no_boto3(tmp_path: Path,
+                                                                 shm: Path) -> None:
+    """ckptd's S3 extra brings botocore, not boto3: the script makes the bucket with
+    botocore, and only when it is not there (it imported boto3 and failed)."""
+    shadow = tmp_path / "no-boto3" / "boto3"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "raise ImportError('boto3 is not installed (the test hides it)')\n")
+    ports = [free_port() for _ in range(3)]
+    with moto_server("tests.cluster.moto_s3", BUCKET, s3_env(), tmp_path) as endpoint:
+        env = _script_env(tmp_path, ports, S3_ENDPOINT=endpoint, BUCKET="made-by-the-script",
+                          PYTHONPATH=str(shadow.parent))
+        _run_the_local_cluster(env, tmp_path, shm, ports)
+        # Again over the bucket it made, which it keeps.
+        ports[:] = [free_port() for _ in range(3)]
+        env.update(PORTS=" ".join(map(str, ports)), PREFIX="again")  # (step 1 is saved)
+        _run_the_local_cluster(env, tmp_path, shm, ports)
 
 
 def test_the_health_check_reaches_a_wildcard_bind_on_loopback() -> None:
