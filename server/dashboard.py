@@ -20,7 +20,7 @@ from starlette.types import Scope
 
 from ckptd import __version__
 from ckptd.api import JobView, Overview, StepView, StorageView
-from ckptd.errors import StoreCorrupt, UnsupportedFormat
+from ckptd.errors import JobNotFound, StoreCorrupt, UnsupportedFormat
 from ckptd.format import check_job
 from ckptd.lifecycle.scrub import damaged_steps
 from ckptd.repository import Repository
@@ -157,6 +157,7 @@ def _unreadable_view(job: str, exc: StoreCorrupt | UnsupportedFormat) -> JobView
     "/overview",
     response_model=Overview,
     summary="Every job with its ranks, newest steps and events, and storage counters",
+    responses=error_responses(404),
 )
 async def overview(
     repo: RepoDep,
@@ -184,6 +185,9 @@ async def overview(
                 return _unreadable_view(name, exc)
 
     jobs = list(await asyncio.gather(*(one(n) for n in names)))
+    if job is not None and _nothing_of(jobs[0]) and job not in registry.jobs() and (
+            job not in await repo.list_jobs()):
+        raise JobNotFound(f"no job {job!r} on this server (GET /v1/jobs lists them)", job=job)
     # Where the store is and what every tenant did are the operator's to see.
     t = metrics.totals if caller.every_job else Totals(since=metrics.totals.since)
     return Overview(
@@ -207,6 +211,13 @@ async def overview(
         ),
         jobs=jobs,
     )
+
+
+def _nothing_of(view: JobView) -> bool:
+    """Whether a job's view holds nothing: one the store lacks and no rank spoke of,
+    or one whose steps were all asked away (``steps=0``; the store then says)."""
+    return (view.latest is None and not view.steps and not view.ranks and not view.events
+            and view.damaged is None and view.unsupported is None)
 
 
 class _StaticFiles(StaticFiles):

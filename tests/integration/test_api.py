@@ -192,6 +192,7 @@ def test_openapi_document_is_complete(client: httpx.Client) -> None:
     paths = doc["paths"]
     expected = {
         ("/healthz", "get"),
+        ("/livez", "get"),
         ("/v1/chunks/missing", "post"),
         ("/v1/chunks/{id}", "put"),
         ("/v1/chunks/{id}", "head"),
@@ -702,10 +703,10 @@ def test_a_fixed_route_is_never_read_as_a_parameter(client: httpx.Client) -> Non
 # -- auth -----------------------------------------------------------------------------
 
 
-# Open without the token: health, the dashboard page (it holds no data; its script
+# Open without the token: health and liveness, the dashboard page (it holds no data; its script
 # fetches /v1/overview with the token) and /metrics (CKPTD_METRICS_TOKEN_REQUIRED
 # closes it).
-OPEN_ROUTES = {"/healthz", "/", "/metrics"}
+OPEN_ROUTES = {"/healthz", "/livez", "/", "/metrics"}
 
 
 def _every_route(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -747,6 +748,7 @@ def test_token_guards_every_route_but_health(token_server: ServerProcess) -> Non
                 assert r.json()["code"] == "unauthorized"
 
     assert anonymous.get("/healthz").status_code == 200
+    assert anonymous.get("/livez").status_code == 200
     anonymous.close()
     with httpx.Client(base_url=token_server.url, headers=token_server.headers()) as client:
         cid = put_chunk(client, b"hello")

@@ -136,6 +136,12 @@ def test_overview_lists_every_job(client: httpx.Client) -> None:
     (pending,) = jobs["metrics-pending"]["steps"]
     assert (pending["committed"], pending["ranks_present"], pending["reason"]) == (False, 1, None)
     assert_error(client.get("/v1/overview", params={"job": "../x"}), 400, "invalid_name")
+    # One job: a job only a rank spoke of is there, a name nothing knows is not (an
+    # invented empty job answered 200).
+    only = client.get("/v1/overview", params={"job": "metrics-heartbeat-only", "steps": 0})
+    assert only.status_code == 200 and only.json()["jobs"][0]["ranks"], only.text
+    assert_error(client.get("/v1/overview", params={"job": "metrics-nosuch"}), 404,
+                 "job_not_found")
 
 
 def test_dashboard_page_and_static_files(client: httpx.Client) -> None:
