@@ -43,8 +43,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
 RUN pip install "$(ls /wheels/ckptd-*.whl)[s3]" && rm -rf /wheels
-RUN useradd --system --uid 10001 --home-dir /data --create-home ckptd && mkdir -p /data && chown ckptd /data
-USER ckptd
+# The user ckptd, uid and gid 10001, owns /data. USER names it by number: Kubernetes
+# checks runAsNonRoot against a number only (deploy/kubernetes/base runs it as 10001).
+RUN groupadd --system --gid 10001 ckptd && useradd --system --uid 10001 --gid 10001 --home-dir /data --create-home ckptd && mkdir -p /data && chown 10001:10001 /data
+USER 10001:10001
 WORKDIR /data
 VOLUME ["/data"]
 EXPOSE 8470

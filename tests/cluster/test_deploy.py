@@ -57,7 +57,20 @@ def test_one_image_whose_command_serves_and_never_runs_as_root() -> None:
     assert list(DEPLOY.rglob("Dockerfile*")) == []  # one image: the root Dockerfile's
     image = dockerfile()
     assert image["ENTRYPOINT"] + image["CMD"] == ["ckptd", "serve"]
-    assert image["USER"] and image["USER"] != ["root"]
+    # A user the image makes, by number (Kubernetes checks runAsNonRoot against a
+    # number only), who owns /data.
+    (user,) = image["USER"]
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), user
+    uid, gid = user.split(":")
+    made = [args for word, args in instructions((ROOT / "Dockerfile").read_text())
+            if word == "RUN" and "useradd" in args]
+    assert len(made) == 1 and f"--uid {uid}" in made[0] and f"--gid {gid}" in made[0], made
+    assert f"chown {uid}:{gid} /data" in made[0]
+    # The Kubernetes pods run as that user (deploy/kubernetes/base).
+    pods = [d["spec"]["template"]["spec"] for d in yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "base" / "ckptd.yaml").read_text()) if d["kind"] == "StatefulSet"]
+    assert [(p["securityContext"]["runAsUser"], p["securityContext"]["fsGroup"])
+            for p in pods] == [(int(uid), int(gid))]
     env = dict(e.split("=", 1) for e in image["ENV"])
     assert env["CKPTD_HOST"] == "0.0.0.0" and env["CKPTD_PORT"] == "8470"
     text = (ROOT / "Dockerfile").read_text()
