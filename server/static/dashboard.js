@@ -115,6 +115,7 @@
     $("storage").replaceChildren();
     $("jobs").replaceChildren();
     $("empty").hidden = true;
+    $("empty-scoped").hidden = true;
     $("updated").textContent = "locked";
     $("login-error").hidden = !message;
     $("login-error").textContent = message || "";
@@ -128,22 +129,33 @@
       sub ? el("div", { class: "sub" }, sub) : null);
   }
 
-  function render(data) {
-    $("store").textContent = data.store;
+  // The store and its counters are the operator's (a token on every job): to any
+  // other token the server sends no store and zeroed counters (docs/SECURITY.md).
+  function storageCards(data) {
     const s = data.storage;
+    if (!data.store) {
+      return [stat("Store counters", "operator only", "a token on every job (*) sees them")];
+    }
     const dedup = s.dedup_ratio === null ? "–" : `${s.dedup_ratio.toFixed(2)}×`;
-    $("storage").replaceChildren(
-      stat("Jobs", count(data.jobs.length),
-        `${count(data.jobs.reduce((n, j) => n + j.ranks.filter(
-          (r) => r.state !== "dead" && r.state !== "left").length, 0))} ranks reporting`),
+    return [
       stat("Stored", bytes(s.bytes_stored), `${count(s.chunks_stored)} new chunks`),
       stat("Dedup", dedup, `${count(s.chunks_offered)} ids offered, ${count(s.chunks_missing)} sent`),
       stat("Uploads", bytes(s.upload_bytes), `${count(s.uploads)} chunks, ${count(s.rejected_uploads)} refused`),
       stat("Restores", bytes(s.restore_bytes), `${count(s.restores)} chunks read`),
       stat("Commits", count(s.commits), `since ${stamp(s.since)}`),
-    );
+    ];
+  }
+
+  function render(data) {
+    $("store").textContent = data.store;
+    $("storage").replaceChildren(
+      stat("Jobs", count(data.jobs.length),
+        `${count(data.jobs.reduce((n, j) => n + j.ranks.filter(
+          (r) => r.state !== "dead" && r.state !== "left").length, 0))} ranks reporting`),
+      ...storageCards(data));
     $("jobs").replaceChildren(...data.jobs.map(renderJob));
-    $("empty").hidden = data.jobs.length > 0;
+    $("empty").hidden = data.jobs.length > 0 || !data.store;
+    $("empty-scoped").hidden = data.jobs.length > 0 || Boolean(data.store);
   }
 
   function renderJob(job) {
