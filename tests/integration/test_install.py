@@ -316,7 +316,9 @@ def test_image_health_check_passes_and_runs_as_non_root(
 ) -> None:
     url, env, cwd = served
     assert image.user and image.user != "root"
-    assert image.users.get(image.user, 0) != 0, "the USER must be one the image creates"
+    user = image.user.split(":", 1)[0]  # (USER name, uid or uid:gid)
+    uid = int(user) if user.isdigit() else image.users.get(user, 0)
+    assert uid != 0 and uid in image.users.values(), "the USER must be one the image creates"
     check = [image.bin(image.healthcheck[0]), *image.healthcheck[1:]]
     assert subprocess.run(check, env=env, cwd=cwd, timeout=30).returncode == 0
     # and it fails when nothing answers
