@@ -159,7 +159,7 @@
   }
 
   function renderJob(job) {
-    const states = { alive: 0, degraded: 0, critical: 0, dead: 0 };
+    const states = { alive: 0, degraded: 0, critical: 0, dead: 0, left: 0 };
     for (const r of job.ranks) states[r.state] += 1;
     const head = el("div", { class: "job-head" },
       el("h2", {}, job.job),
@@ -211,7 +211,8 @@
         el("td", { class: "num" }, mem === null ? "–" : (typeof mem === "number" ? `${mem.toFixed(0)} %` : mem)),
         el("td", { class: "num" }, r.rtt_ms === null ? "–" : `${r.rtt_ms.toFixed(1)} ms`),
         el("td", { class: "reasons", title: signalList(r.health) || null },
-          reasons.length ? reasons.join("; ") : (r.state === "dead" ? "no heartbeat" : "")),
+          reasons.length ? reasons.join("; ")
+            : (r.state === "dead" ? "no heartbeat" : r.state === "left" ? "closed" : "")),
       );
     });
     return el("div", { class: "table-wrap" }, el("table", { class: "ranks" },
@@ -268,6 +269,8 @@
     rollback_cleared: () => "rollback cleared",
     rank_dead: (e) => `rank ${e.rank} dead`,
     rank_back: (e) => `rank ${e.rank} back`,
+    rank_left: (e) => `rank ${e.rank} left` + (e.step !== null ? ` at step ${e.step}` : ""),
+    restore_fallback: (e) => `rank ${e.rank} restores step ${e.step}, older than latest`,
   };
 
   function renderEvents(job) {
