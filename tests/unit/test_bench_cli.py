@@ -1,0 +1,66 @@
+"""The benchmark scripts as a user meets them: ``--help`` says what each does in whole
+sentences, a machine without CUDA gets one line and a non-zero exit where nothing
+can be measured (or the CPU where it can), a meaningless request is refused in one
+line, reports name the command as run, the bench's own second staging pools say
+nothing, and no script sends a reader to a file a clone of this repository lacks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if "\ndef main(" in p.read_text())
+
+
+class _Parsed(Exception):
+    """Raised instead of parsing: the parser a script's main() built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def parser_of(script: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The argument parser ``bench.<script>``'s main() builds, caught before it parses."""
+
+    def caught(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    monkeypatch.setattr(sys, "argv", [f"bench.{script}"])
+    module = importlib.import_module(f"bench.{script}")
+    with pytest.raises(_Parsed) as got:
+        module.main()
+    return got.value.parser
+
+
+def run_bench(*args: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.<...>`` as a user on a machine without CUDA runs it."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CKPTD_SHM_DIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_gc_with_nothing_to_forget_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = run_bench("bench.gc", "--size", "1M", "--steps", "10", tmp_path=tmp_path)
+    assert done.returncode == 1, done
+    assert done.stdout == ""
+    assert re.fullmatch(r"bench\.gc: --steps 10 leaves nothing to collect [^\n]*more than 10\n",
+                        done.stderr), done.stderr
+
+
+@pytest.mark.slow
+def test_gc_labels_its_table_with_the_steps_it_forgot(tmp_path: Path) -> None:
+    done = run_bench("bench.gc", "--size", "1M", "--steps", "12", "--rounds", "1",
+                     "--saves", "1", "--dir", str(tmp_path), tmp_path=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "| GC of 2 forgotten steps | value |" in done.stdout, done.stdout
