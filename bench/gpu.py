@@ -311,11 +311,13 @@ def restore_once(url: str, state: Any, expected: list[torch.Tensor], step: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="4G")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--scratch", default=None)
-    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--size", default="4G", help="state size (default 4G)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (default), cuda:N, or cpu (the harness itself)")
+    parser.add_argument("--scratch", default=None,
+                        help="parent of the scratch directory (the store)")
+    parser.add_argument("--markdown", default=None, help="also write the tables here")
     parser.add_argument("--sweep", nargs="*", default=None, metavar="LABEL",
                         help="the restores again under other copy settings (all, or those "
                              "named), with phases")
@@ -323,9 +325,9 @@ def main() -> None:
                         help="interleaved passes over the settings")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench.gpu: no CUDA device here; nothing measured (--device cpu runs the "
-              "harness on the CPU)")
-        return
+        # Non-zero: bench/device.sh and gpu.sh count a step that measured nothing as failed.
+        sys.exit("bench.gpu: no CUDA device here; nothing measured (--device cpu runs the "
+                 "harness on the CPU)")
     tables, info = run(parse_size(args.size), args.rounds, args.device, args.scratch,
                        args.sweep, args.sweep_rounds)
     for table in tables:

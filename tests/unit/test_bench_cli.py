@@ -50,6 +50,21 @@ def run_bench(*args: str, tmp_path: Path, timeout: float = 120) -> subprocess.Co
                           capture_output=True, timeout=timeout)
 
 
+@pytest.mark.parametrize("script", ["gc", "gpu"])
+def test_every_option_says_what_it_does(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = parser_of(script, monkeypatch)
+    bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, (script, bare)
+
+
+def test_bench_gpu_without_cuda_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    done = run_bench("bench.gpu", "--size", "1M", tmp_path=tmp_path)
+    assert done.returncode == 1, done
+    assert done.stdout == ""
+    assert re.fullmatch(r"bench\.gpu: no CUDA device here; [^\n]*--device cpu[^\n]*\n",
+                        done.stderr), done.stderr
+
+
 def test_gc_with_nothing_to_forget_is_refused_in_one_line(tmp_path: Path) -> None:
     done = run_bench("bench.gc", "--size", "1M", "--steps", "10", tmp_path=tmp_path)
     assert done.returncode == 1, done
