@@ -17,10 +17,18 @@ class _Plain(logging.Formatter):
         return f"{line}\n{record.exc_text}" if record.exc_text else line
 
 
+# Libraries whose debug records carry secrets: botocore logs every request's headers
+# (``Authorization``, an STS session token) and its parameters. ``--verbose`` shows
+# their INFO records and ckptd's debug ones, never those.
+_SECRET_DEBUG = ("botocore", "aiobotocore", "boto3", "s3transfer", "urllib3", "aiohttp")
+
+
 def command_logging(verbose: bool) -> None:
     """Every command's logging, before it runs (``--verbose``: debug records too)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format=_DAEMON)
+    for name in _SECRET_DEBUG:
+        logging.getLogger(name).setLevel(logging.INFO)
     if not verbose:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(_Plain())
