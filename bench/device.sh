@@ -31,7 +31,8 @@ step tests-gpu 90 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu
 step bench-gpu 200 python3 -m bench.gpu --size "$size" --rounds 3 --sweep \
     --markdown "$out/gpu.md"
 step export 100 python3 -m bench.export --size 1G --rounds 3 --markdown "$out/export.md"
-step profile-in-place 45 python3 -m bench.profile_restore --size "$size" --rounds 3 --atomic 0
+step profile-in-place 45 python3 -m bench.profile_restore --device cuda --size "$size" \
+    --rounds 3 --atomic 0
 step dataplane 90 python3 -m bench.dataplane --size 1G --rounds 3 --server-only \
     --markdown "$out/dataplane.md"
 step restore-cuda 45 python3 -m bench.restore --only cuda --size "$size" --rounds 3 \

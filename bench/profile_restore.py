@@ -3,7 +3,7 @@ times while a sampler thread records, every millisecond, the innermost ckptd fra
 of every thread (native work such as blake3, memcpy or a CUDA copy shows as the
 Python line that called it). Prints the top lines by samples.
 
-    python -m bench.profile_restore --size 2G --device cuda
+    python -m bench.profile_restore --size 2G              # on cuda when there is one
     python -m bench.profile_restore --size 512M --device cpu
 """
 
@@ -32,12 +32,22 @@ def where(frame) -> str:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--size", default="2G")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--atomic", type=int, default=1)
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="2G", help="state size (default 2G)")
+    parser.add_argument("--device", default=None,
+                        help="where the state lives: cuda, cuda:N or cpu (default cuda when "
+                             "there is a CUDA device, else cpu)")
+    parser.add_argument("--rounds", type=int, default=3, help="restores sampled (default 3)")
+    parser.add_argument("--atomic", type=int, choices=(0, 1), default=1,
+                        help="1: atomic restores (default), 0: atomic=False")
     args = parser.parse_args()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench.profile_restore: no CUDA device here; nothing measured (--device cpu "
+                 "profiles a restore into CPU tensors)")
     from ckptd.client import Checkpointer
 
     counts: collections.Counter[str] = collections.Counter()
@@ -82,7 +92,7 @@ def main() -> None:
                 del target
     stop.set()
     thread.join()
-    print("restore seconds:", ", ".join(f"{t:.3f}" for t in times))
+    print(f"restore seconds (on {args.device}):", ", ".join(f"{t:.3f}" for t in times))
     total = sum(counts.values())
     for w, n in counts.most_common(30):
         print(f"{n:6d} {100 * n / total:5.1f}%  {w}")

@@ -50,7 +50,19 @@ def run_bench(*args: str, tmp_path: Path, timeout: float = 120) -> subprocess.Co
                           capture_output=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("script", ["gc", "gpu"])
+def test_the_scripts_are_found() -> None:
+    assert {"gc", "gpu", "profile_restore", "restore", "failover", "soak"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_describes_the_script_in_whole_sentences(
+        script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    description = (parser_of(script, monkeypatch).description or "").strip()
+    assert len(description) > 30, (script, description)
+    assert description.endswith((".", ".)")), (script, description)
+
+
+@pytest.mark.parametrize("script", ["gc", "gpu", "profile_restore"])
 def test_every_option_says_what_it_does(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
     parser = parser_of(script, monkeypatch)
     bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
@@ -63,6 +75,23 @@ def test_bench_gpu_without_cuda_exits_non_zero_with_one_line(tmp_path: Path) -> 
     assert done.stdout == ""
     assert re.fullmatch(r"bench\.gpu: no CUDA device here; [^\n]*--device cpu[^\n]*\n",
                         done.stderr), done.stderr
+
+
+@pytest.mark.slow
+def test_profile_restore_without_cuda_profiles_the_cpu(tmp_path: Path) -> None:
+    done = run_bench("bench.profile_restore", "--size", "4M", "--rounds", "1",
+                     tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "restore seconds (on cpu):" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_profile_restore_asked_for_cuda_without_it_says_so_in_one_line(tmp_path: Path) -> None:
+    done = run_bench("bench.profile_restore", "--device", "cuda", "--size", "1M",
+                     tmp_path=tmp_path)
+    assert done.returncode == 1, done
+    assert re.fullmatch(r"bench\.profile_restore: no CUDA device here; [^\n]*--device cpu"
+                        r"[^\n]*\n", done.stderr), done.stderr
 
 
 def test_gc_with_nothing_to_forget_is_refused_in_one_line(tmp_path: Path) -> None:
