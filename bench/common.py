@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import platform
@@ -460,6 +461,23 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class _OwnSiblingPools(logging.Filter):
+    """Drops the staging pool's warning that another pool of this same process holds
+    the rank's directory: a restore bench keeps its saver's pool open beside its
+    readers on purpose (the local tier it restores from). A pool held by another
+    process is still said."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "another pool of this process" not in record.getMessage()
+
+
+def quiet_own_sibling_pools() -> None:
+    """Keeps the bench's deliberate second pools out of its output (see above)."""
+    log = logging.getLogger("ckptd.client.staging.pool")
+    if not any(isinstance(f, _OwnSiblingPools) for f in log.filters):
+        log.addFilter(_OwnSiblingPools())
 
 
 @contextlib.contextmanager

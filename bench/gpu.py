@@ -50,6 +50,7 @@ from bench.common import (
     machine,
     make_state,
     parse_size,
+    quiet_own_sibling_pools,
     scratch_dir,
     state_nbytes,
     tensors_of,
@@ -324,6 +325,7 @@ def main() -> None:
     parser.add_argument("--sweep-rounds", type=int, default=2,
                         help="interleaved passes over the settings")
     args = parser.parse_args()
+    quiet_own_sibling_pools()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         # Non-zero: bench/device.sh and gpu.sh count a step that measured nothing as failed.
         sys.exit("bench.gpu: no CUDA device here; nothing measured (--device cpu runs the "

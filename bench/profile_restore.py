@@ -16,7 +16,13 @@ import sys
 import threading
 import time
 
-from bench.common import make_state, parse_size, scratch_dir, tensors_of
+from bench.common import (
+    make_state,
+    parse_size,
+    quiet_own_sibling_pools,
+    scratch_dir,
+    tensors_of,
+)
 from bench.gpu import on_device, sync
 
 
@@ -43,6 +49,7 @@ def main() -> None:
     parser.add_argument("--atomic", type=int, choices=(0, 1), default=1,
                         help="1: atomic restores (default), 0: atomic=False")
     args = parser.parse_args()
+    quiet_own_sibling_pools()
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -67,6 +67,7 @@ from bench.common import (
     make_state,
     parse_size,
     quiesce,
+    quiet_own_sibling_pools,
     ratio,
     release_free_memory,
     rotated,
@@ -497,6 +498,7 @@ def main() -> None:
                         help="run only these rows (dcp: the dcp.load rows; cuda: the local "
                         "tier into CUDA tensors and its floors)")
     args = parser.parse_args()
+    quiet_own_sibling_pools()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     gc.collect()
     size = parse_size(args.size)

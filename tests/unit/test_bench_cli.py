@@ -78,12 +78,13 @@ def test_bench_gpu_without_cuda_exits_non_zero_with_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_profile_restore_without_cuda_profiles_the_cpu(tmp_path: Path) -> None:
+def test_profile_restore_without_cuda_profiles_the_cpu_quietly(tmp_path: Path) -> None:
     done = run_bench("bench.profile_restore", "--size", "4M", "--rounds", "1",
                      tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "restore seconds (on cpu):" in done.stdout
-    assert "Traceback" not in done.stderr, done.stderr
+    # The bench's reader beside its saver is a second pool of this process, on purpose.
+    assert "Traceback" not in done.stderr and "another pool" not in done.stderr, done.stderr
 
 
 def test_profile_restore_asked_for_cuda_without_it_says_so_in_one_line(tmp_path: Path) -> None:
