@@ -153,9 +153,29 @@
         `${count(data.jobs.reduce((n, j) => n + j.ranks.filter(
           (r) => r.state !== "dead" && r.state !== "left").length, 0))} ranks reporting`),
       ...storageCards(data));
+    const scrolled = timelineScrolls();
     $("jobs").replaceChildren(...data.jobs.map(renderJob));
+    keepTimelineScrolls(scrolled);
     $("empty").hidden = data.jobs.length > 0 || !data.store;
     $("empty-scoped").hidden = data.jobs.length > 0 || Boolean(data.store);
+  }
+
+  // Each refresh draws the timelines anew: a job's strip keeps where its user
+  // scrolled it, and shows its newest steps (the end) when first drawn or when the
+  // user was at the end.
+  function timelineScrolls() {
+    const found = new Map();
+    for (const strip of $("jobs").querySelectorAll("article.job .timeline")) {
+      const atEnd = strip.scrollLeft + strip.clientWidth >= strip.scrollWidth - 2;
+      found.set(strip.closest("article.job").dataset.job, atEnd ? null : strip.scrollLeft);
+    }
+    return found;
+  }
+  function keepTimelineScrolls(scrolled) {
+    for (const strip of $("jobs").querySelectorAll("article.job .timeline")) {
+      const left = scrolled.get(strip.closest("article.job").dataset.job);
+      strip.scrollLeft = left === undefined || left === null ? strip.scrollWidth : left;
+    }
   }
 
   function renderJob(job) {
@@ -230,7 +250,7 @@
       const title = s.committed
         ? `step ${s.step} · ${s.reason || "periodic"} · ${bytes(s.logical_bytes)} · ${stamp(s.committed_at)}`
         : `step ${s.step} · pending · ${s.ranks_present}/${s.world_size ?? "?"} ranks`;
-      return el("div", { class: "tick", title }, el("div", { class: cls, style: `height:${h}px` }),
+      return el("div", { class: "tick", title, "data-step": s.step }, el("div", { class: cls, style: `height:${h}px` }),
         el("div", { class: "label" }, s.step));
     });
     const legend = el("div", { class: "legend" },
