@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -230,6 +231,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def command(argv: list[str]) -> str:
+    """The command as it was run (every option given), for the report's heading."""
+    return shlex.join(["python", "-m", "bench.failover", *argv])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="failures per setting")
@@ -241,6 +247,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="every row, raw")
     args = parser.parse_args()
+    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
+    if unknown:
+        sys.exit(f"bench.failover: no torchrun setting {', '.join(map(repr, unknown))}; "
+                 f"--settings takes a comma-separated list of: {', '.join(SETTINGS)}")
     reason = unavailable_reason()
     if reason is not None:
         sys.exit(f"bench.failover: {reason}")
@@ -258,7 +268,7 @@ def main() -> None:
     rows.sort(key=lambda r: list(SETTINGS).index(r["setting"]))
     speeds = rows[-1]["speeds"]
     text = (f"## Failover, a node lost ({started:%Y-%m-%d %H:%M} UTC, "
-            f"`python -m bench.failover --rounds {args.rounds} --width {args.width}`)\n\n"
+            f"`{command(sys.argv[1:])}`)\n\n"
             f"Machine: {before} at the start, {machine().split('load average ')[1]} at "
             f"the end.\nTiers as the replacement node measured them: /dev/shm read "
             f"{speeds['local'] / 1e9:.2f} GB/s, HTTP between hosts "

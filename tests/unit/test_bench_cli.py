@@ -109,3 +109,19 @@ def test_gc_labels_its_table_with_the_steps_it_forgot(tmp_path: Path) -> None:
                      "--saves", "1", "--dir", str(tmp_path), tmp_path=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "| GC of 2 forgotten steps | value |" in done.stdout, done.stdout
+
+
+def test_failover_heading_records_the_whole_command() -> None:
+    from bench.failover import command
+
+    argv = ["--rounds", "1", "--settings", "torch defaults,docs/multinode.md", "--width", "64"]
+    assert command(argv) == ("python -m bench.failover --rounds 1 --settings "
+                             "'torch defaults,docs/multinode.md' --width 64")
+
+
+def test_failover_names_the_settings_it_knows_for_one_it_does_not(tmp_path: Path) -> None:
+    done = run_bench("bench.failover", "--settings", "torch default", tmp_path=tmp_path,
+                     timeout=60)
+    assert done.returncode == 1, done
+    assert re.fullmatch(r"bench\.failover: no torchrun setting 'torch default'; [^\n]*"
+                        r"torch defaults, [^\n]*\n", done.stderr), done.stderr
