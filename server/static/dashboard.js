@@ -246,8 +246,12 @@
     const biggest = Math.max(1, ...sizes);
     const ticks = job.steps.map((s) => {
       const h = s.committed ? 18 + Math.round(42 * (s.logical_bytes || 0) / biggest) : 24;
-      const cls = ["bar", s.committed ? reasonClass(s.reason) : "pending", s.is_latest ? "latest" : ""].join(" ");
-      const title = s.committed
+      const broken = s.damaged || s.unsupported;
+      const cls = ["bar", broken ? "damaged" : s.committed ? reasonClass(s.reason) : "pending",
+        s.is_latest ? "latest" : ""].join(" ");
+      const title = broken
+        ? `step ${s.step} · ${s.damaged ? "damaged" : "newer format: upgrade ckptd"} · ${broken}`
+        : s.committed
         ? `step ${s.step} · ${s.reason || "periodic"} · ${bytes(s.logical_bytes)} · ${stamp(s.committed_at)}`
         : `step ${s.step} · pending · ${s.ranks_present}/${s.world_size ?? "?"} ranks`;
       return el("div", { class: "tick", title, "data-step": s.step }, el("div", { class: cls, style: `height:${h}px` }),
@@ -256,7 +260,9 @@
     const legend = el("div", { class: "legend" },
       ...[["periodic", "var(--periodic)"], ["health", "var(--health)"], ["manual", "var(--manual)"]]
         .map(([name, color]) => el("span", {}, el("span", { class: "sw", style: `background:${color}` }), name)),
-      el("span", {}, el("span", { class: "sw", style: "background:#d1d5db" }), "pending"));
+      el("span", {}, el("span", { class: "sw", style: "background:#d1d5db" }), "pending"),
+      job.steps.some((s) => s.damaged || s.unsupported)
+        ? el("span", {}, el("span", { class: "sw", style: "background:var(--dead)" }), "damaged") : null);
     return el("div", {}, el("div", { class: "timeline" }, ticks), legend);
   }
 
