@@ -9,9 +9,9 @@ for rank 0's restore plan, while a thread polls ``GET /healthz`` every 10 ms; it
 prints each phase's time and the worst /healthz latency during it. Peers measured
 in the same run on the same state: ``torch.save`` of the 100,000 (tiny) tensors and
 ``dcp.save`` with a ``FileSystemWriter`` (its planning and metadata are the part that
-grows with the tensor count). Targets (DESIGN.md): /healthz worst < 200 ms, commit
-of 100,000 tensors < 2 s. The machine is shared (2 cores, other work running): the
-output says how many CPUs it saw and its load average."""
+grows with the tensor count). ckptd's design targets: /healthz worst < 200 ms,
+commit of 100,000 tensors < 2 s. The machine is shared (2 cores, other work
+running): the output says how many CPUs it saw and its load average."""
 
 from __future__ import annotations
 

@@ -7,8 +7,13 @@
 # STEPS, its CPU rows and the client's receive rows on many cores). Each step has its
 # own time limit; one that fails is reported and the next one runs. Results under $OUT.
 #
-# Before: ../shared/gpu/prepare-wheels.sh (fills .whl/), plus the safetensors wheel
-#         (cp /opt/pypi/files/safetensors-*.whl .whl/).
+# Before: ../shared/gpu/prepare-wheels.sh, a script beside this checkout (not in
+#         it), downloads the wheels ckptd needs for the GPU machine's Python 3.12
+#         into .whl/ (kept out of git); the device tool carries .whl/ there (that
+#         machine has no package registry) and device_steps.sh installs them.
+#         Add the safetensors wheel: cp /opt/pypi/files/safetensors-*.whl .whl/
+#         Without the script: pip download ckptd's dependencies (pyproject.toml)
+#         for Python 3.12 into .whl/, or, where they are installed, run without it.
 # Run:    the device tool: run(command="bash bench/device.sh", carry=[".whl"], timeout_s=600)
 #         (STEPS="tests-gpu bench-gpu" bash bench/device.sh: those steps alone)
 set -uo pipefail

@@ -10,12 +10,12 @@ Rows:
 
 - ``save()`` stall (``save()`` then ``staged()``: until the tensors may change)
   into a warm staging pool, against a pinned device-to-host copy of every tensor
-  (one synchronize at the end): DESIGN.md "stall of save() <= 1.2 x one plain
-  copy of the state";
+  (one synchronize at the end); ckptd's design target: the stall <= 1.2x that
+  copy;
 - restore from the local tier (this rank's pool in /dev/shm, as a restarted
   process finds it: not page-locked in the restoring process) into the
   existing CUDA tensors, atomic and ``atomic=False``, against a pinned
-  host-to-device copy of every tensor: "<= 3 x the pinned host-to-device copy";
+  host-to-device copy of every tensor; target: <= 3x that copy;
 - ``cudaHostRegister`` of a pool-sized map (what page-locking the pool in the
   restoring process would cost; information for the bounce-buffer design);
 - with ``--sweep``: the two restores again under other copy settings

@@ -5,7 +5,12 @@
 # bench/restore.py's CUDA rows. Results (text and markdown) go under $OUT (the
 # device runner's folder; default artifacts/gpu).
 #
-# Before: ../shared/gpu/prepare-wheels.sh (fills .whl/ here, kept out of git).
+# Before: ../shared/gpu/prepare-wheels.sh, a script beside this checkout (not in
+#         it), downloads the wheels ckptd needs for the GPU machine's Python 3.12
+#         into .whl/ (kept out of git); the device tool carries .whl/ there (that
+#         machine has no package registry) and device_steps.sh installs them.
+#         Without the script: pip download ckptd's dependencies (pyproject.toml)
+#         for Python 3.12 into .whl/, or, where they are installed, run without it.
 # Run:    bash bench/gpu.sh [SIZE]          (SIZE: state size, default 4G)
 #         the device tool: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600)
 # At most 8 minutes (2G fits; 4G may not); each step has its own time limit, and a step

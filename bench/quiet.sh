@@ -4,8 +4,13 @@
 # machine: the device machine when one is lent. Results under $OUT (default
 # artifacts/quiet).
 #
-# Before: ../shared/gpu/prepare-wheels.sh (fills .whl/), plus the safetensors wheel
-#         (cp /opt/pypi/files/safetensors-*.whl .whl/).
+# Before: ../shared/gpu/prepare-wheels.sh, a script beside this checkout (not in
+#         it), downloads the wheels ckptd needs for the GPU machine's Python 3.12
+#         into .whl/ (kept out of git); the device tool carries .whl/ there (that
+#         machine has no package registry) and device_steps.sh installs them.
+#         Add the safetensors wheel: cp /opt/pypi/files/safetensors-*.whl .whl/
+#         Without the script: pip download ckptd's dependencies (pyproject.toml)
+#         for Python 3.12 into .whl/, or, where they are installed, run without it.
 # Run:    the device tool: run(command="bash bench/quiet.sh", carry=[".whl"], timeout_s=400)
 #         (bash bench/quiet.sh export: that row alone)
 set -uo pipefail

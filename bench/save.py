@@ -790,7 +790,7 @@ def bench_memory(sizes: list[int], work: Path, ckptd: bool) -> None:
 
 
 def targets_table(sizes: list[int]) -> None:
-    table = Table("Targets (DESIGN.md)", ["target", "state", "measured", "met"])
+    table = Table("Targets of ckptd's design", ["target", "state", "measured", "met"])
 
     def verdict(value: float, limit: float, lower_is_better: bool = True) -> str:
         if math.isnan(value):

@@ -9,7 +9,7 @@ Every rank holds its own state (``default_placement="local"``: nothing to dedup)
 saves it once after a barrier; the time is from the first rank's save to the last
 rank's committed answer. The clients get every replica's URL and route each chunk
 to its home replica (rendezvous hashing), so ingest spreads over the replicas.
-The targets (DESIGN.md, on a machine with >= 16 cores): 4 replicas >= 3x the
+ckptd's design targets, on a machine with >= 16 cores: 4 replicas >= 3x the
 ingest of 1; 4 replicas <= 1.0x ``dcp.save``.
 
 Beside wall time, each replica's CPU (psutil: user + system, every thread, and its
@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     table.add(f"dcp.save FileSystemWriter, {world} gloo ranks", fmt_s(dcp_t),
               f"{real / dcp_t / 1e9:.2f}", "-", "1.00x")
     table.note("Ranks and replicas share this machine's cores: the replica columns mean "
-               "something only where cores outnumber ranks + replicas (DESIGN.md).")
+               "something only where cores outnumber ranks + replicas (the targets assume "
+               ">= 16 cores).")
     table.print()
 
     per = Table("Each replica's CPU per GiB it ingested (psutil: the whole process, and its "
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     four = times.get("ckptd, 4 replicas")
     if four is not None:
         cores = os.cpu_count() or 1
-        caveat = "" if cores >= 16 else f" (not meaningful: {cores} cores, DESIGN.md asks >= 16)"
+        caveat = ("" if cores >= 16 else
+                  f" (not meaningful: {cores} cores, the targets assume >= 16)")
         print(f"targets: 4 replicas / 1 ingest {one / four:.2f}x (>= 3x); "
               f"4 replicas / dcp.save {four / dcp_t:.2f}x (<= 1.0x){caveat}")
 

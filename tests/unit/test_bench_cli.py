@@ -69,6 +69,16 @@ def test_every_option_says_what_it_does(script: str, monkeypatch: pytest.MonkeyP
     assert not bare, (script, bare)
 
 
+def test_no_script_cites_a_file_outside_the_repository() -> None:
+    for path in [*BENCH.glob("*.py"), *BENCH.glob("*.sh")]:
+        text = path.read_text()
+        assert "/work/" not in text, path
+        if path.suffix == ".py":  # the targets are stated where they are cited
+            assert "DESIGN.md" not in text, path
+    intro = (BENCH / "RESULTS.md").read_text().split("## How to run")[0]
+    assert "/work/" not in intro
+
+
 def test_bench_gpu_without_cuda_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     done = run_bench("bench.gpu", "--size", "1M", tmp_path=tmp_path)
     assert done.returncode == 1, done
