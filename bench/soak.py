@@ -272,6 +272,7 @@ def _rank_events(out: Path, ranks: int) -> list[dict[str, Any]]:
 def supervise(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    print(f"soak: results, logs and the store in {out}", flush=True)
     store = out / "store"
     retention = out / "retention.toml"
     retention.write_text(RETENTION)
@@ -555,7 +556,8 @@ def main() -> None:
                        ("--shm", str), ("--start", float), ("--every", float),
                        ("--mib", float), ("--chunk-kib", int), ("--log", str)):
         rank.add_argument(name, type=kind, required=True)
-    parser.add_argument("--out", default="soak-out", help="where the CSV, plot and logs go")
+    parser.add_argument("--out", default="soak-out", help="where the CSV, plot, logs and store "
+                        "go (default: soak-out in the current directory, ignored by git)")
     parser.add_argument("--duration", type=float, default=3600.0, help="seconds of saving")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=2)

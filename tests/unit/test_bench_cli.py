@@ -135,3 +135,13 @@ def test_failover_names_the_settings_it_knows_for_one_it_does_not(tmp_path: Path
     assert done.returncode == 1, done
     assert re.fullmatch(r"bench\.failover: no torchrun setting 'torch default'; [^\n]*"
                         r"torch defaults, [^\n]*\n", done.stderr), done.stderr
+
+
+def test_soak_default_output_stays_out_of_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = parser_of("soak", monkeypatch).get_default("out")
+    for where in (REPO, REPO / "bench"):  # run from the root, or from a folder in it
+        checked = subprocess.run(["git", "check-ignore", "-q", f"{out}/soak.csv"], cwd=where,
+                                 timeout=30)
+        assert checked.returncode == 0, (where, out)
