@@ -482,7 +482,8 @@ class HttpTransport(Transport):
         if self._raw is None:
             from .peer.client import PeerClient
 
-            self._raw = PeerClient(headers=self.session.headers, timeout=self.timeout)
+            self._raw = PeerClient(headers=self.session.headers, timeout=self.timeout,
+                                   label="ckptd server")
         return self._raw
 
     def describe(self) -> str:

@@ -506,12 +506,10 @@ def restore(
         f"{_human(result.bytes)} in {result.seconds:.1f}s into {result.directory}"
         + (f" ({tiers})" if tiers else "")
     )
-    for problem in result.problems:
-        if problem.kind == "damaged":  # (what made a restore of latest take an older step)
-            console.print(f"[yellow]latest skipped[/]: restored step {result.step}, the newest "
-                          f"restorable one: {escape(problem.message)}", soft_wrap=True)
-        else:
-            console.print(f"[yellow]skipped a bad source[/]: {problem}", markup=True)
+    from ckptd.cli.restore_report import restore_notes
+
+    for line in restore_notes(result.problems, result.step):
+        console.print(line, soft_wrap=True)
 
 
 policy_app = typer.Typer(help="Health policies (see docs/policy.md).", no_args_is_help=True,

@@ -135,8 +135,12 @@ class PeerClient:
     def __init__(
         self, token: str | None = None, *, timeout: float | None = None, idle_per_peer: int = 8,
         headers: Mapping[str, str] | None = None, tls: ssl.SSLContext | None = None,
+        label: str = "peer",
     ) -> None:
         self.timeout = knobs.peer_timeout() if timeout is None else timeout
+        #: what the errors call the far end: a ``peer``, the ``ckptd server`` (the
+        #: store tier's reads), the ``object store`` (presigned reads)
+        self.label = label
         self._tls = tls  # for https:// (object stores; peers speak plain HTTP)
         # ``headers``: sent with every request (a ckptd server's chunk route reads the
         # same way, given its bearer token and the job a scoped token acts for).
@@ -239,8 +243,8 @@ class PeerClient:
                     self._open(url), False)
             except OSError as exc:
                 reason = _connect_failure(exc)
-                raise Unavailable(f"peer {url}: {type(exc).__name__}: {exc}", peer=url,
-                                  reason=reason) from exc
+                raise Unavailable(f"{self.label} {url}: {type(exc).__name__}: {exc}",
+                                  peer=url, reason=reason) from exc
             # The whole request has a deadline, not only each read: a peer that
             # trickles a byte at a time would keep every read alive forever.
             conn.deadline = time.monotonic() + self.timeout
@@ -252,15 +256,15 @@ class PeerClient:
                 conn.close()
                 if reused and attempt == 0 and again():
                     continue  # the peer closed an idle connection: once more, fresh
-                raise Unavailable(f"peer {url} dropped the connection: {exc}", peer=url,
+                raise Unavailable(f"{self.label} {url} dropped the connection: {exc}", peer=url,
                                   reason="disconnected") from exc
             except (BlockingIOError, TimeoutError) as exc:
                 conn.close()
-                raise Unavailable(f"peer {url} timed out after {self.timeout} s", peer=url,
+                raise Unavailable(f"{self.label} {url} timed out after {self.timeout} s", peer=url,
                                   reason="timeout") from exc
             except (OSError, ValueError) as exc:
                 conn.close()
-                raise Unavailable(f"peer {url}: {type(exc).__name__}: {exc}", peer=url,
+                raise Unavailable(f"{self.label} {url}: {type(exc).__name__}: {exc}", peer=url,
                                   reason="failed") from exc
             except BaseException:
                 conn.close()
@@ -312,8 +316,8 @@ class PeerClient:
                 break
             if got + size > len(dest):
                 conn.close()
-                raise ChunkSizeMismatch(f"peer {url} sent more than the {len(dest)} bytes of "
-                                        f"chunk {cid}", id=cid, peer=url)
+                raise ChunkSizeMismatch(f"{self.label} {url} sent more than the {len(dest)} "
+                                        f"bytes of chunk {cid}", id=cid, peer=url)
             stream.read_into(dest[got : got + size])
             got += size
             if stream.line():
@@ -328,10 +332,10 @@ class PeerClient:
         else:
             conn.close()
         if got != len(dest):
-            raise ChunkSizeMismatch(f"peer {url} sent {got} bytes for chunk {cid}, expected "
-                                    f"{len(dest)}", id=cid, peer=url)
+            raise ChunkSizeMismatch(f"{self.label} {url} sent {got} bytes for chunk {cid}, "
+                                    f"expected {len(dest)}", id=cid, peer=url)
         if trailers.get(VALID_TRAILER.lower()) == b"0":
-            raise Conflict(f"peer {url}: chunk {cid} was overwritten while it was sent",
+            raise Conflict(f"{self.label} {url}: chunk {cid} was overwritten while it was sent",
                            id=cid, peer=url)
         return got
 

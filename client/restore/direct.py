@@ -38,6 +38,9 @@ EXPIRY_MARGIN_SHARE = 0.1
 # length, try the next chunk.
 _REFUSED = frozenset({400, 401, 403})
 _GONE = frozenset({"unreachable", "timeout"})
+# Connections the object store dropped before direct reads stop: one is a load
+# balancer's or a busy store's, several in one restore are a path that does not hold.
+DROPS_ALLOWED = 3
 
 
 class ObjectStoreSource(Source):
@@ -55,9 +58,10 @@ class ObjectStoreSource(Source):
             margin = min(EXPIRY_MARGIN_S, expire_in * EXPIRY_MARGIN_SHARE)
             self.until = start + expire_in - margin
         self.stopped: str | None = None  # why direct reads stopped (None: they go on)
+        self.drops = 0  # connections the object store dropped so far
         timeout = knobs.request_timeout() if timeout is None else timeout
         # No token: a URL is its own authorization, and nothing of ckptd's goes to it.
-        self.client = PeerClient(None, timeout=timeout, idle_per_peer=16,
+        self.client = PeerClient(None, timeout=timeout, idle_per_peer=16, label="object store",
                                  tls=object_store_tls(os.environ.get("AWS_CA_BUNDLE") or None))
         workers = threads or max(2, min(16, knobs.restore_concurrency()))
         self._pool = concurrent.futures.ThreadPoolExecutor(workers,
@@ -103,9 +107,15 @@ class ObjectStoreSource(Source):
             elif isinstance(status, int) and 300 <= status < 400:
                 # (not followed: a URL signs one host) Every URL of the plan names that
                 # host: the server's S3 endpoint or region is not the bucket's.
-                self._stop(f"the object store redirects presigned URLs elsewhere ({exc})")
+                self._stop(f"the object store redirects presigned URLs elsewhere ({exc}): "
+                           "the server's S3 endpoint or region (?endpoint=, ?region=) is "
+                           "not the bucket's")
             elif exc.detail.get("reason") in _GONE:
                 self._stop(f"the object store cannot be reached ({exc})")
+            elif exc.detail.get("reason") == "disconnected":
+                self.drops += 1
+                if self.drops >= DROPS_ALLOWED:
+                    self._stop(f"the object store dropped {self.drops} connections ({exc})")
             raise
 
     def _stop(self, why: str) -> None:

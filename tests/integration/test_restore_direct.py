@@ -10,6 +10,9 @@ server), bytes bad at rest (a typed error, the target untouched), and both knobs
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,6 +172,25 @@ def test_an_expired_url_falls_back_to_the_server(server: S3Server, front: str) -
     refused = [p for p in result.problems if p.tier == "object"]
     assert refused and all(p.kind == "failed" for p in refused)
     assert "Request has expired" in refused[0].message
+
+
+def test_the_command_line_says_a_refused_object_store_in_one_line(
+        server: S3Server, front: str, tmp_path: Path) -> None:
+    """(Found by a probe.) ``ckptd restore`` printed a Python repr per chunk an object
+    store refused (``ChunkProblem(chunk='...', tier='object', ...)``), the source
+    called a peer."""
+    saved(server, "expired-cli")
+    httpx.post(f"{front}/__front/clock?skew=3600")
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptd", "restore", "--job", "expired-cli", "--rank", "0",
+         "--to", str(tmp_path / "cache"), "--url", server.url],
+        capture_output=True, text=True, timeout=120, env=aws_env())
+    out = " ".join(done.stdout.split())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ChunkProblem(" not in out and "peer http" not in out, out
+    short = [line for line in done.stdout.splitlines() if "fell short" in line]
+    assert len(short) == 1 and "object store" in short[0], done.stdout
+    assert re.search(r"object store: failed for \d+ chunks? \(", out), out
 
 
 def test_a_redirect_stops_direct_reads_and_the_server_serves(
