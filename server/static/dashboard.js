@@ -31,31 +31,8 @@
     return node;
   }
 
-  function bytes(n) {
-    if (n === null || n === undefined) return "–";
-    const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let v = n, i = 0;
-    while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
-    return i === 0 ? `${v} B` : `${v.toFixed(v < 10 ? 2 : 1)} ${units[i]}`;
-  }
-  function count(n) { return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"); }
-  function age(s) {
-    if (s === null || s === undefined) return "–";
-    if (s < 10) return `${s.toFixed(1)} s ago`;
-    if (s < 120) return `${Math.round(s)} s ago`;
-    if (s < 7200) return `${Math.round(s / 60)} min ago`;
-    return `${Math.round(s / 3600)} h ago`;
-  }
-  function clock(ts) {
-    if (!ts) return "–";
-    const d = new Date(ts * 1000);
-    return d.toLocaleTimeString("en-GB", { hour12: false });
-  }
-  function stamp(ts) {
-    if (!ts) return "–";
-    const d = new Date(ts * 1000);
-    return d.toISOString().replace("T", " ").slice(0, 19) + " UTC";
-  }
+  const { bytes, count, age, clock, stamp } = window.ckptdFormat;  // format.js
+
   function signal(health, kind) {
     const signals = (health && health.signals) || {};
     const { names, combine } = SIGNALS[kind];
