@@ -45,6 +45,7 @@ from ckptd.errors import (
     CkptdError,
     InvalidRequest,
     StoreCorrupt,
+    StoreError,
     StoreFull,
     Timeout,
     Unavailable,
@@ -222,7 +223,15 @@ def http_error(resp: httpx.Response) -> CkptdError:
     except ValueError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("code"), str):
-        return from_json(body, resp.status_code)
+        error = from_json(body, resp.status_code)
+        if error.code == StoreError.code:  # (not its kin: store_full, ... say what ckptd found)
+            # The server's own words name its store's endpoint: said as this caller's,
+            # "nothing answered at http://minio:9000" sent users to check the wrong host.
+            url = resp.request.url
+            error = StoreError(f"the ckptd server at {url.scheme}://"
+                               f"{url.netloc.decode('ascii')} could not use its store: "
+                               f"{error.message}", **error.detail)
+        return error
     text = answer_excerpt(resp)
     if resp.status_code >= 500:
         return _UntypedServerError(f"HTTP {resp.status_code}: {text}")
