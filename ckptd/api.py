@@ -427,8 +427,9 @@ class EventBody(_Body):
     at: float = Field(description="Unix time.")
     kind: str = Field(
         examples=["snapshot_requested"],
-        description="snapshot_requested, snapshot_committed, snapshot_expired, rollback_set, "
-        "rollback_cleared, rank_dead, rank_back",
+        description="snapshot_requested, snapshot_committed, snapshot_expired, "
+        "snapshot_dropped, rollback_set, rollback_cleared, rank_dead, rank_back, rank_left, "
+        "restore_fallback",
     )
     rank: int | None
     step: int | None
