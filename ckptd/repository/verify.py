@@ -95,6 +95,7 @@ class Verification(Timelines):
                     report.damage.append({"chunk": cid, "problem": "missing",
                                           "breaks": users[cid]})
                 except ChunkHashMismatch:
+                    report.bytes_checked += sizes[cid]  # (read whole, as a good one)
                     report.bad_chunks.append(cid)
                     report.damage.append({"chunk": cid, "problem": "corrupt",
                                           "breaks": users[cid]})

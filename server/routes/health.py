@@ -40,7 +40,9 @@ class _StoreProbe:
             await asyncio.wait_for(repo.store.exists("jobs/.healthz"), PROBE_TIMEOUT_S)
             ok = True
         except Exception as exc:  # (any failure of the store is a "not ok", logged)
-            log.warning("health: the store does not answer: %s", exc)
+            log.warning("health: the store does not answer: %s",
+                        exc if str(exc) else f"no answer in {PROBE_TIMEOUT_S:g} s"
+                        if isinstance(exc, TimeoutError) else type(exc).__name__)
             ok = False
         self.ok, self.at = ok, time.monotonic()
 

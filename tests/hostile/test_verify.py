@@ -124,5 +124,7 @@ def test_streamed_verify_reports_progress_in_bytes(store_server: ServerProcess) 
     assert any("bytes_checked" in x for x in lines[:-1])
     report = lines[-1]["report"]
     assert report["ok"] is False and report["bytes_total"] > 0
+    # A corrupt chunk was read whole too (a probe: "checked 5 chunks (4.5 MiB)" of 8.5).
+    assert report["bytes_checked"] == report["bytes_total"], report
     (damage,) = report["damage"]
     assert {(u["step"], u["tensor"]) for u in damage["breaks"]} == {(1, "emb"), (2, "emb")}

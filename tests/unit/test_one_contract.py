@@ -1,7 +1,7 @@
 """One contract for every server call (issue 13, item 4).
 
 - Only the transport talks HTTP to a server: no module of the client or the CLI
-  outside ``client/transport*.py``, ``client/calls.py`` and ``client/routing.py``
+  outside ``client/transport*.py``, ``client/calls.py`` and ``client/routing*.py``
   makes an httpx client or request, reaches into a transport's ``_request`` or
   ``_client``, or writes a server path (``/v1/...``, ``/healthz``) of its own. The
   peer-to-peer client and server (``client/peer/``) talk to peers, not the server.
@@ -24,7 +24,7 @@ from ckptd.client.calls import Call, Reads
 from ckptd.format import RankManifest
 
 ROOT = Path(__file__).resolve().parents[2]
-TRANSPORT = {"transport.py", "transport_http.py", "calls.py", "routing.py"}
+TRANSPORT = {"transport.py", "transport_http.py", "calls.py", "routing.py", "routing_sync.py"}
 PEERS = ROOT / "client" / "peer"  # peer to peer: another protocol, another party
 HTTPX_CALLS = {"Client", "AsyncClient", "get", "post", "put", "delete", "patch", "head",
                "request", "stream", "HTTPTransport", "AsyncHTTPTransport"}
