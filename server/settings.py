@@ -249,6 +249,18 @@ class Settings(BaseSettings):
             raise ValueError(f"{value!r} is several URLs; advertise one: http(s)://host:port")
         return value
 
+    @field_validator("scrub_replica")
+    @classmethod
+    def _replica_store_there(cls, value: str | None) -> str | None:
+        # Opened by the server's lifespan: a URL no store has was a traceback from
+        # there, and a mistyped path an empty directory made and "repaired" from.
+        if not value:
+            return None
+        from ckptd.lifecycle.scrub import replica_store
+
+        replica_store(value)  # InvalidRequest (a ValueError) says what is wrong
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _known_log_level(cls, value: str) -> str:

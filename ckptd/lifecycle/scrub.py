@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptd.documents import parse_stored
 from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound, StoreCorrupt
@@ -23,6 +24,7 @@ from ckptd.hashing import chunk_id
 from ckptd.lifecycle.capacity import committed_steps
 from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key
 from ckptd.repository import Repository
+from ckptd.store import open_store
 from ckptd.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,27 @@ class ScrubProgress:
     chunks_checked: int = 0
     bytes_checked: int = 0
     corrupt: int = 0
+
+
+def replica_store(url: str) -> Store:
+    """The replica store ``url`` names (a server's ``CKPTD_SCRUB_REPLICA``), opened
+    without creating it; ``InvalidRequest`` saying what is wrong with it: a server,
+    ``memory://`` (a new, empty store), a URL no store has, or a directory that is
+    not there (scrub repairs from a copy of the store and never makes one)."""
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequest(f"{url} is a server: name a copy of the store (a directory, "
+                             "file:///path or s3://bucket/prefix); a server's scrub also "
+                             "repairs from its ranks' peers")
+    if url.startswith("memory://"):
+        raise InvalidRequest("memory:// is a new, empty store: name a copy of the store (a "
+                             "directory, file:///path or s3://bucket/prefix)")
+    try:
+        return open_store(url, create=False)
+    except NotFound as exc:  # (a directory not there: a mistyped path)
+        path = Path(str(exc.detail.get("path", url)))
+        what = "a file" if path.exists() else "no such directory"
+        raise InvalidRequest(f"no store at {path} ({what}); name a copy of the store to "
+                             "repair from (scrub never creates one)") from None
 
 
 def store_source(store: Store) -> ChunkSource:

@@ -105,6 +105,8 @@ class LifecycleService:
         #: told (job, steps) of the steps retention forgot through this server, after
         #: the census: a server's caches of them go with them (they must return at once)
         self.on_forgotten: list[Callable[[str, list[int]], None]] = []
+        #: awaited last when it stops (a replica store's client is closed)
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def space(self) -> StoreSpace | None:
@@ -193,6 +195,8 @@ class LifecycleService:
         if self.repo.on_committed == self.census.note_commit:
             self.repo.on_committed = None
         await self.census.close()
+        for close in self.on_stop:
+            await close()
 
     async def _loop(self, name: str, every: float, work: Callable[[], Awaitable[object]]
                     ) -> None:

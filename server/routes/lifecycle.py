@@ -31,7 +31,7 @@ from ckptd.lifecycle.capacity import SpaceGuard
 from ckptd.lifecycle.gc import MAX_GRACE, GcReport, gc_state
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
 from ckptd.lifecycle.retention import RetentionPolicy, StepDecision, load_retention
-from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, store_source
+from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, replica_store, store_source
 from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings, ScrubRun
 from ckptd.lifecycle.tags import read_tags, remove_tag
 from ckptd.repository import Repository
@@ -41,7 +41,6 @@ from ckptd.server.routes import error_responses
 from ckptd.server.routing import ApiRoute
 from ckptd.server.scrub_peers import peer_source
 from ckptd.server.settings import Settings
-from ckptd.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +326,8 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
     await remove_stale_temporaries(repository.store, max_upload_s=settings.max_upload_s)
     repository.space_guard = SpaceGuard(repository.store, min_free_bytes=settings.min_free_bytes,
                                         warn_free_bytes=settings.warn_free_bytes)
-    replica = open_store(settings.scrub_replica) if settings.scrub_replica else None
+    # (never created: Settings checked that it is there, as `ckptd scrub --replica` does)
+    replica = replica_store(settings.scrub_replica) if settings.scrub_replica else None
     # Never with the server's token: each job's ranks with that job's peer token
     # (docs/SECURITY.md, "What leaves the server").
     peers = peer_source(app.state.registry, app.state.views, app.state.peer_secret,
@@ -345,6 +345,8 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
     ), sources=sources)
     app.state.metrics.prometheus.register(_LifecycleCollector(service))
     service.on_forgotten += [app.state.views.forget, app.state.tenants.forget]
+    if replica is not None:
+        service.on_stop.append(replica.close)
     service.start()
     return service
 
