@@ -5,7 +5,9 @@ resumes after it and wraps around, so the chunk verified longest ago is always
 next. A corrupt chunk is repaired from any source (a replica store, a live peer)
 whose copy hashes to the id, by compare-and-swap against the corrupt bytes. One
 that cannot be repaired marks every committed step that names it damaged
-(``jobs/<job>/damage/<step>.json``); restore of ``latest`` then skips those steps."""
+(``jobs/<job>/damage/<step>.json``); restore of ``latest`` then skips those steps.
+A marked chunk found good later (repaired, or put back by hand) leaves the marker,
+by compare-and-swap; the marker goes with its last chunk, and the step is whole."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound, 
 from ckptd.format import chunk_key, commit_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.capacity import committed_steps
-from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key
+from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key, damage_prefix
 from ckptd.repository import Repository
 from ckptd.store import open_store
 from ckptd.store.base import Store
@@ -45,6 +47,8 @@ class ScrubReport:
     corrupt: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     damaged: dict[str, list[int]] = field(default_factory=dict)  # job -> steps marked
+    # job -> steps whose marker this run removed: every chunk it named reads good now
+    whole_again: dict[str, list[int]] = field(default_factory=dict)
     # Other damaged documents met, each named and what became of it: scrub's own
     # cursor or a damage marker (replaced), a commit record that does not read
     # (its step could not be checked for the corrupt chunks).
@@ -138,13 +142,29 @@ async def scrub(
     order = ids[start:] + ids[:start]
     after, passes, pass_started = cursor.after, cursor.passes, cursor.pass_started_at
     unrepaired: list[str] = []
+    # The chunks markers name, and when this run found each of them good (a good
+    # read, or a repair): keep() takes them out of the markers.
+    marked = {cid async for _, _, doc in _markers(repo) for cid in doc.chunks}
+    healed: dict[str, float] = {}
     ours = True  # the stored cursor is this run's to move (not another scrubber's)
 
     async def keep() -> None:
         """Marks the damage found so far, then stores how far this run got: a run
         stopped midway (a server restarting) loses neither, and the next resumes. In
-        that order: a cursor never passes a corrupt chunk whose steps are unmarked."""
-        nonlocal cursor_bytes, ours, unrepaired
+        that order: a cursor never passes a corrupt chunk whose steps are unmarked.
+        First, the chunks found good leave the markers naming them."""
+        nonlocal cursor_bytes, ours, unrepaired, healed
+        if healed:
+            try:
+                whole = await clear_damage(repo, healed)
+            except (CkptdError, OSError) as exc:  # (kept for the next keep; marking goes on)
+                log.warning("scrub: taking chunks found good out of damage markers failed: "
+                            "%s", exc)
+            else:
+                for job, steps in whole.items():
+                    report.whole_again[job] = sorted({*report.whole_again.get(job, ()),
+                                                      *steps})
+                healed = {}
         if unrepaired:
             found = set(unrepaired)
             marked = await mark_damage(repo, found, clock(), report.damaged_documents)
@@ -183,8 +203,11 @@ async def scrub(
                 report.corrupt.append(cid)
                 if await _repair(store, cid, data, sources):
                     report.repaired.append(cid)
+                    healed[cid] = clock()  # (marked by another scrub meanwhile, maybe)
                 else:
                     unrepaired.append(cid)
+            elif cid in marked:
+                healed[cid] = clock()
             progress.chunks_checked, progress.bytes_checked = (report.chunks_checked,
                                                                report.bytes_checked)
             progress.corrupt = len(report.corrupt)
@@ -206,9 +229,9 @@ async def scrub(
         raise
     await keep()
     report.seconds = time.perf_counter() - t0
-    log.info("scrub: %d chunks (%d bytes), %d corrupt, %d repaired, damaged %s",
-             report.chunks_checked, report.bytes_checked, len(report.corrupt),
-             len(report.repaired), report.damaged)
+    log.info("scrub: %d chunks (%d bytes), %d corrupt, %d repaired, damaged %s, whole "
+             "again %s", report.chunks_checked, report.bytes_checked, len(report.corrupt),
+             len(report.repaired), report.damaged, report.whole_again)
     return report
 
 
@@ -278,6 +301,57 @@ async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now
         if await store.compare_and_swap(key, current, doc.canonical()):
             log.error("scrub: step %d of %s is damaged (%d chunks)", step, job, len(chunks))
             return
+
+
+async def _markers(repo: Repository) -> AsyncIterator[tuple[str, bytes, Damage]]:
+    """(key, bytes, parsed) of every damage marker that reads; one that does not is
+    replaced when scrub next marks its step."""
+    for job in await repo.list_jobs():
+        for name in await repo.store.list_dir(damage_prefix(job)):
+            key = f"{damage_prefix(job)}{name}"
+            try:
+                data = await repo.store.get(key)
+                yield key, data, Damage.parse(data)
+            except (NotFound, InvalidDocument):
+                continue
+
+
+async def clear_damage(repo: Repository, good: dict[str, float]) -> dict[str, list[int]]:
+    """Takes the chunks of ``good`` (id -> when it was found good) out of the damage
+    markers naming them; job -> the steps whose marker went with its last chunk."""
+    whole: dict[str, list[int]] = {}
+    async for key, _, doc in _markers(repo):
+        if good.keys() & set(doc.chunks) and await _shrink_damage(repo.store, key, good):
+            whole.setdefault(doc.job, []).append(doc.step)
+    return whole
+
+
+async def _shrink_damage(store: Store, key: str, good: dict[str, float]) -> bool:
+    """Rewrites the marker at ``key`` without the chunks of ``good`` found good after
+    it was written, or deletes it when none is left (True). By compare-and-swap
+    against the bytes read, as ``_write_damage`` adds: a chunk another scrub marks
+    meanwhile is never dropped unseen. A chunk found good before the marker was last
+    written may have been read bad since: it stays, until a later good read."""
+    for _ in range(100):
+        try:
+            current = await store.get(key)
+            doc = Damage.parse(current)
+        except (NotFound, InvalidDocument):
+            return False  # (gone with its step, or replaced when scrub next marks)
+        left = [c for c in doc.chunks if good.get(c, -1.0) < doc.found_at]
+        if len(left) == len(doc.chunks):
+            return False
+        if not left:
+            if await store.compare_and_delete(key, current):
+                log.warning("scrub: step %d of %s is whole again (its damaged chunks read "
+                            "good)", doc.step, doc.job)
+                return True
+        elif await store.compare_and_swap(key, current, Damage(
+                job=doc.job, step=doc.step, chunks=left, found_at=doc.found_at).canonical()):
+            log.warning("scrub: step %d of %s: %d of its damaged chunks read good, %d still "
+                        "damaged", doc.step, doc.job, len(doc.chunks) - len(left), len(left))
+            return False
+    return False
 
 
 async def damaged_steps(repo: Repository, job: str) -> dict[int, list[str]]:
