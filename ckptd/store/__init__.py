@@ -42,6 +42,7 @@ def open_store(url: str, *, direct: bool = False, create: bool = True) -> Store:
         return LocalStore(urlparse(url).path, create=create)
     if url.startswith("s3://"):
         parsed = urlparse(url)
+        _refuse_credentials(parsed.netloc, parse_qs(parsed.query).get("endpoint", []))
         if not parsed.netloc:
             raise InvalidRequest(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
         query = parse_qs(parsed.query, keep_blank_values=True)
@@ -70,3 +71,14 @@ def open_store(url: str, *, direct: bool = False, create: bool = True) -> Store:
             f"unsupported store URL {url!r} (use a path, file:///path or s3://bucket/prefix)"
         )
     return LocalStore(url, create=create)
+
+
+def _refuse_credentials(bucket: str, endpoints: list[str]) -> None:
+    """``InvalidRequest`` for an s3:// URL that holds credentials (``s3://key:secret@
+    bucket``, ``?endpoint=http://user:pass@host``), in a line that never repeats them:
+    the URL is printed in errors, logs and ``/healthz``."""
+    if "@" in bucket or any("@" in urlparse(e).netloc for e in endpoints):
+        where = "?endpoint=" if "@" not in bucket else "the bucket"
+        raise InvalidRequest(f"the store URL holds credentials (user:password@ in {where}), "
+                             "which ckptd would print and log: credentials go in "
+                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")

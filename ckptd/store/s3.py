@@ -12,15 +12,15 @@ sources (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ..
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
+import re
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
@@ -33,8 +33,9 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckptd import knobs
-from ckptd.errors import InvalidRequest, NotFound, StoreError
+from ckptd.errors import CkptdError, InvalidRequest, NotFound, StoreError
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
+from ckptd.store.s3_advice import aws_setting
 from ckptd.store.s3_presign import SigningKey, presign_get
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ _PRECONDITION_FAILED = frozenset({"PreconditionFailed", "412"})
 # the caller to retry.
 _CONFLICT = frozenset({"ConditionalRequestConflict", "OperationAborted", "409"})
 _CONFLICT_ATTEMPTS = 5
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}|arn:[^/]+")
 # Set while a store's own probe runs (its writes, and the tasks it gathers them in).
 _IN_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptd_s3_probe",
                                                                 default=False)
@@ -111,8 +113,12 @@ class S3Store(Store):
         page_size: int = 1000,
         concurrency: int = 32,
     ) -> None:
-        if not bucket or "/" in bucket:
-            raise InvalidRequest(f"bad S3 bucket name {bucket!r}")
+        if not _BUCKET.fullmatch(bucket):  # (never botocore's regex dump, nor "user:pw@")
+            raise InvalidRequest(f"bad S3 bucket name {bucket.rpartition('@')[2]!r}: letters, "
+                                 "digits, '.', '-' and '_' (s3://bucket/prefix)")
+        if endpoint_url is not None and "@" in urlsplit(endpoint_url).netloc:
+            raise InvalidRequest("an S3 endpoint takes no user:password@: credentials go in "
+                                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
         if not 1 <= page_size <= 1000:
             raise InvalidRequest(f"page_size {page_size} must be in [1, 1000] (S3's own limit)")
         if concurrency < 1:
@@ -156,15 +162,15 @@ class S3Store(Store):
         return config.merge(theirs) if theirs is not None else config
 
     async def _open_client(self, loop: asyncio.AbstractEventLoop) -> _LoopClient:
-        with self._lock:
-            if self._session is None:
-                self._session = _new_session()
-            session = self._session
         kwargs = {k: v for k, v in self._client_kwargs.items() if k != "config"}
         kwargs.setdefault("endpoint_url", self.endpoint_url)
         kwargs.setdefault("region_name", self.region)
         stack = AsyncExitStack()
         try:
+            with self._lock:  # (a session reads the AWS config files: AWS_PROFILE...)
+                if self._session is None:
+                    self._session = _new_session()
+                session = self._session
             client = await stack.enter_async_context(
                 session.create_client("s3", config=self._config(), **kwargs)
             )
@@ -175,6 +181,10 @@ class S3Store(Store):
             with self._lock:  # so that the next call tries again
                 if self._clients.get(loop) is asyncio.current_task():
                     del self._clients[loop]
+            if isinstance(exc, CkptdError):  # (a CKPTD_* setting, a NotFound prefix)
+                raise
+            if (setting := aws_setting(exc)) is not None:
+                raise setting from None
             if isinstance(exc, BotoCoreError | ClientError | ValueError):
                 raise StoreError(f"cannot open an S3 client for {self.describe()}: {exc}") from exc
             raise
@@ -221,8 +231,9 @@ class S3Store(Store):
             self._clients.clear()
         for loop, task in tasks:
             if loop is here:
-                with contextlib.suppress(StoreError):  # it never opened
-                    await (await task).stack.aclose()
+                await asyncio.wait([task])  # (an open that failed told its own caller)
+                if (opened := _opened(task)) is not None:
+                    await opened.stack.aclose()
             elif loop.is_running() and (opened := _opened(task)) is not None:
                 # Closed by that loop's own thread; waiting here could deadlock with it.
                 asyncio.run_coroutine_threadsafe(opened.stack.aclose(), loop)
@@ -548,7 +559,9 @@ class S3Store(Store):
         return f"{base.scheme}://{base.netloc}{base.path[: -len(probe)]}"
 
     def describe(self) -> str:
+        """The store's URL, as ``open_store`` takes it (never credentials: they are
+        refused in the URL)."""
+        query = {k: v for k, v in (("endpoint", self.endpoint_url), ("region", self.region))
+                 if v}
         url = f"s3://{self.bucket}/{self.prefix}"
-        if self.endpoint_url:
-            url += f"?endpoint={quote(self.endpoint_url, safe=':/')}"
-        return url
+        return url + (f"?{urlencode(query, safe=':/', quote_via=quote)}" if query else "")
