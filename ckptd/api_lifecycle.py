@@ -68,6 +68,9 @@ class ScrubResult(BaseModel):
     damaged_documents: list[str] = Field(
         default_factory=list, description="Other damaged documents scrub met, each named "
         "and what became of it (its cursor or a damage marker: replaced).")
+    whole_again: dict[str, list[int]] = Field(
+        default_factory=dict, description="Steps of each job a damage marker named whose "
+        "damaged chunks read good now (repaired, or put back): restorable again.")
 
 
 class TagBody(BaseModel):

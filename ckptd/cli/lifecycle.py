@@ -396,12 +396,13 @@ def scrub(
                   f"{r['seconds']:.2f} s: those in the store (`ckptd verify JOB` finds the "
                   "missing ones)")
     for cid in r["corrupt"]:
-        fixed = cid in r["repaired"]
-        console.print(("[green]repaired[/]" if fixed else "[bold red]corrupt[/]") + f" {cid}",
-                      soft_wrap=True)
+        console.print(f"{'[green]repaired' if cid in r['repaired'] else '[bold red]corrupt'}[/] "
+                      f"{cid}", soft_wrap=True)
     for job, steps in r["damaged"].items():
         console.print(f"[bold red]damaged[/] {escape(job)} steps {steps} (restore of latest "
                       "skips them)")
+    for job, steps in r.get("whole_again", {}).items():  # (an older server does not say)
+        console.print(f"[green]whole again[/] {escape(job)} steps {steps} (chunks good now)")
     documents = r.get("damaged_documents", [])  # (an older server does not say)
     for doc in documents:  # ("damaged document KEY: what is wrong; what became of it")
         console.print(escape(visible(doc)), soft_wrap=True, highlight=False)
@@ -529,10 +530,8 @@ def tag(
 
 @app.command()
 def untag(
-    job: Annotated[str, typer.Argument()],
-    name: Annotated[str, typer.Argument()],
-    url: UrlOpt = DEFAULT_URL,
-    token: TokenOpt = None,
+    job: Annotated[str, typer.Argument()], name: Annotated[str, typer.Argument()],
+    url: UrlOpt = DEFAULT_URL, token: TokenOpt = None,
 ) -> None:
     """Remove a tag (the step is then kept only if a retention rule keeps it)."""
 

@@ -110,6 +110,7 @@ def test_a_step_repaired_by_scrub_replica_is_whole_again(store: Path, pristine: 
                          env=WIDE)
         said = repaired.stdout + repaired.stderr
         assert repaired.returncode == 0 and f"repaired {chunk.name}" in said, said
+        assert f"whole again {JOB} steps [3]" in said, said
         verified = ckptd("verify", JOB, "--url", srv.url, env=WIDE)
         assert verified.returncode == 0, verified.stdout + verified.stderr
         _whole(srv.url, store)
@@ -130,6 +131,7 @@ def test_a_server_repairing_from_its_scrub_replica_makes_the_step_whole(
         repaired = ckptd("scrub", "--url", srv.url, env=WIDE)
         said = repaired.stdout + repaired.stderr
         assert repaired.returncode == 0 and f"repaired {chunk.name}" in said, said
+        assert f"whole again {JOB} steps [3]" in said, said  # (through the server's answer)
         _whole(srv.url, store)
     finally:
         srv.stop()
