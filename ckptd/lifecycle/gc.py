@@ -131,7 +131,8 @@ class _Lease:
         if current.phase != "idle" and (current.expires_at > now or sweeping(current, now)):
             raise GcInProgress(
                 f"garbage collection {current.generation} is already {current.phase} "
-                f"(until {live_until - now:.0f} s from now)",
+                f"(until {live_until - now:.0f} s from now): run `ckptd gc` again once it "
+                "ended, or through the server collecting (--url http://...) to follow it",
                 generation=current.generation,
             )
         if current.phase != "idle":

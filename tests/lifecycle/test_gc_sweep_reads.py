@@ -116,3 +116,17 @@ async def test_a_collection_out_of_lease_time_hands_the_lease_back() -> None:
     assert await store.exists(chunk_key(chunk_id(ORPHAN)))
     assert (await read_state(store))[0].phase == "idle"
     await asyncio.wait_for(repo.missing_chunks(["ab" * 32]), 5)  # a writer goes on at once
+
+
+async def test_a_collection_under_way_elsewhere_is_said_with_what_to_do() -> None:
+    """(Found by a probe.) A direct ``ckptd gc`` while a server's collection marks
+    said only "garbage collection 6 is already marking (until 58 s from now)"."""
+    store = MemoryStore()
+    held = GcState(generation=6, phase="marking", holder="a server", started_at=time.time(),
+                   expires_at=time.time() + 60)
+    assert await store.put_if_absent(GC_STATE_KEY, held.canonical())
+    with pytest.raises(GcInProgress) as raised:
+        await collect_garbage(store, grace=0.0)
+    said = raised.value.message
+    assert "garbage collection 6 is already marking" in said
+    assert "once it ended" in said and "--url http://" in said
