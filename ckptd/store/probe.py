@@ -16,7 +16,10 @@ both win: two commit records of one step, a ``latest`` moved backwards. So
   turn racing conditional writes all away (S3's 409), and the callers retry.
 
 Probes of replicas starting together never meet (each its own random keys), and
-a probe leaves nothing behind (on a local directory, not its lock files either)."""
+a probe leaves nothing behind (on a local directory, not its lock files either):
+it deletes the keys it wrote to; after a failure or when cancelled, in one try of
+at most ``connect_timeout`` (a store that did not answer the probe will not answer
+its deletes either: retrying them held ``serve`` for minutes)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import contextlib
 import sys
 import uuid
 
+from ckptd import knobs
 from ckptd.errors import CkptdError, NotFound
 from ckptd.store.base import Store
 from ckptd.store.local import LocalStore
@@ -63,6 +67,23 @@ def _one_winner(won: list[bool], bodies: list[bytes], kept: bytes | None,
     return kept == (bodies[won.index(True)] if any(won) else before)
 
 
+async def _forget(store: Store, keys: list[str], *, failed: bool) -> None:
+    """Deletes ``keys``, the probe's; after a failure (``failed``), one bounded try."""
+    async def delete_all() -> None:
+        for key in keys:
+            await store.delete(key)
+
+    with contextlib.suppress(CkptdError, OSError, TimeoutError):
+        if failed:
+            await asyncio.wait_for(delete_all(), knobs.connect_timeout())
+        else:
+            await delete_all()
+    if isinstance(store, LocalStore):  # one lock file per probe and start, else
+        for key in keys:
+            with contextlib.suppress(OSError):
+                store.forget_ref_lock(key)
+
+
 async def _race_creates(store: Store, key: str, writers: int) -> str | None:
     bodies = [f"writer {i}".encode() for i in range(writers)]
     won = await asyncio.gather(*(store.put_if_absent(key, b) for b in bodies))
@@ -88,30 +109,34 @@ async def conditional_write_gaps(store: Store, *, writers: int = WRITERS) -> lis
     """What ``store`` lacks of conditional writes; empty when it has them all."""
     base = f"{PROBE_PREFIX}{uuid.uuid4().hex}-"  # (flat: no directory left per probe)
     gaps: list[str] = []
+    written: list[str] = []  # keys a write went to (one that failed may have landed)
+
+    def key(name: str) -> str:
+        written.append(base + name)
+        return base + name
+
     try:
-        key = base + "absent"
-        await store.put_if_absent(key, b"first")
-        if await store.put_if_absent(key, b"second") or await _value(store, key) != b"first":
+        absent = key("absent")
+        await store.put_if_absent(absent, b"first")
+        if await store.put_if_absent(absent, b"second") or (
+                await _value(store, absent) != b"first"):
             gaps.append("a put-if-absent replaced an existing object (If-None-Match is "
                         "ignored)")
-        key = base + "ref"
-        await store.put_if_absent(key, b"one")
-        if not await store.compare_and_swap(key, b"one", b"two"):
+        ref = key("ref")
+        await store.put_if_absent(ref, b"one")
+        if not await store.compare_and_swap(ref, b"one", b"two"):
             gaps.append("a compare-and-swap from the current value of an object nobody "
                         "else writes failed (refs could never move)")
-        elif await store.compare_and_swap(key, b"one", b"three") or (
-                await _value(store, key) != b"two"):
+        elif await store.compare_and_swap(ref, b"one", b"three") or (
+                await _value(store, ref) != b"two"):
             gaps.append("a compare-and-swap from a stale value succeeded")
-        elif (stale := await _stale_etag(store, key)) is not None:
+        elif (stale := await _stale_etag(store, ref)) is not None:
             gaps.append(stale)
         for race, name in ((_race_creates, "race-create"), (_race_swaps, "race-swap")):
-            if (gap := await race(store, base + name, writers)) is not None:
+            if (gap := await race(store, key(name), writers)) is not None:
                 gaps.append(gap)
-    finally:
-        for name in ("absent", "ref", "race-create", "race-swap"):
-            with contextlib.suppress(CkptdError, OSError):
-                await store.delete(base + name)
-            if isinstance(store, LocalStore):  # one lock file per probe and start, else
-                with contextlib.suppress(OSError):
-                    store.forget_ref_lock(base + name)
+    except BaseException:  # (CancelledError too: a bounded try, then on)
+        await _forget(store, written, failed=True)
+        raise
+    await _forget(store, written, failed=False)
     return gaps

@@ -24,18 +24,13 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-)
-from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.handlers import add_expect_header
 
 from ckptd import knobs
 from ckptd.errors import CkptdError, InvalidRequest, NotFound, StoreError
 from ckptd.store.base import ObjectInfo, Store, check_key, check_prefix
-from ckptd.store.s3_advice import aws_setting
+from ckptd.store.s3_advice import answer_hint, aws_setting, connection_hint, never_retried
 from ckptd.store.s3_presign import SigningKey, presign_get
 
 log = logging.getLogger(__name__)
@@ -150,10 +145,11 @@ class S3Store(Store):
     # -- the client ---------------------------------------------------------------------
 
     def _config(self) -> AioConfig:
-        timeout = knobs.request_timeout()
         config = AioConfig(
-            connect_timeout=timeout,
-            read_timeout=timeout,
+            # A host that takes no connection fails each attempt after seconds, not
+            # after CKPTD_REQUEST_TIMEOUT (60 s, times the attempts).
+            connect_timeout=knobs.connect_timeout(),
+            read_timeout=knobs.request_timeout(),
             retries={"mode": "standard", "total_max_attempts": knobs.retries() + 1},
             # exists_many runs `concurrency` requests at once; let them all have a socket
             max_pool_connections=max(10, self.concurrency),
@@ -174,6 +170,12 @@ class S3Store(Store):
             client = await stack.enter_async_context(
                 session.create_client("s3", config=self._config(), **kwargs)
             )
+            # aiohttp starts its read timeout once a body is sent, and with "Expect:
+            # 100-continue" sends it only after the 100: a PutObject to an endpoint
+            # that never answers waited forever. (A write refused, 412 or 403, now
+            # sends its body first: bodies are at most a chunk.)
+            client.meta.events.unregister("before-call.s3", add_expect_header)
+            client.meta.events.register_first("needs-retry.s3", never_retried)
             if self.must_exist:
                 await self._holds_something(client)
         except BaseException as exc:
@@ -250,11 +252,7 @@ class S3Store(Store):
         if isinstance(exc, ClientError):
             code, status = _code(exc), _status(exc)
             message = exc.response.get("Error", {}).get("Message", "") or str(exc)
-            hint = ""
-            if code == "NoSuchBucket":
-                hint = f" (bucket {self.bucket!r} does not exist)"
-            elif status == 403:
-                hint = " (check the credentials and the bucket policy)"
+            hint = answer_hint(op, code, status, self.bucket, self.endpoint_url)
             return StoreError(
                 f"S3 {op} of {self._url(key)} failed: {code or 'error'} "
                 f"(HTTP {status}){hint}: {message}",
@@ -262,20 +260,9 @@ class S3Store(Store):
                 s3_code=code,
                 http_status=status,
             )
-        return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}{self._hint(exc)}",
+        return StoreError(f"S3 {op} of {self._url(key)} failed: {exc}"
+                          f"{connection_hint(exc, self.endpoint_url)}",
                           key=key)
-
-    def _hint(self, exc: Exception) -> str:
-        """What to do about a failure botocore had before any S3 answered."""
-        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
-            return ("; give this process credentials (AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)")
-        if isinstance(exc, BotoConnectionError):
-            where = self.endpoint_url or "AWS's S3 (no ?endpoint= in the store URL)"
-            return (f"; nothing answered at {where}: check that this host reaches it, and "
-                    "for an S3 other than AWS's give its address as "
-                    "s3://bucket/prefix?endpoint=http://host:port")
-        return ""
 
     async def _put(self, key: str, data: bytes | memoryview, *, read_back: bool = True,
                    **condition: str) -> bool:
