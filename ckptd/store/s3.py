@@ -17,7 +17,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -84,7 +84,17 @@ class _LoopClient:
 
     def __init__(self, client: Any, stack: AsyncExitStack) -> None:
         self.client = client
-        self.stack = stack
+        self.closing = _closing(stack)
+
+
+async def _closing(stack: AsyncExitStack) -> AsyncGenerator[None, None]:
+    """Open while its client is. A loop's shutdown (``asyncio.run``'s end) closes the
+    async generators still open: so the client of a store nobody closed (a script
+    ended by an exception) too, which aiohttp reported as "Unclosed client session"."""
+    try:
+        yield
+    finally:
+        await stack.aclose()
 
 
 def _opened(task: asyncio.Task[_LoopClient]) -> _LoopClient | None:
@@ -190,7 +200,9 @@ class S3Store(Store):
             if isinstance(exc, BotoCoreError | ClientError | ValueError):
                 raise StoreError(f"cannot open an S3 client for {self.describe()}: {exc}") from exc
             raise
-        return _LoopClient(client, stack)
+        opened = _LoopClient(client, stack)
+        await anext(opened.closing)  # (the loop holds it from its first step)
+        return opened
 
     async def check_open(self) -> None:
         client = await self._client()
@@ -235,10 +247,10 @@ class S3Store(Store):
             if loop is here:
                 await asyncio.wait([task])  # (an open that failed told its own caller)
                 if (opened := _opened(task)) is not None:
-                    await opened.stack.aclose()
+                    await opened.closing.aclose()
             elif loop.is_running() and (opened := _opened(task)) is not None:
                 # Closed by that loop's own thread; waiting here could deadlock with it.
-                asyncio.run_coroutine_threadsafe(opened.stack.aclose(), loop)
+                asyncio.run_coroutine_threadsafe(opened.closing.aclose(), loop)
 
     # -- naming and errors ---------------------------------------------------------------
 
