@@ -27,8 +27,8 @@ def command_logging(verbose: bool) -> None:
     """Every command's logging, before it runs (``--verbose``: debug records too)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format=_DAEMON)
-    for name in _SECRET_DEBUG:
-        logging.getLogger(name).setLevel(logging.INFO)
+    for name in _SECRET_DEBUG:  # (without --verbose they take the root's WARNING)
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.NOTSET)
     if not verbose:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(_Plain())
