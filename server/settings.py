@@ -149,7 +149,8 @@ class Settings(BaseSettings):
     scrub_budget_bytes: int = Field(default=256 << 20, ge=0, description="Bytes per scrub run.")
     scrub_rate: float = Field(default=64 << 20, gt=0, description="Scrub bytes per second.")
     scrub_replica: str | None = Field(
-        default=None, description="A replica store URL scrub repairs corrupt chunks from."
+        default=None, description="A replica store URL scrub repairs corrupt chunks from "
+        "(it must be there: scrub never creates one)."
     )
     scrub_peer_timeout: float = Field(
         default=30.0, gt=0, le=3600,
@@ -188,7 +189,8 @@ class Settings(BaseSettings):
     )
     presigned_read_seconds: int = Field(
         default=900, ge=30, le=7 * 24 * 3600,
-        description="Seconds a restore plan's presigned URLs stay valid.",
+        description="Seconds a restore plan's presigned URLs stay valid (30 to 604800, "
+        "S3's longest).",
     )
     heartbeat_signal_bytes: int = Field(
         default=16 << 10, ge=1024,
