@@ -4,7 +4,6 @@ read's timeout once, not once each before the live one is asked."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -12,6 +11,7 @@ import pytest
 
 from ckptd.client.transport_http import SyncTransport
 from tests.conftest import ServerProcess
+from tests.listeners import silent_listener
 
 _LEARN_READ_TIMEOUT = 5.0  # (client/routing.py's _LEARN_TIMEOUT)
 
@@ -20,15 +20,8 @@ _LEARN_READ_TIMEOUT = 5.0  # (client/routing.py's _LEARN_TIMEOUT)
 def hung_urls() -> Iterator[list[str]]:
     """Two listeners that never answer: the kernel takes the connection (the
     backlog), the bytes sent, and nothing comes back, as from a stopped process."""
-    socks = []
-    for _ in range(2):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        socks.append(sock)
-    yield [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    for sock in socks:
-        sock.close()
+    with silent_listener() as a, silent_listener() as b:
+        yield [a, b]
 
 
 def test_the_first_membership_read_asks_hung_replicas_at_once(

@@ -244,20 +244,15 @@ def test_file_url_with_a_host_is_refused(args: list[str], tmp_path: Path) -> Non
 def web_server(tmp_path: Path) -> Iterator[str]:
     """A plain HTTP file server (not ckptd) on loopback: /v1/jobs is an HTML page."""
     import functools
-    import threading
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import SimpleHTTPRequestHandler
+
+    from tests.listeners import http_program
 
     (tmp_path / "www" / "v1").mkdir(parents=True)
     (tmp_path / "www" / "v1" / "jobs").write_text("<!DOCTYPE HTML>\n<html>\n<body>\n" * 10)
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_program(functools.partial(SimpleHTTPRequestHandler,
+                                        directory=str(tmp_path / "www"))) as url:
+        yield url
 
 
 def test_a_url_that_is_no_ckptd_server_is_named_in_one_line(web_server: str) -> None:

@@ -11,11 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 from ckptd.client import Checkpointer
 from tests.conftest import ServerProcess
 from tests.integration.test_cli_mistakes import assert_short_usage_error
+from tests.listeners import http_program
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -66,14 +66,8 @@ class _NotCkptd(BaseHTTPRequestHandler):
 @pytest.fixture
 def other_program() -> Iterator[str]:
     """Another HTTP program on a port (a mistyped --url): 404 to GET, 501 to POST."""
-    httpd = HTTPServer(("127.0.0.1", 0), _NotCkptd)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_program(_NotCkptd) as url:
+        yield url
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.listeners import silent_listener
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def hung_url() -> Iterator[str]:
     """A listener that takes connections and never answers (a stopped server)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with silent_listener() as url:
+        yield url
 
 
 def _env() -> dict[str, str]:

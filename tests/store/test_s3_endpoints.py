@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from ckptd.errors import StoreError  # noqa: E402
 from ckptd.store import S3Store  # noqa: E402
 from ckptd.store.probe import conditional_write_gaps  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
+from tests.listeners import http_program, silent_listener  # noqa: E402
 from tests.store import test_s3  # noqa: E402
 
 BUCKET = test_s3.BUCKET
@@ -47,10 +47,8 @@ def knobs_for(monkeypatch: pytest.MonkeyPatch) -> Any:
 @pytest.fixture
 def silent() -> Iterator[str]:
     """An endpoint that takes connections (the kernel's backlog) and never answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with silent_listener() as url:
+        yield url
 
 
 @pytest.fixture
@@ -193,14 +191,8 @@ class _NotS3(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def not_s3() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotS3)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_program(_NotS3) as url:
+        yield url
 
 
 async def test_an_endpoint_that_is_another_program_is_said_to_be_one(not_s3: str) -> None:
