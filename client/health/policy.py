@@ -209,9 +209,15 @@ class SignalThreshold:
         return None
 
 
+# A probe that reads less often than hourly no longer watches anything, and the
+# thread's wait takes no unbounded seconds (1e308 overflows it and ends the probe).
+MAX_PROBE_INTERVAL_S = 3600.0
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeSettings:
-    """How often the probe reads, and how it judges step times."""
+    """How often the probe reads (at most every ``MAX_PROBE_INTERVAL_S``), and how
+    it judges step times."""
 
     interval_s: float = 5.0
     step_window: int = 50

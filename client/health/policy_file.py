@@ -18,6 +18,7 @@ from ckptd.errors import InvalidPolicy
 from .policy import (
     ACTION_NAMES,
     ALLOWED_ACTIONS,
+    MAX_PROBE_INTERVAL_S,
     POLICY_VERSION,
     SIGNALS,
     ActionName,
@@ -75,10 +76,11 @@ class _Locator:
                 self._entries.append((lineno, table + _key_parts(m.group(1)), m.group(2)))
 
     def line_of(self, path: tuple[str, ...]) -> int | None:
-        """The line defining ``path``, else the line of its longest defined prefix."""
+        """The line defining ``path`` (or the first key under it, for a dotted key
+        such as ``signals.x.degraded``), else the line of its longest defined prefix."""
         best: tuple[int, int] | None = None  # (prefix length, line)
         for lineno, defined, rest in self._entries:
-            if defined == path:
+            if defined[:len(path)] == path:
                 return lineno
             n = len(defined)
             if n < len(path) and path[:n] == defined:
@@ -120,7 +122,8 @@ class _Parser:
         self.problems.append((self.locator.line_of(path), ".".join(path), reason))
 
     def number(self, path: tuple[str, ...], value: object, *, minimum: float,
-               strict: bool, integer: bool = False) -> float | None:
+               strict: bool, integer: bool = False,
+               maximum: float = math.inf) -> float | None:
         want = "an integer" if integer else "a number"
         ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
         if isinstance(value, bool) or not ok_type:
@@ -133,6 +136,9 @@ class _Parser:
         if number < minimum or (strict and number == minimum):
             bound = ">" if strict else ">="
             self.problem(path, f"{path[-1]} must be {bound} {fmt_value(minimum)}, not {value}")
+            return None
+        if number > maximum:
+            self.problem(path, f"{path[-1]} must be <= {fmt_value(maximum)}, not {value}")
             return None
         return number
 
@@ -161,7 +167,10 @@ class _Parser:
                 self.unknown((), key, _TOP_KEYS)
         if "version" in data:
             version = data["version"]
-            if isinstance(version, bool) or version != POLICY_VERSION:
+            if isinstance(version, bool) or not isinstance(version, int):
+                self.problem(("version",), f"version must be an integer ({POLICY_VERSION}), "
+                                           f"not {_type_name(version)} {version!r}")
+            elif version != POLICY_VERSION:
                 self.problem(("version",), f"unsupported policy version {version!r}; "
                                            f"this ckptd reads version {POLICY_VERSION}")
         probe = self.probe(data.get("probe", {}), base.probe)
@@ -181,7 +190,7 @@ class _Parser:
         samples = base.step_min_samples
         if "interval_s" in section:
             v = self.number(("probe", "interval_s"), section["interval_s"], minimum=0,
-                            strict=True)
+                            strict=True, maximum=MAX_PROBE_INTERVAL_S)
             interval = interval if v is None else v
         if "step_window" in section:
             v = self.number(("probe", "step_window"), section["step_window"], minimum=2,

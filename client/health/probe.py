@@ -37,6 +37,7 @@ from ckptd.errors import InvalidRequest
 from .nvml import NvmlSource
 from .policy import (
     ACTION_NAMES,
+    MAX_PROBE_INTERVAL_S,
     ActionName,
     Evaluation,
     Level,
@@ -123,8 +124,9 @@ class HealthProbe:
         self.sources: tuple[ReadingSource, ...] = tuple(sources)
         self.interval_s = float(interval_s if interval_s is not None
                                 else self.policy.probe.interval_s)
-        if not self.interval_s > 0:
-            raise InvalidRequest(f"HealthProbe: interval_s must be > 0, not {interval_s}")
+        if not 0 < self.interval_s <= MAX_PROBE_INTERVAL_S:
+            raise InvalidRequest(f"HealthProbe: interval_s must be > 0 and <= "
+                                 f"{MAX_PROBE_INTERVAL_S:g}, not {self.interval_s:g}")
         self._on_action = on_action
         self._clock = clock
         self._lock = threading.Lock()  # guards _status

@@ -197,6 +197,18 @@ MALFORMED = [
     pytest.param("[signals]\ngpu_temperature_c = 90\n", 2,
                  "signals.gpu_temperature_c must be a table", id="signal-not-a-table"),
     pytest.param("version = 2\n", 1, "unsupported policy version 2", id="version"),
+    pytest.param("version = \"1\"\n", 1, "version must be an integer (1), not a string '1'",
+                 id="version-string"),
+    pytest.param("[probe]\ninterval_s = 1e308\n", 2, "interval_s must be <= 3600, not 1e+308",
+                 id="interval-overflows-the-wait"),
+    pytest.param("[probe]\ninterval_s = 3601\n", 2, "interval_s must be <= 3600",
+                 id="interval-above-an-hour"),
+    pytest.param("version = 1\n\nsignals.gpu_temprature_c.degraded = 80\n", 3,
+                 "unknown signal 'gpu_temprature_c'", id="unknown-signal-top-level-dotted"),
+    pytest.param("[signals]\ngpu_temprature_c.degraded = 80\n", 2,
+                 "unknown signal 'gpu_temprature_c'", id="unknown-signal-dotted-in-table"),
+    pytest.param("\nprob.interval_s = 5\n", 2, "unknown section [prob]",
+                 id="unknown-section-dotted"),
 ]
 
 
@@ -354,7 +366,7 @@ def test_effective_toml_round_trips() -> None:
 @given(
     low=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
     gap=st.floats(min_value=0, max_value=1e6, allow_nan=False),
-    interval=st.floats(min_value=1e-3, max_value=1e5, allow_nan=False),
+    interval=st.floats(min_value=1e-3, max_value=3600, allow_nan=False),
     critical_on=st.booleans(),
 )
 def test_effective_toml_round_trips_any_thresholds(low: float, gap: float, interval: float,

@@ -306,6 +306,12 @@ def test_a_slow_step_followed_by_fast_ones_before_the_next_reading_is_judged(
     assert loop.read()["step_time_ratio"] == pytest.approx(1.0)
 
 
+def test_an_interval_the_thread_cannot_wait_is_refused_at_construction() -> None:
+    # 1e308 s overflowed the thread's wait: the probe thread died and health stopped.
+    with pytest.raises(InvalidRequest, match="interval_s must be > 0 and <= 3600"):
+        HealthProbe(default_policy(), [], interval_s=1e308)
+
+
 def test_loop_timing_per_step_number_and_restart_after_a_restore(clock: FakeClock) -> None:
     loop = LoopSource(window=5, min_samples=1, clock=clock)
     loop.record_step(1)
