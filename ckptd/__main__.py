@@ -2,39 +2,68 @@
 tenths of a second: a Ctrl-C among them ends the command as one later does (exit
 130, no traceback), since nothing of the CLI is there yet to catch it.
 
-SIGTERM ends a command as Ctrl-C does (its cleanup, its one line), with exit 143.
-Python leaves SIGTERM to the kernel's default, which kills the process, except
-for a container's first process (PID 1: an image's ``ENTRYPOINT ["ckptd"]``),
-which the kernel never kills for a signal it has no handler for: an init
-container's ``ckptd restore`` or a Job's ``ckptd gc`` waited out the whole grace
-period, then SIGKILL. ``ckptd serve`` has uvicorn's own handler (it drains)."""
+SIGTERM ends a command as Ctrl-C does (its cleanup, its line if it has one), with
+exit 143. Python leaves SIGTERM to the kernel's default, which kills the process,
+except for a container's first process (PID 1: an image's ``ENTRYPOINT
+["ckptd"]``), which the kernel never kills for a signal it has no handler for: an
+init container's ``ckptd restore`` or a Job's ``ckptd gc`` waited out the whole
+grace period, then SIGKILL. ``ckptd serve`` has uvicorn's own handler (it drains).
 
+An interrupt raised wherever the main thread is may land where nothing expects it
+(among the imports, where pydantic turns it into a schema error; with a worker
+thread left idle that the interpreter's exit then waits for): so once terminated
+the process ends with ``os._exit(143)`` after its streams are flushed, not through
+the interpreter's own exit, and a watchdog ends it so if the way out takes longer
+than ``TERM_GRACE_S``."""
+
+import contextlib
+import os
 import signal
 import sys
+import threading
 from types import FrameType
+
+TERM_GRACE_S = 5.0
 
 _terminated = False
 
 
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # (closed, or a broken pipe)
+            stream.flush()
+    os._exit(code)
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     global _terminated
+    if _terminated:
+        return  # (a second SIGTERM: the first's way out, or its watchdog, ends it)
     _terminated = True
+    watchdog = threading.Timer(TERM_GRACE_S, _exit_now, (128 + signum,))
+    watchdog.daemon = True
+    watchdog.start()
     raise KeyboardInterrupt  # (every command's Ctrl-C way out)
 
 
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (not one ignored on purpose)
         signal.signal(signal.SIGTERM, _on_sigterm)
+    code: object = 0
     try:
         from ckptd.cli import main as cli
-    except KeyboardInterrupt:
-        sys.exit(143 if _terminated else 130)
-    try:
+
         cli()
     except SystemExit as exc:
-        if _terminated and exc.code == 130:
-            sys.exit(143)
-        raise
+        code = exc.code
+    except BaseException:
+        if not _terminated:
+            if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                sys.exit(130)  # (a Ctrl-C among the imports)
+            raise
+    if _terminated:
+        _exit_now(143)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
