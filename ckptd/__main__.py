@@ -49,7 +49,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (not one ignored on purpose)
         signal.signal(signal.SIGTERM, _on_sigterm)
-    code: object = 0
+    code: str | int | None = 0
     try:
         from ckptd.cli import main as cli
 
