@@ -20,7 +20,7 @@ from ckptd.cli import (
     console,
 )
 from ckptd.cli.text import visible
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, JobNotFound
 from ckptd.format import check_job
 
 _STATE_STYLE = {
@@ -213,7 +213,7 @@ def status(
                 known |= {j.job for j in server.jobs().jobs}
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
-            overview = server.overview(params).model_dump(mode="json")
+            overview = _overview(server, params)
             view = status_view(overview, console.width)
             if watch is None:
                 console.print(view)
@@ -224,8 +224,7 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(server.overview(params).model_dump(mode="json"),
-                                            console.width))
+                    live.update(status_view(_overview(server, params), console.width))
             if not console.is_terminal:
                 console.line()  # a terminal's Live ends its line; a pipe's does not
     except CkptdError as exc:
@@ -237,3 +236,19 @@ def status(
         # so that `ckptd status && ...` does not go on as if it had answered.
         if not shown:
             raise typer.Exit(code=130) from None
+
+
+def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``GET /v1/overview`` of ``params``; a job no one knows yet (a ``--watch``
+    started before its job: the only caller that asks for one unchecked) is shown
+    as a job with no ranks yet, until its first heartbeat."""
+    try:
+        return dict(server.overview(params).model_dump(mode="json"))
+    except JobNotFound:
+        from ckptd.api import JobView
+
+        doc = dict(server.overview({"steps": 0}).model_dump(mode="json"))
+        doc["jobs"] = [JobView(job=params["job"], latest=None, world_size=None,
+                               snapshot_at=None, snapshot_reason=None, rollback_to=None,
+                               ranks=[], steps=[], events=[]).model_dump(mode="json")]
+        return doc

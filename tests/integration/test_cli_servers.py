@@ -244,3 +244,16 @@ def test_a_host_name_that_does_not_resolve_is_said_at_once() -> None:
         assert "ckptd serve" not in done.stderr, done.stderr  # no server to start there
     assert took < 5.0, took
 
+
+
+def test_a_watch_started_before_its_job_waits_for_it(saved: ServerProcess) -> None:
+    """(Found by review.) ``GET /v1/overview?job=J`` answers 404 for a job no one
+    knows (563e3b8): a watch started before its job's first heartbeat ended at once
+    with job_not_found, where it showed the job with no ranks yet and kept watching."""
+    done, took = ckptd("status", "--watch", "2", "--every", "0.5", "not-yet", "--url",
+                       saved.url)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "no heartbeats from this job's ranks" in said, said
+    assert "job_not_found" not in said and took >= 2.0, (took, said)
+    once, _ = ckptd("status", "not-yet", "--url", saved.url)  # (without --watch: said)
+    assert once.returncode == 2 and "no job 'not-yet'" in once.stderr, once.stderr
