@@ -3,7 +3,9 @@ a heartbeat does not cost a store read (the registry's durable side)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -67,7 +69,8 @@ class StoreViews:
         self._clock = clock
         self._latest: dict[str, tuple[float, int | None]] = {}
         self._rollback: dict[str, tuple[float, Ref | None, int]] = {}
-        self._commits: _Lru = _Lru(4096)
+        self._commits: _Lru = _Lru(4096)  # (job, step) -> (recheck at, record)
+        self._reading: dict[tuple[str, int], asyncio.Future[CommitRecord | None]] = {}
         self._chunk_ids: _Lru = _Lru(8192, CHUNK_IDS_HELD, len)
 
     async def latest(self, job: str, *, fresh: bool = False) -> int | None:
@@ -119,13 +122,24 @@ class StoreViews:
 
     async def commit(self, job: str, step: int) -> CommitRecord | None:
         """The commit record of ``step`` or None; records are immutable, so kept, and
-        read again every ``RECHECK_TTLS`` ttl (``store_corrupt`` once damaged at rest;
-        the copy held while the store does not answer)."""
+        read again about every ``RECHECK_TTLS`` ttl (``store_corrupt`` once damaged at
+        rest; the copy held, and asked again a period later, while the store does not
+        answer). One read per record at a time, whoever asks meanwhile (a step's
+        ranks asking for their plans together), and the rechecks spread over the
+        period, not all due at once (a dashboard of 1000 steps)."""
         key = (job, step)
         held: tuple[float, CommitRecord] | None = self._commits.get(key)
-        now = self._clock()
-        if held is not None and now - held[0] < RECHECK_TTLS * self.ttl:
+        if held is not None and self._clock() < held[0]:
             return held[1]
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = self._reading[key] = asyncio.ensure_future(self._read_commit(key, held))
+            reading.add_done_callback(lambda _: self._reading.pop(key, None))
+        return await asyncio.shield(reading)
+
+    async def _read_commit(self, key: tuple[str, int],
+                           held: tuple[float, CommitRecord] | None) -> CommitRecord | None:
+        job, step = key
         try:
             record = await self.repo.try_read_commit(job, step)
         except UNREADABLE:
@@ -134,12 +148,17 @@ class StoreViews:
         except CkptdError:
             if held is None:
                 raise
+            self._commits.put(key, (self._recheck_at(), held[1]))
             return held[1]
         if record is None:
             self._commits.drop(key)  # (forgotten meanwhile)
         else:
-            self._commits.put(key, (now, record))
+            self._commits.put(key, (self._recheck_at(), record))
         return record
+
+    def _recheck_at(self) -> float:
+        period = RECHECK_TTLS * self.ttl
+        return self._clock() + period * random.uniform(0.75, 1.25)
 
     def forget(self, job: str, steps: list[int]) -> None:
         """Retention forgot these steps: their documents leave the caches (a server

@@ -100,3 +100,34 @@ def test_leases_nobody_released_expire_out_of_memory() -> None:
     claims.end(since)
     # Each batch's leases expired before the next: the purge keeps the held ones only.
     assert len(claims._leases) <= 2 * LEASES_PURGE_FROM
+
+
+def test_a_held_commit_record_is_read_again_once_per_period_whoever_asks() -> None:
+    """(Found by review.) Rechecked records (834ec95) were read again by every caller
+    at once (a step's ranks asking for their plans together), and, while the store
+    did not answer, by every call, each waiting out the store's timeouts."""
+    from ckptd.store import MemoryStore
+    from ckptd.testing.faults import FaultyStore
+
+    async def body() -> None:
+        store = FaultyStore(MemoryStore())
+        repo = Repository(store)
+        await _commit(repo, 1)
+        now = [0.0]
+        views = StoreViews(repo, ttl=1.0, clock=lambda: now[0])
+        record = "jobs/soak/steps/1/commit.json"
+        assert await views.commit(JOB, 1) is not None
+        reads = store.count("get", record)
+        now[0] += 100.0  # (past every recheck)
+        got = await asyncio.gather(*(views.commit(JOB, 1) for _ in range(16)))
+        assert all(r is not None for r in got)
+        assert store.count("get", record) == reads + 1  # one read for the sixteen
+        now[0] += 100.0
+        store.fail_at("get", match=record)  # the store does not answer this once
+        assert await views.commit(JOB, 1) is not None  # the copy held
+        failed = store.count("get", record)
+        for _ in range(5):
+            assert await views.commit(JOB, 1) is not None
+        assert store.count("get", record) == failed  # not asked again before a period
+
+    asyncio.run(body())
