@@ -59,12 +59,32 @@ def unresolved_host(exc: BaseException) -> str | None:
     return None
 
 
+# What a TLS handshake says when it will fail the same way again: a plain-HTTP
+# endpoint (OpenSSL 1.1 and 3 word it differently), a certificate not trusted. A
+# handshake cut short (an EOF, a reset: a load balancer's) may pass on the next try.
+_TLS_FOR_GOOD = ("wrong version number", "record layer failure", "packet length too long",
+                 "unsupported protocol", "protocol version", "http request",
+                 "certificate verify failed", "hostname mismatch")
+
+
+def tls_for_good(exc: BaseException) -> bool:
+    """Whether ``exc`` is a TLS handshake that failed for good (see above)."""
+    if not isinstance(exc, BotoSSLError):
+        return False
+    inner = exc.kwargs.get("error")
+    if getattr(inner, "certificate_error", None) is not None:
+        return True
+    said = f"{exc} {inner}".lower().replace("_", " ")
+    return any(words in said for words in _TLS_FOR_GOOD)
+
+
 def never_retried(caught_exception: BaseException | None = None, **_: Any) -> None:
     """A ``needs-retry`` handler run before botocore's own: a TLS handshake that
-    failed (https:// at a plain-HTTP endpoint) or a host name that does not exist
-    fails the same way on every attempt, so the call fails now, not after them."""
+    failed for good (https:// at a plain-HTTP endpoint, an untrusted certificate) or a
+    host name that does not exist fails the same way on every attempt, so the call
+    fails now, not after them."""
     if caught_exception is not None and (
-            isinstance(caught_exception, BotoSSLError) or unresolved_host(caught_exception)):
+            tls_for_good(caught_exception) or unresolved_host(caught_exception)):
         raise caught_exception
 
 

@@ -228,3 +228,24 @@ async def test_an_expired_session_token_says_to_refresh_the_credentials(endpoint
         assert "refresh the credentials" in str(error), error
     finally:
         await store.close()
+
+
+def test_only_a_handshake_that_fails_for_good_is_not_retried() -> None:
+    """(Found by review.) Every TLS error failed at once, a handshake a load balancer
+    cut short too, which the next attempt may pass."""
+    import ssl
+
+    from botocore.exceptions import SSLError as BotoSSLError
+
+    from ckptd.store.s3_advice import tls_for_good
+
+    def boto(inner: BaseException) -> BotoSSLError:
+        return BotoSSLError(endpoint_url="https://s3.example", error=inner)
+
+    plain = ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)")
+    cut = ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:1006)")
+    untrusted = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] "
+                                             "certificate verify failed")
+    assert tls_for_good(boto(plain)) and tls_for_good(boto(untrusted))
+    assert not tls_for_good(boto(cut))
+    assert not tls_for_good(boto(ConnectionResetError(104, "Connection reset by peer")))
