@@ -76,7 +76,9 @@ def _connect_failure(exc: OSError) -> str:
     """The ``reason`` of a connection ``exc`` kept from being made: ``unreachable``
     (asking the host again will not help: its sources stop asking it), ``timeout``,
     or ``failed`` (a TLS handshake, ...)."""
-    if isinstance(exc, ConnectionRefusedError | socket.gaierror) or exc.errno in _NO_WAY:
+    if isinstance(exc, socket.gaierror):  # (EAI_AGAIN: a resolver that failed for now)
+        return "failed" if exc.errno == socket.EAI_AGAIN else "unreachable"
+    if isinstance(exc, ConnectionRefusedError) or exc.errno in _NO_WAY:
         return "unreachable"
     return "timeout" if isinstance(exc, TimeoutError) else "failed"
 

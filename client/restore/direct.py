@@ -38,8 +38,9 @@ EXPIRY_MARGIN_SHARE = 0.1
 # length, try the next chunk.
 _REFUSED = frozenset({400, 401, 403})
 _GONE = frozenset({"unreachable", "timeout"})
-# Connections the object store dropped before direct reads stop: one is a load
-# balancer's or a busy store's, several in one restore are a path that does not hold.
+# Connections the object store dropped in a row before direct reads stop: one is a
+# load balancer's or a busy store's, several with no read between them a path that
+# does not hold.
 DROPS_ALLOWED = 3
 
 
@@ -58,7 +59,7 @@ class ObjectStoreSource(Source):
             margin = min(EXPIRY_MARGIN_S, expire_in * EXPIRY_MARGIN_SHARE)
             self.until = start + expire_in - margin
         self.stopped: str | None = None  # why direct reads stopped (None: they go on)
-        self.drops = 0  # connections the object store dropped so far
+        self.drops = 0  # connections the object store dropped since its last good read
         timeout = knobs.request_timeout() if timeout is None else timeout
         # No token: a URL is its own authorization, and nothing of ckptd's goes to it.
         self.client = PeerClient(None, timeout=timeout, idle_per_peer=16, label="object store",
@@ -93,7 +94,9 @@ class ObjectStoreSource(Source):
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self._pool, self._read_and_hash, cid, dest)
         try:
-            return await asyncio.shield(work)
+            got = await asyncio.shield(work)
+            self.drops = 0
+            return got
         except asyncio.CancelledError:
             # A deadline passed: no thread may go on receiving into ``dest`` after the
             # caller returned (as PeerSource).
@@ -115,7 +118,7 @@ class ObjectStoreSource(Source):
             elif exc.detail.get("reason") == "disconnected":
                 self.drops += 1
                 if self.drops >= DROPS_ALLOWED:
-                    self._stop(f"the object store dropped {self.drops} connections ({exc})")
+                    self._stop(f"the object store dropped {self.drops} connections in a row ({exc})")
             raise
 
     def _stop(self, why: str) -> None:
