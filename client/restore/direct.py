@@ -118,7 +118,8 @@ class ObjectStoreSource(Source):
             elif exc.detail.get("reason") == "disconnected":
                 self.drops += 1
                 if self.drops >= DROPS_ALLOWED:
-                    self._stop(f"the object store dropped {self.drops} connections in a row ({exc})")
+                    self._stop(f"the object store dropped {self.drops} connections in a "
+                               f"row ({exc})")
             raise
 
     def _stop(self, why: str) -> None:
