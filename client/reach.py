@@ -144,7 +144,13 @@ def _listed_member(transport: HttpTransport, exc: httpx.RequestError) -> str | N
     except RuntimeError:  # (no request attached)
         return None
     tried = f"{url.scheme}://{url.netloc.decode('ascii')}"
-    return None if tried in transport.members.seeds else tried
+    given = {_origin(httpx.URL(seed)) for seed in transport.members.seeds}
+    return None if _origin(url) in given else tried
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    """A URL's scheme, host and port as httpx compares them (``HOST`` is ``host``)."""
+    return url.scheme, url.host, url.port
 
 
 def _reason(exc: httpx.RequestError) -> str:

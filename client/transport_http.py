@@ -228,9 +228,11 @@ def http_error(resp: httpx.Response) -> CkptdError:
             # The server's own words name its store's endpoint: said as this caller's,
             # "nothing answered at http://minio:9000" sent users to check the wrong host.
             url = resp.request.url
+            detail = error.detail
             error = StoreError(f"the ckptd server at {url.scheme}://"
                                f"{url.netloc.decode('ascii')} could not use its store: "
-                               f"{error.message}", **error.detail)
+                               f"{error.message}")
+            error.detail = dict(detail)  # (as from_json: a key "message" must not clash)
         return error
     text = answer_excerpt(resp)
     if resp.status_code >= 500:
