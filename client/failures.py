@@ -65,7 +65,10 @@ def advice(exc: CkptdError, on_error: str = "raise") -> str:
     if isinstance(exc, Superseded):
         return "the job was rolled back: restore the rollback's step, then save again"
     if isinstance(exc, Unauthorized):
-        return "pass the server's token (token= or CKPTD_TOKEN)"
+        return (f"the server refused this token (revoked, or not one it knows): use a token "
+                f"whose scope covers job {_job(exc)!r} with write access (ckptd token create "
+                f"--job {_job(exc)} --role write), or the token the server was started with, "
+                "as token= or CKPTD_TOKEN")
     if isinstance(exc, AlreadyCommitted) and exc.detail.get("abandoned"):
         return ("the path the job was rolled back from committed this step number, and a "
                 "number commits once: this save is skipped, the new path's next new step "

@@ -84,7 +84,9 @@ class HealthAgent(AgentRollbacks):
     and stops it; the agent sets its ``health`` and chains its ``on_beat``); else
     one is made for an HTTP server (``heartbeat_interval`` fixes its interval,
     otherwise the server's). ``latest``: the newest committed step of the job (the
-    Checkpointer's ``latest``); by default asked of the server. ``timeout`` bounds
+    Checkpointer's ``latest``), asked where there is no server (a file:// store);
+    with one, the agent asks it once itself, so that a non-finite loss while the
+    server is away raises at once, not after the Checkpointer's retries. ``timeout`` bounds
     each request the agent makes, and how long ``step`` waits for the rollback
     request after a non-finite loss. ``restored``: the (committed step, timeline
     joined or None) the rank restored before the agent was made, as if

@@ -4,7 +4,10 @@ chunks it holds, and its health (``POST /v1/jobs/{job}/ranks/{rank}/heartbeat``)
 
 The server keeps these as soft state, so a heartbeat is simply sent again until one
 gets through: errors are logged (once per kind of trouble, then at debug) and
-retried at the next interval, never raised into training. The reply's
+retried at the next interval, never raised into training. A refused token (401 or
+403: revoked while the job runs) is tried again only every ``REFUSED_INTERVAL_S``
+until it is accepted: asking every few seconds changes nothing until an operator
+grants it again. The reply's
 ``interval_s`` sets the next interval; the reply itself (a coordinated
 ``snapshot_at``, a ``rollback_to``) is kept in ``last_reply`` for the health probe.
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd import api, knobs
-from ckptd.errors import CkptdError, Timeout, Unavailable
+from ckptd.errors import CkptdError, Forbidden, Timeout, Unauthorized, Unavailable
 from ckptd.format import check_job, check_step
 
 from ..transport_http import SyncTransport
@@ -36,6 +39,8 @@ HealthFn = Callable[[], dict[str, Any]]
 
 _MIN_INTERVAL = 0.05
 _MAX_INTERVAL = 3600.0
+# Between two beats while the server refuses the token.
+REFUSED_INTERVAL_S = 60.0
 # Pauses before each resend of a beat lost on the way (``Heartbeat._send``).
 _RESEND_PAUSES = (0.0, 0.2)
 
@@ -128,6 +133,7 @@ class Heartbeat:
         self._complained: set[str] = set()
         self.beats = 0  # heartbeats the server accepted
         self.failures = 0  # heartbeats that did not get through
+        self.refused = False  # the last beat's token was refused (401/403)
         # Snapshots of this rank that failed, and the last one's error: carried in
         # the health report (a signal and a reason), so status, the dashboard and
         # /metrics show them without a field of their own.
@@ -228,16 +234,20 @@ class Heartbeat:
                 answer, t0 = self._send(body)
             except CkptdError as exc:
                 self.failures += 1
+                self.refused = isinstance(exc, Unauthorized | Forbidden)
                 # An answer that came (a refusal) still measured the round trip.
                 rtt: float | None = None
                 if not isinstance(exc, Unavailable | Timeout):
                     rtt = self._rtt_ms = (time.perf_counter() - t0) * 1000.0
-                self._complain(exc.code, "heartbeat to %s failed: [%s] %s", self.url, exc.code,
-                               exc.message)
+                self._complain(exc.code, "heartbeat to %s failed: [%s] %s%s", self.url,
+                               exc.code, exc.message,
+                               f" (sent again every {REFUSED_INTERVAL_S:g} s until the token "
+                               "is accepted)" if self.refused else "")
                 self._notify(None, rtt)
                 return None
             rtt = (time.perf_counter() - t0) * 1000.0
             self._rtt_ms = rtt
+            self.refused = False
             reply = HeartbeatReply.parse(answer, rtt, self.interval)
             self._last_reply = reply
             if reply.peer_token and self.on_peer_token is not None:
@@ -334,8 +344,15 @@ class Heartbeat:
                 self.beat_now()
             except Exception as exc:  # never let the thread die
                 self._complain("internal", "heartbeat failed unexpectedly: %s", exc)
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            if not self.refused:
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                continue
+            # Refused: news (a held step, a failed snapshot) waits too; stop does not.
+            until = time.monotonic() + REFUSED_INTERVAL_S
+            while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
+                self._wake.wait(left)
+                self._wake.clear()
 
     def stop(self, timeout: float = 5.0, *, goodbye: bool = False) -> None:
         """Stops the thread and closes the connection. Idempotent. ``goodbye`` tells

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptd.errors import CkptdError, RollbackRequested
+from ckptd.errors import CkptdError, Forbidden, RollbackRequested, Unauthorized
 from ckptd.format import check_step
 
 from ..transport_http import SyncTransport
@@ -24,7 +24,9 @@ from .probe import Action, HealthProbe
 log = logging.getLogger(__name__)
 
 # Setting the marker again after the server did not answer: attempts, and the
-# longest wait between two (1, 2, 4, 8, then 10 s: about 4 minutes in all).
+# longest wait between two (1, 2, 4, 8, then 10 s: about 4 minutes in all). A
+# refused token (401/403) is not tried again: the server answered, and asking
+# again changes nothing until the token is fixed.
 MARKER_ATTEMPTS = 28
 MARKER_RETRY_MAX_S = 10.0
 
@@ -181,6 +183,9 @@ class AgentRollbacks:
         epoch = self._epoch_fn() if self._epoch_fn is not None else None
         try:
             target = self._latest()
+        except (Unauthorized, Forbidden) as exc:
+            self._refused(action.step, None, exc)
+            return None, False
         except CkptdError as exc:
             log.error("%s/%d: the loss at step %s is not finite, and the latest committed step "
                       "cannot be read ([%s] %s): restore the latest; the rollback marker is set "
@@ -198,7 +203,11 @@ class AgentRollbacks:
                       self.rank, action.step, target,
                       "no server" if self._server is None else "a token that may only read")
             return target, True
-        step = self._set_marker(target, reason, epoch)
+        try:
+            step = self._set_marker(target, reason, epoch)
+        except (Unauthorized, Forbidden) as exc:
+            self._refused(action.step, target, exc)
+            return target, True
         if step is None:
             self._retry_marker(target, reason, epoch, 1)
             return target, True
@@ -206,12 +215,27 @@ class AgentRollbacks:
                   "to step %d", self.job, self.rank, action.step, step)
         return step, True
 
+    def _refused(self, bad_step: int | None, target: int | None, exc: CkptdError) -> None:
+        """The server refused this rank's token while it asked for a rollback: said
+        once, with what to do (nothing is tried again)."""
+        where = (f"go back to step {target}" if target is not None
+                 else "restore the latest committed step")
+        loss = "the loss" if bad_step is None else f"the loss at step {bad_step}"
+        log.error("%s/%d: %s is not finite: %s. The server refused this "
+                  "rank's token ([%s] %s), so no rollback marker tells the other ranks: "
+                  "use a token whose scope covers job %r with write access (`ckptd token "
+                  "create --job %s --role write`), or run `ckptd rollback %s STEP` with "
+                  "one", self.job, self.rank, loss, where, exc.code, exc.message,
+                  self.job, self.job, self.job)
+
     def _set_marker(self, target: int, reason: str, epoch: int | None) -> int | None:
         """Marks the job for rollback to ``target``; the marker's step, or None when
-        the server did not answer (logged)."""
+        the server did not answer (logged). A refused token raises."""
         assert self._server is not None
         try:
             answer = self._server.set_rollback(self.job, target, reason, from_epoch=epoch)
+        except (Unauthorized, Forbidden):
+            raise
         except CkptdError as exc:
             log.error("%s/%d: setting the rollback marker to step %d failed: [%s] %s",
                       self.job, self.rank, target, exc.code, exc.message)
@@ -245,12 +269,15 @@ class AgentRollbacks:
                           attempt: int) -> None:
         try:
             step = target if target is not None else self._latest()
+            if step is None:
+                return  # nothing committed to go back to
+            marked = self._set_marker(step, reason, epoch)
+        except (Unauthorized, Forbidden) as exc:
+            self._refused(None, target, exc)
+            return
         except CkptdError:
             self._retry_marker(target, reason, epoch, attempt + 1)
             return
-        if step is None:
-            return  # nothing committed to go back to
-        marked = self._set_marker(step, reason, epoch)
         if marked is None:
             self._retry_marker(target, reason, epoch, attempt + 1)
             return
@@ -263,11 +290,13 @@ class AgentRollbacks:
                     "answers", self.job, self.rank, marked)
 
     def _latest(self) -> int | None:
+        # The agent's own one try first: the loop waits on it after a NaN, and the
+        # Checkpointer's ``latest`` retries a server that does not answer for seconds.
+        if self._server is not None:
+            return self._server.latest(self.job)
         if self._latest_fn is not None:
             return self._latest_fn()
-        if self._server is None:
-            return None
-        return self._server.latest(self.job)
+        return None
 
 
 def _same(told: tuple[int, int | None] | None, marker: tuple[int, int]) -> bool:

@@ -134,8 +134,12 @@ def test_a_nan_while_the_server_is_away_says_the_step_is_unknown_and_marks_later
         c.save(5, state(5)).wait(30)
         c.step(5, loss=1.0)
         server.stop()
+        started = time.monotonic()
         with pytest.raises(RollbackRequested) as raised:
             c.step(6, loss=math.nan)
+        # At once: one try of the agent's (nothing listens), not the Checkpointer's
+        # retries of `latest` (3 s before).
+        assert time.monotonic() - started < 1.0
         assert raised.value.rollback_to is None and raised.value.rollback_unknown
         server.start()
         deadline = time.monotonic() + 15
