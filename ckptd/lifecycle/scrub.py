@@ -6,8 +6,9 @@ next. A corrupt chunk is repaired from any source (a replica store, a live peer)
 whose copy hashes to the id, by compare-and-swap against the corrupt bytes. One
 that cannot be repaired marks every committed step that names it damaged
 (``jobs/<job>/damage/<step>.json``); restore of ``latest`` then skips those steps.
-A marked chunk found good later (repaired, or put back by hand) leaves the marker,
-by compare-and-swap; the marker goes with its last chunk, and the step is whole."""
+A marked chunk found good later (repaired, or put back by hand) leaves the marker
+in the same compare-and-swap that adds the step's new damage; the marker goes with
+its last chunk, and the step is whole."""
 
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ async def scrub(
     start = next((i for i, c in enumerate(ids) if c > cursor.after), len(ids))
     order = ids[start:] + ids[:start]
     after, passes, pass_started = cursor.after, cursor.passes, cursor.pass_started_at
-    unrepaired: list[str] = []
+    unrepaired: dict[str, float] = {}  # id -> when it was read bad
     # The chunks markers name, and when this run found each of them good (a good
     # read, or a repair): keep() takes them out of the markers.
     marked = {cid async for _, _, doc in _markers(repo) for cid in doc.chunks}
@@ -149,34 +150,42 @@ async def scrub(
     ours = True  # the stored cursor is this run's to move (not another scrubber's)
 
     async def keep() -> None:
-        """Marks the damage found so far, then stores how far this run got: a run
-        stopped midway (a server restarting) loses neither, and the next resumes. In
-        that order: a cursor never passes a corrupt chunk whose steps are unmarked.
-        First, the chunks found good leave the markers naming them."""
+        """Marks the damage found so far and takes the chunks found good out of the
+        markers (one compare-and-swap per marker for both: a step is never shown
+        whole, nor its marker gone, while a chunk of it is known bad), then stores
+        how far this run got: a run stopped midway (a server restarting) loses
+        neither, and the next resumes. In that order: a cursor never passes a
+        corrupt chunk whose steps are unmarked."""
         nonlocal cursor_bytes, ours, unrepaired, healed
-        if healed:
-            try:
-                whole = await clear_damage(repo, healed)
-            except (CkptdError, OSError) as exc:  # (kept for the next keep; marking goes on)
-                log.warning("scrub: taking chunks found good out of damage markers failed: "
-                            "%s", exc)
-            else:
-                for job, steps in whole.items():
-                    report.whole_again[job] = sorted({*report.whole_again.get(job, ()),
-                                                      *steps})
-                healed = {}
-        if unrepaired:
-            found = set(unrepaired)
-            marked = await mark_damage(repo, found, clock(), report.damaged_documents)
-            for job, steps in marked.items():
+        if unrepaired or healed:
+            settled = await settle_damage(repo, unrepaired, healed, report.damaged_documents)
+            # The report says where each step stands after this keep (an earlier keep
+            # of this run may have said otherwise).
+            for job, steps in settled.damaged.items():
                 report.damaged[job] = sorted({*report.damaged.get(job, ()), *steps})
-            unrepaired = []  # (marked: a failure above keeps them for the next keep)
+                _drop(report.whole_again, job, steps)
+            for job, steps in settled.whole.items():
+                report.whole_again[job] = sorted({*report.whole_again.get(job, ()), *steps})
+                _drop(report.damaged, job, steps)
+            unrepaired, healed = {}, {}  # (settled: a failure above keeps them for the next)
         if ours:
             new = ScrubCursor(after=after, pass_started_at=pass_started,
                               passes=passes).canonical()
             # Lost to another scrubber's update: its cursor is as good as ours.
             ours = await store.compare_and_swap(SCRUB_KEY, cursor_bytes, new)
             cursor_bytes = new
+
+    def found(cid: str, good: bool, read_at: float) -> None:
+        """Notes a chunk's read for keep(): a good one at when the read began, a bad
+        one at when it ended (the order of a good and a bad read is never guessed in
+        favour of the good one). A run that wraps reads a chunk twice: the last says."""
+        if good:
+            unrepaired.pop(cid, None)
+            healed[cid] = read_at
+        else:
+            healed.pop(cid, None)
+            unrepaired[cid] = clock()
+            marked.add(cid)
 
     kept_at = time.monotonic()
     try:
@@ -190,6 +199,7 @@ async def scrub(
                     log.warning("scrub: keeping how far it got failed (tried again in %.0f "
                                 "s): %s", KEEP_EVERY_S, exc)
                 kept_at = time.monotonic()
+            read_at = clock()
             try:
                 data: bytes | None = await store.get(chunk_key(cid))
             except NotFound:
@@ -203,11 +213,11 @@ async def scrub(
                 report.corrupt.append(cid)
                 if await _repair(store, cid, data, sources):
                     report.repaired.append(cid)
-                    healed[cid] = clock()  # (marked by another scrub meanwhile, maybe)
+                    found(cid, True, read_at)  # (marked by another scrub meanwhile, maybe)
                 else:
-                    unrepaired.append(cid)
+                    found(cid, False, read_at)
             elif cid in marked:
-                healed[cid] = clock()
+                found(cid, True, read_at)
             progress.chunks_checked, progress.bytes_checked = (report.chunks_checked,
                                                                report.bytes_checked)
             progress.corrupt = len(report.corrupt)
@@ -263,95 +273,122 @@ async def _repair(store: Store, cid: str, bad: bytes | None,
     return False
 
 
-async def mark_damage(repo: Repository, bad: set[str], now: float,
-                      documents: list[str] | None = None) -> dict[str, list[int]]:
-    """Marks every committed step naming a chunk in ``bad`` damaged; the damaged
-    documents met on the way are named in ``documents``, when given."""
-    marked: dict[str, list[int]] = {}
+@dataclass(slots=True)
+class Settled:
+    """What ``settle_damage`` did: job -> steps marked damaged (a marker names them),
+    and job -> steps whose marker went with its last chunk (whole again)."""
+
+    damaged: dict[str, list[int]] = field(default_factory=dict)
+    whole: dict[str, list[int]] = field(default_factory=dict)
+
+
+async def settle_damage(repo: Repository, bad: dict[str, float], good: dict[str, float],
+                        documents: list[str] | None = None) -> Settled:
+    """Marks every committed step naming a chunk of ``bad`` (id -> when it was read
+    bad) damaged, and takes the chunks of ``good`` (id -> when it was read good) out of
+    the markers naming them: one compare-and-swap per marker for both, so no step
+    is shown whole, nor its marker gone, while a chunk of it is known bad. The
+    damaged documents met on the way are named in ``documents``, when given."""
+    hits: dict[tuple[str, int], set[str]] = {}
     unread: list[str] = []
-    async for job, step, _, ids in committed_steps(repo, unread):
-        if hit := ids & bad:
-            await _write_damage(repo.store, job, step, hit, now, documents)
-            marked.setdefault(job, []).append(step)
+    if bad:
+        async for job, step, _, ids in committed_steps(repo, unread):
+            if hit := ids & bad.keys():
+                hits[(job, step)] = hit
+    if good:
+        async for job, step, doc in _markers(repo):
+            if good.keys() & set(doc.chunks):
+                hits.setdefault((job, step), set())
+    settled = Settled()
+    for (job, step), hit in sorted(hits.items()):
+        if await _settle_marker(repo.store, job, step, {c: bad[c] for c in hit}, good,
+                                documents):
+            settled.whole.setdefault(job, []).append(step)
+        elif hit:
+            settled.damaged.setdefault(job, []).append(step)
     if documents is not None:  # (once each, however often a run marks)
         said = [f"{why} (its step not checked for the corrupt chunks)" for why in unread]
         documents.extend(line for line in dict.fromkeys(said) if line not in documents)
-    return marked
+    return settled
 
 
-async def _write_damage(store: Store, job: str, step: int, chunks: set[str], now: float,
-                        documents: list[str] | None = None) -> None:
+async def _settle_marker(store: Store, job: str, step: int, bad: dict[str, float],
+                         good: dict[str, float], documents: list[str] | None) -> bool:
+    """Rewrites the step's marker to name (its chunks less those of ``good`` read
+    good after its ``found_at``) plus ``bad``, by compare-and-swap against the bytes
+    read: a chunk another scrub marks meanwhile is never dropped unseen. Deletes it
+    when none is left (True). With ``bad``, ``found_at`` moves on to the latest bad
+    read, also of a chunk listed already (corrupt again after a repair): a good read
+    older than a chunk's latest bad one never drops it. A chunk read good before the
+    marker's ``found_at`` stays, until a later good read.
+
+    The times come from the clocks of the scrubs that read (a server's, a ``ckptd
+    scrub``'s host): reads on different hosts closer together than their clocks'
+    skew may be taken in the wrong order, and a chunk read bad after a good read
+    dropped. It is still corrupt: the next pass that reads it marks it again."""
     key = damage_key(job, step)
     for _ in range(100):
         try:
             current: bytes | None = await store.get(key)
         except NotFound:
             current = None
-        known: set[str] = set()
+        known: list[str] = []
+        found_at = float("-inf")
         try:
             if current is not None:
-                known = set(parse_stored(Damage.parse, current, key).chunks)
+                doc = parse_stored(Damage.parse, current, key)
+                known, found_at = doc.chunks, doc.found_at
         except StoreCorrupt as exc:  # what it said is lost; the marker written now repairs it
+            if not bad:
+                return False  # (replaced when scrub next marks its step)
             log.warning("%s; replacing it", exc.message)
             if documents is not None and f"{exc.message}; replaced" not in documents:
                 documents.append(f"{exc.message}; replaced")  # (once, however often tried)
-        if chunks <= known:
-            return
-        doc = Damage(job=job, step=step, chunks=sorted(known | chunks), found_at=now)
-        if await store.compare_and_swap(key, current, doc.canonical()):
-            log.error("scrub: step %d of %s is damaged (%d chunks)", step, job, len(chunks))
-            return
+        left = {c for c in known if good.get(c, found_at) <= found_at}
+        chunks = sorted(left | bad.keys())
+        stamp = max([found_at, *bad.values()])
+        if chunks == known and stamp == found_at:
+            return False  # (nothing to mark, nothing found good since it was marked)
+        if not chunks:
+            if current is None:
+                return False
+            if await store.compare_and_delete(key, current):
+                log.warning("scrub: step %d of %s is whole again (its damaged chunks read "
+                            "good)", step, job)
+                return True
+        elif await store.compare_and_swap(key, current, Damage(
+                job=job, step=step, chunks=chunks, found_at=stamp).canonical()):
+            if bad.keys() - set(known):
+                log.error("scrub: step %d of %s is damaged (%d chunks)", step, job,
+                          len(chunks))
+            if len(left) < len(known):
+                log.warning("scrub: step %d of %s: %d of its damaged chunks read good, %d "
+                            "still damaged", step, job, len(known) - len(left), len(chunks))
+            return False
+    return False
 
 
-async def _markers(repo: Repository) -> AsyncIterator[tuple[str, bytes, Damage]]:
-    """(key, bytes, parsed) of every damage marker that reads; one that does not is
+async def _markers(repo: Repository) -> AsyncIterator[tuple[str, int, Damage]]:
+    """(job, step, parsed) of every damage marker that reads; one that does not is
     replaced when scrub next marks its step."""
     for job in await repo.list_jobs():
         for name in await repo.store.list_dir(damage_prefix(job)):
-            key = f"{damage_prefix(job)}{name}"
+            stem = name.removesuffix(".json")
+            if not stem.isdigit():
+                continue
             try:
-                data = await repo.store.get(key)
-                yield key, data, Damage.parse(data)
+                yield job, int(stem), Damage.parse(await repo.store.get(damage_key(job,
+                                                                                   int(stem))))
             except (NotFound, InvalidDocument):
                 continue
 
 
-async def clear_damage(repo: Repository, good: dict[str, float]) -> dict[str, list[int]]:
-    """Takes the chunks of ``good`` (id -> when it was found good) out of the damage
-    markers naming them; job -> the steps whose marker went with its last chunk."""
-    whole: dict[str, list[int]] = {}
-    async for key, _, doc in _markers(repo):
-        if good.keys() & set(doc.chunks) and await _shrink_damage(repo.store, key, good):
-            whole.setdefault(doc.job, []).append(doc.step)
-    return whole
-
-
-async def _shrink_damage(store: Store, key: str, good: dict[str, float]) -> bool:
-    """Rewrites the marker at ``key`` without the chunks of ``good`` found good after
-    it was written, or deletes it when none is left (True). By compare-and-swap
-    against the bytes read, as ``_write_damage`` adds: a chunk another scrub marks
-    meanwhile is never dropped unseen. A chunk found good before the marker was last
-    written may have been read bad since: it stays, until a later good read."""
-    for _ in range(100):
-        try:
-            current = await store.get(key)
-            doc = Damage.parse(current)
-        except (NotFound, InvalidDocument):
-            return False  # (gone with its step, or replaced when scrub next marks)
-        left = [c for c in doc.chunks if good.get(c, -1.0) < doc.found_at]
-        if len(left) == len(doc.chunks):
-            return False
-        if not left:
-            if await store.compare_and_delete(key, current):
-                log.warning("scrub: step %d of %s is whole again (its damaged chunks read "
-                            "good)", doc.step, doc.job)
-                return True
-        elif await store.compare_and_swap(key, current, Damage(
-                job=doc.job, step=doc.step, chunks=left, found_at=doc.found_at).canonical()):
-            log.warning("scrub: step %d of %s: %d of its damaged chunks read good, %d still "
-                        "damaged", doc.step, doc.job, len(doc.chunks) - len(left), len(left))
-            return False
-    return False
+def _drop(steps_of: dict[str, list[int]], job: str, steps: list[int]) -> None:
+    """Takes ``steps`` out of a report's job -> steps (a job left none goes)."""
+    if kept := [s for s in steps_of.get(job, ()) if s not in steps]:
+        steps_of[job] = kept
+    else:
+        steps_of.pop(job, None)
 
 
 async def damaged_steps(repo: Repository, job: str) -> dict[int, list[str]]:

@@ -156,10 +156,10 @@ async def test_a_stopped_scrub_whose_damage_cannot_be_marked_keeps_its_old_place
     repo = Repository(MemoryStore())
     ids, progress, task = await _stopped_midway(repo, monkeypatch, keep_every=3600)
 
-    async def store_down(*args: Any, **kwargs: Any) -> dict[str, list[int]]:
+    async def store_down(*args: Any, **kwargs: Any) -> scrub_flow.Settled:
         raise StoreError("the store is not answering")
 
-    monkeypatch.setattr(scrub_flow, "mark_damage", store_down)
+    monkeypatch.setattr(scrub_flow, "settle_damage", store_down)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -171,15 +171,15 @@ async def test_a_store_hiccup_while_keeping_its_place_does_not_end_the_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     repo = Repository(MemoryStore())
-    real, failed = scrub_flow.mark_damage, []
+    real, failed = scrub_flow.settle_damage, []
 
-    async def once_down(*args: Any, **kwargs: Any) -> dict[str, list[int]]:
+    async def once_down(*args: Any, **kwargs: Any) -> scrub_flow.Settled:
         if not failed:
             failed.append(1)
             raise StoreError("a 503 from the store")
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(scrub_flow, "mark_damage", once_down)
+    monkeypatch.setattr(scrub_flow, "settle_damage", once_down)
     ids, progress, task = await _stopped_midway(repo, monkeypatch, keep_every=0)
     report = await asyncio.wait_for(task, 60)  # the whole pass, despite the failure
     assert failed and report.chunks_checked == len(ids)
