@@ -52,7 +52,9 @@ class Settings(BaseSettings):
         default=3, ge=1, le=1000, description="Missed heartbeat intervals before a rank is dead."
     )
     snapshot_lead: int = Field(
-        default=2, ge=1, description="Steps ahead of the fastest live rank a snapshot is set."
+        default=2, ge=1, description="Least steps ahead of the fastest live rank a snapshot "
+        "is set; the server raises it to ceil(2 x heartbeat interval / step time) + 1 from "
+        "the step times heartbeats report."
     )
     snapshot_min_interval: float = Field(
         default=30.0, ge=0, description="Seconds between accepted snapshot requests of a job."
