@@ -175,8 +175,8 @@ def serve(
     ] = None,
     snapshot_lead: Annotated[
         int | None,
-        typer.Option(help="Steps past the fastest rank a coordinated snapshot is set (2). "
-                     "Env CKPTD_SNAPSHOT_LEAD."),
+        typer.Option(help="Least steps past the fastest rank a coordinated snapshot is set "
+                     "(2; raised from the ranks' step times). Env CKPTD_SNAPSHOT_LEAD."),
     ] = None,
     snapshot_min_interval: Annotated[
         float | None,
