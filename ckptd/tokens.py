@@ -105,11 +105,23 @@ class TokenEntry:
                 "created_at": self.created_at, "note": self.note}
 
 
+# The fields ``ckptd token create`` writes in an entry; a file has no others.
+_FIELDS = ("id", "job", "role", "sha256", "created_at", "note")
+
+
 def parse_tokens(data: bytes, where: str = "tokens file") -> list[TokenEntry]:
-    """The entries of a tokens file; ``InvalidDocument`` naming ``where`` if it is bad."""
+    """The entries of a tokens file; ``InvalidDocument`` naming ``where`` and the entry
+    if it is bad. Refuses what no ``ckptd token`` writes (a hand edit's mistakes): an
+    empty file, no "tokens" list, a field of no entry, a plaintext token, one id or
+    one SHA-256 twice."""
+
+    def bad(message: str) -> InvalidDocument:
+        return InvalidDocument(f"{where}: {message}", document=where)
+
+    if not data.strip():
+        raise bad(f"the file is empty, not a {FORMAT} document")
     try:
-        doc = json.loads(data) if data.strip() else {"format": FORMAT, "version": VERSION,
-                                                      "tokens": []}
+        doc = json.loads(data)
     except ValueError as exc:
         raise InvalidDocument(f"{where} is not JSON: {exc}", document=where) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -117,8 +129,26 @@ def parse_tokens(data: bytes, where: str = "tokens file") -> list[TokenEntry]:
     if doc.get("version") != VERSION:
         raise InvalidDocument(f"{where} has version {doc.get('version')!r}; this ckptd reads "
                               f"version {VERSION}", document=where)
-    entries = []
-    for n, item in enumerate(doc.get("tokens") or []):
+    items = doc.get("tokens")
+    if not isinstance(items, list):
+        raise bad('no "tokens" list (a file without tokens has "tokens": [])')
+    entries: list[TokenEntry] = []
+    ids: dict[str, int] = {}
+    digests: dict[str, int] = {}
+    for n, item in enumerate(items):
+        name = f"token #{n}"
+        if not isinstance(item, dict):
+            raise bad(f"{name} is not an object with {', '.join(_FIELDS)}")
+        if "id" in item:
+            name = f"token #{n} (id {str(item['id'])!r})"
+        if "token" in item:  # (a secret written down next to its hash)
+            raise bad(f'{name} holds its plaintext in "token": the file keeps only each '
+                      'token\'s SHA-256; remove the "token" field (and, as the token was '
+                      "written down, revoke it and create another)")
+        extra = sorted(str(k) for k in item if k not in _FIELDS)
+        if extra:
+            raise bad(f"{name} has the field {extra[0]!r}, which a tokens entry has not "
+                      f"(it has {', '.join(_FIELDS)})")
         try:
             entry = TokenEntry(
                 id=str(item["id"]), job=check_pattern(str(item["job"])),
@@ -126,10 +156,16 @@ def parse_tokens(data: bytes, where: str = "tokens file") -> list[TokenEntry]:
                 created_at=float(item.get("created_at", 0.0)), note=str(item.get("note", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidDocument(f"{where}: token #{n} is malformed: {exc}",
-                                  document=where) from None
+            raise bad(f"{name} is malformed: {exc}") from None
         if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
-            raise InvalidDocument(f"{where}: token #{n} has no SHA-256", document=where)
+            raise bad(f"{name} has no SHA-256")
+        if entry.id in ids:
+            raise bad(f"{name} has the id of token #{ids[entry.id]}: `ckptd token revoke` "
+                      "removes a token by its id, so each needs its own")
+        if entry.sha256 in digests:
+            raise bad(f"{name} has the SHA-256 of token #{digests[entry.sha256]}: one token "
+                      "with two scopes; remove one of them")
+        ids[entry.id], digests[entry.sha256] = n, n
         entries.append(entry)
     return entries
 
@@ -157,12 +193,16 @@ def create_token(path: str | os.PathLike[str], job: str, role: str,
     """Adds a new token to the file (created if absent); returns it (shown once) and
     its entry."""
     p = Path(path)
-    entries = parse_tokens(p.read_bytes(), str(p)) if p.exists() else []
-    token_id = secrets.token_hex(4)
-    token = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
+    data = p.read_bytes() if p.exists() else b""
+    entries = parse_tokens(data, str(p)) if data.strip() else []  # (or a file touched first)
     if "*" in check_pattern(job)[:-1]:  # (files from before this check still load)
         raise InvalidRequest(f"job pattern {job!r}: a '*' goes only at the end, as in "
                              "'llm-*' (every job whose name starts so), or alone ('*')")
+    taken = {e.id for e in entries}
+    token_id = secrets.token_hex(4)
+    while token_id in taken:  # (32 random bits: revoke must name one token)
+        token_id = secrets.token_hex(4)
+    token = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
     entry = TokenEntry(id=token_id, job=job, role=check_role(role),
                        sha256=token_digest(token), created_at=time.time(), note=note)
     _write(p, [*entries, entry])

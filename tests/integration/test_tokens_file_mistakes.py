@@ -1,0 +1,58 @@
+"""Hand-written tokens-file mistakes (found by a fresh-user probe: `ckptd serve
+--tokens-file F --check` said "ok: would serve" for each): one line naming the file,
+the entry and the problem, exit 2, from `serve --check` and `serve`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.tokens import create_token
+from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
+
+H0, H1 = "0" * 64, "1" * 64
+
+
+def entry(id: str = "a1b2c3d4", sha256: str = H0, **more: Any) -> dict[str, Any]:
+    return {"id": id, "job": "llm-a", "role": "read", "sha256": sha256, **more}
+
+
+def document(*entries: dict[str, Any]) -> str:
+    return json.dumps({"format": "ckptd.tokens", "version": 1, "tokens": list(entries)})
+
+
+# (the file's text, what the one line must name besides the file)
+MISTAKES = {
+    "empty": ("", ["empty"]),
+    "no-tokens": ('{"format": "ckptd.tokens", "version": 1}', ['no "tokens" list']),
+    "same-id": (document(entry(), entry(sha256=H1)),
+                ["token #1 (id 'a1b2c3d4')", "the id of token #0"]),
+    "same-hash": (document(entry(), entry(id="e5f6a7b8")),
+                  ["token #1 (id 'e5f6a7b8')", "the SHA-256 of token #0"]),
+    "plaintext": (document(entry(token="ckptd_a1b2c3d4_secret")),
+                  ["token #0 (id 'a1b2c3d4')", "plaintext", 'remove the "token" field']),
+    "unknown-field": (document(entry(roles="admin")), ["token #0", "'roles'", "sha256"]),
+    "not-an-object": (document("llm-a"), ["token #0", "not an object"]),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "serve"])
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_hand_written_mistake_is_one_line(tmp_path: Path, mistake: str, check: bool) -> None:
+    text, needles = MISTAKES[mistake]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(text)
+    done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", "0", "--tokens-file",
+                 str(tokens), *(["--check"] if check else []))
+    assert_short_usage_error(done, str(tokens), *needles)
+    assert "would serve" not in done.stdout
+
+
+def test_token_create_into_a_file_touched_first(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    tokens.touch()
+    _, made = create_token(tokens, "llm-*", "write")
+    assert json.loads(tokens.read_text())["tokens"][0]["id"] == made.id
