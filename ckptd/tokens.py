@@ -13,9 +13,9 @@ force), one JSON document the server re-reads when it changes::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptd.errors import InvalidDocument, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 Role = Literal["read", "write", "admin"]
 ROLES: tuple[Role, ...] = ("read", "write", "admin")
@@ -83,6 +85,10 @@ class Grant:
     def every_job(self) -> bool:
         return self.job == "*"
 
+
+# (path, id, pattern) of the '*'-inside patterns warned of: --check and the server it
+# starts read the file in one process, and a reload warns only of new ones.
+_WARNED: set[tuple[Path, str, str]] = set()
 
 # The server's own --token (or CKPTD_TOKEN): admin of every job.
 ROOT = Grant(id="root", job="*", role="admin")
@@ -236,6 +242,7 @@ class TokenFile:
         self._lock = threading.Lock()
         self._grants: dict[str, Grant] = {}
         self._stamp: tuple[int, int] | None = None
+        self._refused: tuple[int, int] | None = None  # (the bad file last logged)
         self._checked = float("-inf")
         self._load()
 
@@ -249,8 +256,28 @@ class TokenFile:
         if stamp == self._stamp:
             return
         entries = parse_tokens(self.path.read_bytes(), str(self.path))
+        for e in entries:
+            if "*" in e.job[:-1] and (self.path, e.id, e.job) not in _WARNED:
+                _WARNED.add((self.path, e.id, e.job))
+                log.warning("%s: token %s's job pattern %r has a '*' before its end, which "
+                            "`ckptd token create` no longer writes; it matches as a glob "
+                            "('*' any run of characters): if a prefix ('llm-*') was meant, "
+                            "revoke it and create another", self.path, e.id, e.job)
         self._grants = {e.sha256: e.grant() for e in entries}
         self._stamp = stamp
+
+    def _refused_once(self, exc: Exception) -> None:
+        """One log line per bad version of the file (not one a second)."""
+        try:
+            st = self.path.stat()
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self._refused:
+            self._refused = stamp
+            said = exc.message if isinstance(exc, InvalidDocument) else str(exc)
+            log.warning("tokens file changed, not reloaded: %s; the %d tokens read before "
+                        "still count until it is fixed", said, len(self._grants))
 
     def lookup(self, token: str) -> Grant | None:
         """The grant of ``token``, or None. (A dict lookup by SHA-256: the time it
@@ -261,8 +288,10 @@ class TokenFile:
                 self._checked = now
                 # Keep the last good grants: a half-edited file must not open or
                 # close the server. (Writers replace it atomically anyway.)
-                with contextlib.suppress(OSError, InvalidDocument):
+                try:
                     self._load()
+                except (OSError, InvalidDocument) as exc:
+                    self._refused_once(exc)
             return self._grants.get(token_digest(token))
 
 

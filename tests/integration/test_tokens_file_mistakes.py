@@ -1,16 +1,21 @@
 """Hand-written tokens-file mistakes (found by a fresh-user probe: `ckptd serve
 --tokens-file F --check` said "ok: would serve" for each): one line naming the file,
-the entry and the problem, exit 2, from `serve --check` and `serve`."""
+the entry and the problem, exit 2, from `serve --check` and `serve`; a running server
+that reads such a file when it changes keeps its tokens and says so once."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ckptd.tokens import create_token
+from tests.conftest import ServerProcess
 from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
 
 H0, H1 = "0" * 64, "1" * 64
@@ -51,8 +56,54 @@ def test_a_hand_written_mistake_is_one_line(tmp_path: Path, mistake: str, check:
     assert "would serve" not in done.stdout
 
 
+def test_a_pattern_with_a_star_inside_loads_with_a_warning(tmp_path: Path) -> None:
+    """`ckptd token create` wrote such patterns before it refused them (309a337): a
+    file with one still serves, and --check says how it matches."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(document(entry(job="x*y")))
+    done = ckptd("serve", "--store", str(tmp_path / "s"), "--port", "0", "--tokens-file",
+                 str(tokens), "--check")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    for needle in (str(tokens), "a1b2c3d4", "'x*y'", "glob", "revoke"):
+        assert needle in lines[0], done.stderr
+
+
 def test_token_create_into_a_file_touched_first(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"
     tokens.touch()
     _, made = create_token(tokens, "llm-*", "write")
     assert json.loads(tokens.read_text())["tokens"][0]["id"] == made.id
+
+
+def test_a_changed_file_with_a_mistake_keeps_the_tokens_and_says_so_once(
+        tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    token, made = create_token(tokens, "llm-*", "read")
+    srv = ServerProcess(store=tmp_path / "store", token="ADMIN",
+                        extra_args=["--tokens-file", str(tokens)])
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10,
+                          headers={"Authorization": f"Bearer {token}"}) as c:
+            assert c.get("/v1/jobs/llm-a/steps").status_code == 200
+            kept = json.loads(tokens.read_text())
+            kept["tokens"][0]["token"] = token  # a plaintext written into the file
+            tmp = tmp_path / "tokens.new"
+            tmp.write_text(json.dumps(kept))
+            os.replace(tmp, tokens)
+            deadline = time.monotonic() + 10
+            while "not reloaded" not in srv.log():
+                assert time.monotonic() < deadline, srv.log()
+                assert c.get("/v1/jobs/llm-a/steps").status_code == 200
+                time.sleep(0.2)
+            for _ in range(12):  # (the server looks at the file once a second)
+                assert c.get("/v1/jobs/llm-a/steps").status_code == 200
+                time.sleep(0.25)
+    finally:
+        srv.stop()
+    said = [line for line in srv.log().splitlines() if "not reloaded" in line]
+    assert len(said) == 1, srv.log()
+    assert str(tokens) in said[0] and made.id in said[0] and "plaintext" in said[0]
+    assert token not in srv.log()
