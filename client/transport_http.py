@@ -68,6 +68,22 @@ __all__ = ["CA_BUNDLE_ENV", "SyncTransport", "ask_once", "tls_trouble", "tls_ver
            "unresolved"]
 
 
+def bearer(token: str | None) -> str | None:
+    """``token`` as it is sent: without the whitespace around it (a secret file's last
+    newline: a Kubernetes secret mounted as a file has one). One with a character no
+    token has inside it is refused in a line that does not repeat it: in a header it
+    was an "illegal header value" quoting the whole token, retried as a network
+    failure ("start the server")."""
+    token = (token or "").strip()
+    odd = next((i for i, c in enumerate(token) if not "!" <= c <= "~"), None)
+    if odd is not None:
+        raise InvalidRequest(
+            f"the token (token= or CKPTD_TOKEN) holds a character no token has, at "
+            f"position {odd + 1} of {len(token)} (a space, a control or a non-ASCII "
+            "character): copy it again from where it was made", setting="CKPTD_TOKEN")
+    return token or None
+
+
 class Session:
     """Where one HTTP face goes and how: its replicas, headers, retries, timeout."""
 
@@ -93,6 +109,7 @@ class Session:
         # A replica whose host vanished answers no SYN: its calls go to the next
         # replica after this, not after the request timeout (routing.py).
         self.connect_timeout = knobs.connect_timeout()
+        token = bearer(token)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         if job is not None:
             # Chunk routes name no job: a scoped token says which of its jobs acts.
@@ -392,6 +409,7 @@ def ask_once(url: str, call: Call[Any], token: str | None, within: float) -> htt
     answered within ``within`` seconds (connected within ``CKPTD_CONNECT_TIMEOUT``).
     The CLI's check of each server it is given (``ckptd/cli/servers.py``); httpx's
     errors are the caller's to read."""
+    token = bearer(token)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = calls.request_timeout(within, knobs.connect_timeout())
     with httpx.Client(base_url=url, verify=tls_verify(), headers=headers,

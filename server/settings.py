@@ -222,6 +222,17 @@ class Settings(BaseSettings):
         # CKPTD_TOKEN= (set but empty) means no token, not "the empty token".
         return value or None
 
+    @field_validator("token", "peer_secret")
+    @classmethod
+    def _secret_as_sent(cls, value: str | None) -> str | None:
+        # Without the whitespace around it (a secret file's last newline), as clients
+        # send it; a token with a character no header can carry could never match.
+        value = (value or "").strip() or None
+        if value is not None and any(not "!" <= c <= "~" for c in value):
+            raise ValueError("holds a space, a control or a non-ASCII character, which no "
+                             "token sent in a header can: copy it again")
+        return value
+
     @field_validator("peer_networks")
     @classmethod
     def _networks_parse(cls, value: str | None) -> str | None:

@@ -85,6 +85,10 @@ def name_settings(message: str, given: Collection[str]) -> str:
         f"--{m[0].replace('_', '-')}" if options else f"CKPTD_{m[0].upper()}"), message)
 
 
+# Settings whose value a refusal must not repeat (a log, a terminal, a CI's output).
+_SECRETS = frozenset({"token", "peer_secret"})
+
+
 def server_settings(overrides: dict[str, Any]) -> Settings:
     """``ckptd serve``'s settings (options over ``CKPTD_*``), checked before the
     server starts: a bad value is one line, not a traceback from inside uvicorn."""
@@ -104,8 +108,9 @@ def server_settings(overrides: dict[str, Any]) -> Settings:
                 problems.append(name_settings(error["msg"], overrides))
                 continue
             use = f"; {SETTING_USE[name]}" if name in SETTING_USE else ""
-            problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')} "
-                            f"(got {error.get('input')!r}){use}")
+            got = "" if name in _SECRETS else f" (got {error.get('input')!r})"
+            problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')}"
+                            f"{got}{use}")
         raise InvalidRequest("; ".join(problems)) from None
     if settings.tls_cert is not None and settings.tls_key is not None:
         try:
