@@ -183,9 +183,9 @@ def _check_server_files(settings: Settings) -> None:
 
         try:  # (read as the server reads it: --check said ok for a file serve refused)
             TokenFile(tokens)
-        except CkptdError as exc:
-            raise InvalidRequest(f"--tokens-file {tokens}: {exc.message}; write it with "
-                                 "`ckptd token create ... --file FILE`") from None
+        except CkptdError as exc:  # (its message names the file and the entry)
+            said = exc.message if str(tokens) in exc.message else f"{tokens}: {exc.message}"
+            raise InvalidRequest(f"--tokens-file {said}") from None
     if tokens is not None and not tokens.is_file():
         # A server over no tokens file answers 401 to every request until one is
         # written there (it reads the file again when it changes): a directory that

@@ -54,6 +54,7 @@ def test_a_hand_written_mistake_is_one_line(tmp_path: Path, mistake: str, check:
                  str(tokens), *(["--check"] if check else []))
     assert_short_usage_error(done, str(tokens), *needles)
     assert "would serve" not in done.stdout
+    assert " ".join(done.stderr.split()).count(str(tokens)) == 1, done.stderr  # (named once)
 
 
 def test_a_pattern_with_a_star_inside_loads_with_a_warning(tmp_path: Path) -> None:
