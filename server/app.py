@@ -164,6 +164,9 @@ def _log_config(level: str) -> dict[str, Any]:
         "level": "DEBUG" if level == "trace" else level.upper(),
         "propagate": False,
     }
+    config.setdefault("filters", {})["hide_secrets"] = {
+        "()": "ckptd.server.access_log.HideSecrets"}
+    config["handlers"]["access"].setdefault("filters", []).append("hide_secrets")
     return config
 
 
