@@ -143,8 +143,9 @@ CATALOG: Final[tuple[SignalSpec, ...]] = (
     SignalSpec("step_time_median_s", "loop", "number", "median step time",
                "rolling median of step times over [probe] step_window steps", " s"),
     SignalSpec("step_time_ratio", "loop", "number", "step time",
-               "the largest step time over the rolling median of the steps before it, among the "
-               "steps since the probe's last reading (so one slow step is judged once)",
+               "the last step time over the rolling median of the steps before it, read at "
+               "each probe interval (a slowdown that lasts is seen; one slow step among fast "
+               "ones may fall between two readings)",
                "x median", degraded=3.0),
     SignalSpec("seconds_since_step", "loop", "number", "no step for",
                "seconds since the loop last reported a step, measured by the probe "

@@ -101,9 +101,6 @@ class LoopSource(ReadingSource):
     store is slow): that is ckptd's, not the node's, and a snapshot asked for
     because the last one was slow would only add to it. A step number lower than
     the last one (a restore) restarts the timing.
-    ``step_time_ratio`` is the largest ratio of the steps finished since the last
-    ``read`` (the last step's when none finished since), so one slow step between
-    two probe readings is judged even when faster steps follow it.
     The non-finite flag stays set until ``reset``: after a NaN, only a rollback
     makes the state safe again.
     """
@@ -124,8 +121,6 @@ class LoopSource(ReadingSource):
         self._last_report: float | None = None
         self._last_duration: float | None = None
         self._last_ratio: float | None = None
-        self._peak_ratio: float | None = None  # the largest since the last read
-        self._steps_since_read = 0
         self._waited = 0.0  # in ckptd since the current step's first report
         self._loss: float | None = None
         self._nonfinite_step: int | None = None
@@ -151,10 +146,6 @@ class LoopSource(ReadingSource):
                     ratio = duration / median if median > 0 else None
                 self._durations.append(duration)
                 self._last_duration, self._last_ratio = duration, ratio
-                self._steps_since_read += 1
-                if ratio is not None and (self._peak_ratio is None
-                                          or ratio > self._peak_ratio):
-                    self._peak_ratio = ratio
                 self._step_started = now
                 self._waited = 0.0
             self._step = step
@@ -182,8 +173,7 @@ class LoopSource(ReadingSource):
     def _restart_timing(self) -> None:
         self._durations.clear()
         self._waited = 0.0
-        self._last_duration = self._last_ratio = self._peak_ratio = None
-        self._steps_since_read = 0
+        self._last_duration = self._last_ratio = None
 
     def reset(self) -> None:
         """Forget timings and the non-finite loss: call after a restore or rollback."""
@@ -204,15 +194,13 @@ class LoopSource(ReadingSource):
             loss: SignalValue = self._loss
             if self._loss is not None and not math.isfinite(self._loss):
                 loss = str(self._loss)  # "nan", "inf", "-inf": JSON has no such numbers
-            ratio = self._peak_ratio if self._steps_since_read else self._last_ratio
-            self._peak_ratio, self._steps_since_read = None, 0
             return {
                 "last_step": self._step,
                 "step_time_s": self._last_duration,
                 "step_time_median_s": (
                     statistics.median(self._durations) if self._durations else None
                 ),
-                "step_time_ratio": ratio,
+                "step_time_ratio": self._last_ratio,
                 "seconds_since_step": (
                     None if self._last_report is None else max(0.0, now - self._last_report)
                 ),
