@@ -224,11 +224,13 @@ class Settings(BaseSettings):
 
     @field_validator("token", "peer_secret")
     @classmethod
-    def _secret_as_sent(cls, value: str | None) -> str | None:
+    def _secret_as_sent(cls, value: str | None, info: ValidationInfo) -> str | None:
         # Without the whitespace around it (a secret file's last newline), as clients
-        # send it; a token with a character no header can carry could never match.
+        # send a token. A token with a character no header can carry could never match;
+        # the peer secret is only a key the peer tokens derive from, never sent.
         value = (value or "").strip() or None
-        if value is not None and any(not "!" <= c <= "~" for c in value):
+        if (info.field_name == "token" and value is not None
+                and any(not "!" <= c <= "~" for c in value)):
             raise ValueError("holds a space, a control or a non-ASCII character, which no "
                              "token sent in a header can: copy it again")
         return value

@@ -64,3 +64,13 @@ def test_a_server_token_with_a_newline_is_the_token(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 2 and "CKPTD_TOKEN" in done.stderr, done.stderr
     assert "s3cret" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_peer_secret_is_a_key_not_a_header() -> None:
+    """The peer secret is never sent: a passphrase with spaces is one (9eb0c83 refused
+    it as it refuses a token), only the whitespace around it goes."""
+    from ckptd.server.settings import Settings
+
+    assert Settings(peer_secret="  a long pass phrase\n").peer_secret == "a long pass phrase"
+    with pytest.raises(ValueError, match="no token sent in a header"):
+        Settings(token="a long pass phrase")
