@@ -134,8 +134,14 @@ class StoreViews:
         reading = self._reading.get(key)
         if reading is None:
             reading = self._reading[key] = asyncio.ensure_future(self._read_commit(key, held))
-            reading.add_done_callback(lambda _: self._reading.pop(key, None))
+            reading.add_done_callback(lambda done: self._done_reading(key, done))
         return await asyncio.shield(reading)
+
+    def _done_reading(self, key: tuple[str, int],
+                      done: asyncio.Future[CommitRecord | None]) -> None:
+        self._reading.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # (its callers, if all were cancelled, never read it)
 
     async def _read_commit(self, key: tuple[str, int],
                            held: tuple[float, CommitRecord] | None) -> CommitRecord | None:

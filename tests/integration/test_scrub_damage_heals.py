@@ -17,23 +17,13 @@ import pytest
 from ckptd.lifecycle.documents import damage_key
 from ckptd.repository import Repository
 from ckptd.store import LocalStore
-from ckptd.testing.manifests import demo_step, put_rank
 from tests.conftest import ServerProcess
 from tests.integration.test_cli_damage_exits import WIDE, _row
 from tests.integration.test_cli_mistakes import ckptd
+from tests.integration.test_scrub_runs import JOB, _fill
 
 pytestmark = pytest.mark.timeout(180)
 
-JOB = "job"
-
-
-async def _fill(root: Path) -> None:
-    repo = Repository(LocalStore(root, fsync=False))
-    for step in (1, 2, 3):
-        for manifest, chunks in demo_step(JOB, step, 2):
-            await put_rank(repo, manifest, chunks)
-        assert (await repo.commit(JOB, step)).state == "committed"
-    await repo.close()
 
 
 @pytest.fixture(scope="module")
