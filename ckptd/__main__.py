@@ -8,6 +8,9 @@ except for a container's first process (PID 1: an image's ``ENTRYPOINT
 ["ckptd"]``), which the kernel never kills for a signal it has no handler for: an
 init container's ``ckptd restore`` or a Job's ``ckptd gc`` waited out the whole
 grace period, then SIGKILL. ``ckptd serve`` has uvicorn's own handler (it drains).
+A SIGTERM in the interpreter's own start, before ``main`` sets the handler (some
+tens of ms), meets the kernel's default: it kills the process (143 in a shell),
+or, for a PID 1, is lost.
 
 An interrupt raised wherever the main thread is may land where nothing expects it
 (among the imports, where pydantic turns it into a schema error; with a worker

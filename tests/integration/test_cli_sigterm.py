@@ -103,6 +103,13 @@ def test_sigterm_among_the_imports_ends_it_alike(silent: _Silent, after: float) 
     proc = _ls(silent)
     time.sleep(after)
     code, took, err = _ended(proc, proc.pid)
+    if code == -signal.SIGTERM:
+        # A SIGTERM before the interpreter reached ckptd's handler (its own start
+        # takes some tens of ms on a loaded machine) kills it by the kernel's
+        # default, as it kills any program: a shell reports that as 143 too. Then
+        # nothing of ckptd ran, so nothing was said.
+        assert err == "" and took < 10, (code, took, err)
+        return
     assert code == 143 and took < 10, (code, took, err)
     assert "Traceback" not in err, err
 
