@@ -130,6 +130,10 @@ class Transport(ABC):
         """Every step of ``job``, committed or pending, oldest first."""
 
     @abstractmethod
+    async def tags(self, job: str) -> dict[str, int]:
+        """``job``'s tags, name -> step (``ckptd tag``, ``save(..., tag=)``)."""
+
+    @abstractmethod
     async def verify(
         self, job: str, step: int | None = None, on_bytes: Progress | None = None
     ) -> dict[str, Any]:
@@ -219,6 +223,11 @@ class LocalTransport(Transport):
 
     async def list_steps(self, job: str) -> list[StepInfo]:
         return await self.repository.list_steps(check_job(job))
+
+    async def tags(self, job: str) -> dict[str, int]:
+        from ckptd.lifecycle.tags import read_tags
+
+        return await read_tags(self.repository.store, check_job(job))
 
     async def verify(
         self, job: str, step: int | None = None, on_bytes: Progress | None = None
@@ -391,6 +400,9 @@ class HttpTransport(Transport):
                          committed_at=s.committed_at, is_latest=s.is_latest, damaged=s.damaged,
                          unsupported=s.unsupported)
                 for s in doc.steps]
+
+    async def tags(self, job: str) -> dict[str, int]:
+        return await self.run(calls.tags(job))
 
     async def verify(
         self, job: str, step: int | None = None, on_bytes: Progress | None = None

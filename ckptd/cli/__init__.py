@@ -311,7 +311,7 @@ def ls(
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """List jobs, or one job's steps with sizes and whether each committed. A job or
+    """List jobs, or one job's steps with sizes, tags and whether each committed. A job or
     step whose documents cannot be read is listed as such, and the exit code is 1
     (damaged: `ckptd verify JOB` names every damaged document; or a newer ckptd
     wrote them)."""

@@ -107,6 +107,7 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
         raise job_not_found(job, jobs, transport.describe())
     table = Table("step", "state", "ranks", "size", "committed at (UTC)", "")
     stuck: list[str] = []
+    tagged = await _tags_by_step(transport, job, notes)
     for s in steps:
         world = _get(s, "world_size")
         bad = notes.unreadable(f"step {_get(s, 'step')}", s)
@@ -120,7 +121,8 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
             f"{_get(s, 'ranks_present')}/{world if world is not None else '?'}",
             _human(_get(s, "logical_bytes")),
             _when(_get(s, "committed_at")),
-            "latest" if _get(s, "is_latest") else "",
+            ", ".join((["latest"] if _get(s, "is_latest") else [])
+                      + [f"tag {escape(visible(n))}" for n in tagged.get(_get(s, "step"), [])]),
         )
     if stuck:  # (pending: ranks still to save)
         notes.lines.append(
@@ -135,3 +137,18 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
             if _get(j, "job") == job:
                 notes.unreadable(f"{job} latest", j)
     return table
+
+
+async def _tags_by_step(transport: Any, job: str, notes: Notes) -> dict[int, list[str]]:
+    """The job's tag names by step (retention keeps a tagged step); a tags document
+    that cannot be read is a note, not the end of the listing."""
+    try:
+        tags = await transport.tags(job)
+    except CkptdError as exc:
+        notes.lines.append(f"[red]damaged[/] {escape(visible(f'{job} tags: {exc.message}'))}")
+        notes.damaged = True
+        return {}
+    by_step: dict[int, list[str]] = {}
+    for name, step in sorted(tags.items()):
+        by_step.setdefault(step, []).append(name)
+    return by_step

@@ -119,8 +119,9 @@ def test_the_cli_says_the_way_out_and_saves_restores_and_ls_go_on(
             _short_error(done, "store_corrupt", "jobs/llm/refs/tags", str(path),
                          "ckptd tag llm STEP NAME")
             assert path.read_bytes() == data, (command, url)
-    done = ckptd("ls", "llm", "--url", server.url)
-    assert done.returncode == 0 and "latest" in done.stdout, done.stdout + done.stderr
+    done = ckptd("ls", "llm", "--url", server.url)  # (the steps, and the damage named)
+    assert done.returncode == 1 and "latest" in done.stdout, done.stdout + done.stderr
+    assert "damaged" in done.stderr and "llm tags" in done.stderr, done.stderr
     with Checkpointer(server.url, job="llm", shm_dir=str(shm)) as ckpt:
         # A save's tag cannot be set either: the step commits all the same.
         assert ckpt.save(3, {"w": torch.full((4,), 3.0)}, tag="t3").wait(60).state == (

@@ -1,7 +1,8 @@
 """``ckptd ls JOB`` tells a step still waiting for ranks (pending) from one every
 rank saved that did not commit: its commit was refused (a shape or tiling the
 ranks disagree on) or is under way, and it stays until the job's retention
-abandons it. A probe read the second as "pending" for ever."""
+abandons it. A probe read the second as "pending" for ever. It names each step's
+tags (retention keeps them; a probe found no command that listed them)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ async def _fill(root: Path) -> None:
         for manifest, chunks in demo_step(JOB, 1, 2):  # committed
             await put_rank(repo, manifest, chunks)
         await repo.commit(JOB, 1)
+        await repo.tag(JOB, "best", 1)
+        await repo.tag(JOB, "warm-up", 1)
         for manifest, chunks in demo_step(JOB, 2, 2):  # both ranks, no commit
             await put_rank(repo, manifest, chunks)
         manifest, chunks = demo_step(JOB, 3, 2)[0]  # rank 0 only
@@ -46,6 +49,8 @@ def test_a_step_every_rank_saved_without_a_commit_is_not_called_pending(tmp_path
     rows = {line.split()[1]: line for line in done.stdout.splitlines()
             if line[:1] == "│" and line.split()[1].isdigit()}
     assert "committed" in rows["1"] and "not" not in rows["1"], done.stdout
+    assert "latest, tag best, tag warm-up" in rows["1"], done.stdout
+    assert "tag" not in rows["2"] + rows["3"], done.stdout
     assert "not committed" in rows["2"] and "2/2" in rows["2"], done.stdout
     assert "pending" in rows["3"] and "1/2" in rows["3"], done.stdout
     (note,) = [line for line in done.stderr.splitlines() if "not committed" in line]
