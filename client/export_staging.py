@@ -40,6 +40,21 @@ class Staging:
     moved: list[Path] = field(default_factory=list)  # entries renamed up into the target
 
 
+def write_advice(exc: OSError) -> str:
+    """What to do about a write into the export's directory that the system refused,
+    by its errno: room is only the answer to a full disk or a quota."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there or export elsewhere"
+    if exc.errno == errno.EFBIG:  # (a limit on one file: ulimit -f, the filesystem's own)
+        return ("a file passed the size limit on one file (ulimit -f, or the filesystem's): "
+                "raise it, lower --max-shard-size (safetensors) or export elsewhere")
+    if exc.errno == errno.EROFS:
+        return "that filesystem is mounted read-only: export elsewhere"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "this user may not write there: export into a directory you can write"
+    return "export elsewhere"
+
+
 def check_target(target: Path) -> None:
     """Refuses a target that exists and is not an empty directory: an export never
     writes over anything (a stopped export's leftover in it is named)."""

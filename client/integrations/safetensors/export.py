@@ -40,7 +40,7 @@ from ckptd.knobs import MiB, human_bytes
 
 from ...dtypes import byte_view, torch_dtype
 from ...endpoint import endpoint
-from ...export_staging import check_target, discard, publish, stage
+from ...export_staging import check_target, discard, publish, stage, write_advice
 from ...loop import in_thread, run_private, spread
 from ...restore.failure import failure
 from ...restore.fetch import ChunkFetcher, WantedChunks, deliver
@@ -147,12 +147,8 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
     only, exclude = which
     selection = global_tensors(manifests, only, strip, exclude)
     if not selection.tensors:
-        said = (f" starting with {', '.join(map(repr, only))}" if only else "") + (
-            f"{' and' if only else ''} not with {', '.join(map(repr, exclude))}"
-            if exclude else "")
-        raise InvalidRequest(f"step {step} of {job} holds no tensor{said} to export"
-                             + (f" (it holds {', '.join(selection.skipped_other[:5])} ...)"
-                                if selection.skipped_other else ""))
+        raise InvalidRequest(_nothing_selected(job, step, only, exclude,
+                                               selection.skipped_other))
     metadata = {"format": "pt", "ckptd.job": job, "ckptd.step": str(step)}
     plans = plan_files(selection.tensors, limit, metadata)
     biggest_chunk = max(b.chunk_size for t in selection.tensors for b in t.boxes) \
@@ -164,8 +160,8 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
     except OSError as exc:
         if target.is_dir():  # (an empty directory given: refused as its files would be)
             raise _refused(target, plans[0], exc) from None
-        raise InvalidRequest(f"cannot create {target}: {exc.strerror}; export into a "
-                             "directory you can write") from None
+        raise InvalidRequest(f"cannot create {target}: {exc.strerror or exc}; "
+                             f"{write_advice(exc)}") from None
     writer = _Writer(transport, step, size, on_bytes, total)
     try:
         _check_room(staging.path, target, total)
@@ -465,9 +461,32 @@ def _copy_verified(path: Path, chunk: _Chunk, fd: int, offset: int, buf: memoryv
     return hasher.hexdigest() == chunk.cid
 
 
+def _either(prefixes: Sequence[str]) -> str:
+    """``'a.'``, ``'a.' or 'b'``, ``'a.', 'b' or 'c'``."""
+    quoted = [repr(p) for p in prefixes]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _nothing_selected(job: str, step: int, only: Sequence[str], exclude: Sequence[str],
+                      left_out: Sequence[str]) -> str:
+    """Why an export would hold no tensor, and the names it left out (a few)."""
+    if only:
+        said = (f"step {step} of {job} holds no tensor starting with {_either(only)}"
+                + (f" and not with {_either(exclude)}" if exclude else "") + " to export")
+    elif exclude and left_out:
+        said = (f"step {step} of {job} has no tensor to export: every name starts with "
+                f"{_either(exclude)}, which --exclude leaves out")
+    else:  # (rank-local entries, values and blobs only: no global tensor)
+        said = f"step {step} of {job} holds no tensor to export"
+    if left_out:
+        more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
+        said += f" (it holds {', '.join(map(repr, left_out[:5]))}{more})"
+    return said
+
+
 def _refused(target: Path, plan: FilePlan, exc: OSError) -> InvalidRequest:
     return InvalidRequest(f"cannot write {target / plan.filename} ({human_bytes(plan.size)}): "
-                          f"{exc.strerror or exc}; free space there or export elsewhere")
+                          f"{exc.strerror or exc}; {write_advice(exc)}")
 
 
 def _check_room(staging: Path, target: Path, total: int) -> None:

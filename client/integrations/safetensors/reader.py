@@ -1,6 +1,8 @@
 """Safetensors checkpoints read for ``ckptd import``: a Hugging Face directory
-(``model.safetensors.index.json`` and the files its weight map names, or one
-``.safetensors`` file in it) or a single ``.safetensors`` file, read with the
+(an index, ``model.safetensors.index.json`` or any one ``*.safetensors.index.json``
+such as diffusers' ``diffusion_pytorch_model.safetensors.index.json``, and the files
+its weight map names; or one ``.safetensors`` file in it) or a single
+``.safetensors`` file, read with the
 ``safetensors`` package (which never unpickles) into a flat ``{name: tensor}``
 state."""
 
@@ -17,6 +19,12 @@ from ckptd.errors import InvalidRequest, UnsupportedValue
 from .layout import INDEX_NAME
 
 SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _count(n: int, what: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def is_safetensors(path: Path) -> bool:
@@ -24,21 +32,35 @@ def is_safetensors(path: Path) -> bool:
     safetensors index or safetensors files."""
     if path.is_file():
         return path.suffix == SUFFIX
-    return path.is_dir() and ((path / INDEX_NAME).is_file() or any(path.glob(f"*{SUFFIX}")))
+    return path.is_dir() and (bool(_indexes(path)) or any(path.glob(f"*{SUFFIX}")))
+
+
+def _indexes(path: Path) -> list[Path]:
+    """The safetensors indexes in a directory: ``model.safetensors.index.json`` when
+    it is there (what Hugging Face writes and reads first), else every
+    ``*.safetensors.index.json`` (diffusers', a library's own name)."""
+    if (path / INDEX_NAME).is_file():
+        return [path / INDEX_NAME]
+    return sorted(p for p in path.glob(f"*{INDEX_SUFFIX}") if p.is_file())
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file or directory, by name, in file order."""
     if path.is_file():
         return _read_file(path)
-    index = path / INDEX_NAME
-    if index.is_file():
-        return _read_indexed(path, index)
+    indexes = _indexes(path)
+    if len(indexes) == 1:
+        return _read_indexed(path, indexes[0])
+    if indexes:
+        names = ", ".join(p.name for p in indexes)
+        raise InvalidRequest(f"{path} holds {len(indexes)} safetensors indexes ({names}), each "
+                             "a checkpoint of its own; import one: copy it and the files its "
+                             "weight_map names into a directory of their own")
     files = sorted(path.glob(f"*{SUFFIX}"))
     if len(files) != 1:
-        raise InvalidRequest(f"{path} holds {len(files)} .safetensors files and no "
-                             f"{INDEX_NAME} saying which tensor is where; import one file, or "
-                             "add the index")
+        raise InvalidRequest(f"{path} holds {_count(len(files), '.safetensors file')} and no "
+                             f"*{INDEX_SUFFIX} saying which tensor is where; import one file, "
+                             "or add the index")
     return _read_file(files[0])
 
 
@@ -63,15 +85,15 @@ def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
         tensors = _read_file(path / filename)
         missing = sorted(set(files[filename]) - tensors.keys())
         if missing:
-            raise InvalidRequest(f"{filename} lacks {len(missing)} tensors that {INDEX_NAME} "
-                                 f"puts there (first: {missing[0]!r})")
+            raise InvalidRequest(f"{filename} lacks {_count(len(missing), 'tensor')} that "
+                                 f"{index.name} puts there (first: {missing[0]!r})")
         # A tensor of the file that the index puts elsewhere or nowhere would be left
         # out without a word (loaders that read whole files would take it).
         unmapped = sorted(tensors.keys() - set(files[filename]))
         if unmapped:
-            raise InvalidRequest(f"{filename} holds {len(unmapped)} tensors that {INDEX_NAME} "
-                                 f"does not put there (first: {unmapped[0]!r}); fix the index, "
-                                 "or import the files one at a time")
+            raise InvalidRequest(f"{filename} holds {_count(len(unmapped), 'tensor')} that "
+                                 f"{index.name} does not put there (first: {unmapped[0]!r}); "
+                                 "fix the index, or import the files one at a time")
         for name in files[filename]:
             state[name] = tensors[name]
     return state
