@@ -21,6 +21,7 @@ import pickletools
 import re
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ from ckptd.errors import (
 )
 from ckptd.zarr.hierarchy import ATTR, RAW_DTYPES
 
-from .dtypes import torch_dtype
+from .dtypes import dtype_name, torch_dtype
 from .save.flatten import flatten
 from .transport import open_transport
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     import zarr
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,12 +324,20 @@ def import_checkpoint(
     chunk_size: int | None = None,
     shm_dir: str | Path | None = None,
     verify: bool = True,
+    exclude: str | Sequence[str] = (),
 ) -> ImportResult:
-    """Saves the checkpoint at ``source`` as step ``step`` of ``job`` and commits it."""
+    """Saves the checkpoint at ``source`` as step ``step`` of ``job`` and commits it.
+    ``exclude``: leave out the tensors whose names (``model.0.weight``) start with
+    this prefix, or one of these."""
     from .checkpointer import Checkpointer
+    from .integrations.safetensors.layout import prefixes
 
     t0 = time.perf_counter()
+    unwanted = prefixes(exclude, "exclude")
     kind, state = read_checkpoint(source)
+    if unwanted:
+        state = without(state, unwanted, source)
+    check_dtypes(state, source)
     flat = flatten(state)  # refuses what ckptd cannot store, naming the path
     if asyncio.run(_exists(url, token, job, step)):
         raise InvalidRequest(f"step {step} of {job} already exists; import as another --step")
@@ -343,6 +353,79 @@ def import_checkpoint(
         ckpt.close()
     nbytes = sum(t.numel() * t.element_size() for _, t in flat.tensors)
     return ImportResult(step, kind, len(flat.tensors), nbytes, time.perf_counter() - t0)
+
+
+def _held(dtype: torch.dtype) -> bool:
+    try:
+        dtype_name(dtype)
+    except UnsupportedValue:
+        return False
+    return True
+
+
+def _leaves(state: Any) -> Iterator[tuple[str, Any]]:
+    """(ckptd name, value) of every leaf of a state, as ``flatten`` names them."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), state)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(((*path, str(k)), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list | tuple):
+            stack.extend(((*path, str(i)), v) for i, v in reversed(list(enumerate(value))))
+        else:
+            yield ".".join(path), value
+
+
+def check_dtypes(state: Any, source: str | Path) -> None:
+    """Refuses, naming the tensor and saying what to do, a tensor of a dtype that
+    ckptd's format has no name for (``ckptd.dtypes``: float8_e8m0fnu, the fnuz
+    float8s, ...), which safetensors, DCP and torch.save hold."""
+    for name, value in _leaves(state):
+        if isinstance(value, torch.Tensor) and not _held(value.dtype):
+            dtype = str(value.dtype).removeprefix("torch.")
+            raise UnsupportedValue(
+                f"{name!r} in {source} is {dtype}, and ckptd's checkpoint format has no "
+                f"{dtype} (docs/FORMAT.md#dtypes); import its bits as uint8 instead (save "
+                f"t.view(torch.uint8); after a restore, .view(torch.{dtype}) gives it back "
+                f"bitwise), or leave it out (import_checkpoint(..., exclude=[{name!r}]))",
+                name=name, dtype=dtype)
+
+
+def without(state: Any, exclude: tuple[str, ...], source: str | Path) -> Any:
+    """``state`` less the tensors whose ckptd names start with one of ``exclude``
+    (only mapping entries: a list's later items would take other names).
+    ``InvalidRequest`` when a prefix leaves out nothing (a typo)."""
+    used: set[str] = set()
+
+    def dropped(value: Any, path: tuple[str, ...]) -> bool:
+        name = ".".join(path)
+        hit = [p for p in exclude if name.startswith(p)]
+        if not hit or not isinstance(value, torch.Tensor):
+            return False
+        used.update(hit)
+        return True
+
+    def keep(value: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {k: keep(v, (*path, str(k))) for k, v in value.items()
+                    if not dropped(v, (*path, str(k)))}
+        if isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                if dropped(v, (*path, str(i))):
+                    raise InvalidRequest(
+                        f"exclude= names {'.'.join((*path, str(i)))!r} of {source}, an item of "
+                        "a list, whose later items would take other names; leave out the "
+                        f"whole list ({'.'.join(path)!r}) or remove it from the checkpoint")
+            items = [keep(v, (*path, str(i))) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    kept = keep(state, ())
+    unused = [p for p in exclude if p not in used]
+    if unused:
+        raise InvalidRequest(f"exclude= {unused[0]!r} starts no name of a tensor in {source}; "
+                             "check it, or leave it out")
+    return kept
 
 
 async def _exists(url: str, token: str | None, job: str, step: int) -> bool:

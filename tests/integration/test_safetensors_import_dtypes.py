@@ -1,0 +1,88 @@
+"""``ckptd import`` of safetensors holding a dtype ckptd's format has no name for
+(float8_e8m0fnu, the fnuz float8s; found by a fresh-user probe): it said "has dtype
+torch.float8_e8m0fnu, which the format lacks", neither whose format nor what to do.
+It now names ckptd's checkpoint format and the tensor, and says what to do; both
+ways it offers (the bits as uint8, ``exclude=``) import, the first bitwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckptd.cli import app
+from ckptd.client import Checkpointer
+from ckptd.client.step_import import import_checkpoint
+from ckptd.errors import InvalidRequest
+
+pytestmark = pytest.mark.timeout(120)
+
+runner = CliRunner()
+
+
+def _odd(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(dtype)  # every bit pattern
+
+
+@pytest.mark.parametrize("name", ["float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_a_dtype_the_format_lacks_is_named_with_what_to_do(tmp_path: Path, name: str) -> None:
+    source = tmp_path / f"dt_{name}.safetensors"
+    save_file({"ok": torch.ones(3), name: _odd(getattr(torch, name))}, source)
+    store = tmp_path / "store"
+    done = runner.invoke(app, ["import", str(source), "--job", "dt", "--step", "111",
+                               "--url", f"file://{store}"])
+    assert done.exit_code == 2, done.output
+    said = " ".join(done.output.split())
+    assert f"'{name}' in {source} is {name}, and ckptd's checkpoint format has no {name}" \
+        in said, said
+    assert "t.view(torch.uint8)" in said and f".view(torch.{name})" in said, said
+    assert f"exclude=['{name}']" in said, said
+    assert "Traceback" not in said and len(done.output.strip().splitlines()) <= 3, said
+    assert not (store / "jobs" / "dt").exists()
+
+
+def test_both_ways_out_import(tmp_path: Path, shm: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    scale = _odd(torch.float8_e8m0fnu)
+    ok = torch.arange(5.0)
+    source = tmp_path / "mx.safetensors"
+    save_file({"w": ok, "w.scale": scale}, source)
+    # Left out by name:
+    result = import_checkpoint(source, url, "left", 1, shm_dir=shm, exclude=["w.scale"])
+    assert result.tensors == 1
+    with Checkpointer(url, "left", shm_dir=shm) as ckpt:
+        got: dict[str, torch.Tensor] = {}
+        ckpt.restore(got)
+    assert list(got) == ["w"] and torch.equal(got["w"], ok)
+    # Its bits as uint8, given back bitwise by a view:
+    bits = tmp_path / "bits.safetensors"
+    save_file({"w": ok, "w.scale": scale.view(torch.uint8)}, bits)
+    import_checkpoint(bits, url, "bits", 1, shm_dir=shm)
+    with Checkpointer(url, "bits", shm_dir=shm) as ckpt:
+        back: dict[str, torch.Tensor] = {}
+        ckpt.restore(back)
+    assert torch.equal(back["w.scale"].view(torch.float8_e8m0fnu).view(torch.uint8),
+                       scale.view(torch.uint8))
+    # A prefix that leaves out nothing is a typo, said so.
+    with pytest.raises(InvalidRequest, match="'w.scael' starts no name of a tensor"):
+        import_checkpoint(source, url, "typo", 1, shm_dir=shm, exclude="w.scael")
+
+
+def test_exclude_leaves_out_tensors_of_a_nested_state(tmp_path: Path, shm: Path) -> None:
+    """A torch.save file's nested state: a mapping's entries go, a list's are refused
+    (its later items would be renamed)."""
+    url = f"file://{tmp_path / 'store'}"
+    source = tmp_path / "state.pt"
+    torch.save({"model": {"w": torch.ones(2), "b": torch.zeros(2)},
+                "bufs": [torch.ones(1), torch.ones(1)], "epoch": 3}, source)
+    import_checkpoint(source, url, "nest", 1, shm_dir=shm, exclude=("model.b",))
+    with Checkpointer(url, "nest", shm_dir=shm) as ckpt:
+        got: dict[str, object] = {}
+        ckpt.restore(got)
+    model = got["model"]
+    assert got["epoch"] == 3 and isinstance(model, dict) and list(model) == ["w"]
+    with pytest.raises(InvalidRequest, match="an item of a list"):
+        import_checkpoint(source, url, "nest", 2, shm_dir=shm, exclude="bufs.0")
