@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import operator
 import os
 import secrets
 import threading
@@ -71,6 +72,7 @@ T = TypeVar("T")
 # recovering one (through its manager servers); a receiver refuses another.
 _METADATA_FORMAT = "ckptd.torchft/1"
 _POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between asks for a step not staged yet
+_MAX_CONCURRENCY = 64
 
 
 @dataclass(slots=True)
@@ -120,8 +122,9 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
     local shards are sent; without a template they arrive as plain tensors). As
     ``Checkpointer.restore``, a receive refuses a template holding entries the
     sender did not send, and adds those it sent beyond the template.
+    ``chunk_size``: bytes per chunk, 4096 to 256 MiB (default ``CKPTD_CHUNK_SIZE``).
     ``shm_dir``: where the staging pool lives (default ``CKPTD_SHM_DIR`` or
-    /dev/shm). ``concurrency``: chunks fetched at once."""
+    /dev/shm). ``concurrency``: chunks fetched at once, 1 to 64."""
 
     def __init__(
         self,
@@ -140,8 +143,10 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
             raise InvalidRequest(f"port must be a port from 0 (any) to 65535, not {port!r}")
-        self.chunk_size = knobs.chunk_size() if chunk_size is None else int(chunk_size)
-        self.concurrency = max(1, int(concurrency))
+        self.chunk_size = (knobs.chunk_size() if chunk_size is None else
+                           _whole("chunk_size", chunk_size, knobs.MIN_CHUNK_SIZE,
+                                  knobs.MAX_CHUNK_SIZE))
+        self.concurrency = _whole("concurrency", concurrency, 1, _MAX_CONCURRENCY)
         self.stats = HealStats()
         self._template = state_dict
         self._shared_token = token is not None
@@ -380,6 +385,19 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if first is not None:
                 raise first
         return tensors
+
+
+def _whole(name: str, value: object, low: int, high: int) -> int:
+    """``value`` when it is a whole number in [``low``, ``high``]; ``InvalidRequest``
+    naming the argument and the range for anything else."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if isinstance(value, bool) or number is None or not low <= number <= high:
+        raise InvalidRequest(f"{name} must be a whole number from {low} to {high}, "
+                             f"not {value!r}")
+    return int(number)
 
 
 def _seconds(timeout: timedelta | float) -> float:

@@ -384,3 +384,21 @@ def test_timeouts_take_seconds_and_bad_arguments_are_refused_at_the_call(
         with pytest.raises(InvalidRequest, match="port .*65535"):
             CkptdTransport(port=port, shm_dir=str(shm / "own"))
     assert not any(p for p in (shm / "own").rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize(("argument", "bad"), [
+    ("chunk_size", 0), ("chunk_size", 7), ("chunk_size", -5), ("chunk_size", 1.5),
+    ("chunk_size", 8192.0), ("chunk_size", "65536"), ("chunk_size", True),
+    ("chunk_size", (256 << 20) + 1), ("concurrency", 0), ("concurrency", -1),
+    ("concurrency", 2.5), ("concurrency", 65), ("concurrency", None),
+])
+def test_a_bad_chunk_size_or_concurrency_is_refused_where_it_is_given(
+        shm: Path, argument: str, bad: object) -> None:
+    """chunk_size=0 was a ZeroDivisionError in the first send, 7 an InvalidDocument
+    there, 1.5 became 1, -5 a plain ValueError; concurrency 0 or -1 became 1."""
+    with pytest.raises(InvalidRequest, match=f"^{argument} must be a whole number from "
+                       r"\d+ to \d+, not ") as err:
+        CkptdTransport(shm_dir=str(shm), **{argument: bad})  # type: ignore[arg-type]
+    assert "\n" not in err.value.message
+    assert not any(p for p in shm.rglob("*") if p.is_file())
+
