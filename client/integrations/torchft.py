@@ -48,6 +48,7 @@ from ckptd.errors import (
     InvalidRequest,
     RestoreError,
     Timeout,
+    Unauthorized,
     UnsupportedValue,
 )
 from ckptd.format import Placement, RankManifest, TensorEntry
@@ -270,7 +271,18 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         url, token = _parse_metadata(metadata, self._token)
         client = PeerClient(token, timeout=max(0.1, deadline - time.monotonic()))
         try:
-            mid, size = _wait_for_step(client, url, step, deadline)
+            try:
+                mid, size = _wait_for_step(client, url, step, deadline)
+            except Unauthorized:
+                if token != self._token:  # the sender's own, from its metadata: as it is
+                    raise
+                raise Unauthorized(
+                    f"torchft heal: the healthy group's transport ({url}) refused this "
+                    "group's token: every replica group must be given the same "
+                    "CkptdTransport(token=...), or none (each then sends its own in "
+                    "torchft's metadata); the healthy group was given one, this group "
+                    + ("another" if self._shared_token else "none"), peer=url, step=step,
+                ) from None
             raw = bytearray(size)
             _fetch_verified(client, url, mid, memoryview(raw), step, "the manifest")
             manifest = RankManifest.parse(bytes(raw))

@@ -402,3 +402,25 @@ def test_a_bad_chunk_size_or_concurrency_is_refused_where_it_is_given(
     assert "\n" not in err.value.message
     assert not any(p for p in shm.rglob("*") if p.is_file())
 
+
+@pytest.mark.parametrize(("sender_token", "receiver_token", "this_group"), [
+    ("token-of-group-a", "token-of-group-b", "another"),
+    ("token-of-group-a", None, "none"),
+])
+def test_groups_given_different_tokens_are_told_to_give_all_the_same(
+        shm: Path, sender_token: str, receiver_token: str | None, this_group: str) -> None:
+    """Replica groups with different token= never healed, each heal failing with
+    'missing or wrong peer token' (torchft retried it every quorum)."""
+    sender: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm), token=sender_token)
+    receiver: CkptdTransport[Any] = CkptdTransport(shm_dir=str(shm), token=receiver_token)
+    try:
+        sender.send_checkpoint([1], 3, {"w": torch.arange(4.0)}, T10)
+        with pytest.raises(Unauthorized) as err:
+            receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+    message = err.value.message
+    assert "every replica group must be given the same CkptdTransport(token=...)" in message
+    assert message.endswith(f"this group {this_group}") and "\n" not in message
+    assert "token-of-group" not in message
