@@ -209,6 +209,7 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             views = [span.data for span in piece.spans]
             ids = run_private(hash_views(views, self.chunk_size), limit,
                               what="hashing the state to send")
+            piece.publish(ids)  # the pool's index: this step, whole (``ckptd shm``)
             entries: list[TensorEntry] = []
             chunks: dict[str, memoryview] = {}
             cs = self.chunk_size

@@ -34,6 +34,7 @@ if not os.environ.get("CI"):
 from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 
 from ckptd.client.integrations.torchft import CkptdTransport  # noqa: E402
+from ckptd.client.staging.inventory import list_pools  # noqa: E402
 
 T10 = timedelta(seconds=10)
 LIGHTHOUSE = "http://127.0.0.1:29510"
@@ -189,6 +190,16 @@ def test_another_step_or_no_step_is_a_typed_error(
     with pytest.raises(Conflict, match="serves step 4, past step 3"):
         receiver.recv_checkpoint(0, sender.metadata(), 3, T10)
 
+
+def test_ckptd_shm_shows_the_step_a_sender_serves_as_whole(
+        pair: tuple[CkptdTransport[Any], ...], shm: Path) -> None:
+    """``ckptd shm`` showed a sender's pool as '1 (staging, not whole)' after the send
+    had completed."""
+    sender, _ = pair
+    sender.send_checkpoint([1], 3, _state(), T10)
+    pools = [p for p in list_pools(shm)[0] if p.directory == sender._pool.directory]
+    assert [(p.step, p.state, p.restorable, p.alive) for p in pools] == [
+        (3, "staged", True, True)]
 
 def test_a_wrong_token_or_foreign_metadata_is_refused(
         pair: tuple[CkptdTransport[Any], ...]) -> None:
