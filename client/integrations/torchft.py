@@ -22,18 +22,25 @@ docs/integrations/torchft.md tells the rest.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
 import operator
 import os
+import re
 import secrets
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -61,6 +68,7 @@ from ..restore.fill import fill, plan_fill, tensor_specs, unflatten
 from ..restore.keys import check_keys
 from ..save.chunks import hash_views
 from ..save.flatten import flatten
+from ..staging.inventory import list_pools, remove_dead_pools
 from ..staging.pool import StagingPool
 
 __all__ = ["CkptdTransport", "HealStats"]
@@ -74,6 +82,27 @@ T = TypeVar("T")
 _METADATA_FORMAT = "ckptd.torchft/1"
 _POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between asks for a step not staged yet
 _MAX_CONCURRENCY = 64
+# A transport's pool is job ``torchft-<8 hex>``, rank 0: named at random, so no later
+# process ever finds it again, and its owner's death leaves nothing to restore from.
+_POOL_JOB = re.compile(r"torchft-[0-9a-f]{8}")
+# The watcher each transport starts (``_watch``): it waits, signals ignored, until its
+# transport's process is gone (its stdin, a pipe only that process holds, ends), then
+# removes the pool once no process holds its lock (``ckptd shm --clean``'s removal).
+# The lock goes with the process's last descriptor of the control file, which the
+# kernel may close after the pipe's: asked again for a moment.
+_WATCHER = """\
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+sys.stdin.buffer.read()
+root, job = sys.argv[1:3]
+for _ in range(40):
+    if not os.path.isdir(os.path.join(root, "ckptd-%d" % os.getuid(), job)):
+        break
+    from ckptd.client.staging.inventory import remove_dead_pools
+    remove_dead_pools(root, job=job, all_users=False)
+    time.sleep(0.05)
+"""
 
 
 @dataclass(slots=True)
@@ -125,7 +154,12 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
     sender did not send, and adds those it sent beyond the template.
     ``chunk_size``: bytes per chunk, 4096 to 256 MiB (default ``CKPTD_CHUNK_SIZE``).
     ``shm_dir``: where the staging pool lives (default ``CKPTD_SHM_DIR`` or
-    /dev/shm). ``concurrency``: chunks fetched at once, 1 to 64."""
+    /dev/shm). ``concurrency``: chunks fetched at once, 1 to 64.
+
+    The pool is removed by ``shutdown()``, at the interpreter's exit (an uncaught
+    exception included), and, when the process dies otherwise (a signal), by a
+    small watcher process that outlives it; a transport starting on the host also
+    removes the pools of transports whose processes are gone."""
 
     def __init__(
         self,
@@ -155,7 +189,9 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         # A pool of its own, named for this transport (several may live in one
         # process: torchft's tests run replica groups as threads).
         self._label = f"torchft-{secrets.token_hex(4)}"
+        _reap_dead_pools(knobs.shm_dir() if shm_dir is None else Path(shm_dir))
         self._pool = StagingPool(self._label, 0, root=shm_dir)
+        self._watcher: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()  # one send stages at a time
         self._shut_down = False
         try:
@@ -171,6 +207,8 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         except BaseException:
             self._pool.close()
             raise
+        self._watcher = _watch(self._pool.root, self._label)
+        _LIVE.add(self)
 
     # -- torchft's interface ------------------------------------------------------------
 
@@ -333,6 +371,13 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         with self._lock:
             self._shut_down = True
             self._pool.close()
+            watcher, self._watcher = self._watcher, None
+        _LIVE.discard(self)
+        if watcher is not None:  # its stdin ends: it finds the pool gone and exits
+            with contextlib.suppress(OSError):
+                watcher.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                watcher.wait(5 if wait else 0.1)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -398,6 +443,56 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if first is not None:
                 raise first
         return tensors
+
+
+_LIVE: weakref.WeakSet[CkptdTransport[Any]] = weakref.WeakSet()
+
+
+# A forked child (os.fork, not multiprocessing's, which skips atexit) that exits
+# must not remove the pools of its parent's transports.
+os.register_at_fork(after_in_child=_LIVE.clear)
+
+
+@atexit.register  # (after staging's own hook was registered: so it runs before it)
+def _shut_down_at_exit() -> None:
+    """Removes the pools of transports still up at the interpreter's exit. Staging
+    keeps a pool when the exit is an uncaught exception, for a restart to restore
+    from; a transport's pool is named at random, no restart finds it."""
+    for transport in list(_LIVE):
+        try:
+            transport.shutdown(wait=False)
+        except Exception as exc:  # exiting: report, never raise
+            log.warning("torchft: removing the staging pool at exit failed: %s", exc)
+
+
+def _watch(root: Path, job: str) -> subprocess.Popen[bytes] | None:
+    """Starts the watcher that removes this transport's pool once its process is
+    gone by a signal (``_WATCHER``); None when it cannot start (a transport starting
+    later on the host removes the pool instead)."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(root), job], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, ValueError) as exc:
+        log.debug("torchft: no watcher for the staging pool %s: %s", job, exc)
+        return None
+
+
+def _reap_dead_pools(root: Path) -> None:
+    """Removes the pools that transports of processes now gone left under ``root``
+    (this user's; a pool is dead when no process holds its lock, which ``ckptd shm``
+    asks the same way and which holds across PID namespaces)."""
+    removed = []
+    try:
+        pools, _ = list_pools(root, all_users=False)
+        for job in sorted({p.job for p in pools
+                           if not p.alive and p.rank == 0 and _POOL_JOB.fullmatch(p.job)}):
+            removed += remove_dead_pools(root, job=job, all_users=False)[0]
+    except (OSError, CkptdError) as exc:
+        log.debug("torchft: looking for dead transports' pools under %s: %s", root, exc)
+    if removed:
+        log.info("torchft: removed %d staging pools (%s) of transports whose processes are "
+                 "gone", len(removed), knobs.human_bytes(sum(p.nbytes for p in removed)))
 
 
 def _whole(name: str, value: object, low: int, high: int) -> int:
