@@ -286,6 +286,19 @@ def _remove_empty_dirs(directory: Path) -> None:
 _LIVE: set[_Resources] = set()
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a user's own fork) holds copies of this
+    process's pools, not pools of its own: neither its exit nor its garbage
+    collector may remove them (a child ending normally removed the parent's
+    staged snapshot)."""
+    for res in _LIVE:
+        res.done = True
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 @atexit.register
 def _release_at_exit() -> None:
     for res in list(_LIVE):

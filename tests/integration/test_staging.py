@@ -312,6 +312,12 @@ elif how == "raise":
     raise ValueError("the training loop failed")
 elif how == "interrupt":
     raise KeyboardInterrupt
+elif how == "fork":  # a child that ends normally (its atexit hooks run), then a crash
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    os._exit(0)
 # "exit": a normal interpreter exit without close()
 """
 
@@ -319,7 +325,7 @@ elif how == "interrupt":
 def run_child(how: str, url: str, shm: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), how, url, str(shm)],
                           capture_output=True, text=True, timeout=60)
-    assert (proc.returncode == 0) == (how in ("close", "exit", "os._exit")), proc.stderr
+    assert (proc.returncode == 0) == (how in ("close", "exit", "os._exit", "fork")), proc.stderr
 
 
 @pytest.mark.slow
@@ -330,10 +336,12 @@ def test_a_process_that_ends_normally_leaves_nothing(how: str, shm: Path, url: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["os._exit", "raise"])
+@pytest.mark.parametrize("how", ["os._exit", "raise", "fork"])
 def test_a_crashed_process_leaves_its_snapshot_for_the_restart(
     how: str, shm: Path, url: str
 ) -> None:
+    """(fork: a forked child, a DataLoader worker or a user's own, holds copies of
+    its parent's pools, not pools of its own: its normal exit removed them.)"""
     run_child(how, url, shm)
     left = files(shm)
     assert any("seg-" in f for f in left) and any(f.endswith("index.json") for f in left)
