@@ -26,9 +26,12 @@ is staged (copied into the staging pool); the upload, the commit, the tag and
 the pointer follow in the background. A load waits for them, on every rank (it
 reads what was just saved; ``rank_zero.py``). A failure there is raised, once, by
 the next save, load or ``teardown`` (Lightning calls it when fitting ends), which
-also waits for the last save, on every rank (what follows ``fit`` sees it). Do not
-wrap this plugin in Lightning's ``AsyncCheckpointIO``: that only adds a thread and
-a clone of every tensor.
+also waits for the last save, on every rank (what follows ``fit`` sees it).
+Lightning's ``AsyncCheckpointIO``
+adds nothing but a thread and a clone of every tensor, and its ``teardown`` does
+not call this plugin's: call it after ``fit``. One step saved under two names
+is stored once (``same_step.py``); a pointer names its job and store, which a
+load checks (``pointers.py``).
 
 What is stored is what ckptd stores: tensors as raw bytes, every other leaf as
 JSON (no pickle). A leaf ckptd cannot store (an ``argparse.Namespace`` in the
@@ -36,6 +39,7 @@ hyperparameters, a dataclass) fails the save with ``UnsupportedValue`` naming
 its path. docs/integrations/lightning.md tells the rest.
 """
 
-from .checkpoint_io import POINTER_FORMAT, CkptdCheckpointIO, read_pointer, tag_for_path
+from .checkpoint_io import CkptdCheckpointIO
+from .pointers import POINTER_FORMAT, read_pointer, tag_for_path
 
 __all__ = ["POINTER_FORMAT", "CkptdCheckpointIO", "read_pointer", "tag_for_path"]

@@ -4,14 +4,11 @@ package docstring tells how paths map to steps and what a save guarantees)."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
-import re
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +24,6 @@ from ckptd.errors import (
     Timeout,
 )
 from ckptd.format import check_job
-from ckptd.hashing import document_hash
-from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_RE
 
 from ...checkpointer import Checkpointer
 from ...endpoint import endpoint
@@ -40,7 +35,19 @@ from ...save.handle import SaveHandle
 from ...step_import import load_torch_save, looks_like_torch_save
 from ...transport import HttpTransport, open_transport
 from .arguments import check_checkpointer_kwargs, check_timeout, check_url, step_value
+from .pointers import (
+    LATEST,
+    apply_callbacks,
+    callbacks_patch,
+    check_pointer,
+    plain_callbacks,
+    read_pointer,
+    stem_of,
+    tag_for_path,
+    write_pointer,
+)
 from .rank_zero import RankZeroSaves
+from .same_step import Saved
 from .tags import JobTags
 
 try:  # the unified package; the standalone one where it is all there is
@@ -48,132 +55,9 @@ try:  # the unified package; the standalone one where it is all there is
 except ImportError:  # pragma: no cover
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment,unused-ignore]
 
-__all__ = ["POINTER_FORMAT", "CkptdCheckpointIO", "read_pointer", "tag_for_path"]
+__all__ = ["CkptdCheckpointIO"]
 
 log = logging.getLogger(__name__)
-
-POINTER_FORMAT = "ckptd.lightning_pointer"
-_POINTER_MAX = 64 * 1024  # a pointer is a few hundred bytes; a real .ckpt is larger
-LATEST = "latest"
-ABOUT = ("a checkpoint stored by ckptd, not a torch.save file: load it with "
-         "ckpt = CkptdCheckpointIO(url, job=job).load_checkpoint(this_path) (or "
-         "fit(ckpt_path=this_path) with the plugin); LightningModule.load_from_checkpoint "
-         "reads the file itself and cannot: build the module from ckpt['hyper_parameters'], "
-         "then model.load_state_dict(ckpt['state_dict']) (docs/integrations/lightning.md)")
-
-
-def _name(path: str | os.PathLike[str]) -> str:
-    """A checkpoint path's file name without ``.ckpt``."""
-    name = Path(os.fspath(path)).name
-    return name[: -len(".ckpt")] if name.endswith(".ckpt") else name
-
-
-def _stem(path: str | os.PathLike[str]) -> str:
-    """``_name`` with what a tag may not hold made ``_`` (``epoch=0-step=10`` becomes
-    ``epoch_0-step_10``)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", _name(path)).lstrip("._-") or "checkpoint"
-
-
-def tag_for_path(path: str | os.PathLike[str]) -> str:
-    """The ckptd tag a Lightning checkpoint path maps to: its ``_stem``, cut to a tag's
-    length with a hash of the whole name; a stem that is a ref's name (``latest.ckpt``:
-    no tag may be named ``latest``) keeps its ``.ckpt``."""
-    tag = _stem(path)
-    if tag in RESERVED_TAGS:
-        tag = f"{tag}.ckpt"
-    if len(tag) > 128:
-        tag = f"{tag[:100]}-{document_hash(_name(path).encode())[:16]}"
-    assert TAG_RE.fullmatch(tag)
-    return tag
-
-
-def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The pointer document at ``path``, or None when the file is no pointer (or is
-    not there)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_POINTER_MAX + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    if len(data) > _POINTER_MAX or not data.lstrip().startswith(b"{"):
-        return None
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        if POINTER_FORMAT.encode() in data:  # one cut short (or edited): not a file to load
-            raise InvalidRequest(
-                f"{os.fspath(path)} is a damaged ckptd pointer (not JSON): {data[:120]!r}; "
-                "remove it to load its checkpoint by its name, a tag of the job (or pass "
-                "ckpt_path='latest')", path=os.fspath(path)) from None
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        return None
-    if not isinstance(doc.get("job"), str) or not isinstance(doc.get("step"), int):
-        raise InvalidRequest(f"{os.fspath(path)} is a damaged ckptd pointer: {data[:200]!r}")
-    return doc
-
-
-def _write_pointer(path: str, job: str, step: int, url: str) -> None:
-    """Writes the pointer at ``path`` atomically (a temporary file, then rename)."""
-    doc = {"format": POINTER_FORMAT, "version": 1, "job": job, "step": step, "url": url,
-           "about": ABOUT}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _tensors(state: Any) -> dict[str, torch.Tensor]:
-    """Each tensor of ``state`` by its path in it."""
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(x: Any, path: str) -> None:
-        if isinstance(x, torch.Tensor):
-            out[path] = x
-        elif isinstance(x, Mapping):
-            for k, v in x.items():
-                walk(v, f"{path}/{k}")
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(v, f"{path}/{i}")
-
-    walk(state, "")
-    return out
-
-
-def _fingerprint(state: Any) -> dict[str, tuple[Any, ...]]:
-    """Each tensor's identity and version (``_version`` counts in-place changes):
-    equal fingerprints mean no tensor was replaced or changed in between."""
-    return {path: (x.data_ptr(), x._version, tuple(x.shape), x.dtype, x.device)
-            for path, x in _tensors(state).items()}
-
-
-def _differing(state: Any, stored: Any) -> list[str]:
-    """The paths of ``state``'s tensors that are not bitwise ``stored``'s (or are
-    in one of them only)."""
-    now, then = _tensors(state), _tensors(stored)
-    out = [k for k in then if k not in now]
-    for k, x in now.items():
-        y = then.get(k)
-        if y is None or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
-                x.detach().cpu().reshape(-1).view(torch.uint8),
-                y.detach().cpu().reshape(-1).view(torch.uint8)):
-            out.append(k)
-    return out
-
-
-@dataclass(slots=True)
-class _Saved:
-    """The last step this plugin stored or restored, and how (for a second save at it)."""
-
-    step: int
-    path: str
-    handle: SaveHandle | None  # None: restored, committed long since
-    tensors: dict[str, tuple[Any, ...]] | None  # None: restored (compared by its bytes)
 
 
 class CkptdCheckpointIO(CheckpointIO):
@@ -220,10 +104,12 @@ class CkptdCheckpointIO(CheckpointIO):
         # The failures raised to the caller already (a save's Checkpointer.save can
         # raise the one our background thread then finds too): teardown only logs them.
         self._told: weakref.WeakSet[BaseException] = weakref.WeakSet()
-        self._last: _Saved | None = None
+        self._last: Saved | None = None
         self._lock = threading.Lock()
         self._counts: RankZeroSaves | None = None  # (once the group exists)
         self._counts_known = False
+        self._store_id: str | None = None
+        self._store_id_known = False
         self._reach_server()
 
     # -- Lightning's interface ----------------------------------------------------------
@@ -245,19 +131,21 @@ class CkptdCheckpointIO(CheckpointIO):
         tag = tag_for_path(path)
         step = self._step_of(checkpoint)
         last = self._last
+        callbacks = plain_callbacks(checkpoint)
         if last is not None and last.step == step:
             # Lightning saves one step under several names (a top-k file and last.ckpt):
-            # a step is stored once, so the next names tag it. Its tensors must be the
-            # ones stored (a training step between would have changed them).
-            changed = self._changed(last, checkpoint)
+            # a step is stored once, so the next names tag it. Its tensors must hold the
+            # stored bytes (a training step between would have changed them); its
+            # callbacks' bookkeeping goes into its pointer (pointers.py).
+            changed = last.changed(checkpoint, lambda: self._read_back(last))
             if changed:
                 how = "saved" if last.handle is not None else "loaded"
                 raise Conflict(
                     f"{path}: step {step} of {self.job} was {how} already (as {last.path}) "
-                    f"and this checkpoint's tensor {changed[0]!r} is not the one it holds; "
-                    "a ckptd step is stored once: save the new state under a new step",
+                    f"and this checkpoint's tensor {changed[0]!r} holds other bytes; a ckptd "
+                    "step is stored once: save the new state under a new step",
                     job=self.job, step=step, path=path)
-            self._queue(last.handle, step, path, tag)
+            self._queue(last.handle, step, path, tag, callbacks_patch(last.callbacks, callbacks))
             last.path = path
             return
         ckpt = self._checkpointer()
@@ -268,8 +156,8 @@ class CkptdCheckpointIO(CheckpointIO):
         except CkptdError as exc:  # (an earlier save's failure, surfaced here)
             self._tell(exc)
             raise
-        self._last = _Saved(step, path, handle, _fingerprint(checkpoint))
-        self._queue(handle, step, path, None)
+        self._last = Saved.stored(step, path, handle, checkpoint, callbacks)
+        self._queue(handle, step, path, None, None)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -281,15 +169,16 @@ class CkptdCheckpointIO(CheckpointIO):
         self._raise_failure()
         path = os.fspath(path)
         self._wait_saves(path)
-        step = self._resolve(path)
+        step, patch = self._resolve(path)
         if step is None:  # an ordinary checkpoint file: a run that moves to ckptd
             return _torch_load(path, map_location)
         state: dict[str, Any] = {}
         if self._saves_here():
             self._checkpointer().restore(state, step, timeout=self.timeout)
-            self._last = _Saved(step, path, None, None)
+            self._last = Saved(step, path, None, None, callbacks=plain_callbacks(state))
         else:
             self._read(state, step)
+        apply_callbacks(state, patch)
         if isinstance(map_location, str | torch.device):
             state = _to_device(state, torch.device(map_location))
         return state
@@ -333,8 +222,9 @@ class CkptdCheckpointIO(CheckpointIO):
 
     # -- the background ---------------------------------------------------------------
 
-    def _queue(self, handle: SaveHandle | None, step: int, path: str, tag: str | None) -> None:
-        self._submit(self._after_commit, handle, step, path, tag)
+    def _queue(self, handle: SaveHandle | None, step: int, path: str, tag: str | None,
+               callbacks: dict[str, Any] | None) -> None:
+        self._submit(self._after_commit, handle, step, path, tag, callbacks)
 
     def _submit(self, fn: Any, *args: Any) -> None:
         counts = self._rank_zero_saves()
@@ -360,7 +250,7 @@ class CkptdCheckpointIO(CheckpointIO):
                 counts.done()
 
     def _after_commit(self, handle: SaveHandle | None, step: int, path: str,
-                      tag: str | None) -> None:
+                      tag: str | None, callbacks: dict[str, Any] | None) -> None:
         """Once ``step`` committed: tags it (a second name of one step) and writes
         the pointer at ``path``."""
         if handle is not None:
@@ -368,7 +258,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if tag is not None:
             self._job_tags().set(tag, step)
         if self.pointers:
-            _write_pointer(path, self.job, step, self.url)
+            write_pointer(path, self.job, step, self.url, self._store(), callbacks)
 
     def _remove(self, path: str) -> None:
         try:
@@ -470,19 +360,23 @@ class CkptdCheckpointIO(CheckpointIO):
             "the checkpoint's path: its name is looked up among the job's tags), or give "
             "this run a new job=", job=self.job, step=step, latest=latest)
 
-    def _changed(self, last: _Saved, checkpoint: Mapping[str, Any]) -> list[str]:
-        """The tensors of ``checkpoint`` that differ from step ``last.step``'s. One
-        this plugin saved: by identity and version (no copy, no read). One it
-        loaded: by its bytes, read back (Lightning and Fabric copy a loaded
-        checkpoint into the model's own tensors, so identity says nothing there); a
-        save at the step just loaded is rare, a read on every load is not."""
-        if last.tensors is not None:
-            fingerprint = _fingerprint(checkpoint)
-            changed = [k for k, v in fingerprint.items() if last.tensors.get(k) != v]
-            return changed + [k for k in last.tensors if k not in fingerprint]
+    def _read_back(self, last: Saved) -> dict[str, Any]:
+        """Step ``last.step`` as stored, once it committed (``same_step.py``)."""
+        if last.handle is not None:
+            try:
+                last.handle.wait(self.timeout)
+            except CkptdError as exc:
+                self._tell(exc)
+                raise
         stored: dict[str, Any] = {}
-        self._checkpointer().restore(stored, last.step, timeout=self.timeout)
-        return _differing(checkpoint, stored)
+        self._read(stored, last.step)
+        return stored
+
+    def _store(self) -> str | None:
+        """The id of the plugin's store (None: not known), asked once."""
+        if not self._store_id_known:
+            self._store_id, self._store_id_known = self._job_tags().store_id(), True
+        return self._store_id
 
     def _job_tags(self) -> JobTags:
         with self._lock:
@@ -499,28 +393,27 @@ class CkptdCheckpointIO(CheckpointIO):
         last = self._last.step if self._last is not None else self._checkpointer().latest()
         return 0 if last is None else last + 1
 
-    def _resolve(self, path: str) -> int | None:
-        """The committed step ``path`` names; None for a file that is no pointer."""
+    def _resolve(self, path: str) -> tuple[int | None, dict[str, Any]]:
+        """The committed step ``path`` names (None for a file that is no pointer),
+        and the callbacks' values its pointer holds (``pointers.py``)."""
         doc = read_pointer(path)
         if doc is not None:
-            if doc["job"] != self.job:
-                raise InvalidRequest(f"{path} points to job {doc['job']!r}, not {self.job!r}: "
-                                     f"load it with CkptdCheckpointIO(job={doc['job']!r})")
-            return int(doc["step"])
+            check_pointer(path, doc, self.job, self.url, self._store())
+            return int(doc["step"]), doc.get("callbacks", {})
         if os.path.isfile(path):
-            return None
+            return None, {}
         if Path(path).name == LATEST:  # (ckpt_path='latest': the newest step, not a tag)
             latest = self._job_tags().latest()
             if latest is not None:
-                return latest
+                return latest, {}
         tag = tag_for_path(path)
         step = self._job_tags().get(tag)
         if step is not None:
-            return step
-        if _stem(path) == LATEST:
+            return step, {}
+        if stem_of(path) == LATEST:
             latest = self._job_tags().latest()
             if latest is not None:
-                return latest
+                return latest, {}
             raise CheckpointNotFound(
                 f"{path}: job {self.job} has no committed checkpoint yet (a first run "
                 "passes no ckpt_path)", job=self.job, path=path)

@@ -5,15 +5,19 @@ checkpoint paths with."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
-from ckptd.errors import NotFound
+from ckptd.cluster import STORE_ID_KEY, StoreIdentity
+from ckptd.errors import CkptdError, NotFound
 from ckptd.lifecycle.tags import check_tag, read_tags, remove_tag
 
-from ...calls import tag, tags, untag
+from ...calls import cluster, tag, tags, untag
 from ...loop import run_private
 from ...transport import LocalTransport, open_transport
 from ...transport_http import SyncTransport
+
+log = logging.getLogger(__name__)
 
 
 class JobTags:
@@ -75,3 +79,21 @@ class JobTags:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+
+    def store_id(self) -> str | None:
+        """The id of the store (``cluster/store-id``), or None where it has none or
+        it cannot be read now."""
+        try:
+            if self._server is not None:
+                return self._server.run(cluster()).store_id
+            return self._local(_local_store_id)  # type: ignore[no-any-return]
+        except CkptdError as exc:
+            log.debug("%s: the store's id is not known: %s", self.job, exc)
+            return None
+
+
+async def _local_store_id(transport: LocalTransport) -> str | None:
+    try:
+        return StoreIdentity.parse(await transport.repository.store.get(STORE_ID_KEY)).id
+    except NotFound:
+        return None
