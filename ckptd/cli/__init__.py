@@ -282,7 +282,7 @@ def serve(
         settings = server_settings(overrides)
         check_listen(settings.host, settings.port)
         # (refuses a store that ignores conditions)
-        opened = writable_store(settings, server_store(settings))
+        opened = writable_store(settings, server_store(settings), check=check)
     except CkptdError as exc:
         _fail(exc)
         return

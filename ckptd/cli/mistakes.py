@@ -133,9 +133,17 @@ def server_store(settings: Settings) -> Store:
     """``ckptd serve``'s store, opened (a local one is made where it is not yet)
     once the settings and the port were found good: a refused start leaves nothing
     behind."""
+    from urllib.parse import urlparse
+
     from ckptd.store import open_store
 
-    store = open_store(settings.store)
+    text = settings.store
+    local = Path(urlparse(text).path) if text.startswith("file://") else (
+        None if "://" in text else Path(text))
+    if local is not None and local.exists() and not local.is_dir():
+        raise InvalidRequest(f"the store {text} is a file, not a directory: give --store "
+                             "(CKPTD_STORE) a directory, a new one or a ckptd store")
+    store = open_store(text)
     _warn_small_disk(settings, store)
     return store
 
@@ -206,10 +214,12 @@ def _check_server_files(settings: Settings) -> None:
                                  "comma-separated (http://a:8470,http://b:8470)") from None
 
 
-def writable_store(settings: Settings, store: Store) -> Store:
+def writable_store(settings: Settings, store: Store, check: bool = False) -> Store:
     """``store`` if it writes conditionally (``ckptd.store.probe``); else, for a
     single writer (``--single-writer``), wrapped so that this process checks the
-    conditions; else ``StoreError`` naming the store and what it lacks."""
+    conditions; else ``StoreError`` naming the store and what it lacks. ``check``
+    (``serve --check``): a store id that does not read is said too (the server
+    only logs it as it starts)."""
     import asyncio
 
     from ckptd.store.probe import conditional_write_gaps
@@ -217,6 +227,8 @@ def writable_store(settings: Settings, store: Store) -> Store:
 
     async def probe() -> list[str]:
         try:
+            if check:
+                _say_store_id_trouble(await _store_id_trouble(store))
             return await conditional_write_gaps(store)
         finally:
             await store.close()  # (its client belongs to this loop; the server opens its own)
@@ -237,6 +249,33 @@ def writable_store(settings: Settings, store: Store) -> Store:
                       f"conditionally ({escape(lacks)}); serving it as its single writer: "
                       "no other server or client may write to it", soft_wrap=True)
     return SingleWriterStore(store)
+
+
+async def _store_id_trouble(store: Store) -> str | None:
+    """Why the store's id (``cluster/store-id``) does not read, or None (read, or not
+    written yet: the first server writes it)."""
+    from ckptd.cluster import STORE_ID_KEY, StoreIdentity
+    from ckptd.errors import CkptdError, NotFound
+
+    try:
+        StoreIdentity.parse(await store.get(STORE_ID_KEY))
+    except NotFound:
+        return None
+    except CkptdError as exc:
+        return exc.message
+    return None
+
+
+def _say_store_id_trouble(trouble: str | None) -> None:
+    if trouble is None:
+        return
+    from ckptd.cli import err_console
+
+    err_console.print(
+        f"[yellow]warning[/] {escape(trouble)}: a server serves the store all the same, but "
+        "clients cannot check that the replicas they are given serve one store. If no "
+        "server serves it now, remove cluster/store-id and the next `ckptd serve` writes "
+        "a new one (docs/FORMAT.md)", soft_wrap=True)
 
 
 # A server's host:port written without its scheme (localhost:8470, 10.0.0.5:8470,

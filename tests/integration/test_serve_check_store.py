@@ -1,0 +1,38 @@
+"""``ckptd serve --check`` over a store whose own documents or path are wrong (found
+by an operator probe): a store id that does not read was "ok: would serve" with no
+word (the server only logs it as it starts), and a store path that is a file was
+"cannot create store directory ...: [Errno 17] File exists"."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden-v1"
+
+
+def test_a_store_id_that_does_not_read_is_said_with_the_way_out(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(GOLDEN, root)
+    (root / "cluster").mkdir()
+    (root / "cluster" / "store-id").write_text("garbage\n")
+    done = ckptd("serve", "--check", "--store", str(root), "--port", "0")
+    assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
+    said = " ".join(done.stderr.split())
+    assert "warning" in said and "cluster/store-id does not parse" in said, said
+    assert "remove cluster/store-id" in said and "Traceback" not in said, said
+    # A store without an id yet (the first server writes it) is no warning.
+    (root / "cluster" / "store-id").unlink()
+    done = ckptd("serve", "--check", "--store", str(root), "--port", "0")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_a_store_path_that_is_a_file_is_named_as_one(tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for store in (str(file), f"file://{file}"):
+        done = ckptd("serve", "--check", "--store", store, "--port", "0")
+        assert_short_usage_error(done, f"the store {store} is a file, not a directory",
+                                 "--store")
