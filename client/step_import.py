@@ -62,11 +62,40 @@ class ImportResult:
 def read_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
     """(kind, state) of a zarr directory, a DCP directory, a torch.save file or
     safetensors (a file, or a directory of them with or without their index)."""
+    kind, state, _ = _read(source)
+    return kind, state
+
+
+def _read(source: str | Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(kind, state, the manifest ``meta`` to save it with)."""
     path = Path(source)
-    from .integrations.safetensors import is_safetensors, read_safetensors
+    from .integrations.safetensors import is_safetensors
 
     if is_safetensors(path):  # a .safetensors file, or a directory of them
-        return "safetensors", dict(read_safetensors(path))
+        return _read_safetensors(path)
+    return (*_read_other(path), {})
+
+
+def _read_safetensors(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Its tensors at the places a ckptd export recorded (else flat, by name), and its
+    ``__metadata__`` kept in the manifest's meta for an export to write back."""
+    from .integrations.safetensors.layout import METADATA_META, nested_state
+    from .integrations.safetensors.reader import read_source
+
+    read = read_source(path)
+    state: dict[Any, Any] = dict(read.tensors)
+    if read.paths:
+        try:
+            state = nested_state(read.tensors, read.paths)
+        except ValueError as exc:
+            read.notes.append(f"the places its files record are not a state's ({exc}): "
+                              "its tensors import under their names")
+    for note in read.notes:
+        log.warning("%s: %s", path, note)
+    return "safetensors", state, ({METADATA_META: read.metadata} if read.metadata else {})
+
+
+def _read_other(path: Path) -> tuple[str, dict[str, Any]]:
     if path.is_dir() and (path / "zarr.json").is_file():
         try:
             return "zarr", read_zarr(path)
@@ -334,7 +363,7 @@ def import_checkpoint(
 
     t0 = time.perf_counter()
     unwanted = prefixes(exclude, "exclude")
-    kind, state = read_checkpoint(source)
+    kind, state, meta = _read(source)
     if unwanted:
         state = without(state, unwanted, source)
     check_dtypes(state, source)
@@ -344,7 +373,7 @@ def import_checkpoint(
     ckpt = Checkpointer(url, job, rank=0, world_size=1, token=token, chunk_size=chunk_size,
                         shm_dir=shm_dir, serve_peers=False)
     try:
-        result = ckpt.save(step, state).wait()
+        result = ckpt.save(step, state, meta=meta).wait()
         if result.state != "committed":
             raise RestoreError(f"step {step} of {job} did not commit ({result.state})")
         if verify:

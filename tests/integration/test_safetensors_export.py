@@ -173,7 +173,8 @@ def test_file_bytes_are_what_save_file_writes(tmp_path: Path, shm: Path) -> None
     full = save_two_ranks(url, shm)
     export_safetensors(url, JOB, tmp_path / "out")  # one file: model.safetensors
     ours = (tmp_path / "out" / "model.safetensors").read_bytes()
-    meta = {"format": "pt", "ckptd.job": JOB, "ckptd.step": "1"}
+    places = json.dumps({name: name.split(".", 1) for name in full}, separators=(",", ":"))
+    meta = {"format": "pt", "ckptd.job": JOB, "ckptd.step": "1", "ckptd.paths": places}
     save_file(full, tmp_path / "ref.safetensors", metadata=meta)
     ref = (tmp_path / "ref.safetensors").read_bytes()
     # save_file orders __metadata__'s keys as a hash map does, so the headers are
@@ -244,8 +245,10 @@ def test_import_of_an_export_round_trips_bitwise(tmp_path: Path, shm: Path) -> N
     assert done.exit_code == 0, done.output
     assert "safetensors checkpoint" in done.output and "bitwise" in done.output
     with Checkpointer(url, "back", shm_dir=shm) as ckpt:
-        restored: dict[str, Any] = {}
-        assert ckpt.restore(restored).step == 5
+        nested: dict[str, Any] = {}
+        assert ckpt.restore(nested).step == 5
+    # (back at their places: {"model": {"rows": ...}, "optim": {...}}, as saved)
+    restored = {f"{g}.{k}": t for g, group in nested.items() for k, t in group.items()}
     assert sorted(restored) == sorted(full)
     assert all(same_bits(restored[k], full[k]) for k in full)
     # The imported step exports to the same tensors again (the files may group them

@@ -3,9 +3,11 @@
 ``export_safetensors`` (``ckptd export JOB [STEP] --safetensors DIR``) writes a
 committed step's global tensors, from any world size and sharding, as sharded
 safetensors files with ``model.safetensors.index.json``, streamed and verified
-chunk by chunk. ``read_safetensors`` reads such a directory (or one file) for
-``ckptd import``. Needs ``pip install 'ckptd[safetensors]'`` for the import;
-the export writes the format itself (see ``layout``)."""
+chunk by chunk, each file recording its tensors' places in the saved state.
+``read_safetensors`` reads such a directory (or one file) for ``ckptd import``,
+which puts the tensors back at those places. Needs ``pip install
+'ckptd[safetensors]'`` for the import; the export writes the format itself (see
+``layout``)."""
 
 from __future__ import annotations
 

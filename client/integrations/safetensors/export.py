@@ -60,6 +60,7 @@ from .layout import (
     Placed,
     global_tensors,
     index_bytes,
+    kept_metadata,
     parse_size,
     plan_files,
     prefixes,
@@ -149,7 +150,9 @@ async def _export(transport: Transport, job: str, step: int | None, target: Path
     if not selection.tensors:
         raise InvalidRequest(_nothing_selected(job, step, only, exclude,
                                                selection.skipped_other))
-    metadata = {"format": "pt", "ckptd.job": job, "ckptd.step": str(step)}
+    # (what an import kept of its files' __metadata__ goes back; ckptd's keys are ours)
+    metadata = {**kept_metadata(manifests), "format": "pt", "ckptd.job": job,
+                "ckptd.step": str(step)}
     plans = plan_files(selection.tensors, limit, metadata)
     biggest_chunk = max(b.chunk_size for t in selection.tensors for b in t.boxes) \
         if any(t.boxes for t in selection.tensors) else 0

@@ -48,6 +48,16 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 CKPTD_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
 
+# A file's ``__metadata__`` key holding, for each of its tensors, its place in the
+# state ckptd saved (JSON: {name: path}, in state-dict order; a path is a list of
+# keys, a str or int a mapping's key, [i] a list's item i): absent when every
+# tensor of the file was at the top of the state under the name it has in the file.
+# The import puts the tensors back there, so an exported step imports as it was.
+PATHS_KEY = "ckptd.paths"
+# The manifest ``meta`` key where an import keeps its files' other ``__metadata__``;
+# an export of that step writes it back into its files' ``__metadata__``.
+METADATA_META = "safetensors_metadata"
+
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's default, "5GB"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -105,6 +115,7 @@ class GlobalTensor:
     dtype: str
     shape: tuple[int, ...]
     boxes: list[StoredBox] = field(default_factory=list)
+    path: list[object] | None = None  # its place in the state (PATHS_KEY), if known
 
     @property
     def nbytes(self) -> int:
@@ -179,8 +190,10 @@ def global_tensors(
     only = prefixes(only)
     exclude = prefixes(exclude, "exclude")
     blobs: set[str] = set()
+    places: dict[str, list[object]] = {}
     for m in manifests:
         _blobs(m.tree, blobs)
+        _places(m.tree, [], places)
     by_name: dict[str, GlobalTensor] = {}
     boxes_seen: dict[str, set[Box]] = {}
     skipped_local: list[str] = []
@@ -203,7 +216,7 @@ def global_tensors(
             t = by_name.get(e.name)
             if t is None:
                 t = GlobalTensor(_stripped(e.name, strip), e.name, e.dtype,
-                                 tuple(e.global_shape))
+                                 tuple(e.global_shape), path=places.get(e.name, [e.name]))
                 by_name[e.name] = t
                 boxes_seen[e.name] = set()
             elif e.placement == "local":
@@ -236,6 +249,17 @@ def global_tensors(
     return Selection(tensors, skipped_local, skipped_other)
 
 
+def kept_metadata(manifests: Sequence[RankManifest]) -> dict[str, str]:
+    """The ``__metadata__`` an import of safetensors kept (``METADATA_META``), to
+    write back: its string entries, ckptd's own keys left to the export."""
+    for m in manifests:
+        kept = m.meta.get(METADATA_META)
+        if isinstance(kept, dict):
+            return {k: v for k, v in kept.items() if isinstance(k, str) and
+                    isinstance(v, str) and not k.startswith("ckptd.")}
+    return {}
+
+
 def _stripped(name: str, prefix: str) -> str:
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
@@ -250,6 +274,75 @@ def _blobs(node: dict[str, object], out: set[str]) -> None:
     elif kind in ("list", "tuple") and isinstance(body, list):
         for child in body:
             _blobs(child, out)
+
+
+def _places(node: dict[str, object], path: list[object], out: dict[str, list[object]]) -> None:
+    """Entry name -> its place in the state (``PATHS_KEY``'s form), first seen first."""
+    ((kind, body),) = node.items()
+    if kind == "tensor" and isinstance(body, str):
+        out.setdefault(body, path)
+    elif kind == "dict" and isinstance(body, list):
+        for key, child in body:
+            _places(child, [*path, key], out)
+    elif kind in ("list", "tuple") and isinstance(body, list):
+        for i, child in enumerate(body):
+            _places(child, [*path, [i]], out)
+
+
+def nested_state(tensors: Mapping[str, object], paths: Mapping[str, object]
+                 ) -> dict[object, object]:
+    """The state that holds each tensor at its place: ``paths[name]`` (``PATHS_KEY``'s
+    form), ``[name]`` for a name it lacks; items of a list as a list.
+    ``ValueError`` saying why when the places are not a state's (a bad path, two
+    tensors at one place, a tensor where another's container is, a list with gaps)."""
+    root: dict[object, object] = {}
+    is_list: dict[int, bool] = {id(root): False}  # the containers made, by id
+    for name, value in tensors.items():
+        path = paths.get(name, [name])
+        if not isinstance(path, list) or not path:
+            raise ValueError(f"the place of {name!r} is not a list of keys")
+        node = root
+        for depth, step in enumerate(path):
+            if isinstance(step, list) and len(step) == 1 and _index(step[0]):
+                key, listed = step[0], True
+            elif isinstance(step, str) or _index(step):
+                key, listed = step, False
+            else:
+                raise ValueError(f"the place of {name!r} holds {step!r}, which is no key")
+            if (is_list[id(node)] != listed and node) or (listed and node is root):
+                raise ValueError(f"the place of {name!r} mixes a list and a mapping")
+            is_list[id(node)] = listed
+            last = depth == len(path) - 1
+            child = node.get(key)
+            if last:
+                if child is not None:
+                    raise ValueError(f"{name!r} is placed where another tensor is")
+                node[key] = value
+            elif child is None:
+                child = node[key] = {}
+                is_list[id(child)] = False
+            elif not isinstance(child, dict) or id(child) not in is_list:
+                raise ValueError(f"{name!r} is placed inside another tensor")
+            if not last:
+                assert isinstance(child, dict)
+                node = child
+
+    def build(node: dict[object, object]) -> object:
+        out = {k: build(v) if isinstance(v, dict) and id(v) in is_list else v
+               for k, v in node.items()}
+        if not is_list[id(node)]:
+            return out
+        if set(out) != set(range(len(out))):  # (its keys are ints: _index)
+            raise ValueError("a list's items are not all there")
+        return [out[i] for i in range(len(out))]
+
+    state = build(root)
+    assert isinstance(state, dict)
+    return state
+
+
+def _index(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +401,10 @@ def plan_files(tensors: Sequence[GlobalTensor], max_shard_size: int,
 def layout_file(filename: str, tensors: Sequence[GlobalTensor], metadata: dict[str, str]
                 ) -> FilePlan:
     """Where each tensor goes in one file, and the file's header."""
+    if any(t.path not in (None, [t.name]) for t in tensors):  # (state-dict order)
+        places = {t.name: t.path or [t.name] for t in tensors}
+        metadata = {**metadata, PATHS_KEY: json.dumps(places, separators=(",", ":"),
+                                                      ensure_ascii=False)}
     ordered = sorted(tensors, key=lambda t: (-_RANK[t.dtype], t.name))
     placed: list[Placed] = []
     at = 0

@@ -2,13 +2,15 @@
 (an index, ``model.safetensors.index.json`` or any one ``*.safetensors.index.json``
 such as diffusers' ``diffusion_pytorch_model.safetensors.index.json``, and the files
 its weight map names; or one ``.safetensors`` file in it) or a single
-``.safetensors`` file, read with the
-``safetensors`` package (which never unpickles) into a flat ``{name: tensor}``
-state."""
+``.safetensors`` file, read with the ``safetensors`` package (which never
+unpickles): its tensors by name, where a ckptd export's files say so their places
+in the state it saved (``layout.PATHS_KEY``), and the rest of the files'
+``__metadata__``."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 
 from ckptd.errors import InvalidRequest, UnsupportedValue
 
-from .layout import INDEX_NAME
+from .layout import INDEX_NAME, PATHS_KEY
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -44,10 +46,63 @@ def _indexes(path: Path) -> list[Path]:
     return sorted(p for p in path.glob(f"*{INDEX_SUFFIX}") if p.is_file())
 
 
+@dataclass(slots=True)
+class SafetensorsSource:
+    """A safetensors checkpoint as read: its tensors by name (in the state-dict order
+    its files record, else file order), the places in a state that its files record
+    for them (``PATHS_KEY``), the ``__metadata__`` its files agree on (``PATHS_KEY``
+    left out), and what of their metadata was not taken, and why."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    paths: dict[str, object] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    files: int = 0
+    dropped: set[str] = field(default_factory=set)
+
+    def add(self, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+            ) -> None:
+        """Takes one file's tensors (all of them: the caller checked) and metadata."""
+        places = self._places(path, tensors, metadata)
+        for name in places if places is not None else tensors:
+            self.tensors[name] = tensors[name]
+        self.paths.update(places or {})
+        metadata = {k: v for k, v in metadata.items() if k != PATHS_KEY}
+        if self.files == 0:
+            self.metadata = metadata
+        else:
+            for key in sorted((self.metadata.keys() | metadata.keys()) - self.dropped):
+                if self.metadata.get(key) != metadata.get(key):
+                    self.metadata.pop(key, None)
+                    self.dropped.add(key)
+                    self.notes.append(f"the files' __metadata__ differ on {key!r}: not kept")
+        self.files += 1
+
+    def _places(self, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+                ) -> dict[str, object] | None:
+        text = metadata.get(PATHS_KEY)
+        if text is None:
+            return None
+        try:
+            places = json.loads(text)
+        except ValueError:
+            places = None
+        if not isinstance(places, dict) or places.keys() != tensors.keys():
+            self.notes.append(f"{PATHS_KEY} of {path.name} does not name its tensors: they "
+                              "import under their names")
+            return None
+        return places
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file or directory, by name, in file order."""
+    """Every tensor of a safetensors file or directory, by name."""
+    return read_source(path).tensors
+
+
+def read_source(path: Path) -> SafetensorsSource:
+    """A safetensors file or directory: its tensors, their places, its metadata."""
     if path.is_file():
-        return _read_file(path)
+        return _single(path)
     indexes = _indexes(path)
     if len(indexes) == 1:
         return _read_indexed(path, indexes[0])
@@ -61,10 +116,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise InvalidRequest(f"{path} holds {_count(len(files), '.safetensors file')} and no "
                              f"*{INDEX_SUFFIX} saying which tensor is where; import one file, "
                              "or add the index")
-    return _read_file(files[0])
+    return _single(files[0])
 
 
-def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
+def _single(path: Path) -> SafetensorsSource:
+    source = SafetensorsSource()
+    source.add(path, *_read_file(path))
+    return source
+
+
+def _read_indexed(path: Path, index: Path) -> SafetensorsSource:
     try:
         doc = json.loads(index.read_bytes())
     except (OSError, ValueError) as exc:
@@ -80,9 +141,9 @@ def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
             raise InvalidRequest(f"{index} maps {name!r} to {filename!r}, which is not a file "
                                  f"name in {path}")
         files.setdefault(filename, []).append(name)
-    state: dict[str, torch.Tensor] = {}
+    source = SafetensorsSource()
     for filename in sorted(files):
-        tensors = _read_file(path / filename)
+        tensors, metadata = _read_file(path / filename)
         missing = sorted(set(files[filename]) - tensors.keys())
         if missing:
             raise InvalidRequest(f"{filename} lacks {_count(len(missing), 'tensor')} that "
@@ -94,12 +155,13 @@ def _read_indexed(path: Path, index: Path) -> dict[str, torch.Tensor]:
             raise InvalidRequest(f"{filename} holds {_count(len(unmapped), 'tensor')} that "
                                  f"{index.name} does not put there (first: {unmapped[0]!r}); "
                                  "fix the index, or import the files one at a time")
-        for name in files[filename]:
-            state[name] = tensors[name]
-    return state
+        source.add(path / filename, {name: tensors[name] for name in files[filename]},
+                   metadata)
+    return source
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
+def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A file's tensors (in file order) and its ``__metadata__``."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
@@ -110,13 +172,14 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
             names = f.keys()  # (in file order)
             for name in names:
                 out[name] = _tensor(f, name, path)
     except SafetensorError as exc:
         raise InvalidRequest(f"{path} is not a readable safetensors file: "
                              f"{' '.join(str(exc).split())}") from None
-    return out
+    return out, {k: v for k, v in metadata.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _tensor(f: Any, name: str, path: Path) -> torch.Tensor:
