@@ -26,8 +26,8 @@ is staged (copied into the staging pool); the upload, the commit, the tag and
 the pointer follow in the background. A load waits for them, on every rank (it
 reads what was just saved; ``rank_zero.py``). A failure there is raised, once, by
 the next save, load or ``teardown`` (Lightning calls it when fitting ends), which
-also waits for the last save, on every rank (what follows ``fit`` sees it).
-Lightning's ``AsyncCheckpointIO``
+also waits for the last save, on every rank (what follows ``fit`` sees it); said
+once, in Lightning's terms (``failures.py``). Lightning's ``AsyncCheckpointIO``
 adds nothing but a thread and a clone of every tensor, and its ``teardown`` does
 not call this plugin's: call it after ``fit``. One step saved under two names
 is stored once (``same_step.py``); a pointer names its job and store, which a

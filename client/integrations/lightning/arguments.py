@@ -54,8 +54,8 @@ def check_checkpointer_kwargs(kwargs: Mapping[str, Any]) -> None:
             near = difflib.get_close_matches(name, valid, n=1)
             hint = f"did you mean {near[0]}=? " if near else ""
             raise InvalidRequest(f"CkptdCheckpointIO got an unknown keyword {name}=: {hint}"
-                                 f"it takes url, job, token, pointers, timeout and the "
-                                 f"Checkpointer's {', '.join(valid)}")
+                                 f"it takes url, job, token, pointers, timeout, load_only and "
+                                 f"the Checkpointer's {', '.join(valid)}")
 
 
 def step_value(key: str, value: Any) -> int:

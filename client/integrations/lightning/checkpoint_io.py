@@ -19,6 +19,7 @@ from ckptd.errors import (
     CheckpointNotFound,
     CkptdError,
     Conflict,
+    Forbidden,
     InvalidName,
     InvalidRequest,
     Timeout,
@@ -35,6 +36,7 @@ from ...save.handle import SaveHandle
 from ...step_import import load_torch_save, looks_like_torch_save
 from ...transport import HttpTransport, open_transport
 from .arguments import check_checkpointer_kwargs, check_timeout, check_url, step_value
+from .failures import QuietSaveFailures, in_lightning_terms
 from .pointers import (
     LATEST,
     apply_callbacks,
@@ -67,9 +69,12 @@ class CkptdCheckpointIO(CheckpointIO):
     names the run (required). ``pointers``: write the pointer files Lightning's path logic
     reads (default on). ``timeout`` bounds each load and the wait for the last save
     at teardown. Other keyword arguments go to the ``Checkpointer`` (``shm_dir``,
-    ``staging_budget``, ``cache_dir``, ``serve_peers``...).
+    ``staging_budget``, ``cache_dir``, ``serve_peers``...). ``load_only``: the plugin
+    only loads (an evaluation's, with a token that may only read); it never makes a
+    ``Checkpointer`` and refuses a save.
 
-    An ``http(s)://`` server that cannot be reached (or refuses the token) is said
+    An ``http(s)://`` server that cannot be reached (or refuses the token, or, unless
+    ``load_only``, lets it only read) is said
     here, as a ``Checkpointer``'s construction says it: Lightning calls a
     ``CheckpointIO`` at no earlier point than its first save or load, which come
     after setup and, for a save, after training. Every rank builds the plugin and
@@ -85,7 +90,7 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def __init__(self, url: str | None = None, job: str = "", token: str | None = None, *,
                  pointers: bool = True, timeout: float | None = 600.0,
-                 **checkpointer_kwargs: Any) -> None:
+                 load_only: bool = False, **checkpointer_kwargs: Any) -> None:
         self.url, self.token = endpoint(url, token)
         check_url(self.url)
         if not job:
@@ -93,6 +98,7 @@ class CkptdCheckpointIO(CheckpointIO):
                               "CkptdCheckpointIO(url, job='mnist'))")
         self.job = check_job(job)
         self.pointers = pointers
+        self.load_only = load_only
         self.timeout = check_timeout(timeout)
         check_checkpointer_kwargs(checkpointer_kwargs)
         self._kwargs = checkpointer_kwargs
@@ -110,6 +116,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._counts_known = False
         self._store_id: str | None = None
         self._store_id_known = False
+        self._quiet: QuietSaveFailures | None = None  # (with the Checkpointer)
         self._reach_server()
 
     # -- Lightning's interface ----------------------------------------------------------
@@ -123,6 +130,10 @@ class CkptdCheckpointIO(CheckpointIO):
                             "settings to CkptdCheckpointIO(...) instead")
         self._raise_failure()
         path = os.fspath(path)
+        if self.load_only:
+            raise InvalidRequest(f"{path}: this CkptdCheckpointIO was built with load_only=True "
+                                 "and only loads: build it without load_only to save",
+                                 job=self.job, path=path)
         if not self._saves_here():
             raise InvalidRequest(
                 f"{path}: this strategy hands the checkpoint to a rank other than 0 (sharded "
@@ -149,12 +160,13 @@ class CkptdCheckpointIO(CheckpointIO):
             last.path = path
             return
         ckpt = self._checkpointer()
-        if last is None:
-            self._check_resumed(ckpt, step, path)
+        if last is None or last.handle is None:  # (the run's first save)
+            self._check_resumed(ckpt, step, path, last)
         try:
             handle = ckpt.save(step, checkpoint, tag=tag)
         except CkptdError as exc:  # (an earlier save's failure, surfaced here)
             self._tell(exc)
+            in_lightning_terms(exc, self.job, self.url)  # (its message, in place)
             raise
         self._last = Saved.stored(step, path, handle, checkpoint, callbacks)
         self._queue(handle, step, path, None, None)
@@ -173,7 +185,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if step is None:  # an ordinary checkpoint file: a run that moves to ckptd
             return _torch_load(path, map_location)
         state: dict[str, Any] = {}
-        if self._saves_here():
+        if self._saves_here() and not self.load_only:
             self._checkpointer().restore(state, step, timeout=self.timeout)
             self._last = Saved(step, path, None, None, callbacks=plain_callbacks(state))
         else:
@@ -188,6 +200,9 @@ class CkptdCheckpointIO(CheckpointIO):
         queued before); the step's data stays for ckptd's retention."""
         self._raise_failure()
         path = os.fspath(path)
+        if self.load_only:
+            raise InvalidRequest(f"{path}: this CkptdCheckpointIO was built with load_only=True "
+                                 "and removes nothing", job=self.job, path=path)
         self._submit(self._remove, path)
 
     def teardown(self) -> None:
@@ -207,6 +222,9 @@ class CkptdCheckpointIO(CheckpointIO):
                 after, self._after = self._after, None
                 ckpt, self._ckpt = self._ckpt, None
                 tags, self._tags = self._tags, None
+                quiet, self._quiet = self._quiet, None
+            if quiet is not None:
+                quiet.remove()
             if after is not None:
                 after.shutdown(wait=True)
             if tags is not None:
@@ -218,7 +236,7 @@ class CkptdCheckpointIO(CheckpointIO):
                     closing = exc
         self._raise_failure()
         if closing is not None and self._tell(closing):
-            raise closing
+            raise in_lightning_terms(closing, self.job, self.url)
 
     # -- the background ---------------------------------------------------------------
 
@@ -240,8 +258,8 @@ class CkptdCheckpointIO(CheckpointIO):
     def _guarded(self, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except BaseException as exc:
-            log.error("%s: %s", self.job, exc)
+        except BaseException as exc:  # (raised by the next call: said there, once)
+            log.debug("%s: %s", self.job, exc)
             if self._error is None:
                 self._error = exc
         finally:
@@ -278,7 +296,7 @@ class CkptdCheckpointIO(CheckpointIO):
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
         if error is not None and self._tell(error):
-            raise error
+            raise in_lightning_terms(error, self.job, self.url)
 
     def _tell(self, error: BaseException) -> bool:
         """Notes that ``error`` reaches the caller: False (and a log line) when it
@@ -319,16 +337,22 @@ class CkptdCheckpointIO(CheckpointIO):
             return
         within = knobs.server_wait()
 
-        async def ask() -> None:
+        async def ask() -> str | None:
             transport = open_transport(self.url, self.token, job=self.job)
             try:
                 assert isinstance(transport, HttpTransport)
-                await reach(transport, self.job, within)
+                return await reach(transport, self.job, within)
             finally:
                 await transport.close()
 
-        run_private(ask(), within + 2 * knobs.connect_timeout() + 5.0,
-                    what=f"reaching the ckptd server at {self.url}")
+        refused = run_private(ask(), within + 3 * knobs.connect_timeout() + 10.0,
+                              what=f"reaching the ckptd server at {self.url}")
+        if refused is not None and not self.load_only:
+            raise Forbidden(
+                f"CkptdCheckpointIO: the token given may read job {self.job} but not write "
+                f"it, so no checkpoint of this run could be saved: pass a token of role write "
+                f"(ckptd token create --job {self.job} --role write) as token= or "
+                "CKPTD_TOKEN, or load_only=True to only load", job=self.job, needs="write")
 
     def _rank_zero_saves(self) -> RankZeroSaves | None:
         """Rank 0's counts of this job's saves (None: nothing to count through)."""
@@ -340,18 +364,33 @@ class CkptdCheckpointIO(CheckpointIO):
         with self._lock:
             if self._ckpt is None:
                 kwargs = {"timeout": self.timeout, **self._kwargs}
+                self._quiet = QuietSaveFailures(self.job)
+                self._quiet.install()
                 self._ckpt = Checkpointer(self.url, self.job, 0, 1, self.token, **kwargs)
             return self._ckpt
 
-    def _check_resumed(self, ckpt: Checkpointer, step: int, path: str) -> None:
-        """The first save of a run that loaded nothing: a step the job committed
-        already means the run started over without resuming (``ckpt_path="last"``
-        finds only pointer files, and a node that never held them, a replacement
-        node, finds none: Lightning then warns and trains from scratch), and the save
-        would fail after the steps it trained, ``AlreadyCommitted``."""
+    def _check_resumed(self, ckpt: Checkpointer, step: int, path: str,
+                       loaded: Saved | None) -> None:
+        """The first save of a run: at a step the job committed already, after a
+        run that loaded nothing or an older step than the newest, it would fail
+        (``AlreadyCommitted``) only after the steps it trained, at that step or a
+        later one. ``ckpt_path="last"`` finds only pointer files, and a node that
+        never held them (a replacement node) finds none: Lightning then warns and
+        trains from scratch. A save at the step loaded is a second name of it; one
+        below it is left to its commit to refuse."""
+        if loaded is not None and step <= loaded.step:
+            return
         latest = ckpt.latest()
         if latest is None or step > latest:
             return
+        if loaded is not None:  # (loaded.step < step <= latest)
+            raise InvalidRequest(
+                f"{path}: job {self.job} has committed steps up to {latest}, but this run "
+                f"resumed from step {loaded.step} ({loaded.path}) and is saving step {step}: "
+                "a ckptd step is stored once, so its saves would fail at the steps stored "
+                "already. Resume from the newest step (ckpt_path='latest', or the "
+                "checkpoint directory's last.ckpt), or give this run a new job= to go on "
+                f"from step {loaded.step} apart", job=self.job, step=step, latest=latest)
         raise InvalidRequest(
             f"{path}: job {self.job} has committed steps up to {latest}, but this run "
             f"loaded none of them and is saving step {step}. With ckpt_path='last' on a "
@@ -367,6 +406,7 @@ class CkptdCheckpointIO(CheckpointIO):
                 last.handle.wait(self.timeout)
             except CkptdError as exc:
                 self._tell(exc)
+                in_lightning_terms(exc, self.job, self.url)
                 raise
         stored: dict[str, Any] = {}
         self._read(stored, last.step)
@@ -386,9 +426,8 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
         for key in ("global_step", "step"):
-            value = checkpoint.get(key)
-            if value is not None:
-                return step_value(key, value)
+            if key in checkpoint:
+                return step_value(key, checkpoint[key])
         # Fabric with no step in its state: the step after the last one of this job.
         last = self._last.step if self._last is not None else self._checkpointer().latest()
         return 0 if last is None else last + 1
