@@ -31,6 +31,7 @@ import torch
 
 from ckptd.errors import (
     CkptdError,
+    Forbidden,
     IntegrityError,
     InvalidRequest,
     NotFound,
@@ -373,7 +374,19 @@ def import_checkpoint(
     ckpt = Checkpointer(url, job, rank=0, world_size=1, token=token, chunk_size=chunk_size,
                         shm_dir=shm_dir, serve_peers=False)
     try:
-        result = ckpt.save(step, state, meta=meta).wait()
+        try:
+            handle = ckpt.save(step, state, meta=meta)
+        except Forbidden as exc:
+            if exc.detail.get("needs") != "write":
+                raise
+            # (The checkpointer's own words name token= and this Checkpointer, which
+            # the command line's user never made.)
+            raise Forbidden(
+                f"the token given may read job {job!r} but not write it, and an import "
+                f"writes a step: pass a token of role write on the job (ckptd token create "
+                f"--job {job} --role write) with --token (token= in Python) or CKPTD_TOKEN",
+                job=job, needs="write") from None
+        result = handle.wait()
         if result.state != "committed":
             raise RestoreError(f"step {step} of {job} did not commit ({result.state})")
         if verify:

@@ -130,3 +130,31 @@ def test_a_read_only_filesystem_is_not_told_to_free_space(tmp_path: Path, shm: P
     assert "Read-only file system; that filesystem is mounted read-only: export elsewhere" \
         in said, said
     assert "free space" not in said and "Traceback" not in said, said
+
+
+def test_an_import_with_a_read_token_says_how_to_pass_another(tmp_path: Path) -> None:
+    """``ckptd import ... --token <read token>`` advised passing a write token "as
+    token= or CKPTD_TOKEN" (Python's words) for "this Checkpointer", which the
+    command line's user never made."""
+    from ckptd.tokens import create_token
+    from tests.conftest import ServerProcess
+
+    tokens = tmp_path / "tokens.json"
+    read = create_token(tokens, "imp*", "read")[0]
+    srv = ServerProcess(store=tmp_path / "store", token="ADMIN-token",
+                        extra_args=["--tokens-file", str(tokens)])
+    srv.start()
+    try:
+        save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+        proc = subprocess.run([str(Path(sys.executable).with_name("ckptd")), "import",
+                               str(tmp_path / "w.safetensors"), "--job", "imp", "--step", "1",
+                               "--url", srv.url, "--token", read],
+                              capture_output=True, text=True, timeout=90)
+    finally:
+        srv.stop()
+    said = _said(proc.stdout + proc.stderr)
+    assert proc.returncode == 2, said
+    assert "the token given may read job 'imp' but not write it" in said, said
+    assert "ckptd token create --job imp --role write) with --token" in said, said
+    assert "Checkpointer" not in said and "Traceback" not in said, said
+    assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 3, said
