@@ -120,8 +120,8 @@ def export(
         _interrupted(zarr_dir)
     rate = result.nbytes / result.seconds / 2**30 if result.seconds else 0.0
     console.print(
-        f"[green]ok[/]: step {result.step} of {job}: {result.arrays} arrays, "
-        f"{result.chunks} chunks, {_human(result.nbytes)} in {result.seconds:.1f}s "
+        f"[green]ok[/]: step {result.step} of {job}: {_n(result.arrays, 'array')}, "
+        f"{_n(result.chunks, 'chunk')}, {_human(result.nbytes)} in {result.seconds:.1f}s "
         f"({rate:.2f} GiB/s) into {result.directory}"
     )
 
@@ -164,11 +164,11 @@ def _export_safetensors(job: str, step: int | None, directory: str, max_shard_si
     except KeyboardInterrupt:
         _interrupted(directory)
     rate = result.nbytes / result.seconds / 2**30 if result.seconds else 0.0
-    skipped = (f"; left out {len(result.skipped_local)} rank-local tensors"
+    skipped = (f"; left out {_n(len(result.skipped_local), 'rank-local tensor')}"
                if result.skipped_local else "")
     console.print(
-        f"[green]ok[/]: step {result.step} of {job}: {result.tensors} tensors, "
-        f"{_human(result.nbytes)} in {len(result.files)} safetensors files, every chunk "
+        f"[green]ok[/]: step {result.step} of {job}: {_n(result.tensors, 'tensor')}, "
+        f"{_human(result.nbytes)} in {_n(len(result.files), 'safetensors file')}, every chunk "
         f"verified, in {result.seconds:.1f}s ({rate:.2f} GiB/s) into {result.directory}"
         f"{skipped}"
     )
@@ -183,6 +183,10 @@ def import_(
     job: Annotated[str, typer.Option("--job", help="Job to import into.")],
     step: Annotated[int, typer.Option("--step", parser=step_number, metavar="STEP",
                                       help="Step number to commit it as.")],
+    exclude: Annotated[
+        list[str] | None, typer.Option(
+            "--exclude", help="Leave out tensors whose names start with this (repeatable).")
+    ] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
@@ -213,7 +217,8 @@ def import_(
     quiet.setLevel(logging.CRITICAL)
     try:
         with console.status(f"importing {source}"):
-            result = import_checkpoint(source, url, job, step, token=token)
+            result = import_checkpoint(source, url, job, step, token=token,
+                                       exclude=exclude or [])
     except CkptdError as exc:
         _fail(exc)
         return
@@ -221,9 +226,14 @@ def import_(
         quiet.setLevel(level)
     console.print(
         f"[green]ok[/]: {result.kind} checkpoint {source} is step {result.step} of {job}: "
-        f"{result.tensors} tensors, {_human(result.nbytes)}, committed and read back "
+        f"{_n(result.tensors, 'tensor')}, {_human(result.nbytes)}, committed and read back "
         f"bitwise in {result.seconds:.1f}s"
     )
+
+
+def _n(count: int, thing: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{count} {thing}{'' if count == 1 else 's'}"
 
 
 def _number(x: float | None) -> str:

@@ -141,17 +141,40 @@ def check_keys(
     walk(tree, target, (), False)
     if missing:
         raise RestoreError(
-            f"the checkpoint of step {step} lacks {len(missing)} entries the target holds: "
-            f"{_names(missing)}; restore(..., strict=False) leaves them as they are",
+            f"the checkpoint of step {step} lacks {_entries(missing)} the target holds: "
+            f"{_names(missing)}; restore(..., strict=False) leaves them as they are"
+            + _flat_hint(tree, missing),
             entries=[path_str(p) for p in missing[:50]], step=step,
         )
     if unexpected:
         raise RestoreError(
-            f"the checkpoint of step {step} holds {len(unexpected)} entries the target's "
+            f"the checkpoint of step {step} holds {_entries(unexpected)} the target's "
             f"modules have no place for: {_names(unexpected)}; restore(..., strict=False) "
             "skips them",
             entries=[path_str(p) for p in unexpected[:50]], step=step,
         )
+
+
+def _entries(paths: list[tuple[Any, ...]]) -> str:
+    return f"{len(paths)} entr{'y' if len(paths) == 1 else 'ies'}"
+
+
+def _flat_hint(tree: Any, missing: list[tuple[Any, ...]]) -> str:
+    """A step that holds flat names (``model.0.weight``: safetensors imported from
+    elsewhere) where the target has a tree (``{"model": ...}``): said, with the way
+    to restore it."""
+    if not (isinstance(tree, Mapping) and isinstance(tree.get("dict"), list)):
+        return ""
+    stored = [key for key, _ in tree["dict"] if isinstance(key, str)]
+    for path in missing:
+        if len(path) == 1 and isinstance(path[0], str):
+            flat = [key for key in stored if key.startswith(f"{path[0]}.")]
+            if flat:
+                return (f". The step holds flat names such as {flat[0]!r} (safetensors "
+                        "files imported from elsewhere): restore into a dict named as the "
+                        "files name the tensors, a model's state_dict() where its names are "
+                        "those (docs/integrations/safetensors.md)")
+    return ""
 
 
 def _holds(value: Any) -> bool:

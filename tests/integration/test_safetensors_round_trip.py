@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from ckptd.cli import app
 from ckptd.client import Checkpointer
 from ckptd.client.step_import import import_checkpoint
+from ckptd.errors import RestoreError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,3 +140,20 @@ def test_places_that_are_no_state_are_refused_by_the_layout(places: dict[str, An
     state = nested_state({"a": 1, "b": 2, "c": 3},
                          {"a": ["o", 0, "m"], "b": ["l", [1]], "c": ["l", [0]]})
     assert state == {"o": {0: {"m": 1}}, "l": [3, 2]}
+
+
+def test_flat_files_restored_into_a_tree_say_how_to_restore_them(tmp_path: Path,
+                                                                 shm: Path) -> None:
+    """(Found by a probe: "lacks 1 entries the target holds: state['model']", with
+    no word that the step holds flat names.)"""
+    model = torch.nn.Linear(3, 2)
+    source = tmp_path / "model.safetensors"
+    save_file({f"model.{k}": v for k, v in model.state_dict().items()}, source)
+    url = f"file://{tmp_path / 'store'}"
+    import_checkpoint(source, url, "flat", 1, shm_dir=shm)
+    with Checkpointer(url, "flat", shm_dir=shm) as ckpt, \
+            pytest.raises(RestoreError) as info:
+        ckpt.restore({"model": torch.nn.Linear(3, 2)})
+    said = info.value.message
+    assert "lacks 1 entry the target holds" in said, said
+    assert "flat names such as 'model.bias'" in said and "state_dict()" in said, said
