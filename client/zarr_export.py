@@ -39,7 +39,7 @@ from ckptd.zarr.hierarchy import (
     join,
 )
 
-from .export_staging import check_target, discard, publish, stage
+from .export_staging import check_target, discard, publish, stage, write_advice
 from .loop import ClientClosing
 from .transport import Transport
 from .zarr_view import CheckpointStore
@@ -123,7 +123,7 @@ def export_step(
             if isinstance(exc, OSError) and not isinstance(exc, CkptdError):
                 # A write zarr's store could not make: a full disk, a quota, ``ulimit -f``.
                 raise InvalidRequest(f"cannot write into {target}: {exc.strerror or exc}; "
-                                     "free space there or export elsewhere") from None
+                                     f"{write_advice(exc)}") from None
             raise
     finally:
         view.close()
