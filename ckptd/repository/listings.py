@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from typing import TypedDict
 
@@ -18,6 +19,7 @@ from ckptd.errors import (
 )
 from ckptd.format import (
     EPOCH_META,
+    FORMAT_VERSION,
     JOB_RE,
     MAX_STEP,
     CommitRecord,
@@ -43,6 +45,12 @@ log = logging.getLogger(__name__)
 # manifests it serves), and how many such checks a repository keeps.
 INTACT_FOR = 10.0
 INTACT_CHECKS = 1024
+# A damaged timeline's stand-in while a rollback marker is set: every commit record's
+# timeline is older than this one, so every step above the marker's was left behind.
+_ABOVE_EVERY_EPOCH = 2**62
+# The top-level version of a rank manifest in canonical JSON (keys sorted, compact):
+# the last two keys of the document are "version" and "world_size".
+_MANIFEST_VERSION = re.compile(rb',"version":(-?\d+),"world_size":\d+}$')
 
 #: A stored document this ckptd cannot read: damaged, or of a newer format. A listing
 #: shows it against its job or step and goes on with the others.
@@ -90,10 +98,33 @@ class Listings(Timelines):
         return None
 
     async def _path(self, job: str) -> Timeline | None:
-        """The job's timeline, as ``latest`` reads it: None when it has none, or
-        when it is damaged (saves say so, and how to repair it; a listing goes on)."""
+        """The job's timeline, as ``latest`` reads it (None: it has none).
+
+        A damaged one no longer says which committed steps a rollback left behind.
+        While the rollback marker is set, its step is where a restore of ``latest``
+        goes (as with an intact timeline: every step above it was left behind, since
+        the first commit past it in the new timeline clears the marker). Without a
+        marker nothing tells the steps apart: ``StoreCorrupt`` naming the timeline,
+        never a step the operator rolled back from."""
         try:
             return await self.timeline(job)
+        except StoreCorrupt as exc:
+            try:
+                marker = await self.read_rollback(job)
+            except UNREADABLE:
+                marker = None
+            if marker is None:
+                raise StoreCorrupt(
+                    f"{exc.message} (until then no step is latest: it says which steps a "
+                    "rollback left behind; a restore that names its step still reads it)",
+                    **exc.detail) from None
+            # Every step above the marker's was saved in an older timeline than this.
+            return Timeline(epoch=_ABOVE_EVERY_EPOCH, step=marker.step, commit=marker.commit)
+
+    async def _path_or_none(self, job: str) -> Timeline | None:
+        """``_path``, or None when it cannot be told (the damage is said elsewhere)."""
+        try:
+            return await self._path(job)
         except StoreCorrupt:
             return None
 
@@ -121,7 +152,7 @@ class Listings(Timelines):
         left = int(record.meta.get(EPOCH_META, 0))
         later = left < manifest_epoch(manifest)
         abandoned = later and await self._abandoned(manifest.job, manifest.step,
-                                                    await self._path(manifest.job))
+                                                    await self._path_or_none(manifest.job))
         return AlreadyCommitted(
             f"step {manifest.step} of {manifest.job} is committed; rank {manifest.rank}'s "
             "manifest cannot change" + (
@@ -219,6 +250,11 @@ class Listings(Timelines):
                         # a damaged one: the listing says the same.
                         manifests = await self._manifests_damage(record)
                         why = manifests[1] if manifests is not None else None
+                        newer = self.__dict__.get("_newer_manifests", {}).get((job, step))
+                        if why is None and newer is not None:  # (no restore reads it)
+                            return StepInfo(step, True, record.world_size, len(ranks),
+                                            record.report.logical_bytes, record.committed_at,
+                                            False, unsupported=newer)
                     return StepInfo(
                         step, True, record.world_size, len(ranks),
                         record.report.logical_bytes, record.committed_at,
@@ -385,10 +421,25 @@ class Listings(Timelines):
                 if await asyncio.to_thread(document_hash, data) != record.manifests[rank].hash:
                     return key, (f"damaged document {key}: its bytes are not those its "
                                  "commit record names")
+                m = _MANIFEST_VERSION.search(data[-64:])
+                if m is not None and (version := int(m[1])) != FORMAT_VERSION:
+                    newer.setdefault(rank, f"{key}: rank manifest has format version {version}; "
+                                     f"this ckptd reads version {FORMAT_VERSION}; it was "
+                                     "written by a newer ckptd: upgrade ckptd")
                 return None
+
+        # A manifest of a newer format is no damage (nothing falls back around it) but
+        # no restore reads it: a listing says so, from the bytes this check read.
+        newer: dict[int, str] = {}
+        said: dict[tuple[str, int], str] = self.__dict__.setdefault("_newer_manifests", {})
 
         found = [d for d in await asyncio.gather(*(damage(r) for r in range(record.world_size)))
                  if d is not None]
+        said.pop((record.job, record.step), None)
+        if newer:
+            said[(record.job, record.step)] = newer[min(newer)]
+            while len(said) > INTACT_CHECKS:
+                said.pop(next(iter(said)))
         if not found:
             return None
         more = len(found) - 1
