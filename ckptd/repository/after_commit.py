@@ -7,6 +7,7 @@ and the CLI's way to tag a committed step.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -22,8 +23,10 @@ from ckptd.errors import (
     StoreCorrupt,
     StoreError,
     UnsupportedFormat,
+    UnsupportedStoredFormat,
 )
 from ckptd.format import (
+    FORMAT_VERSION,
     CommitRecord,
     RankManifest,
     Ref,
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 # takes moments; a retention pass that died leaves its claim behind, and the step
 # then stays uncommitted until the next pass removes it).
 REMOVAL_WAIT = 30.0
+REMOVAL_FORMAT = "ckptd.removal"  # (retention writes the claim)
 
 
 class AfterCommit(StoredReads):
@@ -60,7 +64,18 @@ class AfterCommit(StoredReads):
         commit reads the manifests long before it writes the record)."""
         claim = removal_key(job, step)
         deadline = time.monotonic() + REMOVAL_WAIT
-        while await self.store.exists(claim) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            try:
+                held = await self.store.get(claim)
+            except NotFound:
+                break
+            if (newer := _newer_claim(held, claim)) is not None:
+                # A newer ckptd's retention may be removing the step: whether it stands
+                # cannot be told here, and a record left without its manifests would be
+                # a torn checkpoint. Said at once (waiting would end in a false "removed").
+                if won:
+                    await self.store.delete(commit_key(job, step))
+                raise newer
             if await drop_damaged_claim(self.store, job, step):  # no pass removes under it
                 break
             await asyncio.sleep(0.05)
@@ -110,7 +125,7 @@ class AfterCommit(StoredReads):
             return
         try:
             await self._outlast_removal(job, step, world, False)
-        except NotCommitted:
+        except (NotCommitted, UnsupportedStoredFormat):
             await take_back_tag(self.store, job, tag, step)
             raise
 
@@ -169,3 +184,21 @@ def tag_of(manifests: Iterable[RankManifest]) -> str | None:
                 continue
             return tag
     return None
+
+
+def _newer_claim(held: bytes, key: str) -> UnsupportedStoredFormat | None:
+    """The error for a removal claim of a format version above this ckptd's (a newer
+    ckptd's retention wrote it), else None: one that does not parse is damage, and
+    ``drop_damaged_claim``'s."""
+    try:
+        doc = json.loads(held)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != REMOVAL_FORMAT:
+        return None
+    version = doc.get("version")
+    if type(version) is not int or version <= FORMAT_VERSION:
+        return None
+    return unsupported_stored(UnsupportedFormat(
+        f"removal claim has format version {version}; this ckptd reads version "
+        f"{FORMAT_VERSION}", version=version), key)
