@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.documents import parse_stored
-from ckptd.errors import CkptdError, InvalidDocument, InvalidRequest, NotFound, StoreCorrupt
-from ckptd.format import chunk_key, commit_key
+from ckptd.errors import (
+    CkptdError,
+    InvalidDocument,
+    InvalidRequest,
+    NotFound,
+    StoreCorrupt,
+    UnsupportedStoredFormat,
+)
+from ckptd.format import MAX_STEP, chunk_key, commit_key
 from ckptd.hashing import chunk_id
 from ckptd.lifecycle.capacity import committed_steps
 from ckptd.lifecycle.documents import SCRUB_KEY, Damage, ScrubCursor, damage_key, damage_prefix
@@ -107,11 +114,12 @@ async def _cursor(store: Store, report: ScrubReport) -> tuple[ScrubCursor, bytes
     except NotFound:
         return ScrubCursor(after="", pass_started_at=time.time(), passes=0), None
     try:
-        return ScrubCursor.parse(data), data
-    except InvalidDocument as exc:
+        # A cursor of a newer format is a newer ckptd's, not damage: as gc/state, it
+        # is left alone, and this ckptd does not scrub (UnsupportedStoredFormat).
+        return parse_stored(ScrubCursor.parse, data, SCRUB_KEY), data
+    except StoreCorrupt as exc:
         log.warning("scrub cursor %s does not parse; starting a new pass", SCRUB_KEY)
-        report.damaged_documents.append(f"damaged document {SCRUB_KEY}: {exc.message}; "
-                                        "replaced (a new pass started)")
+        report.damaged_documents.append(f"{exc.message}; replaced (a new pass started)")
         return ScrubCursor(after="", pass_started_at=time.time(), passes=0), data
 
 
@@ -145,7 +153,9 @@ async def scrub(
     unrepaired: dict[str, float] = {}  # id -> when it was read bad
     # The chunks markers name, and when this run found each of them good (a good
     # read, or a repair): keep() takes them out of the markers.
-    marked = {cid async for _, _, doc in _markers(repo) for cid in doc.chunks}
+    unread: list[str] = []
+    marked = {cid async for _, _, doc in _markers(repo, unread) for cid in doc.chunks}
+    report.damaged_documents.extend(unread)
     healed: dict[str, float] = {}
     ours = True  # the stored cursor is this run's to move (not another scrubber's)
 
@@ -338,6 +348,10 @@ async def _settle_marker(store: Store, job: str, step: int, bad: dict[str, float
             if current is not None:
                 doc = parse_stored(Damage.parse, current, key)
                 known, found_at = doc.chunks, doc.found_at
+        except UnsupportedStoredFormat as exc:  # a newer ckptd's: its step stays marked
+            if documents is not None and (said := _left_newer(exc)) not in documents:
+                documents.append(said)
+            return False
         except StoreCorrupt as exc:  # what it said is lost; the marker written now repairs it
             if not bad:
                 return False  # (replaced when scrub next marks its step)
@@ -368,19 +382,36 @@ async def _settle_marker(store: Store, job: str, step: int, bad: dict[str, float
     return False
 
 
-async def _markers(repo: Repository) -> AsyncIterator[tuple[str, int, Damage]]:
-    """(job, step, parsed) of every damage marker that reads; one that does not is
-    replaced when scrub next marks its step."""
+async def _markers(repo: Repository, unread: list[str] | None = None
+                   ) -> AsyncIterator[tuple[str, int, Damage]]:
+    """(job, step, parsed) of every damage marker that reads. One that does not is
+    named in ``unread``, when given, with what becomes of it: a damaged one is a claim
+    of damage that cannot be checked (which chunks it named is lost), so it stays
+    until scrub marks its step again (then replaced) or an operator removes it; a
+    newer ckptd's is left as it is."""
     for job in await repo.list_jobs():
         for name in await repo.store.list_dir(damage_prefix(job)):
             stem = name.removesuffix(".json")
-            if not stem.isdigit():
+            if not stem.isdigit() or int(stem) >= MAX_STEP:
                 continue
+            key = damage_key(job, int(stem))
             try:
-                yield job, int(stem), Damage.parse(await repo.store.get(damage_key(job,
-                                                                                   int(stem))))
-            except (NotFound, InvalidDocument):
+                yield job, int(stem), parse_stored(Damage.parse, await repo.store.get(key), key)
+            except NotFound:
                 continue
+            except UnsupportedStoredFormat as exc:
+                if unread is not None:
+                    unread.append(_left_newer(exc))
+            except StoreCorrupt as exc:
+                if unread is not None:
+                    unread.append(
+                        f"{exc.message}; left as it is: restores of latest skip step {stem} "
+                        f"while it is there. `ckptd verify {job} {stem}` re-hashes the "
+                        "step's chunks: if it finds no bad chunk, delete the marker")
+
+
+def _left_newer(exc: UnsupportedStoredFormat) -> str:
+    return f"{exc.message}; left as it is"
 
 
 def _drop(steps_of: dict[str, list[int]], job: str, steps: list[int]) -> None:

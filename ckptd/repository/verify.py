@@ -7,17 +7,20 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from ckptd.documents import parse_stored
 from ckptd.errors import (
     CheckpointNotFound,
     ChunkHashMismatch,
     ChunkNotFound,
     ManifestHashMismatch,
     ManifestNotFound,
+    NotFound,
     StoreCorrupt,
     UnsupportedStoredFormat,
 )
-from ckptd.format import CommitRecord, check_job, commit_key
+from ckptd.format import MAX_STEP, CommitRecord, check_job, commit_key
 from ckptd.hashing import chunk_spans
+from ckptd.lifecycle.documents import Damage, damage_key, damage_prefix
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository.results import VerifyReport
 from ckptd.repository.timelines import Timelines
@@ -54,13 +57,14 @@ class Verification(Timelines):
             if record is not None:
                 records[s] = record
         named = await self._verify_refs(job, report, set(candidates))
+        await self._verify_job_documents(job, report, candidates, records)
         if step is not None and step not in records and not report.bad_commits \
                 and not report.unreadable and not (
                     step in named and await self.record_lost(job, step)):
             # (a step a ref names that lost its record: the refs' check said so)
             await self.read_commit(job, step)  # NotCommitted / CheckpointNotFound
         if not records and not report.bad_commits and not report.bad_refs \
-                and not report.unreadable:
+                and not report.unreadable and not report.bad_manifests:
             raise CheckpointNotFound(f"job {job} has no committed checkpoint", job=job)
         report.steps = sorted(records)
         sizes: dict[str, int] = {}
@@ -171,3 +175,50 @@ class Verification(Timelines):
                 report.bad_refs.append(f"{what} of {job} names a commit of step {step} "
                                        "that is not the stored one")
         return {step for _, step, _ in named} | set(tags.values())
+
+    async def _verify_job_documents(self, job: str, report: VerifyReport, steps: list[int],
+                                    records: dict[int, CommitRecord]) -> None:
+        """The job's other documents that stop a flow when they do not read: the
+        manifests of pending steps (a collection refuses to guess past one) and scrub's
+        damage markers (a restore of latest skips the step of one it cannot read).
+        A damaged one is damage; one of a newer format is said as not checked."""
+        for step in steps:
+            if step in records:
+                continue
+            try:
+                if await self._try_read_commit(job, step) is not None:
+                    continue  # (committed since it was listed)
+            except (StoreCorrupt, UnsupportedStoredFormat):
+                continue  # (said with the commit records)
+            for rank in await self._ranks_present(job, step):
+                try:
+                    await self._read_manifest_raw(job, step, rank)
+                except ManifestNotFound:
+                    continue  # (retention abandoned the step meanwhile)
+                except StoreCorrupt as exc:
+                    report.bad_manifests.append(
+                        f"step {step} rank {rank} (pending): {exc.message}; a collection "
+                        f"stops on it: `ckptd forget {job} --step {step}` forgets the step")
+                except UnsupportedStoredFormat as exc:
+                    report.unreadable.append(exc.message)
+        for name in await self.store.list_dir(damage_prefix(job)):
+            stem = name.removesuffix(".json")
+            if not stem.isdigit() or int(stem) >= MAX_STEP or (int(stem) not in steps):
+                continue
+            key = damage_key(job, int(stem))
+            try:
+                doc = parse_stored(Damage.parse, await self.store.get(key), key)
+            except NotFound:
+                continue
+            except StoreCorrupt as exc:
+                report.bad_refs.append(
+                    f"{exc.message}; which chunks of step {stem} scrub found bad is lost "
+                    f"(restores of latest skip the step while it is there); if this verify "
+                    "finds no bad chunk of the step, delete the marker")
+                continue
+            except UnsupportedStoredFormat as exc:
+                report.unreadable.append(exc.message)
+                continue
+            if (doc.job, doc.step) != (job, int(stem)):
+                report.bad_refs.append(f"damaged document {key}: it names step {doc.step} "
+                                       f"of {doc.job}")
