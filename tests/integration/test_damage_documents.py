@@ -113,3 +113,27 @@ def test_a_newer_removal_claim_is_said_at_once(tmp_path: Path) -> None:
     assert "other" not in (root / "jobs/golden/refs/tags").read_text() \
         if (root / "jobs/golden/refs/tags").exists() else True
     assert (root / "jobs/golden/steps/2/commit.json").exists()
+
+
+def test_scrub_leaves_a_newer_marker_on_a_step_it_finds_damaged(tmp_path: Path) -> None:
+    """Marking a step whose marker a newer ckptd wrote: before, the marker's
+    unsupported_stored_format ended the scrub (its report and cursor lost); now the
+    corrupt chunk is said, the marker left as it is, and the other steps marked."""
+    root = golden(tmp_path)
+    (root / "jobs/golden/damage").mkdir()
+    marker = canonical_json({"format": "ckptd.damage", "version": 2, "job": "golden",
+                             "step": 2, "chunks": [], "found_at": 1.0})
+    (root / DAMAGE).write_bytes(marker)
+    both = set.intersection(*(
+        {c for e in json.loads((root / f"jobs/golden/steps/{s}/ranks/0.json").read_bytes())
+         ["entries"] for c in e["chunks"]} for s in (1, 2)))
+    bad = sorted(both)[0]  # a chunk steps 1 and 2 name
+    chunk = root / "chunks" / bad[:2] / bad
+    chunk.chmod(0o644)
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    code, out = cli(root, "scrub")
+    assert code == 1 and f"corrupt {bad}" in out, out
+    assert DAMAGE in out and "upgrade ckptd" in out and "Traceback" not in out, out
+    assert (root / DAMAGE).read_bytes() == marker
+    assert bad in (root / "jobs/golden/damage/1.json").read_text()
+    assert (root / "gc/scrub").exists()
