@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -116,13 +117,26 @@ class LocalStore(Store):
     # -- reads ----------------------------------------------------------------------
 
     def _get(self, key: str) -> bytes:
+        # Opened without blocking: a FIFO put at an object's path (by hand, or by a
+        # tool) would otherwise hang its reader (verify, scrub, a restore) for good.
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"no object at {key}", key=key) from None
         except OSError as exc:
             raise _read_failed(key, exc) from exc
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                with open(fd, "rb", closefd=False) as f:
+                    return f.read()
+        except OSError as exc:
+            raise _read_failed(key, exc) from exc
+        finally:
+            os.close(fd)
+        if stat.S_ISDIR(mode):  # a key above objects is no object (the store contract)
+            raise NotFound(f"no object at {key}", key=key)
+        raise StoreCorrupt(f"cannot read {key}: not a file", key=key)
 
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._get, key)

@@ -1,0 +1,41 @@
+"""A chunk path of a directory store that holds a FIFO (an operator probe's kind of
+damage): verify and scrub name the chunk and what it breaks, exit 1, and go on.
+Before, each blocked for good on the FIFO's open."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_damage_documents import golden
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def ckptd(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args, "--url", f"file://{root}"],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_fifo_chunk_is_named_by_verify_and_scrub(tmp_path: Path) -> None:
+    root = golden(tmp_path)
+    manifest = json.loads((root / "jobs/golden/steps/1/ranks/0.json").read_bytes())
+    cid = manifest["entries"][0]["chunks"][0]
+    path = root / "chunks" / cid[:2] / cid
+    path.unlink()
+    os.mkfifo(path)
+    try:
+        verified = ckptd(root, "verify", "golden")
+        scrubbed = ckptd(root, "scrub")
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{exc.cmd[3]} blocked on a FIFO chunk")
+    said = " ".join((verified.stdout + verified.stderr).split())
+    assert verified.returncode == 1 and f"unreadable chunk {cid}: breaks step 1" in said, said
+    said = " ".join((scrubbed.stdout + scrubbed.stderr).split())
+    assert scrubbed.returncode == 1 and f"corrupt {cid}" in said, said
+    assert "damaged golden steps [1, 2]" in said and "Traceback" not in said, said
