@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -49,6 +50,10 @@ def canonical(doc: dict[str, Any]) -> bytes:
 
 class _Newer(ValueError):
     """A document of a version this ckptd does not know: a newer ckptd's."""
+
+
+# A canonical rank manifest's end: its version, then its world size.
+_MANIFEST_TAIL = re.compile(r',"version":(-?\d+|[^,]*),"world_size":\d+}$')
 
 
 def _is_int(value: object, low: int = 0) -> bool:
@@ -123,7 +128,11 @@ def manifest_chunks(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     ids, sizes = array("Q"), array("I")
     head = '{"chunk_size":'
     try:
-        if text.startswith(head):
+        # (canonical: the document's last keys are "version", then "world_size")
+        tail = _MANIFEST_TAIL.search(text, max(0, len(text) - 64))
+        if text.startswith(head) and tail is not None:
+            if tail[1] != "1":
+                raise _Newer(f"version {tail[1]} is not one this ckptd knows")
             at = text.index(",", len(head))
             chunk_size = int(text[len(head):at])
             if not text.startswith(',"entries":[', at):
@@ -141,9 +150,13 @@ def manifest_chunks(data: bytes) -> tuple[np.ndarray, np.ndarray]:
                         raise ValueError(f"unexpected {text[at - 1]!r} between entries")
         else:
             doc = json.loads(text)
+            if type(doc["version"]) is not int or doc["version"] != 1:
+                raise _Newer(f"version {doc['version']!r} is not one this ckptd knows")
             chunk_size = doc["chunk_size"]
             for entry in doc["entries"]:
                 _add_entry(entry, chunk_size, ids, sizes)
+    except _Newer:
+        raise
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise BookError(f"not a rank manifest ({type(exc).__name__}: {exc})") from None
     return _distinct(np.frombuffer(ids, np.uint64), np.frombuffer(sizes, np.uint32))
@@ -217,6 +230,9 @@ class SpaceBook:
             return f"damaged document {key}: its bytes are not those its commit record names"
         try:
             ids, sizes = manifest_chunks(data)
+        except _Newer as exc:  # (its entries may mean something else: not counted)
+            held.damaged = True
+            return f"{key}: rank manifest {exc}; it was written by a newer ckptd: upgrade ckptd"
         except BookError as exc:
             held.damaged = True
             return f"damaged document {key}: {exc}"

@@ -80,10 +80,9 @@ def test_a_newer_scrub_cursor_is_left_as_gc_state_is(tmp_path: Path) -> None:
     assert (root / "gc/scrub").read_bytes() == cursor
 
 
-def test_a_newer_latest_manifest_is_listed_as_unsupported(tmp_path: Path) -> None:
-    """A rank manifest of version 2 whose bytes its commit record names: restore, gc
-    and verify refuse it; the listing showed it committed and latest (exit 0)."""
-    root = golden(tmp_path)
+def with_newer_manifest(root: Path) -> Path:
+    """Step 2's rank 0 manifest as version 2, its commit record (and latest) naming
+    those bytes: what a newer ckptd would have committed."""
     jobs = root / "jobs/golden"
     manifest = as_version_2(jobs / "steps/2/ranks/0.json")
     record = json.loads((jobs / "steps/2/commit.json").read_bytes())
@@ -92,9 +91,23 @@ def test_a_newer_latest_manifest_is_listed_as_unsupported(tmp_path: Path) -> Non
     ref = json.loads((jobs / "refs/latest").read_bytes())
     ref["commit"] = document_hash(canonical_json(record))
     (jobs / "refs/latest").write_bytes(canonical_json(ref))
+    return root
+
+
+def test_a_newer_latest_manifest_is_listed_as_unsupported(tmp_path: Path) -> None:
+    """A rank manifest of version 2 whose bytes its commit record names: restore, gc
+    and verify refuse it; the listing showed it committed and latest (exit 0)."""
+    root = with_newer_manifest(golden(tmp_path))
     code, out = cli(root, "ls", "golden")
     assert code == 1 and "unsupported" in row(out, 2) and "latest" not in row(out, 2), out
     assert "steps/2/ranks/0.json" in out and "upgrade ckptd" in out, out
+
+
+def test_space_does_not_count_a_newer_manifest(tmp_path: Path) -> None:
+    """Before, space counted its entries as if they were of version 1 (exit 0)."""
+    root = with_newer_manifest(golden(tmp_path))
+    code, out = cli(root, "space")
+    assert code == 1 and "steps/2/ranks/0.json" in out and "newer ckptd" in out, out
 
 
 def test_a_newer_removal_claim_is_said_at_once(tmp_path: Path) -> None:
