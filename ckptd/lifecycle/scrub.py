@@ -53,6 +53,9 @@ class ScrubReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     corrupt: list[str] = field(default_factory=list)
+    # Those of ``corrupt`` whose object does not read at all (a link that loops, a
+    # FIFO, a read error): verify's word for them is "unreadable"
+    unreadable: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     damaged: dict[str, list[int]] = field(default_factory=dict)  # job -> steps marked
     # job -> steps whose marker this run removed: every chunk it named reads good now
@@ -217,6 +220,7 @@ async def scrub(
             except StoreCorrupt as exc:  # there, but does not read (a link loop, a read error)
                 log.warning("scrub: %s", exc)
                 data = None
+                report.unreadable.append(cid)
             report.chunks_checked += 1
             report.bytes_checked += len(data) if data is not None else 0
             if data is None or await asyncio.to_thread(chunk_id, data) != cid:

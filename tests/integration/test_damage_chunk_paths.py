@@ -39,3 +39,29 @@ def test_a_fifo_chunk_is_named_by_verify_and_scrub(tmp_path: Path) -> None:
     said = " ".join((scrubbed.stdout + scrubbed.stderr).split())
     assert scrubbed.returncode == 1 and f"corrupt {cid}" in said, said
     assert "damaged golden steps [1, 2]" in said and "Traceback" not in said, said
+
+
+async def test_scrub_tells_a_chunk_that_does_not_read_from_a_corrupt_one(
+        tmp_path: Path) -> None:
+    """verify calls a chunk whose object does not read (a link that loops) unreadable;
+    scrub's report called it corrupt only, as it does a chunk of wrong bytes."""
+    from ckptd.lifecycle.scrub import scrub
+    from ckptd.repository import Repository
+    from ckptd.store import LocalStore
+
+    root = golden(tmp_path)
+    manifest = json.loads((root / "jobs/golden/steps/1/ranks/0.json").read_bytes())
+    looped, wrong = manifest["entries"][0]["chunks"][0], manifest["entries"][1]["chunks"][0]
+    path = root / "chunks" / looped[:2] / looped
+    path.unlink()
+    path.symlink_to(path.name)
+    path = root / "chunks" / wrong[:2] / wrong
+    path.chmod(0o644)
+    path.write_bytes(b"\xff" + path.read_bytes()[1:])
+    store = LocalStore(root)
+    try:
+        report = await scrub(Repository(store))
+    finally:
+        await store.close()
+    assert sorted(report.corrupt) == sorted([looped, wrong])
+    assert report.unreadable == [looped]
