@@ -42,6 +42,7 @@ from ckptd.format import (
     removal_key,
     step_prefix,
 )
+from ckptd.keys import JOB_RE
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.removals import claim_since
 from ckptd.lifecycle.tags import read_tags
@@ -136,6 +137,19 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
     if not isinstance(table, dict):
         raise InvalidPolicy(f"{source}: [retention] must be a table", reason="not a table")
     jobs = table.pop("jobs", {})
+    if not isinstance(jobs, dict):
+        raise InvalidPolicy(f"{source}: retention.jobs must hold a table per job, as "
+                            "[retention.jobs.<job>]", reason="not a table")
+    for job, rules in jobs.items():
+        # A section no job can match was accepted, and its rules never applied.
+        if not JOB_RE.fullmatch(job):
+            raise InvalidPolicy(
+                f"{source}: [retention.jobs.{_section(job)}] names no job a store can hold "
+                f"(a job name matches {JOB_RE.pattern}): fix the name or remove the section",
+                reason="invalid job name")
+        if not isinstance(rules, dict):
+            raise InvalidPolicy(f"{source}: retention.jobs.{_section(job)} must be a table "
+                                f"([retention.jobs.{_section(job)}])", reason="not a table")
     default = _policy(table, RetentionPolicy(), f"{source}: retention")
     config = RetentionConfig(default, {
         job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
@@ -144,6 +158,13 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
                for p in (config.default, *config.jobs.values())):
         raise InvalidPolicy(f"{source} holds no retention rule; {_SHAPE}", reason="no rule")
     return config
+
+
+def _section(job: str) -> str:
+    """A job's name as a TOML section names it (quoted unless bare)."""
+    if re.fullmatch(r"[A-Za-z0-9_-]+", job):
+        return job
+    return '"' + job.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def load_retention(path: str | Path) -> RetentionConfig:
