@@ -1,4 +1,5 @@
-"""Housekeeping at start: temporary files a killed server left in a local store."""
+"""Housekeeping: temporary files a killed writer left in a local store, removed at a
+server's start and by every garbage collection."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ import logging
 import os
 import time
 
+from ckptd.knobs import _env_float
 from ckptd.store.base import Store
 from ckptd.store.local import LocalStore
 
 log = logging.getLogger(__name__)
 
 _TMP = ".tmp-"  # LocalStore's temporary names (docs/FORMAT.md, "Store layout")
+
+
+def stale_after() -> float:
+    """Seconds after which a temporary is a dead writer's: the longest upload
+    (``CKPTD_MAX_UPLOAD_S``, as the server reads it; 3600 s by default). Every writer
+    writes a temporary whole, then links it: a live one's is younger."""
+    return _env_float("CKPTD_MAX_UPLOAD_S", 3600.0, above=0)
 
 
 def _remove(root: str, older_than: float) -> tuple[int, int]:
@@ -46,6 +55,6 @@ async def remove_stale_temporaries(
     cutoff = (time.time() if now is None else now) - max_upload_s
     removed, nbytes = await asyncio.to_thread(_remove, str(store.root), cutoff)
     if removed:
-        log.info("removed %d temporary files (%d bytes) left by a stopped server",
+        log.info("removed %d temporary files (%d bytes) left by a stopped writer",
                  removed, nbytes)
     return removed, nbytes

@@ -45,6 +45,7 @@ from ckptd.format import (
 from ckptd.keys import JOB_RE
 from ckptd.lifecycle.documents import damage_key
 from ckptd.lifecycle.removals import claim_since
+from ckptd.lifecycle.reserve import with_room
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository import Repository
 
@@ -396,7 +397,8 @@ async def _latest_below(repo: Repository, job: str, step: int) -> None:
         return
     record = await repo.read_commit(job, found.step)
     ref = Ref(step=found.step, commit=record.digest()).canonical()
-    if await repo.store.compare_and_swap(key, current, ref):
+    if await with_room(repo.store, f"update {key}",
+                       lambda: repo.store.compare_and_swap(key, current, ref)):
         log.warning("%s: latest moved back from forgotten step %d to step %d", job, step,
                     found.step)
 
@@ -416,7 +418,8 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
     key = removal_key(job, step)
     mine = canonical_json({"format": "ckptd.removal", "version": 1, "since": time.time(),
                            "token": secrets.token_hex(16)})
-    if await repo.store.put_if_absent(key, mine):
+    # (a full disk releases the store's reserve: forgetting is how space returns)
+    if await with_room(repo.store, f"write {key}", lambda: repo.store.put_if_absent(key, mine)):
         return mine
     try:
         held = await repo.store.get(key)
@@ -428,7 +431,9 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
     if time.time() - since < STALE_CLAIM:
         return None
     # A dead pass's claim: take it over (one pass wins the swap).
-    return mine if await repo.store.compare_and_swap(key, held, mine) else None
+    taken = await with_room(repo.store, f"update {key}",
+                            lambda: repo.store.compare_and_swap(key, held, mine))
+    return mine if taken else None
 
 
 async def _abandon(repo: Repository, job: str, step: int) -> bool:

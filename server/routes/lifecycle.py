@@ -30,6 +30,7 @@ from ckptd.errors import InvalidRequest, NotFound
 from ckptd.lifecycle.capacity import SpaceGuard
 from ckptd.lifecycle.gc import MAX_GRACE, GcReport, gc_state
 from ckptd.lifecycle.housekeeping import remove_stale_temporaries
+from ckptd.lifecycle.reserve import keep_reserve
 from ckptd.lifecycle.retention import RetentionPolicy, StepDecision, load_retention
 from ckptd.lifecycle.scrub import ChunkSource, damaged_steps, replica_store, store_source
 from ckptd.lifecycle.service import GcRun, LifecycleService, LifecycleSettings, ScrubRun
@@ -324,6 +325,8 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
     """Housekeeping, the space guard, and the background tasks of ``ckptd serve``."""
     settings: Settings = app.state.settings
     await remove_stale_temporaries(repository.store, max_upload_s=settings.max_upload_s)
+    # (what forget and gc release on a full disk: ckptd/lifecycle/reserve.py)
+    await keep_reserve(repository.store)
     repository.space_guard = SpaceGuard(repository.store, min_free_bytes=settings.min_free_bytes,
                                         warn_free_bytes=settings.warn_free_bytes)
     # (never created: Settings checked that it is there, as `ckptd scrub --replica` does)
