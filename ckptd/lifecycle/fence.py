@@ -14,6 +14,7 @@ A sweep deletes only chunks that no manifest listed after it entered the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,9 +24,16 @@ from ckptd.errors import GcInProgress, NotFound, StoreCorrupt
 from ckptd.lifecycle.documents import GC_STATE_KEY, IDLE, GcState, GcTouched, touched_prefix
 from ckptd.store.base import Store
 
+log = logging.getLogger(__name__)
+
 #: how long a write waits for a sweep to end before answering ``gc_in_progress``
 SWEEP_WAIT_S = 120.0
 _POLL_S = 0.05
+#: a write that waits this long for a live sweep says so (a sweep's wait is short)
+_SAY_AFTER_S = 2.0
+#: one line per collection a process waits for, at most this often
+_SAY_EVERY_S = 30.0
+_said: dict[tuple[int, bool], float] = {}
 
 
 async def read_state(store: Store) -> tuple[GcState, bytes | None]:
@@ -65,19 +73,65 @@ def sweeping(state: GcState, now: float) -> bool:
     return state.phase == "sweeping" and sweep_live_until(state) > now
 
 
+def live_until(state: GcState) -> float:
+    """Until when the collection that holds ``state`` counts as live: a marking one
+    until its lease ends, a sweeping one after its margin too."""
+    return sweep_live_until(state) if state.phase == "sweeping" else state.expires_at
+
+
+def _clock_time(t: float) -> str:
+    try:
+        return time.strftime("%H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # (a clock far off: a test's, a bad one)
+        return f"Unix time {t:.0f}"
+
+
+def held_note(state: GcState, now: float) -> str:
+    """What a non-idle ``state`` means, in a sentence: which collection, whether its
+    collector still renews the lease, and until when it counts as live."""
+    until = live_until(state)
+    if state.expires_at > now:
+        return (f"garbage collection {state.generation} is already {state.phase} (its "
+                "collector renews its lease while it works; should it stop, the lease holds "
+                f"until {_clock_time(until)}, {until - now:.0f} s from now)")
+    if until > now:  # a sweep's margin: its collector stopped renewing the lease
+        return (f"garbage collection {state.generation}'s collector stopped renewing its "
+                f"lease {now - state.expires_at:.0f} s ago while sweeping (it was stopped "
+                f"or cut off): writes wait, and the lease can be taken over, at "
+                f"{_clock_time(until)} ({until - now:.0f} s from now)")
+    return (f"garbage collection {state.generation}'s collector stopped while "
+            f"{state.phase}; the next collection takes its lease over")
+
+
+def _say_wait(state: GcState, now: float) -> None:
+    """Logs, once per collection (and again once its collector stopped renewing),
+    what a write waits for and until when: a save held by a sweep says why."""
+    stopped = state.expires_at <= now
+    key = (state.generation, stopped)
+    if now - _said.get(key, -_SAY_EVERY_S) < _SAY_EVERY_S:
+        return
+    _said[key] = now
+    log.warning("a write waits for the store's garbage collection: %s",
+                held_note(state, now).replace(" is already ", " is "))
+
+
 async def wait_not_sweeping(
     store: Store, *, timeout: float = SWEEP_WAIT_S, clock: Callable[[], float] = time.time
 ) -> GcState:
     """The GC state once no sweep is running; ``GcInProgress`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     while True:
         state, _ = await read_state(store)
-        if not sweeping(state, clock()):
+        now = clock()
+        if not sweeping(state, now):
             return state
+        if state.expires_at <= now or time.monotonic() - t0 >= _SAY_AFTER_S:
+            _say_wait(state, now)
         if time.monotonic() >= deadline:
             raise GcInProgress(
-                f"garbage collection {state.generation} is sweeping the store; retry",
-                generation=state.generation,
+                f"{held_note(state, now).replace(' is already ', ' is ')}; retry after it",
+                generation=state.generation, live_until=live_until(state),
             )
         await asyncio.sleep(_POLL_S)
 
