@@ -29,6 +29,7 @@ from ckptd.cli import (
     step_number,
 )
 from ckptd.cli.exits import DAMAGE
+from ckptd.cli.gc_runs import outcome, spinner
 from ckptd.cli.text import visible
 from ckptd.errors import CkptdError, InvalidRequest, MethodNotAllowed, NotFound
 
@@ -223,13 +224,8 @@ def gc(
     token: TokenOpt = None,
 ) -> None:
     """Delete chunks no step names (safe while saves run; see docs/FORMAT.md)."""
-
-    async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.gc import collect_garbage
-
-        report = await collect_garbage(repo.store, grace=600.0 if grace is None else grace,
-                                       dry_run=dry_run)
-        return dataclasses.asdict(report)
+    from ckptd.cli.gc_runs import collect_direct, collect_remote, print_report, say_stopped
+    from ckptd.lifecycle.gc import GcProgress
 
     # A collection waits out its grace period (so saves in flight finish) before it
     # sweeps. Through a server it runs in the background and this follows it, so
@@ -244,93 +240,14 @@ def gc(
                           " s grace period first (saves in flight finish meanwhile)",
                           highlight=False, soft_wrap=True)
     doing = "collecting garbage" + (" (dry run)" if dry_run else "") + wait
-
-    def remote(server: SyncTransport) -> Any:
-        if dry_run:
-            with _spinner(doing):
-                return server.gc(dry_run, grace)
-        before = server.gc_status().running
-        run = server.start_gc(grace)
-        try:
-            _say_run(run, joined=before is not None and before.id == run.id, asked=grace)
-            with _spinner(doing) as status:
-                return _follow(server, run, status)
-        except KeyboardInterrupt:
-            err_console.print(f"interrupted: collection {run.id} goes on on the server; "
-                              "`ckptd gc` again follows it", highlight=False, soft_wrap=True)
-            raise typer.Exit(code=130) from None
-
-    async def direct_with_spinner(repo: Any) -> Any:
-        with _spinner(doing):
-            return await direct(repo)
-
-    r = _run(url, token, remote, direct_with_spinner)
-    if dry_run:
-        for cid in r["deleted"]:
-            console.print(f"would delete chunk {cid}", soft_wrap=True)
-    verb = "would free" if dry_run else "freed"
-    console.print(
-        f"GC {r['generation']}: {verb} {_human(r['bytes_freed'])} in {r['chunks_deleted']} "
-        f"chunks; kept {r['chunks_kept']} of {r['chunks_total']} "
-        f"({_human(r['bytes_total'] - r['bytes_freed'])}); {r['seconds']:.2f} s"
-    )
-
-
-class _NoSpinner:
-    """Stands in for rich's status where stderr is no terminal (a log keeps the lines)."""
-
-    def update(self, text: str) -> None:
-        pass
-
-
-def _spinner(text: str) -> contextlib.AbstractContextManager[Any]:
-    """A rich status on stderr in a terminal; nothing elsewhere."""
-    return err_console.status(text) if err_console.is_terminal else contextlib.nullcontext(
-        _NoSpinner())
-
-
-def _say_run(run: Any, joined: bool, asked: float | None) -> None:
-    """One line on stderr: the collection followed, and the grace period it waits out."""
-    left = max(0.0, run.started_at + run.grace - time.time())
-    if joined:
-        err_console.print(
-            f"a collection is already under way on the server (grace {run.grace:g} s"
-            + (f", not the {asked:g} s asked" if asked is not None and asked != run.grace else "")
-            + f"); following it: {left:.0f} s of its grace period left",
-            highlight=False, soft_wrap=True)
-    elif left > 0:
-        err_console.print(f"collecting garbage: waiting out the {run.grace:g} s grace period "
-                          f"(saves in flight finish meanwhile), {left:.0f} s left",
-                          highlight=False, soft_wrap=True)
-
-
-def _outcome(now: Any, run: Any, what: str, again: str) -> Any | None:
-    """A background ``run``'s report once ``now`` (its status) says it ended (its error
-    raised), None while it runs; ``InvalidRequest`` once the server forgot it."""
-    from ckptd.errors import from_json
-
-    ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
-    if ended is not None:
-        if ended.error is not None or ended.report is None:
-            raise from_json(ended.error or {"code": "internal",
-                                            "message": f"the {what} left no report"})
-        return ended.report
-    if now.running is None or now.running.id != run.id:
-        raise InvalidRequest(f"the server no longer knows {what} {run.id} (was it "
-                             f"restarted?); see {again}")
-    return None
-
-
-def _follow(server: SyncTransport, run: Any, status: Any) -> Any:
-    """Polls until the background collection ``run`` ended: its report (or error)."""
-    while True:
-        now = server.gc_status()
-        if (done := _outcome(now, run, "collection", "`ckptd gc` again, or GET /v1/gc")):
-            return done
-        left = now.running.started_at + now.running.grace - time.time()
-        status.update(f"collecting garbage: waiting out the grace period, {left:.0f} s left"
-                      if left > 0 else "collecting garbage: marking and sweeping")
-        time.sleep(1.0)
+    progress = GcProgress()
+    try:
+        r = _run(url, token, lambda server: collect_remote(server, dry_run, grace, doing),
+                 lambda repo: collect_direct(repo, dry_run, grace, doing, progress))
+    except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM: ckptd/__main__.py) of a direct run
+        say_stopped(progress, dry_run)
+        raise typer.Exit(code=130) from None
+    print_report(r, dry_run)
 
 
 @app.command()
@@ -383,7 +300,7 @@ def scrub(
                     f"a scrub is already under way on the server ({_budget(run.budget_bytes)}"
                     + ("" if run.budget_bytes == budget else f", not {_budget(budget)} asked")
                     + "); following it", highlight=False, soft_wrap=True)
-            with _spinner("scrubbing on the server") as status:
+            with spinner("scrubbing on the server") as status:
                 return _follow_scrub(server, run, status)
         except KeyboardInterrupt:
             err_console.print(f"interrupted: scrub {run.id} goes on on the server; `ckptd scrub` "
@@ -426,7 +343,7 @@ def _follow_scrub(server: SyncTransport, run: Any, status: Any) -> Any:
     wait, line_at, listed = 0.05, 0.0, False
     while True:
         now = server.run(calls.scrub_status())
-        if (report := _outcome(now, run, "scrub", "`ckptd scrub` again, or GET /v1/scrub")
+        if (report := outcome(now, run, "scrub", "`ckptd scrub` again, or GET /v1/scrub")
                 ) is not None:
             return report
         at = now.running

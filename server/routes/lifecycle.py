@@ -96,7 +96,9 @@ async def start_collection(
     "/gc",
     dependencies=scope(STORE_READ),
     response_model=GcStatus,
-    summary="The store's GC state and this server's last and running collections")
+    summary="The store's GC state and this server's last and running collections",
+    description="A damaged state is phase `damaged` (a collection rewrites it); a held "
+    "lease has `live_until` and a `note` saying whether its collector still renews it.")
 async def gc_status(repo: RepoDep, service: ServiceDep) -> GcStatus:
     last = service.last_gc
     return GcStatus(
