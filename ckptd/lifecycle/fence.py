@@ -111,6 +111,8 @@ def _say_wait(state: GcState, now: float) -> None:
     if now - _said.get(key, -_SAY_EVERY_S) < _SAY_EVERY_S:
         return
     _said[key] = now
+    for old in [k for k in _said if k[0] < state.generation - 8]:  # (a long-lived server's)
+        del _said[old]
     log.warning("a write waits for the store's garbage collection: %s",
                 held_note(state, now).replace(" is already ", " is "))
 

@@ -96,3 +96,10 @@ def test_forget_and_gc_run_on_a_disk_filled_to_the_last_byte(tmp_path: Path) -> 
         assert freed.returncode == 0, freed.stderr
         assert "GC 2: freed" in freed.stdout and "GC 2: freed 0 B" not in freed.stdout
         assert _ckptd("verify", JOB, "--url", str(root)).returncode == 0
+        # Full again, the reserve made again by that collection: gc alone runs too
+        # (it failed updating gc/state).
+        assert (root / ".locks" / RESERVE_NAME).is_file()
+        _fill(disk)
+        again = _ckptd("gc", "--grace", "0", "--url", str(root))
+        assert again.returncode == 0, again.stderr
+        assert "GC 3: freed 0 B" in again.stdout
