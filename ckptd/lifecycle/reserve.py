@@ -5,8 +5,8 @@ Both write a little before they free anything (a removal claim, ``gc/state``): o
 disk filled to the last byte they could not run, and the advice of ``store_full``
 ("forget old steps and collect garbage") could not be followed. The reserve is made
 at a server's start and after each collection, only while the disk has room for it
-several times over; a full disk's first lifecycle write releases it, and stale
-temporaries (``housekeeping``), and tries again."""
+several times over; a full disk's first lifecycle write releases it (or, with none
+left, stale temporaries: ``housekeeping``) and tries again."""
 
 from __future__ import annotations
 
@@ -108,7 +108,10 @@ async def with_room(store: Store, what: str, write: Callable[[], Awaitable[T]]) 
         return await write()
     except StoreFull as exc:
         freed = await release_reserve(store)
-        _, stale = await remove_stale_temporaries(store, max_upload_s=stale_after())
+        # (only without a reserve: the walk of a large store takes minutes, and a
+        # collection renewing its lease cannot wait that long)
+        stale = 0 if freed else (await remove_stale_temporaries(
+            store, max_upload_s=stale_after()))[1]
         if not freed + stale:
             raise full_advice(exc) from None
         log.warning("the store's disk is full: released %s (its space reserve and stale "
