@@ -10,6 +10,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -297,11 +298,18 @@ class DirectoryCacheSource(Source):
 
     def _map_file(self, path: Path, cid: str) -> memoryview:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # (not blocking: a FIFO at a chunk's path hung the restore in its open)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {cid} is not in {path.parent}", id=cid) from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):  # (no object, as the store contract has it)
+                raise ChunkNotFound(f"chunk {cid} is not in {path.parent}", id=cid)
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreCorrupt(f"cannot read {chunk_key(cid)} in {self.root}: not a "
+                                   "regular file", key=chunk_key(cid), id=cid)
+            size = info.st_size
             if size == 0:
                 return memoryview(b"")
             if len(self._maps) >= self.max_maps:

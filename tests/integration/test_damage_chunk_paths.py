@@ -65,3 +65,24 @@ async def test_scrub_tells_a_chunk_that_does_not_read_from_a_corrupt_one(
         await store.close()
     assert sorted(report.corrupt) == sorted([looped, wrong])
     assert report.unreadable == [looped]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_restore_meets_a_chunk_path_that_is_no_file_as_damage(tmp_path: Path,
+                                                                kind: str) -> None:
+    """(Found by an operator probe: a directory at a chunk's path was exit 2 and
+    "store: IsADirectoryError", a usage mistake's code; a FIFO hung the restore.)"""
+    root = golden(tmp_path)
+    manifest = json.loads((root / "jobs/golden/steps/2/ranks/0.json").read_bytes())
+    cid = manifest["entries"][0]["chunks"][0]
+    path = root / "chunks" / cid[:2] / cid
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    try:
+        done = ckptd(root, "restore", "--job", "golden", "--rank", "0", "--step", "2",
+                     "--to", str(tmp_path / "to"))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the restore blocked on a {kind} at a chunk's path")
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1 and cid[:12] in said, said
+    assert "Traceback" not in said and "IsADirectoryError" not in said, said
