@@ -52,7 +52,7 @@ def _latest_cell(named: int | None, latest: Any, steps: list[Any]) -> str:
     why = "unreadable" if _get(ref, "unsupported") else "damaged"
     if latest is not None:
         step = _get(latest, "step")
-        if named is not None and named != step and _get(ref, "damaged"):
+        if named is not None and named != step and (ref is None or _get(ref, "damaged")):
             return f"{step} ({named} {why})"
         return str(step)
     return f"{named} ({why})" if named is not None else "-"
@@ -86,6 +86,7 @@ async def jobs_table(transport: Any, notes: Notes) -> Table | str:
         pending = [s for s in steps if not (_get(s, "committed") or _get(s, "damaged")
                                             or _get(s, "unsupported"))]
         latest = next((s for s in steps if _get(s, "is_latest")), None)
+        _lost_latest(name, _get(j, "latest"), steps, notes)
         table.add_row(
             escape(name),
             bad or _latest_cell(_get(j, "latest"), latest, steps),
@@ -130,13 +131,28 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
             "every rank saved and no commit followed: the commit was refused (the ranks' "
             "save errors say why) or is under way. Such steps stay until the job's "
             "retention abandons them (abandon_pending_after, docs/retention.md)")
-    if any(_get(s, "committed") for s in steps) and not any(_get(s, "is_latest") for s in steps):
-        # Committed steps and none is latest: the job's latest ref may be one this
-        # ckptd cannot read (the job listing says), which is not "nothing to restore".
+    if any(_get(s, "committed") for s in steps):
+        # The job's latest ref may be one this ckptd cannot read (the job listing
+        # says), which is not "nothing to restore", or name a step that is not there.
         for j in await transport.list_jobs():
             if _get(j, "job") == job:
-                notes.unreadable(f"{job} latest", j)
+                if not any(_get(s, "is_latest") for s in steps):
+                    notes.unreadable(f"{job} latest", j)
+                _lost_latest(job, _get(j, "latest"), steps, notes)
     return table
+
+
+def _lost_latest(job: str, named: int | None, steps: list[Any], notes: Notes) -> None:
+    """Notes a ``latest`` ref that names a step the store does not hold (damage: a
+    restore of latest falls back past it, as the listing's latest column does)."""
+    if named is None or any(_get(s, "step") == named for s in steps):
+        return
+    got = next((_get(s, "step") for s in steps if _get(s, "is_latest")), None)
+    notes.lines.append(
+        f"[red]damaged[/] {escape(job)} latest: it names step {named}, which the store "
+        f"does not hold; a restore of latest gets {got if got is not None else 'no step'} "
+        f"(`ckptd verify {escape(job)}`)")
+    notes.damaged = True
 
 
 async def _tags_by_step(transport: Any, job: str, notes: Notes) -> dict[int, list[str]]:

@@ -245,6 +245,12 @@ class Listings(Timelines):
                 if record is not None:
                     why = (f"scrub found corrupt chunks ({damage_key(job, step)})"
                            if str(step) in damaged else None)
+                    if why is None and step != latest and len(ranks) < record.world_size:
+                        # (cheap: the listing's own count; latest's are read just below)
+                        lost = record.world_size - len(ranks)
+                        why = (f"damaged step: {lost} of the {record.world_size} rank "
+                               "manifests its commit record names "
+                               f"{'is' if lost == 1 else 'are'} missing")
                     if step == latest and why is None:
                         # A restore of latest checks its manifests and falls back past
                         # a damaged one: the listing says the same.
@@ -275,9 +281,11 @@ class Listings(Timelines):
             lost = await self.lost_commits(job)
             infos = [dataclasses.replace(i, damaged=lost[i.step])
                      if i.step in lost and not i.committed else i for i in infos]
-        if any(i.step == latest and i.damaged for i in infos):
-            # Latest's commit record or manifests are damaged: then latest is the
-            # step a restore of latest gets (the listing agrees with /latest).
+        if latest is not None and (latest not in steps or any(
+                i.step == latest and i.damaged for i in infos)):
+            # Latest's commit record or manifests are damaged, or it names a step that
+            # is not there: then latest is the step a restore of latest gets (the
+            # listing agrees with /latest).
             try:
                 usable = (await self.restorable_step(job)).step
             except UNREADABLE:

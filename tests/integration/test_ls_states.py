@@ -66,3 +66,48 @@ def test_a_store_without_jobs_says_so_rather_than_an_empty_table(tmp_path: Path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("no jobs in file://") and "a save creates" in done.stdout
     assert "┏" not in done.stdout, done.stdout
+
+
+async def _commit(root: Path, step: int) -> None:
+    repo = Repository(LocalStore(root, fsync=False))
+    try:
+        for manifest, chunks in demo_step(JOB, step, 2):
+            await put_rank(repo, manifest, chunks)
+        await repo.commit(JOB, step)
+    finally:
+        await repo.store.close()
+
+
+def _ls(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", "ls", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_damage_a_listing_can_see_is_damage_and_exit_1(tmp_path: Path) -> None:
+    """(Found by an operator probe, each listed with exit 0: a committed step, not
+    latest, whose rank manifest is gone, "committed 1/2"; a latest ref naming a step
+    the store does not hold, "9 (damaged)" over the jobs and no word in the steps.)"""
+    root = tmp_path / "store"
+    asyncio.run(_fill(root))
+    asyncio.run(_commit(root, 4))  # (step 1 is no longer latest: its manifests go unread)
+    (root / "jobs" / JOB / "steps" / "1" / "ranks" / "1.json").unlink()
+    url = f"file://{root}"
+    done = _ls(JOB, "--url", url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("│ 1 "))
+    assert "damaged" in row and "1/2" in row, done.stdout
+    said = " ".join(done.stderr.split())
+    assert "1 of the 2 rank manifests its commit record names is missing" in said, said
+
+    root = tmp_path / "store2"
+    asyncio.run(_fill(root))
+    ref = root / "jobs" / JOB / "refs" / "latest"
+    ref.write_bytes(ref.read_bytes().replace(b'"step":1', b'"step":9'))
+    url = f"file://{root}"
+    for args in ([], [JOB]):
+        done = _ls(*args, "--url", url)
+        said = " ".join(done.stderr.split())
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "latest: it names step 9, which the store does not hold; a restore of " \
+            "latest gets 1" in said, said
+    assert "1 (9 damaged)" in _ls("--url", url).stdout
