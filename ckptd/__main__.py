@@ -46,6 +46,14 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     watchdog = threading.Timer(TERM_GRACE_S, _exit_now, (128 + signum,))
     watchdog.daemon = True
     watchdog.start()
+    on_sigint = signal.getsignal(signal.SIGINT)
+    if callable(on_sigint) and on_sigint is not signal.default_int_handler:
+        # ``asyncio.run``'s own Ctrl-C handler: it cancels the loop's main task, so the
+        # loop's cleanup runs, then raises the KeyboardInterrupt itself. One raised
+        # here could land in one of the loop's tasks and end ``asyncio.run``'s
+        # shutdown before any cleanup (a collection's lease was kept, not handed back).
+        on_sigint(signal.SIGINT, frame)
+        return
     raise KeyboardInterrupt  # (every command's Ctrl-C way out)
 
 
