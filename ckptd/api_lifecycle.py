@@ -71,6 +71,9 @@ class ScrubResult(BaseModel):
     whole_again: dict[str, list[int]] = Field(
         default_factory=dict, description="Steps of each job a damage marker named whose "
         "damaged chunks read good now (repaired, or put back): restorable again.")
+    unreadable: list[str] = Field(
+        default_factory=list, description="Those of corrupt whose object does not read at "
+        "all (a link that loops, a FIFO, a read error), not one of wrong bytes.")
 
 
 class TagBody(BaseModel):

@@ -312,9 +312,11 @@ def scrub(
     console.print(f"checked {r['chunks_checked']} chunks ({_human(r['bytes_checked'])}) in "
                   f"{r['seconds']:.2f} s: those in the store (`ckptd verify JOB` finds the "
                   "missing ones)")
+    unreadable = set(r.get("unreadable", []))  # (an older server does not say)
     for cid in r["corrupt"]:
-        console.print(f"{'[green]repaired' if cid in r['repaired'] else '[bold red]corrupt'}[/] "
-                      f"{cid}", soft_wrap=True)
+        word = ("[green]repaired" if cid in r["repaired"] else
+                "[bold red]unreadable" if cid in unreadable else "[bold red]corrupt")
+        console.print(f"{word}[/] {cid}", soft_wrap=True)
     for job, steps in r["damaged"].items():
         console.print(f"[bold red]damaged[/] {escape(job)} steps {steps} (restore of latest "
                       "skips them)")

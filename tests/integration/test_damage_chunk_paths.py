@@ -37,7 +37,7 @@ def test_a_fifo_chunk_is_named_by_verify_and_scrub(tmp_path: Path) -> None:
     said = " ".join((verified.stdout + verified.stderr).split())
     assert verified.returncode == 1 and f"unreadable chunk {cid}: breaks step 1" in said, said
     said = " ".join((scrubbed.stdout + scrubbed.stderr).split())
-    assert scrubbed.returncode == 1 and f"corrupt {cid}" in said, said
+    assert scrubbed.returncode == 1 and f"unreadable {cid}" in said, said
     assert "damaged golden steps [1, 2]" in said and "Traceback" not in said, said
 
 
