@@ -84,11 +84,13 @@ def check_grace(grace: float) -> float:
 
 def direct_lease(store: Store) -> float:
     """The lease of a collection run on a store directly (``ckptd gc --url DIR``): a
-    collector killed mid-sweep holds writers for up to two leases. 30 s on a local
-    directory (renewals and deletes take milliseconds there; the lease still outlasts
-    a stalled event loop of 15 s), 60 s elsewhere (an object store's delete may take
-    seconds under retries, and each must end a quarter lease before the lease)."""
-    return 30.0 if isinstance(store, LocalStore) else 60.0
+    server's default (``CKPTD_GC_LEASE``, 60 s), on every store. A collector killed
+    mid-sweep holds writers for up to two leases; a shorter one on a local directory
+    would free them sooner, but a collector that repairs a damaged GC state fences
+    writers for its own lease, counting on every collector of the store having one
+    lease length: a direct one of 30 s repairing a state a server's collector of 60 s
+    was sweeping let writers in while that collector could still delete."""
+    return 60.0
 
 
 @dataclass(slots=True)
