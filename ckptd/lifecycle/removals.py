@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import logging
 
-from ckptd.errors import NotFound
-from ckptd.format import removal_key
+from ckptd.documents import unsupported_stored
+from ckptd.errors import NotFound, UnsupportedFormat, UnsupportedStoredFormat
+from ckptd.format import FORMAT_VERSION, removal_key
 from ckptd.store.base import Store
 
 log = logging.getLogger(__name__)
+
+REMOVAL_FORMAT = "ckptd.removal"  # (retention writes the claim)
 
 
 def claim_since(held: bytes) -> float | None:
@@ -34,3 +37,21 @@ async def drop_damaged_claim(store: Store, job: str, step: int) -> bool:
         return False  # a readable claim: a live pass's, or a stale one retention takes over
     log.warning("removing the damaged removal claim %s (%d bytes)", key, len(held))
     return await store.compare_and_delete(key, held)
+
+
+def newer_claim(held: bytes, key: str) -> UnsupportedStoredFormat | None:
+    """The error for a removal claim of a format version above this ckptd's (a newer
+    ckptd's retention wrote it), else None: one that does not parse is damage, and
+    ``drop_damaged_claim``'s."""
+    try:
+        doc = json.loads(held)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != REMOVAL_FORMAT:
+        return None
+    version = doc.get("version")
+    if type(version) is not int or version <= FORMAT_VERSION:
+        return None
+    return unsupported_stored(UnsupportedFormat(
+        f"removal claim has format version {version}; this ckptd reads version "
+        f"{FORMAT_VERSION}", version=version), key)

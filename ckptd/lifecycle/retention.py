@@ -44,7 +44,7 @@ from ckptd.format import (
 )
 from ckptd.keys import JOB_RE
 from ckptd.lifecycle.documents import damage_key
-from ckptd.lifecycle.removals import claim_since
+from ckptd.lifecycle.removals import REMOVAL_FORMAT, claim_since, newer_claim
 from ckptd.lifecycle.reserve import with_room
 from ckptd.lifecycle.tags import read_tags
 from ckptd.repository import Repository
@@ -416,7 +416,7 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
     lacks a manifest. The claim's bytes are this pass's own (a random token), so
     only this pass deletes it."""
     key = removal_key(job, step)
-    mine = canonical_json({"format": "ckptd.removal", "version": 1, "since": time.time(),
+    mine = canonical_json({"format": REMOVAL_FORMAT, "version": 1, "since": time.time(),
                            "token": secrets.token_hex(16)})
     # (a full disk releases the store's reserve: forgetting is how space returns)
     if await with_room(repo.store, f"write {key}", lambda: repo.store.put_if_absent(key, mine)):
@@ -425,6 +425,11 @@ async def _claim(repo: Repository, job: str, step: int) -> bytes | None:
         held = await repo.store.get(key)
     except NotFound:
         return None  # released meanwhile: the next pass looks again
+    if (newer := newer_claim(held, key)) is not None:
+        # A newer ckptd's pass: never taken over, however old (this pass leaves the
+        # step to it, as to any pass that holds the claim).
+        log.warning("%s step %d: left alone: %s", job, step, newer.message)
+        return None
     # Unreadable (damaged): no live pass wrote it, so as good as stale; taken over by
     # a swap against its own bytes, which ``held`` still are.
     since = claim_since(held) or 0.0

@@ -7,7 +7,6 @@ and the CLI's way to tag a committed step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,7 +25,6 @@ from ckptd.errors import (
     UnsupportedStoredFormat,
 )
 from ckptd.format import (
-    FORMAT_VERSION,
     CommitRecord,
     RankManifest,
     Ref,
@@ -35,7 +33,7 @@ from ckptd.format import (
     manifest_key,
     removal_key,
 )
-from ckptd.lifecycle.removals import drop_damaged_claim
+from ckptd.lifecycle.removals import drop_damaged_claim, newer_claim
 from ckptd.lifecycle.tags import TAG_META, check_new_tag, set_tag, take_back_tag
 from ckptd.repository.reads import StoredReads
 
@@ -45,7 +43,6 @@ log = logging.getLogger(__name__)
 # takes moments; a retention pass that died leaves its claim behind, and the step
 # then stays uncommitted until the next pass removes it).
 REMOVAL_WAIT = 30.0
-REMOVAL_FORMAT = "ckptd.removal"  # (retention writes the claim)
 
 
 class AfterCommit(StoredReads):
@@ -69,7 +66,7 @@ class AfterCommit(StoredReads):
                 held = await self.store.get(claim)
             except NotFound:
                 break
-            if (newer := _newer_claim(held, claim)) is not None:
+            if (newer := newer_claim(held, claim)) is not None:
                 # A newer ckptd's retention may be removing the step: whether it stands
                 # cannot be told here, and a record left without its manifests would be
                 # a torn checkpoint. Said at once (waiting would end in a false "removed").
@@ -184,21 +181,3 @@ def tag_of(manifests: Iterable[RankManifest]) -> str | None:
                 continue
             return tag
     return None
-
-
-def _newer_claim(held: bytes, key: str) -> UnsupportedStoredFormat | None:
-    """The error for a removal claim of a format version above this ckptd's (a newer
-    ckptd's retention wrote it), else None: one that does not parse is damage, and
-    ``drop_damaged_claim``'s."""
-    try:
-        doc = json.loads(held)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != REMOVAL_FORMAT:
-        return None
-    version = doc.get("version")
-    if type(version) is not int or version <= FORMAT_VERSION:
-        return None
-    return unsupported_stored(UnsupportedFormat(
-        f"removal claim has format version {version}; this ckptd reads version "
-        f"{FORMAT_VERSION}", version=version), key)

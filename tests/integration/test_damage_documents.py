@@ -128,6 +128,20 @@ def test_a_newer_removal_claim_is_said_at_once(tmp_path: Path) -> None:
     assert (root / "jobs/golden/steps/2/commit.json").exists()
 
 
+def test_retention_never_takes_over_a_newer_removal_claim_however_old(tmp_path: Path) -> None:
+    """(A pass took a claim older than 600 s over by compare-and-swap whatever its
+    version: a newer ckptd's claim, whose removal this one cannot judge.)"""
+    root = golden(tmp_path)
+    claim = root / "jobs/golden/steps/1/removing.json"
+    held = canonical_json({"format": "ckptd.removal", "version": 2,
+                           "since": time.time() - 7200, "token": "ab" * 16})
+    claim.write_bytes(held)
+    code, out = cli(root, "forget", "golden", "--keep-last", "1")
+    assert "Traceback" not in out, out
+    assert claim.read_bytes() == held, out
+    assert (root / "jobs/golden/steps/1/commit.json").exists(), out
+
+
 def test_scrub_leaves_a_newer_marker_on_a_step_it_finds_damaged(tmp_path: Path) -> None:
     """Marking a step whose marker a newer ckptd wrote: before, the marker's
     unsupported_stored_format ended the scrub (its report and cursor lost); now the
