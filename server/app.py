@@ -116,6 +116,11 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
                     "from a secret of its own, so they change when a job's home moves to "
                     "another replica, and peers refuse each other until the next heartbeat; "
                     "set CKPTD_PEER_SECRET, the same on every replica")
+    if not (settings.token or settings.tokens_file) and not _loopback(settings.host):
+        log.warning("no token (CKPTD_TOKEN, --tokens-file) and listening on %s, beyond this "
+                    "host: any host that reaches this server may save, restore, roll back and "
+                    "forget every job; set a token on a network others share "
+                    "(docs/SECURITY.md)", settings.host)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)
@@ -229,3 +234,16 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
                     "(CKPTD_MAX_CONNECTIONS: connections can exhaust its file descriptors), "
                     "and uploads are slower; pip install 'uvicorn[standard]'")
     server.run()
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (the address the server listens on) takes connections from
+    this host only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # (a name: it may resolve beyond loopback)
