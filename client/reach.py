@@ -6,6 +6,7 @@ and, 17 s later, the first call's traceback of three chained exceptions)."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 
@@ -73,7 +74,8 @@ async def reach(transport: HttpTransport, job: str, within: float) -> str | None
                     f"cannot reach the ckptd server at {transport.url} ({_reason(exc)}, for "
                     f"{within:g} s): start it (ckptd serve), or point url= or CKPTD_URL at "
                     "where it runs (CKPTD_SERVER_WAIT gives a server that starts beside "
-                    "training, or restarts, longer)", url=transport.url) from None
+                    "training, or restarts, longer)" + _where_hint(transport.url, exc),
+                    url=transport.url) from None
             if not said and time.monotonic() - started >= SAY_AFTER:
                 said = True  # a restart is waited for; a mistake is said now all the same
                 log.warning(
@@ -151,6 +153,24 @@ def _listed_member(transport: HttpTransport, exc: httpx.RequestError) -> str | N
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
     """A URL's scheme, host and port as httpx compares them (``HOST`` is ``host``)."""
     return url.scheme, url.host, url.port
+
+
+def _where_hint(url: str, exc: httpx.RequestError) -> str:
+    """The usual cause of a refused connection on several hosts: a loopback URL names
+    this host (not the server's, on another node), and a server started with the
+    default ``--host 127.0.0.1`` takes no connection from other hosts."""
+    if _reason(exc) != "connection refused":
+        return ""
+    host = (httpx.URL(url).host or "").strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return (f". {host} is this host: on a node other than the server's, give the "
+                "server's own address")
+    return (". A server started with the default --host 127.0.0.1 takes no connection "
+            "from other hosts: start it with --host 0.0.0.0 (and a token)")
 
 
 def _reason(exc: httpx.RequestError) -> str:

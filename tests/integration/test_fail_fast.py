@@ -13,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -53,7 +54,21 @@ def test_nothing_listening_is_said_at_construction(
     assert isinstance(err, Unavailable)
     assert url in err.message and "connection refused" in err.message
     assert "ckptd serve" in err.message and "CKPTD_URL" in err.message
+    # (a multi-node probe's CKPTD_URL=http://127.0.0.1:8470 on a node without the server)
+    assert "127.0.0.1 is this host: on a node other than the server's" in err.message
     assert not list(shm.iterdir())  # nothing left behind: no pool, no threads serving
+
+
+def test_a_refused_connection_to_another_host_names_the_servers_default_host() -> None:
+    """(The same probe: a server started as in the quick start, --host 127.0.0.1, was
+    "connection refused" to every other node, with no word of --host.)"""
+    from ckptd.client.reach import _where_hint
+
+    refused = httpx.ConnectError("refused")
+    refused.__cause__ = ConnectionRefusedError(111, "Connection refused")
+    said = _where_hint("http://ckptd-a:8470", refused)
+    assert "default --host 127.0.0.1" in said and "--host 0.0.0.0" in said, said
+    assert _where_hint("http://ckptd-a:8470", httpx.ConnectError("no route")) == ""
 
 
 def test_a_host_that_answers_nothing_is_said_within_a_connect_timeout(
