@@ -83,6 +83,11 @@ async def store_identity(store: Store) -> str:
     return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
 
 
+
+# Seconds past one lease that a member's lease may run out before its clock is said
+# to run ahead of this one's.
+SKEW_SAY_S = 2.0
+
 class Membership:
     """This replica's view of the live replicas (``view()``), and its own lease."""
 
@@ -108,6 +113,7 @@ class Membership:
         self._collided = False  # said that another live replica has this id
         self._task: asyncio.Task[None] | None = None
         self._cached: tuple[float, list[Member]] | None = None
+        self._skewed: set[str] = set()  # members whose clock was said to run ahead
         self.store_id: str | None = None  # (None: not read; nothing compares it)
 
     async def start(self) -> None:
@@ -220,9 +226,23 @@ class Membership:
                 continue
             if member.expires_at > now:
                 found.append(member)
+                self._say_skew(member, now)
         found.sort(key=lambda m: m.id)
         self._cached = (now, found)
         return found
+
+    def _say_skew(self, member: Member, now: float) -> None:
+        """Says once that a member's lease runs out further ahead than one lease from
+        now: its clock runs ahead of this one's (leases are times on the writer's
+        clock), so it is still listed that long after it stopped."""
+        ahead = member.expires_at - now - self.ttl
+        if ahead > SKEW_SAY_S and member.id != self.member_id and member.id not in self._skewed:
+            self._skewed.add(member.id)
+            log.warning("replica %s (%s) holds a lease until %.0f s from now, %.0f s past the "
+                        "%g s lease: its clock runs about that much ahead of this one's, and "
+                        "it stays listed that long after it stops; keep the replicas' clocks "
+                        "in step (NTP)", member.id, member.url, member.expires_at - now,
+                        ahead, self.ttl)
 
     async def _read(self, key: str) -> bytes | None:
         try:

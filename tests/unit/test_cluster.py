@@ -140,3 +140,32 @@ async def test_a_stopping_member_leaves_its_successors_lease(tmp_path: Path) -> 
     assert await store.get(member_key("ckptd-0")) == theirs
     await new.stop()
     assert not await store.exists(member_key("ckptd-0"))
+
+
+async def test_a_member_whose_clock_runs_ahead_is_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Found by a multi-node probe: a replica 30 s ahead stayed listed 32 s after it
+    was killed, with no word in either log.)"""
+    import logging
+    import time
+
+    from ckptd.server import cluster
+    from ckptd.server.cluster import Membership
+    from ckptd.store import LocalStore
+
+    store = LocalStore(tmp_path, fsync=False)
+    ahead = Membership(store, "http://127.0.0.1:9001", leases=True, member_id="ckptd-a")
+    here = Membership(store, "http://127.0.0.1:9002", leases=True, member_id="ckptd-b")
+    real = time.time
+    monkeypatch.setattr(cluster.time, "time", lambda: real() + 30.0)
+    await ahead.renew()  # (written by a clock 30 s ahead)
+    monkeypatch.setattr(cluster.time, "time", real)
+    await here.renew()
+    with caplog.at_level(logging.WARNING, logger="ckptd.server.cluster"):
+        assert [m.id for m in await here.members()] == ["ckptd-a", "ckptd-b"]
+        here._cached = None
+        await here.members()
+    said = [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+    assert len(said) == 1 and "ckptd-a" in said[0] and "NTP" in said[0], said
+    assert "30 s past" in said[0] or "29 s past" in said[0] or "31 s past" in said[0], said
