@@ -147,7 +147,8 @@ def _create_segment(directory: Path, file: str, nbytes: int, stats: PoolStats) -
             path.unlink(missing_ok=True)
             log.warning("staging: %s has no room for %d bytes (%s); staging into private "
                         "memory, which a restarted worker cannot restore from. Make it larger "
-                        "(docker --shm-size) or set CKPTD_SHM_DIR.", directory, nbytes,
+                        "(docker --shm-size; on Kubernetes an emptyDir of medium: Memory at "
+                        "/dev/shm, docs/operations.md) or set CKPTD_SHM_DIR.", directory, nbytes,
                         os.strerror(exc.errno or 0))
             return _create_anonymous(file, nbytes, stats)
         seg = _Segment(file, path, _map(fd, nbytes), nbytes)
