@@ -374,6 +374,13 @@ def _restore_planned(
     if plan.rank != rank:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
+    elif rank == 0 and world_size < plan.world_size:  # (said once, by rank 0)
+        gone = (f"rank {world_size}" if world_size == plan.world_size - 1
+                else f"ranks {world_size}-{plan.world_size - 1}")
+        log.warning("%s: step %d was saved by %d ranks and this launch has %d: sharded "
+                    "tensors are resharded, and the rank-local entries of %s (an RNG "
+                    "state, say) are restored by no rank", job, plan.step, plan.world_size,
+                    world_size, gone)
     check_places(plan.manifest.tree, opts.places, plan.step)
     if opts.strict:  # before anything changes, like plan_fill below
         check_keys(plan.manifest.tree, state, opts.stateful, plan.step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
@@ -300,7 +301,8 @@ def test_on_busy_wait_waits_for_the_snapshot_in_flight(store: Path) -> None:
         assert ckpt.latest() == 2
 
 
-def test_sharded_and_local_entries_across_two_ranks(store: Path) -> None:
+def test_sharded_and_local_entries_across_two_ranks(store: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     ckpts = [Checkpointer(url(store), "tp", rank=r, world_size=2) for r in range(2)]
     try:
@@ -332,6 +334,16 @@ def test_sharded_and_local_entries_across_two_ranks(store: Path) -> None:
     finally:
         for ckpt in ckpts:
             ckpt.close()
+    # One rank now: the whole tensor, and rank 1's rank-local entry is said to be
+    # restored by no rank (a multi-node probe's replacement with fewer ranks: no word).
+    with caplog.at_level(logging.WARNING, logger="ckptd.client"), \
+            Checkpointer(url(store), "tp", rank=0, world_size=1) as alone:
+        target = {"w": torch.zeros(6, 4)}
+        alone.restore(target, shards={"w": Shard((6, 4), (0, 0))})
+        assert torch.equal(target["w"], full)
+    said = [r.getMessage() for r in caplog.records if "restored by no rank" in r.getMessage()]
+    assert len(said) == 1 and "saved by 2 ranks and this launch has 1" in said[0], said
+    assert "entries of rank 1 " in said[0], said
 
 
 def test_listing_through_the_transport(store: Path) -> None:
