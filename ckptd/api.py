@@ -289,6 +289,14 @@ class HeartbeatRequest(_Request):
     )
     health: HealthReport = Field(default_factory=HealthReport)
     rtt_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    launch: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="The launch of the job this rank belongs to (its incarnation, the same "
+        "on every rank of one launch): two launches beating at once are told so "
+        "(launch_conflict).",
+    )
 
 
 class HeartbeatReply(_Body):
@@ -310,6 +318,12 @@ class HeartbeatReply(_Body):
     peer_url_refused: str | None = Field(
         default=None,
         description="Why the peer_url sent was not registered (None: it was, or none sent).",
+    )
+    launch_conflict: str | None = Field(
+        default=None,
+        description="Ranks of another launch of this job beat at the same time as this "
+        "one's (two jobs with one name, or a rank of an old launch still running): what "
+        "to do, in one line. None: no other launch is live, or none named.",
     )
 
 
@@ -429,7 +443,7 @@ class EventBody(_Body):
         examples=["snapshot_requested"],
         description="snapshot_requested, snapshot_committed, snapshot_expired, "
         "snapshot_dropped, rollback_set, rollback_cleared, rank_dead, rank_back, rank_left, "
-        "restore_fallback",
+        "restore_fallback, launch_conflict",
     )
     rank: int | None
     step: int | None

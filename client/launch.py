@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 from ckptd.errors import InvalidRequest
@@ -67,6 +67,27 @@ def launch_incarnation(environ: Mapping[str, str] | None = None, *,
     if job_id:  # a requeued job keeps its id and counts the requeue, job-wide
         return check_incarnation(f"slurm:{job_id}:{env.get('SLURM_RESTART_COUNT', '0')}")
     return None
+
+
+def heartbeat_launch(environ: Mapping[str, str] | None = None) -> Callable[[], str | None]:
+    """For a heartbeat told no launch: this launch's id as it is known now, asking no
+    store (a heartbeat must not wait on one). The environment's launch is read once,
+    here (``launch_incarnation`` without the group); the id the ranks agreed on as
+    ``ckptd.client.distributed.init_process_group`` formed the group wins once there
+    is one. Only ranks of one launch must name it alike: it need not be the id that
+    manifests carry."""
+    from .distributed import agreed_launch
+
+    try:
+        known = launch_incarnation(environ, group=False)
+    except InvalidRequest:  # a malformed CKPTD_INCARNATION: the checkpointer says so
+        known = None
+
+    def current() -> str | None:
+        agreed = agreed_launch()
+        return f"group:{agreed}"[:MAX_LENGTH] if agreed is not None else known
+
+    return current
 
 
 def group_initialized() -> bool:

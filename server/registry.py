@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptd.errors import TooLarge, WorldSizeMismatch
+from ckptd.server.launches import JobLaunches
 
 # Its old home: server/app.py, deps.py, dashboard.py and tenancy.py import it from here.
 from ckptd.server.store_views import StoreViews as StoreViews
@@ -171,6 +172,7 @@ class _Job:
     touched: float = 0.0
     since: float = 0.0  # first heartbeat this server got (a new home after a failover)
     fallback: _Fallback | None = None
+    launches: JobLaunches = field(default_factory=JobLaunches)  # (launches.py)
 
 
 class Registry:
@@ -225,17 +227,29 @@ class Registry:
         health: dict[str, Any] | None = None,
         rtt_ms: float | None = None,
         epoch: int = 0,
-    ) -> None:
+        launch: str | None = None,
+        host: str | None = None,
+    ) -> str | None:
         """Records a heartbeat. A world size other than the job's is refused
         (``WorldSizeMismatch``) unless it comes with a newer timeline (``epoch``)
         or no other rank of the old world is alive: one rank must not drop live
-        ranks from restore plans and status."""
+        ranks from restore plans and status. Returns a warning when another
+        ``launch`` of the job is live at once (``launches.py``), else None."""
         now = self._clock()
         health = _clipped(health, self.signal_bytes) if health is not None else None
         with self._lock:
             self._sweep(now)
             self._check_room(job, rank)
             j = self._jobs.setdefault(job, _Job(since=now))
+            conflict = None
+            if launch is not None:  # before the world size: a refused launch is live too
+                conflict, news = j.launches.beat(job, launch, rank, host, now,
+                                                 interval=self.interval,
+                                                 forget_after=self.dead_window)
+                for text in news:
+                    log.warning("%s", text)
+                    j.events.append(Event(self._wall(), "launch_conflict", rank=rank,
+                                          reason=text[:1024]))
             if j.world_size is not None and j.world_size != world_size and epoch <= j.epoch:
                 # A rank that said goodbye is gone too: it never turns dead.
                 live = [b.rank for b in j.ranks.values()
@@ -243,7 +257,8 @@ class Registry:
                 if live:
                     raise WorldSizeMismatch(
                         f"job {job} has world size {j.world_size} with live ranks; world size "
-                        f"{world_size} needs a new timeline (a rollback) or the old ranks gone",
+                        f"{world_size} needs a new timeline (a rollback) or the old ranks gone"
+                        + (f"; {conflict}" if conflict else ""),
                         job=job, world_size=j.world_size, asked=world_size,
                     )
             j.epoch = max(j.epoch, epoch)
@@ -268,6 +283,7 @@ class Registry:
                 seen_wall=self._wall(),
             )
             j.touched = now
+            return conflict
 
     def _check_room(self, job: str, rank: int) -> None:
         # Under the lock. Refuses a job or a rank this server does not know yet once

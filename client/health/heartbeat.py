@@ -15,10 +15,16 @@ A step this rank saved whose commit was still pending when its own upload finish
 (other ranks were not in yet) is checked once per beat until it committed; then
 ``on_committed`` runs (the checkpointer publishes the pool's chunks to peers) and it
 becomes the ``held_step``.
+
+Each beat names this rank's launch (``launch``): when ranks of another launch of the
+job beat at the same time, the reply says so (``launch_conflict``: two jobs with one
+name, or a rank of an old launch still running), and it is logged at WARNING, once
+and then at most once a minute while it lasts.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import threading
@@ -26,11 +32,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from ckptd import api, knobs
-from ckptd.errors import CkptdError, Forbidden, Timeout, Unauthorized, Unavailable
+from ckptd.errors import (
+    CkptdError,
+    Forbidden,
+    InvalidRequest,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+)
 from ckptd.format import check_job, check_step
 
+from ..launch import heartbeat_launch
 from ..transport_http import SyncTransport
 
 log = logging.getLogger(__name__)
@@ -43,6 +58,8 @@ _MAX_INTERVAL = 3600.0
 REFUSED_INTERVAL_S = 60.0
 # Pauses before each resend of a beat lost on the way (``Heartbeat._send``).
 _RESEND_PAUSES = (0.0, 0.2)
+# A launch conflict the replies keep naming is logged again at most this often.
+CONFLICT_REPEAT_S = 60.0
 
 
 def default_health() -> dict[str, Any]:
@@ -62,6 +79,7 @@ class HeartbeatReply:
     rollback_epoch: int = 0  # the job's timeline (rollbacks so far)
     peer_token: str | None = None  # the job's peer token (peer servers require it)
     peer_url_refused: str | None = None  # why the server did not register peer_url
+    launch_conflict: str | None = None  # another launch of the job beats at once
 
     @classmethod
     def parse(cls, doc: api.HeartbeatReply, rtt_ms: float,
@@ -80,6 +98,7 @@ class HeartbeatReply:
             rollback_epoch=doc.rollback_epoch,
             peer_token=doc.peer_token,
             peer_url_refused=doc.peer_url_refused,
+            launch_conflict=doc.launch_conflict,
         )
 
 
@@ -102,6 +121,7 @@ class Heartbeat:
         timeout: float | None = None,
         on_beat: Callable[[HeartbeatReply | None, float | None], None] | None = None,
         send: bool = True,
+        launch: str | Callable[[], str | None] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job = check_job(job)
@@ -117,6 +137,15 @@ class Heartbeat:
         # Called with the job's peer token when a reply brings a new one.
         self.on_peer_token: Callable[[str], None] | None = None
         self._peer_url_refused: str | None = None
+        # This rank's launch id, asked at every beat (the group's may come later);
+        # not given: the one the environment or the process group names.
+        if isinstance(launch, str):
+            self.launch: Callable[[], str | None] = lambda: launch
+        else:
+            self.launch = heartbeat_launch() if launch is None else launch
+        self._send_launch = True  # False: the server is older than the field
+        self._conflict_said: float | None = None  # time.monotonic() of the last warning
+        self._in_conflict = False  # the last reply named a launch conflict
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
         # No retries with backoff: a heartbeat that does not get through is sent again
         # at the next interval anyway. One lost on the way is resent at once (beat_now).
@@ -212,7 +241,7 @@ class Heartbeat:
                                  "snapshot_failures": self.snapshot_failures}
             reasons = list(health.get("reasons") or [])[:63]
             health["reasons"] = [*reasons, self.snapshot_error or "a snapshot failed"]
-        return {
+        body: dict[str, Any] = {
             "world_size": self.world_size,
             "peer_url": self.peer_url,
             "step": self._step,
@@ -220,6 +249,18 @@ class Heartbeat:
             "health": health,
             "rtt_ms": None if self._rtt_ms is None else round(self._rtt_ms, 3),
         }
+        launch = self._launch() if self._send_launch else None
+        if launch is not None:
+            body["launch"] = launch  # (left out, not null: older servers refuse the name)
+        return body
+
+    def _launch(self) -> str | None:
+        try:
+            launch = self.launch()
+        except Exception as exc:  # a broken source must not stop heartbeats
+            self._complain("launch", "cannot tell this rank's launch: %s", exc)
+            return None
+        return launch if isinstance(launch, str) and 0 < len(launch) <= 256 else None
 
     def beat_now(self) -> HeartbeatReply | None:
         """Sends one heartbeat from the calling thread; the reply, or None when it
@@ -231,7 +272,7 @@ class Heartbeat:
             body = self.body()
             t0 = time.perf_counter()
             try:
-                answer, t0 = self._send(body)
+                answer, t0 = self._send_any_server(body)
             except CkptdError as exc:
                 self.failures += 1
                 self.refused = isinstance(exc, Unauthorized | Forbidden)
@@ -262,12 +303,43 @@ class Heartbeat:
                 log.info("heartbeats to %s get through again", self.url)
                 self._complained.clear()
             if reply.peer_url_refused and not self._peer_url_refused:
-                log.warning("%s/%d: the server did not register peer URL %s: %s (set "
-                            "CKPTD_PEER_ADVERTISE_HOST, or CKPTD_PEER_NETWORKS on the server)",
-                            self.job, self.rank, self.peer_url, reply.peer_url_refused)
+                log.warning("%s/%d: the server did not register peer URL %s: %s (%s)",
+                            self.job, self.rank, self.peer_url, reply.peer_url_refused,
+                            _peer_url_hint(self.peer_url))
             self._peer_url_refused = reply.peer_url_refused
+            self._say_conflict(reply.launch_conflict)
             self._notify(reply, rtt)
             return reply
+
+    def _say_conflict(self, conflict: str | None) -> None:
+        """Logs a launch conflict a reply named: once, then at most once a minute."""
+        if conflict is None:
+            if self._in_conflict:
+                log.info("%s/%d: no other launch of job %s beats at the same time any more",
+                         self.job, self.rank, self.job)
+            self._in_conflict = False
+            return
+        self._in_conflict = True
+        # (a conflict that comes and goes with a late beat is said once a minute too)
+        now = time.monotonic()
+        if self._conflict_said is None or now - self._conflict_said >= CONFLICT_REPEAT_S:
+            self._conflict_said = now
+            log.warning("%s/%d: %s", self.job, self.rank, conflict)
+
+    def _send_any_server(self, body: dict[str, Any]) -> tuple[Any, float]:
+        """``_send``; a server older than the ``launch`` field refuses it (400): the
+        beat goes again without it, and so do the next ones once that got through."""
+        try:
+            return self._send(body)
+        except InvalidRequest:
+            if "launch" not in body:
+                raise
+        answer = self._send({k: v for k, v in body.items() if k != "launch"})
+        self._send_launch = False
+        log.info("%s/%d: the server at %s takes no launch id in heartbeats (an older "
+                 "ckptd): two launches of this job at once go unnoticed", self.job,
+                 self.rank, self.url)
+        return answer
 
     def _send(self, body: dict[str, Any]) -> tuple[Any, float]:
         """One beat; one lost mid-way (its replica died under it, or dropped the
@@ -371,6 +443,21 @@ class Heartbeat:
                 except CkptdError as exc:
                     log.debug("goodbye to %s failed: %s", self.url, exc)
             self.transport.close()
+
+
+def _peer_url_hint(url: str | None) -> str:
+    """What to do about a refused peer URL: a loopback one is no address of another
+    host, so the server's networks must not take it."""
+    host = urlsplit(url or "").hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return ("this rank's peer server listens on loopback only, so other hosts cannot "
+                "reach it: bind it to an address they reach (CKPTD_PEER_HOST) or advertise "
+                "one (CKPTD_PEER_ADVERTISE_HOST)")
+    return "set CKPTD_PEER_ADVERTISE_HOST, or CKPTD_PEER_NETWORKS on the server"
 
 
 __all__ = ["Heartbeat", "HeartbeatReply", "default_health"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -53,6 +54,26 @@ router = APIRouter(
 
 # Peer manifests read at once for one restore plan.
 PLAN_READS = 16
+# A refused peer_url is logged once per (job, rank, reason), then at most this often:
+# every heartbeat brings it again (47 lines in 18 s for 4 ranks).
+REFUSED_LOG_EVERY_S = 300.0
+_REFUSED_KEPT = 4096
+_refused_said: dict[tuple[str, int, str], float] = {}
+
+
+def _say_refused(job: str, rank: int, url: str, reason: str) -> None:
+    now = time.monotonic()
+    key = (job, rank, reason)
+    said = _refused_said.get(key)
+    if said is not None and now - said < REFUSED_LOG_EVERY_S:
+        log.debug("%s/%d: peer_url %r not registered: %s", job, rank, url[:200], reason)
+        return
+    if said is None and len(_refused_said) >= _REFUSED_KEPT:
+        del _refused_said[next(iter(_refused_said))]  # the oldest said
+    _refused_said.pop(key, None)
+    _refused_said[key] = now
+    log.warning("%s/%d: peer_url %r not registered: %s (said again at most every %g s)",
+                job, rank, url[:200], reason, REFUSED_LOG_EVERY_S)
 
 
 def rank_status(view: RankView) -> RankStatus:
@@ -88,13 +109,12 @@ async def heartbeat(
 ) -> HeartbeatReply:
     check_rank(rank, body.world_size, job=job)
     refused = None
+    source = request.client.host if request.client is not None else None
     if body.peer_url is not None and not settings.any_peer_url:
-        source = request.client.host if request.client is not None else None
         refused = refuse_peer_url(body.peer_url, source, settings.peer_network_list())
         if refused is not None:
-            log.warning("%s/%d: peer_url %r not registered: %s", job, rank,
-                        body.peer_url[:200], refused)
-    registry.heartbeat(
+            _say_refused(job, rank, body.peer_url, refused)
+    conflict = registry.heartbeat(
         job,
         rank,
         world_size=body.world_size,
@@ -104,6 +124,8 @@ async def heartbeat(
         held_step=body.held_step,
         health=body.health.model_dump(),
         rtt_ms=body.rtt_ms,
+        launch=body.launch,
+        host=source,
     )
     metrics.heartbeat()
     # The store is read only while a target is pending (to see it committed), and
@@ -119,6 +141,7 @@ async def heartbeat(
         rollback_epoch=await views.epoch(job),
         peer_token=peer_token(request.app.state.peer_secret, job),
         peer_url_refused=refused,
+        launch_conflict=conflict,
     )
 
 
