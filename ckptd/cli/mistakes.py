@@ -229,6 +229,7 @@ def writable_store(settings: Settings, store: Store, check: bool = False) -> Sto
         try:
             if check:
                 _say_store_id_trouble(await _store_id_trouble(store))
+                _say_gc_trouble(await _gc_trouble(store))
             return await conditional_write_gaps(store)
         finally:
             await store.close()  # (its client belongs to this loop; the server opens its own)
@@ -276,6 +277,26 @@ def _say_store_id_trouble(trouble: str | None) -> None:
         "clients cannot check that the replicas they are given serve one store. If no "
         "server serves it now, remove cluster/store-id and the next `ckptd serve` writes "
         "a new one (docs/FORMAT.md)", soft_wrap=True)
+
+
+async def _gc_trouble(store: Store) -> str | None:
+    """What a damaged GC state (``gc/state``) means, or None (readable, or none)."""
+    from ckptd.errors import CkptdError
+    from ckptd.lifecycle.gc import gc_state
+
+    try:
+        state = await gc_state(store)
+    except CkptdError:
+        return None  # (a newer ckptd's state: the server says so where it is read)
+    return str(state["note"]) if state.get("phase") == "damaged" else None
+
+
+def _say_gc_trouble(trouble: str | None) -> None:
+    if trouble is None:
+        return
+    from ckptd.cli import err_console
+
+    err_console.print(f"[yellow]warning[/] {escape(trouble)}", soft_wrap=True)
 
 
 # A server's host:port written without its scheme (localhost:8470, 10.0.0.5:8470,

@@ -36,3 +36,16 @@ def test_a_store_path_that_is_a_file_is_named_as_one(tmp_path: Path) -> None:
         done = ckptd("serve", "--check", "--store", store, "--port", "0")
         assert_short_usage_error(done, f"the store {store} is a file, not a directory",
                                  "--store")
+
+
+def test_a_damaged_gc_state_is_said_with_the_way_out(tmp_path: Path) -> None:
+    """(Found by an operator probe: serve --check said ok while every save failed on
+    it; helper-78 made `ckptd gc` through a server repair it.)"""
+    root = tmp_path / "store"
+    shutil.copytree(GOLDEN, root)
+    (root / "gc").mkdir()
+    (root / "gc" / "state").write_text("garbage\n")
+    done = ckptd("serve", "--check", "--store", str(root), "--port", "0")
+    assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
+    said = " ".join(done.stderr.split())
+    assert "warning damaged document gc/state" in said and "`ckptd gc`" in said, said
