@@ -139,6 +139,7 @@ def test_heartbeats_make_ranks_alive(client: httpx.Client) -> None:
             "rollback_to": None, "rollback_epoch": 0,
             # The job's peer token (issue 10 #13), checked in tests/hostile.
             "peer_token": reply["peer_token"], "peer_url_refused": None,
+            "launch_conflict": None,
         }
     body = ranks(client, job)
     assert body["job"] == job and body["world_size"] == 2
