@@ -274,6 +274,7 @@
     rank_back: (e) => `rank ${e.rank} back`,
     rank_left: (e) => `rank ${e.rank} left` + (e.step !== null ? ` at step ${e.step}` : ""),
     restore_fallback: (e) => `rank ${e.rank} restores step ${e.step}, older than latest`,
+    launch_conflict: () => "two launches of the job beat at once (two jobs with one name?)",
   };
 
   function renderEvents(job) {
