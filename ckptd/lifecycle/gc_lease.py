@@ -52,9 +52,11 @@ class Lease:
         return self.state.generation if self.state is not None else 0
 
     async def _swap(self, expected: bytes | None, new: bytes) -> bool:
-        # (a full disk releases the store's reserve: a collection is how space returns)
+        # (a full disk releases the store's reserve: a collection is how space returns;
+        # never the walk for temporaries, which could land a renewal after its lease)
         return await with_room(self.store, f"update {GC_STATE_KEY}",
-                               lambda: self.store.compare_and_swap(GC_STATE_KEY, expected, new))
+                               lambda: self.store.compare_and_swap(GC_STATE_KEY, expected, new),
+                               walk=False)
 
     async def acquire(self) -> GcState:
         try:

@@ -101,16 +101,20 @@ def full_advice(exc: StoreFull) -> StoreFull:
                      f"up; {BY_HAND}", **exc.detail)
 
 
-async def with_room(store: Store, what: str, write: Callable[[], Awaitable[T]]) -> T:
+async def with_room(store: Store, what: str, write: Callable[[], Awaitable[T]], *,
+                    walk: bool = True) -> T:
     """``write()``, a lifecycle write that leads to space freed; on a full disk it
-    releases the store's reserve and stale temporaries, then tries once more."""
+    releases the store's reserve, else (``walk``) stale temporaries, then tries once
+    more. ``walk=False`` for a write that must land within a bound (a collection's
+    lease renewal: the walk of a large store takes minutes, and a renewal that lands
+    after writers stopped waiting for the sweep would let it delete what they then
+    committed)."""
     try:
         return await write()
     except StoreFull as exc:
         freed = await release_reserve(store)
-        # (only without a reserve: the walk of a large store takes minutes, and a
-        # collection renewing its lease cannot wait that long)
-        stale = 0 if freed else (await remove_stale_temporaries(
+        # (only without a reserve: the walk of a large store takes minutes)
+        stale = 0 if freed or not walk else (await remove_stale_temporaries(
             store, max_upload_s=stale_after()))[1]
         if not freed + stale:
             raise full_advice(exc) from None
