@@ -171,15 +171,19 @@ def answer(model: type[M]) -> Reads[M, M]:
     return Reads(model, _itself)
 
 
-_TAGS = TypeAdapter(dict[str, int])
+_TAGS = TypeAdapter(dict[str, Any])
 
 
 def _tags(resp: httpx.Response) -> dict[str, int]:
+    """The tags of the answer: its entries whose value is a step (a newer server's
+    answer may grow, docs/API.md; an entry that is no step is none of this client's
+    tags)."""
     try:
-        return _TAGS.validate_json(resp.content)
+        doc = _TAGS.validate_json(resp.content)
     except ValidationError as exc:
         raise InvalidDocument(f"the answer of {resp.request.url.path} is not a tag list: "
                               f"{exc}") from None
+    return {name: step for name, step in doc.items() if type(step) is int}
 
 
 def _nothing(resp: httpx.Response) -> None:

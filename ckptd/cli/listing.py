@@ -69,10 +69,11 @@ async def jobs_table(transport: Any, notes: Notes) -> Table | str:
     table = Table("job", "latest", "committed", "pending", "size of latest")
     for j in jobs:
         name = _get(j, "job")
+        listed = True
         try:
             steps = await transport.list_steps(name)
         except CkptdError as exc:
-            steps, j = [], {"damaged": exc.message, **j}
+            steps, j, listed = [], {"damaged": exc.message, **j}, False
         bad = notes.unreadable(name, j)
         newer = [s for s in steps if _get(s, "unsupported")]
         damaged = [s for s in steps if _get(s, "damaged") and not _get(s, "unsupported")]
@@ -86,7 +87,8 @@ async def jobs_table(transport: Any, notes: Notes) -> Table | str:
         pending = [s for s in steps if not (_get(s, "committed") or _get(s, "damaged")
                                             or _get(s, "unsupported"))]
         latest = next((s for s in steps if _get(s, "is_latest")), None)
-        _lost_latest(name, _get(j, "latest"), steps, notes)
+        if listed:  # (else no step is known, and the row says why)
+            _lost_latest(name, _get(j, "latest"), steps, notes)
         table.add_row(
             escape(name),
             bad or _latest_cell(_get(j, "latest"), latest, steps),

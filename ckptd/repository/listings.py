@@ -31,6 +31,7 @@ from ckptd.format import (
     latest_key,
     manifest_epoch,
     manifest_key,
+    removal_key,
 )
 from ckptd.hashing import document_hash
 from ckptd.lifecycle.documents import damage_key, damage_prefix
@@ -247,10 +248,7 @@ class Listings(Timelines):
                            if str(step) in damaged else None)
                     if why is None and step != latest and len(ranks) < record.world_size:
                         # (cheap: the listing's own count; latest's are read just below)
-                        lost = record.world_size - len(ranks)
-                        why = (f"damaged step: {lost} of the {record.world_size} rank "
-                               "manifests its commit record names "
-                               f"{'is' if lost == 1 else 'are'} missing")
+                        why = await self._manifests_lost(job, step, record.world_size)
                     if step == latest and why is None:
                         # A restore of latest checks its manifests and falls back past
                         # a damaged one: the listing says the same.
@@ -293,6 +291,20 @@ class Listings(Timelines):
             infos = [dataclasses.replace(i, is_latest=i.step == usable and i.committed)
                      for i in infos]
         return infos
+
+    async def _manifests_lost(self, job: str, step: int, world: int) -> str | None:
+        """Why a committed step whose listing showed fewer rank manifests than its
+        commit record names is damaged, or None. The manifests were listed before the
+        record was read: a step that committed in between (its last ranks saved) is
+        listed again, and one that retention is removing (its record goes first) is
+        not damage."""
+        ranks = await self._ranks_present(job, step)
+        if len(ranks) >= world or not await self.store.exists(commit_key(job, step)) \
+                or await self.store.exists(removal_key(job, step)):
+            return None
+        lost = world - len(ranks)
+        return (f"damaged step: {lost} of the {world} rank manifests its commit record "
+                f"names {'is' if lost == 1 else 'are'} missing")
 
     async def restorable_step(self, job: str) -> RestorableStep:
         """The newest committed step whose ``latest`` ref and commit record read
