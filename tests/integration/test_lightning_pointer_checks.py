@@ -5,6 +5,7 @@ no word, and a pointer of a version this code does not know loaded too."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -69,20 +70,28 @@ def test_a_pointer_of_another_server_is_refused(server: ServerProcess, shm: Path
         other.stop()
 
 
-def test_a_pointer_without_a_store_id_is_checked_by_its_url(io: CkptdCheckpointIO,
-                                                            tmp_path: Path) -> None:
+def test_a_pointer_without_a_store_id_of_another_url_loads_with_a_warning(
+        io: CkptdCheckpointIO, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A pointer written before the store's id was kept (or of a store without one)
-    names its store by the URL only."""
+    names its store by the URL only: one of another URL (a server that moved, or
+    another server) loads, said in a warning with the way to load it from there; it
+    loaded without a word before today, and a refusal would break a run resumed
+    after its server moved (review)."""
     path = tmp_path / "last.ckpt"
     io.save_checkpoint(small_checkpoint(4), path)
     io.teardown()
     doc = json.loads(path.read_text())
     doc.pop("store_id", None)
     path.write_text(json.dumps({**doc, "url": "http://127.0.0.1:9/"}))
-    with pytest.raises(InvalidRequest, match="CkptdCheckpointIO\\('http://127.0.0.1:9/'"):
-        io.load_checkpoint(path)
+    with caplog.at_level(logging.WARNING, logger="ckptd.client"):
+        assert io.load_checkpoint(path)["global_step"] == 4
+    said = [r.getMessage() for r in caplog.records if "this plugin's url" in r.getMessage()]
+    assert len(said) == 1 and "CkptdCheckpointIO('http://127.0.0.1:9/')" in said[0], said
+    caplog.clear()
     path.write_text(json.dumps({**doc, "url": io.url}))
-    assert io.load_checkpoint(path)["global_step"] == 4
+    with caplog.at_level(logging.WARNING, logger="ckptd.client"):
+        assert io.load_checkpoint(path)["global_step"] == 4
+    assert not [r for r in caplog.records if "this plugin's url" in r.getMessage()]
 
 
 def test_a_pointer_of_an_unknown_version_is_refused_in_a_line(io: CkptdCheckpointIO,

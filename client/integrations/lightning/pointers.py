@@ -14,6 +14,7 @@ saved it). A load through the pointer puts them back, so that a run resumed from
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ ABOUT = ("a checkpoint stored by ckptd, not a torch.save file: load it with "
          "fit(ckpt_path=this_path) with the plugin); LightningModule.load_from_checkpoint "
          "reads the file itself and cannot: build the module from ckpt['hyper_parameters'], "
          "then model.load_state_dict(ckpt['state_dict']) (docs/integrations/lightning.md)")
+
+log = logging.getLogger(__name__)
 
 
 def name_of(path: str | os.PathLike[str]) -> str:
@@ -117,8 +120,10 @@ def write_pointer(path: str, job: str, step: int, url: str, store_id: str | None
 def check_pointer(path: str, doc: Mapping[str, Any], job: str, url: str,
                   store_id: str | None) -> None:
     """Refuses, in a line, a pointer of another job or of another store than the
-    plugin's: by the stores' ids where both are known (one store under two URLs is
-    one store), else by the URL (a pointer written before the id was kept)."""
+    plugin's, by the stores' ids where both are known (one store under two URLs is
+    one store). Where one is not (a pointer written before the id was kept, a store
+    whose id did not read), another URL is only a warning: a server that moved
+    (another address, ``localhost`` for ``127.0.0.1``) loads as it did."""
     if doc["job"] != job:
         raise InvalidRequest(f"{path} points to job {doc['job']!r}, not {job!r}: load it "
                              f"with CkptdCheckpointIO(job={doc['job']!r})", path=path)
@@ -130,7 +135,11 @@ def check_pointer(path: str, doc: Mapping[str, Any], job: str, url: str,
     elif not isinstance(their_url, str) or their_url.rstrip("/") == url.rstrip("/"):
         return
     else:
-        where = "another store than this plugin's url"
+        log.warning("%s points to step %s of job %s in %s, and this plugin's url is %s: "
+                    "loading it from %s (without both stores' ids, whether they are one "
+                    "store cannot be told; if not, load it with CkptdCheckpointIO(%r))",
+                    path, doc["step"], job, their_url, url, url, their_url)
+        return
     raise InvalidRequest(
         f"{path} points to step {doc['step']} of job {job} in {their_url}, {where}: load "
         f"it with CkptdCheckpointIO({their_url!r}, job={job!r}), or remove the pointer to "
