@@ -293,6 +293,7 @@ class HeartbeatRequest(_Request):
         default=None,
         min_length=1,
         max_length=256,
+        pattern=r"^[^\x00-\x1f\x7f]+$",  # (no control characters: it goes into logs)
         description="The launch of the job this rank belongs to (its incarnation, the same "
         "on every rank of one launch): two launches beating at once are told so "
         "(launch_conflict).",

@@ -58,6 +58,9 @@ _MAX_INTERVAL = 3600.0
 REFUSED_INTERVAL_S = 60.0
 # Pauses before each resend of a beat lost on the way (``Heartbeat._send``).
 _RESEND_PAUSES = (0.0, 0.2)
+# Seconds a heartbeat sends no launch id after a server refused the field (older).
+LAUNCH_RETRY_S = 600.0
+
 # A launch conflict the replies keep naming is logged again at most this often.
 CONFLICT_REPEAT_S = 60.0
 
@@ -143,7 +146,7 @@ class Heartbeat:
             self.launch: Callable[[], str | None] = lambda: launch
         else:
             self.launch = heartbeat_launch() if launch is None else launch
-        self._send_launch = True  # False: the server is older than the field
+        self._launch_off_until = 0.0  # (monotonic) a server older than the field
         self._conflict_said: float | None = None  # time.monotonic() of the last warning
         self._in_conflict = False  # the last reply named a launch conflict
         timeout = min(10.0, max(1.0, self.interval * 2)) if timeout is None else timeout
@@ -249,7 +252,7 @@ class Heartbeat:
             "health": health,
             "rtt_ms": None if self._rtt_ms is None else round(self._rtt_ms, 3),
         }
-        launch = self._launch() if self._send_launch else None
+        launch = self._launch() if time.monotonic() >= self._launch_off_until else None
         if launch is not None:
             body["launch"] = launch  # (left out, not null: older servers refuse the name)
         return body
@@ -335,10 +338,11 @@ class Heartbeat:
             if "launch" not in body:
                 raise
         answer = self._send({k: v for k, v in body.items() if k != "launch"})
-        self._send_launch = False
+        # (asked again later: a rolling upgrade's older replica answered this one)
+        self._launch_off_until = time.monotonic() + LAUNCH_RETRY_S
         log.info("%s/%d: the server at %s takes no launch id in heartbeats (an older "
-                 "ckptd): two launches of this job at once go unnoticed", self.job,
-                 self.rank, self.url)
+                 "ckptd): two launches of this job at once go unnoticed for %.0f s",
+                 self.job, self.rank, self.url, LAUNCH_RETRY_S)
         return answer
 
     def _send(self, body: dict[str, Any]) -> tuple[Any, float]:

@@ -368,10 +368,18 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
         """Stops serving and removes the staging pool (a later ``send_checkpoint`` is
         ``InvalidRequest``). Idempotent."""
         self._server.close()
-        with self._lock:
+        # (at exit, a send another thread holds the transport in, stuck on a wedged
+        # device copy, must not hang the interpreter: its pool is the watcher's then)
+        if not self._lock.acquire(timeout=-1 if wait else 2.0):
+            log.warning("torchft: a send still holds the transport; its pool is left to "
+                        "the watcher, which removes it once this process is gone")
+            return
+        try:
             self._shut_down = True
             self._pool.close()
             watcher, self._watcher = self._watcher, None
+        finally:
+            self._lock.release()
         _LIVE.discard(self)
         if watcher is not None:  # its stdin ends: it finds the pool gone and exits
             with contextlib.suppress(OSError):
