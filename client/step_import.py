@@ -289,12 +289,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .dcp.values import deliver_value
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -322,11 +323,7 @@ def read_dcp(path: Path) -> dict[str, Any]:
                     f"loading refuses ({refused_by(exc)})",
                     name=read_item.dest_index.fqn,
                 ) from None
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:  # as DCP's own load_bytes, without its unpickling
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
+            deliver_value(self, read_item, obj)  # (as DCP's own, without its unpickling)
 
     state: dict[str, Any] = {}
     try:

@@ -78,6 +78,7 @@ from .target import (
     _where,
     parse_checkpoint_id,
 )
+from .values import give_value
 from .writer import load_value
 
 log = logging.getLogger(__name__)
@@ -318,12 +319,8 @@ class Reader(StorageReader):
                 node = index.values.get(fqn)
                 if node is None:
                     raise RestoreError(f"{fqn!r} is not a value of step {index.step}")
-                buf = io.BytesIO()
-                # Our own bytes of a JSON value, made here for the planner's torch.load:
-                # nothing from the store is ever unpickled.
-                torch.save(unflatten(node, {}), buf)
-                buf.seek(0)
-                planner.load_bytes(req, buf)
+                # A JSON value: placed, or as bytes of ckptd's own (values.py).
+                give_value(planner, req, unflatten(node, {}))
                 continue
             key = (fqn, tuple(int(o) for o in (req.storage_index.offset or ())))
             if key not in index.boxes:
@@ -457,8 +454,8 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
             raise failure(fetcher, batch.wanted, step)
         await deliver(found, batch.wanted, prefilled=fetcher.prefilled, sent=fetcher.sent)
     for req, buf, written_by_dcp in batch.blobs:
-        planner.load_bytes(req, io.BytesIO(_blob_bytes(buf, written_by_dcp,
-                                                       req.storage_index.fqn, step)))
+        give_value(planner, req, _blob_value(buf, written_by_dcp, req.storage_index.fqn,
+                                             step))
     for req, target in batch.reads:
         planner.commit_tensor(req, target)
     for source in fetcher.sources:
@@ -466,13 +463,12 @@ async def _fetch_batch(fetcher: ChunkFetcher, batch: _Batch, step: int,
             source.close()  # its maps (it maps again on the next batch's first view)
 
 
-def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str, step: int) -> bytes:
-    """An opaque blob's bytes for the planner. DCP's planner ``torch.load``s them
-    with ``weights_only=False``, so it only ever gets bytes ckptd made itself: a
-    blob DCP wrote (a ``torch.save`` of a value that is no plain JSON) is the
-    store's content, read here with ``weights_only=True`` (types the user
-    registered with ``torch.serialization.add_safe_globals`` included) and saved
-    again; a Checkpointer's bytes leaf is a value, saved for the planner like one."""
+def _blob_value(buf: torch.Tensor, written_by_dcp: bool, fqn: str, step: int) -> Any:
+    """An opaque blob's value for the planner (``values.py``): a blob DCP wrote (a
+    ``torch.save`` of a value that is no plain JSON) is the store's content, read
+    here with ``weights_only=True`` (types the user registered with
+    ``torch.serialization.add_safe_globals`` included); a Checkpointer's bytes leaf
+    is a value itself."""
     raw = buf.numpy().tobytes()
     value: Any = raw
     if written_by_dcp:
@@ -488,9 +484,7 @@ def _blob_bytes(buf: torch.Tensor, written_by_dcp: bool, fqn: str, step: int) ->
                 "trust its type, register it with torch.serialization.add_safe_globals "
                 "(Checkpointer.restore gives the stored bytes as they are)",
                 name=fqn, step=step) from None
-    out = io.BytesIO()
-    torch.save(value, out)  # our own bytes, for the planner's torch.load
-    return out.getvalue()
+    return value
 
 
 def _fetcher(transport: Transport, index: StepIndex, job: str,
