@@ -87,6 +87,19 @@ def route_key(path: str) -> str | None:
     return None
 
 
+def loopback_host(host: str) -> bool:
+    """Whether ``host`` (a URL's host, or an address to listen on; brackets allowed)
+    is this host only: ``localhost`` or a loopback address. A name is not (it may
+    resolve beyond loopback)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def normalize_url(url: str) -> str:
     """``http(s)://host:port`` without a trailing slash; an error for anything else."""
     url = url.strip().rstrip("/")

@@ -6,12 +6,12 @@ and, 17 s later, the first call's traceback of three chained exceptions)."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 
 import httpx
 
+from ckptd.cluster import loopback_host
 from ckptd.errors import CkptdError, Forbidden, Unauthorized, Unavailable
 
 from . import calls
@@ -162,11 +162,7 @@ def _where_hint(url: str, exc: httpx.RequestError) -> str:
     if _reason(exc) != "connection refused":
         return ""
     host = (httpx.URL(url).host or "").strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
+    if loopback_host(host):
         return (f". {host} is this host: on a node other than the server's, give the "
                 "server's own address")
     return (". A server started with the default --host 127.0.0.1 takes no connection "

@@ -18,6 +18,7 @@ from uvicorn.config import LOGGING_CONFIG
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ckptd import __version__
+from ckptd.cluster import loopback_host
 from ckptd.repository import Repository
 from ckptd.server.cluster import Membership
 from ckptd.server.connections import connection_cap, quiet_repeats, raise_fd_limit
@@ -116,7 +117,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
                     "from a secret of its own, so they change when a job's home moves to "
                     "another replica, and peers refuse each other until the next heartbeat; "
                     "set CKPTD_PEER_SECRET, the same on every replica")
-    if not (settings.token or settings.tokens_file) and not _loopback(settings.host):
+    if not (settings.token or settings.tokens_file) and not loopback_host(settings.host):
         log.warning("no token (CKPTD_TOKEN, --tokens-file) and listening on %s, beyond this "
                     "host: any host that reaches this server may save, restore, roll back and "
                     "forget every job; set a token on a network others share "
@@ -235,15 +236,3 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
                     "and uploads are slower; pip install 'uvicorn[standard]'")
     server.run()
 
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` (the address the server listens on) takes connections from
-    this host only."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # (a name: it may resolve beyond loopback)

@@ -24,7 +24,6 @@ and then at most once a minute while it lasts.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import threading
@@ -35,6 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptd import api, knobs
+from ckptd.cluster import loopback_host
 from ckptd.errors import (
     CkptdError,
     Forbidden,
@@ -452,12 +452,7 @@ class Heartbeat:
 def _peer_url_hint(url: str | None) -> str:
     """What to do about a refused peer URL: a loopback one is no address of another
     host, so the server's networks must not take it."""
-    host = urlsplit(url or "").hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
+    if loopback_host(urlsplit(url or "").hostname or ""):
         return ("this rank's peer server listens on loopback only, so other hosts cannot "
                 "reach it: bind it to an address they reach (CKPTD_PEER_HOST) or advertise "
                 "one (CKPTD_PEER_ADVERTISE_HOST)")
