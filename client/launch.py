@@ -71,8 +71,10 @@ def launch_incarnation(environ: Mapping[str, str] | None = None, *,
 
 def heartbeat_launch(environ: Mapping[str, str] | None = None) -> Callable[[], str | None]:
     """For a heartbeat told no launch: this launch's id as it is known now, asking no
-    store (a heartbeat must not wait on one). The environment's launch is read once,
-    here (``launch_incarnation`` without the group); the id the ranks agreed on as
+    store as it beats (a heartbeat must not wait on one). The environment's launch is
+    read once, here (``launch_incarnation`` without the group: under torchrun the
+    process's first such read asks the agent's store, ``agent_launch``, at most 10 s,
+    and keeps its answer); the id the ranks agreed on as
     ``ckptd.client.distributed.init_process_group`` formed the group wins once there
     is one. Only ranks of one launch must name it alike: it need not be the id that
     manifests carry."""
