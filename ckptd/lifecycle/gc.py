@@ -291,9 +291,11 @@ async def _sweep(store: Store, held: Lease, doomed: list[str], at: GcProgress) -
                 unanswered.discard(key)
                 at.deleted += 1
             except KeyboardInterrupt:
-                # A SIGTERM's interrupt (ckptd/__main__.py) raised in the delete's own
-                # task already left the loop once; raised again here it would end the
-                # loop's shutdown before this collection's wind-down ran.
+                # A SIGTERM's interrupt raised in the delete's own task (ckptd/__main__.py
+                # raises one where asyncio.run has no Ctrl-C handler of its own: a
+                # command started with SIGINT ignored, as `cmd &` in a script is) left
+                # the loop once; raised again here it would end the loop's shutdown
+                # before this collection's wind-down ran.
                 raise asyncio.CancelledError() from None
             except Exception as exc:  # the first failure stops the sweep; raised below
                 unanswered.discard(key)  # (answered: a failure, or given up above)
