@@ -13,14 +13,20 @@ from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden-v1"
 
 
-def test_a_store_id_that_does_not_read_is_said_with_the_way_out(tmp_path: Path) -> None:
+def _checked_with_garbage_at(tmp_path: Path, key: str) -> tuple[Path, str]:
+    """``serve --check`` of a copy of the golden store whose ``key`` holds garbage:
+    the store, and what it said on stderr (it must still say it would serve)."""
     root = tmp_path / "store"
     shutil.copytree(GOLDEN, root)
-    (root / "cluster").mkdir()
-    (root / "cluster" / "store-id").write_text("garbage\n")
+    (root / key).parent.mkdir(parents=True, exist_ok=True)
+    (root / key).write_text("garbage\n")
     done = ckptd("serve", "--check", "--store", str(root), "--port", "0")
     assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
-    said = " ".join(done.stderr.split())
+    return root, " ".join(done.stderr.split())
+
+
+def test_a_store_id_that_does_not_read_is_said_with_the_way_out(tmp_path: Path) -> None:
+    root, said = _checked_with_garbage_at(tmp_path, "cluster/store-id")
     assert "warning" in said and "cluster/store-id does not parse" in said, said
     assert "remove cluster/store-id" in said and "Traceback" not in said, said
     # A store without an id yet (the first server writes it) is no warning.
@@ -41,11 +47,5 @@ def test_a_store_path_that_is_a_file_is_named_as_one(tmp_path: Path) -> None:
 def test_a_damaged_gc_state_is_said_with_the_way_out(tmp_path: Path) -> None:
     """(Found by an operator probe: serve --check said ok while every save failed on
     it; helper-78 made `ckptd gc` through a server repair it.)"""
-    root = tmp_path / "store"
-    shutil.copytree(GOLDEN, root)
-    (root / "gc").mkdir()
-    (root / "gc" / "state").write_text("garbage\n")
-    done = ckptd("serve", "--check", "--store", str(root), "--port", "0")
-    assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
-    said = " ".join(done.stderr.split())
+    _, said = _checked_with_garbage_at(tmp_path, "gc/state")
     assert "warning damaged document gc/state" in said and "`ckptd gc`" in said, said
