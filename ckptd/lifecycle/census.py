@@ -207,10 +207,16 @@ class Census:
             self._idle.set()
 
     async def _work_once(self) -> None:
+        # Every request is kept as state (the queue, the drops, a full pass wanted);
+        # the wake only ends the wait. Cleared before it looks, so a poke that comes
+        # while it looks (a commit during the view's refresh) is seen below.
+        self._wake.clear()
         async with self._lock:
             if await self._work_piece():
                 return
             await self._refresh_view()
+        if self._wake.is_set():
+            return  # poked while it looked: look again before it says it is idle
         self._idle.set()
         now = time.monotonic()
         due = [self._list_due]
@@ -222,7 +228,6 @@ class Census:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.01, min(due) - now)):
                 await self._wake.wait()
-        self._wake.clear()
 
     async def _work_piece(self) -> bool:
         """Does the most pressing piece of work; False when there is none."""

@@ -137,6 +137,43 @@ async def test_hooks_keep_the_census_equal_to_a_recount(any_store: Store) -> Non
         await counter.close()
 
 
+async def test_a_commit_during_its_view_refresh_is_counted_before_it_says_idle() -> None:
+    """A step committed while the task refreshes its view with nothing else to do:
+    a request waiting for the view gets it with that step counted, not a view the
+    task called idle as it finished the refresh (CI saw ``complete=False``)."""
+    repo = Repository(MemoryStore())
+    counter = Census(repo, interval=0, fresh_after=1e9, process=False)
+    repo.on_committed = counter.note_commit
+    task = counter.start()
+    try:
+        await counter.current(wait=10)
+        in_view, go_on = asyncio.Event(), asyncio.Event()
+        call = counter._worker.call
+
+        async def held_view(method: str, *args: Any) -> tuple[Any, float]:
+            if method == "view" and not go_on.is_set():
+                in_view.set()
+                await go_on.wait()
+            return await call(method, *args)
+
+        counter._worker.call = held_view  # type: ignore[method-assign]
+        counter._view_dirty = True
+        counter._poke()  # nothing to count: it only refreshes its view
+        async with asyncio.timeout(10):
+            await in_view.wait()
+        await commit_demo(repo, "a", 1)
+        waiting = asyncio.create_task(counter.current(wait=10))
+        await asyncio.sleep(0.05)
+        go_on.set()
+        space = await waiting
+        assert space.uncounted_steps == 0 and space.complete
+        assert seen(space) == await recount(repo)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await counter.close()
+
+
 async def test_a_cancel_is_not_lost_when_work_arrives_with_it(tmp_path: Path) -> None:
     """A server stopping cancels the census task. When that cancel arrives in the
     same turn of the loop as a poke (a commit just before shutdown), the task still
