@@ -12,7 +12,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.errors import InvalidRequest
+from tests.cli_runs import ckptd as run_ckptd
 from tests.cluster.conftest import Replica
 from tests.integration.test_cli_mistakes import assert_short_usage_error
 
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, env={**env, "COLUMNS": "120"}, timeout=60)
+    return run_ckptd(*args, environ={**env, "COLUMNS": "120"})
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 
 
@@ -87,10 +87,7 @@ def test_overview_keeps_every_job(api: httpx.Client) -> None:
 
 
 def _ls(damaged: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", "ls", *args, "--url", damaged.url],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )
+    return run_ckptd("ls", *args, "--url", damaged.url, environ={**os.environ, "COLUMNS": "200"})
 
 
 def test_cli_ls_lists_every_job_and_exits_1_on_damage(damaged: ServerProcess) -> None:

@@ -28,6 +28,7 @@ from ckptd.errors import StoreError  # noqa: E402
 from ckptd.store import S3Store  # noqa: E402
 from ckptd.store.probe import conditional_write_gaps  # noqa: E402
 from ckptd.store.single_writer import SingleWriterStore  # noqa: E402
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess, free_port  # noqa: E402
 from tests.hostile.s3_front import DroppingFront  # noqa: E402
 
@@ -74,8 +75,7 @@ def store_url(endpoint: str) -> str:
 
 
 def ckptd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**s3_env(), "COLUMNS": "200"})
+    return run_ckptd(*args, environ={**s3_env(), "COLUMNS": "200"}, timeout=timeout)
 
 
 def test_check_refuses_a_front_that_drops_conditions(front: DroppingFront) -> None:

@@ -4,6 +4,7 @@ each bad chunk named with the steps, ranks and tensors it breaks, progress in by
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.hashing import chunk_id
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 
 JOBS = {"clean": 0, "gone": 1, "rot": 2, "torn": 3, "tagged": 4, "retag": 5}
@@ -62,8 +64,7 @@ def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 
 
 def _cli(srv: ServerProcess, job: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd", "verify", job, "--url", srv.url],
-                          capture_output=True, text=True, timeout=120)
+    return run_ckptd("verify", job, "--url", srv.url, environ=dict(os.environ), timeout=120)
 
 
 def test_clean_job_verifies(store_server: ServerProcess) -> None:

@@ -7,38 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.cli_runs import ckptd, ckptd_each
+
 if TYPE_CHECKING:
     from tests.conftest import ServerProcess
 
-REPO = Path(__file__).resolve().parents[2]
 # A port nothing listens on: reading commands fail fast, one attempt.
 NOBODY = "http://127.0.0.1:9"
-
-
-def ckptd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-          code: str | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
-    base.update({"CKPTD_RETRIES": "0", "COLUMNS": "80", **(env or {})})
-    argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "ckptd",
-                                                               *args]
-    return subprocess.run(argv, capture_output=True, text=True, env=base, cwd=cwd or REPO,
-                          timeout=60)
-
-
-def ckptd_each(*commands: Sequence[str], env: dict[str, str] | None = None,
-               cwd: Path | None = None) -> list[subprocess.CompletedProcess[str]]:
-    """``ckptd()`` of each of ``commands``, independent ones, run side by side (each a
-    process that mostly imports: one after another, they left a core of the CI
-    machine idle); the answers in the order of ``commands``."""
-    with ThreadPoolExecutor(min(len(commands), 4)) as pool:
-        return list(pool.map(lambda args: ckptd(*args, env=env, cwd=cwd), commands))
 
 
 def assert_short_usage_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -17,6 +17,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("aiobotocore")
 boto3 = pytest.importorskip("boto3")
 
+from tests.cli_runs import ckptd as run_ckptd  # noqa: E402
 from tests.integration.test_cli_mistakes import _save_one  # noqa: E402
 from tests.moto_server import moto_server, s3_env  # noqa: E402
 
@@ -61,8 +62,7 @@ def _uploaded(local: Path, endpoint: str) -> str:
 def ckptd(*args: str, shm: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``ckptd ARGS``; ``shm``: its staging root (import's pool, a restore's local tier)."""
     env = aws_env() | ({"CKPTD_SHM_DIR": str(shm)} if shm is not None else {})
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120)
+    return run_ckptd(*args, environ=env, cwd=ROOT, timeout=120)
 
 
 def test_ls_lists_an_s3_store(s3_store: str) -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 from tests.integration.test_cli_mistakes import assert_short_usage_error
 from tests.listeners import http_program
@@ -32,13 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 SAY_WITHIN = 25.0
 
 
-def ckptd(*args: str, env: dict[str, str] | None = None) -> tuple[
+def ckptd(*args: str, env: dict[str, str] | None = None, spawn: bool = False) -> tuple[
         subprocess.CompletedProcess[str], float]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
     base.update({"COLUMNS": "80", **(env or {})})
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, env=base, cwd=REPO, timeout=120)
+    done = run_ckptd(*args, environ=base, cwd=REPO, timeout=120, spawn=spawn)
     return done, time.monotonic() - t0
 
 
@@ -88,7 +88,8 @@ def test_commands_against_a_server_that_never_answers_say_so_within_seconds(
                 ["restore", "--job", "j1", "--rank", "0", "--to", str(tmp_path / "to")],
                 ["export", "j1", "--safetensors", str(tmp_path / "st")]]
     with ThreadPoolExecutor(len(commands)) as pool:
-        runs = list(pool.map(lambda c: ckptd(*c, "--url", mute), commands))
+        # (each its own process: they wait side by side)
+        runs = list(pool.map(lambda c: ckptd(*c, "--url", mute, spawn=True), commands))
     for command, (done, took) in zip(commands, runs, strict=True):
         assert_short_usage_error(done, mute, "does not answer")
         assert took < SAY_WITHIN, f"ckptd {' '.join(command)} took {took:.1f} s"

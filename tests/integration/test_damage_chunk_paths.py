@@ -7,19 +7,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runs import ckptd as run_ckptd
 from tests.integration.test_damage_documents import golden
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def ckptd(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args, "--url", f"file://{root}"],
-                          capture_output=True, text=True, timeout=30)
+    return run_ckptd(*args, "--url", f"file://{root}", environ=dict(os.environ), timeout=30)
 
 
 def test_a_fifo_chunk_is_named_by_verify_and_scrub(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from rich.console import Console
 
 from ckptd.cli import SERVE_DEFAULTS
 from ckptd.cli.status import status_view
+from tests.cli_runs import ckptd as run_ckptd
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 def ckptd(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
     env.update(COLUMNS=str(columns), NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
+    return run_ckptd(*args, environ=env)
 
 
 def test_serve_help_shows_the_defaults_the_server_uses() -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import pytest
 from ckptd.format import RankManifest
 from ckptd.hashing import document_hash
 from ckptd.server.registry import rank_state
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 from tests.integration.test_api import assert_error, commit, manifest, put_manifest, tensor
 
@@ -339,10 +339,7 @@ def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COLUMNS="220", NO_COLOR="1", TERM="dumb")
     env.pop("CKPTD_TOKEN", None)
     env.pop("CKPTD_URL", None)
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", *args],
-        capture_output=True, text=True, timeout=60, env=env,
-    )
+    return run_ckptd(*args, environ=env)
 
 
 def test_status_prints_a_table_with_a_dead_and_a_degraded_rank(

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,8 +34,7 @@ def store(tmp_path: Path, shm: Path) -> Path:
 
 
 def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    return run_ckptd(*args, environ={**os.environ, "COLUMNS": "300"}, timeout=120)
 
 
 def _commands(url: str, tmp_path: Path) -> list[list[str]]:

@@ -16,6 +16,7 @@ import torch
 
 from ckptd.client import Checkpointer
 from ckptd.errors import InvalidRequest
+from tests.cli_runs import ckptd as run_ckptd
 from tests.conftest import ServerProcess
 
 TOKEN = "s3cret-token"  # (tests/conftest.py's token_server)
@@ -24,8 +25,7 @@ TOKEN = "s3cret-token"  # (tests/conftest.py's token_server)
 def _ls(url: str, token: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
     env["CKPTD_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "ckptd", "ls", "--url", url],
-                          capture_output=True, text=True, env=env, timeout=60)
+    return run_ckptd("ls", "--url", url, environ=env)
 
 
 @pytest.mark.parametrize("spelt", [TOKEN + "\n", TOKEN + "\r\n", f"  {TOKEN} "])

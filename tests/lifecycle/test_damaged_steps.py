@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from tests.cli_runs import ckptd as run_ckptd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,10 +52,8 @@ def store(pristine: Path, tmp_path: Path) -> Path:
 
 
 def _ckptd(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", *args, "--url", f"file://{root}"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"},
-    )
+    return run_ckptd(*args, "--url", f"file://{root}", environ={**os.environ, "COLUMNS": "400"},
+                     timeout=120)
 
 
 def _chunks(root: Path) -> list[str]:
