@@ -171,9 +171,14 @@ def main() -> None:
             result["message"] = str(exc)
     ckpt = ns.get("ckpt")
     if args.per_rank_buffer:
-        # Both ranks' loops ended before either closes: without collectives, a
-        # loaded machine let one rank run its 120 steps and close before the other
-        # had saved step 0, and nobody can know then that step 0 never commits.
+        # Both ranks' snapshots are in the store before either closes: without
+        # collectives, a loaded machine let one rank run its 120 steps and close
+        # before the other had saved step 0; and a barrier after the loops alone let
+        # rank 0 close while rank 1 still uploaded its step 0 (CI): nobody can know
+        # then that the step never commits. (A rank's snapshots upload one after
+        # another: its last one settled, every one is in.)
+        if ckpt is not None:
+            ckpt._saver.settle(240)
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=240))
     if ckpt is not None:
         closed = ckpt.close()
