@@ -66,12 +66,20 @@ def test_sigkill_of_the_jobs_home_mid_save(
             victim.stop(signal.SIGKILL)
             killed = time.monotonic()
             back: list[float] = []
+            beats: list[list[int]] = []  # each rank's heartbeats tried since the kill
+
+            def tried() -> list[int]:
+                return [c.heartbeat.beats + c.heartbeat.failures
+                        for c in ckpts if c.heartbeat is not None]
+
+            at_kill = tried()
 
             def watch() -> None:  # when the next home lists both ranks again
                 while time.monotonic() - killed < 30:
                     try:
                         if live_ranks(next_url, job) == {0, 1}:
                             back.append(time.monotonic() - killed)
+                            beats.append([n - k for n, k in zip(tried(), at_kill, strict=True)])
                             return
                     except httpx.HTTPError:
                         pass
@@ -89,9 +97,11 @@ def test_sigkill_of_the_jobs_home_mid_save(
 
             # The job's soft state is rebuilt at the next replica in its rendezvous
             # order from the next heartbeats: the ranks are listed again within about
-            # one heartbeat interval of the failover.
+            # one heartbeat interval of the failover. On a loaded machine (a full run
+            # here took 5.3 s) seconds say more of the machine: then counted in beats.
             watcher.join()
-            assert back and back[0] < 2 * INTERVAL + 1.0, back
+            assert back and len(at_kill) == world, (back, at_kill)
+            assert back[0] < 2 * INTERVAL + 1.0 or max(beats[0]) <= 3, (back, beats)
 
             # The next step commits through the survivors.
             results = save_all(ckpts, 3, dp=1)
