@@ -488,8 +488,11 @@ class Census:
             return
         if every and time.monotonic() - self._view_at < every:
             return
-        self._view_dirty = False
+        # Clean only once the new view is here: until then ``space`` gives the last
+        # one, which lacks what made it dirty. (Nothing changes the book meanwhile:
+        # it is changed under the lock this runs under.)
         self._view = await self._call("view")
+        self._view_dirty = False
         self._view_at = time.monotonic()
         self._view_taken = time.time()
 

@@ -174,6 +174,42 @@ async def test_a_commit_during_its_view_refresh_is_counted_before_it_says_idle()
         await counter.close()
 
 
+async def test_the_view_is_not_complete_while_its_refresh_is_on_its_way() -> None:
+    """While the worker computes the view after a step was counted, the view as it
+    stands (a GET /v1/space that waits briefly) lacks that step: it must not say it
+    is complete (a full run's census said complete without a job: its refresh on a
+    store of a million entries takes a while)."""
+    repo = Repository(MemoryStore())
+    counter = Census(repo, interval=0, fresh_after=1e9, process=False)
+    repo.on_committed = counter.note_commit
+    task = counter.start()
+    try:
+        assert (await counter.current(wait=10)).complete
+        in_view, go_on = asyncio.Event(), asyncio.Event()
+        call = counter._worker.call
+
+        async def held_view(method: str, *args: Any) -> tuple[Any, float]:
+            if method == "view" and not go_on.is_set():
+                in_view.set()
+                await go_on.wait()
+            return await call(method, *args)
+
+        counter._worker.call = held_view  # type: ignore[method-assign]
+        await commit_demo(repo, "a", 1)
+        async with asyncio.timeout(10):
+            await in_view.wait()
+        space = counter.space
+        assert space is not None
+        assert not space.complete or [j.job for j in space.jobs] == ["a"], space
+        go_on.set()
+        space = await counter.current(wait=10)
+        assert space.complete and seen(space) == await recount(repo)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await counter.close()
+
+
 async def test_a_cancel_is_not_lost_when_work_arrives_with_it(tmp_path: Path) -> None:
     """A server stopping cancels the census task. When that cancel arrives in the
     same turn of the loop as a poke (a commit just before shutdown), the task still
