@@ -214,7 +214,7 @@ def status(
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
             overview = _overview(server, params)
-            view = status_view(overview, console.width)
+            view = _with_gc(status_view(overview, console.width), server)
             if watch is None:
                 console.print(view)
                 return
@@ -224,7 +224,8 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(status_view(_overview(server, params), console.width))
+                    live.update(_with_gc(status_view(_overview(server, params), console.width),
+                                         server))
             if not console.is_terminal:
                 console.line()  # a terminal's Live ends its line; a pipe's does not
     except CkptdError as exc:
@@ -252,3 +253,25 @@ def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:
                                snapshot_at=None, snapshot_reason=None, rollback_to=None,
                                ranks=[], steps=[], events=[]).model_dump(mode="json")]
         return doc
+
+
+# The store's GC phases that hold saves (a sweep) or are about to (marking).
+_HOLDING = ("marking", "sweeping")
+
+
+def _with_gc(view: Any, server: Any) -> Any:
+    """The view, and under it what the store's garbage collection holds, when a
+    collection is running: saves wait while it sweeps (two minutes at most when its
+    collector stopped), and a rank's log says nothing of it. Left out when the server
+    does not say (an older one, a token without access to the store's state)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    try:
+        state = server.gc_status().state
+    except CkptdError:
+        return view
+    if state.get("phase") not in _HOLDING or not isinstance(state.get("note"), str):
+        return view
+    line = Text(f"gc: {visible(state['note'])}", style="yellow")
+    return Group(view, line)

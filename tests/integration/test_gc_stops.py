@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState
+from tests.cli_runs import ckptd
 from tests.conftest import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,6 +121,11 @@ def test_a_save_held_by_a_killed_collector_is_logged_and_shown(server: ServerPro
         state = client.get("/v1/gc").json()["state"]
         assert state["collector_stopped"] is True, state
         assert "collector stopped renewing its lease" in state["note"], state
+        # ``ckptd status`` says it too: the ranks' own logs do not (it said nothing)
+        shown = ckptd("status", "--url", server.url, env={"COLUMNS": "400"})
+        assert shown.returncode == 0, shown.stderr
+        assert "gc: garbage collection 1's collector stopped renewing its lease" in (
+            shown.stdout), shown.stdout
         r = client.post("/v1/chunks/missing", json={"ids": ["0" * 64], "claimer": "a"})
         assert r.status_code == 200, r.text
     said = [line for line in server.log().splitlines() if "a write waits for" in line]
