@@ -255,15 +255,17 @@ def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:
         return doc
 
 
-# The store's GC phases that hold saves (a sweep) or are about to (marking).
-_HOLDING = ("marking", "sweeping")
+# The store's GC phases that hold saves (a sweep) or are about to (marking), or
+# fail them (a damaged state, one a newer ckptd wrote).
+_HOLDING = ("marking", "sweeping", "damaged", "unsupported")
 
 
 def _with_gc(view: Any, server: Any) -> Any:
     """The view, and under it what the store's garbage collection holds, when a
-    collection is running: saves wait while it sweeps (two minutes at most when its
-    collector stopped), and a rank's log says nothing of it. Left out when the server
-    does not say (an older one, a token without access to the store's state)."""
+    collection is running (saves wait while it sweeps, two minutes at most when its
+    collector stopped, and a rank's log says nothing of it) or its state fails saves.
+    Left out when the server does not say (an older one, a token without access to
+    the store's state)."""
     from rich.console import Group
     from rich.text import Text
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.errors import CkptdError, InvalidRequest, StoreCorrupt
+from ckptd.errors import CkptdError, InvalidRequest, StoreCorrupt, UnsupportedStoredFormat
 from ckptd.lifecycle.documents import GC_STATE_KEY
 from ckptd.lifecycle.fence import held_note, live_until, read_state, sweeping
 from ckptd.lifecycle.gc_lease import Lease, lease_lost
@@ -354,6 +354,14 @@ async def gc_state(store: Store, clock: Callable[[], float] = time.time) -> dict
         return {"phase": "damaged", "generation": None, "sweeping_now": None,
                 "note": f"{exc.message}; a collection takes it over (it holds saves "
                         "one lease first, in case a collector was sweeping)"}
+    except UnsupportedStoredFormat as exc:
+        if exc.detail.get("key") != GC_STATE_KEY:
+            raise
+        # (GET /v1/gc answered 500: saves fail over it, and the status read said
+        # nothing of why)
+        return {"phase": "unsupported", "generation": None, "sweeping_now": None,
+                "note": f"{exc.message}: this ckptd's saves and collections fail until "
+                        "every server and client of the store is upgraded"}
     out: dict[str, object] = {**state.model_dump(), "sweeping_now": sweeping(state, now)}
     if state.phase != "idle":
         out["live_until"] = live_until(state)

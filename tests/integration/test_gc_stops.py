@@ -132,3 +132,25 @@ def test_a_save_held_by_a_killed_collector_is_logged_and_shown(server: ServerPro
     assert len(said) == 1, server.log()
     assert "garbage collection 1's collector stopped renewing its lease" in said[0]
     assert "UTC" in said[0]
+
+
+def test_a_newer_gc_state_is_a_phase_of_get_gc_and_shown_by_status(
+        server: ServerProcess) -> None:
+    """A gc/state a newer ckptd wrote stops every save of this one (it cannot know
+    that version's protocol). GET /v1/gc failed with a 500 over it, and the
+    operator's tools said nothing of why saves failed."""
+    root = Path(server.store)
+    doc = json.loads(GcState(generation=4, phase="idle", holder="", started_at=0.0,
+                             expires_at=0.0).canonical())
+    doc["version"] = 2
+    (root / "gc").mkdir(parents=True, exist_ok=True)
+    (root / GC_STATE_KEY).write_text(json.dumps(doc))
+    r = httpx.get(f"{server.url}/v1/gc", timeout=30)
+    assert r.status_code == 200, r.text
+    state = r.json()["state"]
+    assert state["phase"] == "unsupported", state
+    assert GC_STATE_KEY in state["note"] and "newer" in state["note"], state
+    shown = ckptd("status", "--url", server.url, env={"COLUMNS": "400"})
+    assert shown.returncode == 0, shown.stderr
+    assert f"gc: {GC_STATE_KEY}" in shown.stdout, shown.stdout
+
