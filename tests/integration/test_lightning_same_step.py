@@ -121,6 +121,35 @@ def test_other_bytes_at_a_step_saved_are_still_a_conflict(io: CkptdCheckpointIO,
     assert not (tmp_path / "c.ckpt").exists() and not (tmp_path / "d.ckpt").exists()
 
 
+def test_large_copies_are_compared_by_hash_without_reading_the_step_back(
+        io: CkptdCheckpointIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large tensor made anew at the second save (FSDP's full state dict,
+    AsyncCheckpointIO's clones) was compared with the whole step read back into
+    host memory: a second copy of the model. It is hashed against the stored
+    manifest's chunk ids; the step is never read back."""
+    checkpoint = small_checkpoint(4)
+    checkpoint["state_dict"]["big"] = torch.arange(300_000, dtype=torch.float32)
+    checkpoint["state_dict"]["half"] = torch.ones(70_000, dtype=torch.bfloat16)
+
+    def no_read(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the stored step was read back")
+
+    monkeypatch.setattr(CkptdCheckpointIO, "_read", no_read)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.save_checkpoint(copy.deepcopy(checkpoint), tmp_path / "b.ckpt")
+    for name, where in (("big", 299_999), ("half", 0)):
+        other = copy.deepcopy(checkpoint)
+        other["state_dict"][name][where] = -1.0
+        with pytest.raises(Conflict, match=rf"tensor '/state_dict/{name}' holds other bytes"):
+            io.save_checkpoint(other, tmp_path / f"{name}.ckpt")
+    reshaped = copy.deepcopy(checkpoint)
+    reshaped["state_dict"]["big"] = reshaped["state_dict"]["big"].reshape(1000, 300)
+    with pytest.raises(Conflict, match=r"tensor '/state_dict/big' holds other bytes"):
+        io.save_checkpoint(reshaped, tmp_path / "reshaped.ckpt")
+    io.teardown()
+    assert read_pointer(tmp_path / "b.ckpt")["step"] == 4  # type: ignore[index]
+
+
 def test_a_run_resumed_from_its_first_checkpoint_keeps_last_ckpt(store: str, shm: Path,
                                                                 tmp_path: Path) -> None:
     """The step is stored as its first name saved it, the top-k file, whose

@@ -24,7 +24,7 @@ from ckptd.errors import (
     InvalidRequest,
     Timeout,
 )
-from ckptd.format import check_job
+from ckptd.format import RankManifest, check_job
 
 from ...checkpointer import Checkpointer
 from ...endpoint import endpoint
@@ -148,7 +148,8 @@ class CkptdCheckpointIO(CheckpointIO):
             # a step is stored once, so the next names tag it. Its tensors must hold the
             # stored bytes (a training step between would have changed them); its
             # callbacks' bookkeeping goes into its pointer (pointers.py).
-            changed = last.changed(checkpoint, lambda: self._read_back(last))
+            changed = last.changed(checkpoint, lambda: self._read_back(last),
+                                   lambda: self._stored_manifest(last))
             if changed:
                 how = "saved" if last.handle is not None else "loaded"
                 raise Conflict(
@@ -401,6 +402,28 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _read_back(self, last: Saved) -> dict[str, Any]:
         """Step ``last.step`` as stored, once it committed (``same_step.py``)."""
+        self._committed(last)
+        stored: dict[str, Any] = {}
+        self._read(stored, last.step)
+        return stored
+
+    def _stored_manifest(self, last: Saved) -> RankManifest:
+        """Rank 0's manifest of step ``last.step``, once it committed: the chunk ids
+        a second save's tensors are hashed against (``same_step.py``)."""
+        self._committed(last)
+        transport = open_transport(self.url, self.token, job=self.job)
+        loop = EventLoopThread(f"ckptd-lightning-manifest-{self.job}")
+        try:
+            return loop.run(transport.read_manifest(self.job, last.step, 0), self.timeout)
+        finally:
+            try:
+                loop.run(transport.close(), 10.0)
+            except CkptdError as exc:  # closing must not hide the read's result
+                log.debug("closing the manifest's transport: %s", exc)
+            loop.stop()
+
+    def _committed(self, last: Saved) -> None:
+        """Waits for ``last``'s save to commit (its failure said in Lightning's terms)."""
         if last.handle is not None:
             try:
                 last.handle.wait(self.timeout)
@@ -408,9 +431,6 @@ class CkptdCheckpointIO(CheckpointIO):
                 self._tell(exc)
                 in_lightning_terms(exc, self.job, self.url)
                 raise
-        stored: dict[str, Any] = {}
-        self._read(stored, last.step)
-        return stored
 
     def _store(self) -> str | None:
         """The id of the plugin's store (None: not known), asked once."""

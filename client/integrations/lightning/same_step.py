@@ -8,12 +8,14 @@ model's tensors each time. Where they differ (a tensor ``on_save_checkpoint``
 makes anew at each save, ``AsyncCheckpointIO``'s clones, FSDP's gathered full
 state dict), the bytes are compared: with the first save's tensor itself where
 the plugin kept it (it keeps a reference to the small ones, up to ``KEEP_BYTES``
-each, never a copy), else with the stored step read back once, after its commit,
-from this node's staging pool (a memory read, every chunk's hash checked), and
-only the tensors that differ by identity are compared, on the CPU. For a large
-model whose tensors are new at every save that read costs as much as a restore
-from the pool, and the second save waits for the first one's upload (under
-``AsyncCheckpointIO``, in its thread, not the training loop's)."""
+each, never a copy), else by hash with the stored step's manifest, read once
+after its commit (a small document): each such tensor's chunks are hashed as a
+save hashes them, one tensor at a time on the CPU, and compared with the chunk
+ids the manifest names. No second copy of the step is made. Only a tensor the
+manifest cannot speak for (one the flattened state names apart, a shard) is
+compared with the stored step read back from this node's staging pool. The
+second save waits for the first one's upload (under ``AsyncCheckpointIO``, in
+its thread, not the training loop's)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ from typing import Any
 
 import torch
 
+from ckptd.errors import CkptdError
+from ckptd.format import RankManifest, TensorEntry
+from ckptd.hashing import chunk_id, chunk_spans
+
+from ...dtypes import byte_view, dtype_name
+from ...save.flatten import flatten
 from ...save.handle import SaveHandle
 
 KEEP_BYTES = 64 * 1024  # a tensor of at most this many bytes is kept by reference
@@ -85,11 +93,12 @@ class Saved:
         return cls(step, path, handle, {k: _identity(x) for k, x in tensors.items()},
                    kept, callbacks)
 
-    def changed(self, checkpoint: Any,
-                read_back: Callable[[], Mapping[str, Any]]) -> list[str]:
+    def changed(self, checkpoint: Any, read_back: Callable[[], Mapping[str, Any]],
+                manifest: Callable[[], RankManifest] | None = None) -> list[str]:
         """The paths of ``checkpoint``'s tensors whose bytes are not the stored
-        step's (or that one of them lacks); ``read_back()`` gives the stored step,
-        asked only when identity and the kept tensors cannot tell."""
+        step's (or that one of them lacks); ``manifest()`` gives the stored step's
+        manifest, asked when identity and the kept tensors cannot tell, and
+        ``read_back()`` the stored step, asked for what the manifest cannot tell."""
         now = tensors_of(checkpoint)
         if self.identities is None:
             return _differing(now, tensors_of(read_back()), list(now))
@@ -106,9 +115,44 @@ class Saved:
                     changed.append(k)
             else:
                 unsure.append(k)
+        if unsure and not changed and manifest is not None:
+            changed, unsure = _by_hash(checkpoint, now, unsure, manifest())
         if unsure and not changed:
             changed = _differing(now, tensors_of(read_back()), unsure)
         return changed
+
+
+def _by_hash(checkpoint: Any, now: Mapping[str, torch.Tensor], paths: list[str],
+             manifest: RankManifest) -> tuple[list[str], list[str]]:
+    """Of ``paths``: those whose bytes are not the ones ``manifest`` names (compared
+    by chunk hash), and those it cannot speak for (to be read back)."""
+    try:
+        named = {id(t): name for name, t in flatten(checkpoint).tensors}
+    except CkptdError:  # (a state the save refuses: read back, and said there)
+        return [], paths
+    entries = {e.name: e for e in manifest.entries}
+    differ: list[str] = []
+    unknown: list[str] = []
+    for k in paths:
+        entry = entries.get(named.get(id(now[k]), ""))
+        if entry is None or entry.shape != entry.global_shape or any(entry.offsets):
+            unknown.append(k)
+        elif not _hashes_match(now[k], entry, manifest.chunk_size):
+            differ.append(k)
+    return differ, unknown
+
+
+def _hashes_match(x: torch.Tensor, entry: TensorEntry, chunk_size: int) -> bool:
+    """Whether ``x`` holds the bytes ``entry`` names: its dtype, shape and each
+    chunk's hash, as a save computes them."""
+    if dtype_name(x.dtype) != entry.dtype or list(x.shape) != entry.shape:
+        return False
+    data = byte_view(x.detach().cpu().contiguous())
+    if len(data) != entry.nbytes:
+        return False
+    spans = list(chunk_spans(entry.nbytes, chunk_size))
+    return len(spans) == len(entry.chunks) and all(
+        chunk_id(data[a:b]) == cid for (a, b), cid in zip(spans, entry.chunks, strict=True))
 
 
 def _differing(now: Mapping[str, torch.Tensor], stored: Mapping[str, torch.Tensor],
