@@ -317,7 +317,7 @@ def test_a_sender_that_stages_the_next_step_mid_heal_fails_it_with_conflict(
     fetching the step before: the receive fails with ``Conflict`` naming both steps,
     as the docs say (it was ``ChunkNotFound``, as if the sender had lost a chunk),
     and nothing is returned."""
-    import ckptd.client.integrations.torchft as torchft_module
+    import ckptd.client.integrations.torchft.transport as torchft_module
 
     sender, receiver = pair
     state = {"w": torch.arange(64 * 1024 * 4, dtype=torch.float32)}  # 16 chunks

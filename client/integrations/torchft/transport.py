@@ -1,42 +1,18 @@
-"""torchft's ``CheckpointTransport`` over ckptd's peer chunk serving.
-
-torchft heals a recovering replica group by pulling the live state of a healthy
-one. ``CkptdTransport`` does that the ckptd way: the healthy group's
-``send_checkpoint`` stages the state into this process's staging pool (shared
-memory, one reusable copy; pinned, copied on a side stream from a GPU), hashes it
-into chunks and serves them, with a rank manifest that names every chunk, from a
-``PeerServer``; the recovering group's ``recv_checkpoint`` fetches the manifest
-and every chunk straight into fresh tensors and checks each against its blake3
-id on arrival. A chunk whose bytes do not hash to their id fails the heal with
-``ChunkHashMismatch`` (torchft reports it and the step does not commit) instead
-of loading garbage; nothing is unpickled on either side.
-
-    from ckptd.client.integrations.torchft import CkptdTransport
-    manager = Manager(..., checkpoint_transport=CkptdTransport(timeout=timedelta(seconds=60)))
-
-What crosses the wire is what ckptd stores: tensors as raw bytes, every other
-leaf as JSON (``ckptd.client.save.flatten``). A leaf ckptd cannot store without
-pickling fails ``send_checkpoint`` with ``UnsupportedValue`` naming its path.
-docs/integrations/torchft.md tells the rest.
-"""
+"""``CkptdTransport``: torchft's ``CheckpointTransport``, served from a ckptd
+staging pool (``send_checkpoint``) and received verified chunk by chunk
+(``recv_checkpoint``). The package's docstring tells how."""
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import json
 import logging
-import math
-import operator
 import os
-import re
 import secrets
 import subprocess
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +26,6 @@ from ckptd import knobs
 from ckptd.errors import (
     ChunkHashMismatch,
     ChunkNotFound,
-    CkptdError,
     Conflict,
     InvalidRequest,
     RestoreError,
@@ -61,15 +36,24 @@ from ckptd.errors import (
 from ckptd.format import Placement, RankManifest, TensorEntry
 from ckptd.hashing import chunk_count, chunk_id
 
-from ..dtypes import byte_view, dtype_name, torch_dtype
-from ..loop import run_private
-from ..peer import PeerClient, PeerIndex, PeerServer, peer_address
-from ..restore.fill import fill, plan_fill, tensor_specs, unflatten
-from ..restore.keys import check_keys
-from ..save.chunks import hash_views
-from ..save.flatten import flatten
-from ..staging.inventory import list_pools, remove_dead_pools
-from ..staging.pool import StagingPool
+from ...dtypes import byte_view, dtype_name, torch_dtype
+from ...loop import run_private
+from ...peer import PeerClient, PeerIndex, PeerServer, peer_address
+from ...restore.fill import fill, plan_fill, tensor_specs, unflatten
+from ...restore.keys import check_keys
+from ...save.chunks import hash_views
+from ...save.flatten import flatten
+from ...staging.pool import StagingPool
+from .pools import _LIVE, _reap_dead_pools, _watch
+from .wire import (
+    _METADATA_FORMAT,
+    _fetch_verified,
+    _parse_metadata,
+    _seconds,
+    _served_step,
+    _wait_for_step,
+    _whole,
+)
 
 __all__ = ["CkptdTransport", "HealStats"]
 
@@ -77,32 +61,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# The metadata's format: torchft hands this string from the healthy group to the
-# recovering one (through its manager servers); a receiver refuses another.
-_METADATA_FORMAT = "ckptd.torchft/1"
-_POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between asks for a step not staged yet
 _MAX_CONCURRENCY = 64
-# A transport's pool is job ``torchft-<8 hex>``, rank 0: named at random, so no later
-# process ever finds it again, and its owner's death leaves nothing to restore from.
-_POOL_JOB = re.compile(r"torchft-[0-9a-f]{8}")
-# The watcher each transport starts (``_watch``): it waits, signals ignored, until its
-# transport's process is gone (its stdin, a pipe only that process holds, ends), then
-# removes the pool once no process holds its lock (``ckptd shm --clean``'s removal).
-# The lock goes with the process's last descriptor of the control file, which the
-# kernel may close after the pipe's: asked again for a moment.
-_WATCHER = """\
-import os, signal, sys, time
-for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(s, signal.SIG_IGN)
-sys.stdin.buffer.read()
-root, job = sys.argv[1:3]
-for _ in range(40):
-    if not os.path.isdir(os.path.join(root, "ckptd-%d" % os.getuid(), job)):
-        break
-    from ckptd.client.staging.inventory import remove_dead_pools
-    remove_dead_pools(root, job=job, all_users=False)
-    time.sleep(0.05)
-"""
 
 
 @dataclass(slots=True)
@@ -451,138 +410,3 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             if first is not None:
                 raise first
         return tensors
-
-
-_LIVE: weakref.WeakSet[CkptdTransport[Any]] = weakref.WeakSet()
-
-
-# A forked child (os.fork, not multiprocessing's, which skips atexit) that exits
-# must not remove the pools of its parent's transports.
-os.register_at_fork(after_in_child=_LIVE.clear)
-
-
-@atexit.register  # (after staging's own hook was registered: so it runs before it)
-def _shut_down_at_exit() -> None:
-    """Removes the pools of transports still up at the interpreter's exit. Staging
-    keeps a pool when the exit is an uncaught exception, for a restart to restore
-    from; a transport's pool is named at random, no restart finds it."""
-    for transport in list(_LIVE):
-        try:
-            transport.shutdown(wait=False)
-        except Exception as exc:  # exiting: report, never raise
-            log.warning("torchft: removing the staging pool at exit failed: %s", exc)
-
-
-def _watch(root: Path, job: str) -> subprocess.Popen[bytes] | None:
-    """Starts the watcher that removes this transport's pool once its process is
-    gone by a signal (``_WATCHER``); None when it cannot start (a transport starting
-    later on the host removes the pool instead)."""
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-c", _WATCHER, str(root), job], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, ValueError) as exc:
-        log.debug("torchft: no watcher for the staging pool %s: %s", job, exc)
-        return None
-
-
-def _reap_dead_pools(root: Path) -> None:
-    """Removes the pools that transports of processes now gone left under ``root``
-    (this user's; a pool is dead when no process holds its lock, which ``ckptd shm``
-    asks the same way and which holds across PID namespaces)."""
-    removed = []
-    try:
-        pools, _ = list_pools(root, all_users=False)
-        for job in sorted({p.job for p in pools
-                           if not p.alive and p.rank == 0 and _POOL_JOB.fullmatch(p.job)}):
-            removed += remove_dead_pools(root, job=job, all_users=False)[0]
-    except (OSError, CkptdError) as exc:
-        log.debug("torchft: looking for dead transports' pools under %s: %s", root, exc)
-    if removed:
-        log.info("torchft: removed %d staging pools (%s) of transports whose processes are "
-                 "gone", len(removed), knobs.human_bytes(sum(p.nbytes for p in removed)))
-
-
-def _whole(name: str, value: object, low: int, high: int) -> int:
-    """``value`` when it is a whole number in [``low``, ``high``]; ``InvalidRequest``
-    naming the argument and the range for anything else."""
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        number = None
-    if isinstance(value, bool) or number is None or not low <= number <= high:
-        raise InvalidRequest(f"{name} must be a whole number from {low} to {high}, "
-                             f"not {value!r}")
-    return int(number)
-
-
-def _seconds(timeout: timedelta | float) -> float:
-    """A timeout given as torchft's ``timedelta`` or as seconds, in seconds."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds) or seconds <= 0):
-        raise InvalidRequest(f"timeout must be a timedelta or seconds above 0, not {timeout!r}")
-    return float(seconds)
-
-
-def _parse_metadata(metadata: str, own_token: str) -> tuple[str, str]:
-    """The sender's URL and token from torchft's metadata string."""
-    try:
-        doc = json.loads(metadata)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != _METADATA_FORMAT:
-        raise InvalidRequest(
-            f"torchft heal: the healthy group's checkpoint metadata {metadata[:120]!r} is not "
-            "a CkptdTransport's: every replica group must use CkptdTransport")
-    url, token = doc.get("url"), doc.get("token", own_token)
-    if not isinstance(url, str) or not isinstance(token, str):
-        raise InvalidRequest(f"torchft heal: malformed metadata {metadata[:120]!r}")
-    return url, token
-
-
-def _wait_for_step(client: PeerClient, url: str, step: int, deadline: float
-                   ) -> tuple[str, int]:
-    """Asks the sender what it serves until it serves ``step`` (torchft may ask
-    before the healthy group has staged it): the manifest's id and length."""
-    wait = _POLL_FIRST
-    while True:
-        doc = client.describe(url)
-        served = doc.get("step")
-        if served == step and isinstance(doc.get("manifest"), str):
-            size = doc.get("manifest_bytes")
-            if not isinstance(size, int) or size <= 0:
-                raise Conflict(f"torchft heal: {url} gave no manifest length", peer=url)
-            return str(doc["manifest"]), size
-        if isinstance(served, int) and served > step:
-            raise Conflict(f"torchft heal: {url} serves step {served}, past step {step}",
-                           peer=url, step=step, served=served)
-        if time.monotonic() + wait > deadline:
-            raise Timeout(f"torchft heal: {url} did not serve step {step} in time (it serves "
-                          f"{served})", peer=url, step=step)
-        time.sleep(wait)
-        wait = min(wait * 2, _POLL_MAX)
-
-
-def _served_step(client: PeerClient, url: str) -> object:
-    """The step the sender at ``url`` serves now (None when it serves none, or
-    cannot say)."""
-    try:
-        return client.describe(url).get("step")
-    except CkptdError:
-        return None
-
-
-def _fetch_verified(client: PeerClient, url: str, cid: str, dest: memoryview, step: int,
-                    what: str) -> None:
-    """Fetches chunk ``cid`` into ``dest`` and checks it hashes to ``cid``."""
-    try:
-        client.fetch_into(url, cid, dest)
-    except CkptdError as exc:
-        exc.detail.setdefault("step", step)
-        raise
-    if chunk_id(dest) != cid:
-        raise ChunkHashMismatch(
-            f"torchft heal of step {step}: a chunk of {what} from {url} does not hash to its "
-            f"id {cid}; the heal is refused (nothing was loaded)",
-            id=cid, peer=url, step=step)
