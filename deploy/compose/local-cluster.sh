@@ -4,7 +4,8 @@
 # once every replica's /healthz is ok (its store answers), then runs until
 # SIGINT/SIGTERM and stops them all: the replicas first, then the S3 server.
 #
-#   deploy/compose/local-cluster.sh            # moto's server as S3 (pip install moto[server])
+#   deploy/compose/local-cluster.sh            # moto's server as S3 (pip install moto[server]),
+#                                              # one request at a time (ckptd.testing.moto_s3)
 #   S3_ENDPOINT=http://127.0.0.1:9000 AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... \
 #     deploy/compose/local-cluster.sh          # an S3 you run (MinIO, Ceph RGW)
 #
@@ -86,7 +87,8 @@ if [[ -z "${S3_ENDPOINT:-}" ]]; then
     S3_ENDPOINT="http://127.0.0.1:${S3_PORT:-9000}"
     export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-testing}
     export AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-testing}
-    "$PYTHON" -m moto.server -H 127.0.0.1 -p "${S3_PORT:-9000}" > "$LOG_DIR/s3.log" 2>&1 &
+    # (moto, one request at a time: its conditional writes are atomic then, as S3's)
+    "$PYTHON" -m ckptd.testing.moto_s3 --port "${S3_PORT:-9000}" > "$LOG_DIR/s3.log" 2>&1 &
     s3_pid=$!
     wait_http "$S3_ENDPOINT" 60 "$s3_pid" "$LOG_DIR/s3.log"
 fi

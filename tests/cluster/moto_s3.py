@@ -6,22 +6,17 @@ conditional writes; see tests/store/test_s3.py), with one bucket. Prints its URL
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 
 import boto3
-from moto import server as moto_server
 
-from tests.store.test_s3 import _OneRequestAtATime
+from ckptd.testing.moto_s3 import serve
 
 
 def main() -> None:
     port, bucket = int(sys.argv[1]), sys.argv[2]
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer("127.0.0.1", port, verbose=False)
-    server.start()
-    server._server.app = _OneRequestAtATime(server._server.app)  # type: ignore[union-attr]
+    serve("127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
     print(url, flush=True)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,25 +30,14 @@ from ckptd.hashing import chunk_id  # noqa: E402
 from ckptd.repository import Repository  # noqa: E402
 from ckptd.store import S3Store, open_store  # noqa: E402
 from ckptd.store.base import Store  # noqa: E402
+from ckptd.testing.moto_s3 import OneRequestAtATime  # noqa: E402
 from ckptd.testing.store_conformance import StoreConformance  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 BUCKET = "ckptd-test"
 
 
-class _OneRequestAtATime:
-    """Moto checks If-None-Match / If-Match and then writes, with no lock between
-    (moto/s3/responses.py put_object), in a threaded server; S3 does both as one
-    step. Serving one request at a time gives moto S3's atomicity, so the race
-    tests below test this store's handling of 412s, not moto's own race."""
-
-    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
-        self.app = app
-        self.lock = threading.Lock()
-
-    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        with self.lock:
-            return list(self.app(environ, start_response))
+_OneRequestAtATime = OneRequestAtATime  # (the tests' name for it)
 
 
 @pytest.fixture(scope="module")
