@@ -126,9 +126,13 @@ class Needs:
 
     def check(self, grant: Grant, job: str | None) -> None:
         if self.every_job and not (grant.every_job and grant.may(self.role, None)):
+            # What it lacks: the jobs (a token of some), or the role (one on '*' of a
+            # lesser role was told it needed a token for every job: it had one).
+            lacks = (f"a token of role {self.role} on every job ('*', or the server's token)"
+                     if grant.every_job else "a token for every job ('*')")
             raise Forbidden(
                 f"this token ({grant.role} on {grant.job!r}) may not {self.role} the whole "
-                "store: that needs a token for every job ('*')",
+                f"store: that needs {lacks}",
                 needs=self.role, job=None,
             )
         job = job if self.on_path_job else None

@@ -121,7 +121,7 @@ class LifecycleService:
         if s.retention is not None and s.retention_tick > 0:
             loops.append(("retention", s.retention_tick, self.apply_retention))
         if s.gc_interval > 0:
-            loops.append(("gc", s.gc_interval, self.collect))
+            loops.append(("gc", s.gc_interval, self._scheduled_collection))
         if s.scrub_interval > 0:
             loops.append(("scrub", s.scrub_interval, self._scheduled_scrub))
         for name, every, work in loops:
@@ -146,7 +146,11 @@ class LifecycleService:
             except (CkptdError, OSError) as exc:
                 run.error = (exc.to_json() if isinstance(exc, CkptdError)
                              else {"code": "internal", "message": str(exc)})
-                log.warning("garbage collection %s failed: %s", run.id, exc)
+                # Another replica's collection holds the lease: its turn, not a fault
+                # (a scheduled run would warn at every interval). A lease lost midway is.
+                turn = isinstance(exc, GcInProgress) and not exc.detail.get("lease_lost")
+                (log.info if turn else log.warning)("garbage collection %s failed: %s",
+                                                     run.id, exc)
             finally:
                 run.ended_at = time.time()
                 self.last_run, self.gc_run = run, None
@@ -213,6 +217,17 @@ class LifecycleService:
                 log.warning("lifecycle %s failed: [%s] %s", name,
                             getattr(exc, "code", type(exc).__name__), exc)
             await asyncio.sleep(max(0.0, every - (time.monotonic() - t0)))
+
+    async def _scheduled_collection(self) -> None:
+        """The periodic collection's turn, as a run (``start_collection``): ``GET
+        /v1/gc`` shows it running, and a ``ckptd gc`` through this server follows it
+        (it waited out the grace period of its own run, then was refused the lease
+        this one held). Skipped while a client's run goes on."""
+        if self.gc_run is not None:
+            return
+        self.start_collection()
+        if self._gc_task is not None:
+            await self._gc_task
 
     async def _scheduled_scrub(self) -> None:
         """The periodic scrub's turn, skipped while a client's runs (``start_scrub``):

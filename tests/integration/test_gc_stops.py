@@ -154,3 +154,47 @@ def test_a_newer_gc_state_is_a_phase_of_get_gc_and_shown_by_status(
     assert shown.returncode == 0, shown.stderr
     assert f"gc: {GC_STATE_KEY}" in shown.stdout, shown.stdout
 
+
+def test_a_scheduled_collection_is_a_run_that_ckptd_gc_follows(tmp_path: Path) -> None:
+    """(Found by a probe of the docs.) The server's scheduled collection
+    (--gc-interval) begins as the server starts and waits out its grace; GET /v1/gc
+    did not show it running, and ``ckptd gc`` through the server waited out its own
+    run's grace (600 s by default), then was refused the lease the scheduled one
+    held. It now follows the scheduled one, as operations.md says."""
+    srv = ServerProcess(store=tmp_path / "store",
+                        extra_args=["--gc-interval", "3600", "--gc-grace", "3"])
+    srv.start()
+    try:
+        deadline = time.monotonic() + 10
+        running = None
+        while running is None and time.monotonic() < deadline:
+            running = httpx.get(f"{srv.url}/v1/gc", timeout=10).json()["running"]
+            time.sleep(0.05)
+        assert running is not None and running["grace"] == 3, running
+        again = httpx.post(f"{srv.url}/v1/gc/runs", timeout=10).json()
+        assert again["id"] == running["id"]  # the scheduled run, followed
+        done = ckptd("gc", "--url", srv.url, env={"COLUMNS": "200"})
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        srv.stop()
+
+
+def test_a_read_token_on_every_job_is_told_it_lacks_the_role_for_gc(tmp_path: Path) -> None:
+    """(Found by a probe of the docs.) A read token on '*' was told, for ``ckptd gc``,
+    that it needed "a token for every job ('*')": it had one; it lacks the role."""
+    from ckptd.tokens import create_token
+
+    tokens = tmp_path / "tokens.json"
+    read, _ = create_token(tokens, "*", "read")
+    srv = ServerProcess(store=tmp_path / "store", token="ADMIN-token",
+                        extra_args=["--tokens-file", str(tokens)])
+    srv.start()
+    try:
+        r = httpx.post(f"{srv.url}/v1/gc", params={"dry_run": "true"},
+                       headers={"Authorization": f"Bearer {read}"}, timeout=30)
+    finally:
+        srv.stop()
+    assert r.status_code == 403, r.text
+    message = r.json()["message"]
+    assert "role admin on every job" in message and "needs a token for every" not in message
+
