@@ -123,10 +123,24 @@ def server_settings(overrides: dict[str, Any]) -> Settings:
                 f"them as a PEM certificate and its key: {exc}"
             ) from None
     _check_server_files(settings)
+    _check_server_knobs()
     if settings.single_writer and (settings.peers or settings.member_leases):
         raise InvalidRequest("--single-writer: this server must be the store's only writer, "
                              "so it cannot run with --peers or --member-leases")
     return settings
+
+
+def _check_server_knobs() -> None:
+    """The ``CKPTD_*`` variables the server reads where it uses them (clients read
+    them too, so they are no ``Settings``), read once before it starts: a bad one
+    passed ``serve --check`` and then failed every save with a 400 that named the
+    variable as if the rank had set it (found by a probe of the docs)."""
+    from ckptd import knobs
+
+    for read in (knobs.max_manifest_bytes, knobs.claim_lease, knobs.missing_batch,
+                 knobs.malloc_mmap_threshold, knobs.direct_writes, knobs.connect_timeout,
+                 knobs.request_timeout, knobs.retries, knobs.retry_backoff):
+        read()  # (``InvalidRequest`` naming the variable and what to set)
 
 
 def server_store(settings: Settings) -> Store:
@@ -256,14 +270,18 @@ async def _store_id_trouble(store: Store) -> str | None:
     """Why the store's id (``cluster/store-id``) does not read, or None (read, or not
     written yet: the first server writes it)."""
     from ckptd.cluster import STORE_ID_KEY, StoreIdentity
-    from ckptd.errors import CkptdError, NotFound
+    from ckptd.errors import InvalidDocument, NotFound, StoreCorrupt, UnsupportedStoredFormat
 
     try:
         StoreIdentity.parse(await store.get(STORE_ID_KEY))
     except NotFound:
         return None
-    except CkptdError as exc:
+    except (StoreCorrupt, InvalidDocument, UnsupportedStoredFormat) as exc:
         return exc.message
+    except CkptdError:
+        # A store that does not answer (no bucket, no credentials, no endpoint): its
+        # own error comes next; the advice to remove the id fit none of those.
+        return None
     return None
 
 

@@ -75,7 +75,8 @@ async def _forget(store: Store, keys: list[str], *, failed: bool) -> None:
 
     with contextlib.suppress(CkptdError, OSError, TimeoutError):
         if failed:
-            await asyncio.wait_for(delete_all(), knobs.connect_timeout())
+            limit = knobs.connect_timeout()  # (read first: a bad value leaves no coroutine)
+            await asyncio.wait_for(delete_all(), limit)
         else:
             await delete_all()
     if isinstance(store, LocalStore):  # one lock file per probe and start, else

@@ -229,6 +229,17 @@ def test_scrub_refuses_a_replica_prefix_with_nothing_under_it(s3_store: str,
     assert f"repaired {chunk.name}" in done.stdout, done.stdout
 
 
+def test_serve_check_of_a_bucket_that_is_not_there_gives_no_store_id_advice(
+        endpoint: str) -> None:
+    """(Found by a probe of the docs.) Before the bucket's own error, ``serve
+    --check`` warned that the store's id did not read and advised removing
+    cluster/store-id: there was nothing to remove."""
+    done = ckptd("serve", "--check", "--port", "0", "--store",
+                 f"s3://no-such-bucket/p?endpoint={endpoint}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no-such-bucket" in done.stderr and "store-id" not in done.stderr, done.stderr
+
+
 def test_a_checkpointer_over_a_bucket_that_is_not_there_says_so_at_construction(
         endpoint: str, tmp_path: Path) -> None:
     """(Found by a probe: a direct s3:// Checkpointer over a missing bucket was made

@@ -8,6 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_cli_mistakes import assert_short_usage_error, ckptd
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden-v1"
@@ -49,3 +51,17 @@ def test_a_damaged_gc_state_is_said_with_the_way_out(tmp_path: Path) -> None:
     it; helper-78 made `ckptd gc` through a server repair it.)"""
     _, said = _checked_with_garbage_at(tmp_path, "gc/state")
     assert "warning damaged document gc/state" in said and "`ckptd gc`" in said, said
+
+
+@pytest.mark.parametrize("variable, value", [("CKPTD_MAX_MANIFEST_BYTES", "abc"),
+                                             ("CKPTD_CLAIM_LEASE", "abc"),
+                                             ("CKPTD_MALLOC_MMAP_THRESHOLD", "-1")])
+def test_a_bad_variable_the_server_reads_as_it_serves_fails_the_check(
+        tmp_path: Path, variable: str, value: str) -> None:
+    """(Found by a probe of the docs.) ``serve --check`` said "ok: would serve", and
+    the server then failed every save with a 400 naming the variable as the rank's
+    (or refused to start after the check passed)."""
+    done = ckptd("serve", "--check", "--store", str(tmp_path / "store"), "--port", "0",
+                 env={variable: value})
+    assert_short_usage_error(done, variable)
+
