@@ -220,14 +220,15 @@ def status(
                 return
             deadline = time.monotonic() + watch if watch > 0 else None
             shown = True  # (the ranks in hand, on the screen from the Live's start)
+            if not console.is_terminal:
+                _watch_plain(server, params, view, deadline, every)
+                return
             with Live(view, console=console, refresh_per_second=4) as live:
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
                     live.update(_with_gc(status_view(_overview(server, params), console.width),
                                          server))
-            if not console.is_terminal:
-                console.line()  # a terminal's Live ends its line; a pipe's does not
     except CkptdError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -237,6 +238,21 @@ def status(
         # so that `ckptd status && ...` does not go on as if it had answered.
         if not shown:
             raise typer.Exit(code=130) from None
+
+
+def _watch_plain(server: Any, params: dict[str, Any], view: Any, deadline: float | None,
+                 every: float) -> None:
+    """``--watch`` into a pipe or a log (``kubectl logs``, a file): a frame at each
+    refresh, under a line with its time. (A Live draws in place on a terminal only;
+    elsewhere it drew once, when the watch ended: nothing to read meanwhile.)"""
+    while True:
+        console.print(f"-- {_when(time.time())} UTC", markup=False, highlight=False)
+        console.print(view)
+        left = every if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(every, left))
+        view = _with_gc(status_view(_overview(server, params), console.width), server)
 
 
 def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:

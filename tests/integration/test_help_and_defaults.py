@@ -108,6 +108,16 @@ def test_status_watch_ends_with_a_newline(server: ServerProcess) -> None:
     assert done.stdout.endswith("\n"), repr(done.stdout[-40:])
 
 
+def test_status_watch_into_a_pipe_writes_each_refresh_as_it_comes(server: ServerProcess
+                                                                   ) -> None:
+    """(Found by a probe of the docs.) Into a pipe or a log, a watch wrote nothing
+    until it ended, then one frame: ``kubectl logs`` of a watch showed nothing."""
+    done = ckptd("status", "--url", server.url, "--watch", "1.2", "--every", "0.4")
+    assert done.returncode == 0, done.stderr
+    frames = done.stdout.count("no jobs")
+    assert frames >= 3 and done.stdout.count(" UTC\n") == frames, done.stdout
+
+
 def test_docs_work_offline_pointing_to_the_api_reference(server: ServerProcess) -> None:
     r = httpx.get(f"{server.url}/docs", timeout=5)
     assert r.status_code == 200
