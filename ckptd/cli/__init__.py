@@ -464,8 +464,13 @@ def rollback(
     if clear:
         console.print(f"rollback of [bold]{job}[/] cleared")
     else:
+        # (with the --url given: the advice without it went to the default server)
+        import shlex
+
+        where = "" if url in (DEFAULT_URL, os.environ.get("CKPTD_URL")) else (
+            f" --url {shlex.quote(url)}")
         console.print(f"[bold]{job}[/]: ranks are told to roll back to step {to} (clear with "
-                      f"`ckptd rollback {job} --clear`)")
+                      f"`ckptd rollback {job} --clear{escape(where)}`)")
 
 
 @app.command()

@@ -201,7 +201,8 @@ def forget(
                       escape(visible("; ".join(d["reasons"]))))
     console.print(table)
     verb = "would forget" if dry_run else "forgot"
-    console.print(f"{verb} {len(plan['forgotten'])} steps of {escape(job)}: "
+    n = len(plan["forgotten"])
+    console.print(f"{verb} {n} step{'' if n == 1 else 's'} of {escape(job)}: "
                   f"{plan['forgotten']}" + ("" if dry_run else " (run ckptd gc to free chunks)"))
 
 

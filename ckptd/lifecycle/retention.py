@@ -252,7 +252,7 @@ async def plan_forget(
         if step in last:
             reasons.append(f"one of the last {policy.keep_last}")
         if policy.keep_every and step % policy.keep_every == 0:
-            reasons.append(f"every {policy.keep_every}th")
+            reasons.append(f"every {_ordinal(policy.keep_every)}")
         if policy.keep_within is not None and info.committed_at is not None and (
                 now - info.committed_at <= policy.keep_within):
             reasons.append(f"younger than {policy.keep_within:.0f} s")
@@ -474,3 +474,10 @@ async def _remove_step(repo: Repository, job: str, step: int, claim: bytes) -> N
             await asyncio.gather(*(repo.store.delete(k)
                                    for k in doomed[start:start + DELETES_AT_ONCE]))
     await _release(repo, job, step, claim)  # last: a commit waiting on it then decides
+
+
+def _ordinal(n: int) -> str:
+    """2nd, 3rd, 10th, 21st, 112th ("every 2th" was a retention reason's words)."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+

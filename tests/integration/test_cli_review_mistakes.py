@@ -458,6 +458,9 @@ def test_rollback_tag_and_untag_of_a_job_not_there_name_the_jobs_there(
         assert_short_usage_error(done, "--reason is 1025 characters long", "at most 1024")
         assert cli("rollback", "llm-7b", "1", "--reason", "x" * 1024, "--url",
                    url).returncode == 0
+        told = cli("rollback", "llm-7b", "1", "--url", url)  # (its advice kept --url)
+        assert f"`ckptd rollback llm-7b --clear --url {url}`" in " ".join(
+            told.stdout.split()), told.stdout
         assert cli("rollback", "llm-7b", "--clear", "--url", url).returncode == 0
 
 

@@ -256,9 +256,9 @@ def test_a_damaged_latest_step_that_stops_gc_is_forgotten_as_gc_says(tmp_path: P
         result = runner.invoke(app, ["forget", "d2", "--step", "2", "--url", srv.url])
         assert result.exit_code != 0 and "intact" in result.output, result.output
         out = _cli("forget", "d1", "--step", "3", "--url", srv.url)
-        assert "forgot 1 steps" in out and "[3]" in out, out
+        assert "forgot 1 step of" in out and "[3]" in out, out  # (it said "1 steps")
         out = _cli("forget", "d2", "--step", "3", "--url", str(root))  # on the store
-        assert "forgot 1 steps" in out and "[3]" in out, out
+        assert "forgot 1 step of" in out and "[3]" in out, out  # (it said "1 steps")
         r = httpx.get(f"{srv.url}/v1/jobs/d1/latest", timeout=10)
         assert r.status_code == 404, r.text  # d1 kept no intact step: nothing to restore
         r = httpx.get(f"{srv.url}/v1/jobs/d2/latest", timeout=10)
