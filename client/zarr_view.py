@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -98,6 +99,8 @@ class CheckpointStore(Store):
         self._concurrency = concurrency
         self._gate: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        # The reads under way on zarr's loop: cancelled, and waited for, at close.
+        self._reading: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
         self._loading: asyncio.Future[Hierarchy] | None = None
 
     # -- identity ------------------------------------------------------------------
@@ -205,6 +208,15 @@ class CheckpointStore(Store):
 
     async def fetch(self, cid: str, name: str = "") -> bytes:
         """One ckptd chunk's bytes, verified against its id (cached, fetched once)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._reading.add(task)
+        try:
+            return await self._fetch(cid, name)
+        finally:
+            self._reading.discard(task)  # type: ignore[arg-type]
+
+    async def _fetch(self, cid: str, name: str) -> bytes:
         cached = self._cache.get(cid)
         if cached is not None:
             self._cache.move_to_end(cid)
@@ -301,10 +313,23 @@ class CheckpointStore(Store):
         raise InvalidRequest("a checkpoint's zarr view is read-only")
 
     def close(self) -> None:
+        # Reads still under way (an export interrupted: Ctrl-C stops the main thread
+        # only) end first, on zarr's loop: closed under them, their errors came after
+        # zarr's exit hook had stopped that loop, unretrieved, a traceback after the
+        # command's one line.
+        if any(not t.done() for t in self._reading):
+            sync(self._cancel_reads())
         transport, self._transport = self._transport, None
         if transport is not None and self._own_transport:
             sync(transport.close())
         super().close()
+
+    async def _cancel_reads(self) -> None:
+        reads = [t for t in self._reading if not t.done()]
+        for t in reads:
+            t.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+        await asyncio.sleep(0)  # (the callbacks of those who waited on them run)
 
 
 def open_step(
