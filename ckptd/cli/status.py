@@ -291,5 +291,7 @@ def _with_gc(view: Any, server: Any) -> Any:
         return view
     if state.get("phase") not in _HOLDING or not isinstance(state.get("note"), str):
         return view
-    line = Text(f"gc: {visible(state['note'])}", style="yellow")
+    # (the note's "is already marking" is a refused collection's words)
+    note = visible(state["note"]).replace(" is already ", " is ")
+    line = Text(f"gc: {note}", style="yellow")
     return Group(view, line)
