@@ -18,6 +18,7 @@ import asyncio
 import datetime as _dt
 import enum
 import os
+import shlex
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -465,8 +466,6 @@ def rollback(
         console.print(f"rollback of [bold]{job}[/] cleared")
     else:
         # (with the --url given: the advice without it went to the default server)
-        import shlex
-
         where = "" if url in (DEFAULT_URL, os.environ.get("CKPTD_URL")) else (
             f" --url {shlex.quote(url)}")
         console.print(f"[bold]{job}[/]: ranks are told to roll back to step {to} (clear with "
