@@ -96,6 +96,22 @@ async def commit_shared(repo: Repository, job: str, step: int, own: str) -> None
     assert (await repo.commit(job, step)).state == "committed"
 
 
+def hold_view(counter: Census) -> tuple[asyncio.Event, asyncio.Event]:
+    """Holds the census's next view refresh: the first event is set once it asks the
+    worker for the view, which it gets once the second is set."""
+    in_view, go_on = asyncio.Event(), asyncio.Event()
+    call = counter._worker.call
+
+    async def held_view(method: str, *args: Any) -> tuple[Any, float]:
+        if method == "view" and not go_on.is_set():
+            in_view.set()
+            await go_on.wait()
+        return await call(method, *args)
+
+    counter._worker.call = held_view  # type: ignore[method-assign]
+    return in_view, go_on
+
+
 # -- what it counts ---------------------------------------------------------------------
 
 
@@ -147,16 +163,7 @@ async def test_a_commit_during_its_view_refresh_is_counted_before_it_says_idle()
     task = counter.start()
     try:
         await counter.current(wait=10)
-        in_view, go_on = asyncio.Event(), asyncio.Event()
-        call = counter._worker.call
-
-        async def held_view(method: str, *args: Any) -> tuple[Any, float]:
-            if method == "view" and not go_on.is_set():
-                in_view.set()
-                await go_on.wait()
-            return await call(method, *args)
-
-        counter._worker.call = held_view  # type: ignore[method-assign]
+        in_view, go_on = hold_view(counter)
         counter._view_dirty = True
         counter._poke()  # nothing to count: it only refreshes its view
         async with asyncio.timeout(10):
@@ -185,16 +192,7 @@ async def test_the_view_is_not_complete_while_its_refresh_is_on_its_way() -> Non
     task = counter.start()
     try:
         assert (await counter.current(wait=10)).complete
-        in_view, go_on = asyncio.Event(), asyncio.Event()
-        call = counter._worker.call
-
-        async def held_view(method: str, *args: Any) -> tuple[Any, float]:
-            if method == "view" and not go_on.is_set():
-                in_view.set()
-                await go_on.wait()
-            return await call(method, *args)
-
-        counter._worker.call = held_view  # type: ignore[method-assign]
+        in_view, go_on = hold_view(counter)
         await commit_demo(repo, "a", 1)
         async with asyncio.timeout(10):
             await in_view.wait()
