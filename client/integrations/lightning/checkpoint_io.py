@@ -4,11 +4,12 @@ package docstring tells how paths map to steps and what a save guarantees)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from ...reach import reach
 from ...restore import RestoreOptions, restore_into
 from ...save.handle import SaveHandle
 from ...step_import import load_torch_save, looks_like_torch_save
-from ...transport import HttpTransport, open_transport
+from ...transport import HttpTransport, Transport, open_transport
 from .arguments import check_checkpointer_kwargs, check_timeout, check_url, step_value
 from .failures import QuietSaveFailures, in_lightning_terms
 from .pointers import (
@@ -411,16 +412,8 @@ class CkptdCheckpointIO(CheckpointIO):
         """Rank 0's manifest of step ``last.step``, once it committed: the chunk ids
         a second save's tensors are hashed against (``same_step.py``)."""
         self._committed(last)
-        transport = open_transport(self.url, self.token, job=self.job)
-        loop = EventLoopThread(f"ckptd-lightning-manifest-{self.job}")
-        try:
+        with self._reader() as (transport, loop):
             return loop.run(transport.read_manifest(self.job, last.step, 0), self.timeout)
-        finally:
-            try:
-                loop.run(transport.close(), 10.0)
-            except CkptdError as exc:  # closing must not hide the read's result
-                log.debug("closing the manifest's transport: %s", exc)
-            loop.stop()
 
     def _committed(self, last: Saved) -> None:
         """Waits for ``last``'s save to commit (its failure said in Lightning's terms)."""
@@ -491,20 +484,27 @@ class CkptdCheckpointIO(CheckpointIO):
     def _read(self, state: dict[str, Any], step: int) -> None:
         """Restores rank 0's step ``step`` into ``state`` without a checkpointer of
         our own (no heartbeats, no pool): this node's pool, the cache, the store."""
-        transport = open_transport(self.url, self.token, job=self.job)
-        loop = EventLoopThread(f"ckptd-lightning-read-{self.job}")
         cache = self._kwargs.get("cache_dir") or os.environ.get("CKPTD_CACHE_DIR") or ""
-        try:
+        with self._reader() as (transport, loop):
             restore_into(
                 lambda coro: loop.run(coro, self.timeout), transport, state, job=self.job,
                 rank=0, world_size=1, step=step, adopt=False,
                 opts=RestoreOptions(pool_root=self._kwargs.get("shm_dir"), cache_dir=cache,
                                     token=self.token),
             )
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[tuple[Transport, EventLoopThread]]:
+        """A transport and a loop of the plugin's own reads (no checkpointer's), both
+        closed after."""
+        transport = open_transport(self.url, self.token, job=self.job)
+        loop = EventLoopThread(f"ckptd-lightning-read-{self.job}")
+        try:
+            yield transport, loop
         finally:
             try:
                 loop.run(transport.close(), 10.0)
-            except CkptdError as exc:  # closing must not hide the restore's result
+            except CkptdError as exc:  # closing must not hide the read's result
                 log.debug("closing the read transport: %s", exc)
             loop.stop()
 
