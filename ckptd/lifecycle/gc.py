@@ -346,22 +346,19 @@ async def gc_state(store: Store, clock: Callable[[], float] = time.time) -> dict
     now = clock()
     try:
         state, _ = await read_state(store)
-    except StoreCorrupt as exc:
+    except (StoreCorrupt, UnsupportedStoredFormat) as exc:
         if exc.detail.get("key") != GC_STATE_KEY:
             raise
-        # (GET /v1/gc answered 500 here: the status read of `ckptd gc`, which
-        # repairs it, failed too)
-        return {"phase": "damaged", "generation": None, "sweeping_now": None,
-                "note": f"{exc.message}; a collection takes it over (it holds saves "
-                        "one lease first, in case a collector was sweeping)"}
-    except UnsupportedStoredFormat as exc:
-        if exc.detail.get("key") != GC_STATE_KEY:
-            raise
-        # (GET /v1/gc answered 500: saves fail over it, and the status read said
-        # nothing of why)
-        return {"phase": "unsupported", "generation": None, "sweeping_now": None,
-                "note": f"{exc.message}: this ckptd's saves and collections fail until "
-                        "every server and client of the store is upgraded"}
+        # (GET /v1/gc answered 500 here, while every save failed over it; for a
+        # damaged one, the status read of `ckptd gc`, which repairs it, failed too)
+        damaged = isinstance(exc, StoreCorrupt)
+        return {"phase": "damaged" if damaged else "unsupported", "generation": None,
+                "sweeping_now": None,
+                "note": exc.message + ("; a collection takes it over (it holds saves one "
+                                       "lease first, in case a collector was sweeping)"
+                                       if damaged else ": this ckptd's saves and collections "
+                                       "fail until every server and client of the store is "
+                                       "upgraded")}
     out: dict[str, object] = {**state.model_dump(), "sweeping_now": sweeping(state, now)}
     if state.phase != "idle":
         out["live_until"] = live_until(state)
