@@ -17,9 +17,9 @@ import logging
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import blake3
 import zarr
@@ -44,7 +44,6 @@ from .transport import Transport, open_transport, read_step
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 __all__ = ["CheckpointStore", "open_step"]
 
@@ -243,12 +242,12 @@ class CheckpointStore(Store):
             self._gate = asyncio.Semaphore(self._concurrency)
         async with self._gate:
             if self.cache_dir is not None:
-                cached = await _in_thread(_read_cached, self.cache_dir, cid)
+                cached = await asyncio.to_thread(_read_cached, self.cache_dir, cid)
                 if cached is not None:
                     self.bytes_from["cache"] += len(cached)
                     return cached
             data = await self._open_transport().get_chunk(cid)
-            actual = await _in_thread(_hash, data)
+            actual = await asyncio.to_thread(_hash, data)
         self.fetched += 1
         self.fetched_ids.append(cid)
         self.bytes_from["store"] += len(data)
@@ -399,19 +398,3 @@ def array_path(h: Hierarchy, name: str) -> str:
         if node.name == name:
             return path
     return join("", name)
-
-
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``asyncio.to_thread``; a cancel once the loop's executor is shut down. zarr
-    runs these reads on its own loop, whose executor its exit hook shuts down: an
-    export interrupted (Ctrl-C) with reads in flight printed "Task exception was
-    never retrieved" and a traceback after its one line (a RuntimeError, "cannot
-    schedule new futures after shutdown"). The process is ending: the read is
-    abandoned, not failed."""
-    try:
-        return await asyncio.to_thread(fn, *args)
-    except RuntimeError as exc:
-        if "after shutdown" not in str(exc):
-            raise
-        raise asyncio.CancelledError from exc
-
