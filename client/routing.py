@@ -13,7 +13,9 @@ once; so does one that does not answer a connection within ``CKPTD_CONNECT_TIMEO
 is not a down mark by itself: the caller's retry connects afresh, and a dead
 replica refuses that connection. A connection TCP gave up on (its host vanished
 mid-request: the transport's keepalive and TCP_USER_TIMEOUT, ``transport_http``)
-is one. Down marks last three refreshes, then the replica is tried again.
+is one. So is a membership read that fails, but one whose connection was only
+dropped is asked once more first. Down marks last three refreshes, then the
+replica is tried again.
 
 The first membership read asks every replica (given, then listed) and compares the
 ids of their stores: over different stores a save's chunks went to one and its
@@ -103,6 +105,17 @@ def host_gone(exc: BaseException) -> bool:
             return True
         cause = cause.__cause__ or cause.__context__
     return False
+
+
+def dropped(exc: httpx.TransportError) -> bool:
+    """True when the replica closed the connection under a request without an answer
+    and nothing says its host is gone: what a live server does to a kept-alive
+    connection it closes as idle just as the request arrives. A fresh connection gets
+    the answer."""
+    return (isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+            and not host_gone(exc))
+
+
 _LEARN_TIMEOUT = {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 5.0}
 # Seconds a probed replica has to answer ``/healthz`` (which waits at most 2 s on its
 # store) before it counts as hung: whatever CKPTD_SUSPECT_AFTER says, a live replica
@@ -356,15 +369,20 @@ class AsyncRouting(httpx.AsyncBaseTransport):
 
     async def _ask(self, base: str, request: httpx.Request) -> Any | None:
         """``base``'s ``/v1/cluster`` answer ({}: it answered none), None when it
-        could not be reached (it is marked down)."""
-        try:
-            resp = await self.inner.handle_async_request(_learn_request(base, request))
-            body = await resp.aread()
-            await resp.aclose()
-        except httpx.TransportError as exc:
-            self.members.mark_down(base, exc)
-            return None
-        return _cluster_doc(resp.status_code, body)
+        could not be reached (it is marked down). A connection dropped under the read
+        (``dropped``) is asked once more before that."""
+        for again in (True, False):
+            try:
+                resp = await self.inner.handle_async_request(_learn_request(base, request))
+                body = await resp.aread()
+                await resp.aclose()
+            except httpx.TransportError as exc:
+                if again and dropped(exc):
+                    continue
+                self.members.mark_down(base, exc)
+                return None
+            return _cluster_doc(resp.status_code, body)
+        return None  # (not reached)
 
     async def _ask_every(self, request: httpx.Request) -> Any | None:
         """Every replica asked at once, then those the first answer lists: that

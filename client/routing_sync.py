@@ -26,6 +26,7 @@ from .routing import (
     _learn_request,
     _order,
     _to,
+    dropped,
     host_gone,
 )
 
@@ -79,15 +80,20 @@ class SyncRouting(httpx.BaseTransport):
 
     def _ask(self, base: str, request: httpx.Request) -> Any | None:
         """``base``'s ``/v1/cluster`` answer ({}: it answered none), None when it
-        could not be reached (it is marked down)."""
-        try:
-            resp = self.inner.handle_request(_learn_request(base, request))
-            body = resp.read()
-            resp.close()
-        except httpx.TransportError as exc:
-            self.members.mark_down(base, exc)
-            return None
-        return _cluster_doc(resp.status_code, body)
+        could not be reached (it is marked down). A connection dropped under the read
+        (``dropped``) is asked once more before that."""
+        for again in (True, False):
+            try:
+                resp = self.inner.handle_request(_learn_request(base, request))
+                body = resp.read()
+                resp.close()
+            except httpx.TransportError as exc:
+                if again and dropped(exc):
+                    continue
+                self.members.mark_down(base, exc)
+                return None
+            return _cluster_doc(resp.status_code, body)
+        return None  # (not reached)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.learn(request)

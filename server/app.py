@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 
 # Seconds that a SIGTERM'd server waits for requests in flight before it stops.
 GRACEFUL_SHUTDOWN_S = 30
+# Seconds an idle kept-alive connection stays open: well over the 5 s for which
+# clients (httpx's default, ckptd's own) keep one in their pools, so a client never
+# reuses a connection that the server is closing as the request arrives (uvicorn's
+# default is those same 5 s: a request met by a closed connection, a replica
+# taken for down). The connection cap closes idle ones first when it must.
+KEEP_ALIVE_S = 20
 
 
 @asynccontextmanager
@@ -207,6 +213,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
         log_config=_log_config(settings.log_level),
         access_log=settings.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
         server_header=False,
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,

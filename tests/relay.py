@@ -1,6 +1,7 @@
 """An HTTP relay in front of a real ``ckptd serve``, for tests of what a client
 meets between it and the server: answers a newer server would give (``change``),
-and answers that come late (``delay``). Loopback only; a thread per request."""
+answers that come late (``delay``), and requests met by a closed connection
+(``drop``). Loopback only; a thread per request."""
 
 from __future__ import annotations
 
@@ -21,14 +22,20 @@ _HOP = ("content-length", "transfer-encoding", "connection", "content-encoding",
 
 @contextmanager
 def relay(upstream: str, *, change: Callable[[Any], Any] | None = None,
-          delay: Callable[[str, str], float] | None = None) -> Iterator[str]:
+          delay: Callable[[str, str], float] | None = None,
+          drop: Callable[[str, str], bool] | None = None) -> Iterator[str]:
     """The relay's URL, relaying to ``upstream``: each JSON answer passed through
-    ``change``, each request held ``delay(method, path)`` seconds first."""
+    ``change``, each request held ``delay(method, path)`` seconds first, and one for
+    which ``drop(method, path)`` is true answered by closing its connection (what a
+    server does to a kept-alive connection it closes as idle as the request comes)."""
 
     class Relay(BaseHTTPRequestHandler):
         def _relay(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            if drop is not None and drop(self.command, self.path):
+                self.close_connection = True
+                return
             wait = delay(self.command, self.path) if delay is not None else 0.0
             if wait > 0:
                 time.sleep(wait)

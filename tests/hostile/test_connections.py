@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import os
 import resource
 import socket
@@ -550,3 +551,26 @@ def test_an_upload_pipelined_behind_another_request_reads_nothing_before_its_bud
         for s, _ in socks:
             s.close()
         holder.close()
+
+
+def test_an_idle_kept_alive_connection_outlives_a_clients_pool_expiry(
+        server: ServerProcess) -> None:
+    """Clients keep an idle connection pooled for 5 s (httpx's default): the server
+    keeps it longer, so a request on it is never met by the server's close (which a
+    routing client took for a replica down)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/healthz")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200 and not first.will_close
+        sock = conn.sock
+        time.sleep(5.5)
+        conn.request("GET", "/healthz")
+        assert conn.sock is sock  # (the same connection, not a new one)
+        again = conn.getresponse()
+        again.read()
+        assert again.status == 200
+    finally:
+        conn.close()
