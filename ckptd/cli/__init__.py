@@ -248,7 +248,7 @@ def serve(
     ] = False,
 ) -> None:
     """Run the checkpoint server over a store (the dashboard is at /, metrics at /metrics)."""
-    from ckptd.cli.mistakes import check_listen, server_settings, server_store, writable_store
+    from ckptd.cli.mistakes import checked_serve
     from ckptd.server.app import run
 
     overrides: dict[str, Any] = {
@@ -280,15 +280,12 @@ def serve(
         if v is not None
     }
     try:
-        settings = server_settings(overrides)
-        check_listen(settings.host, settings.port)
-        # (refuses a store that ignores conditions)
-        opened = writable_store(settings, server_store(settings), check=check)
+        settings, opened = checked_serve(overrides, check)
     except CkptdError as exc:
         _fail(exc)
         return
-    if check:
-        console.print(f"ok: would serve {escape(opened.describe())}", highlight=False)
+    if isinstance(opened, str):  # (what --check says)
+        console.print(escape(opened), highlight=False)
         return
     server_logging()
     run(settings, store=opened)

@@ -4,9 +4,11 @@ wrong and what is allowed, exit code 2, never a traceback."""
 from __future__ import annotations
 
 import errno
+import os
 import re
 import socket
 import ssl
+import tempfile
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,27 @@ USAGE = 2
 JOBS_NAMED = 10
 
 
+# Options of ``ckptd`` itself, which go before the command.
+_APP_OPTIONS = ("-v", "--verbose", "--version")
+
+
+def _usage_hint(exc: click_errors.UsageError, where: str) -> str:
+    """The line under a usage mistake: where the help is, or, for an option of
+    ``ckptd`` itself given after a command (``ckptd ls -v``), where it goes."""
+    name = getattr(exc, "option_name", None)
+    names, ctx = [], exc.ctx
+    while ctx is not None and ctx.parent is not None:  # (the root's name is the program's)
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    command = " ".join(reversed(names))
+    if isinstance(exc, click_errors.NoSuchOption) and name in _APP_OPTIONS and command:
+        if name == "--version":
+            return "--version is ckptd's own option: `ckptd --version`"
+        return f"{name} is ckptd's own option and goes before the command: `ckptd {name} " \
+               f"{command} ...`"
+    return f"see `{where} --help`"
+
+
 def run_app(app: typer.Typer) -> int:
     """Runs the CLI; a usage mistake prints one or two plain lines on stderr."""
     from ckptd.cli import err_console
@@ -50,7 +73,7 @@ def run_app(app: typer.Typer) -> int:
     except click_errors.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "ckptd"
         err_console.print(f"[bold red]error[/] {escape(exc.format_message())}", soft_wrap=True)
-        err_console.print(f"see `{escape(where)} --help`", highlight=False)
+        err_console.print(escape(_usage_hint(exc, where)), highlight=False)
         return USAGE
     except click_errors.ClickException as exc:
         err_console.print(f"[bold red]error[/] {escape(exc.format_message())}", soft_wrap=True)
@@ -108,7 +131,9 @@ def server_settings(overrides: dict[str, Any]) -> Settings:
                 problems.append(name_settings(error["msg"], overrides))
                 continue
             use = f"; {SETTING_USE[name]}" if name in SETTING_USE else ""
-            got = "" if name in _SECRETS else f" (got {error.get('input')!r})"
+            given = error.get("input")
+            said = name in _SECRETS or str(given) in error["msg"]  # (a message naming it)
+            got = "" if said else f" (got {given!r})"
             problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')}"
                             f"{got}{use}")
         raise InvalidRequest("; ".join(problems)) from None
@@ -143,23 +168,60 @@ def _check_server_knobs() -> None:
         read()  # (``InvalidRequest`` naming the variable and what to set)
 
 
+def checked_serve(overrides: dict[str, Any], check: bool) -> tuple[Settings, Store | str]:
+    """``ckptd serve``'s settings and store, each checked (a mistake: ``CkptdError``;
+    a store that ignores conditions is refused); with ``check``, what the check says
+    in place of the store."""
+    settings = server_settings(overrides)
+    check_listen(settings.host, settings.port)
+    if check and (new := new_local_store(settings.store)) is not None:
+        return settings, new
+    store = writable_store(settings, server_store(settings), check=check)
+    return settings, f"ok: would serve {store.describe()}" if check else store
+
+
 def server_store(settings: Settings) -> Store:
     """``ckptd serve``'s store, opened (a local one is made where it is not yet)
     once the settings and the port were found good: a refused start leaves nothing
     behind."""
-    from urllib.parse import urlparse
-
     from ckptd.store import open_store
 
     text = settings.store
-    local = Path(urlparse(text).path) if text.startswith("file://") else (
-        None if "://" in text else Path(text))
+    local = _local_path(text)
     if local is not None and local.exists() and not local.is_dir():
         raise InvalidRequest(f"the store {text} is a file, not a directory: give --store "
                              "(CKPTD_STORE) a directory, a new one or a ckptd store")
     store = open_store(text)
     _warn_small_disk(settings, store)
     return store
+
+
+def _local_path(store: str) -> Path | None:
+    """The directory of a local store (a path or a ``file://`` URL); None for others."""
+    from urllib.parse import urlparse
+
+    if store.startswith("file://"):
+        return Path(urlparse(store).path)
+    return None if "://" in store else Path(store)
+
+
+def new_local_store(store: str) -> str | None:
+    """What ``serve --check`` says of a local store that is not there yet, which the
+    check does not make (a mistyped path is left as it was); None when the store is
+    there or not local. ``StoreError`` when the store could not be made there."""
+    local = _local_path(store)
+    if local is None or local.exists():
+        return None
+    above = local.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    try:  # (what serve would do there first; root passes every access() check)
+        os.rmdir(tempfile.mkdtemp(prefix=".ckptd-check-", dir=above))
+    except OSError as exc:
+        why = " is not a directory" if not above.is_dir() else f": {exc.strerror or exc}"
+        raise StoreError(f"cannot create store directory {local}: {above}{why}",
+                         store=store) from None
+    return f"ok: would make the store {local} (it is not there yet) and serve it"
 
 
 def _warn_small_disk(settings: Settings, store: Store) -> None:

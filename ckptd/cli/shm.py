@@ -26,7 +26,8 @@ def parse_age(text: str) -> float:
     """Seconds in ``90``, ``90s``, ``30m``, ``6h`` or ``2d``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if m is None:
-        raise typer.BadParameter(f"{text!r} is not an age: give seconds, or 30m, 6h, 2d")
+        raise typer.BadParameter(f"{text!r} is not an age: give seconds, or 30m, 6h, 2d",
+                                 param_hint="--older-than")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 

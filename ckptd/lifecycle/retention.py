@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import secrets
@@ -87,13 +88,21 @@ class RetentionConfig:
         return self.jobs.get(job, self.default)
 
 
+def _as_toml(value: object) -> str:
+    """``value`` as the policy file spells it (``true``, ``"2h"``), not as Python does."""
+    if isinstance(value, bool | int | float | str):
+        return json.dumps(value)
+    return str(value)
+
+
 def parse_duration(value: object, what: str) -> float:
     """Seconds from a number or a string like ``"90s"``, ``"2h"``, ``"7d"``."""
     if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
         return float(value)
     m = _DURATION.match(value) if isinstance(value, str) else None
     if m is None:
-        raise InvalidPolicy(f"{what}: {value!r} is not a duration (like 90, \"30m\", \"7d\")",
+        raise InvalidPolicy(f"{what}: {_as_toml(value)} is not a duration "
+                            "(like 90, \"30m\", \"7d\")",
                             reason=f"{what} is not a duration")
     return float(m.group(1)) * _UNIT[m.group(2)]
 
@@ -108,7 +117,7 @@ def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str) -> Rete
         if name in table:
             v = table[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidPolicy(f"{where}.{name} must be an integer >= 1, not {v!r}",
+                raise InvalidPolicy(f"{where}.{name} must be an integer >= 1, not {_as_toml(v)}",
                                     reason=f"{name} must be an integer >= 1")
             changes[name] = v
     for name in ("keep_within", "abandon_pending_after"):

@@ -78,6 +78,11 @@ BAD = [
     (["forget", "j", "--step", "05"], ["'05'"]),
     (["import", "/tmp/x", "--job", "j", "--step", "05"], ["'05'"]),
     (["import", "/tmp/x", "--job", "j", "--step", "latest"], ["'latest'"]),
+    # (found by a probe: ckptd's own options after a command got no hint, and an
+    # age that is not one did not name its option)
+    (["ls", "-v"], ["-v", "goes before the command", "`ckptd -v ls ...`"]),
+    (["status", "--version"], ["--version", "`ckptd --version`"]),
+    (["shm", "--clean", "--older-than", "abc"], ["--older-than", "'abc' is not an age"]),
 ]
 
 

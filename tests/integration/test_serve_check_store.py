@@ -65,3 +65,27 @@ def test_a_bad_variable_the_server_reads_as_it_serves_fails_the_check(
                  env={variable: value})
     assert_short_usage_error(done, variable)
 
+
+
+def test_a_store_not_there_yet_is_not_made_by_the_check(tmp_path: Path) -> None:
+    """(Found by a probe: ``serve --check --store /mistyped/path`` said it would serve
+    and left an empty store there, the check's own writes.)"""
+    new = tmp_path / "typo" / "store"
+    done = ckptd("serve", "--check", "--store", str(new), "--port", "0")
+    assert done.returncode == 0, done.stderr
+    assert f"would make the store {new} (it is not there yet)" in " ".join(done.stdout.split())
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    file = tmp_path / "a-file"
+    file.write_text("")
+    done = ckptd("serve", "--check", "--store", str(file / "store"), "--port", "0")
+    assert_short_usage_error(done, f"cannot create store directory {file / 'store'}",
+                             f"{file} is not a directory")
+
+
+def test_a_bad_network_is_named_once(tmp_path: Path) -> None:
+    """(Found by a probe: the value was said twice, "'x' does not appear to be an IPv4
+    or IPv6 network (got 'x')".)"""
+    done = ckptd("serve", "--check", "--store", str(tmp_path / "store"), "--port", "0",
+                 env={"CKPTD_PEER_NETWORKS": "10.0.0.0/33"})
+    assert_short_usage_error(done, "CKPTD_PEER_NETWORKS", "10.0.0.0/33")
+    assert done.stderr.count("10.0.0.0/33") == 1, done.stderr

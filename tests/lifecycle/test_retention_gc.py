@@ -127,6 +127,19 @@ def test_retention_file() -> None:
             parse_retention(bad)
 
 
+@pytest.mark.parametrize("line, said", [
+    ("keep_last = true", "retention.keep_last must be an integer >= 1, not true"),
+    ('keep_every = "7"', 'retention.keep_every must be an integer >= 1, not "7"'),
+    ('keep_within = "soon"', 'retention.keep_within: "soon" is not a duration'),
+])
+def test_a_bad_retention_value_is_said_as_the_file_spells_it(line: str, said: str) -> None:
+    """(Found by a probe: ``keep_last = true`` was refused as "not True", Python's
+    word for a value the file spells ``true``.)"""
+    with pytest.raises(InvalidPolicy) as refused:
+        parse_retention(f"[retention]\n{line}\n")
+    assert said in refused.value.message, refused.value.message
+
+
 async def test_the_mark_parses_manifests_off_the_event_loop_with_the_collector_paused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
