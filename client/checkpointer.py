@@ -566,7 +566,7 @@ class Checkpointer:
         saver = self._saver
         with self._session.lock:
             if self._session.closed:
-                return saver.failures.result()
+                return saver.failures.result(saver.undecided())
             self._session.closed = True
             busy = saver.inflight
         timeout = self.timeout if timeout is None else timeout
@@ -580,7 +580,7 @@ class Checkpointer:
             log.debug("%s/%d: cannot ask about the pending step: %s", self.job, self.rank, exc)
         self._failover.close(failed=bool(saver.failures.failed))
         self._session.close()
-        return saver.failures.result()
+        return saver.failures.result(saver.undecided())
 
 
 _said_no_launch = False

@@ -44,12 +44,16 @@ class SnapshotFailureWarning(UserWarning):
 class CloseResult:
     """What a checkpointer's snapshots came to: ``saves`` staged, ``failed``
     (never committed by this rank's doing: the error was logged), ``skipped``
-    (``on_busy="skip"``), and the last failure's error."""
+    (``on_busy="skip"``), the last failure's error, and ``pending``: the steps
+    this rank saved whose commit was still undecided when it closed (other ranks'
+    manifests not all in, or the server not answering in time), neither committed
+    nor failed as far as this rank knows (``ckptd ls JOB`` says what came of them)."""
 
     saves: int
     failed: int
     skipped: int
     last_error: CkptdError | None = None
+    pending: tuple[int, ...] = ()
 
 
 def advice(exc: CkptdError, on_error: str = "raise") -> str:
@@ -182,6 +186,6 @@ class FailureLog:
             err, self._unseen = self._unseen, None
         return err
 
-    def result(self) -> CloseResult:
+    def result(self, pending: tuple[int, ...] = ()) -> CloseResult:
         with self._lock:
-            return CloseResult(self.saves, self.failed, self.skipped, self.last)
+            return CloseResult(self.saves, self.failed, self.skipped, self.last, pending)

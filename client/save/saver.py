@@ -372,7 +372,8 @@ class Saver:
         pending here committed: the oldest and the newest in turn (a committed one
         settles the older ones); a step that cannot commit is recorded as this
         rank's failure too. With ``timeout`` (closing), asks about every pending
-        step at once and judges the answers newest first, within ``timeout`` in all.
+        step at once and judges the answers newest first, within ``timeout`` in all,
+        and logs the steps still undecided (``CloseResult.pending``).
 
         Not the oldest alone: a rank that is always first to commit sees every step
         pending, and asking the oldest one at a time fell behind a fast loop until
@@ -386,6 +387,11 @@ class Saver:
             return
         if timeout is not None:
             self._ask_every_pending(pending, timeout)
+            if left := self.undecided():
+                log.info("%s/%d: closing with step(s) %s saved here and not yet committed "
+                         "(other ranks' manifests not all in): `ckptd ls %s` says what came "
+                         "of them", self.config.job, self.config.rank,
+                         ", ".join(map(str, left)), self.config.job)
             return
         check = self._pending_check
         if (check is not None and not check.done()) or (
@@ -399,6 +405,12 @@ class Saver:
         check.add_done_callback(functools.partial(self._pending_answer, step=step,
                                                   serial=serial))
         self._pending_check = check
+
+    def undecided(self) -> tuple[int, ...]:
+        """The steps saved here whose commit is still pending, oldest first (at most
+        ``MAX_PENDING_ASKED``: older ones were let go)."""
+        with self._pending_lock:
+            return tuple(sorted(self._pending_commits))
 
     def _ask_every_pending(self, pending: list[tuple[int, tuple[int, dict[str, Any]]]],
                            timeout: float) -> None:

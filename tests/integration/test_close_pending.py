@@ -55,3 +55,31 @@ def test_close_asks_every_pending_step_at_once(shared_server: ServerProcess,
             one.close()
     assert "step 0" in str(failed.value), failed.value
     assert took < SLOW_S + 4.0, took  # the two questions side by side, not in a row
+
+
+def test_close_reports_the_steps_still_undecided(shared_server: ServerProcess,
+                                                 shm: Path) -> None:
+    """A rank that closed before the other ranks' manifests of its last step were in
+    reported ``failed=0`` and nothing else, for a step that might never commit: its
+    ``pending`` names it, and a step that committed meanwhile leaves it."""
+    job = "close-undecided"
+    ranks = []
+    for rank in (0, 1):
+        (shm / str(rank)).mkdir()
+        ranks.append(Checkpointer(shared_server.url, job, rank=rank, world_size=2,
+                                  shm_dir=shm / str(rank), serve_peers=False,
+                                  heartbeat_interval=60))
+    zero, one = ranks
+    try:
+        for ckpt in ranks:
+            ckpt.save(1, {"w": torch.ones(64)}).wait(30)
+        assert one.save(2, {"w": torch.ones(64)}).wait(30).state == "pending"
+        assert one.save(3, {"w": torch.ones(64)}).wait(30).state == "pending"
+        assert zero.save(2, {"w": torch.ones(64)}).wait(30).state == "committed"
+        closed = one.close(timeout=20)
+        assert (closed.failed, closed.pending) == (0, (3,)), closed
+        assert one.close().pending == (3,)  # (idempotent)
+        assert zero.close().pending == ()
+    finally:
+        for ckpt in ranks:
+            ckpt.close()
