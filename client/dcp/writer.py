@@ -272,7 +272,7 @@ class Writer(StorageWriter):
             epoch = await transport.epoch(self.job)
             stamped = (manifest if not epoch else
                        manifest.model_copy(update={"meta": {**manifest.meta, EPOCH_META: epoch}}))
-            sent = await upload_missing(transport, data, claimer)
+            sent = await upload_missing(transport, data, claimer, what=f"step {info.step}")
             await transport.put_manifest(stamped)
             return sent
 

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 
 
 _HASH_BATCH_BYTES = 16 << 20  # one worker's share of a span, in whole chunks
+# Seconds a missing-chunks call may wait for its answer before the rank's log says
+# so: a server holds it while a garbage collection sweeps (up to two minutes, and
+# a killed collector's sweep that long), and the rank's log was silent meanwhile.
+SLOW_ANSWER_S = 10.0
 
 
 def _hash_jobs(sizes: Sequence[int], chunk_size: int
@@ -59,7 +63,11 @@ async def upload_missing(
         waiting: list[str] = []
         batch = knobs.missing_batch()
         for i in range(0, len(ids), batch):
-            answer = await transport.missing_chunks(ids[i : i + batch], claimer)
+            said = asyncio.get_running_loop().call_later(SLOW_ANSWER_S, _say_slow, claimer, what)
+            try:
+                answer = await transport.missing_chunks(ids[i : i + batch], claimer)
+            finally:
+                said.cancel()
             await bounded(answer.missing, upload, knobs.upload_concurrency())
             waiting.extend(answer.in_flight)
         return waiting
@@ -75,6 +83,13 @@ async def upload_missing(
         delay = min(delay * 2, 1.0)
         in_flight = await ask(in_flight)
     return sent[0], sent[1]
+
+
+def _say_slow(claimer: str, what: str) -> None:
+    log.warning("%s %s: the server has not said which chunks it lacks for %.0f s: a "
+                "garbage collection's sweep holds saves until it ends (up to 2 min; `ckptd "
+                "status` shows it), or the server or its store is slow", claimer, what,
+                SLOW_ANSWER_S)
 
 
 async def hash_views(views: Sequence[memoryview], chunk_size: int) -> list[list[str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 
 from ckptd.lifecycle.documents import GC_STATE_KEY, GcState
 from tests.cli_runs import ckptd
@@ -198,3 +201,26 @@ def test_a_read_token_on_every_job_is_told_it_lacks_the_role_for_gc(tmp_path: Pa
     message = r.json()["message"]
     assert "role admin on every job" in message and "needs a token for every" not in message
 
+
+
+def test_a_save_held_by_a_sweep_is_said_in_the_ranks_log(
+        server: ServerProcess, shm: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Before: a save that a killed collector's sweep held (up to two minutes) said
+    nothing in the rank's log: the server's log and ``ckptd status`` did."""
+    from ckptd.client import Checkpointer
+    from ckptd.client.save import chunks
+
+    monkeypatch.setattr(chunks, "SLOW_ANSWER_S", 0.5, raising=False)
+    root = Path(server.store)
+    with Checkpointer(server.url, "held", rank=0, world_size=1, shm_dir=shm,
+                      serve_peers=False, heartbeat_interval=60) as ckpt:
+        now = time.time()
+        killed = GcState(generation=1, phase="sweeping", holder="killed",
+                         started_at=now - 2.0, expires_at=now)  # live until now + 2 s
+        (root / "gc").mkdir(parents=True, exist_ok=True)
+        (root / GC_STATE_KEY).write_bytes(killed.canonical())
+        with caplog.at_level(logging.WARNING, logger="ckptd.client.save.chunks"):
+            assert ckpt.save(1, {"w": torch.ones(1024)}).wait(60).state == "committed"
+    said = [r.getMessage() for r in caplog.records if "has not said which" in r.getMessage()]
+    assert said and "held/0 step 1" in said[0] and "ckptd status" in said[0], said
