@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ckptd import knobs
 
 from .health.heartbeat import Heartbeat, HeartbeatReply
+from .launch import heartbeat_launch
 from .peer import PeerIndex, PeerServer, PeerService, peer_address
 from .session import Session
 from .transport import HttpTransport
@@ -81,7 +82,8 @@ class FailoverAgent:
                                 else knobs.peer_port(c.local_rank), job=c.job, rank=c.rank,
                                 route_to=s.transport.url).start()
         heartbeat = Heartbeat(s.transport.url, c.job, c.rank, c.world_size, c.token,
-                              interval=c.heartbeat_interval, health=c.health)
+                              interval=c.heartbeat_interval, health=c.health,
+                              launch=heartbeat_launch(given=c.incarnation))
         service = PeerService(server, heartbeat)
         service.start()
         return service

@@ -69,7 +69,8 @@ def launch_incarnation(environ: Mapping[str, str] | None = None, *,
     return None
 
 
-def heartbeat_launch(environ: Mapping[str, str] | None = None) -> Callable[[], str | None]:
+def heartbeat_launch(environ: Mapping[str, str] | None = None,
+                     given: str | None = None) -> Callable[[], str | None]:
     """For a heartbeat told no launch: this launch's id as it is known now, asking no
     store as it beats (a heartbeat must not wait on one). The environment's launch is
     read once, here (``launch_incarnation`` without the group: under torchrun the
@@ -77,7 +78,8 @@ def heartbeat_launch(environ: Mapping[str, str] | None = None) -> Callable[[], s
     and keeps its answer); the id the ranks agreed on as
     ``ckptd.client.distributed.init_process_group`` formed the group wins once there
     is one. Only ranks of one launch must name it alike: it need not be the id that
-    manifests carry."""
+    manifests carry. ``given`` (``Checkpointer(incarnation=)``) is the launch where
+    neither names one (a launcher of one's own)."""
     from .distributed import agreed_launch
 
     try:
@@ -87,7 +89,9 @@ def heartbeat_launch(environ: Mapping[str, str] | None = None) -> Callable[[], s
 
     def current() -> str | None:
         agreed = agreed_launch()
-        return f"group:{agreed}"[:MAX_LENGTH] if agreed is not None else known
+        if agreed is not None:
+            return f"group:{agreed}"[:MAX_LENGTH]
+        return known if known is not None else given
 
     return current
 

@@ -110,6 +110,30 @@ def test_two_jobs_with_one_name_are_told_on_both_sides(
                 c.close()
 
 
+def test_launches_named_by_incarnation_are_told_apart(
+        srv: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Checkpointer(incarnation=...)`` names the launch where nothing in the
+    environment does (a launcher of one's own): its heartbeats carried the
+    environment's launch instead, none here, and two jobs with one name went untold."""
+    monkeypatch.delenv("CKPTD_INCARNATION", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    ckpts = [Checkpointer(srv.url, "named", rank=0, world_size=2, incarnation=launch,
+                          heartbeat_interval=0.1, serve_peers=False)
+             for launch in ("run-a", "run-b")]
+    try:
+        def told() -> bool:
+            return all(c.last_heartbeat_reply is not None
+                       and c.last_heartbeat_reply.launch_conflict is not None for c in ckpts)
+
+        wait_for(told)
+        found = events(srv.url, "named", "launch_conflict")
+        assert len(found) == 1 and "run-a" in found[0]["reason"] and "run-b" in found[0][
+            "reason"], found
+    finally:
+        for c in ckpts:
+            c.close()
+
+
 def test_a_restart_is_no_conflict_but_an_old_rank_still_beating_is(
         srv: ServerProcess) -> None:
     job = "restarted"
