@@ -173,6 +173,40 @@ def test_remove_takes_the_pointer_and_the_tag_not_the_data(io: CkptdCheckpointIO
     assert plain.exists()
 
 
+def test_a_removal_that_overtakes_its_save_leaves_no_pointer_or_tag(
+        io: CkptdCheckpointIO, store: str, tmp_path: Path) -> None:
+    """Under ``AsyncCheckpointIO`` a save waits in Lightning's queue while the top-k
+    removal of its path comes straight through: the removal found no pointer yet,
+    did nothing, and every top-k checkpoint kept its pointer and its tag (which
+    keeps its step from retention)."""
+    old = tmp_path / "epoch=0-step=4.ckpt"
+    io.remove_checkpoint(old)  # (Lightning's removal, before the queued save arrives)
+    io.save_checkpoint(small_checkpoint(4), old)
+    io.save_checkpoint(small_checkpoint(8), tmp_path / "epoch=1-step=8.ckpt")
+    io.teardown()
+    assert not old.exists() and _tags(store) == {"epoch_1-step_8": 8}
+    assert io.load_checkpoint(tmp_path / "epoch=1-step=8.ckpt")["global_step"] == 8
+    assert io.load_checkpoint("latest")["global_step"] == 8
+
+
+def test_async_checkpoint_io_keeps_the_top_k_only(store: str, shm: Path,
+                                                  tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    warnings.filterwarnings("ignore")
+    x = torch.randn(32, 8)
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=3,
+                        plugins=[AsyncCheckpointIO(io)], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+                            dirpath=tmp_path / "ckpt", save_last=True, save_top_k=1)])
+    trainer.fit(_Regressor(), DataLoader(TensorDataset(x, x[:, :1]), batch_size=8))
+    io.teardown()  # (AsyncCheckpointIO's own does not reach the plugin it wraps)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=2-step=12.ckpt", "last.ckpt"]
+    assert _tags(store) == {"epoch_2-step_12": 12, "last": 12}
+
+
 def test_a_background_failure_is_raised_by_the_next_call(store: str, shm: Path,
                                                          tmp_path: Path) -> None:
     first = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm))

@@ -29,6 +29,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptd.client.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+from ckptd.client.integrations.lightning.failures import in_lightning_terms  # noqa: E402
 from tests.integration.lightning_fixtures import (  # noqa: E402,F401 - *_fixture: found by pytest
     io_fixture,
     small_checkpoint,
@@ -149,3 +150,28 @@ def test_a_failed_save_is_said_once_in_lightnings_terms(
     assert "ckpt_path='latest'" in message and "new job=" in message, message
     assert "handle.wait()" not in message and "step()" not in message, message
     again.teardown()  # (Lightning's error path calls it again: nothing more to say)
+
+
+def test_a_write_token_rotates_top_k_without_failing_the_run(
+        tenants: tuple[ServerProcess, dict[str, str]], shm: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(Found by a probe.) Removing a tag needs admin on the job: a run with the
+    write token the docs advise failed at teardown when top-k let a checkpoint go,
+    advising a token "of role write" that it had. The pointer goes, the tag stays
+    (said once, with the role that would let it go), and the run ends well."""
+    srv, tokens = tenants
+    io = CkptdCheckpointIO(srv.url, job="lt-k", token=tokens["write"], shm_dir=str(shm))
+    paths = [tmp_path / f"epoch={i}-step={4 * (i + 1)}.ckpt" for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ckptd.client.integrations.lightning"):
+        for i, path in enumerate(paths):
+            io.save_checkpoint(small_checkpoint(4 * (i + 1)), path)
+            if i:
+                io.remove_checkpoint(paths[i - 1])
+        io.teardown()  # (it raised Forbidden)
+    assert [p.exists() for p in paths] == [False, False, True]
+    said = [r.getMessage() for r in caplog.records if "stays" in r.getMessage()]
+    assert len(said) == 1 and "--role admin" in said[0] and "lt-k" in said[0], said
+    refused = in_lightning_terms(Forbidden("this token (write on 'lt-*') may not admin job "
+                                           "'lt-k'", needs="admin", job="lt-k"),
+                                 "lt-k", srv.url)
+    assert "--role admin" in refused.message and "--role write" not in refused.message

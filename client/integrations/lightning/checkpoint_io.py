@@ -114,6 +114,11 @@ class CkptdCheckpointIO(CheckpointIO):
         self._last: Saved | None = None
         self._lock = threading.Lock()
         self._counts: RankZeroSaves | None = None  # (once the group exists)
+        # Paths removed before their save reached this plugin (a wrapping
+        # AsyncCheckpointIO queues saves, not removals): that save keeps neither a
+        # pointer nor a tag. (Touched on the background thread only.)
+        self._removed_early: set[str] = set()
+        self._said_untag = False  # a token that may not remove tags: said once
         self._counts_known = False
         self._store_id: str | None = None
         self._store_id_known = False
@@ -275,6 +280,13 @@ class CkptdCheckpointIO(CheckpointIO):
         the pointer at ``path``."""
         if handle is not None:
             handle.wait(self.timeout)
+        if path in self._removed_early:
+            self._removed_early.discard(path)
+            log.info("%s: removed before its save of step %d came (top-k, through a "
+                     "wrapper that queues saves): the step is stored, with no pointer or tag "
+                     "by that name", path, step)
+            self._untag(path, step)
+            return
         if tag is not None:
             self._job_tags().set(tag, step)
         if self.pointers:
@@ -289,11 +301,27 @@ class CkptdCheckpointIO(CheckpointIO):
         if doc is None and os.path.exists(path):
             log.warning("%s is not a ckptd pointer: left alone", path)
             return
-        step = doc["step"] if doc is not None else None
-        if doc is not None and doc["job"] == self.job:
+        if doc is None:  # its save is still to come (AsyncCheckpointIO's queue)
+            self._removed_early.add(path)
+            return
+        if doc["job"] == self.job:
+            self._untag(path, doc["step"])
+        os.remove(path)
+
+    def _untag(self, path: str, step: int) -> None:
+        """Removes the tag of ``path``'s name from ``step``. A token that may not
+        remove tags (that needs admin on the job) leaves it: said once, not a failure
+        of the run (the tag keeps its step from retention)."""
+        try:
             self._job_tags().remove(tag_for_path(path), step)
-        if doc is not None:
-            os.remove(path)
+        except Forbidden as exc:
+            if not self._said_untag:
+                self._said_untag = True
+                log.warning("%s: the tag %r of step %d stays, and keeps the step from "
+                            "retention: %s; to let top-k steps go, pass CkptdCheckpointIO a "
+                            "token of role admin on job %s (ckptd token create --job %s "
+                            "--role admin)", path, tag_for_path(path), step, exc.message,
+                            self.job, self.job)
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None

@@ -71,8 +71,9 @@ def _advice(err: CkptdError, job: str, url: str, step: Any) -> str:
                 "stored once, and this run did not resume from the newest one): resume with "
                 f"ckpt_path='latest', or give this run a new job= in CkptdCheckpointIO")
     if isinstance(err, Unauthorized | Forbidden):
-        return (f"pass CkptdCheckpointIO a token of role write on job {job} (ckptd token "
-                f"create --job {job} --role write) as token= or CKPTD_TOKEN; {resume}")
+        role = err.detail.get("needs") if err.detail.get("needs") in ("admin",) else "write"
+        return (f"pass CkptdCheckpointIO a token of role {role} on job {job} (ckptd token "
+                f"create --job {job} --role {role}) as token= or CKPTD_TOKEN; {resume}")
     if isinstance(err, StoreFull):
         return f"free space in the store (ckptd forget {job}, then ckptd gc); {resume}"
     if isinstance(err, Unavailable | Timeout):
