@@ -174,7 +174,7 @@ def checked_serve(overrides: dict[str, Any], check: bool) -> tuple[Settings, Sto
     in place of the store."""
     settings = server_settings(overrides)
     check_listen(settings.host, settings.port)
-    if check and (new := new_local_store(settings.store)) is not None:
+    if check and (new := new_local_store(settings)) is not None:
         return settings, new
     store = writable_store(settings, server_store(settings), check=check)
     return settings, f"ok: would serve {store.describe()}" if check else store
@@ -192,7 +192,10 @@ def server_store(settings: Settings) -> Store:
         raise InvalidRequest(f"the store {text} is a file, not a directory: give --store "
                              "(CKPTD_STORE) a directory, a new one or a ckptd store")
     store = open_store(text)
-    _warn_small_disk(settings, store)
+    from ckptd.store.local import LocalStore
+
+    if isinstance(store, LocalStore):
+        _warn_small_disk(settings, store.root)
     return store
 
 
@@ -205,10 +208,11 @@ def _local_path(store: str) -> Path | None:
     return None if "://" in store else Path(store)
 
 
-def new_local_store(store: str) -> str | None:
+def new_local_store(settings: Settings) -> str | None:
     """What ``serve --check`` says of a local store that is not there yet, which the
     check does not make (a mistyped path is left as it was); None when the store is
     there or not local. ``StoreError`` when the store could not be made there."""
+    store = settings.store
     local = _local_path(store)
     if local is None or local.exists():
         return None
@@ -221,21 +225,21 @@ def new_local_store(store: str) -> str | None:
         why = " is not a directory" if not above.is_dir() else f": {exc.strerror or exc}"
         raise StoreError(f"cannot create store directory {local}: {above}{why}",
                          store=store) from None
-    return f"ok: would make the store {local} (it is not there yet) and serve it"
+    _warn_small_disk(settings, local)
+    return f"ok: would serve file://{local} (not there yet: serve makes it; the check made nothing)"
 
 
-def _warn_small_disk(settings: Settings, store: Store) -> None:
+def _warn_small_disk(settings: Settings, root: Path) -> None:
     """Says at start when a local store's file system has less free space than the
     server keeps free: every save would be refused (store_full), even on an empty
     store, and forgetting steps would not help."""
     import shutil
 
     from ckptd.knobs import human_bytes
-    from ckptd.store.local import LocalStore
 
-    if not isinstance(store, LocalStore) or not settings.min_free_bytes:
+    if not settings.min_free_bytes:
         return
-    where = store.root
+    where = root
     while not where.exists() and where != where.parent:
         where = where.parent
     free = shutil.disk_usage(where).free

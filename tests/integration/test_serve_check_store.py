@@ -73,7 +73,8 @@ def test_a_store_not_there_yet_is_not_made_by_the_check(tmp_path: Path) -> None:
     new = tmp_path / "typo" / "store"
     done = ckptd("serve", "--check", "--store", str(new), "--port", "0")
     assert done.returncode == 0, done.stderr
-    assert f"would make the store {new} (it is not there yet)" in " ".join(done.stdout.split())
+    said = " ".join(done.stdout.split())
+    assert f"ok: would serve file://{new} (not there yet: serve makes it" in said, said
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
     file = tmp_path / "a-file"
     file.write_text("")
