@@ -251,6 +251,9 @@ def diff(
         bool, typer.Option("--values", help="Read changed chunks for max-abs/relative diffs.")
     ] = False,
     show_all: Annotated[bool, typer.Option("--all", help="List unchanged tensors too.")] = False,
+    exit_code: Annotated[bool, typer.Option(
+        "--exit-code", help="Exit 1 when a tensor differs, 0 when none does (as "
+        "git diff --exit-code).")] = False,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
@@ -282,3 +285,5 @@ def diff(
     console.print(table)
     changed = sum(1 for d in diffs if d.status != "same")
     console.print(f"{changed} of {len(diffs)} tensors differ between step {step_a} and {step_b}")
+    if exit_code and changed:
+        raise typer.Exit(1)

@@ -210,6 +210,11 @@ def test_diff_counts_shared_chunks_and_reads_only_changed_ones(tmp_path: Path,
     assert diffs["w"].max_abs == 2.0 and diffs["w"].max_rel == float("inf")
     assert diffs["b"].status == "same" and diffs["b"].max_abs == 0.0
     assert diffs["gone"].status == "removed" and diffs["new"].status == "added"
+    # --exit-code: 1 when a tensor differs, as git diff's (found by a probe: a script
+    # could not tell two steps apart by the exit code)
+    for steps, code in ((["1", "2"], 1), (["2", "2"], 0)):
+        out = runner.invoke(app, ["diff", "d", *steps, "--exit-code", "--url", url])
+        assert out.exit_code == code and "tensors differ" in out.output, out.output
 
 
 @pytest.mark.slow
