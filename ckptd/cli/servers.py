@@ -170,7 +170,8 @@ def _ask(url: str, token: str | None, within: float) -> _Heard:
         return _Heard(url, mistake=not_a_server(resp))  # another program's answer
     if resp.status_code == 401:
         message = body.get("message") or "unauthorized"
-        return _Heard(url, mistake=Unauthorized(f"{url} refused the token: {message}"))
+        said = "refused the token" if token else "needs a token and none was given"
+        return _Heard(url, mistake=Unauthorized(f"{url} {said}: {message}"))
     # A ckptd that answers with its own error (one without this route, a token that may
     # not list replicas but may do what the command asks): the command's calls decide.
     return _Heard(url, mode="?")

@@ -151,7 +151,8 @@ def test_a_list_with_another_program_names_it_and_tries_nothing_else(
 def test_a_list_with_a_server_refusing_the_token_names_it(
         saved: ServerProcess, token_server: ServerProcess) -> None:
     done, _ = ckptd("ls", "--url", f"{saved.url},{token_server.url}")
-    assert_short_usage_error(done, token_server.url, "refused the token")
+    # (none given: said so, not "refused the token", found by a probe)
+    assert_short_usage_error(done, token_server.url, "needs a token and none was given")
     assert "damaged" not in done.stderr
     done, _ = ckptd("ls", "--url", token_server.url, env={"CKPTD_TOKEN": "wrong"})
     assert_short_usage_error(done, token_server.url, "refused the token", "--token")
