@@ -117,6 +117,22 @@ class JobNotFound(NotFound):
     code = "job_not_found"
 
 
+# Up to this many jobs are named when a job is not found; more are counted.
+JOBS_NAMED = 10
+
+
+def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:
+    """The error for a job the store at ``where`` does not hold, naming those it does
+    (the CLI's words, and the zarr view's)."""
+    if not jobs:
+        known = "it holds no jobs yet"
+    elif len(jobs) <= JOBS_NAMED:
+        known = "jobs there: " + ", ".join(sorted(jobs))
+    else:
+        known = f"it holds {len(jobs)} jobs (`ckptd ls` lists them)"
+    return JobNotFound(f"no job {job!r} at {where}; {known}", job=job)
+
+
 # -- integrity: bytes that are not what their name says ---------------------------------
 
 

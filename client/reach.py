@@ -120,20 +120,26 @@ async def may_write(transport: HttpTransport) -> str | None:
 
 
 def _refusal(transport: HttpTransport, resp: httpx.Response, job: str) -> CkptdError:
-    error = http_error(resp)
-    given = "Authorization" in transport.session.headers
+    return token_refusal(http_error(resp), transport.url,
+                         "Authorization" in transport.session.headers, job)
+
+
+def token_refusal(error: CkptdError, url: str, given: bool, job: str,
+                  needs: str = "write") -> CkptdError:
+    """A server's refusal of a token (``Unauthorized``, ``Forbidden``) said with its
+    URL and how to pass one that it takes; any other error as it is."""
     if isinstance(error, Unauthorized):
         what = ("refused the token given" if given
                 else "needs a token and none was given")
         return Unauthorized(
-            f"the ckptd server at {transport.url} {what} ({error.message}): pass the "
+            f"the ckptd server at {url} {what} ({error.message}): pass the "
             "token it was started with, or one of job "
-            f"{job!r} from `ckptd token create`, as token= or CKPTD_TOKEN", url=transport.url)
+            f"{job!r} from `ckptd token create`, as token= or CKPTD_TOKEN", url=url)
     if isinstance(error, Forbidden):
         return Forbidden(
-            f"the ckptd server at {transport.url} refused the token given for job {job!r} "
-            f"({error.message}): use a token whose scope covers job {job!r} with write "
-            "access (`ckptd token create`), as token= or CKPTD_TOKEN", url=transport.url)
+            f"the ckptd server at {url} refused the token given for job {job!r} "
+            f"({error.message}): use a token whose scope covers job {job!r} with {needs} "
+            "access (`ckptd token create`), as token= or CKPTD_TOKEN", url=url)
     return error
 
 

@@ -427,7 +427,8 @@ def check_dtypes(state: Any, source: str | Path) -> None:
                 f"{dtype} (docs/FORMAT.md#dtypes); import its bits as uint8 instead (save "
                 f"t.view(torch.uint8); after a restore, .view(torch.{dtype}) gives it back "
                 f"bitwise), or leave it out (ckptd import --exclude {name}; "
-                f"import_checkpoint(..., exclude=[{name!r}]) in Python)",
+                f"ckptd.client.step_import.import_checkpoint(..., exclude=[{name!r}]) in "
+                "Python)",
                 name=name, dtype=dtype)
 
 

@@ -29,9 +29,11 @@ from ckptd.errors import (
     CheckpointNotFound,
     InvalidDocument,
     InvalidRequest,
+    JobNotFound,
     ManifestHashMismatch,
     Unavailable,
     from_json,
+    job_not_found,
 )
 from ckptd.format import CommitRecord, RankManifest, check_job
 from ckptd.hashing import document_hash
@@ -565,3 +567,16 @@ async def read_step(
         *(transport.read_manifest(job, step, r) for r in range(record.world_size))
     )
     return step, list(manifests)
+
+
+async def missing_job(transport: Transport, job: str) -> JobNotFound | None:
+    """``JobNotFound`` naming the jobs there when the store holds no step of ``job``
+    at all (through a server, the jobs its token may see); None when it does."""
+    if await transport.list_steps(job):
+        return None
+    repository = getattr(transport, "repository", None)
+    if repository is not None:  # a store used directly: the names alone
+        jobs = list(await repository.list_jobs())
+    else:
+        jobs = [j["job"] for j in await transport.list_jobs()]
+    return job_not_found(job, jobs, transport.describe())

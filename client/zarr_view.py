@@ -34,13 +34,21 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.sync import sync
 
 from ckptd import knobs
-from ckptd.errors import ChunkHashMismatch, ChunkSizeMismatch, InvalidRequest
+from ckptd.errors import (
+    CheckpointNotFound,
+    ChunkHashMismatch,
+    ChunkSizeMismatch,
+    Forbidden,
+    InvalidRequest,
+    Unauthorized,
+)
 from ckptd.format import canonical_json, chunk_key
 from ckptd.zarr.grid import assemble, needed_chunks
 from ckptd.zarr.hierarchy import ArrayNode, Hierarchy, build, join
 
 from .endpoint import cache_root, endpoint
-from .transport import Transport, open_transport, read_step
+from .reach import token_refusal
+from .transport import Transport, missing_job, open_transport, read_step
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +145,22 @@ class CheckpointStore(Store):
             self._loading = None
             raise
 
+    async def _open(self) -> None:
+        # zarr takes any KeyError of its first read for "no group here" (a
+        # GroupNotFoundError naming neither job nor step): the step is read as zarr
+        # opens the store, outside that, so a job or step not there says so itself.
+        await self.hierarchy()
+        await super()._open()
+
     async def _load(self) -> Hierarchy:
-        step, manifests = await read_step(self._open_transport(), self.job, self.step)
+        transport = self._open_transport()
+        try:
+            step, manifests = await read_step(transport, self.job, self.step)
+        except CheckpointNotFound as exc:
+            raise await missing_job(transport, self.job) or exc from None
+        except (Unauthorized, Forbidden) as exc:
+            raise token_refusal(exc, self.url, self.token is not None, self.job,
+                                needs="read") from None
         self.step = step
         self._hierarchy = build(manifests)
         return self._hierarchy

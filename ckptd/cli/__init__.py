@@ -369,7 +369,7 @@ def verify(
         except NotFound:
             if await transport.list_steps(job):
                 raise
-            from ckptd.cli.mistakes import job_not_found  # a job not there: name those there
+            from ckptd.errors import job_not_found  # a job not there: name those there
 
             jobs = [_field(j, "job") for j in await transport.list_jobs()]
             raise job_not_found(job, jobs, transport.describe()) from None

@@ -89,7 +89,7 @@ def rollback_job(url: str, token: str | None, job: str, step: int | None,
 
 async def _job_there(repo: Any, job: str) -> None:
     """``JobNotFound`` naming the jobs there when the store holds no ``job``."""
-    from ckptd.cli.mistakes import job_not_found
+    from ckptd.errors import job_not_found
 
     jobs = await repo.list_jobs()
     if job not in jobs:
@@ -98,7 +98,7 @@ async def _job_there(repo: Any, job: str) -> None:
 
 def _server_job_there(server: SyncTransport, job: str, url: str) -> None:
     """``JobNotFound`` naming the jobs there (those its token reads) when it has no ``job``."""
-    from ckptd.cli.mistakes import job_not_found
+    from ckptd.errors import job_not_found
 
     jobs = [j.job for j in server.jobs().jobs]
     if job not in jobs:

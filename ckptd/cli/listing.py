@@ -104,7 +104,7 @@ async def steps_table(transport: Any, job: str, notes: Notes) -> Table:
 
     steps = await transport.list_steps(job)
     if not steps:
-        from ckptd.cli.mistakes import job_not_found
+        from ckptd.errors import job_not_found
 
         jobs = [_get(j, "job") for j in await transport.list_jobs()]
         raise job_not_found(job, jobs, transport.describe())

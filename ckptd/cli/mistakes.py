@@ -20,7 +20,6 @@ from ckptd.errors import (
     CkptdError,
     InvalidName,
     InvalidRequest,
-    JobNotFound,
     NotFound,
     StoreError,
 )
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
 
 # The exit code of every usage mistake (click's, and ckptd's own `_fail`).
 USAGE = 2
-# Up to this many jobs are named when a job is not found; more are counted.
-JOBS_NAMED = 10
 
 
 # Options of ``ckptd`` itself, which go before the command.
@@ -506,18 +503,11 @@ def unknown_job(exc: CkptdError, url: str, token: str | None, job: str) -> Ckptd
         return exc
 
     async def ask() -> CkptdError:
-        from ckptd.client.transport import open_transport
+        from ckptd.client.transport import missing_job, open_transport
 
         transport = open_transport(url, token=token, create=False)
         try:
-            if await transport.list_steps(job):
-                return exc  # (the job is there; its step is not committed)
-            repository = getattr(transport, "repository", None)
-            if repository is not None:  # a store used directly: the names alone
-                jobs = list(await repository.list_jobs())
-            else:  # a server: those the token may see
-                jobs = [j["job"] for j in await transport.list_jobs()]
-            return job_not_found(job, jobs, transport.describe())
+            return await missing_job(transport, job) or exc
         finally:
             await transport.close()
 
@@ -525,17 +515,6 @@ def unknown_job(exc: CkptdError, url: str, token: str | None, job: str) -> Ckptd
         return asyncio.run(ask())
     except (CkptdError, OSError, KeyboardInterrupt):  # (Ctrl-C: the error as it was)
         return exc
-
-
-def job_not_found(job: str, jobs: list[str], where: str) -> JobNotFound:
-    """The error for a job the store does not hold, naming the jobs it does."""
-    if not jobs:
-        known = "it holds no jobs yet"
-    elif len(jobs) <= JOBS_NAMED:
-        known = "jobs there: " + ", ".join(sorted(jobs))
-    else:
-        known = f"it holds {len(jobs)} jobs (`ckptd ls` lists them)"
-    return JobNotFound(f"no job {job!r} at {where}; {known}", job=job)
 
 
 def check_listen(host: str, port: int) -> None:

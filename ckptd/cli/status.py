@@ -206,7 +206,7 @@ def status(
             params["job"] = check_job(job)
         with _server(url, token) as server:
             if job is not None and watch is None:  # --watch may wait for a job to start
-                from ckptd.cli.mistakes import job_not_found
+                from ckptd.errors import job_not_found
 
                 everything = server.overview({"steps": 0})
                 known = {j.job for j in everything.jobs}

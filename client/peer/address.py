@@ -33,6 +33,9 @@ class PeerAddress:
 
     bind: str
     advertise: str
+    # No route was found toward the server (a name that does not resolve, no
+    # default route): ``advertise`` is then 127.0.0.1, which other hosts cannot reach.
+    unrouted: bool = False
 
 
 def peer_address(host: str | None = None, *, toward: str | None = None,
@@ -48,23 +51,32 @@ def peer_address(host: str | None = None, *, toward: str | None = None,
     interface = interface if interface is not None else knobs.peer_interface()
     advertise = advertise or knobs.peer_advertise_host()
     named = interface_address(interface) if interface else None
+    unrouted = False
     if advertise is None:
         if named is not None:
             advertise = named
         elif host is not None and host not in WILDCARDS:
             advertise = host
         else:
-            advertise = route_address(toward)
+            advertise = route(toward)
+            unrouted = advertise is None
+            advertise = advertise or "127.0.0.1"
     if host is None:
         host = named if named is not None else ("::" if ":" in advertise else "0.0.0.0")
-    return PeerAddress(bind=host, advertise=advertise)
+    return PeerAddress(bind=host, advertise=advertise, unrouted=unrouted)
 
 
 def route_address(toward: str | None = None) -> str:
     """This host's address on the route toward ``toward`` (a URL or host; default:
-    the default route), as peers and the server see it: never ``localhost``. A UDP
-    ``connect`` sends nothing; it only asks the kernel which source it would use.
-    Of several comma-separated URLs (replicas), the first."""
+    the default route), as peers and the server see it: never ``localhost``; 127.0.0.1
+    where there is no such route. Of several comma-separated URLs (replicas), the first."""
+    return route(toward) or "127.0.0.1"
+
+
+def route(toward: str | None = None) -> str | None:
+    """``route_address``, or None where no route is found (``toward``'s host does not
+    resolve, or no default route). A UDP ``connect`` sends nothing; it only asks the
+    kernel which source it would use. ``ValueError`` for a URL urllib cannot parse."""
     toward = toward.split(",")[0] if toward else None
     host = urlparse(toward).hostname if toward and "//" in toward else toward
     target = host or "10.255.255.255"
@@ -75,7 +87,7 @@ def route_address(toward: str | None = None) -> str:
             s.connect(addr)
             return str(s.getsockname()[0])
     except OSError:
-        return "127.0.0.1"
+        return None
 
 
 def interface_address(name: str) -> str:

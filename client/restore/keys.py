@@ -143,7 +143,7 @@ def check_keys(
         raise RestoreError(
             f"the checkpoint of step {step} lacks {_entries(missing)} the target holds: "
             f"{_names(missing)}; restore(..., strict=False) leaves them as they are"
-            + _flat_hint(tree, missing),
+            + _nesting_hint(tree, target, kinds, missing),
             entries=[path_str(p) for p in missing[:50]], step=step,
         )
     if unexpected:
@@ -159,13 +159,36 @@ def _entries(paths: list[tuple[Any, ...]]) -> str:
     return f"{len(paths)} entr{'y' if len(paths) == 1 else 'ies'}"
 
 
-def _flat_hint(tree: Any, missing: list[tuple[Any, ...]]) -> str:
-    """A step that holds flat names (``model.0.weight``: safetensors imported from
-    elsewhere) where the target has a tree (``{"model": ...}``): said, with the way
-    to restore it."""
+def _nesting_hint(tree: Any, target: Any, kinds: Mapping[Path, Kind],
+                  missing: list[Path]) -> str:
+    """A step nested otherwise than the target, said with the way to restore it: its
+    top holds the names of one entry of the target (a flat import of a module's
+    ``state_dict()``, restored as ``{"model": model}``), or the target's names sit
+    one level down in it (``{"model": ...}`` saved, ``model.state_dict()`` given),
+    or it holds flat names (``model.0.weight``: safetensors from elsewhere) where
+    the target has a tree."""
     if not (isinstance(tree, Mapping) and isinstance(tree.get("dict"), list)):
         return ""
     stored = [key for key, _ in tree["dict"] if isinstance(key, str)]
+    top = [p[0] for p in missing if len(p) == 1]
+    for key in top:
+        sub = target.get(key) if isinstance(target, Mapping) else None
+        names = [k for k, v in sub.items() if _holds(v)] if isinstance(sub, Mapping) else []
+        shared = [k for k in names if k in stored]
+        if shared and 2 * len(shared) >= len(names):
+            where = path_str((key,))
+            how = (f"restore(model.state_dict()) of the module at {where}"
+                   if kinds.get((key,)) == "module" else f"restore({where})")
+            return (f". The step holds the names of {where} at its top (such as "
+                    f"{shared[0]!r}: a flat import): {how} restores them")
+    for key, child in tree["dict"]:
+        ((what, body),) = child.items()
+        inner = {k for k, _ in body} if what == "dict" else set()
+        shared = [k for k in top if k in inner]
+        if shared and 2 * len(shared) >= len(top):
+            return (f". The step holds them one level down, under {key!r} (such as "
+                    f"{path_str((key, shared[0]))}): restore({{{key!r}: model}}) (or a dict "
+                    "nested so) restores them")
     for path in missing:
         if len(path) == 1 and isinstance(path[0], str):
             flat = [key for key in stored if key.startswith(f"{path[0]}.")]

@@ -157,3 +157,43 @@ def test_flat_files_restored_into_a_tree_say_how_to_restore_them(tmp_path: Path,
     said = info.value.message
     assert "lacks 1 entry the target holds" in said, said
     assert "flat names such as 'model.bias'" in said and "state_dict()" in said, said
+
+
+def test_a_step_nested_otherwise_than_the_target_says_the_restore_that_fits(
+        tmp_path: Path, shm: Path) -> None:
+    """(Found by a probe: a flat Hugging Face file of a module's own names, restored
+    as {"model": model}, said only "lacks 1 entry the target holds: state['model']".)"""
+    model = torch.nn.Linear(3, 2)
+    source = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), source)  # 'weight', 'bias': no prefix to see
+    url = f"file://{tmp_path / 'store'}"
+    import_checkpoint(source, url, "flat", 1, shm_dir=shm)
+    with Checkpointer(url, "flat", shm_dir=shm) as ckpt:
+        for target, how in (
+                ({"model": torch.nn.Linear(3, 2)},
+                 "restore(model.state_dict()) of the module at state['model']"),
+                ({"model": torch.nn.Linear(3, 2).state_dict()}, "restore(state['model'])")):
+            with pytest.raises(RestoreError) as info:
+                ckpt.restore(target)
+            said = info.value.message
+            assert said.startswith("the checkpoint of step 1 lacks 1 entry the target holds: "
+                                   "state['model']; "), said
+            assert said.endswith(". The step holds the names of state['model'] at its top "
+                                 f"(such as 'weight': a flat import): {how} restores them"), said
+            assert "\n" not in said
+        again = torch.nn.Linear(3, 2)
+        ckpt.restore(again.state_dict())  # the way the line gives
+        assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)
+        # The other way round: a module saved under "model", its state_dict() given.
+        ckpt.save(2, {"model": model}).wait(60)
+        with pytest.raises(RestoreError) as info:
+            ckpt.restore(torch.nn.Linear(3, 2).state_dict(), step=2)
+        said = info.value.message
+        assert said.endswith(". The step holds them one level down, under 'model' (such as "
+                             "state['model']['weight']): restore({'model': model}) (or a dict "
+                             "nested so) restores them"), said
+        # A target that is neither: no word of nesting.
+        with pytest.raises(RestoreError) as info:
+            ckpt.restore({"other": torch.ones(2)}, step=2)
+        assert info.value.message.endswith("strict=False) leaves them as they are"), \
+            info.value.message

@@ -6,6 +6,7 @@ every chunk verified; a flipped byte in the sender's pool fails the receive with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -435,3 +436,32 @@ def test_groups_given_different_tokens_are_told_to_give_all_the_same(
     assert "every replica group must be given the same CkptdTransport(token=...)" in message
     assert message.endswith(f"this group {this_group}") and "\n" not in message
     assert "token-of-group" not in message
+
+
+def test_a_lighthouse_that_gives_no_route_is_said(
+        shm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """TORCHFT_LIGHTHOUSE='http://[bad:1' raised urllib's bare 'Invalid IPv6 URL',
+    naming neither the variable nor ckptd; a host that does not resolve, or one
+    without its scheme, advertised 127.0.0.1 in silence, which no other host reaches."""
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://[bad:1")
+    with pytest.raises(InvalidRequest, match=r"^TORCHFT_LIGHTHOUSE='http://\[bad:1' is not "
+                       r"a URL \(Invalid IPv6 URL\): set it .*CkptdTransport\(advertise_host="):
+        CkptdTransport(60, shm_dir=str(shm))
+    assert not any(p for p in shm.rglob("*") if p.is_file())  # (its pool is gone)
+    named: CkptdTransport[Any] = CkptdTransport(60, advertise_host="127.0.0.1",
+                                                shm_dir=str(shm))
+    named.shutdown()  # (given the address, the lighthouse is not asked)
+    for value in ("http://no-such-host.invalid:29510", "no-such-host.invalid:29510"):
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", value)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ckptd.client.integrations.torchft"):
+            two = [CkptdTransport(60, shm_dir=str(shm)) for _ in range(2)]
+        for t in two:
+            assert json.loads(t.metadata())["url"].startswith("http://127.0.0.1:")
+            t.shutdown()
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(said) == 1, said  # once
+        assert "127.0.0.1 (loopback), which replica groups on other hosts cannot reach" \
+            in said[0]
+        assert repr(value) in said[0] and "CkptdTransport(advertise_host=...)" in said[0]
+    assert "has no scheme" in said[0]

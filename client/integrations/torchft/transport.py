@@ -78,6 +78,27 @@ class HealStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+_UNROUTED_SAID: set[str | None] = set()  # the lighthouse values warned of, once each
+
+
+def _say_unrouted(lighthouse: str | None) -> None:
+    """A warning, once a process, that the transport advertises 127.0.0.1 because no
+    route toward the lighthouse was found: groups on other hosts cannot heal from it."""
+    if lighthouse in _UNROUTED_SAID:
+        return
+    _UNROUTED_SAID.add(lighthouse)
+    if lighthouse is None:
+        why = "TORCHFT_LIGHTHOUSE is not set and this host has no default route"
+    elif "//" not in lighthouse:
+        why = f"TORCHFT_LIGHTHOUSE={lighthouse!r} has no scheme (http://host:port)"
+    else:
+        why = f"the host of TORCHFT_LIGHTHOUSE={lighthouse!r} does not resolve here"
+    log.warning("torchft: CkptdTransport advertises its chunk server at 127.0.0.1 (loopback), "
+                "which replica groups on other hosts cannot reach: %s. Give "
+                "CkptdTransport(advertise_host=...) (or CKPTD_PEER_ADVERTISE_HOST) the "
+                "address they reach this host at", why)
+
+
 class _HealServer(PeerServer):
     """A peer server that also says which manifest describes what it serves (its
     ``/v1/peer`` answer), so that a receiver knows the chunk that lists the others."""
@@ -157,8 +178,19 @@ class CkptdTransport(CheckpointTransport[T]):  # type: ignore[misc,unused-ignore
             # Replica groups run on other hosts: every interface (the token guards
             # it), advertised at this host's address on the route to the lighthouse
             # (torchft's TORCHFT_LIGHTHOUSE), as a Checkpointer's peer server is.
-            where = peer_address(host, toward=os.environ.get("TORCHFT_LIGHTHOUSE"),
-                                 advertise=advertise_host)
+            lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE") or None
+            try:
+                where = peer_address(host, toward=lighthouse, advertise=advertise_host)
+            except InvalidRequest:
+                raise
+            except ValueError as exc:  # urllib's, of the one URL it parses: the lighthouse's
+                raise InvalidRequest(
+                    f"TORCHFT_LIGHTHOUSE={lighthouse!r} is not a URL ({exc}): set it to the "
+                    "lighthouse's http://host:port, or give CkptdTransport(advertise_host=...) "
+                    "the address other replica groups reach this host at",
+                    setting="TORCHFT_LIGHTHOUSE") from None
+            if where.unrouted:
+                _say_unrouted(lighthouse)
             self._server = _HealServer(host=where.bind, port=port, token=self._token,
                                        advertise_host=where.advertise, job=self._label,
                                        rank=0)
