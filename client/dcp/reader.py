@@ -41,6 +41,7 @@ from ckptd.errors import (
     InvalidRequest,
     NotFound,
     RestoreError,
+    Unavailable,
     UnsupportedValue,
 )
 from ckptd.format import (
@@ -52,6 +53,7 @@ from ckptd.knobs import MiB
 
 from ..dtypes import byte_view, torch_dtype
 from ..peer import PeerClient
+from ..reach import reach
 from ..restore.failure import failure
 from ..restore.fetch import ChunkFetcher, WantedChunks, deliver
 from ..restore.fill import unflatten
@@ -68,7 +70,7 @@ from ..restore.sources import (
     StoreSource,
 )
 from ..step_import import refused_by
-from ..transport import Transport
+from ..transport import HttpTransport, Transport
 from .index import StepIndex, StoredBox, index_manifest
 from .target import (
     _bare_step,
@@ -163,12 +165,26 @@ class Reader(StorageReader):
         torch first logs it as a warning with its traceback ("Global metadata is not
         found. Falling back to rank local metadata."), then raises its own error. One
         small read (the commit record, or the latest step); which step is the latest
-        is resolved when the load reads it."""
+        is resolved when the load reads it. Before it, a server is asked as a new
+        ``Checkpointer`` asks it (``reach``): a token it refuses, or a program that is
+        not a ckptd server, is raised now in the Checkpointer's words."""
         if not self.url or not self.job:
             return
         job, step, url = self.job, self.step, self.url
+        refused: list[CkptdError] = []
 
         async def read(transport: Transport) -> None:
+            if isinstance(transport, HttpTransport):
+                # As a Checkpointer is made (``reach``): a refused token, a program that
+                # is not a ckptd server, a TLS mismatch are said now, in its words, the
+                # same on every rank; a server that does not answer is left to the load.
+                try:
+                    await reach(transport, job, 0.0)
+                except Unavailable:
+                    raise
+                except CkptdError as exc:
+                    refused.append(exc)
+                    return
             if step is not None:
                 await transport.read_commit(job, step)
             elif (await transport.restorable(job))[0] is None:
@@ -189,6 +205,8 @@ class Reader(StorageReader):
             # error exchange, as before.
             log.debug("checking %s of %s before the load: %s",
                       "the latest step" if step is None else f"step {step}", job, exc)
+        if refused:  # (its frames are the private loop's: the message says all there is)
+            raise refused[0].with_traceback(None) from None
 
     def __repr__(self) -> str:
         return f"Reader({self.url!r}, job={self.job!r}, step={self.step})"

@@ -18,6 +18,7 @@ from ckptd.format import (
     check_step,
 )
 
+from ..endpoint import check_url
 from ..loop import run_private
 from ..transport import Transport, open_transport
 
@@ -88,9 +89,15 @@ def _bare_step(value: Any) -> int | None:
 
 def _where(url: str | None, job: str | None, token: str | None) -> tuple[str, str, str | None]:
     """A storage class's url, job and token; url and token default to ``CKPTD_URL``
-    and ``CKPTD_TOKEN``, and may stay unknown ("") until a checkpoint id names them."""
+    and ``CKPTD_TOKEN``, and may stay unknown ("") until a checkpoint id names them.
+    A url given is checked as a ``Checkpointer`` checks it (``check_url``): a
+    ``host:port`` without its scheme, a path, ``""`` are refused now, in a line."""
     if url is None:
         url = os.environ.get("CKPTD_URL") or ""
+        if url:
+            check_url(url, "CKPTD_URL")
+    else:
+        check_url(url)
     if token is None:
         token = os.environ.get("CKPTD_TOKEN") or None
     return url, ("" if job is None else check_job(job)), token

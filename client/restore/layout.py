@@ -170,7 +170,8 @@ def needed_boxes(
     for e in plan.manifest.entries:
         # A name this rank holds several shards of (format 1.3) is one tensor whose
         # box no single entry gives: needed as from another world size.
-        again = e.name in boxes
+        # An item another rank saved (``plan.elsewhere``): none of this rank's boxes.
+        again = e.name in boxes or e.name in plan.elsewhere
         box = needed_box(e, values.get(e.name), shards.get(e.name), same_world and not again)
         boxes[e.name] = box
         other = other or box != (tuple(e.offsets), tuple(e.shape))

@@ -18,6 +18,13 @@ from .sources import ChunkProblem
 log = logging.getLogger(__name__)
 
 
+# The manifest ``meta`` key of a rank manifest ``torch.distributed.checkpoint``
+# wrote (``client/dcp``): its tree is flat, ``{fqn: node}``. DCP's planner saves each
+# item that several ranks hold at one place (a plain tensor, bytes, a value) once,
+# on a rank it picks, so such a rank's tree holds only what it wrote.
+DCP_META = "dcp"
+
+
 @dataclass(slots=True)
 class RestorePlan:
     """A committed step to restore, this rank's manifest, and who holds its chunks."""
@@ -37,6 +44,8 @@ class RestorePlan:
     reads: dict[str, str] = field(default_factory=dict)
     reads_expire_in: float | None = None
     planned_at: float | None = None
+    # Entry names the tree takes from another rank's manifest (``with_items_saved_once``).
+    elsewhere: set[str] = field(default_factory=set)
 
     @property
     def world_size(self) -> int:
@@ -229,3 +238,56 @@ def fallback_problems(plan: RestorePlan) -> list[ChunkProblem]:
         ChunkProblem(chunk="", tier="store", source="latest", kind="damaged", message=m)
         for m in plan.fallback
     ]
+
+
+def written_by_dcp(manifest: RankManifest) -> bool:
+    """Whether ``torch.distributed.checkpoint`` wrote ``manifest`` (``DCP_META``)."""
+    return isinstance(manifest.meta.get(DCP_META), dict)
+
+
+async def add_items_saved_once(transport: Transport, plan: RestorePlan,
+                               with_peers: bool) -> bool:
+    """Whether DCP wrote the plan's step (``written_by_dcp``); when it did, with
+    several ranks, the plan's manifest becomes ``with_items_saved_once``'s (every
+    rank's manifest read). Not for ``ckptd restore --to DIR``: it stores the rank's
+    manifest as committed."""
+    if not written_by_dcp(plan.manifest):
+        return False
+    if plan.world_size > 1:
+        await load_all_manifests(transport, plan, with_peers)
+        plan.manifest = with_items_saved_once(plan)
+    return True
+
+
+def with_items_saved_once(plan: RestorePlan) -> RankManifest:
+    """The manifest whose tree a rank restores of a step DCP wrote (every rank's
+    manifest read): the plan's own, plus every item of the step's other ranks that
+    it lacks, as the lowest rank holding it stored it (its tree node and entries,
+    named in ``plan.elsewhere``). DCP saved each item several ranks held once, on
+    one rank, and ``dcp.load`` gives it to every rank that asks: DCP has no
+    rank-private state, so neither has a restore of its step."""
+    own = plan.manifest
+    names = {key for key, _ in own.tree.get("dict", [])}
+    taken = {e.name for e in own.entries}
+    tree = list(own.tree.get("dict", []))
+    entries = list(own.entries)
+    for r in sorted(plan.manifests):
+        m = plan.manifests[r]
+        if r == plan.rank or not written_by_dcp(m):
+            continue
+        for key, node in m.tree.get("dict", []):
+            if key in names:
+                continue
+            ((kind, body),) = node.items()
+            named = body if kind in ("tensor", "bytes") else None
+            if named is not None and named in taken:
+                continue  # (not a tree a DCP writer makes: the entry's name is its key)
+            names.add(key)
+            tree.append([key, node])
+            if named is not None:
+                taken.add(named)
+                plan.elsewhere.add(named)
+                entries.extend(e for e in m.entries if e.name == named)
+    if len(tree) == len(own.tree.get("dict", [])):
+        return own
+    return own.model_copy(update={"tree": {"dict": tree}, "entries": entries})

@@ -41,7 +41,14 @@ from .fill import fill, plan_fill
 from .keys import Kind, Path, check_keys, check_places, stateful_kinds, stateful_places
 from .layout import RestoreLayout, _target_values, build_layout, needed_boxes
 from .memory import Landing
-from .plan import RestorePlan, fallback_problems, load_all_manifests, load_plan, resolve_step
+from .plan import (
+    RestorePlan,
+    add_items_saved_once,
+    fallback_problems,
+    load_all_manifests,
+    load_plan,
+    resolve_step,
+)
 from .sources import (
     TIERS,
     ChunkProblem,
@@ -230,7 +237,7 @@ async def fetch_layout(
 def _whole(plan: RestorePlan, rank: int, verified: Mapping[str, memoryview]) -> bool:
     """True when the pool gave every chunk of ``rank``'s manifest of the plan's step
     (``serves_whole``)."""
-    manifest = plan.manifest if plan.rank == rank else plan.manifests.get(rank)
+    manifest = plan.manifests.get(rank)
     return manifest is not None and serves_whole(plan.job, rank, plan.step,
                                                  manifest.chunk_ids(), verified)
 
@@ -371,10 +378,12 @@ def _restore_planned(
     t_plan = time.perf_counter()
     if ahead is not None and ahead.reader.step != plan.step:
         ahead.stop()  # (another step's pool: what it may still give is read as it is)
-    if plan.rank != rank:
+    # A step DCP wrote has no rank-local state: each rank takes what DCP saved elsewhere.
+    by_dcp = call(add_items_saved_once(transport, plan, opts.peers))
+    if plan.rank != rank and not by_dcp:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)
-    elif rank == 0 and world_size < plan.world_size:  # (said once, by rank 0)
+    elif rank == 0 and world_size < plan.world_size and not by_dcp:  # (said once, by rank 0)
         gone = (f"rank {world_size}" if world_size == plan.world_size - 1
                 else f"ranks {world_size}-{plan.world_size - 1}")
         log.warning("%s: step %d was saved by %d ranks and this launch has %d: sharded "
