@@ -11,7 +11,9 @@ from urllib.parse import urlparse, urlunparse
 
 from ckptd.errors import (
     CkptdError,
+    Forbidden,
     InvalidRequest,
+    Unauthorized,
 )
 from ckptd.format import (
     check_job,
@@ -20,6 +22,7 @@ from ckptd.format import (
 
 from ..endpoint import check_url
 from ..loop import run_private
+from ..reach import token_refusal
 from ..transport import Transport, open_transport
 
 T = TypeVar("T")
@@ -191,6 +194,9 @@ def _run(
     try:
         return run_private(body(), timeout, what=f"DCP storage call to {url}",
                            name="ckptd-dcp")
+    except (Unauthorized, Forbidden) as exc:  # (said with the URL and how to pass one)
+        raise token_refusal(exc, url, bool(token), job or "",
+                            needs="write" if create else "read") from None
     except CkptdError:
         raise
     except Exception as exc:

@@ -103,3 +103,23 @@ def test_a_server_that_is_not_ckptd_is_refused_when_the_reader_is_made(
     assert isinstance(error, InvalidRequest)
     assert "does not answer as a ckptd server" in str(error)
     assert str(error) == str(refusal(lambda: Checkpointer(plain_http, "d")))
+
+
+def test_a_token_the_server_refuses_a_writer_is_said_with_its_url(
+        saved: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Writer asks nothing when it is made (one is made per save): the save says
+    it, in the words a Checkpointer's refusal uses, not the server's bare
+    "missing or wrong bearer token"."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptd.client.dcp import ckptd_error
+
+    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(4)}, storage_writer=Writer(saved.url, "d", 3,
+                                                                 token="wrong"))
+    error = ckptd_error(info.value)
+    assert isinstance(error, Unauthorized), info.value
+    assert saved.url in str(error) and "as token= or CKPTD_TOKEN" in str(error), error
