@@ -6,7 +6,6 @@ probe: each was built, and ``dcp.load`` / ``dcp.save`` then failed inside torch'
 from __future__ import annotations
 
 import http.server
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +18,7 @@ from ckptd.client import Checkpointer
 from ckptd.client.dcp import Reader, Writer
 from ckptd.errors import CkptdError, InvalidRequest, Unauthorized
 from tests.conftest import ServerProcess
+from tests.listeners import http_program
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore::UserWarning")]  # no process group
@@ -48,15 +48,8 @@ def plain_http() -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        thread.join(timeout=10)
-        httpd.server_close()
+    with http_program(Quiet) as url:
+        yield url
 
 
 @pytest.mark.parametrize("make", [
