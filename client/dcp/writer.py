@@ -51,6 +51,7 @@ from ckptd.knobs import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from ..dtypes import byte_view, dtype_name
 from ..launch import launch_incarnation
 from ..loop import run_private
+from ..restore.plan import DCP_ELSEWHERE
 from ..save.chunks import hash_views, upload_missing
 from ..save.flatten import not_storable, value_tree
 from ..transport import Transport
@@ -129,9 +130,21 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.last_write: WriteSummary | None = None
+        # What this rank's local plan held, before DCP chose where each item several
+        # ranks hold is saved (``prepare_local_plan``): those it saves elsewhere are
+        # named in the manifest, for a restore of this rank (``DCP_ELSEWHERE``).
+        self._planned: set[str] | None = None
 
     def __repr__(self) -> str:
         return f"Writer({self.url!r}, job={self.job!r}, step={self.step})"
+
+    def _elsewhere(self, plan: SavePlan) -> dict[str, list[str]]:
+        """The items this rank planned that DCP saves on another rank, as the
+        manifest's ``meta["dcp"]`` names them (none known: nothing said)."""
+        if self._planned is None:
+            return {}
+        written = {item.index.fqn for item in plan.items}
+        return {DCP_ELSEWHERE: sorted(self._planned - written)}
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -187,6 +200,7 @@ class Writer(StorageWriter):
         for fqn, items in boxes.items():
             if len(items) > 1:
                 _check_local_shards(fqn, items)
+        self._planned = set(boxes)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -259,7 +273,8 @@ class Writer(StorageWriter):
             chunk_size=self.chunk_size,
             entries=entries,
             tree={"dict": tree},
-            meta={META_KEY: {"version": META_VERSION, "paths": meta_paths},
+            meta={META_KEY: {"version": META_VERSION, "paths": meta_paths,
+                             **self._elsewhere(plan)},
                   # (docs/FORMAT.md "Launches": no step pairs two launches' manifests)
                   **({} if launch is None else {INCARNATION_META: launch})},
         )

@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 # item that several ranks hold at one place (a plain tensor, bytes, a value) once,
 # on a rank it picks, so such a rank's tree holds only what it wrote.
 DCP_META = "dcp"
+# Its key naming the fqns this rank planned that DCP saved on another rank (an item
+# several ranks hold is saved once): a restore of this rank takes those, and no other
+# rank's items (a pipeline stage's rank is not given every stage's). Absent in steps
+# saved before ckptd wrote it: a restore then takes every item the rank lacks.
+DCP_ELSEWHERE = "elsewhere"
 
 
 @dataclass(slots=True)
@@ -246,27 +251,33 @@ def written_by_dcp(manifest: RankManifest) -> bool:
 
 
 async def add_items_saved_once(transport: Transport, plan: RestorePlan,
-                               with_peers: bool) -> bool:
+                               with_peers: bool, world_size: int) -> bool:
     """Whether DCP wrote the plan's step (``written_by_dcp``); when it did, with
     several ranks, the plan's manifest becomes ``with_items_saved_once``'s (every
-    rank's manifest read). Not for ``ckptd restore --to DIR``: it stores the rank's
-    manifest as committed."""
+    rank's manifest read; at the step's own world size, only the items its rank
+    planned, where its manifest lists them). Not for ``ckptd restore --to DIR``: it
+    stores the rank's manifest as committed."""
     if not written_by_dcp(plan.manifest):
         return False
     if plan.world_size > 1:
         await load_all_manifests(transport, plan, with_peers)
-        plan.manifest = with_items_saved_once(plan)
+        plan.manifest = with_items_saved_once(plan, world_size == plan.world_size)
     return True
 
 
-def with_items_saved_once(plan: RestorePlan) -> RankManifest:
+def with_items_saved_once(plan: RestorePlan, planned_only: bool = False) -> RankManifest:
     """The manifest whose tree a rank restores of a step DCP wrote (every rank's
     manifest read): the plan's own, plus every item of the step's other ranks that
     it lacks, as the lowest rank holding it stored it (its tree node and entries,
     named in ``plan.elsewhere``). DCP saved each item several ranks held once, on
     one rank, and ``dcp.load`` gives it to every rank that asks: DCP has no
-    rank-private state, so neither has a restore of its step."""
+    rank-private state, so neither has a restore of its step. ``planned_only`` (the
+    step's own world size): of those, only the items the rank's manifest names as
+    saved elsewhere (``DCP_ELSEWHERE``; all where it names none), so a pipeline
+    stage's rank is not given every stage's items."""
     own = plan.manifest
+    listed = own.meta[DCP_META].get(DCP_ELSEWHERE) if planned_only else None
+    wanted = set(map(str, listed)) if isinstance(listed, list) else None
     names = {key for key, _ in own.tree.get("dict", [])}
     taken = {e.name for e in own.entries}
     tree = list(own.tree.get("dict", []))
@@ -276,7 +287,7 @@ def with_items_saved_once(plan: RestorePlan) -> RankManifest:
         if r == plan.rank or not written_by_dcp(m):
             continue
         for key, node in m.tree.get("dict", []):
-            if key in names:
+            if key in names or (wanted is not None and key not in wanted):
                 continue
             ((kind, body),) = node.items()
             named = body if kind in ("tensor", "bytes") else None

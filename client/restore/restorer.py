@@ -379,7 +379,7 @@ def _restore_planned(
     if ahead is not None and ahead.reader.step != plan.step:
         ahead.stop()  # (another step's pool: what it may still give is read as it is)
     # A step DCP wrote has no rank-local state: each rank takes what DCP saved elsewhere.
-    by_dcp = call(add_items_saved_once(transport, plan, opts.peers))
+    by_dcp = call(add_items_saved_once(transport, plan, opts.peers, world_size))
     if plan.rank != rank and not by_dcp:
         log.warning("%s/%d: step %d was saved by %d ranks; rank-local entries come from "
                     "rank %d", job, rank, plan.step, plan.world_size, plan.rank)

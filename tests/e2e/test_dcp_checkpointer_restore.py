@@ -52,3 +52,25 @@ def test_every_rank_restores_the_items_dcp_saved_once(
     assert torch.equal(restored["w"], W)
     assert torch.equal(restored["b"], torch.arange(3.0))
     assert restored["epoch"] == 7 and restored["blob"].hex() == blob["bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_pipeline_stage_restores_its_own_and_the_shared_items_only(
+        server: Any, torchrun: Any, tmp_path: Path) -> None:
+    """Each rank is a pipeline stage: its own weight, and items both stages hold
+    (DCP saves those once). A restore of every item any rank saved gave each stage's
+    rank the other stage's weights too (the whole model on every rank)."""
+    results = torchrun("dcp_restored.py", 2, server.url, "dcps", "stages",
+                       out=tmp_path / "out")
+    shared = {"shared": {"shape": [2], "values": [0.0, 1.0]}, "epoch": {"value": 3}}
+    for rank, r in enumerate(results):
+        own = {f"stage{rank}.w": {"shape": [4], "values": [float(rank)] * 4}}
+        assert r["stages"] == {**own, **shared}, rank
+    # At another world size the one rank takes every stage's items: the whole step.
+    restored: dict[str, Any] = {}
+    with warnings.catch_warnings(), Checkpointer(
+            server.url, "dcps", rank=0, world_size=1, serve_peers=False, timeout=60) as ckpt:
+        warnings.simplefilter("ignore")
+        ckpt.restore(restored, 200)
+    assert set(restored) == {"stage0.w", "stage1.w", "shared", "epoch"}

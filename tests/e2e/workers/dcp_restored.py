@@ -33,9 +33,26 @@ def described(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def stages(rank: int, url: str, job: str) -> dict[str, Any]:
+    """Two pipeline stages: each rank holds its own stage's weight and the items
+    both hold (a shared tensor, a value), which DCP saves once. Each rank's restore
+    of the step gets its stage's and the shared items, not the other stage's."""
+    state = {f"stage{rank}.w": torch.full((4,), float(rank)), "shared": torch.arange(2.0),
+             "epoch": 3}
+    dcp.save(state, storage_writer=Writer(url, job, 200, chunk_size=4096, timeout=60))
+    with Checkpointer(url, job, rank=rank, world_size=2, serve_peers=False,
+                      timeout=60) as ckpt:
+        empty: dict[str, Any] = {}
+        ckpt.restore(empty, 200)
+    return {"stages": described(empty)}
+
+
 def main() -> None:
     rank, world, out = init()
     url, job = sys.argv[2], sys.argv[3]
+    if len(sys.argv) > 4 and sys.argv[4] == "stages":
+        finish(out, rank, stages(rank, url, job))
+        return
     mesh = init_device_mesh("cpu", (world,))
     w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     state = {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": torch.arange(3.0),
