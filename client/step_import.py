@@ -1,8 +1,9 @@
 """``ckptd import``: an existing checkpoint brought into a store as a committed step.
 
 Four sources: a zarr v3 hierarchy (a ``ckptd export``, or any zarr group of
-arrays), a DCP checkpoint directory written by ``dcp.save`` (its ``.metadata``
-read by an unpickler that builds only DCP's metadata classes), a
+arrays), a DCP checkpoint directory written by ``dcp.save`` (its ``.metadata``, a
+local file the user names and never the store or the wire, read by an unpickler
+that builds only DCP's metadata classes: DCP's own reader unpickles it whole), a
 ``torch.save`` file (``torch.load(weights_only=True)``), and Hugging Face
 safetensors (``ckptd.client.integrations.safetensors``). The state is saved by a
 one-rank ``Checkpointer``, so chunks, manifest and commit go through the
@@ -312,7 +313,8 @@ def read_dcp(path: Path) -> dict[str, Any]:
             return metadata
 
     class SafePlanner(_EmptyStateDictLoadPlanner):
-        """DCP loads non-tensor values with weights_only=False: refuse objects."""
+        """Non-tensor values with ``torch.load(weights_only=True)`` (DCP's own
+        planner uses ``weights_only=False``): an object is refused, never built."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
