@@ -259,9 +259,12 @@ async def add_items_saved_once(transport: Transport, plan: RestorePlan,
     stores the rank's manifest as committed."""
     if not written_by_dcp(plan.manifest):
         return False
+    same_world = world_size == plan.world_size
+    if same_world and plan.manifest.meta[DCP_META].get(DCP_ELSEWHERE) == []:
+        return True  # (nothing it planned was saved elsewhere: its manifest is all)
     if plan.world_size > 1:
         await load_all_manifests(transport, plan, with_peers)
-        plan.manifest = with_items_saved_once(plan, world_size == plan.world_size)
+        plan.manifest = with_items_saved_once(plan, same_world)
     return True
 
 
