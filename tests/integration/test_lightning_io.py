@@ -6,6 +6,7 @@ that resumes from ``last`` to the bits of an uninterrupted run."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import warnings
@@ -180,13 +181,50 @@ def test_a_removal_that_overtakes_its_save_leaves_no_pointer_or_tag(
     did nothing, and every top-k checkpoint kept its pointer and its tag (which
     keeps its step from retention)."""
     old = tmp_path / "epoch=0-step=4.ckpt"
-    io.remove_checkpoint(old)  # (Lightning's removal, before the queued save arrives)
-    io.save_checkpoint(small_checkpoint(4), old)
-    io.save_checkpoint(small_checkpoint(8), tmp_path / "epoch=1-step=8.ckpt")
+    with concurrent.futures.ThreadPoolExecutor(1) as queue:  # (the wrapper's thread)
+        io.remove_checkpoint(old)  # (Lightning's removal, before the queued save arrives)
+        queue.submit(io.save_checkpoint, small_checkpoint(4), old).result()
+        queue.submit(io.save_checkpoint, small_checkpoint(8),
+                     tmp_path / "epoch=1-step=8.ckpt").result()
     io.teardown()
     assert not old.exists() and _tags(store) == {"epoch_1-step_8": 8}
     assert io.load_checkpoint(tmp_path / "epoch=1-step=8.ckpt")["global_step"] == 8
     assert io.load_checkpoint("latest")["global_step"] == 8
+
+
+def test_a_removal_of_a_path_never_saved_leaves_its_later_save_whole(
+        io: CkptdCheckpointIO, store: str, tmp_path: Path) -> None:
+    """A removal that found neither pointer nor tag was kept as an early removal for
+    good: a save of that name later (on the remover's thread, or after a teardown)
+    was left with no pointer and no tag."""
+    last = tmp_path / "last.ckpt"
+    io.remove_checkpoint(last)  # (no save came yet: it may be queued elsewhere)
+    io.save_checkpoint(small_checkpoint(4), last)  # (this thread's own: a new save)
+    io.teardown()
+    assert read_pointer(last) is not None and _tags(store) == {"last": 4}
+    other = tmp_path / "epoch=1-step=8.ckpt"
+    io.remove_checkpoint(other)
+    io.teardown()  # (the removal's save never came: forgotten here)
+    with concurrent.futures.ThreadPoolExecutor(1) as queue:
+        queue.submit(io.save_checkpoint, small_checkpoint(8), other).result()
+    io.teardown()
+    assert read_pointer(other) is not None and _tags(store) == {"last": 4, "epoch_1-step_8": 8}
+
+
+def test_without_pointers_a_removal_takes_the_tag_of_its_name(store: str, shm: Path,
+                                                             tmp_path: Path) -> None:
+    """With ``pointers=False`` the tag is a path's only record: a top-k removal left
+    it (and every such step kept from retention: a store that only grew)."""
+    io = CkptdCheckpointIO(store, job="lit", shm_dir=str(shm), pointers=False)
+    try:
+        io.save_checkpoint(small_checkpoint(4), tmp_path / "epoch=0-step=4.ckpt")
+        io.save_checkpoint(small_checkpoint(8, seed=1), tmp_path / "epoch=1-step=8.ckpt")
+        io.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
+        io.teardown()
+        assert _tags(store) == {"epoch_1-step_8": 8}
+        assert io.load_checkpoint("latest")["global_step"] == 8
+    finally:
+        io.teardown()
 
 
 def test_async_checkpoint_io_keeps_the_top_k_only(store: str, shm: Path,

@@ -115,9 +115,13 @@ class CkptdCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._counts: RankZeroSaves | None = None  # (once the group exists)
         # Paths removed before their save reached this plugin (a wrapping
-        # AsyncCheckpointIO queues saves, not removals): that save keeps neither a
-        # pointer nor a tag. (Touched on the background thread only.)
-        self._removed_early: set[str] = set()
+        # AsyncCheckpointIO queues saves, not removals), each with the thread that
+        # removed it: that save, when it comes from another thread (the wrapper's),
+        # keeps neither a pointer nor a tag; one from the remover's own thread is a
+        # new save. Cleared at teardown. (Touched on the background thread only.)
+        self._removed_early: dict[str, int] = {}
+        self._save_threads: set[int] = set()  # the threads saves came from
+        self._arrived: dict[str, int] = {}  # path -> its saves whose pointer is to come
         self._said_untag = False  # a token that may not remove tags: said once
         self._counts_known = False
         self._store_id: str | None = None
@@ -140,6 +144,8 @@ class CkptdCheckpointIO(CheckpointIO):
             raise InvalidRequest(f"{path}: this CkptdCheckpointIO was built with load_only=True "
                                  "and only loads: build it without load_only to save",
                                  job=self.job, path=path)
+        with self._lock:
+            self._save_threads.add(threading.get_ident())
         if not self._saves_here():
             raise InvalidRequest(
                 f"{path}: this strategy hands the checkpoint to a rank other than 0 (sharded "
@@ -210,7 +216,12 @@ class CkptdCheckpointIO(CheckpointIO):
         if self.load_only:
             raise InvalidRequest(f"{path}: this CkptdCheckpointIO was built with load_only=True "
                                  "and removes nothing", job=self.job, path=path)
-        self._submit(self._remove, path)
+        # Its save may still wait in a wrapper's queue when saves come from another
+        # thread than this one (or none came yet): the removal then waits for it.
+        me = threading.get_ident()
+        with self._lock:
+            queued = not self._save_threads or bool(self._save_threads - {me})
+        self._submit(self._remove, path, me if queued else None)
 
     def teardown(self) -> None:
         """Waits for the saves in flight and their pointers (on another rank, for
@@ -234,6 +245,9 @@ class CkptdCheckpointIO(CheckpointIO):
                 quiet.remove()
             if after is not None:
                 after.shutdown(wait=True)
+            if self._removed_early:  # (their saves never came: a later one is new)
+                log.debug("%s: removed, never saved: %s", self.job, sorted(self._removed_early))
+                self._removed_early.clear()
             if tags is not None:
                 tags.close()
             if ckpt is not None:
@@ -249,7 +263,10 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _queue(self, handle: SaveHandle | None, step: int, path: str, tag: str | None,
                callbacks: dict[str, Any] | None) -> None:
-        self._submit(self._after_commit, handle, step, path, tag, callbacks)
+        with self._lock:
+            self._arrived[path] = self._arrived.get(path, 0) + 1
+        self._submit(self._after_commit, handle, step, path, tag, callbacks,
+                     threading.get_ident())
 
     def _submit(self, fn: Any, *args: Any) -> None:
         counts = self._rank_zero_saves()
@@ -275,13 +292,19 @@ class CkptdCheckpointIO(CheckpointIO):
                 counts.done()
 
     def _after_commit(self, handle: SaveHandle | None, step: int, path: str,
-                      tag: str | None, callbacks: dict[str, Any] | None) -> None:
+                      tag: str | None, callbacks: dict[str, Any] | None,
+                      saved_on: int) -> None:
         """Once ``step`` committed: tags it (a second name of one step) and writes
-        the pointer at ``path``."""
+        the pointer at ``path`` (none when ``path`` was removed before this save,
+        queued on another thread, came)."""
+        with self._lock:
+            left = self._arrived.pop(path) - 1
+            if left:
+                self._arrived[path] = left
         if handle is not None:
             handle.wait(self.timeout)
-        if path in self._removed_early:
-            self._removed_early.discard(path)
+        removed_on = self._removed_early.pop(path, None)
+        if removed_on is not None and removed_on != saved_on:
             log.info("%s: removed before its save of step %d came (top-k, through a "
                      "wrapper that queues saves): the step is stored, with no pointer or tag "
                      "by that name", path, step)
@@ -292,7 +315,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if self.pointers:
             write_pointer(path, self.job, step, self.url, self._store(), callbacks)
 
-    def _remove(self, path: str) -> None:
+    def _remove(self, path: str, queued_from: int | None) -> None:
         try:
             doc = read_pointer(path)
         except InvalidRequest as exc:  # (a damaged pointer: a load says so)
@@ -301,8 +324,14 @@ class CkptdCheckpointIO(CheckpointIO):
         if doc is None and os.path.exists(path):
             log.warning("%s is not a ckptd pointer: left alone", path)
             return
-        if doc is None:  # its save is still to come (AsyncCheckpointIO's queue)
-            self._removed_early.add(path)
+        if doc is None:  # no pointer: still to come, pointers=False, or another node's
+            with self._lock:
+                coming = path in self._arrived  # (a save that came after this removal)
+            step = None if coming else self._job_tags().get(tag_for_path(path))
+            if step is not None:
+                self._untag(path, step)
+            elif queued_from is not None:  # (its save came, or waits in a wrapper's queue)
+                self._removed_early[path] = queued_from
             return
         if doc["job"] == self.job:
             self._untag(path, doc["step"])
