@@ -17,7 +17,9 @@ An interrupt raised wherever the main thread is may land where nothing expects i
 thread left idle that the interpreter's exit then waits for): so once terminated
 the process ends with ``os._exit(143)`` after its streams are flushed, not through
 the interpreter's own exit, and a watchdog ends it so if the way out takes longer
-than ``TERM_GRACE_S``."""
+than ``TERM_GRACE_S``. Where it lands in code whose exceptions Python prints and
+drops (a weakref's callback, such as the imports' module locks, or a ``__del__``),
+the interrupt is raised again at once, outside it, and nothing is printed."""
 
 import contextlib
 import os
@@ -29,6 +31,7 @@ from types import FrameType
 TERM_GRACE_S = 5.0
 
 _terminated = False
+_dropped = False  # (the handler's interrupt landed where Python drops exceptions)
 
 
 def _exit_now(code: int) -> None:
@@ -39,13 +42,15 @@ def _exit_now(code: int) -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    global _terminated
-    if _terminated:
+    global _terminated, _dropped
+    if _terminated and not _dropped:
         return  # (a second SIGTERM: the first's way out, or its watchdog, ends it)
-    _terminated = True
-    watchdog = threading.Timer(TERM_GRACE_S, _exit_now, (128 + signum,))
-    watchdog.daemon = True
-    watchdog.start()
+    if not _terminated:
+        _terminated = True
+        watchdog = threading.Timer(TERM_GRACE_S, _exit_now, (128 + signum,))
+        watchdog.daemon = True
+        watchdog.start()
+    _dropped = False
     on_sigint = signal.getsignal(signal.SIGINT)
     if callable(on_sigint) and on_sigint is not signal.default_int_handler:
         # ``asyncio.run``'s own Ctrl-C handler: it cancels the loop's main task, so the
@@ -57,9 +62,25 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # (every command's Ctrl-C way out)
 
 
+def _on_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:
+    """An interrupt raised where Python drops exceptions (it would print it and go
+    on) is raised again by its signal, sent once that code has returned: from
+    another thread, as a handler runs at once in the thread that signals itself."""
+    global _dropped
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+        return
+    _dropped = _terminated  # (a Ctrl-C's handler raises it again as it is)
+    again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM if _terminated
+                                            else signal.SIGINT))
+    again.daemon = True
+    again.start()
+
+
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (not one ignored on purpose)
         signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.unraisablehook = _on_unraisable
     code: str | int | None = 0
     try:
         from ckptd.cli import main as cli

@@ -128,3 +128,38 @@ def test_sigterm_ends_a_command_that_is_its_containers_first_process(silent: _Si
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+_DROPPED_WHERE_IGNORED = """
+import os, signal, sys, time
+import ckptd.cli
+from ckptd.__main__ import main
+
+class Dropped:
+    def __del__(self):  # (Python prints an exception raised here, and drops it)
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(0.5)  # (the handler runs here, inside __del__)
+
+def command():
+    Dropped()
+    time.sleep(3)
+    print("went on")
+
+ckptd.cli.main = command
+main()
+"""
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_an_interrupt_that_lands_where_python_drops_exceptions_still_ends_it(
+        sig: str, code: int) -> None:
+    """The interrupt a signal's handler raises can land in a weakref's callback (the
+    imports' module locks) or a ``__del__``, where Python prints it with a traceback
+    and goes on: a SIGTERM's command ran on until the watchdog (found in a full
+    run), a Ctrl-C's to its end."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _DROPPED_WHERE_IGNORED, sig], env=_env(),
+                          cwd=REPO, text=True, capture_output=True, timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == code and "went on" not in done.stdout, done
+    assert done.stderr == "" and took < 3, (took, done.stderr)
