@@ -37,6 +37,7 @@ from ckptd.errors import (
 )
 from ckptd.format import CommitRecord, RankManifest, check_job
 from ckptd.hashing import document_hash
+from ckptd.lifecycle.damaged_chunks import DamagedChunks
 from ckptd.repository import CommitStatus, MissingResult, Repository, StepInfo
 from ckptd.repository.reads import committed_rank
 from ckptd.store.local import LocalStore
@@ -171,6 +172,7 @@ class LocalTransport(Transport):
 
     def __init__(self, repository: Repository) -> None:
         self.repository = repository
+        self.damaged = DamagedChunks(repository)
 
     @classmethod
     def open(cls, path: str, *, create: bool = True) -> LocalTransport:
@@ -179,10 +181,14 @@ class LocalTransport(Transport):
         return cls(Repository(LocalStore(path, create=create)))
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
-        return await self.repository.missing_chunks(ids, claimer)
+        return await self.repository.missing_chunks(ids, claimer,
+                                                    damaged=await self.damaged.ids())
 
     async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
-        return await self.repository.put_chunk(cid, data)
+        created = await self.repository.put_chunk(cid, data)
+        if not created and cid in await self.damaged.ids():  # (its bytes verified: a repair)
+            await self.damaged.repair(cid, data)
+        return created
 
     async def get_chunk(self, cid: str) -> bytes:
         # The client verifies every chunk on arrival; hashing here too would be twice.

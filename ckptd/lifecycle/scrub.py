@@ -157,7 +157,7 @@ async def scrub(
     # The chunks markers name, and when this run found each of them good (a good
     # read, or a repair): keep() takes them out of the markers.
     unread: list[str] = []
-    marked = {cid async for _, _, doc in _markers(repo, unread) for cid in doc.chunks}
+    marked = {cid async for _, _, doc in damage_markers(repo, unread) for cid in doc.chunks}
     report.damaged_documents.extend(unread)
     healed: dict[str, float] = {}
     ours = True  # the stored cursor is this run's to move (not another scrubber's)
@@ -225,7 +225,7 @@ async def scrub(
             report.bytes_checked += len(data) if data is not None else 0
             if data is None or await asyncio.to_thread(chunk_id, data) != cid:
                 report.corrupt.append(cid)
-                if await _repair(store, cid, data, sources):
+                if await repair_chunk(store, cid, data, sources):
                     report.repaired.append(cid)
                     found(cid, True, read_at)  # (marked by another scrub meanwhile, maybe)
                 else:
@@ -259,7 +259,7 @@ async def scrub(
     return report
 
 
-async def _repair(store: Store, cid: str, bad: bytes | None,
+async def repair_chunk(store: Store, cid: str, bad: bytes | None,
                   sources: Sequence[ChunkSource]) -> bool:
     """Replaces a corrupt chunk (``bad``: its bytes, None when its object does not
     read) with a copy from ``sources`` that hashes to its id."""
@@ -310,7 +310,7 @@ async def settle_damage(repo: Repository, bad: dict[str, float], good: dict[str,
             if hit := ids & bad.keys():
                 hits[(job, step)] = hit
     if good:
-        async for job, step, doc in _markers(repo):
+        async for job, step, doc in damage_markers(repo):
             if good.keys() & set(doc.chunks):
                 hits.setdefault((job, step), set())
     settled = Settled()
@@ -386,7 +386,7 @@ async def _settle_marker(store: Store, job: str, step: int, bad: dict[str, float
     return False
 
 
-async def _markers(repo: Repository, unread: list[str] | None = None
+async def damage_markers(repo: Repository, unread: list[str] | None = None
                    ) -> AsyncIterator[tuple[str, int, Damage]]:
     """(job, step, parsed) of every damage marker that reads. One that does not is
     named in ``unread``, when given, with what becomes of it: a damaged one is a claim

@@ -15,6 +15,7 @@ from typing import Any
 from ckptd.errors import CkptdError, GcInProgress, InvalidRequest
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
+from ckptd.lifecycle.damaged_chunks import DamagedChunks
 from ckptd.lifecycle.gc import GcReport, check_grace, collect_garbage
 from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget, forget_damaged_step
 from ckptd.lifecycle.scrub import ChunkSource, ScrubProgress, ScrubReport, scrub
@@ -81,6 +82,8 @@ class LifecycleService:
         self.repo = repo
         self.settings = settings
         self.sources = sources
+        # The chunks scrub marked, as the dedup sees them (its own scrubs refresh it).
+        self.damaged = DamagedChunks(repo)
         self.last_gc: GcReport | None = None
         self.last_scrub: ScrubReport | None = None
         self.census = Census(
@@ -300,6 +303,7 @@ class LifecycleService:
             sources=list(self.sources()),
             progress=progress,
         )
+        self.damaged.forget()
         self.last_scrub = report
         self.scrub_bytes += report.bytes_checked
         self.scrub_corrupt += len(report.corrupt)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
 import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
@@ -115,9 +115,12 @@ class Repository(Verification, Listings, AfterCommit):
     async def missing_chunks(
         self, ids: list[str], claimer: str | None = None, lease: float | None = None,
         *, tenant: str | None = None, known: KnownChunks | None = None,
+        damaged: Collection[str] = frozenset(),
     ) -> MissingResult:
         """Which of ``ids`` the store lacks. With a ``claimer``, the ids returned as
         missing are leased to it; ids leased to someone else come back in flight.
+        Those of ``damaged`` (stored, but corrupt: ``lifecycle.damaged_chunks``)
+        count as lacked: their upload repairs them.
 
         With a ``tenant``, the answer reveals nothing of other tenants: an id counts
         as stored only if ``known`` says the tenant may know of it, and leases are
@@ -133,6 +136,9 @@ class Repository(Verification, Listings, AfterCommit):
         async def stored() -> list[bool]:
             present = await gc_fence.fenced_presence(
                 self.store, unique, lambda: self.store.exists_many(keys))
+            if damaged:
+                present = [ok and cid not in damaged for cid, ok in zip(unique, present,
+                                                                        strict=True)]
             if tenant is None or known is None:
                 return present
             seen = await known([cid for cid, ok in zip(unique, present, strict=True) if ok])
