@@ -59,8 +59,9 @@ def say_run(run: Any, joined: bool, asked: float | None) -> None:
 
 def outcome(now: Any, run: Any, what: str, again: str) -> Any | None:
     """A background ``run``'s report once ``now`` (its status) says it ended (its error
-    raised), None while it runs; ``InvalidRequest`` once the server forgot it."""
-    from ckptd.errors import InvalidRequest, from_json
+    raised), None while it runs; ``Unavailable`` once the server answering does not
+    know it (the one running it stopped or restarted, or another replica answers)."""
+    from ckptd.errors import Unavailable, from_json
 
     ended = now.last_run if now.last_run is not None and now.last_run.id == run.id else None
     if ended is not None:
@@ -69,8 +70,10 @@ def outcome(now: Any, run: Any, what: str, again: str) -> Any | None:
                                             "message": f"the {what} left no report"})
         return ended.report
     if now.running is None or now.running.id != run.id:
-        raise InvalidRequest(f"the server no longer knows {what} {run.id} (was it "
-                             f"restarted?); see {again}")
+        # (its lease, if it held one, runs out and the next collection takes it over)
+        raise Unavailable(f"the {what} {run.id} is not known to the server that answered: "
+                          "the server running it stopped or restarted, or another replica "
+                          f"answers now; `ckptd status` shows where the store stands, and {again}")
     return None
 
 
@@ -78,7 +81,7 @@ def follow(server: SyncTransport, run: Any, status: Any) -> Any:
     """Polls until the background collection ``run`` ended: its report (or error)."""
     while True:
         now = server.gc_status()
-        if (done := outcome(now, run, "collection", "`ckptd gc` again, or GET /v1/gc")):
+        if (done := outcome(now, run, "collection", "`ckptd gc` again starts one")):
             return done
         left = now.running.started_at + now.running.grace - time.time()
         status.update(f"collecting garbage: waiting out the grace period, {left:.0f} s left"

@@ -346,7 +346,7 @@ def _follow_scrub(server: SyncTransport, run: Any, status: Any) -> Any:
     wait, line_at, listed = 0.05, 0.0, False
     while True:
         now = server.run(calls.scrub_status())
-        if (report := outcome(now, run, "scrub", "`ckptd scrub` again, or GET /v1/scrub")
+        if (report := outcome(now, run, "scrub", "`ckptd scrub` again starts one")
                 ) is not None:
             return report
         at = now.running
