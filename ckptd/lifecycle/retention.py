@@ -202,6 +202,9 @@ class ForgetPlan:
     job: str
     dry_run: bool
     steps: list[StepDecision] = field(default_factory=list)
+    # Of ``forgotten``, the steps another pass was removing (another replica's
+    # retention, a ``ckptd forget``): gone, but not by this one.
+    elsewhere: list[int] = field(default_factory=list)
 
     @property
     def forgotten(self) -> list[int]:
@@ -311,7 +314,8 @@ async def forget(
         if d.decision == "forget":
             claim = await _claim(repo, job, d.step)
             if claim is None:
-                continue  # another pass is removing it
+                plan.elsewhere.append(d.step)  # (another pass is removing it)
+                continue
             # Tagged since the plan read the tags (a commit's retry): kept. A tag set
             # after this read finds the claim, and its writer takes it back.
             if policy.keep_tagged and d.step in (await read_tags(repo.store, job)).values():
@@ -320,6 +324,10 @@ async def forget(
                 continue
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.
+            # (Gone already: another pass removed it since this one planned; what it
+            # left, if it stopped midway, goes now.)
+            if not await repo.store.exists(commit_key(job, d.step)):
+                plan.elsewhere.append(d.step)
             await repo.store.delete(commit_key(job, d.step))
             await _remove_step(repo, job, d.step, claim)
         elif d.decision == "abandon":

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.errors import CkptdError, GcInProgress, InvalidRequest
+from ckptd.errors import CkptdError, GcInProgress, InvalidRequest, ManifestNotFound
 from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.damaged_chunks import DamagedChunks
@@ -96,6 +96,7 @@ class LifecycleService:
         self.scrub_bytes = 0
         self.scrub_corrupt = 0
         self._seen_latest: dict[str, int | None] = {}
+        self._retention_missed: set[str] = set()  # (jobs whose last pass met a removal)
         self._tasks: list[asyncio.Task[None]] = []
         # A collection a client started and does not wait for (POST /v1/gc/runs).
         self.gc_run: GcRun | None = None
@@ -247,6 +248,17 @@ class LifecycleService:
         for job in await self.repo.list_jobs():
             try:
                 await self._apply_retention_to(job, config)
+                self._retention_missed.discard(job)
+            except ManifestNotFound as exc:
+                # Another pass (a replica's retention, a ``ckptd forget``) removed a step
+                # between this one's listing and its reading: tried again next time, said
+                # when it does not go away (then it is damage).
+                if job in self._retention_missed:
+                    log.warning("retention of %s failed: [%s] %s", job, exc.code, exc)
+                else:
+                    log.info("retention of %s met a step removed meanwhile (%s); tried "
+                             "again", job, exc)
+                    self._retention_missed.add(job)
             except CkptdError as exc:  # one job's damaged document stops only its own
                 log.warning("retention of %s failed: [%s] %s", job, exc.code, exc)
 
@@ -259,7 +271,8 @@ class LifecycleService:
             plan = await forget(self.repo, job, policy)
             self.last_forget[job] = plan
             if plan.forgotten:
-                log.info("retention of %s forgot steps %s", job, plan.forgotten)
+                if here := [s for s in plan.forgotten if s not in plan.elsewhere]:
+                    log.info("retention of %s forgot steps %s", job, here)
                 self._forgotten(job, plan.forgotten)
         self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
 

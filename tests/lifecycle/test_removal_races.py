@@ -5,6 +5,8 @@ a manifest (``removal_key``, FORMAT.md Lifecycle). Also: a commit's tag."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -333,3 +335,34 @@ def test_a_step_read_while_retention_removes_it_is_not_called_uncommitted(
             await repo.read_commit("j", 5)
 
     asyncio.run(scenario())
+
+
+def test_replicas_retention_of_one_job_says_each_forgotten_step_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every replica applies retention: two passes at once each logged every step
+    their plans forgot (the same steps twice), and one that read a step the other
+    removed meanwhile warned that retention failed (an operator's probe)."""
+    from ckptd.lifecycle.retention import RetentionConfig
+    from ckptd.lifecycle.service import LifecycleService, LifecycleSettings
+    from ckptd.testing.manifests import demo_step, put_rank
+
+    async def scenario() -> None:
+        store = LocalStore(str(tmp_path / "store"))
+        repo = Repository(store)
+        for step in range(1, 7):
+            for manifest, chunks in demo_step("j", step, 2):
+                await put_rank(repo, manifest, chunks)
+            assert (await repo.commit("j", step)).state == "committed"
+        settings = LifecycleSettings(retention=RetentionConfig(RetentionPolicy(keep_last=1)),
+                                     census_interval=0.0, census_process=False)
+        replicas = [LifecycleService(Repository(LocalStore(str(tmp_path / "store"))), settings)
+                    for _ in range(2)]
+        await asyncio.gather(*(r.apply_retention() for r in replicas))
+        assert [i.step for i in await repo.list_steps("j")] == [6]
+
+    with caplog.at_level(logging.INFO, logger="ckptd.lifecycle.service"):
+        asyncio.run(scenario())
+    said = [int(s) for r in caplog.records if "forgot steps" in r.getMessage()
+            for s in re.findall(r"\d+", r.getMessage().partition("steps")[2])]
+    assert sorted(said) == [1, 2, 3, 4, 5], caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
