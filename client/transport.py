@@ -172,7 +172,8 @@ class LocalTransport(Transport):
 
     def __init__(self, repository: Repository) -> None:
         self.repository = repository
-        self.damaged = DamagedChunks(repository)
+        if repository.damaged is None:  # (what scrub marked: never deduplicated against)
+            repository.damaged = DamagedChunks(repository)
 
     @classmethod
     def open(cls, path: str, *, create: bool = True) -> LocalTransport:
@@ -181,14 +182,10 @@ class LocalTransport(Transport):
         return cls(Repository(LocalStore(path, create=create)))
 
     async def missing_chunks(self, ids: list[str], claimer: str | None = None) -> MissingResult:
-        return await self.repository.missing_chunks(ids, claimer,
-                                                    damaged=await self.damaged.ids())
+        return await self.repository.missing_chunks(ids, claimer)
 
     async def put_chunk(self, cid: str, data: bytes | memoryview) -> bool:
-        created = await self.repository.put_chunk(cid, data)
-        if not created and cid in await self.damaged.ids():  # (its bytes verified: a repair)
-            await self.damaged.repair(cid, data)
-        return created
+        return await self.repository.put_chunk(cid, data)
 
     async def get_chunk(self, cid: str) -> bytes:
         # The client verifies every chunk on arrival; hashing here too would be twice.

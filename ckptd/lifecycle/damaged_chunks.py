@@ -1,27 +1,44 @@
 """The chunks scrub found corrupt and could not repair (those its damage markers
-name), as a server's dedup must see them: the store holds such a chunk, but not its
-bytes. A save asking which of its chunks are missing is told these are, so it
-uploads them; that upload, verified like any other, replaces the corrupt copy and
-takes the chunk out of the markers, and the steps that named it are whole again.
-Without it a new step deduplicated against the corrupt copy and committed as
-``latest`` on bytes scrub had already found bad."""
+name), as saves meet them: the store holds such a chunk, but not its bytes.
+
+- A save asking which of its chunks are missing is told these are (``sound``), so
+  it uploads them; that upload, verified like any other, replaces the corrupt copy
+  and takes the chunk out of the markers (``uploaded``): the steps that named it
+  are whole again. Without it a new step deduplicated against the corrupt copy and
+  committed as ``latest`` on bytes scrub had already found bad.
+- The markers are read again every ``DAMAGED_TTL_S`` (others mark too: ``ckptd
+  scrub`` on the store, another replica); a commit reads its own job's at once
+  (``check_commit``), and refuses a step naming a chunk still corrupt
+  (``MissingChunks``: the next save sends it).
+
+A repository holding one (``Repository.damaged``) asks it; a server's and a
+``file://`` client's do."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from ckptd.errors import NotFound, StoreCorrupt
+from ckptd.errors import MissingChunks, NotFound, StoreCorrupt
 from ckptd.format import chunk_key
 from ckptd.hashing import chunk_id
-from ckptd.lifecycle.scrub import ChunkSource, damage_markers, repair_chunk, settle_damage
-from ckptd.repository import Repository
+from ckptd.lifecycle.scrub import (
+    ChunkSource,
+    damage_markers,
+    damaged_steps,
+    repair_chunk,
+    settle_damage,
+)
+
+if TYPE_CHECKING:
+    from ckptd.repository import Repository
 
 log = logging.getLogger(__name__)
 
-# How long the markers read are taken as the store's: others mark too (``ckptd
-# scrub``, another replica), and a save deduplicates against what this says.
+# How long the markers read are taken as the store's.
 DAMAGED_TTL_S = 10.0
 
 
@@ -48,20 +65,31 @@ class DamagedChunks:
         return self._ids
 
     def forget(self) -> None:
-        """The next ``ids`` reads the markers (this server's scrub marked or healed)."""
+        """The next ``ids`` reads the markers (a scrub here marked or healed)."""
         self._read_at = float("-inf")
 
+    async def sound(self, ids: Sequence[str], present: list[bool]) -> list[bool]:
+        """``present`` (of ``ids``) less the chunks marked corrupt."""
+        damaged = await self.ids()
+        if not damaged:
+            return present
+        return [ok and cid not in damaged for cid, ok in zip(ids, present, strict=True)]
+
+    async def uploaded(self, cid: str, good: bytes | memoryview) -> None:
+        """An upload of ``cid`` the store held already (``good``: its bytes, verified):
+        when ``cid`` is marked, they replace the stored copy, and the markers drop it."""
+        if cid in await self.ids():
+            await self.repair(cid, good)
+
     async def repair(self, cid: str, good: bytes | memoryview) -> bool:
-        """Replaces the stored copy of damaged chunk ``cid`` with ``good`` (bytes
-        that hash to it: an upload's, verified already) and takes it out of the
-        markers naming it; True when the store holds good bytes of it now."""
+        """Replaces the stored copy of ``cid`` with ``good`` (bytes that hash to it)
+        unless it reads good already, and takes it out of the markers naming it;
+        True when the store holds good bytes of it now."""
         store = self.repo.store
         read_at = time.time()
         try:
             bad: bytes | None = await store.get(chunk_key(cid))
-        except NotFound:
-            bad = None
-        except StoreCorrupt:  # (there, but does not read: replaced)
+        except (NotFound, StoreCorrupt):  # (gone, or there but unreadable: replaced)
             bad = None
         if bad is not None and await asyncio.to_thread(chunk_id, bad) == cid:
             repaired = True  # (repaired meanwhile, or put back by hand)
@@ -74,6 +102,31 @@ class DamagedChunks:
                             "again", cid, steps, job)
             self.forget()
         return repaired
+
+    async def check_commit(self, job: str, step: int, ids: Sequence[str]) -> None:
+        """Before ``step`` of ``job`` (naming chunks ``ids``) commits: ``MissingChunks``
+        when one of them is marked corrupt (the markers of ``job`` read now, the
+        others' within ``ttl``) and still reads corrupt."""
+        fresh = {cid for chunks in (await damaged_steps(self.repo, job)).values()
+                 for cid in chunks}
+        if fresh - self._ids:  # (the next save's missing chunks include them now)
+            self._ids = self._ids | fresh
+        suspect = (fresh | await self.ids()).intersection(ids)
+        if not suspect:
+            return
+        bad = [cid for cid in sorted(suspect) if not await self._reads_good(cid)]
+        if bad:
+            raise MissingChunks(
+                f"step {step} of {job} names {len(bad)} chunks whose stored copy scrub found "
+                "corrupt; it is not committed: the next save sends them again, which "
+                "repairs them", ids=bad[:20], job=job, step=step)
+
+    async def _reads_good(self, cid: str) -> bool:
+        try:
+            data = await self.repo.store.get(chunk_key(cid))
+        except (NotFound, StoreCorrupt):
+            return False
+        return await asyncio.to_thread(chunk_id, data) == cid
 
 
 def _bytes_of(good: bytes | memoryview) -> ChunkSource:

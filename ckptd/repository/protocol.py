@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
 from ckptd import knobs
@@ -71,6 +71,9 @@ from ckptd.repository.verify import Verification
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
 
+if TYPE_CHECKING:
+    from ckptd.lifecycle.damaged_chunks import DamagedChunks
+
 log = logging.getLogger(__name__)
 
 # Rank manifests a commit reads again at once to see that none was replaced.
@@ -104,6 +107,8 @@ class Repository(Verification, Listings, AfterCommit):
         #: called before a missing-chunks call (a snapshot starting): ``StoreFull``
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
+        #: the chunks scrub found corrupt, as saves meet them (lifecycle.damaged_chunks)
+        self.damaged: DamagedChunks | None = None
         self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES,
                                           max_bytes=manifest_cache_bytes)
 
@@ -115,12 +120,9 @@ class Repository(Verification, Listings, AfterCommit):
     async def missing_chunks(
         self, ids: list[str], claimer: str | None = None, lease: float | None = None,
         *, tenant: str | None = None, known: KnownChunks | None = None,
-        damaged: Collection[str] = frozenset(),
     ) -> MissingResult:
         """Which of ``ids`` the store lacks. With a ``claimer``, the ids returned as
         missing are leased to it; ids leased to someone else come back in flight.
-        Those of ``damaged`` (stored, but corrupt: ``lifecycle.damaged_chunks``)
-        count as lacked: their upload repairs them.
 
         With a ``tenant``, the answer reveals nothing of other tenants: an id counts
         as stored only if ``known`` says the tenant may know of it, and leases are
@@ -136,9 +138,8 @@ class Repository(Verification, Listings, AfterCommit):
         async def stored() -> list[bool]:
             present = await gc_fence.fenced_presence(
                 self.store, unique, lambda: self.store.exists_many(keys))
-            if damaged:
-                present = [ok and cid not in damaged for cid, ok in zip(unique, present,
-                                                                        strict=True)]
+            if self.damaged is not None:  # (stored, but corrupt: its upload repairs it)
+                present = await self.damaged.sound(unique, present)
             if tenant is None or known is None:
                 return present
             seen = await known([cid for cid, ok in zip(unique, present, strict=True) if ok])
@@ -203,6 +204,8 @@ class Repository(Verification, Listings, AfterCommit):
                 raise StoreError(f"{self.store.describe()} stored chunk {cid} without "
                                  "running its check (Store.put_content's verify)", key=key)
             stored = True
+            if not created and self.damaged is not None:  # (verified: it may repair)
+                await self.damaged.uploaded(cid, data)
             return created
         finally:
             claims = self._claims if tenant is None else self._tenant_claims(tenant)
@@ -440,6 +443,8 @@ class Repository(Verification, Listings, AfterCommit):
                 f"step {step} references {len(lacking)} chunks the store lacks",
                 ids=lacking[:20],
             )
+        if self.damaged is not None:
+            await self.damaged.check_commit(job, step, ids)
         record = CommitRecord(
             job=job,
             step=step,

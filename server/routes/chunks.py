@@ -38,7 +38,6 @@ from ckptd.chunk_reads import (
 )
 from ckptd.errors import ChunkNotFound, CkptdError, LengthRequired, http_status
 from ckptd.format import check_chunk_id, chunk_key
-from ckptd.lifecycle.damaged_chunks import DamagedChunks
 from ckptd.pages import map_readable
 from ckptd.repository import Repository
 from ckptd.server.auth import CHUNK_READ, CHUNK_WRITE, acting_job, authenticate, scope
@@ -217,11 +216,9 @@ async def missing_chunks(
     tenants: TenantsDep,
 ) -> MissingResponse:
     job: str | None = request.state.acting_job
-    damaged: DamagedChunks = request.app.state.damaged
     result = await repo.missing_chunks(
         body.ids, claimer=body.claimer, tenant=job,
         known=None if job is None else (lambda ids: tenants.known(job, ids)),
-        damaged=await damaged.ids(),
     )
     metrics.missing_asked(len(body.ids), len(result.missing))
     return MissingResponse(missing=result.missing, in_flight=result.in_flight)
@@ -269,9 +266,6 @@ async def store_upload(request: Request, cid: str, job: str | None,
             body = await read()
             with memoryview(body.buffer) as whole, whole[: body.size] as view:
                 created = await repo.put_chunk(cid, view, digest=body.digest, tenant=job)
-                damaged: DamagedChunks = request.app.state.damaged
-                if not created and cid in await damaged.ids():  # (verified: a repair)
-                    await damaged.repair(cid, view)
     except CkptdError as exc:
         metrics.upload_rejected(exc.code)
         raise

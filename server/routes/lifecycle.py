@@ -349,7 +349,7 @@ async def start(app: FastAPI, repository: Repository) -> LifecycleService:
         scrub_rate_bytes_per_s=settings.scrub_rate,
     ), sources=sources)
     app.state.metrics.prometheus.register(_LifecycleCollector(service))
-    app.state.damaged = service.damaged  # (the chunk routes' dedup and repairs)
+    repository.damaged = service.damaged  # (saves never deduplicate against scrub's finds)
     service.on_forgotten += [app.state.views.forget, app.state.tenants.forget]
     if replica is not None:
         service.on_stop.append(replica.close)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ckptd.client import Checkpointer
+from ckptd.errors import MissingChunks
 from ckptd.hashing import chunk_id
 from tests.cli_runs import ckptd
 
@@ -59,3 +60,28 @@ def test_a_save_uploads_a_chunk_scrub_found_corrupt_and_repairs_its_steps(
     with Checkpointer(url, JOB, shm_dir=str(shm)) as ckpt:
         assert ckpt.restore(got).step == 2
     assert all(torch.equal(got[k], v) for k, v in _state().items())
+
+
+@pytest.mark.parametrize("through", ["server", "file"])
+def test_a_step_naming_a_chunk_marked_meanwhile_is_not_committed_and_the_next_repairs(
+        through: str, server: Any, shm: Path) -> None:
+    """Another process's scrub (here ``ckptd scrub`` on the store itself) marks a
+    chunk after the server last read the markers: the next save is told the chunk
+    is there and sends nothing, but its commit reads the job's markers, finds the
+    chunk still corrupt and refuses the step; the save after sends it."""
+    url = server.url if through == "server" else f"file://{server.store}"
+    with Checkpointer(url, JOB, shm_dir=str(shm)) as ckpt:
+        ckpt.save(1, _state()).wait(60)
+        bad = _corrupt_one_chunk(Path(server.store))
+        scrubbed = ckptd("scrub", "--url", str(server.store))
+        assert scrubbed.returncode == 1 and "damaged" in scrubbed.stdout, scrubbed
+        with pytest.raises(MissingChunks, match="scrub found corrupt"):
+            ckpt.save(2, _state()).wait(60)
+        saved = ckpt.save(3, _state()).wait(60)
+    assert saved.state == "committed" and saved.chunks_sent == 1, saved
+    assert _hashes_right(bad)
+    listed = ckptd("ls", JOB, "--url", url)
+    assert listed.returncode == 0 and "damaged" not in listed.stdout, listed.stdout
+    rows = {cells[0]: cells[1] for line in listed.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) > 2}
+    assert rows == {"1": "committed", "2": "not committed", "3": "committed"}, listed.stdout
