@@ -112,6 +112,9 @@ def _root(
 ) -> None:
     command_logging(verbose)
     plain_off_a_terminal(console, err_console)
+    from ckptd.cli.variables import say_unknown_variables
+
+    say_unknown_variables(os.environ)  # (every command: serve's, and a client's CKPTD_URLS)
 
 
 PLAIN_WIDTH = 10_000  # "unbounded": a table off a terminal is as wide as its rows
