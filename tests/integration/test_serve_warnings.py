@@ -47,3 +47,32 @@ def test_a_serving_server_says_it_in_its_log(tmp_path: Path) -> None:
     srv.stop()
     assert "CKPTD_RETENTON is not a ckptd setting (did you mean CKPTD_RETENTION?)" \
         in " ".join(srv.log().split()), srv.log()
+
+
+def test_serve_check_says_an_open_server_beyond_this_host(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    done = ckptd("serve", "--check", "--store", store, "--host", "0.0.0.0", "--port", "0")
+    assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
+    said = " ".join(done.stderr.split())
+    assert "warning no token (CKPTD_TOKEN, --tokens-file) and listening on 0.0.0.0" in said, said
+    done = ckptd("serve", "--check", "--store", store, "--host", "0.0.0.0", "--port", "0",
+                 "--token", "s3cret-token")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_serve_check_says_every_warning_serve_logs_at_start(tmp_path: Path) -> None:
+    """A replica whose own URL its --peers do not list, with no peer secret: what the
+    server logs as it starts, ``serve --check`` of the same command says."""
+    srv = ServerProcess(store=tmp_path / "store", extra_args=["--peers", "http://127.0.0.1:1"])
+    srv.start()
+    srv.stop()
+    logged = [line.split(": ", 1)[1] for line in srv.log().splitlines()
+              if " WARNING ckptd." in line]
+    assert any("is not in --peers (http://127.0.0.1:1)" in w for w in logged), srv.log()
+    assert any("CKPTD_PEER_SECRET is not set" in w for w in logged), srv.log()
+    args = srv.command()[4:]  # (after ``python -m ckptd serve``)
+    done = ckptd("serve", "--check", *args)
+    assert done.returncode == 0 and "ok: would serve" in done.stdout, done.stdout + done.stderr
+    said = _lines(done.stderr)
+    for warning in logged:
+        assert f"warning {' '.join(warning.split())}" in said, (warning, said)
