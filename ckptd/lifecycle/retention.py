@@ -195,6 +195,20 @@ class StepDecision:
     committed: bool
     decision: Decision
     reasons: tuple[str, ...]
+    # What keeps a kept step, in the words of ``reasons``: the policy's rules that keep
+    # it (``keep_last``, ``keep_every``, ``keep_within``, ``keep_tagged``), ``latest``,
+    # ``rollback``, ``damaged`` or ``no_rule``; a caller says from it which rules kept what.
+    kept_by: tuple[str, ...] = ()
+
+
+def rules_of(policy: RetentionPolicy) -> dict[str, int | float | bool]:
+    """``policy``'s rules as a retention file spells them (seconds for durations),
+    those it sets."""
+    rules: dict[str, int | float | bool] = {
+        name: getattr(policy, name) for name in _FIELDS if getattr(policy, name) is not None}
+    if policy.keep_tagged:  # (the default: said only when false)
+        del rules["keep_tagged"]
+    return rules
 
 
 @dataclass(slots=True)
@@ -236,7 +250,7 @@ async def plan_forget(
             # whose chunks may be the only copy, is the operator's to forget.
             plan.steps.append(StepDecision(step, False, "keep", (
                 f"damaged, not abandoned (`ckptd forget {job} --step {step}` forgets it): "
-                f"{info.damaged}",)))
+                f"{info.damaged}",), ("damaged",)))
             continue
         if not info.committed:
             age = ages.get(step)
@@ -247,26 +261,27 @@ async def plan_forget(
             else:
                 plan.steps.append(StepDecision(step, False, "pending", ("pending",)))
             continue
-        reasons = []
+        kept: dict[str, str] = {}  # what keeps it -> in words
         if step == latest:
-            reasons.append("latest")
+            kept["latest"] = "latest"
         elif step == intact:
-            reasons.append(why_intact)
+            kept["latest"] = why_intact
         if marker is not None and step == marker.step:
-            reasons.append("rollback target")
+            kept["rollback"] = "rollback target"
         if step in tagged:
-            reasons.append("tagged " + ", ".join(sorted(tagged[step])))
+            kept["keep_tagged"] = "tagged " + ", ".join(sorted(tagged[step]))
         if not policy.forgets:
-            reasons.append("no retention rule")
+            kept["no_rule"] = "no retention rule"
         if step in last:
-            reasons.append(f"one of the last {policy.keep_last}")
+            kept["keep_last"] = f"one of the last {policy.keep_last}"
         if policy.keep_every and step % policy.keep_every == 0:
-            reasons.append(f"every {_ordinal(policy.keep_every)}")
+            kept["keep_every"] = f"every {_ordinal(policy.keep_every)}"
         if policy.keep_within is not None and info.committed_at is not None and (
                 now - info.committed_at <= policy.keep_within):
-            reasons.append(f"younger than {policy.keep_within:.0f} s")
-        if reasons:
-            plan.steps.append(StepDecision(step, True, "keep", tuple(reasons)))
+            kept["keep_within"] = f"younger than {policy.keep_within:.0f} s"
+        if kept:
+            plan.steps.append(StepDecision(step, True, "keep", tuple(kept.values()),
+                                           tuple(kept)))
         else:
             plan.steps.append(StepDecision(step, True, "forget", ("no rule keeps it",)))
     return plan
@@ -316,7 +331,8 @@ async def forget(
             # after this read finds the claim, and its writer takes it back.
             if policy.keep_tagged and d.step in (await read_tags(repo.store, job)).values():
                 await _release(repo, job, d.step, claim)
-                plan.steps[i] = StepDecision(d.step, True, "keep", ("tagged meanwhile",))
+                plan.steps[i] = StepDecision(d.step, True, "keep", ("tagged meanwhile",),
+                                             ("keep_tagged",))
                 continue
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.
