@@ -462,8 +462,10 @@ def rollback(
     except CkptdError as exc:
         _fail(exc)
     to = rollback_job(url, token, job, step, reason)
-    if clear:
-        console.print(f"rollback of [bold]{job}[/] cleared")
+    if clear and to is None:  # (it said "cleared" of a marker that was never set)
+        console.print(f"no rollback of [bold]{job}[/] is set: nothing to clear")
+    elif clear:
+        console.print(f"rollback of [bold]{job}[/] to step {to} cleared")
     else:
         # (with the --url given: the advice without it went to the default server)
         where = "" if url in (DEFAULT_URL, os.environ.get("CKPTD_URL")) else (

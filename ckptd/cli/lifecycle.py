@@ -65,22 +65,25 @@ def rollback_job(url: str, token: str | None, job: str, step: int | None,
                  reason: str) -> int | None:
     """An operator's rollback of ``job`` to ``step`` (None: clears the marker),
     through a server or on a store used directly: the step the ranks are told to go
-    back to. A job the store does not hold is ``JobNotFound`` naming those it does
-    (clearing its marker said "cleared", a rollback "no checkpoint at step N")."""
+    back to, or, clearing, the step the marker named (None: none was set). A job the
+    store does not hold is ``JobNotFound`` naming those it does (clearing its marker
+    said "cleared", a rollback "no checkpoint at step N")."""
 
     async def direct(repo: Any) -> int | None:
         if step is None:
             await _job_there(repo, job)
+            marker, _ = await repo.rollback_state(job)
             await repo.clear_rollback(job)
-            return None
+            return None if marker is None else int(marker.step)
         done = await repo.set_rollback(job, step)
         return int(done.marker.step)
 
     def remote(server: SyncTransport) -> int | None:
         if step is None:
             _server_job_there(server, job, url)
+            was: int | None = server.rollback(job).rollback_to
             server.clear_rollback(job)
-            return None
+            return was
         to: int | None = server.set_rollback(job, step, reason).rollback_to
         return to
 
