@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import logging
 import re
@@ -107,11 +108,20 @@ def parse_duration(value: object, what: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str) -> RetentionPolicy:
+def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str,
+            jobs: bool = False) -> RetentionPolicy:
+    """``base`` with ``table``'s rules; ``jobs``: the [retention] table, where
+    [retention.jobs.<job>] tables may sit too (said of an unknown key)."""
     unknown = sorted(set(table) - set(_FIELDS))
     if unknown:
-        raise InvalidPolicy(f"{where}: unknown keys {unknown} (known: {', '.join(_FIELDS)})",
-                            reason="unknown key")
+        also = ", and [retention.jobs.<job>] tables per job" if jobs else ""
+        near = [f"[retention.jobs.{_section(job)}]" for key in unknown
+                if jobs and isinstance(table[key], dict)
+                and difflib.get_close_matches(key, ["jobs"], cutoff=0.6)
+                for job in table[key]]
+        meant = f"; did you mean {', '.join(near)}?" if near else ""
+        raise InvalidPolicy(f"{where}: unknown keys {unknown} (known: {', '.join(_FIELDS)}"
+                            f"{also}){meant}", reason="unknown key")
     changes: dict[str, Any] = {}
     for name in ("keep_last", "keep_every"):
         if name in table:
@@ -160,7 +170,7 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
         if not isinstance(rules, dict):
             raise InvalidPolicy(f"{source}: retention.jobs.{_section(job)} must be a table "
                                 f"([retention.jobs.{_section(job)}])", reason="not a table")
-    default = _policy(table, RetentionPolicy(), f"{source}: retention")
+    default = _policy(table, RetentionPolicy(), f"{source}: retention", jobs=True)
     config = RetentionConfig(default, {
         job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
     })
