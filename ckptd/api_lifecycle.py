@@ -48,6 +48,10 @@ class StepDecisionBody(BaseModel):
     committed: bool
     decision: str = Field(description="keep, forget, abandon or pending")
     reasons: list[str]
+    kept_by: list[str] = Field(
+        default_factory=list, description="What keeps a kept step, as `reasons` say it: the "
+        "rules (keep_last, keep_every, keep_within, keep_tagged), latest, rollback, damaged "
+        "or no_rule.")
 
 
 class ForgetResult(BaseModel):
@@ -55,6 +59,10 @@ class ForgetResult(BaseModel):
     dry_run: bool
     forgotten: list[int]
     steps: list[StepDecisionBody]
+    rules: dict[str, int | float | bool] | None = Field(
+        None, description="The retention rules applied, as a retention file spells them "
+        "(durations in seconds; keep_tagged only when false): the server's retention file's "
+        "for the job, with keep_last as the request gave it. None for `step`.")
 
 
 class ScrubResult(BaseModel):

@@ -12,6 +12,25 @@ from ckptd.errors import InvalidRequest
 
 MiB = 1 << 20
 
+# Every ``CKPTD_*`` variable ckptd reads besides the server's settings (those are
+# ``ckptd.server.settings.Settings``' fields, ``CKPTD_<FIELD>``), named without the
+# prefix: the clients' and the CLI's (the tunables below, where and who), and the
+# image ``deploy/`` runs. ``ckptd`` says of any other ``CKPTD_*`` variable set that it is
+# no setting (``ckptd/cli/variables.py``): a misspelled one was ignored without a
+# word. tests/unit/test_settings_doc.py keeps this, the code and docs/settings.md in step.
+CLIENT_VARIABLES = frozenset({
+    "ANSWER_WITHIN", "CACHE_DIR", "CA_BUNDLE", "CHUNK_SIZE", "CLAIM_LEASE", "CLUSTER_REFRESH",
+    "CONNECT_TIMEOUT", "DIRECT_READS", "DIRECT_WRITES", "H2D_BLOCKING_EVENTS", "H2D_ONE_PASS",
+    "H2D_PIECE", "H2D_SCRATCH", "H2D_THREADS", "HASH_THREADS_THRESHOLD", "HEARTBEAT_INTERVAL",
+    "IMAGE", "INCARNATION", "MALLOC_MMAP_THRESHOLD", "MAX_MANIFEST_BYTES", "MISSING_BATCH",
+    "ON_ERROR", "PEER_ADVERTISE_HOST", "PEER_CONCURRENCY", "PEER_HOST", "PEER_INTERFACE",
+    "PEER_PORT", "PEER_TIMEOUT", "POOL_WAIT", "REQUEST_TIMEOUT", "RESTORE_CONCURRENCY",
+    "RESTORE_HUGE_PAGES", "RETRIES", "RETRY_BACKOFF", "SERVER_WAIT", "SHM_DIR",
+    "STALL_TIMEOUT", "SUSPECT_AFTER", "TOKEN", "TOKENS_FILE", "UPLOAD_CONCURRENCY", "URL",
+})
+# Read by the test suite only (docs/development.md): never said to be unknown.
+TEST_ONLY_PREFIX = "CKPTD_TEST_"
+
 
 def human_bytes(n: int) -> str:
     """``n`` bytes as people read them: 512 B, 16.0 KiB, 4.2 GiB."""

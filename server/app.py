@@ -18,9 +18,9 @@ from uvicorn.config import LOGGING_CONFIG
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ckptd import __version__
-from ckptd.cluster import loopback_host
+from ckptd.cluster import loopback_host, normalize_url, parse_urls
 from ckptd.repository import Repository
-from ckptd.server.cluster import Membership
+from ckptd.server.cluster import Membership, membership_mode, membership_warnings
 from ckptd.server.connections import connection_cap, quiet_repeats, raise_fd_limit
 from ckptd.server.dashboard import install_dashboard
 from ckptd.server.errors import install_error_handlers
@@ -64,7 +64,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     log.info("serving store %s", store.describe())
     app.state.membership = Membership(
         store,
-        settings.advertise_url or f"http://{settings.host}:{settings.port}",
+        own_url(settings),
         peers=settings.peers,
         leases=settings.member_leases,
         member_id=settings.member_id,
@@ -118,16 +118,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.peer_secret = (
         settings.peer_secret.encode("utf-8") if settings.peer_secret else secrets.token_bytes(32)
     )
-    if not settings.peer_secret and (settings.peers or settings.member_leases):
-        log.warning("CKPTD_PEER_SECRET is not set: this replica makes the jobs' peer tokens "
-                    "from a secret of its own, so they change when a job's home moves to "
-                    "another replica, and peers refuse each other until the next heartbeat; "
-                    "set CKPTD_PEER_SECRET, the same on every replica")
-    if not (settings.token or settings.tokens_file) and not loopback_host(settings.host):
-        log.warning("no token (CKPTD_TOKEN, --tokens-file) and listening on %s, beyond this "
-                    "host: any host that reaches this server may save, restore, roll back and "
-                    "forget every job; set a token on a network others share "
-                    "(docs/SECURITY.md)", settings.host)
+    for line in _settings_warnings(settings):
+        log.warning("%s", line)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(chunks.router)
@@ -141,6 +133,51 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     install_dashboard(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def own_url(settings: Settings) -> str:
+    """The URL this replica calls itself by: ``--advertise-url``, else host:port."""
+    return settings.advertise_url or f"http://{settings.host}:{settings.port}"
+
+
+def _settings_warnings(settings: Settings) -> list[str]:
+    """What ``create_app`` warns of in ``settings``: a peer secret of its own per
+    replica, and a server open to other hosts."""
+    said = []
+    if not settings.peer_secret and (settings.peers or settings.member_leases):
+        said.append("CKPTD_PEER_SECRET is not set: this replica makes the jobs' peer tokens "
+                    "from a secret of its own, so they change when a job's home moves to "
+                    "another replica, and peers refuse each other until the next heartbeat; "
+                    "set CKPTD_PEER_SECRET, the same on every replica")
+    if not (settings.token or settings.tokens_file) and not loopback_host(settings.host):
+        said.append(f"no token (CKPTD_TOKEN, --tokens-file) and listening on {settings.host}, "
+                    "beyond this host: any host that reaches this server may save, restore, "
+                    "roll back and forget every job; set a token on a network others share "
+                    "(docs/SECURITY.md)")
+    return said
+
+
+def _stack_warnings(parser: str) -> list[str]:
+    """What ``run`` warns of in the HTTP stack it found (``http_stack``)."""
+    if parser != "h11":
+        return []
+    # Not only slower: the guarded protocol is httptools', so nothing of it holds.
+    return ["httptools is not installed, so this server runs the pure-Python h11 parser "
+            "WITHOUT a request-header timeout (CKPTD_HEADER_TIMEOUT: slow connections are "
+            "never closed) or a connection cap (CKPTD_MAX_CONNECTIONS: connections can "
+            "exhaust its file descriptors), and uploads are slower; pip install "
+            "'uvicorn[standard]'"]
+
+
+def start_warnings(settings: Settings) -> list[str]:
+    """Every warning ``ckptd serve`` logs as it starts that its settings and this
+    install decide (the store's own are ``serve --check``'s already): ``serve
+    --check`` says these too, from the same code."""
+    peers = parse_urls(settings.peers) if settings.peers else []
+    return [*_settings_warnings(settings),
+            *membership_warnings(normalize_url(own_url(settings)), peers,
+                                 membership_mode(peers, settings.member_leases)),
+            *_stack_warnings(http_stack()[0])]
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -234,12 +271,7 @@ def run(settings: Settings, *, store: Store | None = None) -> None:
     scheme = "https" if settings.tls_cert else "http"
     log.info("starting ckptd %s on %s://%s:%d (HTTP parser %s, event loop %s)", __version__,
              scheme, settings.host, settings.port, parser, loop)
-    if parser == "h11":
-        # Not only slower: the guarded protocol is httptools', so nothing of it holds.
-        log.warning("httptools is not installed, so this server runs the pure-Python h11 "
-                    "parser WITHOUT a request-header timeout (CKPTD_HEADER_TIMEOUT: slow "
-                    "connections are never closed) or a connection cap "
-                    "(CKPTD_MAX_CONNECTIONS: connections can exhaust its file descriptors), "
-                    "and uploads are slower; pip install 'uvicorn[standard]'")
+    for line in _stack_warnings(parser):
+        log.warning("%s", line)
     server.run()
 

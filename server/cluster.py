@@ -83,10 +83,33 @@ async def store_identity(store: Store) -> str:
     return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
 
 
+def membership_mode(peers: list[str], leases: bool) -> Mode:
+    """``static`` over a list of replicas, ``lease`` with leases, else ``single``."""
+    return "static" if peers else "lease" if leases else "single"
+
+
+def membership_warnings(self_url: str, peers: list[str], mode: Mode) -> list[str]:
+    """What a replica that calls itself ``self_url`` (normalized) warns of as it
+    starts (``serve --check`` says it too): an address no other host reaches, or
+    a URL its ``--peers`` do not list."""
+    if mode != "single" and every_interface(self_url):
+        return [f"this replica advertises {self_url}, the address of every interface, which "
+                "no client or other replica can reach: give --advertise-url "
+                "(CKPTD_ADVERTISE_URL) http://<a name or address other hosts reach it by>:"
+                f"{urlparse(self_url).port}"]
+    if mode == "static" and self_url not in peers:
+        # (routing by the list finds no key this replica is home of: the chunks a
+        # scoped token may name, its jobs' commits, all go to the others)
+        return [f"this replica's URL {self_url} is not in --peers ({','.join(peers)}): "
+                "clients and replicas route by that list; give --advertise-url the URL "
+                "--peers names this replica by"]
+    return []
+
 
 # Seconds past one lease that a member's lease may run out before its clock is said
 # to run ahead of this one's.
 SKEW_SAY_S = 2.0
+
 
 class Membership:
     """This replica's view of the live replicas (``view()``), and its own lease."""
@@ -104,7 +127,7 @@ class Membership:
         self.store = store
         self.self_url = normalize_url(self_url)
         self.peers = parse_urls(peers) if peers else []
-        self.mode: Mode = "static" if self.peers else "lease" if leases else "single"
+        self.mode = membership_mode(self.peers, leases)
         self.member_id = member_id or own_member_id(self.self_url)
         self.key = member_key(self.member_id)
         self.ttl = float(ttl)
@@ -120,18 +143,8 @@ class Membership:
         """Reads the store's id; in lease mode, takes the lease now (the server is
         then listed at once) and renews it in the background."""
         self.store_id = await self._identify()
-        if self.mode != "single" and every_interface(self.self_url):
-            log.warning(
-                "this replica advertises %s, the address of every interface, which no "
-                "client or other replica can reach: give --advertise-url (CKPTD_ADVERTISE_URL) "
-                "http://<a name or address other hosts reach it by>:%s", self.self_url,
-                urlparse(self.self_url).port)
-        elif self.mode == "static" and self.self_url not in self.peers:
-            # (routing by the list finds no key this replica is home of: the chunks a
-            # scoped token may name, its jobs' commits, all go to the others)
-            log.warning("this replica's URL %s is not in --peers (%s): clients and replicas "
-                        "route by that list; give --advertise-url the URL --peers names "
-                        "this replica by", self.self_url, ",".join(self.peers))
+        for line in membership_warnings(self.self_url, self.peers, self.mode):
+            log.warning("%s", line)
         if self.mode != "lease":
             return
         await self.renew()

@@ -112,6 +112,9 @@ def _root(
 ) -> None:
     command_logging(verbose)
     plain_off_a_terminal(console, err_console)
+    from ckptd.cli.variables import say_unknown_variables
+
+    say_unknown_variables(os.environ)  # (every command: serve's, and a client's CKPTD_URLS)
 
 
 PLAIN_WIDTH = 10_000  # "unbounded": a table off a terminal is as wide as its rows
@@ -459,8 +462,10 @@ def rollback(
     except CkptdError as exc:
         _fail(exc)
     to = rollback_job(url, token, job, step, reason)
-    if clear:
-        console.print(f"rollback of [bold]{job}[/] cleared")
+    if clear and to is None:  # (it said "cleared" of a marker that was never set)
+        console.print(f"no rollback of [bold]{job}[/] is set: nothing to clear")
+    elif clear:
+        console.print(f"rollback of [bold]{job}[/] to step {to} cleared")
     else:
         # (with the --url given: the advice without it went to the default server)
         where = "" if url in (DEFAULT_URL, os.environ.get("CKPTD_URL")) else (

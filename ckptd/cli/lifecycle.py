@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -64,22 +65,25 @@ def rollback_job(url: str, token: str | None, job: str, step: int | None,
                  reason: str) -> int | None:
     """An operator's rollback of ``job`` to ``step`` (None: clears the marker),
     through a server or on a store used directly: the step the ranks are told to go
-    back to. A job the store does not hold is ``JobNotFound`` naming those it does
-    (clearing its marker said "cleared", a rollback "no checkpoint at step N")."""
+    back to, or, clearing, the step the marker named (None: none was set). A job the
+    store does not hold is ``JobNotFound`` naming those it does (clearing its marker
+    said "cleared", a rollback "no checkpoint at step N")."""
 
     async def direct(repo: Any) -> int | None:
         if step is None:
             await _job_there(repo, job)
+            marker, _ = await repo.rollback_state(job)
             await repo.clear_rollback(job)
-            return None
+            return None if marker is None else int(marker.step)
         done = await repo.set_rollback(job, step)
         return int(done.marker.step)
 
     def remote(server: SyncTransport) -> int | None:
         if step is None:
             _server_job_there(server, job, url)
+            was: int | None = server.rollback(job).rollback_to
             server.clear_rollback(job)
-            return None
+            return was
         to: int | None = server.set_rollback(job, step, reason).rollback_to
         return to
 
@@ -148,8 +152,10 @@ def _existing(url: str) -> str:
 def forget(
     job: Annotated[str, typer.Argument(help="Job whose retention to apply.")],
     dry_run: DryRunOpt = False,
-    keep_last: Annotated[int | None, typer.Option(min=1, help="Keep the last N steps (and the "
-                                                  "tagged, latest and rollback ones).")] = None,
+    keep_last: Annotated[int | None, typer.Option(min=1, help=(
+        "Keep the last N steps (and the tagged, latest and rollback ones). Through a server "
+        "with a retention file (or with --retention), N replaces its keep_last and its "
+        "other rules still hold: the output names what they kept."))] = None,
     retention: Annotated[str | None, typer.Option(help="Retention TOML (direct store only).")
                          ] = None,
     step: Annotated[int | None, typer.Option(parser=step_number, metavar="STEP",
@@ -168,7 +174,12 @@ def forget(
                              "--keep-last N"))
 
     async def direct(repo: Any) -> Any:
-        from ckptd.lifecycle.retention import RetentionPolicy, forget_damaged_step, load_retention
+        from ckptd.lifecycle.retention import (
+            RetentionPolicy,
+            forget_damaged_step,
+            load_retention,
+            rules_of,
+        )
         from ckptd.lifecycle.retention import forget as apply
 
         if step is not None:
@@ -186,7 +197,7 @@ def forget(
             raise InvalidRequest("no retention rule: pass --keep-last N or --retention FILE")
         plan = await apply(repo, job, policy, dry_run=dry_run)
         return {"job": job, "dry_run": dry_run, "forgotten": plan.forgotten,
-                "steps": [dataclasses.asdict(d) for d in plan.steps]}
+                "steps": [dataclasses.asdict(d) for d in plan.steps], "rules": rules_of(policy)}
 
     def remote(server: SyncTransport) -> Any:
         return server.forget(job, dry_run, keep_last, step)
@@ -200,10 +211,31 @@ def forget(
                       f"[{style[decision]}]{decision}[/]",
                       escape(visible("; ".join(d["reasons"]))))
     console.print(table)
+    whose = "the server's retention" if _remote(url) else f"the retention of {retention}"
+    for line in kept_by_retention(plan, keep_last is not None, whose):
+        console.print(escape(line), highlight=False)
     verb = "would forget" if dry_run else "forgot"
     n = len(plan["forgotten"])
     console.print(f"{verb} {n} step{'' if n == 1 else 's'} of {escape(job)}: "
                   f"{plan['forgotten']}" + ("" if dry_run else " (run ckptd gc to free chunks)"))
+
+
+def kept_by_retention(plan: dict[str, Any], own_keep_last: bool, whose: str) -> list[str]:
+    """A line for each rule of a retention file (``plan["rules"]``, ``whose``) that
+    alone kept steps: through a server, ``forget --keep-last 1`` kept steps 0, 10 and
+    20 of a job its retention keeps every 10th of, and nothing said why (found by an
+    operator's probe). ``own_keep_last``: keep_last was this command's, not the file's."""
+    rules = {name: value for name, value in (plan.get("rules") or {}).items()
+             if name.startswith("keep_") and not (own_keep_last and name == "keep_last")}
+    lines = []
+    for name, value in rules.items():
+        steps = [d["step"] for d in plan["steps"] if d["decision"] == "keep"
+                 and name in d.get("kept_by", ()) and set(d["kept_by"]) <= set(rules)]
+        if steps:
+            said = json.dumps(value) if isinstance(value, bool) else f"{value:g}"
+            lines.append(f"kept by {whose} ({name} = {said}): "
+                         + ", ".join(str(step) for step in steps))
+    return lines
 
 
 def _state(decision: dict[str, Any], one_damaged: bool) -> str:

@@ -171,10 +171,22 @@ def checked_serve(overrides: dict[str, Any], check: bool) -> tuple[Settings, Sto
     in place of the store."""
     settings = server_settings(overrides)
     check_listen(settings.host, settings.port)
+    if check:
+        _say_start_warnings(settings)
     if check and (new := new_local_store(settings)) is not None:
         return settings, new
     store = writable_store(settings, server_store(settings), check=check)
     return settings, f"ok: would serve {store.describe()}" if check else store
+
+
+def _say_start_warnings(settings: Settings) -> None:
+    """What ``ckptd serve`` would warn of as it starts (``ckptd.server.app``'s own
+    words): ``serve --check --host 0.0.0.0`` with no token said only ok."""
+    from ckptd.cli import err_console
+    from ckptd.server.app import start_warnings
+
+    for line in start_warnings(settings):
+        err_console.print(f"[yellow]warning[/] {escape(line)}", soft_wrap=True, highlight=False)
 
 
 def server_store(settings: Settings) -> Store:

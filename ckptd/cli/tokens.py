@@ -41,9 +41,16 @@ def token_create(
     note: Annotated[str, typer.Option(help="Who or what it is for.")] = "",
     file: FileOpt = DEFAULT_FILE,
 ) -> None:
-    """Create a token; it is printed once, and only its hash is kept."""
+    """Create a token; it is printed once, and only its hash is kept (a file whose
+    directory is not there is made in a new one, and that is said)."""
+    from pathlib import Path
+
     from ckptd.tokens import create_token
 
+    # The highest directory of --file not there yet (the file's directories are made:
+    # `serve --tokens-file` advises this command for a file not there): said, not
+    # made silently, so that a mistyped directory is seen (found by a probe).
+    made = next((p for p in reversed(Path(file).parents) if not p.exists()), None)
     try:
         token, entry = create_token(file, job, role, note)
     except CkptdError as exc:
@@ -53,6 +60,8 @@ def token_create(
         console.print(f"[bold red]error[/] cannot write {escape(file)}: {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     console.print(token, markup=False, highlight=False, soft_wrap=True)
+    if made is not None:
+        typer.echo(f"made directory {made} for {file} (it was not there)", err=True)
     typer.echo(f"token {entry.id}: {entry.role} on {entry.job!r}, kept hashed in {file}; "
                "it is not shown again", err=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import logging
 import re
@@ -107,11 +108,20 @@ def parse_duration(value: object, what: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str) -> RetentionPolicy:
+def _policy(table: Mapping[str, Any], base: RetentionPolicy, where: str,
+            jobs: bool = False) -> RetentionPolicy:
+    """``base`` with ``table``'s rules; ``jobs``: the [retention] table, where
+    [retention.jobs.<job>] tables may sit too (said of an unknown key)."""
     unknown = sorted(set(table) - set(_FIELDS))
     if unknown:
-        raise InvalidPolicy(f"{where}: unknown keys {unknown} (known: {', '.join(_FIELDS)})",
-                            reason="unknown key")
+        also = ", and [retention.jobs.<job>] tables per job" if jobs else ""
+        near = [f"[retention.jobs.{_section(job)}]" for key in unknown
+                if jobs and isinstance(table[key], dict)
+                and difflib.get_close_matches(key, ["jobs"], cutoff=0.6)
+                for job in table[key]]
+        meant = f"; did you mean {', '.join(near)}?" if near else ""
+        raise InvalidPolicy(f"{where}: unknown keys {unknown} (known: {', '.join(_FIELDS)}"
+                            f"{also}){meant}", reason="unknown key")
     changes: dict[str, Any] = {}
     for name in ("keep_last", "keep_every"):
         if name in table:
@@ -160,7 +170,7 @@ def parse_retention(text: str, source: str = "<string>") -> RetentionConfig:
         if not isinstance(rules, dict):
             raise InvalidPolicy(f"{source}: retention.jobs.{_section(job)} must be a table "
                                 f"([retention.jobs.{_section(job)}])", reason="not a table")
-    default = _policy(table, RetentionPolicy(), f"{source}: retention")
+    default = _policy(table, RetentionPolicy(), f"{source}: retention", jobs=True)
     config = RetentionConfig(default, {
         job: _policy(t, default, f"{source}: retention.jobs.{job}") for job, t in jobs.items()
     })
@@ -195,6 +205,20 @@ class StepDecision:
     committed: bool
     decision: Decision
     reasons: tuple[str, ...]
+    # What keeps a kept step, in the words of ``reasons``: the policy's rules that keep
+    # it (``keep_last``, ``keep_every``, ``keep_within``, ``keep_tagged``), ``latest``,
+    # ``rollback``, ``damaged`` or ``no_rule``; a caller says from it which rules kept what.
+    kept_by: tuple[str, ...] = ()
+
+
+def rules_of(policy: RetentionPolicy) -> dict[str, int | float | bool]:
+    """``policy``'s rules as a retention file spells them (seconds for durations),
+    those it sets."""
+    rules: dict[str, int | float | bool] = {
+        name: getattr(policy, name) for name in _FIELDS if getattr(policy, name) is not None}
+    if policy.keep_tagged:  # (the default: said only when false)
+        del rules["keep_tagged"]
+    return rules
 
 
 @dataclass(slots=True)
@@ -239,7 +263,7 @@ async def plan_forget(
             # whose chunks may be the only copy, is the operator's to forget.
             plan.steps.append(StepDecision(step, False, "keep", (
                 f"damaged, not abandoned (`ckptd forget {job} --step {step}` forgets it): "
-                f"{info.damaged}",)))
+                f"{info.damaged}",), ("damaged",)))
             continue
         if not info.committed:
             age = ages.get(step)
@@ -250,26 +274,27 @@ async def plan_forget(
             else:
                 plan.steps.append(StepDecision(step, False, "pending", ("pending",)))
             continue
-        reasons = []
+        kept: dict[str, str] = {}  # what keeps it -> in words
         if step == latest:
-            reasons.append("latest")
+            kept["latest"] = "latest"
         elif step == intact:
-            reasons.append(why_intact)
+            kept["latest"] = why_intact
         if marker is not None and step == marker.step:
-            reasons.append("rollback target")
+            kept["rollback"] = "rollback target"
         if step in tagged:
-            reasons.append("tagged " + ", ".join(sorted(tagged[step])))
+            kept["keep_tagged"] = "tagged " + ", ".join(sorted(tagged[step]))
         if not policy.forgets:
-            reasons.append("no retention rule")
+            kept["no_rule"] = "no retention rule"
         if step in last:
-            reasons.append(f"one of the last {policy.keep_last}")
+            kept["keep_last"] = f"one of the last {policy.keep_last}"
         if policy.keep_every and step % policy.keep_every == 0:
-            reasons.append(f"every {_ordinal(policy.keep_every)}")
+            kept["keep_every"] = f"every {_ordinal(policy.keep_every)}"
         if policy.keep_within is not None and info.committed_at is not None and (
                 now - info.committed_at <= policy.keep_within):
-            reasons.append(f"younger than {policy.keep_within:.0f} s")
-        if reasons:
-            plan.steps.append(StepDecision(step, True, "keep", tuple(reasons)))
+            kept["keep_within"] = f"younger than {policy.keep_within:.0f} s"
+        if kept:
+            plan.steps.append(StepDecision(step, True, "keep", tuple(kept.values()),
+                                           tuple(kept)))
         else:
             plan.steps.append(StepDecision(step, True, "forget", ("no rule keeps it",)))
     return plan
@@ -320,7 +345,8 @@ async def forget(
             # after this read finds the claim, and its writer takes it back.
             if policy.keep_tagged and d.step in (await read_tags(repo.store, job)).values():
                 await _release(repo, job, d.step, claim)
-                plan.steps[i] = StepDecision(d.step, True, "keep", ("tagged meanwhile",))
+                plan.steps[i] = StepDecision(d.step, True, "keep", ("tagged meanwhile",),
+                                             ("keep_tagged",))
                 continue
             # The record first: from then on the step is not a checkpoint, and a
             # crash leaves at worst a pending-looking step that the next run removes.

@@ -126,12 +126,14 @@ async def forget_steps(
     repo: RepoDep,
     service: ServiceDep,
     dry_run: Annotated[bool, Query(description="Say what would go; change nothing.")] = False,
-    keep_last: Annotated[int | None, Query(ge=1)] = None,
+    keep_last: Annotated[int | None, Query(
+        ge=1, description="Replaces the keep_last of the server's retention for this job; "
+        "its other rules (keep_every, keep_within, keep_tagged) still hold.")] = None,
     step: Annotated[int | None, Query(
         ge=0, description="Forget this damaged step only (latest too); 400 when intact.")
     ] = None,
 ) -> ForgetResult:
-    from ckptd.lifecycle.retention import forget
+    from ckptd.lifecycle.retention import forget, rules_of
 
     if step is not None:
         if keep_last is not None:
@@ -147,14 +149,15 @@ async def forget_steps(
             f"no retention rule for {job}: start the server with --retention FILE, or pass "
             f"keep_last (`ckptd forget {job} --keep-last N`)", job=job)
     plan = await forget(repo, job, policy, dry_run=dry_run)
-    return _forget_result(job, dry_run, plan.forgotten, plan.steps)
+    return _forget_result(job, dry_run, plan.forgotten, plan.steps, rules_of(policy))
 
 
 def _forget_result(job: str, dry_run: bool, forgotten: list[int],
-                   steps: Sequence[StepDecision]) -> ForgetResult:
-    return ForgetResult(job=job, dry_run=dry_run, forgotten=forgotten, steps=[
+                   steps: Sequence[StepDecision],
+                   rules: dict[str, int | float | bool] | None = None) -> ForgetResult:
+    return ForgetResult(job=job, dry_run=dry_run, forgotten=forgotten, rules=rules, steps=[
         StepDecisionBody(step=d.step, committed=d.committed, decision=d.decision,
-                         reasons=list(d.reasons)) for d in steps])
+                         reasons=list(d.reasons), kept_by=list(d.kept_by)) for d in steps])
 
 
 @router.post(

@@ -1,7 +1,7 @@
 """The dashboard in a real (headless) Chromium against a real ``ckptd serve``: a job
 with a dead and a degraded rank, and a checkpoint taken for a health reason.
 
-Needs Debian's ``chromium`` at /usr/bin/chromium (``CKPTD_CHROMIUM`` names another)
+Needs Debian's ``chromium`` at /usr/bin/chromium (``CKPTD_TEST_CHROMIUM`` names another)
 and the ``playwright`` package (never ``playwright install``: it downloads its own
 browser). Without chromium the tests skip, saying how to install it; in CI
 (``CI`` set, as ``.ci/run`` runs them) they fail instead: nothing skips silently
@@ -24,9 +24,9 @@ from ckptd.hashing import chunk_spans
 from tests.conftest import ServerProcess
 from tests.integration.test_api import CHUNK, COLS, commit, manifest, put_manifest, tensor
 
-CHROMIUM = Path(os.environ.get("CKPTD_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM = Path(os.environ.get("CKPTD_TEST_CHROMIUM", "/usr/bin/chromium"))
 NO_CHROMIUM = (f"needs Debian's chromium at {CHROMIUM}: sudo apt-get install chromium "
-               "(or CKPTD_CHROMIUM=/path/to/chromium)")
+               "(or CKPTD_TEST_CHROMIUM=/path/to/chromium)")
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 # Heartbeats: a rank is dead after 3 missed. At 0.3 s the live ranks' beating thread,

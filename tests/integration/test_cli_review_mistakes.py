@@ -461,7 +461,12 @@ def test_rollback_tag_and_untag_of_a_job_not_there_name_the_jobs_there(
         told = cli("rollback", "llm-7b", "1", "--url", url)  # (its advice kept --url)
         assert f"`ckptd rollback llm-7b --clear --url {url}`" in " ".join(
             told.stdout.split()), told.stdout
-        assert cli("rollback", "llm-7b", "--clear", "--url", url).returncode == 0
+        done = cli("rollback", "llm-7b", "--clear", "--url", url)
+        assert done.returncode == 0 and "rollback of llm-7b to step 1 cleared" in done.stdout
+        # (found by a probe: a marker never set, or cleared already, was "cleared")
+        done = cli("rollback", "llm-7b", "--clear", "--url", url)
+        assert done.returncode == 0 and "no rollback of llm-7b is set: nothing to clear" in \
+            done.stdout, done.stdout + done.stderr
 
 
 def test_a_bare_path_is_a_store_to_every_command(saved_store: str, tmp_path: Path,

@@ -78,6 +78,20 @@ def test_token_create_into_a_file_touched_first(tmp_path: Path) -> None:
     assert json.loads(tokens.read_text())["tokens"][0]["id"] == made.id
 
 
+def test_token_create_says_the_directory_it_made(tmp_path: Path) -> None:
+    """(Found by a probe: ``token create --file nodir/tokens`` made nodir without a
+    word, so a mistyped directory went unseen.) Made, as ``serve --tokens-file``
+    advises this command for a file not there, and said; not said when there."""
+    done = ckptd("token", "create", "--job", "j", "--role", "read", "--file",
+                 "nodir/sub/tokens", cwd=tmp_path)
+    assert done.returncode == 0 and (tmp_path / "nodir" / "sub" / "tokens").is_file()
+    assert "made directory nodir for nodir/sub/tokens (it was not there)" in done.stderr, \
+        done.stderr
+    done = ckptd("token", "create", "--job", "j", "--role", "read", "--file",
+                 "nodir/sub/tokens", cwd=tmp_path)
+    assert done.returncode == 0 and "made directory" not in done.stderr, done.stderr
+
+
 def test_a_changed_file_with_a_mistake_keeps_the_tokens_and_says_so_once(
         tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"

@@ -126,7 +126,7 @@ def test_the_test_command_installs_the_browser_tests_package() -> None:
 @pytest.mark.parametrize("ci", ["", "true"])
 def test_without_chromium_the_browser_tests_say_how_to_get_it_and_fail_in_ci(ci: str) -> None:
     pytest.importorskip("playwright.sync_api")
-    env = {**os.environ, "CKPTD_CHROMIUM": "/nonexistent/chromium", "CI": ci}
+    env = {**os.environ, "CKPTD_TEST_CHROMIUM": "/nonexistent/chromium", "CI": ci}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
          str(REPO / "tests" / "browser")],
