@@ -123,7 +123,6 @@ def _run_body(run: GcRun) -> GcRunBody:
              summary="Apply the job's retention: forget the steps it does not keep")
 async def forget_steps(
     job: JobDep,
-    repo: RepoDep,
     service: ServiceDep,
     dry_run: Annotated[bool, Query(description="Say what would go; change nothing.")] = False,
     keep_last: Annotated[int | None, Query(ge=1)] = None,
@@ -131,8 +130,6 @@ async def forget_steps(
         ge=0, description="Forget this damaged step only (latest too); 400 when intact.")
     ] = None,
 ) -> ForgetResult:
-    from ckptd.lifecycle.retention import forget
-
     if step is not None:
         if keep_last is not None:
             raise InvalidRequest("pass step or keep_last, not both", job=job)
@@ -146,7 +143,7 @@ async def forget_steps(
         raise InvalidRequest(
             f"no retention rule for {job}: start the server with --retention FILE, or pass "
             f"keep_last (`ckptd forget {job} --keep-last N`)", job=job)
-    plan = await forget(repo, job, policy, dry_run=dry_run)
+    plan = await service.forget(job, policy, dry_run=dry_run)
     return _forget_result(job, dry_run, plan.forgotten, plan.steps)
 
 
