@@ -256,7 +256,9 @@ async def space(service: ServiceDep) -> SpaceResult:
                            steps=[StepSpaceBody(**dataclasses.asdict(x)) for x in j.steps])
               for j in s.jobs],
         damaged=s.damaged, complete=s.complete, uncounted_steps=s.uncounted_steps,
-        chunks_listed_at=s.chunks_listed_at, referenced_bytes=s.referenced_bytes)
+        chunks_listed_at=s.chunks_listed_at, referenced_bytes=s.referenced_bytes,
+        referenced_chunks=s.referenced_chunks, unreferenced_chunks=s.unreferenced_chunks,
+        unreferenced_bytes=s.unreferenced_bytes, listing_again=s.listing_again)
 
 
 # -- background tasks, metrics ---------------------------------------------------------
