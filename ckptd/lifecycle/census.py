@@ -374,6 +374,11 @@ class Census:
             raise
         self._counted[key] = begun.digest
         self._unreadable.discard(key)
+        if problems and not await self.store.exists(ckey):
+            # Forgotten while its manifests were read (the record goes first): not
+            # a damaged step, a step gone.
+            await self._drop({key})
+            return False
         if problems:
             self._problems[key] = problems
         else:

@@ -298,6 +298,38 @@ async def test_a_step_forgotten_before_it_was_counted_is_listed_again(tmp_path: 
         await counter.close()
 
 
+async def test_a_step_forgotten_while_it_is_counted_is_not_called_damaged(tmp_path: Path
+                                                                         ) -> None:
+    """Retention forgets a step between the census's read of its record and of its
+    manifests: the step is gone, not damaged (``ckptd space`` said it was, exit 1)."""
+    repo = Repository(LocalStore(tmp_path / "s", fsync=False))
+    counter = Census(repo, process=False)
+    await counter.count_all()
+    await commit_demo(repo, "j", 1)
+    await commit_demo(repo, "j", 2)
+    call = counter._worker.call
+
+    async def forget_once_begun(method: str, *args: Any) -> tuple[Any, float]:
+        answer = await call(method, *args)
+        if method == "begin" and args[:2] == ("j", 1):
+            assert (await forget(repo, "j", RetentionPolicy(keep_last=1))).forgotten == [1]
+        return answer
+
+    counter._worker.call = forget_once_begun  # type: ignore[method-assign]
+    counter.note_commit("j", 1)
+    counter.note_commit("j", 2)
+    await counter._count_queued()
+    await counter._refresh_view()
+    space = counter._make_space()
+    assert space.damaged == [] and [s.step for s in space.jobs[0].steps] == [2], space
+    # (step 1's chunks were not all seen: chunks/ is listed again, then counted)
+    assert space.listing_again and not space.complete, space
+    space = await counter.count_all()
+    assert space.chunks == 12 and space.unreferenced_chunks == 6, space
+    assert space.complete and not space.listing_again, space
+    await counter.close()
+
+
 async def test_damaged_documents_are_named_and_the_rest_counted(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "s", fsync=False)
     repo = Repository(store)
