@@ -114,7 +114,8 @@ class SpaceResult(BaseModel):
         description="Damaged documents whose steps are not counted, each named.")
     complete: bool = Field(
         default=True, description="Every committed step is counted and chunks/ was listed: "
-        "false while the census is still counting (after a start, or many new steps).")
+        "false while the census is still counting (after a start, or many new steps), "
+        "or lists chunks/ again (listing_again).")
     uncounted_steps: int = Field(
         default=0, description="Committed steps found and not counted yet.")
     chunks_listed_at: float | None = Field(
@@ -122,3 +123,15 @@ class SpaceResult(BaseModel):
         "chunks/, or a garbage collection's); null: not yet.")
     referenced_bytes: int = Field(
         default=0, description="Bytes of the distinct chunks the counted steps name.")
+    referenced_chunks: int | None = Field(
+        default=None, description="Distinct chunks the counted steps name (null: an older "
+        "server's answer).")
+    unreferenced_chunks: int | None = Field(
+        default=None, description="Chunks in the store that no committed step names (those "
+        "of forgotten steps among them): what a garbage collection deletes, but for the "
+        "chunks of saves still under way.")
+    unreferenced_bytes: int | None = Field(default=None, description="Their bytes.")
+    listing_again: bool = Field(
+        default=False, description="chunks/ is being listed again because steps were "
+        "forgotten before the census counted them: their chunks are in the store and not "
+        "in chunks yet (complete is false meanwhile).")

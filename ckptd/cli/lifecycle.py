@@ -501,6 +501,8 @@ def untag(
 
 # Seconds ``ckptd space`` asks a server again while its census is still counting.
 SPACE_PATIENCE = 5.0
+# A server's listing of chunks/ older than this (s) is said with its age.
+LISTING_AGE_SAID = 90.0
 
 
 @app.command()
@@ -541,11 +543,22 @@ def space(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     console.print(f"chunks in store: {s['chunks']} ({_human(s['chunk_bytes'])}); space left: "
                   + (f"{_human(free)} of {_human(s['total_bytes'])}" if free is not None
                      else "not reported by this store"))
+    if s.get("unreferenced_chunks") is not None:  # (an older server does not say)
+        console.print(f"named by no committed step: {s['unreferenced_chunks']} chunks "
+                      f"({_human(s['unreferenced_bytes'])}): what `ckptd gc` deletes, but "
+                      "for those of saves under way")
+    listed = s.get("chunks_listed_at")
+    if listed is not None and s["taken_at"] - listed > LISTING_AGE_SAID:
+        console.print(f"(chunks/ last listed {(s['taken_at'] - listed) / 60:.0f} min ago: a "
+                      "chunk stored since is counted once a step names it)")
     for damage in s.get("damaged", []):  # (an older server does not say)
         console.print(f"not counted, damaged: {escape(visible(damage))}")
     if not s.get("complete", True):  # (an older server does not say)
         console.print(f"still counting: {s.get('uncounted_steps', 0)} committed steps not "
                       "counted yet" + ("" if s.get("chunks_listed_at") else
-                                       ", chunks/ not listed yet") + "; ask again shortly")
+                                       ", chunks/ not listed yet")
+                      + (", chunks/ listed again (steps were forgotten before they were "
+                         "counted: their chunks are not in the count yet)"
+                         if s.get("listing_again") else "") + "; ask again shortly")
     if s.get("damaged"):  # damage found: not a clean answer (as ls and verify)
         raise typer.Exit(code=DAMAGE)

@@ -40,5 +40,7 @@ class BookView:
     referenced_chunks: int  # distinct chunks that counted steps name
     referenced_bytes: int
     references: int  # (step, chunk) pairs held: the book's size, 12 bytes each
-    new_chunks: int = 0  # referenced now, not in the last listing of chunks/ (``listed``)
+    # Not in the last listing of chunks/ (``listed``): referenced now, or named by
+    # counts dropped since (forgotten steps: in the store until a collection)
+    new_chunks: int = 0
     new_bytes: int = 0

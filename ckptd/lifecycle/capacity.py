@@ -52,7 +52,14 @@ class StoreSpace:
     damaged: list[str] = field(default_factory=list)  # documents not counted, each named
     chunks_listed_at: float | None = None  # when chunks/ was listed (None: not yet)
     referenced_bytes: int = 0  # distinct chunks that the counted steps name
+    referenced_chunks: int = 0
+    # In the store and named by no counted step: what a collection deletes (but for
+    # chunks of saves still under way)
+    unreferenced_chunks: int = 0
+    unreferenced_bytes: int = 0
     uncounted_steps: int = 0  # committed steps found and not counted yet
+    # chunks/ is listed again: steps went before they were counted, their chunks not
+    listing_again: bool = False
     complete: bool = True  # every committed step counted, chunks/ listed
 
 

@@ -113,6 +113,9 @@ class Census:
         self._listed: tuple[int, int, float] | None = None  # chunks, bytes, listed at
         self._collected: tuple[int, int, float] | None = None  # a collection's, to take in
         self._list_due = 0.0  # monotonic
+        # When (wall clock) a step went before it was counted: its chunks are in the
+        # store and in no count, so the chunk totals wait for a listing begun since.
+        self._relist_since: float | None = None
         self._view: BookView | None = None
         self._view_dirty = True
         self._view_at = 0.0
@@ -236,8 +239,7 @@ class Census:
             collected, self._collected = self._collected, None
             await self._call("listed", None)
             self._listed, self._listing = collected, None
-            self._list_due = now + self.list_interval
-            self._view_dirty = True
+            self._took_in_listing(collected[2])
         elif self._drops or self._queue:
             await self._count_queued()
         elif self._want_full or self._full_at is None or (
@@ -251,6 +253,14 @@ class Census:
             return False
         return True
 
+    def _took_in_listing(self, started_at: float) -> None:
+        if self._relist_since is not None and started_at >= self._relist_since:
+            self._relist_since = None
+        # (one begun before a step went uncounted may lack its chunks: again, now)
+        self._list_due = 0.0 if self._relist_since is not None \
+            else time.monotonic() + self.list_interval
+        self._view_dirty = True
+
     async def _pause(self) -> None:
         self._idle.set()  # (a request waiting for the view gets it as it stands)
         await asyncio.sleep(min(5.0, self.interval or 5.0))
@@ -260,7 +270,7 @@ class Census:
         self._counted.clear()
         self._problems.clear()
         self._unreadable.clear()
-        self._listing = self._listed = None
+        self._listing = self._listed = self._relist_since = None
         self._want_full = True
 
     async def close(self) -> None:
@@ -276,6 +286,7 @@ class Census:
 
     async def _count_queued(self) -> None:
         drops, self._drops = self._drops, set()
+        counted = set(self._counted)
         await self._drop(drops)
         while self._queue:
             key = next(iter(self._queue))
@@ -283,6 +294,8 @@ class Census:
             # it is complete without this step.
             if await self._count(*key):
                 self._found.add(key)
+            elif key not in counted:  # committed, then forgotten before it was counted
+                self._lost_sight()
             self._queue.pop(key, None)
             await self._refresh_view(every=VIEW_EVERY)
 
@@ -313,12 +326,15 @@ class Census:
                 steps = await self.repo.step_numbers(job)
                 present = await self.store.exists_many([commit_key(job, s) for s in steps])
                 found.update((job, s) for s, ok in zip(steps, present, strict=True) if ok)
+            if self._found - found - set(self._counted) - self._unreadable:
+                self._lost_sight()  # found by the last pass, gone before it was counted
             await self._drop({k for k in self._counted if k not in found}
                              | {k for k in self._unreadable | set(self._problems)
                                 if k not in found})
             self._found = found
             for key in sorted(found - set(self._counted)):
-                await self._count(*key)
+                if not await self._count(*key):
+                    self._lost_sight()
                 await self._refresh_view(every=VIEW_EVERY)
             counted = sorted(self._counted)
             for i in range(min(RECHECK_PER_PASS, len(counted))):
@@ -358,6 +374,11 @@ class Census:
             raise
         self._counted[key] = begun.digest
         self._unreadable.discard(key)
+        if problems and not await self.store.exists(ckey):
+            # Forgotten while its manifests were read (the record goes first): not
+            # a damaged step, a step gone.
+            await self._drop({key})
+            return False
         if problems:
             self._problems[key] = problems
         else:
@@ -410,6 +431,14 @@ class Census:
         doc: bytes | None = await self._call("finish", job, step, big and self.persist)
         return problems, (doc, old) if doc is not None else None
 
+    def _lost_sight(self) -> None:
+        """A step went before it was counted: the chunks it named are in the store
+        (until a collection) and in no count; a listing begun from now finds them."""
+        if self._relist_since is None:
+            self._relist_since = time.time()
+        self._list_due = 0.0
+        self._view_dirty = True
+
     async def _get_or_none(self, key: str) -> bytes | None:
         try:
             return await self.store.get(key)
@@ -450,6 +479,7 @@ class Census:
         # Only the fan-out directories there are (one request on S3): a small store
         # is listed in a few requests, not 256.
         started = time.time()
+        await self._call("listing")
         names = await self.store.list_dir("chunks/")
         self._listing = _Listing(started, [n for n in names if _FAN_OUT.fullmatch(n)])
 
@@ -478,8 +508,7 @@ class Census:
             await self._call("listed", listing.ids.tobytes())
             self._listed = (listing.chunks, listing.chunk_bytes, listing.started_at)
             self._listing = None
-            self._list_due = time.monotonic() + self.list_interval
-            self._view_dirty = True
+            self._took_in_listing(listing.started_at)
 
     # -- the view -----------------------------------------------------------------------
 
@@ -508,11 +537,16 @@ class Census:
             taken_at=self._view_taken,
             jobs=[JobSpace(j.job, j.stored_bytes, j.logical_bytes,
                            [StepSpace(*s) for s in j.steps]) for j in view.jobs],
-            referenced_bytes=view.referenced_bytes,
+            referenced_bytes=view.referenced_bytes, referenced_chunks=view.referenced_chunks,
+            # (every chunk a counted step names is in the totals: listed, or new)
+            unreferenced_chunks=max(0, chunks - view.referenced_chunks),
+            unreferenced_bytes=max(0, chunk_bytes - view.referenced_bytes),
             damaged=[p for key in sorted(self._problems) for p in self._problems[key]],
             uncounted_steps=uncounted,
+            listing_again=self._relist_since is not None,
             complete=(self._full_at is not None and uncounted == 0
-                      and listed_at is not None and not self._view_dirty),
+                      and listed_at is not None and self._relist_since is None
+                      and not self._view_dirty),
         )
         disk = disk_space(self.store)
         if disk is not None:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 _HEAD = struct.Struct("<I")
 _FRAME = struct.Struct("<Q")
 # Methods the book answers; their results are turned into plain JSON values here.
-METHODS = frozenset({"begin", "add_ranks", "finish", "load", "abort", "drop", "clear", "listed",
-                     "view"})
+METHODS = frozenset({"begin", "add_ranks", "finish", "load", "abort", "drop", "clear",
+                     "listing", "listed", "view"})
 
 
 class WorkerLost(CkptdError):
@@ -76,11 +76,12 @@ def _encode(message: Any) -> bytes:
 def _answer_of_empty_book(method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
     """(True, the answer) of a call that an empty book answers the same whatever it
     was told before, else (False, None): its view; dropping, aborting or clearing
-    what it does not hold; a listing of ``chunks/`` that found no chunk (the same as
-    none: every chunk a step counted later names is new to both)."""
+    what it does not hold; a listing of ``chunks/`` that begins (a new book has
+    orphaned nothing), or that found no chunk (the same as none: every chunk a step
+    counted later names is new to both)."""
     if method == "view":
         return True, BookView((), 0, 0, 0)
-    if method in ("drop", "abort", "clear") or (method == "listed" and not args[0]):
+    if method in ("drop", "abort", "clear", "listing") or (method == "listed" and not args[0]):
         return True, None
     return False, None
 

@@ -17,7 +17,13 @@ from ckptd.lifecycle.capacity import StoreSpace
 from ckptd.lifecycle.census import Census
 from ckptd.lifecycle.damaged_chunks import DamagedChunks
 from ckptd.lifecycle.gc import GcReport, check_grace, collect_garbage
-from ckptd.lifecycle.retention import ForgetPlan, RetentionConfig, forget, forget_damaged_step
+from ckptd.lifecycle.retention import (
+    ForgetPlan,
+    RetentionConfig,
+    RetentionPolicy,
+    forget,
+    forget_damaged_step,
+)
 from ckptd.lifecycle.scrub import ChunkSource, ScrubProgress, ScrubReport, scrub
 from ckptd.repository import Repository
 
@@ -275,6 +281,14 @@ class LifecycleService:
                     log.info("retention of %s forgot steps %s", job, here)
                 self._forgotten(job, plan.forgotten)
         self._seen_latest[job] = latest  # (after it: a failed pass is tried again)
+
+    async def forget(self, job: str, policy: RetentionPolicy, *, dry_run: bool = False
+                     ) -> ForgetPlan:
+        """``forget`` (``POST /v1/jobs/{job}/forget``), and the census and caches told."""
+        plan = await forget(self.repo, job, policy, dry_run=dry_run)
+        if not dry_run and plan.forgotten:
+            self._forgotten(job, plan.forgotten)
+        return plan
 
     async def forget_damaged(self, job: str, step: int, *, dry_run: bool = False
                              ) -> ForgetPlan:

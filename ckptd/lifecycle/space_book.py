@@ -186,6 +186,12 @@ class SpaceBook:
         self._view: BookView | None = None
         self._distinct = np.empty(0, np.uint64)  # what the last view found referenced
         self._mark: np.ndarray | None = None  # ids chunks/ held when last listed
+        # Chunks that dropped (forgotten) or replaced counts named, not in the mark:
+        # still in the store until a collection deletes them, so still counted.
+        self._orphans = _empty()
+        # Those orphaned since the listing under way began (or since this book was
+        # made): the only ones that listing may have missed (``listing``).
+        self._orphans_since = _empty()
 
     # -- counting a step: begin, then either load its summary, or add every rank and finish
 
@@ -283,28 +289,57 @@ class SpaceBook:
         self._open.pop((job, step), None)
 
     def _put(self, job: str, step: int, counted: _Counted) -> None:
+        was = self._counted.get((job, step))
+        if was is not None and was.digest != counted.digest:
+            self._orphan(was)  # (another commit under the step's number)
         self._counted[(job, step)] = counted
         self._view = None
 
     def drop(self, keys: list[tuple[str, int]]) -> None:
         for job, step in keys:
-            if self._counted.pop((job, step), None) is not None:
+            if (was := self._counted.pop((job, step), None)) is not None:
+                self._orphan(was)
                 self._view = None
+
+    def _orphan(self, counted: _Counted) -> None:
+        """A count goes: its chunks stay in the store until a collection, so they
+        stay in the chunk totals until the next listing says otherwise."""
+        ids, sizes = counted.ids, counted.sizes
+        if self._mark is not None:
+            new = ~np.isin(ids, self._mark, assume_unique=True)
+            ids, sizes = ids[new], sizes[new]
+        self._orphans = _union(self._orphans, (ids, sizes))
+        self._orphans_since = _union(self._orphans_since, (ids, sizes))
 
     def clear(self) -> None:
         self._counted.clear()
         self._open.clear()
         self._view = None
         self._mark = None
+        self._orphans = self._orphans_since = _empty()
 
     # -- chunks stored since chunks/ was listed
 
+    def listing(self) -> None:
+        """A listing of chunks/ begins: a chunk orphaned before now was in the store
+        before it began, so the listing finds it unless it was deleted."""
+        self._orphans_since = _empty()
+
     def listed(self, ids: bytes | None) -> None:
         """chunks/ was listed: these ids (8 bytes each, as in a summary) were in it;
-        None: what the counted steps name now (a collection's count). Chunks that
-        steps counted later name and the listing lacked are the ones stored since."""
-        self._mark = (self.view_distinct() if ids is None
-                      else np.unique(np.frombuffer(ids, _IDS).astype(np.uint64)))
+        None: what the counted steps name now (a collection's count, which deleted
+        every chunk orphaned before it). Chunks that steps counted later name, or
+        that counts orphaned since the listing began, and the listing lacked, are
+        the ones stored since."""
+        if ids is None:
+            self._mark = self.view_distinct()
+            self._orphans = _empty()
+        else:
+            self._mark = np.unique(np.frombuffer(ids, _IDS).astype(np.uint64))
+            since, sizes = self._orphans_since
+            new = ~np.isin(since, self._mark, assume_unique=True)
+            self._orphans = (since[new], sizes[new])
+        self._orphans_since = _empty()
         self._view = None
 
     def view_distinct(self) -> np.ndarray:
@@ -321,7 +356,8 @@ class SpaceBook:
         keys = sorted(self._counted)
         if not keys:
             self._distinct = np.empty(0, np.uint64)
-            self._view = BookView((), 0, 0, 0)
+            orphans, orphan_sizes = self._orphans
+            self._view = BookView((), 0, 0, 0, len(orphans), int(orphan_sizes.sum(dtype=np.int64)))
             return self._view
         counted = [self._counted[k] for k in keys]
         lengths = np.array([len(c.ids) for c in counted], dtype=np.int64)
@@ -349,6 +385,21 @@ class SpaceBook:
         self._distinct = distinct
         new = (np.ones(len(distinct), bool) if self._mark is None
                else ~np.isin(distinct, self._mark, assume_unique=True))
+        # (orphans are not in the mark; those a counted step names again are above)
+        orphans, orphan_sizes = self._orphans
+        gone = ~np.isin(orphans, distinct, assume_unique=True)
+        orphan_bytes = int(orphan_sizes[gone].sum(dtype=np.int64))
         self._view = BookView(tuple(jobs), len(distinct), int(sizes[first].sum()), len(ids),
-                              int(new.sum()), int(sizes[first][new].sum()))
+                              int(new.sum()) + int(gone.sum()),
+                              int(sizes[first][new].sum()) + orphan_bytes)
         return self._view
+
+
+def _empty() -> tuple[np.ndarray, np.ndarray]:
+    return np.empty(0, np.uint64), np.empty(0, np.uint32)
+
+
+def _union(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (ids, sizes) of both, ids ascending."""
+    return _distinct(np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]]))

@@ -123,7 +123,6 @@ def _run_body(run: GcRun) -> GcRunBody:
              summary="Apply the job's retention: forget the steps it does not keep")
 async def forget_steps(
     job: JobDep,
-    repo: RepoDep,
     service: ServiceDep,
     dry_run: Annotated[bool, Query(description="Say what would go; change nothing.")] = False,
     keep_last: Annotated[int | None, Query(
@@ -133,7 +132,7 @@ async def forget_steps(
         ge=0, description="Forget this damaged step only (latest too); 400 when intact.")
     ] = None,
 ) -> ForgetResult:
-    from ckptd.lifecycle.retention import forget, rules_of
+    from ckptd.lifecycle.retention import rules_of
 
     if step is not None:
         if keep_last is not None:
@@ -148,7 +147,7 @@ async def forget_steps(
         raise InvalidRequest(
             f"no retention rule for {job}: start the server with --retention FILE, or pass "
             f"keep_last (`ckptd forget {job} --keep-last N`)", job=job)
-    plan = await forget(repo, job, policy, dry_run=dry_run)
+    plan = await service.forget(job, policy, dry_run=dry_run)
     return _forget_result(job, dry_run, plan.forgotten, plan.steps, rules_of(policy))
 
 
@@ -262,7 +261,9 @@ async def space(service: ServiceDep) -> SpaceResult:
                            steps=[StepSpaceBody(**dataclasses.asdict(x)) for x in j.steps])
               for j in s.jobs],
         damaged=s.damaged, complete=s.complete, uncounted_steps=s.uncounted_steps,
-        chunks_listed_at=s.chunks_listed_at, referenced_bytes=s.referenced_bytes)
+        chunks_listed_at=s.chunks_listed_at, referenced_bytes=s.referenced_bytes,
+        referenced_chunks=s.referenced_chunks, unreferenced_chunks=s.unreferenced_chunks,
+        unreferenced_bytes=s.unreferenced_bytes, listing_again=s.listing_again)
 
 
 # -- background tasks, metrics ---------------------------------------------------------

@@ -141,12 +141,17 @@ async def test_hooks_keep_the_census_equal_to_a_recount(any_store: Store) -> Non
         space = await counter.current(wait=10)
         assert seen(space) == await recount(repo)
         assert counter._full_at == passes  # no full pass: the hooks said it all
+        # a/1's chunks, stored since chunks/ was listed, stay in the store until a
+        # collection: still counted, as named by no committed step (they were not).
+        assert space.chunks == 20 and space.unreferenced_chunks == 6, space
+        assert space.unreferenced_bytes == space.chunk_bytes - space.referenced_bytes > 0
         report = await collect_garbage(any_store, grace=0, lease=30)
-        assert report.chunks_deleted == 6
+        assert report.chunks_deleted == 6 and report.bytes_freed == space.unreferenced_bytes
         counter.note_collection(report.chunks_total - report.chunks_deleted,
                                 report.bytes_total - report.bytes_freed, 0.0)
         space = await counter.current(wait=10)
         assert (space.chunks, space.chunk_bytes) == (14, report.bytes_total - report.bytes_freed)
+        assert space.unreferenced_chunks == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -246,6 +251,82 @@ async def test_a_full_pass_finds_what_others_committed_and_forgot(tmp_path: Path
     assert space is not None and seen(space) == await recount(mine)
     # listed when j/1 was all there was; j/2 and k/1 brought 12 chunks since
     assert space.chunks == 6 + 12 and space.uncounted_steps == 0
+    await counter.close()
+
+
+async def test_a_listing_drops_orphans_another_collection_deleted(tmp_path: Path) -> None:
+    """Chunks a forgotten step named stay counted until a listing begun after they
+    were orphaned; one that a collection elsewhere deleted then goes from the count."""
+    repo = Repository(LocalStore(tmp_path / "s", fsync=False))
+    counter = Census(repo, process=False)
+    await counter.count_all()  # chunks/ listed: empty
+    await commit_demo(repo, "j", 1)
+    await commit_demo(repo, "j", 2)
+    await counter._full_pass()
+    await forget(repo, "j", RetentionPolicy(keep_last=1))
+    await counter._full_pass()
+    await counter._refresh_view()
+    assert counter.space is not None and counter.space.chunks == 12
+    await collect_garbage(repo.store, grace=0, lease=30)  # another server's: not told
+    space = await counter.count_all()  # (a listing)
+    assert (space.chunks, space.unreferenced_chunks) == (6, 0), space
+    await counter.close()
+
+
+async def test_a_step_forgotten_before_it_was_counted_is_listed_again(tmp_path: Path
+                                                                     ) -> None:
+    """A step committed and forgotten before the census counted it: its chunks are
+    in the store and in no count, so chunks/ is listed again (not complete until
+    then), not left out until the next listing ten minutes on."""
+    repo = Repository(LocalStore(tmp_path / "s", fsync=False))
+    counter = Census(repo, interval=0, fresh_after=1e9, process=False)
+    task = counter.start()
+    try:
+        assert (await counter.current(wait=10)).complete  # chunks/ listed: empty
+        await commit_demo(repo, "j", 1)
+        await commit_demo(repo, "j", 2)
+        await forget(repo, "j", RetentionPolicy(keep_last=1))
+        counter.note_commit("j", 1)  # (told after the forget: never counted)
+        counter.note_commit("j", 2)
+        counter.note_forgotten("j", [1])
+        space = await counter.current(wait=10)
+        assert space.complete and space.chunks == 12, space
+        assert space.unreferenced_chunks == 6 and not space.listing_again, space
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await counter.close()
+
+
+async def test_a_step_forgotten_while_it_is_counted_is_not_called_damaged(tmp_path: Path
+                                                                         ) -> None:
+    """Retention forgets a step between the census's read of its record and of its
+    manifests: the step is gone, not damaged (``ckptd space`` said it was, exit 1)."""
+    repo = Repository(LocalStore(tmp_path / "s", fsync=False))
+    counter = Census(repo, process=False)
+    await counter.count_all()
+    await commit_demo(repo, "j", 1)
+    await commit_demo(repo, "j", 2)
+    call = counter._worker.call
+
+    async def forget_once_begun(method: str, *args: Any) -> tuple[Any, float]:
+        answer = await call(method, *args)
+        if method == "begin" and args[:2] == ("j", 1):
+            assert (await forget(repo, "j", RetentionPolicy(keep_last=1))).forgotten == [1]
+        return answer
+
+    counter._worker.call = forget_once_begun  # type: ignore[method-assign]
+    counter.note_commit("j", 1)
+    counter.note_commit("j", 2)
+    await counter._count_queued()
+    await counter._refresh_view()
+    space = counter._make_space()
+    assert space.damaged == [] and [s.step for s in space.jobs[0].steps] == [2], space
+    # (step 1's chunks were not all seen: chunks/ is listed again, then counted)
+    assert space.listing_again and not space.complete, space
+    space = await counter.count_all()
+    assert space.chunks == 12 and space.unreferenced_chunks == 6, space
+    assert space.complete and not space.listing_again, space
     await counter.close()
 
 
