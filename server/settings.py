@@ -216,10 +216,12 @@ class Settings(BaseSettings):
             raise ValueError("give both tls_cert and tls_key (or neither)")
         return self
 
-    @field_validator("token", "tokens_file", "peer_secret", "peer_networks")
+    @field_validator("token", "tokens_file", "peer_secret", "peer_networks", "retention",
+                     "tls_cert", "tls_key", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: str | None) -> str | None:
-        # CKPTD_TOKEN= (set but empty) means no token, not "the empty token".
+        # CKPTD_TOKEN= (set but empty) means no token, not "the empty token"; an empty
+        # file setting (a template's unset value) is no file, not the directory ''.
         return value or None
 
     @field_validator("token", "peer_secret")

@@ -76,3 +76,14 @@ def test_serve_check_says_every_warning_serve_logs_at_start(tmp_path: Path) -> N
     said = _lines(done.stderr)
     for warning in logged:
         assert f"warning {' '.join(warning.split())}" in said, (warning, said)
+
+
+def test_a_file_setting_set_but_empty_is_no_file(tmp_path: Path) -> None:
+    """A template's unset value (``CKPTD_RETENTION=``) was the file '': ``serve``
+    refused with "cannot read retention file : Is a directory" (found by review),
+    and an empty certificate or key with "give both"."""
+    for name in ("CKPTD_RETENTION", "CKPTD_TLS_CERT", "CKPTD_TLS_KEY"):
+        done = ckptd("serve", "--check", "--store", str(tmp_path / "store"), "--port", "0",
+                     env={name: ""})
+        assert done.returncode == 0 and "ok: would serve" in done.stdout, (
+            name, done.stdout + done.stderr)
