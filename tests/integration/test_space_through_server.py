@@ -19,6 +19,7 @@ from ckptd.repository import Repository
 from ckptd.store import LocalStore
 from ckptd.testing.manifests import demo_step, put_rank
 from tests.conftest import ServerProcess
+from tests.integration.test_lifecycle_server import _space_when_complete
 
 JOB = "job"
 runner = CliRunner()
@@ -42,15 +43,6 @@ def _commit(srv: ServerProcess, root: Path, step: int) -> None:
 def _steps(srv: ServerProcess) -> list[int]:
     r = httpx.get(f"{srv.url}/v1/jobs/{JOB}/steps", timeout=10)
     return [s["step"] for s in r.json()["steps"]] if r.status_code == 200 else []
-
-
-def _space_when_complete(srv: ServerProcess) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while True:
-        body: dict[str, Any] = httpx.get(f"{srv.url}/v1/space", timeout=10).json()
-        if body["complete"] or time.monotonic() > deadline:
-            return body
-        time.sleep(0.1)
 
 
 def _on_disk(root: Path) -> tuple[int, int]:
