@@ -19,8 +19,12 @@ replica is tried again.
 
 The first membership read asks every replica (given, then listed) and compares the
 ids of their stores: over different stores a save's chunks went to one and its
-manifest to the other (``MissingChunks``). Every call then raises ``InvalidRequest``
-naming two (a new ``Checkpointer`` at construction), until a read finds them agree.
+manifest to the other (``MissingChunks``). The store of the URLs given is the
+client's: a listed replica on another (restarted with a mistyped ``--store``) is left
+out of the routing, said in one warning, and asked again at each refresh until it
+serves the client's store. URLs given that disagree among themselves make every call
+raise ``InvalidRequest`` naming two (a new ``Checkpointer`` at construction), until
+a read finds them agree.
 
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
@@ -61,6 +65,7 @@ import httpx
 
 from ckptd import knobs
 from ckptd.cluster import (
+    STORE_ID_KEY,
     chunk_key,
     job_key,
     parse_urls,
@@ -140,8 +145,11 @@ class Members:
         self.failovers = 0
         # url -> what to call when it is marked down (requests under way to it)
         self._watchers: dict[str, set[Callable[[], None]]] = {}
-        # Two replicas over different stores, in a line: every call raises it.
+        # Two URLs given over different stores, in a line: every call raises it.
         self.mismatch: str | None = None
+        self.store_id: str | None = None  # the store of the URLs given (None: not said)
+        # url -> the other store's id: replicas listed but left out of the routing
+        self.left_out: dict[str, str] = {}
 
     def order(self, key: str | None) -> list[str]:
         """Where a call with routing ``key`` goes, best first: the key's rendezvous
@@ -225,8 +233,8 @@ class Members:
         return list(dict.fromkeys(self.order(None) + self.seeds))
 
     def identify_due(self) -> bool:
-        """Whether a membership read asks each replica: the first, and while they disagree."""
-        return not self.learned() or self.mismatch is not None
+        """Whether a membership read asks each replica: the first, and while some disagree."""
+        return not self.learned() or self.mismatch is not None or bool(self.left_out)
 
     def to_identify(self, asked: Iterable[str], doc: Any | None) -> list[str]:
         """Replicas given or listed in ``doc`` not yet ``asked``, less those down."""
@@ -235,9 +243,32 @@ class Members:
         return [u for u in urls if u not in asked and (u in live or u not in self.urls)]
 
     def identified(self, answers: dict[str, Any]) -> None:
-        """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none)."""
+        """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none):
+        the URLs given with each other, the others with the store of those."""
+        ids = {u: _store_id(doc) for u, doc in answers.items()}
+        given = [(u, ids[u]) for u in self.seeds if u in ids]
         # (not logged: the call that found it raises it, a Checkpointer's at construction)
-        self.mismatch = store_mismatch((u, _store_id(doc)) for u, doc in answers.items())
+        self.mismatch = store_mismatch(given)
+        ours = next((sid for _, sid in given if sid), None) or self.store_id
+        if self.mismatch is not None or ours is None:  # (no id given: compare them all)
+            self.mismatch = self.mismatch or store_mismatch(ids.items())
+            return
+        self.store_id = ours
+        with self._lock:
+            for url, sid in ids.items():
+                if sid == ours and self.left_out.pop(url, None) is not None:
+                    log.info("ckptd replica %s serves this client's store again: it is "
+                             "routed to", url)
+                elif sid is not None and sid != ours and self.left_out.get(url) != sid:
+                    self.left_out[url] = sid
+                    log.warning(
+                        "ckptd replica %s serves another store (store id %s) than %s given "
+                        "(store id %s, %s): this client leaves it out of its routing. Fix "
+                        "that replica's --store (every replica of a cluster serves one "
+                        "store), or give the URL of a replica on the right store "
+                        "(docs/replicas.md)", url, sid[:8], ", ".join(self.seeds), ours[:8],
+                        STORE_ID_KEY)
+            self.urls = [u for u in self.urls if u not in self.left_out] or list(self.seeds)
 
     def check(self) -> None:
         """Raises ``InvalidRequest`` while the replicas serve different stores."""
@@ -253,6 +284,8 @@ class Members:
             self._next_refresh = time.monotonic() + self.refresh_s
             if doc is None:
                 return
+            if urls is not None:
+                urls = [u for u in urls if u not in self.left_out] or list(self.seeds)
             if urls is not None and urls != self.urls:
                 log.info("ckptd replicas: %s", ", ".join(urls))
                 self.urls = urls
