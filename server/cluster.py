@@ -268,6 +268,12 @@ class Membership:
         except NotFound:
             return None  # expired and removed between the listing and the read
 
+    def _heard(self, url: str) -> str | None:
+        """The store id ``url`` serves, as far as this replica knows."""
+        if url == self.self_url:
+            return self.store_id
+        return self.peer_stores.heard.get(url) if self.peer_stores is not None else None
+
     async def view(self) -> ClusterView:
         members = await self.members()
         return ClusterView(
@@ -276,7 +282,8 @@ class Membership:
             store_id=self.store_id,
             members=[
                 ClusterMember(id=m.id, url=m.url,
-                              expires_at=m.expires_at if self.mode == "lease" else None)
+                              expires_at=m.expires_at if self.mode == "lease" else None,
+                              store_id=self._heard(m.url))
                 for m in members
             ],
         )

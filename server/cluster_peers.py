@@ -39,12 +39,14 @@ class PeerStores:
         self.store = store  # (what this replica serves, as its log says at start)
         self.token = token
         self.created = created  # this replica wrote the store's id as it started
-        self.other: dict[str, str] = {}
+        self.other: dict[str, str] = {}  # peers on another store, said
+        self.heard: dict[str, str] = {}  # peer -> the store id it last answered with
 
     async def check(self, client: httpx.AsyncClient) -> None:
         """Asks every peer at once and says what changed."""
         answers = await asyncio.gather(*(self._ask(client, p) for p in self.peers))
         heard = {p: sid for p, sid in zip(self.peers, answers, strict=True) if sid is not None}
+        self.heard.update(heard)  # (shown in /v1/cluster: clients re-check a peer on another)
         ours = [p for p, sid in heard.items() if sid == self.store_id]
         for peer in ours:
             if self.other.pop(peer, None) is not None:

@@ -133,3 +133,40 @@ def test_serve_check_says_the_peers_serve_another_store(
         said = [line for line in done.stderr.splitlines() if peer.url in line]
         assert len(said) == 1 and "another store" in said[0], done.stderr
         assert "no store id" in said[0] and "--store" in said[0], done.stderr
+
+
+def test_a_running_checkpointer_leaves_out_a_replica_restarted_on_another_store(
+        moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The probe's restart under a client that already routes over both replicas:
+    its next save's chunks went to the new empty store and its commit failed."""
+    monkeypatch.setenv("CKPTD_CLUSTER_REFRESH", "0.3")
+    caplog.set_level(logging.WARNING, logger="ckptd.client")
+    prefix = uuid.uuid4().hex
+    store = f"s3://{BUCKET}/{prefix}?endpoint={moto_endpoint}"
+    env = {"CKPTD_PEER_CHECK_INTERVAL": str(CHECK_S)}
+    a, b = Replica(store, tmp_path, env=env), Replica(store, tmp_path, env=env)
+    for r in (a, b):
+        r.args = ["--peers", f"{a.url},{b.url}"]
+    state = {f"w{i}": torch.randn(50_000) for i in range(8)}
+    try:
+        a.start(), b.start()
+        with Checkpointer(a.url, "moved", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
+            assert ckpt.save(1, state).wait(60).state == "committed"
+            b.stop()
+            b.store = f"s3://{BUCKET}/{prefix}s?endpoint={moto_endpoint}"
+            b.start()
+            time.sleep(4 * CHECK_S)  # (a hears b's new store id; the refresh is due)
+            for step in (2, 3):  # (16 new chunks: some would be b's, by their ids)
+                state = {k: torch.randn(50_000) for k in state}
+                assert ckpt.save(step, state).wait(60).state == "committed"
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            ckpt.restore(target, tiers=["store"])
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        warned = [r.getMessage() for r in caplog.records if b.url in r.getMessage()
+                  and "another store" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        assert httpx.get(f"{b.url}/v1/jobs", timeout=5).json()["jobs"] == []
+        assert len(_said(a, b.url, "another store")) == 1, a.log()
+    finally:
+        a.stop(), b.stop()
