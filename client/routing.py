@@ -20,11 +20,10 @@ replica is tried again.
 The first membership read asks every replica (given, then listed) and compares the
 ids of their stores: over different stores a save's chunks went to one and its
 manifest to the other (``MissingChunks``). The store of the URLs given is the
-client's: a listed replica on another (a mistyped ``--store``) is left out of the
-routing with one warning, and asked again at each refresh; a later read whose answer
-says a member serves another store (its peers' ids, as that replica heard them) asks
-each at once. URLs given that disagree make every call raise ``InvalidRequest``
-naming two (a new ``Checkpointer`` at construction), until a read finds them agree.
+client's for good: a replica on another (a mistyped ``--store``) is left out with one
+warning and asked again at each refresh; an answer that says a member serves another
+store (as that replica heard it) has each asked at once. URLs given that disagree at
+first make every call raise ``InvalidRequest`` naming two, until they agree.
 
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
@@ -246,17 +245,19 @@ class Members:
 
     def identified(self, answers: dict[str, Any]) -> None:
         """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none):
-        the URLs given with each other, the others with the store of those."""
+        the URLs given with each other until they agree, then every one with theirs."""
         self.recheck = False
         ids = {u: _store_id(doc) for u, doc in answers.items()}
-        given = [(u, ids[u]) for u in self.seeds if u in ids]
-        # (not logged: the call that found it raises it, a Checkpointer's at construction)
-        self.mismatch = store_mismatch(given)
-        ours = next((sid for _, sid in given if sid), None) or self.store_id
-        if self.mismatch is not None or ours is None:  # (no id given: compare them all)
-            self.mismatch = self.mismatch or store_mismatch(ids.items())
-            return
-        self.store_id = ours
+        if self.store_id is None:
+            given = [(u, ids[u]) for u in self.seeds if u in ids]
+            # (not logged: the call that found it raises it, at a Checkpointer's start)
+            self.mismatch = store_mismatch(given)
+            ours = next((sid for _, sid in given if sid), None)
+            if self.mismatch is not None or ours is None:  # (no id given: compare all)
+                self.mismatch = self.mismatch or store_mismatch(ids.items())
+                return
+            self.store_id = ours
+        ours = self.store_id
         with self._lock:
             for url, sid in ids.items():
                 if sid == ours and self.left_out.pop(url, None) is not None:
@@ -287,8 +288,7 @@ class Members:
                 return
             if urls is not None:
                 urls = [u for u in urls if u not in self.left_out] or list(self.seeds)
-                # (a replica restarted on another store since the first read: the one
-                # answering heard it from its --peers, server/cluster_peers.py)
+                # (a member restarted on another store, as the one answering heard it)
                 self.recheck = self.store_id is not None and any(
                     u in urls and sid not in (None, self.store_id)
                     for u, sid in _member_ids(doc))

@@ -138,8 +138,9 @@ def test_serve_check_says_the_peers_serve_another_store(
 def test_a_running_checkpointer_leaves_out_a_replica_restarted_on_another_store(
         moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """The probe's restart under a client that already routes over both replicas:
-    its next save's chunks went to the new empty store and its commit failed."""
+    """The probe's restart under clients that already route over both replicas:
+    their next save's chunks went to the new empty store and the commit failed. One
+    given both URLs keeps to the store it has used, as one given a's."""
     monkeypatch.setenv("CKPTD_CLUSTER_REFRESH", "0.3")
     caplog.set_level(logging.WARNING, logger="ckptd.client")
     prefix = uuid.uuid4().hex
@@ -151,21 +152,29 @@ def test_a_running_checkpointer_leaves_out_a_replica_restarted_on_another_store(
     state = {f"w{i}": torch.randn(50_000) for i in range(8)}
     try:
         a.start(), b.start()
-        with Checkpointer(a.url, "moved", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
-            assert ckpt.save(1, state).wait(60).state == "committed"
+        ckpts = [Checkpointer(url, f"moved{i}", shm_dir=tmp_path / f"shm{i}",
+                              serve_peers=False)
+                 for i, url in enumerate((a.url, f"{a.url},{b.url}"))]
+        try:
+            for ckpt in ckpts:
+                assert ckpt.save(1, state).wait(60).state == "committed"
             b.stop()
             b.store = f"s3://{BUCKET}/{prefix}s?endpoint={moto_endpoint}"
             b.start()
             time.sleep(4 * CHECK_S)  # (a hears b's new store id; the refresh is due)
-            for step in (2, 3):  # (16 new chunks: some would be b's, by their ids)
-                state = {k: torch.randn(50_000) for k in state}
-                assert ckpt.save(step, state).wait(60).state == "committed"
-            target = {k: torch.zeros_like(v) for k, v in state.items()}
-            ckpt.restore(target, tiers=["store"])
-        assert all(torch.equal(target[k], state[k]) for k in state)
+            for ckpt in ckpts:
+                for step in (2, 3):  # (16 new chunks: some would be b's, by their ids)
+                    state = {k: torch.randn(50_000) for k in state}
+                    assert ckpt.save(step, state).wait(60).state == "committed"
+                target = {k: torch.zeros_like(v) for k, v in state.items()}
+                ckpt.restore(target, tiers=["store"])
+                assert all(torch.equal(target[k], state[k]) for k in state)
+        finally:
+            for ckpt in ckpts:
+                ckpt.close()
         warned = [r.getMessage() for r in caplog.records if b.url in r.getMessage()
                   and "another store" in r.getMessage()]
-        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        assert len(warned) == 2, [r.getMessage() for r in caplog.records]  # (one a client)
         assert httpx.get(f"{b.url}/v1/jobs", timeout=5).json()["jobs"] == []
         assert len(_said(a, b.url, "another store")) == 1, a.log()
     finally:
