@@ -51,6 +51,13 @@ def split_three(moto_endpoint: str, tmp_path_factory: pytest.TempPathFactory
         a.stop(), b.stop(), c.stop()
 
 
+def _heard_by(replica: Replica) -> list[object]:
+    """The store ids ``replica``'s ``/v1/cluster`` shows its members serve."""
+    members = replica.cluster()["members"]
+    assert isinstance(members, list)
+    return [m.get("store_id") for m in members]
+
+
 def _said(replica: Replica, *words: str) -> list[str]:
     return [line for line in replica.log().splitlines() if all(w in line for w in words)]
 
@@ -161,7 +168,12 @@ def test_a_running_checkpointer_leaves_out_a_replica_restarted_on_another_store(
             b.stop()
             b.store = f"s3://{BUCKET}/{prefix}s?endpoint={moto_endpoint}"
             b.start()
-            time.sleep(4 * CHECK_S)  # (a hears b's new store id; the refresh is due)
+            moved = b.cluster()["store_id"]
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and moved not in _heard_by(a):
+                time.sleep(0.1)  # (a's peer check hears b's new store id)
+            assert moved in _heard_by(a), a.cluster()
+            time.sleep(0.4)  # (the clients' next refresh is due)
             for ckpt in ckpts:
                 for step in (2, 3):  # (16 new chunks: some would be b's, by their ids)
                     state = {k: torch.randn(50_000) for k in state}
