@@ -364,7 +364,7 @@ def _say_store_id_trouble(trouble: str | None) -> None:
 
 async def _peer_stores(settings: Settings, store: Store) -> tuple[str | None, dict[str, str]]:
     """The store's id (None: none yet) and the ids of the ``--peers`` that answer
-    (2 s; a peer down is not asked again)."""
+    (2 s each, all at once; a peer that is down is passed over)."""
     from ckptd.cluster import STORE_ID_KEY, StoreIdentity, normalize_url, parse_urls
     from ckptd.errors import NotFound
     from ckptd.server.cluster_peers import peer_store_ids
