@@ -577,6 +577,11 @@ class ClusterMember(_Body):
     expires_at: float | None = Field(
         default=None, description="Unix time its store lease runs out (None: static list)."
     )
+    store_id: str | None = Field(
+        default=None,
+        description="The id of the store it serves as the answering replica last heard "
+        "(itself: its own; a --peers peer: from its GET /v1/cluster). None: not known.",
+    )
 
 
 class ClusterView(_Body):

@@ -19,8 +19,11 @@ replica is tried again.
 
 The first membership read asks every replica (given, then listed) and compares the
 ids of their stores: over different stores a save's chunks went to one and its
-manifest to the other (``MissingChunks``). Every call then raises ``InvalidRequest``
-naming two (a new ``Checkpointer`` at construction), until a read finds them agree.
+manifest to the other (``MissingChunks``). The store of the URLs given is the
+client's for good: a replica on another (a mistyped ``--store``) is left out with one
+warning and asked again at each refresh; an answer that says a member serves another
+store (as that replica heard it) has each asked at once. URLs given that disagree at
+first make every call raise ``InvalidRequest`` naming two, until they agree.
 
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
@@ -61,6 +64,7 @@ import httpx
 
 from ckptd import knobs
 from ckptd.cluster import (
+    STORE_ID_KEY,
     chunk_key,
     job_key,
     parse_urls,
@@ -140,8 +144,13 @@ class Members:
         self.failovers = 0
         # url -> what to call when it is marked down (requests under way to it)
         self._watchers: dict[str, set[Callable[[], None]]] = {}
-        # Two replicas over different stores, in a line: every call raises it.
+        # Two URLs given over different stores, in a line: every call raises it.
         self.mismatch: str | None = None
+        self.store_id: str | None = None  # the store of the URLs given (None: not said)
+        # url -> the other store's id: replicas listed but left out of the routing
+        self.left_out: dict[str, str] = {}
+        # A membership answer said a member serves another store: ask each now.
+        self.recheck = False
 
     def order(self, key: str | None) -> list[str]:
         """Where a call with routing ``key`` goes, best first: the key's rendezvous
@@ -225,8 +234,8 @@ class Members:
         return list(dict.fromkeys(self.order(None) + self.seeds))
 
     def identify_due(self) -> bool:
-        """Whether a membership read asks each replica: the first, and while they disagree."""
-        return not self.learned() or self.mismatch is not None
+        """Whether a membership read asks each replica: the first, and while some disagree."""
+        return not self.learned() or bool(self.mismatch or self.left_out or self.recheck)
 
     def to_identify(self, asked: Iterable[str], doc: Any | None) -> list[str]:
         """Replicas given or listed in ``doc`` not yet ``asked``, less those down."""
@@ -235,9 +244,33 @@ class Members:
         return [u for u in urls if u not in asked and (u in live or u not in self.urls)]
 
     def identified(self, answers: dict[str, Any]) -> None:
-        """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none)."""
-        # (not logged: the call that found it raises it, a Checkpointer's at construction)
-        self.mismatch = store_mismatch((u, _store_id(doc)) for u, doc in answers.items())
+        """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none):
+        the URLs given with each other until they agree, then every one with theirs."""
+        self.recheck = False
+        ids = {u: _store_id(doc) for u, doc in answers.items()}
+        if self.store_id is None:
+            given = [(u, ids[u]) for u in self.seeds if u in ids]
+            # (not logged: the call that found it raises it, at a Checkpointer's start)
+            self.mismatch = store_mismatch(given)
+            ours = next((sid for _, sid in given if sid), None)
+            if self.mismatch is not None or ours is None:  # (no id given: compare all)
+                self.mismatch = self.mismatch or store_mismatch(ids.items())
+                return
+            self.store_id = ours
+        ours = self.store_id
+        with self._lock:
+            for url, sid in ids.items():
+                if sid == ours and self.left_out.pop(url, None) is not None:
+                    log.info("ckptd replica %s serves this client's store again", url)
+                elif sid is not None and sid != ours and self.left_out.get(url) != sid:
+                    self.left_out[url] = sid
+                    log.warning("ckptd replica %s serves another store (store id %s) than %s "
+                                "given (store id %s, %s): this client leaves it out of its "
+                                "routing. Fix that replica's --store (every replica of a "
+                                "cluster serves one store), or give the URL of a replica on "
+                                "the right store (docs/replicas.md)", url, sid[:8],
+                                ", ".join(self.seeds), ours[:8], STORE_ID_KEY)
+            self.urls = [u for u in self.urls if u not in self.left_out] or list(self.seeds)
 
     def check(self) -> None:
         """Raises ``InvalidRequest`` while the replicas serve different stores."""
@@ -253,6 +286,12 @@ class Members:
             self._next_refresh = time.monotonic() + self.refresh_s
             if doc is None:
                 return
+            if urls is not None:
+                urls = [u for u in urls if u not in self.left_out] or list(self.seeds)
+                # (a member restarted on another store, as the one answering heard it)
+                self.recheck = self.store_id is not None and any(
+                    u in urls and sid not in (None, self.store_id)
+                    for u, sid in _member_ids(doc))
             if urls is not None and urls != self.urls:
                 log.info("ckptd replicas: %s", ", ".join(urls))
                 self.urls = urls
@@ -267,6 +306,12 @@ def _listed(doc: Any | None) -> list[str] | None:
         except (KeyError, TypeError, ValueError):
             return None
     return None
+
+
+def _member_ids(doc: Any) -> list[tuple[str, str | None]]:
+    """(URL, store id as the answering replica heard it) of each member listed."""
+    members = doc.get("members", []) if isinstance(doc, dict) else []
+    return [(str(m.get("url")).rstrip("/"), _store_id(m)) for m in members if isinstance(m, dict)]
 
 
 def _store_id(doc: Any | None) -> str | None:
@@ -358,14 +403,17 @@ class AsyncRouting(httpx.AsyncBaseTransport):
         async with self._learning:
             if not self.members.refresh_due():
                 return
-            doc: Any | None = None
-            if self.members.identify_due():
-                doc = await self._ask_every(request)
-            else:
-                for base in self.members.candidates():
-                    if (doc := await self._ask(base, request)) is not None:
-                        break
-            self.members.update(doc)
+            for _ in range(2):  # (again at once when the answer says to recheck)
+                doc: Any | None = None
+                if self.members.identify_due():
+                    doc = await self._ask_every(request)
+                else:
+                    for base in self.members.candidates():
+                        if (doc := await self._ask(base, request)) is not None:
+                            break
+                self.members.update(doc)
+                if not self.members.recheck:
+                    break
 
     async def _ask(self, base: str, request: httpx.Request) -> Any | None:
         """``base``'s ``/v1/cluster`` answer ({}: it answered none), None when it

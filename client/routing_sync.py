@@ -50,14 +50,17 @@ class SyncRouting(httpx.BaseTransport):
         try:
             if not self.members.refresh_due():
                 return
-            doc: Any | None = None
-            if self.members.identify_due():
-                doc = self._ask_every(request)
-            else:
-                for base in self.members.candidates():
-                    if (doc := self._ask(base, request)) is not None:
-                        break
-            self.members.update(doc)
+            for _ in range(2):  # (again at once when the answer says to recheck)
+                doc: Any | None = None
+                if self.members.identify_due():
+                    doc = self._ask_every(request)
+                else:
+                    for base in self.members.candidates():
+                        if (doc := self._ask(base, request)) is not None:
+                            break
+                self.members.update(doc)
+                if not self.members.recheck:
+                    break
         finally:
             self._learning.release()
 

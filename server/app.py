@@ -69,6 +69,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         leases=settings.member_leases,
         member_id=settings.member_id,
         ttl=settings.member_ttl,
+        token=settings.token,
+        peer_check_s=settings.peer_check_interval,
     )
     await app.state.membership.start()
     app.state.lifecycle = await lifecycle.start(app, repository)

@@ -10,7 +10,9 @@ replicas' clocks must agree to well within the time to live (NTP does).
 In every mode the server reads the store's id (``cluster/store-id``, written by the
 first server over the store) at start, and ``GET /v1/cluster`` shows it: clients and
 the CLI compare the replicas' ids, so a list of servers over different stores is
-refused before a save fails (``ckptd.cluster.store_mismatch``).
+refused before a save fails (``ckptd.cluster.store_mismatch``). In ``static`` mode
+each replica also asks its peers for theirs now and then, and says in its log a peer
+that serves another store (``server/cluster_peers.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ckptd.cluster import (
     parse_urls,
 )
 from ckptd.errors import CkptdError, NotFound
+from ckptd.server.cluster_peers import PeerStores
 from ckptd.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -69,18 +72,18 @@ def own_member_id(url: str) -> str:
     return default_member_id(f"http://{socket.gethostname()}:{port}")
 
 
-async def store_identity(store: Store) -> str:
+async def store_identity(store: Store) -> tuple[str, bool]:
     """The store's id, ``cluster/store-id``, written first when the store has none:
     by put-if-absent, so that of replicas starting together over a new store one
-    id wins and every one reads it."""
+    id wins and every one reads it; and whether this call wrote it."""
     try:
-        return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
+        return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id, False
     except NotFound:
         pass
     mine = StoreIdentity.new()
     if await store.put_if_absent(STORE_ID_KEY, mine.to_json()):
-        return mine.id
-    return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
+        return mine.id, True
+    return StoreIdentity.parse(await store.get(STORE_ID_KEY)).id, False
 
 
 def membership_mode(peers: list[str], leases: bool) -> Mode:
@@ -123,6 +126,8 @@ class Membership:
         leases: bool = False,
         member_id: str | None = None,
         ttl: float = 10.0,
+        token: str | None = None,
+        peer_check_s: float = 0.0,
     ) -> None:
         self.store = store
         self.self_url = normalize_url(self_url)
@@ -138,6 +143,11 @@ class Membership:
         self._cached: tuple[float, list[Member]] | None = None
         self._skewed: set[str] = set()  # members whose clock was said to run ahead
         self.store_id: str | None = None  # (None: not read; nothing compares it)
+        self._created = False  # this replica wrote the store's id as it started
+        self._token = token  # (shown to peers: the token replicas share)
+        self.peer_check_s = peer_check_s  # 0: peers' stores never compared
+        self.peer_stores: PeerStores | None = None
+        self._peer_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Reads the store's id; in lease mode, takes the lease now (the server is
@@ -145,6 +155,12 @@ class Membership:
         self.store_id = await self._identify()
         for line in membership_warnings(self.self_url, self.peers, self.mode):
             log.warning("%s", line)
+        if self.mode == "static" and self.store_id is not None and self.peer_check_s > 0:
+            self.peer_stores = PeerStores(self.self_url, self.peers, self.store_id,
+                                          self.store.describe(), token=self._token,
+                                          created=self._created)
+            self._peer_task = asyncio.create_task(self.peer_stores.run(self.peer_check_s),
+                                                  name="ckptd-peer-stores")
         if self.mode != "lease":
             return
         await self.renew()
@@ -154,7 +170,8 @@ class Membership:
 
     async def _identify(self) -> str | None:
         try:
-            store_id = await asyncio.wait_for(store_identity(self.store), IDENTIFY_WITHIN)
+            store_id, self._created = await asyncio.wait_for(store_identity(self.store),
+                                                             IDENTIFY_WITHIN)
         except (CkptdError, OSError, TimeoutError) as exc:
             log.warning("cannot read the store's id %s (%s): clients cannot check that "
                         "the replicas they are given serve this store", STORE_ID_KEY,
@@ -165,11 +182,12 @@ class Membership:
 
     async def stop(self) -> None:
         """Stops renewing and gives the lease back, so clients move on at once."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._peer_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._peer_task = None
         if self.mode == "lease" and self._lease is not None:
             # Only the lease it wrote: a successor with the same id (a restarted pod)
             # may have taken it over, and its lease must stay.
@@ -263,6 +281,12 @@ class Membership:
         except NotFound:
             return None  # expired and removed between the listing and the read
 
+    def _heard(self, url: str) -> str | None:
+        """The store id ``url`` serves, as far as this replica knows."""
+        if url == self.self_url:
+            return self.store_id
+        return self.peer_stores.heard.get(url) if self.peer_stores is not None else None
+
     async def view(self) -> ClusterView:
         members = await self.members()
         return ClusterView(
@@ -271,7 +295,8 @@ class Membership:
             store_id=self.store_id,
             members=[
                 ClusterMember(id=m.id, url=m.url,
-                              expires_at=m.expires_at if self.mode == "lease" else None)
+                              expires_at=m.expires_at if self.mode == "lease" else None,
+                              store_id=self._heard(m.url))
                 for m in members
             ],
         )

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     member_ttl: float = Field(
         default=10.0, gt=0, le=3600, description="Seconds a member lease lasts unrenewed."
     )
+    peer_check_interval: float = Field(
+        default=10.0, ge=0, le=3600,
+        description="Seconds between a replica's reads of its --peers' store ids "
+        "(GET /v1/cluster, with CKPTD_TOKEN): a peer on another store is logged. 0: never.",
+    )
     single_writer: bool = Field(
         default=False,
         description="Serve a store that cannot write conditionally (If-None-Match / If-Match "

@@ -319,6 +319,8 @@ def writable_store(settings: Settings, store: Store, check: bool = False) -> Sto
             if check:
                 _say_store_id_trouble(await _store_id_trouble(store))
                 _say_gc_trouble(await _gc_trouble(store))
+                if settings.peers:
+                    _say_peer_stores(store, *await _peer_stores(settings, store))
             return await conditional_write_gaps(store)
         finally:
             await store.close()  # (its client belongs to this loop; the server opens its own)
@@ -370,6 +372,38 @@ def _say_store_id_trouble(trouble: str | None) -> None:
         "clients cannot check that the replicas they are given serve one store. If no "
         "server serves it now, remove cluster/store-id and the next `ckptd serve` writes "
         "a new one (docs/FORMAT.md)", soft_wrap=True)
+
+
+async def _peer_stores(settings: Settings, store: Store) -> tuple[str | None, dict[str, str]]:
+    """The store's id (None: none yet) and the ids of the ``--peers`` that answer
+    (2 s each, all at once; a peer that is down is passed over)."""
+    from ckptd.cluster import STORE_ID_KEY, StoreIdentity, normalize_url, parse_urls
+    from ckptd.errors import NotFound
+    from ckptd.server.cluster_peers import peer_store_ids
+
+    try:
+        mine: str | None = StoreIdentity.parse(await store.get(STORE_ID_KEY)).id
+    except NotFound:
+        mine = None
+    except CkptdError:
+        return None, {}  # (said above, or by the store's own error next)
+    own = normalize_url(settings.advertise_url or f"http://{settings.host}:{settings.port}")
+    peers = [p for p in parse_urls(settings.peers or "") if p != own]
+    theirs = await peer_store_ids(peers, settings.token)
+    return mine, {p: sid for p, sid in theirs.items() if sid != mine}
+
+
+def _say_peer_stores(store: Store, mine: str | None, other: dict[str, str]) -> None:
+    """A warning for each peer that serves another store than ``store``."""
+    from ckptd.cli import err_console
+
+    has = f"has store id {mine[:8]}" if mine else "has no store id yet (a new store)"
+    for peer, sid in other.items():
+        err_console.print(
+            f"[yellow]warning[/] peer {escape(peer)} in --peers serves another store (store "
+            f"id {sid[:8]}) than this one: {escape(store.describe())} {has}. Clients leave "
+            "a replica on another store out of their routing: check --store "
+            "(docs/replicas.md)", soft_wrap=True)
 
 
 async def _gc_trouble(store: Store) -> str | None:

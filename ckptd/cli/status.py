@@ -214,7 +214,7 @@ def status(
                 if job not in known:
                     raise job_not_found(job, sorted(known), url)
             overview = _overview(server, params)
-            view = _with_gc(status_view(overview, console.width), server)
+            view = _with_notes(status_view(overview, console.width), server)
             if watch is None:
                 console.print(view)
                 return
@@ -227,7 +227,7 @@ def status(
                 while deadline is None or time.monotonic() < deadline:
                     pause = every if deadline is None else min(every, deadline - time.monotonic())
                     time.sleep(max(0.0, pause))
-                    live.update(_with_gc(status_view(_overview(server, params), console.width),
+                    live.update(_with_notes(status_view(_overview(server, params), console.width),
                                          server))
     except CkptdError as exc:
         _fail(exc)
@@ -252,7 +252,7 @@ def _watch_plain(server: Any, params: dict[str, Any], view: Any, deadline: float
         if left <= 0:
             return
         time.sleep(min(every, left))
-        view = _with_gc(status_view(_overview(server, params), console.width), server)
+        view = _with_notes(status_view(_overview(server, params), console.width), server)
 
 
 def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -276,8 +276,10 @@ def _overview(server: Any, params: dict[str, Any]) -> dict[str, Any]:
 _HOLDING = ("marking", "sweeping", "damaged", "unsupported")
 
 
-def _with_gc(view: Any, server: Any) -> Any:
-    """The view, and under it what the store's garbage collection holds, when a
+def _with_notes(view: Any, server: Any) -> Any:
+    """The view, and under it the replicas routing left out (they serve another
+    store than the URL given: ``client/routing.py``) and what the store's garbage
+    collection holds, when a
     collection is running (saves wait while it sweeps, two minutes at most when its
     collector stopped, and a rank's log says nothing of it) or its state fails saves.
     Left out when the server does not say (an older one, a token without access to
@@ -285,13 +287,15 @@ def _with_gc(view: Any, server: Any) -> Any:
     from rich.console import Group
     from rich.text import Text
 
+    lines = [Text(f"replica {url} serves another store (store id {sid[:8]}): left out; "
+                  "fix its --store", style="yellow")
+             for url, sid in sorted(server.members.left_out.items())]
     try:
         state = server.gc_status().state
     except CkptdError:
-        return view
-    if state.get("phase") not in _HOLDING or not isinstance(state.get("note"), str):
-        return view
-    # (the note's "is already marking" is a refused collection's words)
-    note = visible(state["note"]).replace(" is already ", " is ")
-    line = Text(f"gc: {note}", style="yellow")
-    return Group(view, line)
+        state = {}
+    if state.get("phase") in _HOLDING and isinstance(state.get("note"), str):
+        # (the note's "is already marking" is a refused collection's words)
+        note = visible(state["note"]).replace(" is already ", " is ")
+        lines.append(Text(f"gc: {note}", style="yellow"))
+    return Group(view, *lines) if lines else view

@@ -61,13 +61,17 @@ def test_the_cli_refuses_replicas_of_different_stores_in_one_line(
 def test_a_checkpointer_over_replicas_of_different_stores_is_refused_at_construction(
         split_pair: tuple[Replica, Replica], tmp_path: Path) -> None:
     a, b = split_pair
-    for url in (f"{a.url},{b.url}", b.url):  # (given one, it learns the other: --peers)
-        with pytest.raises(InvalidRequest, match="different stores") as caught:
-            Checkpointer(url, "split", shm_dir=tmp_path / "shm", serve_peers=False)
-        assert a.url in str(caught.value) and b.url in str(caught.value)
-        assert len(str(caught.value).splitlines()) == 1
+    with pytest.raises(InvalidRequest, match="different stores") as caught:
+        Checkpointer(f"{a.url},{b.url}", "split", shm_dir=tmp_path / "shm", serve_peers=False)
+    assert a.url in str(caught.value) and b.url in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
     # (nothing was saved to either store)
     assert not (tmp_path / "s1" / "jobs").exists() and not (tmp_path / "s2" / "jobs").exists()
+    # Given one, it learns the other (--peers) and leaves it out: its store is b's
+    # (tests/cluster/test_replica_other_store.py).
+    with Checkpointer(b.url, "split", shm_dir=tmp_path / "shm", serve_peers=False) as ckpt:
+        assert ckpt.save(1, {"w": torch.randn(1000)}).wait(60).state == "committed"
+    assert (tmp_path / "s2" / "jobs").exists() and not (tmp_path / "s1" / "jobs").exists()
 
 
 def test_replicas_over_one_store_share_its_id_and_save(
