@@ -16,7 +16,7 @@ MiB = 1 << 20
 # ``ckptd.server.settings.Settings``' fields, ``CKPTD_<FIELD>``), named without the
 # prefix: the clients' and the CLI's (the tunables below, where and who), and the
 # image ``deploy/`` runs. ``ckptd`` says of any other ``CKPTD_*`` variable set that it is
-# no setting (``ckptd/cli/variables.py``): a misspelled one was ignored without a
+# no setting (``ckptd/variables.py``): a misspelled one was ignored without a
 # word. tests/unit/test_settings_doc.py keeps this, the code and docs/settings.md in step.
 CLIENT_VARIABLES = frozenset({
     "ANSWER_WITHIN", "CACHE_DIR", "CA_BUNDLE", "CHUNK_SIZE", "CLAIM_LEASE", "CLUSTER_REFRESH",

@@ -5,6 +5,7 @@ and the saver, the restorer and the failover agent each read what they need."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import os
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from .health.heartbeat import HealthFn
     from .health.policy import Policy
     from .health.readings import ReadingSource
+
+log = logging.getLogger(__name__)
 
 OnBusy = Literal["wait", "skip"]
 OnError = Literal["raise", "warn"]
@@ -128,6 +131,8 @@ class CheckpointerConfig:
         (``launch_incarnation``)."""
         url, token = endpoint(url, token)
         rank, world_size, local_rank = rank_context(rank, world_size, local_rank)
+        if rank == 0:  # (one rank says it: every rank has the launcher's environment)
+            _say_unknown_variables()
         if incarnation is None:
             incarnation = launch_incarnation()
         if on_error is None:
@@ -147,6 +152,19 @@ class CheckpointerConfig:
     def replace(self, **changes: Any) -> CheckpointerConfig:
         """A copy with ``changes`` (checked like a new one)."""
         return dataclasses.replace(self, **changes)
+
+
+_said_unknown: set[str] = set()  # (each said once a process)
+
+
+def _say_unknown_variables() -> None:
+    """Logs each ``CKPTD_*`` variable set that is no ckptd setting, once."""
+    from ckptd.variables import unknown_variables
+
+    for line in unknown_variables(os.environ):
+        if line not in _said_unknown:
+            _said_unknown.add(line)
+            log.warning("%s", line)
 
 
 def _check_policy_file(policy: Policy | str | os.PathLike[str]) -> None:

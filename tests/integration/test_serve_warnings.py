@@ -5,7 +5,10 @@ ckptd serve`` started an open server that kept every step without a word, and
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from tests.cli_runs import ckptd
 from tests.conftest import ServerProcess
@@ -87,3 +90,21 @@ def test_a_file_setting_set_but_empty_is_no_file(tmp_path: Path) -> None:
                      env={name: ""})
         assert done.returncode == 0 and "ok: would serve" in done.stdout, (
             name, done.stdout + done.stderr)
+
+
+def test_a_training_job_says_a_misspelled_variable_once_on_rank_0(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A ``Checkpointer`` read its knobs from the environment and said nothing of
+    ``CKPTD_UPLOAD_CONCURENCY`` (found by review: only the commands warned)."""
+    from ckptd.client import Checkpointer
+
+    monkeypatch.setenv("CKPTD_UPLOAD_CONCURENCY", "4")
+    url = f"file://{tmp_path / 'store'}"
+    with caplog.at_level(logging.WARNING, logger="ckptd.client.config"):
+        for rank in (0, 0, 1):
+            Checkpointer(url, "j", rank=rank, world_size=2, shm_dir=str(shm),
+                         serve_peers=False).close()
+    said = [r.getMessage() for r in caplog.records if "CONCURENCY" in r.getMessage()]
+    assert said == ["CKPTD_UPLOAD_CONCURENCY is not a ckptd setting (did you mean "
+                    "CKPTD_UPLOAD_CONCURRENCY?)"], caplog.text
