@@ -7,6 +7,7 @@ with it (``ckptd.client.routing``); both agree on a key's home through this modu
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import ipaddress
 import json
@@ -213,6 +214,17 @@ class StoreIdentity:
         if not _STORE_ID.match(identity.id):
             raise InvalidDocument(f"store id {STORE_ID_KEY} is not 32 hex digits")
         return identity
+
+
+def majority_store(ids: Iterable[tuple[str, str | None]]) -> str | None:
+    """The store id more than half of the replicas (URL, store id) that said one
+    serve; None when none has more than half (two replicas, one on each store, or
+    none said an id)."""
+    known = [sid for _, sid in ids if sid]
+    if not known:
+        return None
+    top, count = collections.Counter(known).most_common(1)[0]
+    return top if 2 * count > len(known) else None
 
 
 def store_mismatch(ids: Iterable[tuple[str, str | None]]) -> str | None:

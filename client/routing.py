@@ -19,11 +19,11 @@ replica is tried again.
 
 The first membership read asks every replica (given, then listed) and compares the
 ids of their stores: over different stores a save's chunks went to one and its
-manifest to the other (``MissingChunks``). The store of the URLs given is the
-client's for good: a replica on another (a mistyped ``--store``) is left out with one
-warning and asked again at each refresh; an answer that says a member serves another
-store (as that replica heard it) has each asked at once. URLs given that disagree at
-first make every call raise ``InvalidRequest`` naming two, until they agree.
+manifest to the other (``MissingChunks``). The store most of the URLs given serve
+is the client's for good: a replica on another (a mistyped ``--store``) is left out
+with one warning and asked again at each refresh; an answer that says a member serves
+another store has each asked at once. URLs given with no such majority (two, one on
+each store) make every call raise ``InvalidRequest`` naming two, until they agree.
 
 A replica that hangs (its process stopped or wedged: the kernel still takes the
 connection and the bytes) neither refuses nor times out a connection. A request
@@ -67,6 +67,7 @@ from ckptd.cluster import (
     STORE_ID_KEY,
     chunk_key,
     job_key,
+    majority_store,
     parse_urls,
     rank_members,
     route_key,
@@ -245,14 +246,13 @@ class Members:
 
     def identified(self, answers: dict[str, Any]) -> None:
         """Compares the stores of the replicas' ``/v1/cluster`` answers (None: none):
-        the URLs given with each other until they agree, then every one with theirs."""
+        the URLs given with each other until most agree, then every one with theirs."""
         self.recheck = False
         ids = {u: _store_id(doc) for u, doc in answers.items()}
         if self.store_id is None:
             given = [(u, ids[u]) for u in self.seeds if u in ids]
-            # (not logged: the call that found it raises it, at a Checkpointer's start)
-            self.mismatch = store_mismatch(given)
-            ours = next((sid for _, sid in given if sid), None)
+            ours = majority_store(given)  # (a mismatch: raised by the call, not logged)
+            self.mismatch = None if ours else store_mismatch(given)
             if self.mismatch is not None or ours is None:  # (no id given: compare all)
                 self.mismatch = self.mismatch or store_mismatch(ids.items())
                 return

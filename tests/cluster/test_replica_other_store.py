@@ -85,7 +85,15 @@ def test_a_checkpointer_given_a_healthy_replica_leaves_the_other_store_out_and_s
     assert len(warned[0].splitlines()) == 1
     # (nothing of the job went to the replica on the other store)
     assert httpx.get(f"{c.url}/v1/jobs", timeout=5).json()["jobs"] == []
-    # URLs given over two stores are still refused, in one line naming both.
+    # Every replica's URL given (a deployment's CKPTD_URL): most serve one store, so
+    # the client keeps to it and leaves the other out (it refused before).
+    caplog.clear()
+    with Checkpointer(f"{a.url},{b.url},{c.url}", "split3", shm_dir=tmp_path / "shm3",
+                      serve_peers=False) as ckpt:
+        assert ckpt.save(1, state).wait(60).state == "committed"
+    warned = [r.getMessage() for r in caplog.records if c.url in r.getMessage()]
+    assert len(warned) == 1 and "serves another store" in warned[0], warned
+    # Two URLs given, one on each store, are still refused, in one line naming both.
     with pytest.raises(InvalidRequest, match="different stores") as caught:
         Checkpointer(f"{a.url},{c.url}", "split2", shm_dir=tmp_path / "shm",
                      serve_peers=False)
