@@ -42,6 +42,7 @@ from ..session import Session
 from ..staging.layout import StagedPiece
 from ..timeline import Timeline
 from .flatten import flatten
+from .group_jobs import GroupJobs
 from .handle import SaveHandle
 from .placement import Shard
 from .placement import placements as place
@@ -68,6 +69,7 @@ class Saver:
         self.failover = failover
         self.failures = FailureLog(self.config.job, self.config.rank, self.config.on_error)
         self._said_read_only = False  # (a read-only token's skipped saves: said once)
+        self.group_jobs = GroupJobs(self.config.job, self.config.rank, self.config.world_size)
         # Steps this rank uploaded whose commit was pending (other ranks to come),
         # oldest first, with their meta, and the background question whether the
         # oldest committed: a step that can never commit (replicas disagree) fails
@@ -131,6 +133,7 @@ class Saver:
         as is a save whose ``meta`` says ``"reason": "health"``, a ``StepDecision``'s)."""
         started = time.perf_counter()
         self.session.check_open()
+        self.group_jobs.saving(self.config.incarnation)  # (every rank of a launch: one job)
         if self.session.read_only is not None and (coordinated
                                                    or self.config.on_error == "warn"):
             # A read-only token (an eval job's): a snapshot the probe asked for in
