@@ -40,6 +40,7 @@ from ckptd.cli.options import (  # (shared with the commands' modules)
     step_or_latest,
 )
 from ckptd.cli.text import visible
+from ckptd.cli.variables import say_unknown_variables
 from ckptd.errors import CkptdError
 from ckptd.format import check_job
 from ckptd.knobs import human_bytes
@@ -112,8 +113,6 @@ def _root(
 ) -> None:
     command_logging(verbose)
     plain_off_a_terminal(console, err_console)
-    from ckptd.cli.variables import say_unknown_variables
-
     say_unknown_variables(os.environ)  # (every command: serve's, and a client's CKPTD_URLS)
 
 
@@ -462,10 +461,9 @@ def rollback(
     except CkptdError as exc:
         _fail(exc)
     to = rollback_job(url, token, job, step, reason)
-    if clear and to is None:  # (it said "cleared" of a marker that was never set)
-        console.print(f"no rollback of [bold]{job}[/] is set: nothing to clear")
-    elif clear:
-        console.print(f"rollback of [bold]{job}[/] to step {to} cleared")
+    if clear:  # (it said "cleared" of a marker that was never set)
+        console.print(f"rollback of [bold]{job}[/] to step {to} cleared" if to is not None
+                      else f"no rollback of [bold]{job}[/] is set: nothing to clear")
     else:
         # (with the --url given: the advice without it went to the default server)
         where = "" if url in (DEFAULT_URL, os.environ.get("CKPTD_URL")) else (

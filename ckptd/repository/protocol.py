@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ckptd.repository as package  # its PRESENCE_BATCH, read at each call
 from ckptd import knobs
@@ -66,13 +66,10 @@ from ckptd.lifecycle import fence as gc_fence
 from ckptd.lifecycle.tags import RESERVED_TAGS, TAG_META, check_tag
 from ckptd.repository.after_commit import AfterCommit, tag_of
 from ckptd.repository.listings import Listings
-from ckptd.repository.results import CommitStatus, KnownChunks, MissingResult
+from ckptd.repository.results import CommitStatus, DamagedView, KnownChunks, MissingResult
 from ckptd.repository.verify import Verification
 from ckptd.store.base import Store
 from ckptd.validation import ReplicaPolicy, validate_step
-
-if TYPE_CHECKING:
-    from ckptd.lifecycle.damaged_chunks import DamagedChunks
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +105,7 @@ class Repository(Verification, Listings, AfterCommit):
         #: refuses it while the store is nearly full (ckptd.lifecycle.capacity)
         self.space_guard: Callable[[], Awaitable[None]] | None = None
         #: the chunks scrub found corrupt, as saves meet them (lifecycle.damaged_chunks)
-        self.damaged: DamagedChunks | None = None
+        self.damaged: DamagedView | None = None
         self._manifests = ParsedManifests(MANIFEST_CACHE_ENTRIES,
                                           max_bytes=manifest_cache_bytes)
 

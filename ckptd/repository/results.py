@@ -3,14 +3,25 @@ listings, the step a restore gets, verify reports and rollbacks."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 from ckptd.format import CommitRecord, Ref
 
 # Which of these stored chunk ids a tenant may know of (see missing_chunks).
 KnownChunks = Callable[[list[str]], Awaitable[set[str]]]
+
+
+class DamagedView(Protocol):
+    """The chunks scrub found corrupt, as saves meet them (``Repository.damaged``;
+    ``ckptd.lifecycle.damaged_chunks.DamagedChunks`` is the one)."""
+
+    async def sound(self, ids: Sequence[str], present: list[bool]) -> list[bool]: ...
+
+    async def uploaded(self, cid: str, good: bytes | memoryview) -> None: ...
+
+    async def check_commit(self, job: str, step: int, ids: Sequence[str]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
