@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptd.cli import _human, console, err_console
@@ -77,10 +78,27 @@ def outcome(now: Any, run: Any, what: str, again: str) -> Any | None:
     return None
 
 
+def polled(ask: Callable[[], Any], tries: int = 3) -> Any:
+    """``ask()``'s answer, asked again a second later when it did not get through:
+    the replica running the run may have gone under the poll (its connection reset,
+    the call not retried: the CLI's calls are not), and the routing then asks the
+    next, which says whether it knows the run (``outcome``)."""
+    from ckptd.errors import Unavailable
+
+    for left in range(tries - 1, -1, -1):
+        try:
+            return ask()
+        except Unavailable:
+            if not left:
+                raise
+            time.sleep(1.0)
+    return None  # (not reached)
+
+
 def follow(server: SyncTransport, run: Any, status: Any) -> Any:
     """Polls until the background collection ``run`` ended: its report (or error)."""
     while True:
-        now = server.gc_status()
+        now = polled(server.gc_status)
         if (done := outcome(now, run, "collection", "`ckptd gc` again starts one")):
             return done
         left = now.running.started_at + now.running.grace - time.time()

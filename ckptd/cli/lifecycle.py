@@ -30,7 +30,7 @@ from ckptd.cli import (
     step_number,
 )
 from ckptd.cli.exits import DAMAGE
-from ckptd.cli.gc_runs import outcome, spinner
+from ckptd.cli.gc_runs import outcome, polled, spinner
 from ckptd.cli.text import visible
 from ckptd.errors import CkptdError, InvalidRequest, MethodNotAllowed, NotFound
 
@@ -377,7 +377,7 @@ def _follow_scrub(server: SyncTransport, run: Any, status: Any) -> Any:
 
     wait, line_at, listed = 0.05, 0.0, False
     while True:
-        now = server.run(calls.scrub_status())
+        now = polled(lambda: server.run(calls.scrub_status()))
         if (report := outcome(now, run, "scrub", "`ckptd scrub` again starts one")
                 ) is not None:
             return report

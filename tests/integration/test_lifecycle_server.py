@@ -23,6 +23,7 @@ from ckptd.repository import Repository
 from ckptd.store import LocalStore
 from ckptd.testing.manifests import demo_step, put_rank
 from tests.conftest import ServerProcess
+from tests.relay import relay
 
 JOB = "job"
 runner = CliRunner()
@@ -130,6 +131,25 @@ def test_gc_through_the_server_outlasts_the_clients_read_timeout(one_step: Serve
     out = _cli("gc", "--grace", "11", "--url", one_step.url)
     assert time.monotonic() - started >= 11
     assert "freed" in out and "1 chunks" in out, out
+
+
+def test_a_poll_that_does_not_get_through_is_asked_again(one_step: ServerProcess) -> None:
+    """The CLI's calls are not retried: a poll whose connection was reset (the
+    replica running the collection killed under it, found in a full run) ended the
+    command with "cannot reach ..." while the next replica would have answered."""
+    started: list[str] = []
+
+    def drop(method: str, path: str) -> bool:
+        if method == "POST" and path.startswith("/v1/gc/runs"):
+            started.append(path)
+        elif method == "GET" and path.startswith("/v1/gc") and len(started) == 1:
+            started.append(path)  # (the first poll after the run started: dropped)
+            return True
+        return False
+
+    with relay(one_step.url, drop=drop) as front:
+        out = _cli("gc", "--grace", "1", "--url", front)
+    assert len(started) == 2 and "freed" in out, (started, out)
 
 
 def test_a_background_collection_answers_at_once_and_is_followed(one_step: ServerProcess
