@@ -43,8 +43,11 @@ DAMAGED_TTL_S = 10.0
 
 
 class DamagedChunks:
-    """The chunk ids the store's damage markers name, read again after ``ttl``
-    seconds (at most one reading at a time)."""
+    """The chunk ids the store's damage markers name. Read at the first ``ids`` and
+    after ``forget``; once ``ttl`` seconds old, read again in the background while
+    the set held answers: a missing-chunks call (a save) never waits on the listing
+    of every job's markers, one request per job on S3 (at most one reading at a
+    time)."""
 
     def __init__(self, repo: Repository, ttl: float = DAMAGED_TTL_S) -> None:
         self.repo = repo
@@ -52,17 +55,28 @@ class DamagedChunks:
         self._ids: frozenset[str] = frozenset()
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
+        self._again: asyncio.Task[None] | None = None
 
     async def ids(self) -> frozenset[str]:
-        if time.monotonic() - self._read_at < self.ttl:
-            return self._ids
-        async with self._lock:
-            if time.monotonic() - self._read_at >= self.ttl:
-                started = time.monotonic()
-                self._ids = frozenset(
-                    [cid async for _, _, doc in damage_markers(self.repo) for cid in doc.chunks])
-                self._read_at = started
+        if self._read_at == float("-inf"):  # (never read, or forgotten: now)
+            await self._read()
+        elif time.monotonic() - self._read_at >= self.ttl and (
+                self._again is None or self._again.done()):
+            self._again = asyncio.get_running_loop().create_task(self._read_quietly())
         return self._ids
+
+    async def _read(self) -> None:
+        async with self._lock:
+            started = time.monotonic()
+            self._ids = frozenset(
+                [cid async for _, _, doc in damage_markers(self.repo) for cid in doc.chunks])
+            self._read_at = started
+
+    async def _read_quietly(self) -> None:
+        try:
+            await self._read()
+        except Exception as exc:  # (the store's hiccup: the set held stands, tried again)
+            log.warning("reading the store's damage markers failed: %s", exc)
 
     def forget(self) -> None:
         """The next ``ids`` reads the markers (a scrub here marked or healed)."""
