@@ -344,7 +344,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """With CKPTD_TEST_CPU_REPORT=FILE, each test's CPU seconds (this process's, and
     its reaped children's: the servers, CLI commands and torchrun jobs it started) are
-    appended to FILE, one tab-separated line per test: the suite's wall time on CI's
+    appended to FILE, one tab-separated line per test (then its start and end, epoch
+    seconds, and its xdist worker): the suite's wall time on CI's
     two cores is its CPU, and this says where it goes (docs/development.md)."""
     report = os.environ.get("CKPTD_TEST_CPU_REPORT")
     if not report:
@@ -356,9 +357,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return usage.ru_utime + usage.ru_stime
 
     own, children = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    began = time.time()
     try:
         return (yield)
     finally:
         own, children = cpu(resource.RUSAGE_SELF) - own, cpu(resource.RUSAGE_CHILDREN) - children
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
         with open(report, "a") as out:
-            out.write(f"{own + children:.2f}\t{own:.2f}\t{children:.2f}\t{item.nodeid}\n")
+            out.write(f"{own + children:.2f}\t{own:.2f}\t{children:.2f}\t{item.nodeid}"
+                      f"\t{began:.2f}\t{time.time():.2f}\t{worker}\n")

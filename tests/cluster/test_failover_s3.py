@@ -130,7 +130,9 @@ def test_a_replica_that_joins_takes_only_new_chunks(
     s3_store: str, tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CKPTD_CLUSTER_REFRESH", "0.3")
-    cluster = Cluster(s3_store, tmp_path, ["--member-leases"], {"CKPTD_MEMBER_TTL": "3"})
+    # (leases of the default 10 s: a 3 s lease renewed late on a loaded machine lapsed,
+    # and the clients sent one of the chunks homed on that replica to the newcomer)
+    cluster = Cluster(s3_store, tmp_path, ["--member-leases"], {"CKPTD_MEMBER_TTL": "10"})
     job, world = "join", 2
     try:
         a, b = cluster.add(), cluster.add()
