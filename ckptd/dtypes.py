@@ -26,6 +26,11 @@ ITEMSIZE: dict[str, int] = {
     "complex128": 16,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    # Added in format revision 1.4 (docs/FORMAT.md; an older reader says "unknown dtype"):
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,  # the MX block scales of MXFP8 / MXFP4
+    "float4_e2m1fn_x2": 1,  # two fp4 (e2m1) values packed in each byte, as torch's
 }
 
 

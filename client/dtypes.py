@@ -32,6 +32,10 @@ for _attr, _name in (
     ("uint64", "uint64"),
     ("float8_e4m3fn", "float8_e4m3fn"),
     ("float8_e5m2", "float8_e5m2"),
+    ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    ("float8_e8m0fnu", "float8_e8m0fnu"),
+    ("float4_e2m1fn_x2", "float4_e2m1fn_x2"),
 ):
     if hasattr(torch, _attr):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
@@ -59,7 +63,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def _numpy_as(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype whose numpy array holds a tensor of ``dtype``'s bytes: itself where
-    numpy has it, an integer of its size where not (bfloat16, the float8s)."""
+    numpy has it, an integer of its size where not (bfloat16, the float8s and fp4)."""
     try:
         torch.empty(1, dtype=dtype).numpy()
         return None

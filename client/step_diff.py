@@ -26,8 +26,11 @@ from .zarr_view import CheckpointStore
 
 Status = Literal["same", "changed", "added", "removed", "retyped"]
 
+# The dtypes a zarr view holds as raw bits (``ZARR_DTYPES``), by their real type.
 _REAL = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-         "float8_e5m2": ml_dtypes.float8_e5m2}
+         "float8_e5m2": ml_dtypes.float8_e5m2, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+         "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+         "float8_e8m0fnu": ml_dtypes.float8_e8m0fnu}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,10 @@ def _ids(node: ArrayNode, index: tuple[int, ...]) -> list[str]:
 
 
 def _values(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float4_e2m1fn_x2":
+        # Two fp4 values a byte: both nibbles, each one ml_dtypes' float4_e2m1fn (the
+        # same unpacking of both steps, so whichever value torch puts first).
+        arr = np.stack([arr & 0x0F, arr >> 4], axis=-1).view(ml_dtypes.float4_e2m1fn)
     real = _REAL.get(dtype)
     if real is not None:
         arr = arr.view(real)

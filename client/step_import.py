@@ -419,8 +419,8 @@ def _leaves(state: Any) -> Iterator[tuple[str, Any]]:
 
 def check_dtypes(state: Any, source: str | Path) -> None:
     """Refuses, naming the tensor and saying what to do, a tensor of a dtype that
-    ckptd's format has no name for (``ckptd.dtypes``: float8_e8m0fnu, the fnuz
-    float8s, ...), which safetensors, DCP and torch.save hold."""
+    ckptd's format has no name for (``ckptd.dtypes``: complex32, the quantized and
+    bits dtypes, ...), which DCP and torch.save hold."""
     for name, value in _leaves(state):
         if isinstance(value, torch.Tensor) and not _held(value.dtype):
             dtype = str(value.dtype).removeprefix("torch.")

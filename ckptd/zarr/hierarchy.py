@@ -43,6 +43,10 @@ ZARR_DTYPES: Final[dict[str, tuple[str, Any]]] = {
     "complex128": ("complex128", [0.0, 0.0]),
     "float8_e4m3fn": ("uint8", 0),
     "float8_e5m2": ("uint8", 0),
+    "float8_e4m3fnuz": ("uint8", 0),
+    "float8_e5m2fnuz": ("uint8", 0),
+    "float8_e8m0fnu": ("uint8", 0),
+    "float4_e2m1fn_x2": ("uint8", 0),  # each byte two fp4 values, as torch packs them
 }
 RAW_DTYPES: Final = frozenset(k for k, (v, _) in ZARR_DTYPES.items() if k != v)
 _RESERVED: Final = {"": "%", ".": "%2E", "..": "%2E%2E", "zarr.json": "zarr%2Ejson"}

@@ -4,9 +4,11 @@ state as one rank of a job and then serves its pool to peers until it is killed
 a peer that dies in the middle of someone's restore).
 
 Usage: restore_peer.py URL JOB RANK WORLD STEP SEED NBYTES CHUNK DIE_AFTER [stage-only]
+       [low-precision]
 
 Prints ``READY <peer url>`` once its save is done. ``stage-only`` saves and then
 SIGKILLs itself at once (a crashed worker whose pool stays in shared memory).
+``low-precision`` adds the low-precision dtypes' tensors (``low_precision_tensors``).
 Reads the token from ``CKPTD_TEST_TOKEN``. The tests start it with ``spawn`` and
 wait for it with ``wait_ready`` and ``wait_held`` (below).
 """
@@ -30,11 +32,28 @@ TOKEN = "tier-token"
 CHUNK = 16384
 
 
-def make_state(seed: int, nbytes: int) -> dict[str, Any]:
-    """A training-like state of about ``nbytes`` bytes, the same for every seed."""
+LOW_PRECISION = ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+
+
+def low_precision_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """One tensor of each low-precision dtype: every bit pattern, then random bytes,
+    three chunks and a part of one (torch has no arithmetic on them: made as bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in LOW_PRECISION:
+        raw = torch.cat([torch.arange(256, dtype=torch.uint8),
+                         torch.randint(0, 256, (3 * CHUNK + 256,), generator=g,
+                                       dtype=torch.uint8)])
+        out[name] = raw.view(-1, 64).view(getattr(torch, name))
+    return out
+
+
+def make_state(seed: int, nbytes: int, low_precision: bool = False) -> dict[str, Any]:
+    """A training-like state of about ``nbytes`` bytes, the same for every seed; with
+    ``low_precision``, ``low_precision_tensors`` under ``lowp``."""
     g = torch.Generator().manual_seed(seed)
     n = max(1, nbytes // 4 // 4)
-    return {
+    state: dict[str, Any] = {
         "model": {
             "embed.weight": torch.randn(n, generator=g),
             "mlp.weight": torch.randn(2 * n, generator=g).to(torch.bfloat16),
@@ -45,16 +64,21 @@ def make_state(seed: int, nbytes: int) -> dict[str, Any]:
                   "param_groups": [{"lr": 0.001, "params": [0]}]},
         "step": 5,
     }
+    if low_precision:
+        state["lowp"] = low_precision_tensors(seed)
+    return state
 
 
 # -- starting it from a test -----------------------------------------------------------
 
 
 def spawn(url: str, job: str, rank: int, world: int, step: int, seed: int, nbytes: int,
-          die_after: int = 0, stage_only: bool = False) -> subprocess.Popen[str]:
+          die_after: int = 0, stage_only: bool = False, low_precision: bool = False
+          ) -> subprocess.Popen[str]:
     env = dict(os.environ, CKPTD_TEST_TOKEN=TOKEN)
     args = [sys.executable, str(HELPER), url, job, str(rank), str(world), str(step), str(seed),
             str(nbytes), str(CHUNK), str(die_after)] + (["stage-only"] if stage_only else [])
+    args += ["low-precision"] if low_precision else []
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
 
@@ -95,7 +119,8 @@ def main() -> None:
     url, job = sys.argv[1], sys.argv[2]
     rank, world, step, seed = (int(a) for a in sys.argv[3:7])
     nbytes, chunk, die_after = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
-    stage_only = len(sys.argv) > 10 and sys.argv[10] == "stage-only"
+    stage_only = "stage-only" in sys.argv[10:]
+    low_precision = "low-precision" in sys.argv[10:]
     token = os.environ.get("CKPTD_TEST_TOKEN") or None
 
     from ckptd.client import Checkpointer
@@ -117,7 +142,7 @@ def main() -> None:
 
     ckpt = Checkpointer(url, job, rank=rank, world_size=world, token=token, chunk_size=chunk,
                         heartbeat_interval=0.2)
-    handle = ckpt.save(step, make_state(seed, nbytes))
+    handle = ckpt.save(step, make_state(seed, nbytes, low_precision))
     handle.wait(timeout=120)
     if stage_only:
         os.kill(os.getpid(), signal.SIGKILL)

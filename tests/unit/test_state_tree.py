@@ -216,9 +216,11 @@ def test_a_tensor_name_that_is_empty_or_too_long_says_to_rename_it(name: str) ->
         flatten({name: torch.ones(1)})
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_tensor_dtype_is_refused() -> None:
+    # (complex32: one the format has no name for; float8_e4m3fnuz was, before 1.4)
     with pytest.raises(UnsupportedValue, match=r"state\['q'\]"):
-        flatten({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})
+        flatten({"q": torch.zeros(2, dtype=torch.complex32)})
 
 
 def test_a_state_must_be_a_mapping() -> None:
@@ -542,13 +544,18 @@ def test_byte_view_is_every_dtype_s_bytes_writable_in_place(name: str, shape: tu
     # a view that copied, or read a dtype numpy lacks (bfloat16, float8) as another
     # size, would restore wrong bytes.
     dtype = torch_dtype(name)
-    t = torch.zeros(shape, dtype=dtype)
+    # (made from bytes where one element is one: torch cannot fill a packed fp4)
+    one_byte = dtype.itemsize == 1 and dtype != torch.bool
+    t = torch.zeros(shape, dtype=torch.uint8).view(dtype) if one_byte else \
+        torch.zeros(shape, dtype=dtype)
     view = byte_view(t)
     assert (view.format, view.ndim, view.readonly, view.nbytes) == ("B", 1, False, t.nbytes)
     pattern = bytes(range(1, t.nbytes + 1))
     view[:] = pattern
     assert t.reshape(-1).view(torch.uint8).tolist() == list(pattern)
     if t.is_floating_point() and t.numel():
-        g = torch.ones(shape, dtype=dtype, requires_grad=True)
+        g = torch.full(shape, 0x38, dtype=torch.uint8).view(dtype).requires_grad_() \
+            if one_byte else torch.ones(shape, dtype=dtype, requires_grad=True)
         byte_view(g)[:t.element_size()] = bytes(t.element_size())
-        assert g.reshape(-1)[0].item() == 0
+        # (its bytes, not its value: zero bytes are no 0.0 in e8m0, a power of two)
+        assert g.detach().reshape(-1)[:1].view(torch.uint8).tolist() == [0] * t.element_size()
