@@ -124,3 +124,34 @@ def test_runs_are_boxes_whose_elements_are_consecutive(
         box = flat[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))]
         assert box.reshape(-1)[0].item() == run_start(offsets, global_shape)
         assert torch.equal(box.reshape(-1), torch.arange(box.numel()) + box.reshape(-1)[0])
+
+
+def test_low_precision_dtypes_are_byte_for_byte_what_save_file_writes(tmp_path: Path) -> None:
+    """safetensors' own names (F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F4) in its own order,
+    and an F4 shape in fp4 values: the last dimension twice torch's bytes."""
+    from safetensors.torch import save_file
+
+    def bits(n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return (torch.arange(n, dtype=torch.int64) % 256).to(torch.uint8).view(shape).view(dtype)
+
+    tensors = {
+        "e4": bits(9, (9,), torch.float8_e4m3fnuz),
+        "e5": bits(6, (2, 3), torch.float8_e5m2fnuz),
+        "scale": bits(12, (3, 4), torch.float8_e8m0fnu),
+        "fp4": bits(40, (5, 8), torch.float4_e2m1fn_x2),
+        "fp4_1d": bits(3, (3,), torch.float4_e2m1fn_x2),
+        "fp4_empty": bits(0, (0, 4), torch.float4_e2m1fn_x2),
+        "f8": bits(5, (5,), torch.float8_e4m3fn),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "mask": torch.tensor([True, False]),
+        "w": torch.ones(3),
+    }
+    plan = layout_file("x", [_tensor(k, tuple(v.shape), v.dtype) for k, v in
+                             tensors.items()], {"format": "pt"})
+    data = b"".join(tensors[p.tensor.name].contiguous().view(-1).view(torch.uint8)
+                    .numpy().tobytes() for p in plan.placed)
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert plan.header + data == (tmp_path / "ref.safetensors").read_bytes()
+    head = json.loads(plan.header[8:])
+    assert head["fp4"]["dtype"] == "F4" and head["fp4"]["shape"] == [5, 16]
+    assert head["scale"]["dtype"] == "F8_E8M0"

@@ -29,10 +29,14 @@ from ckptd.format import RankManifest, TensorEntry
 # every tensor starts aligned to its element size.
 SAFETENSORS_DTYPES: dict[str, str] = {
     "bool": "BOOL",
+    "float4_e2m1fn_x2": "F4",  # (its shape counts fp4 values: ``header_shape``)
     "uint8": "U8",
     "int8": "I8",
     "float8_e5m2": "F8_E5M2",
     "float8_e4m3fn": "F8_E4M3",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
     "int16": "I16",
     "uint16": "U16",
     "float16": "F16",
@@ -46,6 +50,9 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "uint64": "U64",
 }
 CKPTD_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# ckptd dtype -> values per byte where one element holds several: a safetensors
+# shape counts values, ckptd's (as torch's) the bytes, so the last dimension differs.
+PACKED_DTYPES: dict[str, int] = {"float4_e2m1fn_x2": 2}
 _RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
 
 # A file's ``__metadata__`` key holding, for each of its tensors, its place in the
@@ -234,6 +241,11 @@ def global_tensors(
             raise UnsupportedValue(
                 f"{t.source!r} is {t.dtype}, which safetensors cannot hold; leave it out "
                 f"with --exclude {t.source} (exclude=[{t.source!r}])", name=t.source)
+        if t.dtype in PACKED_DTYPES and not t.shape:
+            raise UnsupportedValue(
+                f"{t.source!r} is a 0-d {t.dtype} (two fp4 values in one byte), which "
+                f"safetensors cannot hold (an F4 shape counts fp4 values); leave it out with "
+                f"--exclude {t.source} (exclude=[{t.source!r}])", name=t.source)
         if not t.name:
             raise InvalidRequest(f"--strip {strip!r} leaves {t.source!r} with no name")
         if t.name in names:
@@ -422,13 +434,21 @@ def header_bytes(placed: Sequence[Placed], metadata: dict[str, str]) -> bytes:
         doc["__metadata__"] = dict(sorted(metadata.items()))
     for p in placed:
         doc[p.tensor.name] = {"dtype": SAFETENSORS_DTYPES[p.tensor.dtype],
-                              "shape": list(p.tensor.shape), "data_offsets": [p.begin, p.end]}
+                              "shape": header_shape(p.tensor.dtype, p.tensor.shape),
+                              "data_offsets": [p.begin, p.end]}
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER:
         raise InvalidRequest(f"a file's header would be {len(text)} bytes, past safetensors' "
                              f"{MAX_HEADER}: lower --max-shard-size")
     return struct.pack("<Q", len(text)) + text
+
+
+def header_shape(dtype: str, shape: Sequence[int]) -> list[int]:
+    """A tensor's shape in a safetensors header: its last dimension in values, not
+    bytes, for a packed dtype (``float4_e2m1fn_x2`` [4, 8] is ``F4`` [4, 16])."""
+    per = PACKED_DTYPES.get(dtype, 1)
+    return [*shape[:-1], shape[-1] * per] if shape else []
 
 
 def index_bytes(plans: Sequence[FilePlan]) -> bytes:
