@@ -298,7 +298,7 @@ def shm(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# The README's test command runs the suite on three pytest-xdist workers: the tests
+# The README's test command runs the suite on pytest-xdist workers: the tests
 # that start many processes (multi-node scenarios, torchrun jobs, replica clusters:
 # marked ``heavy`` here, ``-m heavy`` selects them) one after another in two lanes,
 # the rest (which mostly wait on a server) test by test on the workers free. The
@@ -308,6 +308,12 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 # run. The replica clusters (bound by one moto process, with no such bounds) take
 # the other: in the one lane they made it the suite's critical path (~21 of its 23
 # minutes on the 2-core VM, the other workers idle for its last minutes).
+#
+# It names four workers, the fourth held back while a lane still runs: then three
+# tests at a time (a fourth beside a lane made the load-bound tests slower, and two of
+# them failed); once the lanes are done, four of the rest at a time, which mostly
+# wait on servers (three of them kept only 1.2-1.5 of the two cores busy for the last
+# third of the run).
 _HEAVY = ("multinode", "e2e", "cluster")
 _LANES = {"cluster": "replicas"}  # heavy folder -> its own lane (else "heavy")
 _BUILD_ONCE = ("tests/integration/test_install.py",)
@@ -327,6 +333,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     hands out the largest scopes first: both lanes start at once.)"""
     from xdist.scheduler import LoadScopeScheduling
 
+    lanes = {"heavy", *_LANES.values()}
+
     class HeavyApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
@@ -336,6 +344,33 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             # A module whose fixture builds a fresh environment once for its tests:
             # split test by test, two workers each built it (~100 s each).
             return path if path in _BUILD_ONCE else nodeid
+
+        def _held(self, node: Any) -> bool:
+            """The fourth worker (and any after it) waits while a lane runs."""
+            if list(self.assigned_work).index(node) < 3:
+                return False
+            return any(scope in lanes for scope in self.workqueue) or any(
+                scope in lanes and not all(unit.values())
+                for work in self.assigned_work.values() for scope, unit in work.items())
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self._held(node):
+                super()._assign_work_unit(node)
+
+        def _reschedule(self, node: Any) -> None:
+            if not self._held(node):
+                super()._reschedule(node)
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            # A lane's end lets the held in, with two tests: a worker runs the last it
+            # was sent only once it has the next (or is told there is none).
+            for other in list(self.assigned_work):
+                for _ in range(2):
+                    if (other is node or other.shutting_down
+                            or self._pending_of(self.assigned_work[other]) >= 2):
+                        break
+                    self._reschedule(other)
 
     return HeavyApart(config, log)
 
