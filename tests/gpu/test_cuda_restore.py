@@ -16,6 +16,7 @@ import torch
 from ckptd.client import Checkpointer
 from ckptd.errors import RestoreError
 from tests.conftest import ServerProcess
+from tests.integration.peer_fixtures import peer_server  # noqa: F401 (fixtures)
 from tests.integration.restore_peer import (
     CHUNK,
     TOKEN,
@@ -66,17 +67,6 @@ def assert_bitwise_on_device(target: Any, expected: Any) -> None:
             assert_bitwise_on_device(a, b)
     else:
         assert target == expected
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("CKPTD_HEARTBEAT_INTERVAL", "0.2")
-    server = ServerProcess(store=tmp_path / "store", token=TOKEN)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize(("tier", "blocking"), [("local", "0"), ("store", "0"),

@@ -8,11 +8,8 @@ a target of another dtype is refused naming both, as for any dtype."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ from ckptd.client.dtypes import byte_view
 from ckptd.errors import RestoreError
 from ckptd.hashing import chunk_id, chunk_spans
 from tests.conftest import ServerProcess
+from tests.integration.peer_fixtures import exported_shm, peer_server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from restore_peer import (  # noqa: E402
@@ -41,30 +39,6 @@ from restore_peer import (  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 NBYTES = 1 << 16
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private staging root for this test and the processes it starts."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    root = base / f"ckptd-test-{secrets.token_hex(4)}"
-    root.mkdir()
-    monkeypatch.setenv("CKPTD_SHM_DIR", str(root))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
-    monkeypatch.setenv("CKPTD_HEARTBEAT_INTERVAL", "0.2")
-    server = ServerProcess(store=tmp_path / "store", token=TOKEN)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import io
 import os
-import secrets
-import shutil
 import signal
 import struct
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,7 @@ from ckptd.errors import CheckpointNotFound, ChunkHashMismatch, NotCommitted, Re
 from ckptd.hashing import chunk_id, chunk_spans
 from ckptd.repository import Repository
 from tests.conftest import ServerProcess
+from tests.integration.peer_fixtures import exported_shm, peer_server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from restore_peer import (  # noqa: E402
@@ -47,31 +45,6 @@ from restore_peer import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private staging root for this test (and the processes it starts)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    root = base / f"ckptd-test-{secrets.token_hex(4)}"
-    root.mkdir()
-    monkeypatch.setenv("CKPTD_SHM_DIR", str(root))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
-    monkeypatch.setenv("CKPTD_HEARTBEAT_INTERVAL", "0.2")
-    server = ServerProcess(store=tmp_path / "store", token=TOKEN)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def file_url(tmp_path: Path) -> str:
