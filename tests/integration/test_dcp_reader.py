@@ -20,6 +20,7 @@ from ckptd.client import Checkpointer, Shard
 from ckptd.client.dcp import Reader
 from ckptd.client.dcp import reader as dcp_reader
 from tests.conftest import ServerProcess
+from tests.integration.peer_fixtures import exported_shm, peer_server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_restore_tiers as tiers  # noqa: E402
@@ -31,10 +32,6 @@ from restore_peer import (  # noqa: E402
     wait_held,
     wait_ready,
 )
-
-# The tier tests' fixtures: a private staging root, a server with a token.
-shm = tiers.shm
-srv = tiers.srv
 
 pytestmark = pytest.mark.timeout(180)
 
