@@ -56,6 +56,7 @@ class DamagedChunks:
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
         self._again: asyncio.Task[None] | None = None
+        self._forgotten = 0  # (a reading begun before a ``forget`` is not fresh)
 
     async def ids(self) -> frozenset[str]:
         if self._read_at == float("-inf"):  # (never read, or forgotten: now)
@@ -67,10 +68,11 @@ class DamagedChunks:
 
     async def _read(self) -> None:
         async with self._lock:
-            started = time.monotonic()
+            started, forgotten = time.monotonic(), self._forgotten
             self._ids = frozenset(
                 [cid async for _, _, doc in damage_markers(self.repo) for cid in doc.chunks])
-            self._read_at = started
+            if forgotten == self._forgotten:
+                self._read_at = started
 
     async def _read_quietly(self) -> None:
         try:
@@ -79,8 +81,10 @@ class DamagedChunks:
             log.warning("reading the store's damage markers failed: %s", exc)
 
     def forget(self) -> None:
-        """The next ``ids`` reads the markers (a scrub here marked or healed)."""
+        """The next ``ids`` reads the markers (a scrub here marked or healed), even
+        when a reading was in flight: it may have listed them before the change."""
         self._read_at = float("-inf")
+        self._forgotten += 1
 
     async def sound(self, ids: Sequence[str], present: list[bool]) -> list[bool]:
         """``present`` (of ``ids``) less the chunks marked corrupt."""
