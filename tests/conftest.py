@@ -317,6 +317,7 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 _HEAVY = ("multinode", "e2e", "cluster")
 _LANES = {"cluster": "replicas"}  # heavy folder -> its own lane (else "heavy")
 _BUILD_ONCE = ("tests/integration/test_install.py",)
+_BESIDE_LANES = 3  # workers that run tests while a lane runs (the rest wait)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -347,7 +348,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _held(self, node: Any) -> bool:
             """The fourth worker (and any after it) waits while a lane runs."""
-            if list(self.assigned_work).index(node) < 3:
+            if list(self.assigned_work).index(node) < _BESIDE_LANES:
                 return False
             return any(scope in lanes for scope in self.workqueue) or any(
                 scope in lanes and not all(unit.values())

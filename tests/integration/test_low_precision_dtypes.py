@@ -27,7 +27,6 @@ from tests.integration.peer_fixtures import exported_shm, peer_server  # noqa: F
 sys.path.insert(0, str(Path(__file__).parent))
 from restore_peer import (  # noqa: E402
     CHUNK,
-    LOW_PRECISION,
     TOKEN,
     low_precision_tensors,
     make_state,
@@ -68,15 +67,6 @@ def _zeros_like(state: Any) -> Any:
     if isinstance(state, list):
         return [_zeros_like(v) for v in state]
     return state
-
-
-def test_each_dtype_is_named_and_sized_by_the_format() -> None:
-    from ckptd.client.dtypes import dtype_name, torch_dtype
-
-    for name in LOW_PRECISION:
-        dtype = getattr(torch, name)
-        assert dtype_name(dtype) == name and torch_dtype(name) is dtype
-    assert all(t.element_size() == 1 for t in low_precision_tensors(0).values())
 
 
 def test_a_crashed_workers_pool_gives_them_back_bitwise(tmp_path: Path, shm: Path) -> None:
